@@ -1,0 +1,152 @@
+"""The `torchsprint` command: train | eval | config | list. Each subcommand calls one function.
+
+torch is imported lazily so that `torchsprint --help` answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+FAMILIES = ("models", "optimizers", "schedulers", "losses", "datasets", "loaders", "transforms")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="run config file (.yaml, .json or .toml); defaults: digits + small CNN")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=0.05 run.epochs=3")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchsprint", description="Train PyTorch vision models fast, with results you can trust.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a model from a config", description="Train a model from a config file and overrides.")
+    _add_config_args(p)
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module that registers your own models/datasets/losses (repeatable)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest valid checkpoint")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+
+    p = sub.add_parser("eval", help="re-evaluate a run's saved weights", description="Re-evaluate saved weights on the validation set.")
+    p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
+    p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights to evaluate")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.eval_batch_size=256")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+
+    p = sub.add_parser("config", help="show the resolved config or its JSON Schema", description="Inspect configs.")
+    csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    s = csub.add_parser("show", help="print the fully resolved config (YAML)", description="Print the resolved config.")
+    _add_config_args(s)
+    s.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    csub.add_parser("schema", help="print the config's JSON Schema (for editor completion)", description="Print the JSON Schema.")
+
+    p = sub.add_parser("list", help="list registered names", description="List the names a config can use.")
+    p.add_argument("family", choices=FAMILIES, help="which registry to list")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module that registers more names first")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    return parser
+
+
+def cmd_train(args) -> int:
+    from pathlib import Path
+
+    from torchsprint import config
+    from torchsprint.run import train
+
+    overrides = list(args.overrides)
+    path = args.config
+    if args.resume:
+        if not Path(args.resume).is_dir():
+            from torchsprint.errors import UsageError
+
+            raise UsageError(f"--resume {args.resume}: no such run folder.")
+        path = path or str(Path(args.resume) / "config.yaml")
+        overrides += [f"run.dir={args.resume}", "checkpoint.resume=auto"]
+    cfg = config.load(path, overrides)
+    if args.imports:
+        cfg.imports = list(cfg.imports) + args.imports
+    train(cfg)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from torchsprint.run import evaluate_run
+
+    out = evaluate_run(args.run, args.weights, args.overrides)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k in ("top1", "top5", "loss", "count"):
+            if k in out:
+                print(f"{k:>6}: {out[k]:.4f}" if isinstance(out[k], float) else f"{k:>6}: {out[k]}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from torchsprint import config
+
+    if args.config_command == "schema":
+        print(json.dumps(config.json_schema(), indent=1))
+    else:
+        print(config.dump_yaml(config.load(args.config, args.overrides)), end="")
+    return 0
+
+
+def registry_for(family: str):
+    if family == "models":
+        from torchsprint.models import MODELS as reg
+    elif family in ("datasets", "loaders"):
+        from torchsprint.data import DATASETS, LOADERS
+
+        reg = DATASETS if family == "datasets" else LOADERS
+    elif family == "transforms":
+        from torchsprint.data.transforms import TRANSFORMS as reg
+    else:
+        from torchsprint import optim
+
+        reg = {"optimizers": optim.OPTIMIZERS, "schedulers": optim.SCHEDULERS, "losses": optim.LOSSES}[family]
+    return reg
+
+
+def cmd_list(args) -> int:
+    from torchsprint.run import import_modules
+
+    import_modules(args.imports)
+    for name in registry_for(args.family).names():
+        print(name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from torchsprint import __version__
+
+        print(__version__)
+        return 0
+    command = args.command or "train"
+    if args.command is None:  # `torchsprint` alone runs the default training
+        args = parser.parse_args(["train", *([] if argv is None else argv)] if argv else ["train"])
+    handler = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "list": cmd_list}[command]
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from torchsprint.errors import UsageError
+
+        if isinstance(e, UsageError) and not args.debug:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,358 @@
+"""The run schema (pydantic, extra=forbid) and `load(path, overrides)` with `extends` and dotted overrides."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from torchsprint.errors import UsageError, did_you_mean
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# A transform step: "hflip" or {"random_resized_crop": {"size": 224}} or {"resize": 256}.
+TransformSpec = str | dict[str, Any]
+
+
+class RunConfig(Section):
+    name: str = Field("default", description="Run name; the run folder is <out_dir>/<name>/<timestamp>.")
+    out_dir: str = Field("runs", description="Folder that holds all runs.")
+    dir: str | None = Field(None, description="Exact run folder to use instead of <out_dir>/<name>/<timestamp> (resume, tests).")
+    seed: int = Field(0, ge=0, description="Seed for Python, NumPy and torch RNGs, data order and augmentation.")
+    epochs: int = Field(10, ge=1, description="Number of passes over the training set.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs when reached first).")
+    device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    deterministic: bool = Field(False, description="Use deterministic algorithms (slower on GPU; bit-exact reruns).")
+
+
+class SplitConfig(Section):
+    transforms: list[TransformSpec] = Field(
+        default_factory=list,
+        description="Preprocessing steps in order, e.g. [random_resized_crop: {size: 224}, hflip, normalize: imagenet].",
+    )
+
+
+class DataConfig(Section):
+    dataset: str = Field("digits", description="Dataset name from the DATASETS registry (`torchsprint list datasets`).")
+    root: str | None = Field(None, description="Dataset folder (image_folder: holds train/ and optionally val/).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the dataset builder.")
+    val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share held out for validation when the dataset has no val split.")
+    split_seed: int = Field(0, ge=0, description="Seed of the train/val split (fixed, independent of run.seed).")
+    backend: str = Field("cpu", description="Loader backend from the LOADERS registry (`torchsprint list loaders`).")
+    batch_size: int = Field(64, ge=1, description="Training batch size per process.")
+    eval_batch_size: int | None = Field(None, ge=1, description="Evaluation batch size (defaults to 2 x batch_size).")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0 loads in the main process).")
+    pin_memory: bool = Field(True, description="Pin host memory for faster, asynchronous copies to CUDA (ignored on CPU).")
+    persistent_workers: bool = Field(True, description="Keep workers alive between epochs (when num_workers > 0).")
+    prefetch_factor: int = Field(2, ge=1, description="Batches prefetched per worker (when num_workers > 0).")
+    drop_last: bool = Field(True, description="Drop the last incomplete training batch (keeps shapes static; never in eval).")
+    on_bad_sample: Literal["skip", "error"] = Field("error", description="Unreadable image: skip it (counted and logged) or stop.")
+    train: SplitConfig = Field(default_factory=SplitConfig, description="Training preprocessing.")
+    eval: SplitConfig = Field(default_factory=SplitConfig, description="Evaluation and inference preprocessing.")
+
+
+class ModelConfig(Section):
+    name: str = Field("small_cnn", description="Model name from the MODELS registry (`torchsprint list models`).")
+    args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the model builder.")
+    pretrained: str | None = Field(None, description="Weights file (.pt/.pth/.safetensors) loaded when not resuming.")
+    strict: bool = Field(False, description="Any missing, unexpected or shape-mismatched key in `pretrained` is an error.")
+    freeze: list[str] = Field(default_factory=list, description="Parameter-name patterns (glob, or regex with 're:' prefix) to freeze.")
+    train_only: list[str] = Field(default_factory=list, description="Freeze everything except parameters matching these patterns.")
+    freeze_bn_stats: bool = Field(True, description="Keep BatchNorm layers whose parameters are all frozen in eval mode.")
+
+
+class OptimConfig(Section):
+    name: str = Field("sgd", description="Optimizer: sgd, adam, adamw, rmsprop, or any torch.optim class name.")
+    lr: float = Field(0.1, gt=0, description="Peak learning rate.")
+    momentum: float = Field(0.9, ge=0, description="Momentum (SGD, RMSprop).")
+    nesterov: bool = Field(True, description="Nesterov momentum (SGD).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam/AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam/AdamW/RMSprop epsilon.")
+    weight_decay: float = Field(5e-4, ge=0, description="Weight decay.")
+    no_decay_norm_bias: bool = Field(True, description="Exclude normalization weights and biases from weight decay.")
+    impl: Literal["auto", "foreach", "fused", "for_loop"] = Field("auto", description="Kernel implementation of the update.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the optimizer class.")
+    clip_grad_norm: float | None = Field(None, gt=0, description="Clip the global gradient norm to this value.")
+    accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+
+
+class SchedConfig(Section):
+    name: str = Field("cosine", description="Schedule: cosine, step, multistep, exponential, onecycle, constant.")
+    interval: Literal["step", "epoch"] = Field("step", description="Update the learning rate every optimizer step or every epoch.")
+    warmup_epochs: float = Field(0.0, ge=0, description="Linear warm-up length in epochs (fractions allowed).")
+    warmup_start: float = Field(0.1, ge=0, le=1, description="Warm-up starts at this fraction of the peak learning rate.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine: final learning rate as a fraction of the peak.")
+    step_size: float = Field(10, gt=0, description="step: epochs between decays.")
+    milestones: list[float] = Field(default_factory=lambda: [30, 60, 90], description="multistep: epochs at which to decay.")
+    gamma: float = Field(0.1, gt=0, description="step/multistep/exponential: decay factor.")
+    pct_start: float = Field(0.25, gt=0, lt=1, description="onecycle: share of training spent increasing the learning rate.")
+
+
+class LossTerm(Section):
+    name: str = Field(description="Loss name from the LOSSES registry.")
+    weight: float = Field(1.0, description="Weight of this term in the sum.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for this loss.")
+
+
+class LossConfig(Section):
+    name: str = Field("cross_entropy", description="Loss name from the LOSSES registry (ignored when `terms` is set).")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the loss.")
+    terms: list[LossTerm] = Field(default_factory=list, description="Weighted sum of several losses (overrides `name`).")
+
+
+_PRECISION_ALIASES = {"O0": "fp32", "O1": "amp_fp16", "O2": "fp16", "amp": "amp_fp16", "bf16_amp": "amp_bf16"}
+
+
+def _shorthand(field: str):
+    """Accept `precision: amp_bf16` as `precision: {mode: amp_bf16}` (same for strategy)."""
+
+    def before(cls, data):
+        return {field: data} if isinstance(data, str) else data
+
+    return model_validator(mode="before")(classmethod(before))
+
+
+class PrecisionConfig(Section):
+    mode: Literal["fp32", "amp_fp16", "amp_bf16", "fp16", "bf16"] = Field(
+        "fp32", description="fp32 | amp_fp16 | amp_bf16 | fp16 | bf16; apex levels O0/O1/O2 are aliases."
+    )
+    on_nonfinite: Literal["skip", "stop"] = Field("skip", description="A NaN/inf loss or gradient: skip the step (counted) or stop.")
+    _short = _shorthand("mode")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _alias(cls, v):
+        return _PRECISION_ALIASES.get(v, v)
+
+
+class StrategyConfig(Section):
+    name: Literal["single", "dp", "ddp"] = Field("single", description="single device, nn.DataParallel, or DistributedDataParallel.")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="Process-group backend (auto: NCCL on GPU, gloo on CPU).")
+    sync_bn: bool = Field(False, description="Convert BatchNorm layers to SyncBatchNorm under DDP.")
+    find_unused_parameters: bool = Field(False, description="DDP: look for parameters that got no gradient.")
+    static_graph: bool = Field(False, description="DDP: the graph is the same every step.")
+    bucket_cap_mb: float = Field(25, gt=0, description="DDP: gradient bucket size in MiB.")
+    timeout_s: float = Field(300, gt=0, description="Seconds a rank waits for the others before failing (no hangs).")
+    _short = _shorthand("name")
+
+
+class SpeedConfig(Section):
+    channels_last: bool = Field(False, description="Use channels_last memory format for model and inputs.")
+    compile: bool = Field(False, description="torch.compile the model.")
+    compile_mode: str | None = Field(None, description="torch.compile mode: default, reduce-overhead, max-autotune.")
+    fullgraph: bool = Field(False, description="torch.compile fullgraph=True (fail on graph breaks).")
+    cudnn_benchmark: bool = Field(True, description="Let cuDNN pick the fastest convolution algorithms (GPU).")
+    tf32: bool = Field(True, description="Allow TF32 matmuls and convolutions on Ampere+ GPUs.")
+    cuda_graphs: bool = Field(False, description="Capture the training step in a CUDA graph (static shapes, GPU).")
+
+
+class CheckpointConfig(Section):
+    every_epochs: int | None = Field(1, ge=1, description="Save a resumable checkpoint every N epochs (None: off).")
+    every_steps: int | None = Field(None, ge=1, description="Save a resumable checkpoint every N optimizer steps.")
+    keep_last: int = Field(2, ge=1, description="Keep this many most recent checkpoints.")
+    keep_best: int = Field(1, ge=0, description="Keep this many best checkpoints by `monitor`.")
+    monitor: str = Field("val/top1", description="Metric that defines 'best'.")
+    mode: Literal["max", "min"] = Field("max", description="Whether a larger or a smaller `monitor` is better.")
+    resume: str | None = Field(None, description="'auto' (newest valid checkpoint of run.dir), a checkpoint path, or None.")
+
+
+class LogConfig(Section):
+    every_steps: int = Field(50, ge=1, description="Log loss, lr and throughput every N optimizer steps.")
+    progress: bool = Field(True, description="Show a progress bar (rank 0, interactive terminals).")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files into the run folder.")
+
+
+class EvalConfig(Section):
+    every_epochs: int = Field(1, ge=1, description="Evaluate on the validation set every N epochs (and at the end).")
+    topk: int = Field(5, ge=2, description="Also report top-k accuracy when the dataset has more than k classes.")
+    per_class: bool = Field(True, description="Per-class precision/recall/F1 and a confusion matrix (CSV and PNG).")
+
+
+class Config(Section):
+    """One run. Every key has a default, so an empty file is a valid run (digits + small CNN)."""
+
+    imports: list[str] = Field(default_factory=list, description="Python modules to import first (register your own models, datasets...).")
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity, length and device.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Dataset, loader backend and preprocessing.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model, initialisation and freezing.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer, gradient clipping and accumulation.")
+    sched: SchedConfig = Field(default_factory=SchedConfig, description="Learning-rate schedule.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="Loss function(s).")
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Numeric precision (AMP).")
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="Single device, DataParallel or DDP.")
+    speed: SpeedConfig = Field(default_factory=SpeedConfig, description="Speed switches.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving, keeping and resuming.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Console, JSONL and TensorBoard logging.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation metrics.")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """Parse one YAML/JSON/TOML file into a dict; syntax errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"config file not found: {path}. Pass an existing .yaml, .json or .toml file with -c.")
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        elif suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise UsageError(f"{path}: unsupported config format '{suffix}'. Use .yaml, .yml, .json or .toml.")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UsageError(f"{path}:{where}: YAML syntax error: {getattr(e, 'problem', e)}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: line {e.lineno}, column {e.colno}: JSON syntax error: {e.msg}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{path}: TOML syntax error: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: the top level must be a mapping of sections (run:, data:, ...), not {type(data).__name__}.")
+    return data
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, recursing into nested dicts (lists and scalars are replaced)."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_with_extends(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a config and the files it `extends` (relative to itself), the child's keys winning."""
+    path = Path(path).resolve()
+    if path in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, path))
+        raise UsageError(f"`extends` cycle: {cycle}. Remove one of these `extends` keys.")
+    data = read_file(path)
+    parents = data.pop("extends", None)
+    if parents is None:
+        return data
+    merged: dict[str, Any] = {}
+    for parent in [parents] if isinstance(parents, str) else parents:
+        merged = deep_merge(merged, read_with_extends(path.parent / parent, (*_chain, path)))
+    return deep_merge(merged, data)
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def _sub_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+    """The section model behind `model.key`, or None when the field is free-form (dict, scalar)."""
+    ann = model.model_fields[key].annotation
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def apply_override(data: dict[str, Any], item: str) -> dict[str, Any]:
+    """Apply one `a.b.c=value` to the raw dict; the key must exist in the schema."""
+    if "=" not in item:
+        raise UsageError(f"override '{item}' must look like key=value, e.g. optim.lr=0.05")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    model: type[BaseModel] | None = Config
+    node = data
+    for i, part in enumerate(parts):
+        if model is not None:
+            names = _field_names(model)
+            if part not in names:
+                prefix = ".".join(parts[:i])
+                full = [f"{prefix}.{n}" if prefix else n for n in names]
+                raise UsageError(f"override '{key}': unknown key.{did_you_mean(key, full)}")
+        if i == len(parts) - 1:
+            break
+        sub = node.get(part)
+        if not isinstance(sub, dict):
+            sub = {} if sub is None or isinstance(sub, str) else sub
+            if isinstance(node.get(part), str) and model is not None:
+                # `precision: amp_bf16` shorthand followed by `precision.on_nonfinite=stop`.
+                first = next(iter(_sub_model(model, part).model_fields))
+                sub = {first: node[part]}
+            node[part] = sub
+        node = sub
+        model = _sub_model(model, part) if model is not None else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node[parts[-1]] = value
+    return data
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            # Suggest the closest valid key in the same section.
+            model: type[BaseModel] | None = Config
+            for part in e["loc"][:-1]:
+                model = _sub_model(model, str(part)) if model is not None and str(part) in model.model_fields else None
+            names = _field_names(model) if model else []
+            parent = ".".join(str(p) for p in e["loc"][:-1])
+            full = [f"{parent}.{n}" if parent else n for n in names]
+            lines.append(f"  {loc}: unknown key.{did_you_mean(loc, full)}")
+        else:
+            got = e.get("input")
+            got_s = f" (got {got!r})" if not isinstance(got, dict | list) else ""
+            lines.append(f"  {loc}: {e['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def validate(data: dict[str, Any], source: str = "config") -> Config:
+    """Turn a raw dict into a Config; errors name each bad key and the closest valid one."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise UsageError(_format_validation_error(e, source)) from None
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a config file (or the defaults when `path` is None), then apply dotted overrides."""
+    data = read_with_extends(path) if path is not None else {}
+    for item in overrides:
+        data = apply_override(data, item)
+    source = str(path) if path is not None else "defaults"
+    if overrides:
+        source += " + overrides"
+    return validate(data, source)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain JSON-able dict of a config (the resolved config written into the run folder)."""
+    return cfg.model_dump(mode="json")
+
+
+def dump_yaml(cfg: Config) -> str:
+    """The resolved config as YAML text."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema of the config, for editor completion."""
+    return Config.model_json_schema()
+

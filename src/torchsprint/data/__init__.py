@@ -1,0 +1,14 @@
+"""Datasets, preprocessing and loader backends. Every loader yields on-device (images, targets)."""
+
+from __future__ import annotations
+
+from torchsprint.registry import Registry
+
+DATASETS = Registry("dataset")
+LOADERS = Registry("loader")
+
+from torchsprint.data import cpu as _cpu  # noqa: E402,F401  (registers the cpu loader)
+from torchsprint.data import datasets as _datasets  # noqa: E402,F401  (registers datasets)
+from torchsprint.data.core import DataInfo, Loaders, build_loaders  # noqa: E402
+
+__all__ = ["DATASETS", "LOADERS", "DataInfo", "Loaders", "build_loaders"]

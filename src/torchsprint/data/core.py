@@ -1,0 +1,127 @@
+"""The loader seam: DataInfo, Loaders, the seeded epoch sampler and `build_loaders`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from torchsprint.errors import UsageError
+
+
+@dataclass
+class Splits:
+    """What a dataset builder returns: raw (undecoded or uint8) train/val datasets and their metadata.
+
+    Each dataset item is (uint8 CHW tensor | None for an unreadable sample, target, source path or id).
+    """
+
+    train: Any
+    val: Any
+    classes: list[str]
+    in_channels: int
+    task: str = "classification"
+
+
+@dataclass
+class DataInfo:
+    """What the model and the exporter need to know about the data."""
+
+    classes: list[str]
+    in_channels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    image_size: tuple[int, int] | None = None
+    task: str = "classification"
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+class Loader(Protocol):
+    """An epoch-aware iterable of on-device (images, targets) batches."""
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None: ...
+    def __iter__(self): ...
+    def __len__(self) -> int: ...
+
+
+@dataclass
+class Loaders:
+    train: Loader
+    val: Loader
+    info: DataInfo
+    skipped: list[str] = field(default_factory=list)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A per-sample augmentation seed that depends only on (run seed, epoch, sample index).
+
+    Because it does not depend on worker count, worker scheduling or how far the loader
+    got before a restart, augmentation is bit-identical across resumes and worker settings.
+    """
+    # splitmix64-style mixing; 63 bits so that torch.manual_seed accepts it.
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
+    x ^= x >> 32
+    return x & (2**63 - 1)
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """Seeded, epoch-aware, rank-sharded sampler that yields (index, sample_seed) pairs.
+
+    Train mode (shuffle=True): a permutation seeded by (seed, epoch), padded by wrapping so
+    every rank gets the same number of samples (DistributedSampler semantics). Eval mode
+    (shuffle=False, pad=False): disjoint contiguous-stride shards with no sample counted twice.
+    `start_batch` skips batches already consumed (exact mid-epoch resume) without loading them.
+    """
+
+    def __init__(self, n: int, *, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, pad: bool = True):
+        self.n, self.seed, self.shuffle, self.pad = n, seed, shuffle, pad
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.start = 0  # samples to skip at the start of this epoch (per rank)
+
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        self.epoch, self.start = epoch, start_sample
+
+    def indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        if self.pad and self.world_size > 1:
+            total = math.ceil(self.n / self.world_size) * self.world_size
+            order = (order * math.ceil(total / max(1, self.n)))[:total]
+        return order[self.rank :: self.world_size]
+
+    def __iter__(self):
+        for i in self.indices()[self.start :]:
+            yield (i, sample_seed(self.seed, self.epoch, i))
+
+    def __len__(self) -> int:
+        return len(self.indices()) - self.start
+
+
+def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype: torch.dtype = torch.float32) -> Loaders:
+    """Build the dataset named in `data_cfg.dataset` and the backend named in `data_cfg.backend`.
+
+    Args:
+        data_cfg: the `data` section.
+        rt: the Runtime (device, rank, world size).
+        seed: run seed (data order and augmentation).
+        channels_last: deliver images in channels_last memory format.
+        dtype: floating dtype of the delivered images (fp32, or fp16/bf16 for half models).
+    """
+    from torchsprint.data import DATASETS, LOADERS
+
+    splits = DATASETS.get(data_cfg.dataset)(data_cfg)
+    if len(splits.train) == 0:
+        raise UsageError(f"dataset '{data_cfg.dataset}' has no training samples (root={data_cfg.root}).")
+    backend = LOADERS.get(data_cfg.backend)
+    return backend(data_cfg, splits, rt, seed=seed, channels_last=channels_last, dtype=dtype)

@@ -1,0 +1,133 @@
+"""The `cpu` backend: DataLoader workers decode and augment uint8 on the CPU; normalisation on the device."""
+
+from __future__ import annotations
+
+import torch
+
+from torchsprint.data import LOADERS
+from torchsprint.data.core import DataInfo, EpochSampler, Loaders
+from torchsprint.data.transforms import DeviceNormalize, compile_spec
+from torchsprint.errors import UsageError
+
+
+class SeededTransform(torch.utils.data.Dataset):
+    """Applies a uint8 CPU pipeline to each raw sample under a per-sample seed from the sampler.
+
+    Items are requested as (index, seed) by EpochSampler. Bad samples come back as
+    (None, target, reason) and are filtered and counted by `collate`.
+    """
+
+    def __init__(self, raw, transform, on_bad_sample: str):
+        self.raw, self.transform, self.on_bad_sample = raw, transform, on_bad_sample
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, key):
+        index, seed = key
+        image, target, source = self.raw[index]
+        if image is None:
+            if self.on_bad_sample == "error":
+                raise UsageError(f"unreadable sample {source}. Fix or remove it, or set data.on_bad_sample=skip.")
+            return None, target, source
+        if self.transform is not None:
+            in_worker = torch.utils.data.get_worker_info() is not None
+            state = None if in_worker else torch.get_rng_state()  # keep the main process's RNG stream intact
+            torch.manual_seed(seed)
+            image = self.transform(image)
+            if state is not None:
+                torch.set_rng_state(state)
+        return image, target, None
+
+
+def collate(items):
+    """Stack good samples into (uint8 NCHW, targets); return the reasons of bad ones alongside."""
+    good = [(x, t) for x, t, _ in items if x is not None]
+    skipped = [r for x, _, r in items if x is None]
+    if not good:
+        raise UsageError(f"every sample of a batch was unreadable, e.g. {skipped[0]}")
+    shapes = {tuple(x.shape) for x, _ in good}
+    if len(shapes) > 1:
+        raise UsageError(
+            f"images in one batch have different shapes {sorted(shapes)[:3]}: add a resize/center_crop or "
+            "random_resized_crop step to data.train.transforms and data.eval.transforms."
+        )
+    images = torch.stack([x for x, _ in good])
+    targets = torch.as_tensor([t for _, t in good]) if not torch.is_tensor(good[0][1]) else torch.stack([t for _, t in good])
+    return images, targets, skipped
+
+
+class DeviceLoader:
+    """Wraps a DataLoader of uint8 batches: copies to the device and normalises there.
+
+    On CUDA the copy and normalisation of batch i+1 run on a side stream while batch i
+    computes (timm's PrefetchLoader idea); pinned memory makes the copy asynchronous.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, sampler: EpochSampler, device, normalize: DeviceNormalize):
+        self.loader, self.sampler, self.device, self.normalize = loader, sampler, device, normalize
+        self.skipped: list[str] = []
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start_batch * self.loader.batch_size)
+
+    def __len__(self) -> int:
+        n, bs = len(self.sampler), self.loader.batch_size
+        return n // bs if self.loader.drop_last else -(-n // bs)
+
+    def _to_device(self, batch):
+        images, targets, skipped = batch
+        self.skipped += skipped
+        images = self.normalize(images.to(self.device, non_blocking=True))
+        return images, targets.to(self.device, non_blocking=True)
+
+    def __iter__(self):
+        if self.device.type != "cuda":
+            for batch in self.loader:
+                yield self._to_device(batch)
+            return
+        stream = torch.cuda.Stream(self.device)
+        nxt = None
+        for batch in self.loader:
+            with torch.cuda.stream(stream):
+                cur = self._to_device(batch)
+            if nxt is not None:
+                yield nxt
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            for t in cur:
+                t.record_stream(torch.cuda.current_stream(self.device))
+            nxt = cur
+        if nxt is not None:
+            yield nxt
+
+
+def make_loader(raw, pipeline, data_cfg, rt, *, seed, train: bool, channels_last, dtype) -> DeviceLoader:
+    sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train)
+    workers = data_cfg.num_workers
+    loader = torch.utils.data.DataLoader(
+        SeededTransform(raw, pipeline.cpu, data_cfg.on_bad_sample),
+        batch_size=data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size),
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=data_cfg.pin_memory and rt.device.type == "cuda",
+        drop_last=train and data_cfg.drop_last and len(sampler) >= data_cfg.batch_size,
+        persistent_workers=data_cfg.persistent_workers and workers > 0,
+        prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
+    )
+    norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last)
+    return DeviceLoader(loader, sampler, rt.device, norm)
+
+
+@LOADERS.register("cpu")
+def cpu_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32) -> Loaders:
+    """DataLoader workers decode + augment uint8 on the CPU; the device normalises."""
+    train_p = compile_spec(data_cfg.train.transforms, "data.train.transforms", splits.in_channels)
+    eval_p = compile_spec(data_cfg.eval.transforms, "data.eval.transforms", splits.in_channels)
+    if (train_p.mean, train_p.std) != (eval_p.mean, eval_p.std):
+        raise UsageError("data.train.transforms and data.eval.transforms must normalize with the same mean and std.")
+    kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
+    train = make_loader(splits.train, train_p, data_cfg, rt, train=True, **kw)
+    val = make_loader(splits.val, eval_p, data_cfg, rt, train=False, **kw)
+    info = DataInfo(splits.classes, splits.in_channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
+    return Loaders(train=train, val=val, info=info)

@@ -1,0 +1,184 @@
+"""One preprocessing spec -> a CPU pipeline (torchvision transforms v2 on uint8) plus on-device normalisation.
+
+A spec is a list of steps, each a name or a one-key mapping: `[random_crop: {size: 32, padding: 4},
+hflip, normalize: cifar10]`. Geometry and colour steps run on uint8 tensors in the loader;
+`normalize` (always last) runs on the device after the uint8 copy, so a quarter of the bytes cross
+the bus and the float conversion is one fused multiply-add there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchsprint.errors import UsageError
+from torchsprint.registry import Registry
+
+TRANSFORMS = Registry("transform")
+
+# Channel statistics in [0, 1] units. ImageNet: torchvision's reference scripts; CIFAR: per-channel
+# statistics of the CIFAR-10/100 training sets (Krizhevsky 2009), as used by timm and airbench.
+NORMALIZE_PRESETS = {
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "half": ((0.5,), (0.5,)),  # maps [0, 1] to [-1, 1]
+    "none": ((0.0,), (1.0,)),  # only scales to [0, 1]
+}
+
+
+def _v2():
+    from torchvision.transforms import v2
+
+    return v2
+
+
+def _size(v):
+    return list(v) if isinstance(v, list | tuple) else v
+
+
+@TRANSFORMS.register("resize")
+def resize(size, interpolation: str = "bilinear", antialias: bool = True, max_size=None):
+    v2 = _v2()
+    mode = v2.InterpolationMode[interpolation.upper()]
+    return v2.Resize(_size(size), interpolation=mode, antialias=antialias, max_size=max_size)
+
+
+@TRANSFORMS.register("center_crop")
+def center_crop(size):
+    return _v2().CenterCrop(_size(size))
+
+
+@TRANSFORMS.register("random_crop")
+def random_crop(size, padding=None, padding_mode: str = "constant", pad_if_needed: bool = False):
+    return _v2().RandomCrop(_size(size), padding=padding, padding_mode=padding_mode, pad_if_needed=pad_if_needed)
+
+
+@TRANSFORMS.register("random_resized_crop")
+def random_resized_crop(size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), antialias: bool = True):
+    return _v2().RandomResizedCrop(_size(size), scale=tuple(scale), ratio=tuple(ratio), antialias=antialias)
+
+
+@TRANSFORMS.register("hflip")
+def hflip(p: float = 0.5):
+    return _v2().RandomHorizontalFlip(p)
+
+
+@TRANSFORMS.register("vflip")
+def vflip(p: float = 0.5):
+    return _v2().RandomVerticalFlip(p)
+
+
+@TRANSFORMS.register("color_jitter")
+def color_jitter(brightness=0.0, contrast=0.0, saturation=0.0, hue=0.0):
+    return _v2().ColorJitter(brightness, contrast, saturation, hue)
+
+
+@TRANSFORMS.register("random_rotation")
+def random_rotation(degrees):
+    return _v2().RandomRotation(degrees)
+
+
+@TRANSFORMS.register("random_affine")
+def random_affine(degrees=0, translate=None, scale=None, shear=None):
+    return _v2().RandomAffine(degrees, translate=translate, scale=scale, shear=shear)
+
+
+@TRANSFORMS.register("random_grayscale")
+def random_grayscale(p: float = 0.1):
+    return _v2().RandomGrayscale(p)
+
+
+@TRANSFORMS.register("random_erasing")
+def random_erasing(p: float = 0.5, scale=(0.02, 0.33), ratio=(0.3, 3.3), value: int = 0):
+    return _v2().RandomErasing(p, scale=tuple(scale), ratio=tuple(ratio), value=value)
+
+
+@TRANSFORMS.register("normalize")
+def normalize(preset="imagenet", mean=None, std=None):
+    """Not a CPU transform: recorded and applied on the device. Returns (mean, std)."""
+    if mean is not None or std is not None:
+        if mean is None or std is None:
+            raise UsageError("normalize needs both mean and std, e.g. normalize: {mean: [0.5], std: [0.5]}")
+        return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+    if preset not in NORMALIZE_PRESETS:
+        raise UsageError(f"normalize: unknown preset '{preset}'. Use one of {sorted(NORMALIZE_PRESETS)} or {{mean, std}}.")
+    return NORMALIZE_PRESETS[preset]
+
+
+@dataclass
+class Pipeline:
+    """A compiled spec: the uint8 CPU part and the on-device normalisation constants."""
+
+    cpu: Any  # callable uint8 CHW tensor -> uint8 CHW tensor, or None for identity
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    out_size: tuple[int, int] | None  # (H, W) when the spec fixes it
+    steps: list[tuple[str, Any]]
+
+
+def parse_step(step, where: str) -> tuple[str, Any]:
+    if isinstance(step, str):
+        return step, None
+    if isinstance(step, dict) and len(step) == 1:
+        return next(iter(step.items()))
+    raise UsageError(f"{where}: each step is a name or a one-key mapping like {{resize: 256}}, got {step!r}.")
+
+
+def call_with(fn, arg, where: str):
+    try:
+        if arg is None:
+            return fn()
+        if isinstance(arg, dict):
+            return fn(**arg)
+        return fn(arg)
+    except TypeError as e:
+        raise UsageError(f"{where}: bad arguments {arg!r}: {e}") from None
+
+
+def compile_spec(spec: list, where: str = "data.train.transforms", channels: int = 3) -> Pipeline:
+    """Compile a spec into a Pipeline; `where` names the config key in error messages."""
+    steps = [parse_step(s, where) for s in spec]
+    mean, std = NORMALIZE_PRESETS["none"]
+    built = []
+    out_size = None
+    for i, (name, arg) in enumerate(steps):
+        fn = TRANSFORMS.get(name)
+        if name == "normalize":
+            if i != len(steps) - 1:
+                raise UsageError(f"{where}: normalize must be the last step (it runs on the device after the copy).")
+            mean, std = call_with(fn, arg, f"{where}[{i}] normalize")
+            continue
+        built.append(call_with(fn, arg, f"{where}[{i}] {name}"))
+        if name in ("center_crop", "random_crop", "random_resized_crop") or (name == "resize" and _is_pair(arg)):
+            size = arg["size"] if isinstance(arg, dict) else arg
+            out_size = (size, size) if isinstance(size, int) else tuple(size)
+    if len(mean) == 1 and channels > 1:
+        mean, std = mean * channels, std * channels
+    if len(mean) != channels:
+        raise UsageError(f"{where}: normalize has {len(mean)} channel statistics but the images have {channels} channels.")
+    cpu = _v2().Compose(built) if built else None
+    return Pipeline(cpu=cpu, mean=tuple(mean), std=tuple(std), out_size=out_size, steps=steps)
+
+
+def _is_pair(arg) -> bool:
+    size = arg.get("size") if isinstance(arg, dict) else arg
+    return isinstance(size, list | tuple) and len(size) == 2
+
+
+class DeviceNormalize:
+    """uint8 NCHW on the device -> float (x / 255 - mean) / std as one fused multiply-add."""
+
+    def __init__(self, mean, std, device: torch.device, dtype: torch.dtype = torch.float32, channels_last: bool = False):
+        std_t = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        mean_t = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self.scale = 1.0 / (255.0 * std_t)
+        self.shift = -mean_t / std_t
+        self.dtype = dtype
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.addcmul(self.shift, x.float(), self.scale)
+        return x.to(dtype=self.dtype, memory_format=self.memory_format)

@@ -1,0 +1,216 @@
+"""The only training loop: train_step, train_one_epoch, evaluate, fit.
+
+The engine never asks which data backend, precision or parallel strategy it runs under: those
+arrive as objects (a loader yielding on-device batches, a Precision, a wrapped model).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchsprint.checkpoint import TrainState, save_weights
+from torchsprint.errors import UsageError
+from torchsprint.parallel import no_sync, unwrap
+
+INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
+
+
+def train_step(model, micro_batches, loss_fn, opt, prec, clip_grad_norm: float | None = None) -> torch.Tensor:
+    """One optimizer step over `micro_batches` (gradient accumulation when there are several).
+
+    Returns the mean loss as a detached device tensor (no host sync here).
+    """
+    n = len(micro_batches)
+    total = torch.zeros((), device=micro_batches[0][0].device)
+    for i, (images, targets) in enumerate(micro_batches):
+        # DDP all-reduces gradients only on the last micro-step; no_sync is a null context elsewhere.
+        with no_sync(model) if i < n - 1 else nullcontext():
+            with prec.autocast():
+                loss = loss_fn(model(images), targets)
+            prec.backward(loss / n if n > 1 else loss)
+        total += loss.detach().float()
+    if clip_grad_norm is not None:
+        prec.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    prec.step(opt)
+    opt.zero_grad(set_to_none=True)
+    return total / n
+
+
+def set_train_mode(model: nn.Module, frozen_norms: list[nn.Module]) -> None:
+    """model.train(), but BatchNorm layers with frozen parameters keep their running statistics."""
+    model.train()
+    for m in frozen_norms:
+        m.eval()
+
+
+def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState, *, cfg, logger, saver) -> dict:
+    """Train until the end of `state.epoch` (or run.max_steps), resuming at state.step_in_epoch.
+
+    Returns epoch statistics: images, seconds, data-wait seconds, mean loss.
+    """
+    accum, per_step_sched = cfg.optim.accum_steps, cfg.sched.interval == "step"
+    steps_per_epoch = math.ceil(len(loader) / accum)
+    loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * accum)
+    logger.start_epoch(state.epoch, cfg.run.epochs, steps_per_epoch, state.step_in_epoch)
+    loss_sum = torch.zeros((), device=next(unwrap(model).parameters()).device)
+    images_seen = log_images = log_steps = 0
+    data_wait = 0.0
+    t_start = t_log = time.perf_counter()
+    it = iter(loader)
+    done = False
+    while not done:
+        micro = []
+        t0 = time.perf_counter()
+        for _ in range(accum):
+            batch = next(it, None)
+            if batch is None:
+                done = True
+                break
+            micro.append(batch)
+        data_wait += time.perf_counter() - t0
+        if not micro:
+            break
+        loss = train_step(model, micro, loss_fn, opt, prec, cfg.optim.clip_grad_norm)
+        if per_step_sched:
+            sched.step()
+        n_images = sum(b[0].shape[0] for b in micro)
+        images_seen += n_images
+        log_images += n_images
+        loss_sum += loss
+        log_steps += 1
+        state.step_in_epoch += 1
+        state.global_step += 1
+        logger.advance()
+        if state.global_step % cfg.log.every_steps == 0:
+            mean_loss = (loss_sum / log_steps).item()  # note: a CPU-GPU sync point, once per log step
+            check_finite(mean_loss, state, cfg.precision.on_nonfinite)
+            now = time.perf_counter()
+            stats = {"train/loss": mean_loss, "train/lr": opt.param_groups[0]["lr"],
+                     "train/images_per_s": log_images / max(now - t_log, 1e-9), "epoch": state.epoch}
+            logger.scalars(state.global_step, stats, "train")
+            logger.step_stats(f"loss {mean_loss:.4f}  lr {stats['train/lr']:.3g}  {stats['train/images_per_s']:.0f} img/s")
+            loss_sum.zero_()
+            log_steps = log_images = 0
+            t_log = now
+        if cfg.checkpoint.every_steps and state.global_step % cfg.checkpoint.every_steps == 0:
+            saver.save(state, model, opt, sched, prec, metric=None)
+        if cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps:
+            break
+    logger.end_epoch()
+    seconds = time.perf_counter() - t_start
+    return {"images": images_seen, "seconds": seconds, "data_wait": data_wait,
+            "finished_epoch": state.step_in_epoch >= steps_per_epoch}
+
+
+def check_finite(loss: float, state: TrainState, on_nonfinite: str) -> None:
+    if not math.isfinite(loss):
+        if on_nonfinite == "stop":
+            raise FloatingPointError(f"non-finite training loss {loss} at step {state.global_step}; stopping "
+                                     "(precision.on_nonfinite=stop). Lower optim.lr or set optim.clip_grad_norm.")
+        state.skipped_steps += 1
+
+
+@torch.inference_mode()
+def evaluate(model, loader, loss_fn, prec, metrics) -> dict:
+    """Run the model over `loader` once and return metrics.compute() (reduced over ranks)."""
+    was_training = model.training
+    model.eval()
+    loader.set_epoch(0)
+    for images, targets in loader:
+        with prec.autocast():
+            logits = model(images)
+            loss = loss_fn(logits, targets)
+        metrics.update(logits, targets, loss)
+    model.train(was_training)
+    return metrics.compute()
+
+
+def is_better(value: float, best: float | None, mode: str) -> bool:
+    return best is None or (value > best if mode == "max" else value < best)
+
+
+def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt, run_dir: Path,
+        logger, saver, make_metrics, frozen_norms, weights_meta: dict) -> dict:
+    """Train for cfg.run.epochs (or cfg.run.max_steps) from `state`, evaluating and checkpointing.
+
+    Returns the summary: final and best validation metrics, time and throughput.
+    """
+    from torchsprint.metrics import write_confusion
+
+    epochs, monitor = cfg.run.epochs, cfg.checkpoint.monitor
+    last_eval: dict = {}
+    total_images, total_seconds, total_wait = 0, 0.0, 0.0
+    t_fit = time.perf_counter()
+    while state.epoch < epochs:
+        set_train_mode(model, frozen_norms)
+        ep = train_one_epoch(model, loaders.train, loss_fn, opt, sched, prec, state, cfg=cfg, logger=logger, saver=saver)
+        total_images += ep["images"]
+        total_seconds += ep["seconds"]
+        total_wait += ep["data_wait"]
+        stopping = cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps
+        if not ep["finished_epoch"] and not stopping:
+            raise RuntimeError("loader ended before the epoch did")  # a loader length bug, never expected
+        if ep["finished_epoch"] and cfg.sched.interval == "epoch":
+            sched.step()
+        report_epoch(logger, state, ep, loaders.train, cfg.data.backend)
+        last_epoch = state.epoch + 1 >= epochs or stopping
+        metric = None
+        if (state.epoch + 1) % cfg.eval.every_epochs == 0 or last_epoch:
+            last_eval = {f"val/{k}": v for k, v in evaluate(model, loaders.val, loss_fn, prec, make_metrics()).items()}
+            logger.scalars(state.global_step, {k: v for k, v in last_eval.items() if not isinstance(v, list)} |
+                           {"epoch": state.epoch}, "eval")
+            if monitor not in last_eval:
+                raise UsageError(f"checkpoint.monitor={monitor} is not a metric; available: {sorted(last_eval)}")
+            metric = last_eval[monitor]
+            top = f"  top{cfg.eval.topk} {last_eval[f'val/top{cfg.eval.topk}']:.4f}" if f"val/top{cfg.eval.topk}" in last_eval else ""
+            logger.info(f"epoch {state.epoch + 1}/{epochs}  val loss {last_eval['val/loss']:.4f}  "
+                        f"top1 {last_eval['val/top1']:.4f}{top}")
+            if is_better(metric, state.best_metric, cfg.checkpoint.mode):
+                state.best_metric, state.best_epoch = metric, state.epoch
+                if rt.is_main:
+                    save_weights(run_dir / "best.safetensors", model, weights_meta | {"epoch": str(state.epoch), monitor: str(metric)})
+                    if "val/confusion" in last_eval:
+                        write_confusion(run_dir / "confusion_matrix", last_eval["val/confusion"], loaders.info.classes)
+        if ep["finished_epoch"]:
+            state.epoch += 1
+            state.step_in_epoch = 0
+        if (cfg.checkpoint.every_epochs and state.epoch % cfg.checkpoint.every_epochs == 0) or last_epoch:
+            saver.save(state, model, opt, sched, prec, metric)
+        if stopping:
+            break
+    if rt.is_main:
+        save_weights(run_dir / "last.safetensors", model, weights_meta | {"epoch": str(state.epoch)})
+    return {
+        "final": {k: v for k, v in last_eval.items() if not isinstance(v, list)},
+        "best_metric": state.best_metric,
+        "best_epoch": state.best_epoch,
+        "seconds": time.perf_counter() - t_fit,
+        "train_images_per_s": total_images / max(total_seconds, 1e-9),
+        "data_wait_share": total_wait / max(total_seconds, 1e-9),
+        "global_step": state.global_step,
+        "skipped_steps": state.skipped_steps,
+    }
+
+
+def report_epoch(logger, state: TrainState, ep: dict, loader, backend: str) -> None:
+    """Per-epoch throughput, data-wait share, and skipped samples; flags input-bound runs."""
+    share = ep["data_wait"] / max(ep["seconds"], 1e-9)
+    ips = ep["images"] / max(ep["seconds"], 1e-9)
+    logger.scalars(state.global_step, {"train/epoch_images_per_s": ips, "train/data_wait_share": share, "epoch": state.epoch}, "epoch")
+    msg = f"epoch {state.epoch + 1}: {ips:.0f} img/s, data wait {share:.0%}"
+    if share > INPUT_BOUND_SHARE:
+        msg += (f" [yellow]- input-bound: the loader ({backend}) is the bottleneck; try more data.num_workers, "
+                "data.backend=memory/gpu, or measure with `torchsprint bench`[/]")
+    logger.info(msg)
+    skipped = getattr(loader, "skipped", [])
+    if skipped:
+        logger.info(f"[yellow]{len(skipped)} unreadable sample(s) skipped this epoch[/], e.g. {skipped[:3]}")
+        logger.scalars(state.global_step, {"data/skipped": len(skipped), "data/skipped_paths": skipped[:100]}, "data")
+        skipped.clear()

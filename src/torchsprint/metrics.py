@@ -1,0 +1,88 @@
+"""Classification metrics on torchmetrics (top-1, top-k, per-class P/R/F1, confusion matrix) and writers."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import torch
+
+
+class ClassificationMetrics:
+    """Accumulates on the device; `compute()` syncs across DDP ranks (torchmetrics) and returns floats.
+
+    Args:
+        num_classes: number of classes.
+        topk: also report top-k accuracy when num_classes > k.
+        per_class: also compute per-class precision/recall/F1 and the confusion matrix.
+        device: where the metric states live.
+    """
+
+    def __init__(self, num_classes: int, topk: int, per_class: bool, device: torch.device):
+        from torchmetrics import MetricCollection
+        from torchmetrics.classification import (
+            MulticlassAccuracy,
+            MulticlassConfusionMatrix,
+            MulticlassF1Score,
+            MulticlassPrecision,
+            MulticlassRecall,
+        )
+
+        m = {"top1": MulticlassAccuracy(num_classes, top_k=1, average="micro")}
+        if num_classes > topk:
+            m[f"top{topk}"] = MulticlassAccuracy(num_classes, top_k=topk, average="micro")
+        if per_class:
+            m["precision"] = MulticlassPrecision(num_classes, average=None)
+            m["recall"] = MulticlassRecall(num_classes, average=None)
+            m["f1"] = MulticlassF1Score(num_classes, average=None)
+            m["confusion"] = MulticlassConfusionMatrix(num_classes)
+        self.metrics = MetricCollection(m).to(device)
+        self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        self.count = torch.zeros((), device=device, dtype=torch.int64)
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
+        self.metrics.update(logits.float(), target)
+        self.loss_sum += loss.double() * target.shape[0]
+        self.count += target.shape[0]
+
+    def compute(self) -> dict:
+        """{'top1': float, 'loss': float, 'count': int, 'precision': [..], ..., 'confusion': [[..]]} over all ranks."""
+        from torchsprint.parallel import all_reduce_sum
+
+        out = {}
+        for k, v in self.metrics.compute().items():  # note: a CPU-GPU sync point, once per evaluation
+            out[k] = v.item() if v.ndim == 0 else v.cpu().tolist()
+        loss_count = torch.stack([self.loss_sum, self.count.double()])
+        all_reduce_sum(loss_count)
+        out["loss"] = (loss_count[0] / loss_count[1].clamp(min=1)).item()
+        out["count"] = int(loss_count[1].item())
+        return out
+
+
+def write_confusion(path_stem: Path, confusion: list[list[int]], classes: list[str]) -> None:
+    """Write the confusion matrix as CSV (rows: true class, columns: predicted) and as a PNG heat map."""
+    with open(path_stem.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["true\\pred", *classes])
+        for c, row in zip(classes, confusion):
+            w.writerow([c, *row])
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(classes)
+    fig, ax = plt.subplots(figsize=(max(4, 0.45 * n + 2), max(3.5, 0.45 * n + 1.5)))
+    im = ax.imshow(confusion, cmap="Blues")
+    if n <= 30:
+        ax.set_xticks(range(n), classes, rotation=90)
+        ax.set_yticks(range(n), classes)
+        for i in range(n):
+            for j in range(n):
+                ax.text(j, i, confusion[i][j], ha="center", va="center", fontsize=7)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    fig.colorbar(im)
+    fig.tight_layout()
+    fig.savefig(path_stem.with_suffix(".png"), dpi=100)
+    plt.close(fig)

@@ -1,0 +1,84 @@
+"""Built-in nets for small images: a fast small CNN and a CIFAR-style ResNet-18 (3x3 stem, no max-pool)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from torchsprint.models import MODELS
+
+
+def conv_bn(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+@MODELS.register("small_cnn")
+def small_cnn(num_classes: int, in_channels: int = 3, width: int = 32, dropout: float = 0.0) -> nn.Module:
+    """Three conv-BN-ReLU blocks (width, 2x, 4x), one 2x2 max-pool, global average pool, linear head.
+
+    ~100k parameters at width 32; any input size >= 2x2.
+    """
+    w = width
+    return nn.Sequential(
+        conv_bn(in_channels, w),
+        conv_bn(w, 2 * w),
+        nn.MaxPool2d(2),
+        conv_bn(2 * w, 4 * w),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(dropout) if dropout > 0 else nn.Identity(),
+        nn.Linear(4 * w, num_classes),
+    )
+
+
+@MODELS.register("linear")
+def linear(num_classes: int, in_channels: int = 3, in_features: int | None = None) -> nn.Module:
+    """Flatten + one linear layer (LazyLinear infers the input size on the first batch)."""
+    layer = nn.Linear(in_features, num_classes) if in_features else nn.LazyLinear(num_classes)
+    return nn.Sequential(nn.Flatten(), layer)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class CifarResNet(nn.Module):
+    """ResNet with a 3x3 stride-1 stem and no max-pool (He et al. 2016, section 4.2), for 32x32 inputs."""
+
+    def __init__(self, blocks=(2, 2, 2, 2), num_classes: int = 10, in_channels: int = 3, width: int = 64):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        layers, cin = [], width
+        for i, n in enumerate(blocks):
+            cout = width * 2**i
+            for j in range(n):
+                layers.append(BasicBlock(cin, cout, 2 if (j == 0 and i > 0) else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x):
+        x = self.layers(self.relu(self.bn1(self.conv1(x))))
+        return self.fc(self.pool(x).flatten(1))
+
+
+@MODELS.register("cifar_resnet18")
+def cifar_resnet18(num_classes: int, in_channels: int = 3, width: int = 64) -> nn.Module:
+    """CIFAR-style ResNet-18: 11M parameters at width 64."""
+    return CifarResNet((2, 2, 2, 2), num_classes, in_channels, width)

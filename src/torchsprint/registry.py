@@ -1,0 +1,71 @@
+"""Registry: one per family (models, datasets, optimizers, ...), keyed by the name a user writes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torchsprint.errors import UsageError, did_you_mean
+
+
+class Registry:
+    """A name -> builder map with lazily added name providers and "did you mean" errors.
+
+    `providers` let a family expose names it does not own (every torchvision model, timm
+    models when timm imports) without importing those libraries until a name is asked for.
+    """
+
+    def __init__(self, family: str):
+        self.family = family
+        self._items: dict[str, Callable[..., Any]] = {}
+        self._providers: list[Callable[[], dict[str, Callable[..., Any]]]] = []
+        self._loaded = False
+
+    def register(self, name: str | None = None, *, override: bool = False):
+        """Decorator: `@MODELS.register("my_net")` (defaults to the function's name)."""
+
+        def deco(fn):
+            key = name or fn.__name__
+            if key in self._items and not override and self._items[key] is not fn:
+                raise ValueError(f"{self.family} '{key}' is registered twice; pass override=True to replace it")
+            self._items[key] = fn
+            return fn
+
+        return deco
+
+    def add_provider(self, provider: Callable[[], dict[str, Callable[..., Any]]]) -> None:
+        """Add a function returning extra {name: builder}; called once, on first lookup."""
+        self._providers.append(provider)
+        self._loaded = False
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        for provider in self._providers:
+            for key, fn in provider().items():
+                self._items.setdefault(key, fn)  # project-registered names win
+
+    def get(self, name: str) -> Callable[..., Any]:
+        """The builder registered as `name`; a UsageError naming the closest names otherwise."""
+        if name in self._items:
+            return self._items[name]
+        self._load()
+        if name in self._items:
+            return self._items[name]
+        raise UsageError(
+            f"unknown {self.family} '{name}'.{did_you_mean(name, self._items)} "
+            f"Run `torchsprint list {self.family}s` to see all {len(self._items)} names."
+        )
+
+    def names(self) -> list[str]:
+        """Every registered name, sorted."""
+        self._load()
+        return sorted(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        self._load()
+        return name in self._items
+
+    def __iter__(self) -> Iterable[str]:
+        return iter(self.names())

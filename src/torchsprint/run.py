@@ -1,0 +1,207 @@
+"""The flow of one run, every object passed explicitly: load -> setup -> loaders -> model -> fit."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from torchsprint import config as config_mod
+from torchsprint.errors import UsageError
+
+
+def import_modules(names: list[str]) -> None:
+    """Import user modules that register models, datasets, losses or optimizers (`imports:` / --import)."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`, let users name modules next to their config
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise UsageError(f"imports: cannot import '{name}': {e}") from None
+
+
+def make_run_dir(run_cfg, rt) -> Path:
+    """run.dir, or <out_dir>/<name>/<timestamp>, chosen on rank 0 and shared with every rank."""
+    path = run_cfg.dir or str(Path(run_cfg.out_dir) / run_cfg.name / time.strftime("%Y%m%d-%H%M%S"))
+    if rt.distributed:
+        box = [path]
+        torch.distributed.broadcast_object_list(box, src=0)
+        path = box[0]
+    run_dir = Path(path)
+    if rt.is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            probe = run_dir / ".write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise UsageError(f"cannot write the run folder {run_dir}: {e.strerror}. Set run.out_dir or run.dir to a writable folder.") from None
+    rt.barrier()
+    return run_dir
+
+
+def environment(rt, seed: int) -> dict:
+    """Versions, git revision, device, seed: what it takes to reproduce a run (written before step 0)."""
+    import torchvision
+
+    import torchsprint
+
+    def git_rev():
+        try:
+            here = Path(__file__).resolve().parent
+            out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=5)
+            return (out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")) if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    dev = str(rt.device)
+    if rt.device.type == "cuda":
+        dev += f" ({torch.cuda.get_device_name(rt.device)})"
+    return {
+        "torchsprint": torchsprint.__version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
+        "cpu_threads": torch.get_num_threads(), "device": dev, "world_size": rt.world_size, "seed": seed,
+        "git_revision": git_rev(), "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def materialize_lazy(model, loader) -> None:
+    """Run one no-grad forward when the model has lazy modules (LazyLinear) so shapes are known."""
+    from torch.nn.parameter import UninitializedParameter
+
+    if any(isinstance(p, UninitializedParameter) for p in model.parameters()):
+        loader.set_epoch(0)
+        images, _ = next(iter(loader))
+        with torch.no_grad():
+            model(images[:1])
+
+
+def train(cfg, *, quiet: bool = False) -> dict:
+    """Train one run described by `cfg` and return its summary (also written to summary.json)."""
+    from torchsprint import runtime
+    from torchsprint.checkpoint import Saver, TrainState, find_resume, set_rng_state
+    from torchsprint.data import build_loaders
+    from torchsprint.engine import fit
+    from torchsprint.logging import RunLogger
+    from torchsprint.metrics import ClassificationMetrics
+    from torchsprint.models import build_model
+    from torchsprint.models.init import apply_freeze, frozen_norm_layers, init_model
+    from torchsprint.optim import build_loss, build_optimizer, build_scheduler
+    from torchsprint.parallel import wrap_model
+    from torchsprint.precision import Precision
+
+    import_modules(cfg.imports)
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    try:
+        run_dir = make_run_dir(cfg.run, rt)
+        logger = RunLogger(run_dir, cfg.log, enabled=rt.is_main, console=not quiet)
+        if rt.is_main:
+            (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
+            (run_dir / "env.json").write_text(json.dumps(environment(rt, cfg.run.seed), indent=1))
+        logger.info(f"run folder: {run_dir}  device: {rt.device}  world size: {rt.world_size}")
+
+        resume_path, ckpt = find_resume(cfg.checkpoint.resume, Path(cfg.run.dir) if cfg.run.dir else run_dir, logger.info)
+        prec = Precision(cfg.precision.mode, rt.device)
+        loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last)
+        info = loaders.info
+        model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
+        materialize_lazy(model, loaders.val)
+        how = init_model(model, cfg.model, ckpt, logger.info)
+        logger.info(f"model {cfg.model.name}: initialised from "
+                    + {"checkpoint": f"checkpoint {resume_path}", "pretrained": f"pretrained weights {cfg.model.pretrained}",
+                       "random": "random initialisation"}[how])
+        trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
+        logger.info(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
+        frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
+        if cfg.speed.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        model = wrap_model(model, cfg.strategy, rt)
+        opt = build_optimizer(cfg.optim, model)
+        steps_per_epoch = -(-len(loaders.train) // cfg.optim.accum_steps)
+        epochs = cfg.run.epochs
+        if cfg.run.max_steps is not None:
+            epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
+        sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
+        loss_fn = build_loss(cfg.loss).to(rt.device)
+        state = TrainState()
+        if ckpt is not None:
+            opt.load_state_dict(ckpt["optimizer"])
+            sched.load_state_dict(ckpt["scheduler"])
+            prec.load_state_dict(ckpt["scaler"])
+            state = TrainState(**ckpt["train_state"])
+            set_rng_state(ckpt["rng"])
+            logger.info(f"resuming at epoch {state.epoch + 1}, step {state.global_step}")
+        meta = {"classes": info.classes, "config": config_mod.to_dict(cfg)}
+        saver = Saver(run_dir, cfg.checkpoint, rt, meta)
+        weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name,
+                        "in_channels": str(info.in_channels), "format": "torchsprint"}
+        summary = fit(
+            model, loaders, loss_fn, opt, sched, prec, state, cfg=cfg, rt=rt, run_dir=run_dir, logger=logger,
+            saver=saver, frozen_norms=frozen_norms, weights_meta=weights_meta,
+            make_metrics=lambda: ClassificationMetrics(info.num_classes, cfg.eval.topk, cfg.eval.per_class, rt.device),
+        )
+        summary["run_dir"] = str(run_dir)
+        if rt.is_main:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary["final"].items()]
+            rows += [("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary['best_epoch'] + 1})"
+                      if summary["best_metric"] is not None else "-"),
+                     ("train images/s", f"{summary['train_images_per_s']:.0f}"),
+                     ("data-wait share", f"{summary['data_wait_share']:.0%}"),
+                     ("wall time", f"{summary['seconds']:.1f} s"), ("run folder", str(run_dir))]
+            logger.summary("run summary", rows)
+        logger.close()
+        return summary
+    finally:
+        runtime.teardown(rt)
+
+
+def load_run_config(run_dir: Path, overrides: list[str] = ()) -> config_mod.Config:
+    """The resolved config saved in a run folder, with overrides."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise UsageError(f"{run_dir} is not a torchsprint run folder (no config.yaml). Pass the folder `train` printed.")
+    return config_mod.load(path, overrides)
+
+
+def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str] = ()) -> dict:
+    """Re-evaluate a run's saved weights (best or last) on its validation set."""
+    from safetensors.torch import load_file
+
+    from torchsprint import runtime
+    from torchsprint.data import build_loaders
+    from torchsprint.engine import evaluate
+    from torchsprint.metrics import ClassificationMetrics
+    from torchsprint.models import build_model
+    from torchsprint.optim import build_loss
+    from torchsprint.precision import Precision
+
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir, list(overrides) + ["strategy.name=single"])
+    import_modules(cfg.imports)
+    wpath = run_dir / f"{weights}.safetensors"
+    if not wpath.is_file():
+        raise UsageError(f"{wpath} not found: the run has not finished an evaluation yet. Use --weights last or best.")
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed)
+    info = loaders.info
+    model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
+    materialize_lazy(model, loaders.val)
+    model.load_state_dict(load_file(str(wpath), device=str(rt.device)))
+    metrics = ClassificationMetrics(info.num_classes, cfg.eval.topk, cfg.eval.per_class, rt.device)
+    out = evaluate(model, loaders.val, build_loss(cfg.loss).to(rt.device), Precision(cfg.precision.mode, rt.device), metrics)
+    out["weights"] = str(wpath)
+    return out
+
+
+__all__ = ["train", "evaluate_run"]

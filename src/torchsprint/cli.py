@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import a module that registers your own models/datasets/losses (repeatable)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest valid checkpoint")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="launch N DDP worker processes on this machine through torchrun (sets strategy=ddp)")
+    p.add_argument("--nnodes", default=None, metavar="N", help="number of machines (torchrun --nnodes, e.g. 2 or 1:4)")
+    p.add_argument("--node-rank", type=int, default=None, metavar="R", help="this machine's rank (torchrun --node-rank)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous address for several machines")
     p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
 
     p = sub.add_parser("eval", help="re-evaluate a run's saved weights", description="Re-evaluate saved weights on the validation set.")
@@ -35,6 +40,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights to evaluate")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.eval_batch_size=256")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+
+    p = sub.add_parser("export", help="export a run's model (ONNX, safetensors, TorchScript)",
+                       description="Export weights with their preprocessing metadata and check parity.")
+    p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
+    p.add_argument("--format", choices=["onnx", "safetensors", "torchscript", "tensorrt"], default="onnx", help="output format")
+    p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights to export")
+    p.add_argument("--out", metavar="PATH", help="output file (default: <run>/export/model.<ext>)")
+    p.add_argument("--uint8-input", action="store_true", help="fold normalisation into the graph: input is uint8 NCHW")
+    p.add_argument("--opset", type=int, default=None, help="ONNX opset version")
+    p.add_argument("--tolerance", type=float, default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+
+    p = sub.add_parser("predict", help="classify images with a run or an exported model",
+                       description="Predict with the eval preprocessing stored with the model.")
+    p.add_argument("-r", "--run", required=True, metavar="RUN_DIR|MODEL_FILE", help="run folder or exported model file")
+    p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files or folders of images")
+    p.add_argument("--topk", type=int, default=5, help="classes to report per image")
+    p.add_argument("--backend", choices=["torch", "onnx"], default="torch", help="inference engine")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda also decodes JPEGs on the GPU)")
+    p.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
+    p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights of a run")
+    p.add_argument("--out", metavar="FILE", help="write results to FILE (.jsonl or .csv)")
+    p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+
+    p = sub.add_parser("data", help="check a dataset and loader, or compare CPU/GPU preprocessing",
+                       description="Inspect the data pipeline of a config.")
+    dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    s = dsub.add_parser("check", help="load N batches per split, count problems, measure images/s, write a sample grid",
+                        description="Load batches from every split and report.")
+    _add_config_args(s)
+    s.add_argument("--batches", type=int, default=10, help="batches to load per split")
+    s.add_argument("--out", metavar="DIR", default=None, help="folder for the sample grid PNG (default: a temp folder)")
+    s.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    s = dsub.add_parser("compare", help="run the eval preprocessing through every backend and compare pixels",
+                        description="Compare the CPU, GPU and DALI eval preprocessing on the same images.")
+    _add_config_args(s)
+    s.add_argument("--images", type=int, default=64, help="number of validation images to compare")
+    s.add_argument("--run", metavar="RUN_DIR", default=None, help="also report top-1 agreement of this run's model")
+    s.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+
+    p = sub.add_parser("bench", help="measure which accelerations pay off on this model, data and machine",
+                       description="Measure a matrix of speed variants of a config side by side.")
+    _add_config_args(p)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per variant (after warm-up)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps per variant")
+    p.add_argument("--repeats", type=int, default=3, help="repetitions per variant (median, min-max reported)")
+    p.add_argument("--variants", default=None, help="comma-separated variant names to run (default: all that apply)")
+    p.add_argument("--to-accuracy", type=float, default=None, metavar="X", help="also measure time to val top-1 >= X")
+    p.add_argument("--out", metavar="DIR", default=None, help="bench folder (default: bench/<timestamp>)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
 
     p = sub.add_parser("config", help="show the resolved config or its JSON Schema", description="Inspect configs.")
@@ -67,6 +123,10 @@ def cmd_train(args) -> int:
             raise UsageError(f"--resume {args.resume}: no such run folder.")
         path = path or str(Path(args.resume) / "config.yaml")
         overrides += [f"run.dir={args.resume}", "checkpoint.resume=auto"]
+    if args.nproc_per_node or args.nnodes:
+        from torchsprint.launch import launch
+
+        return launch(args)
     cfg = config.load(path, overrides)
     if args.imports:
         cfg.imports = list(cfg.imports) + args.imports
@@ -85,6 +145,30 @@ def cmd_eval(args) -> int:
             if k in out:
                 print(f"{k:>6}: {out[k]:.4f}" if isinstance(out[k], float) else f"{k:>6}: {out[k]}")
     return 0
+
+
+def cmd_export(args) -> int:
+    from torchsprint.export import export_cli
+
+    return export_cli(args)
+
+
+def cmd_predict(args) -> int:
+    from torchsprint.predict import predict_cli
+
+    return predict_cli(args)
+
+
+def cmd_data(args) -> int:
+    from torchsprint.data import tools
+
+    return tools.check_cli(args) if args.data_command == "check" else tools.compare_cli(args)
+
+
+def cmd_bench(args) -> int:
+    from torchsprint.bench import bench_cli
+
+    return bench_cli(args)
 
 
 def cmd_config(args) -> int:
@@ -133,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or "train"
     if args.command is None:  # `torchsprint` alone runs the default training
         args = parser.parse_args(["train", *([] if argv is None else argv)] if argv else ["train"])
-    handler = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "list": cmd_list}[command]
+    handler = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "list": cmd_list, "export": cmd_export,
+               "predict": cmd_predict, "data": cmd_data, "bench": cmd_bench}[command]
     try:
         return handler(args)
     except KeyboardInterrupt:

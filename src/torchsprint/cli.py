@@ -33,14 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", default=None, metavar="N", help="number of machines (torchrun --nnodes, e.g. 2 or 1:4)")
     p.add_argument("--node-rank", type=int, default=None, metavar="R", help="this machine's rank (torchrun --node-rank)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous address for several machines")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("eval", help="re-evaluate a run's saved weights", description="Re-evaluate saved weights on the validation set.")
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
     p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights to evaluate")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.eval_batch_size=256")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("export", help="export a run's model (ONNX, safetensors, TorchScript)",
                        description="Export weights with their preprocessing metadata and check parity.")
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uint8-input", action="store_true", help="fold normalisation into the graph: input is uint8 NCHW")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset version")
     p.add_argument("--tolerance", type=float, default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("predict", help="classify images with a run or an exported model",
                        description="Predict with the eval preprocessing stored with the model.")
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights of a run")
     p.add_argument("--out", metavar="FILE", help="write results to FILE (.jsonl or .csv)")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("data", help="check a dataset and loader, or compare CPU/GPU preprocessing",
                        description="Inspect the data pipeline of a config.")
@@ -74,13 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(s)
     s.add_argument("--batches", type=int, default=10, help="batches to load per split")
     s.add_argument("--out", metavar="DIR", default=None, help="folder for the sample grid PNG (default: a temp folder)")
-    s.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
     s = dsub.add_parser("compare", help="run the eval preprocessing through every backend and compare pixels",
                         description="Compare the CPU, GPU and DALI eval preprocessing on the same images.")
     _add_config_args(s)
     s.add_argument("--images", type=int, default=64, help="number of validation images to compare")
     s.add_argument("--run", metavar="RUN_DIR", default=None, help="also report top-1 agreement of this run's model")
-    s.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("bench", help="measure which accelerations pay off on this model, data and machine",
                        description="Measure a matrix of speed variants of a config side by side.")
@@ -91,20 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=None, help="comma-separated variant names to run (default: all that apply)")
     p.add_argument("--to-accuracy", type=float, default=None, metavar="X", help="also measure time to val top-1 >= X")
     p.add_argument("--out", metavar="DIR", default=None, help="bench folder (default: bench/<timestamp>)")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("config", help="show the resolved config or its JSON Schema", description="Inspect configs.")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     s = csub.add_parser("show", help="print the fully resolved config (YAML)", description="Print the resolved config.")
     _add_config_args(s)
-    s.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
     csub.add_parser("schema", help="print the config's JSON Schema (for editor completion)", description="Print the JSON Schema.")
 
     p = sub.add_parser("list", help="list registered names", description="List the names a config can use.")
     p.add_argument("family", choices=FAMILIES, help="which registry to list")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import a module that registers more names first")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
     return parser
 
 

@@ -78,8 +78,16 @@ def rmsprop(groups, c):
                                **_impl_kwargs(torch.optim.RMSprop, c.impl), **c.args)
 
 
+# torch.optim classes a plain `loss.backward(); opt.step()` loop cannot drive, and why.
+_UNSUPPORTED = {
+    "LBFGS": "needs a closure that re-evaluates the loss and a single parameter group",
+    "Muon": "only takes 2-D weight matrices and must be paired with another optimizer for the rest",
+    "SparseAdam": "needs sparse gradients (nn.Embedding(sparse=True)), which vision models do not produce",
+}
+
+
 def _torch_optim_provider():
-    """Every other torch.optim optimizer by its class name (Adagrad, NAdam, LBFGS, ...), lower-cased."""
+    """Every other torch.optim optimizer by its class name (Adagrad, NAdam, RAdam, ...), lower-cased."""
 
     def make(cls):
         def build(groups, c):
@@ -91,7 +99,8 @@ def _torch_optim_provider():
     return {
         name.lower(): make(cls)
         for name, cls in vars(torch.optim).items()
-        if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
+        if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)
+        and cls is not torch.optim.Optimizer and name not in _UNSUPPORTED
     }
 
 
@@ -112,7 +121,7 @@ def build_optimizer(optim_cfg, model: nn.Module) -> torch.optim.Optimizer:
         raise UsageError("no trainable parameters: model.freeze / model.train_only froze everything.")
     try:
         return builder(groups, optim_cfg)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise UsageError(f"optimizer '{optim_cfg.name}': bad arguments (optim.args={optim_cfg.args}): {e}") from None
 
 

@@ -1,0 +1,105 @@
+"""The CLI as a user runs it: subprocesses, exit codes, messages without tracebacks."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def test_help_is_fast_and_lists_commands(run_cli):
+    t = time.perf_counter()
+    r = run_cli("--help")
+    elapsed = time.perf_counter() - t
+    assert r.returncode == 0
+    for cmd in ("train", "eval", "export", "predict", "data", "bench", "config", "list"):
+        assert cmd in r.stdout
+    # --help never imports torch (a start-up regression would show up here as seconds, not ms)
+    probe = subprocess.run([sys.executable, "-c", "import sys, torchsprint.cli as c\n"
+                            "try:\n c.main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"],
+                           capture_output=True, text=True)
+    assert probe.stdout.strip().endswith("False")
+    assert elapsed < 5  # generous bound for a loaded CI machine; measured ~0.1 s
+
+
+@pytest.mark.parametrize("cmd", ["train", "eval", "config show", "list", "export", "predict", "data check", "bench"])
+def test_every_command_has_help(run_cli, cmd):
+    r = run_cli(*cmd.split(), "--help")
+    assert r.returncode == 0 and "usage:" in r.stdout and "--debug" in r.stdout
+
+
+def test_config_show_and_schema(run_cli, tmp_path):
+    (tmp_path / "r.toml").write_text("[optim]\nlr = 0.3\n")
+    r = run_cli("config", "show", "-c", "r.toml", "run.epochs=2")
+    assert r.returncode == 0, r.stderr
+    assert "lr: 0.3" in r.stdout and "epochs: 2" in r.stdout
+    r = run_cli("config", "schema")
+    assert r.returncode == 0 and "properties" in json.loads(r.stdout)
+
+
+def test_list_models(run_cli):
+    r = run_cli("list", "models")
+    names = r.stdout.split()
+    assert {"small_cnn", "cifar_resnet18", "resnet18", "mobilenet_v3_small", "efficientnet_b0"} <= set(names)
+
+
+def test_train_then_eval_reproduces_metrics(run_cli, tmp_path):
+    r = run_cli("train", "run.epochs=2", "run.dir=run", "log.tensorboard=false", "model.args={width: 8}")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    r = run_cli("eval", "-r", "run", "--weights", "best", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["top1"] == pytest.approx(summary["best_metric"], abs=1e-9)
+
+
+def test_user_module_registers_a_model(run_cli, tmp_path):
+    (tmp_path / "my_models.py").write_text(
+        "from torch import nn\nfrom torchsprint.models import MODELS\n\n"
+        "@MODELS.register('my_mlp')\ndef my_mlp(num_classes, in_channels=3):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, 32), nn.ReLU(), nn.Linear(32, num_classes))\n")
+    r = run_cli("train", "--import", "my_models", "model.name=my_mlp", "run.epochs=1", "run.dir=run", "log.tensorboard=false")
+    assert r.returncode == 0, r.stderr
+    assert "model my_mlp" in r.stdout
+    (tmp_path / "cfg.yaml").write_text("imports: [my_models]\nmodel: {name: my_mlp}\nrun: {epochs: 1, dir: run2}\n")
+    assert run_cli("train", "-c", "cfg.yaml", "log.tensorboard=false").returncode == 0
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["train", "-c", "missing.yaml"], "config file not found"),
+    (["train", "optim.lrr=0.1"], "Did you mean: optim.lr"),
+    (["train", "optim.lr=-1"], "optim.lr"),
+    (["train", "run.epochs=abc"], "run.epochs"),
+    (["train", "model.name=resnet19"], "resnet18"),
+    (["train", "optim.name=sgdd"], "sgd"),
+    (["train", "sched.name=cosin"], "cosine"),
+    (["train", "loss.name=crossentropy"], "cross_entropy"),
+    (["train", "data.dataset=digit"], "digits"),
+    (["train", "data.dataset=image_folder", "data.root=nowhere"], "does not exist"),
+    (["train", "data.dataset=image_folder", "data.root=empty"], "no class subfolders"),
+    (["train", "--import", "no_such_module_xyz"], "cannot import"),
+    (["eval", "-r", "nowhere"], "not a torchsprint run folder"),
+    (["config", "show", "-c", "bad.yaml"], "line 2"),
+    (["config", "show", "-c", "cycle.yaml"], "cycle"),
+])
+def test_bad_input_exits_2_without_traceback(run_cli, tmp_path, args, fragment):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.yaml").write_text("run:\n  epochs: 3: 4\n")
+    (tmp_path / "cycle.yaml").write_text("extends: cycle.yaml\n")
+    r = run_cli(*args, "log.tensorboard=false", "run.dir=run") if args[0] == "train" else run_cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert fragment in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_debug_shows_traceback(run_cli):
+    r = run_cli("--debug", "train", "optim.lrr=1")
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_image_folder_without_images(run_cli, tmp_path):
+    (tmp_path / "imgs" / "train" / "a").mkdir(parents=True)
+    (tmp_path / "imgs" / "train" / "a" / "readme.txt").write_text("not an image")
+    r = run_cli("train", "data.dataset=image_folder", "data.root=imgs", "run.dir=run", "log.tensorboard=false")
+    assert r.returncode == 2 and "no images" in r.stderr

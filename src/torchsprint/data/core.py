@@ -123,5 +123,25 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     splits = DATASETS.get(data_cfg.dataset)(data_cfg)
     if len(splits.train) == 0:
         raise UsageError(f"dataset '{data_cfg.dataset}' has no training samples (root={data_cfg.root}).")
+    kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
+    if data_cfg.backend not in LOADERS and data_cfg.backend in OPTIONAL_LOADERS:
+        return missing_backend(data_cfg, splits, rt, kw)
     backend = LOADERS.get(data_cfg.backend)
-    return backend(data_cfg, splits, rt, seed=seed, channels_last=channels_last, dtype=dtype)
+    return backend(data_cfg, splits, rt, **kw)
+
+
+# Backends registered only when their library imports, and how to get them.
+OPTIONAL_LOADERS = {"dali": "NVIDIA DALI is not installed: `pip install 'torchsprint[dali]'` on a machine with a CUDA GPU"}
+
+
+def missing_backend(data_cfg, splits, rt, kw) -> Loaders:
+    """An optional backend that is not installed: use data.fallback (with a warning) or fail saying how to install it."""
+    import warnings
+
+    from torchsprint.data import LOADERS
+
+    why = OPTIONAL_LOADERS[data_cfg.backend]
+    if data_cfg.fallback is None:
+        raise UsageError(f"data.backend={data_cfg.backend}: {why}. Or set data.fallback=cpu to use the cpu backend here.")
+    warnings.warn(f"data.backend={data_cfg.backend}: {why}; using data.fallback={data_cfg.fallback}.", stacklevel=2)
+    return LOADERS.get(data_cfg.fallback)(data_cfg, splits, rt, **kw)

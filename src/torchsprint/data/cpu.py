@@ -6,7 +6,7 @@ import torch
 
 from torchsprint.data import LOADERS
 from torchsprint.data.core import DataInfo, EpochSampler, Loaders
-from torchsprint.data.transforms import DeviceNormalize, compile_spec
+from torchsprint.data.transforms import DeviceNormalize, compile_spec, decode_hint
 from torchsprint.errors import UsageError
 
 
@@ -127,7 +127,11 @@ def cpu_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.f
     if (train_p.mean, train_p.std) != (eval_p.mean, eval_p.std):
         raise UsageError("data.train.transforms and data.eval.transforms must normalize with the same mean and std.")
     kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
-    train = make_loader(splits.train, train_p, data_cfg, rt, train=True, **kw)
-    val = make_loader(splits.val, eval_p, data_cfg, rt, train=False, **kw)
+    train_raw, val_raw = splits.train, splits.val
+    if hasattr(train_raw, "with_min_size"):  # image files: let JPEG decoders scale in the DCT when the spec shrinks 2x+
+        train_raw = train_raw.with_min_size(decode_hint(data_cfg.train.transforms, "data.train.transforms"))
+        val_raw = val_raw.with_min_size(decode_hint(data_cfg.eval.transforms, "data.eval.transforms"))
+    train = make_loader(train_raw, train_p, data_cfg, rt, train=True, **kw)
+    val = make_loader(val_raw, eval_p, data_cfg, rt, train=False, **kw)
     info = DataInfo(splits.classes, splits.in_channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=train, val=val, info=info)

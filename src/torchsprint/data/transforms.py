@@ -96,6 +96,31 @@ def random_erasing(p: float = 0.5, scale=(0.02, 0.33), ratio=(0.3, 3.3), value: 
     return _v2().RandomErasing(p, scale=tuple(scale), ratio=tuple(ratio), value=value)
 
 
+class Cutout:
+    """Zero a size x size square centred uniformly in the image, clipped at the borders (DeVries &
+    Taylor 2017), with probability p. Draws from torch's global RNG, which SeededTransform seeds per
+    sample; the batched backends run augment.Cutout with the same geometry."""
+
+    def __init__(self, size: int = 8, p: float = 1.0, value: int = 0):
+        self.size, self.p, self.value = int(size), float(p), int(value)
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        h, w = img.shape[-2:]
+        cy, cx = int(torch.randint(h, ())), int(torch.randint(w, ()))
+        if float(torch.rand(())) >= self.p:
+            return img
+        y0, x0 = max(0, cy - self.size // 2), max(0, cx - self.size // 2)
+        y1, x1 = min(h, cy - self.size // 2 + self.size), min(w, cx - self.size // 2 + self.size)
+        img = img.clone()
+        img[..., y0:y1, x0:x1] = self.value
+        return img
+
+
+@TRANSFORMS.register("cutout")
+def cutout(size: int = 8, p: float = 1.0, value: int = 0):
+    return Cutout(size, p, value)
+
+
 @TRANSFORMS.register("normalize")
 def normalize(preset="imagenet", mean=None, std=None):
     """Not a CPU transform: recorded and applied on the device. Returns (mean, std)."""
@@ -182,3 +207,54 @@ class DeviceNormalize:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.addcmul(self.shift, x.float(), self.scale)
         return x.to(dtype=self.dtype, memory_format=self.memory_format)
+
+
+@dataclass(frozen=True)
+class DecodeHint:
+    """(h, w) of a stored image -> the smallest decoded (min_h, min_w) the spec's first step can use
+    without upsampling what it would otherwise downsample, or None when no 2x reduction is possible.
+
+    JPEG decoders can scale by 1/2, 1/4, 1/8 (and N/8) inside the IDCT, which skips most of the
+    IDCT and colour-conversion work. It only pays off when the first step shrinks the image at least
+    2x in every case: random_resized_crop's smallest crop is sqrt(area * scale_min * ratio_min) wide,
+    so for 224 outputs with scale_min=0.08 the image needs a ~1,830-pixel geometric-mean side (phone
+    photos qualify; ~500x375 ImageNet-like photos never do, and decode unscaled).
+    """
+
+    step: str
+    size: tuple[int, int]
+    scale_min: float = 1.0
+    ratio: tuple[float, float] = (1.0, 1.0)
+
+    def __call__(self, h: int, w: int):
+        if self.step == "random_resized_crop":
+            area = h * w * self.scale_min
+            min_w, min_h = (area * self.ratio[0]) ** 0.5, (area / self.ratio[1]) ** 0.5
+            factor = min(min_w / self.size[1], min_h / self.size[0], w / self.size[1], h / self.size[0])
+        elif self.step == "resize_short":
+            factor = min(h, w) / self.size[0]
+        else:
+            factor = min(h / self.size[0], w / self.size[1])
+        if factor < 2:
+            return None
+        return -(-h // int(factor)), -(-w // int(factor))
+
+
+def decode_hint(spec: list, where: str = "data.train.transforms") -> DecodeHint | None:
+    """The DecodeHint of a spec's first step (random_resized_crop or resize), else None."""
+    if not spec:
+        return None
+    name, arg = parse_step(spec[0], where)
+    kw = arg if isinstance(arg, dict) else {"size": arg}
+    size = kw.get("size")
+    if name == "random_resized_crop" and size is not None:
+        sz = (size, size) if isinstance(size, int) else tuple(size)
+        scale = kw.get("scale", (0.08, 1.0))
+        ratio = kw.get("ratio", (3 / 4, 4 / 3))
+        return DecodeHint(name, sz, float(scale[0]), (float(ratio[0]), float(ratio[1])))
+    if name == "resize" and size is not None:
+        if isinstance(size, int) or (isinstance(size, list | tuple) and len(size) == 1):
+            s = size if isinstance(size, int) else size[0]
+            return DecodeHint("resize_short", (s, s))
+        return DecodeHint("resize", tuple(size))
+    return None

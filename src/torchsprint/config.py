@@ -34,6 +34,10 @@ class RunConfig(Section):
     seed: int = Field(0, ge=0, description="Seed for Python, NumPy and torch RNGs, data order and augmentation.")
     epochs: int = Field(10, ge=1, description="Number of passes over the training set.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs when reached first).")
+    stop_after_steps: int | None = Field(
+        None, ge=1, description="Pause after this many optimizer steps of this invocation and save a checkpoint; unlike "
+        "max_steps the schedule and run length are unchanged, so resuming continues exactly (time slices, tests).",
+    )
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     deterministic: bool = Field(False, description="Use deterministic algorithms (slower on GPU; bit-exact reruns).")
 
@@ -60,6 +64,18 @@ class DataConfig(Section):
     prefetch_factor: int = Field(2, ge=1, description="Batches prefetched per worker (when num_workers > 0).")
     drop_last: bool = Field(True, description="Drop the last incomplete training batch (keeps shapes static; never in eval).")
     on_bad_sample: Literal["skip", "error"] = Field("error", description="Unreadable image: skip it (counted and logged) or stop.")
+    max_image_pixels: int = Field(
+        89_478_485, ge=1, description="Images with more pixels (width x height, read from the header) are bad samples; PIL's bomb limit."
+    )
+    decoder: Literal["auto", "torchvision", "simplejpeg", "pil"] = Field(
+        "auto", description="CPU JPEG decoder (auto: the fastest measured that is installed; see BENCHMARKS.md)."
+    )
+    cpu_fraction: float | Literal["auto"] = Field(
+        0.0, description="gpu backend: share of each batch decoded and cropped on the CPU (0..1), or 'auto' to tune it from the data wait."
+    )
+    fallback: Literal["cpu"] | None = Field(
+        None, description="When the gpu/dali backend cannot run here (no CUDA, no DALI): use this backend instead of failing."
+    )
     train: SplitConfig = Field(default_factory=SplitConfig, description="Training preprocessing.")
     eval: SplitConfig = Field(default_factory=SplitConfig, description="Evaluation and inference preprocessing.")
 

@@ -1,0 +1,269 @@
+"""`torchsprint data check` and `torchsprint data compare`: look at a data pipeline before training on it.
+
+torch is imported inside the functions so that `torchsprint --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def _runtime(cfg):
+    import torch
+
+    from torchsprint.runtime import Runtime, resolve_device
+
+    return Runtime(torch.device(resolve_device(cfg.run.device)))
+
+
+def save_grid(images, mean, std, path: Path, nrow: int = 8) -> Path:
+    """Undo normalisation of a float NCHW batch and write the first 64 images as one PNG."""
+    import torch
+    from torchvision.io import write_png
+    from torchvision.utils import make_grid
+
+    x = images[:64].detach().float().cpu()
+    m = torch.tensor(mean).view(1, -1, 1, 1)
+    s = torch.tensor(std).view(1, -1, 1, 1)
+    x = ((x * s + m) * 255).round().clamp(0, 255).to(torch.uint8)
+    if x.shape[1] == 1:
+        x = x.expand(-1, 3, -1, -1)
+    grid = make_grid(x, nrow=nrow, padding=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_png(grid, str(path))
+    return path
+
+
+def check(cfg, batches: int = 10, out: Path | None = None) -> dict:
+    """Load up to `batches` batches of every split; return shapes, label and class counts, unreadable
+    samples, images/s and the path of a PNG grid of augmented training samples.
+
+    A problem (labels outside 0..K-1, non-finite pixels, changing shapes, an empty split) is listed
+    under "problems".
+    """
+    import tempfile
+
+    import torch
+
+    from torchsprint.data import build_loaders
+
+    rt = _runtime(cfg)
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed)
+    info = loaders.info
+    k = info.num_classes
+    report = {"backend": cfg.data.backend, "dataset": cfg.data.dataset, "classes": info.classes, "splits": {}, "problems": []}
+    grid_batch = None
+    for name, loader in (("train", loaders.train), ("val", loaders.val)):
+        loader.set_epoch(0)
+        counts = torch.zeros(k, dtype=torch.int64)
+        shapes, n_images, n_batches = set(), 0, 0
+        t0 = time.perf_counter()
+        for images, targets in loader:
+            if n_batches == 0 and name == "train":
+                grid_batch = images
+            shapes.add(tuple(images.shape[1:]))
+            # note: a host-device sync per batch is fine in a checking tool
+            if not bool(torch.isfinite(images).all()):
+                report["problems"].append(f"{name}: non-finite pixel values in batch {n_batches}")
+            t = targets.cpu()
+            bad = (t < 0) | (t >= k)
+            if bool(bad.any()):
+                report["problems"].append(f"{name}: labels {t[bad].unique().tolist()[:5]} outside 0..{k - 1}")
+                t = t[~bad]
+            counts += torch.bincount(t, minlength=k)
+            n_images += images.shape[0]
+            n_batches += 1
+            if n_batches >= batches:
+                break
+        seconds = time.perf_counter() - t0
+        if n_batches == 0:
+            report["problems"].append(f"{name}: no batches (len(loader)={len(loader)})")
+        if len(shapes) > 1:
+            report["problems"].append(f"{name}: batches have different image shapes {sorted(shapes)}")
+        skipped = list(getattr(loader, "skipped", []))
+        report["splits"][name] = {
+            "batches": n_batches, "of": len(loader), "images": n_images, "shape": sorted(shapes),
+            "class_counts": dict(zip(info.classes, counts.tolist())), "unreadable": len(skipped),
+            "unreadable_examples": skipped[:10], "images_per_s": n_images / max(seconds, 1e-9),
+        }
+    out = Path(out) if out else Path(tempfile.mkdtemp(prefix="torchsprint-data-check-"))
+    if grid_batch is not None:
+        report["grid"] = str(save_grid(grid_batch, info.mean, info.std, out / "train_samples.png"))
+    return report
+
+
+def check_cli(args) -> int:
+    """`torchsprint data check -c cfg [--batches N] [--out DIR]`: print the report; exit 1 on problems."""
+    from torchsprint import config
+
+    cfg = config.load(args.config, args.overrides)
+    r = check(cfg, args.batches, args.out)
+    print(f"dataset {r['dataset']}  backend {r['backend']}  {len(r['classes'])} classes: {', '.join(r['classes'][:10])}"
+          + (" ..." if len(r["classes"]) > 10 else ""))
+    for name, s in r["splits"].items():
+        print(f"{name:>5}: {s['batches']}/{s['of']} batches, {s['images']} images, shape {s['shape']}, "
+              f"{s['images_per_s']:.0f} images/s, unreadable {s['unreadable']}")
+        print(f"       class counts: {s['class_counts']}")
+        for e in s["unreadable_examples"]:
+            print(f"       unreadable: {e}")
+    if "grid" in r:
+        print(f"sample grid: {r['grid']}")
+    for p in r["problems"]:
+        print(f"problem: {p}")
+    print("ok" if not r["problems"] else f"{len(r['problems'])} problem(s)")
+    return 0 if not r["problems"] else 1
+
+
+# ---------------------------------------------------------------- compare
+
+
+def _eval_paths(cfg, raw, n: int) -> dict:
+    """The eval spec applied to the first n samples by every available path -> {name: uint8 NCHW}.
+
+    Paths: the cpu backend with each installed CPU decoder; the batched (gpu-backend) ops with CPU
+    decoding; nvJPEG + batched ops on CUDA; DALI when registered and CUDA is present.
+    """
+    import torch
+
+    from torchsprint.data import LOADERS
+    from torchsprint.data.augment import compile_batch_spec
+    from torchsprint.data.decode import DECODERS, decode_bytes, read_bytes
+    from torchsprint.data.gpu import decode_on_device
+    from torchsprint.data.transforms import compile_spec, decode_hint
+
+    spec = cfg.data.eval.transforms
+    cpu_p = compile_spec(spec, "data.eval.transforms", 3)
+    batch_p = compile_batch_spec(spec, "data.eval.transforms", 3, "compare")
+    paths = [raw.samples[i][0] for i in range(min(n, len(raw)))]
+    blobs = [read_bytes(p) for p in paths]
+    hint = decode_hint(spec, "data.eval.transforms")
+    out: dict = {}
+    for dec in DECODERS.names():
+        imgs = [decode_bytes(b, decoder=dec) for b in blobs]
+        out[f"cpu: {dec} decode + torchvision v2"] = torch.stack([cpu_p.cpu(x) if cpu_p.cpu else x for x in imgs])
+        if dec != "torchvision" and hint is not None:
+            scaled = [decode_bytes(b, decoder=dec, min_size_for=hint) for b in blobs]
+            out[f"cpu: {dec} DCT-scaled decode + v2"] = torch.stack([cpu_p.cpu(x) if cpu_p.cpu else x for x in scaled])
+
+    def batched(imgs):
+        n_ = len(imgs)
+        seeds = torch.zeros(n_, dtype=torch.int64)
+        u = batch_p.draw(seeds)
+        hs, ws = torch.tensor([x.shape[1] for x in imgs]), torch.tensor([x.shape[2] for x in imgs])
+        heads = batch_p.run_head(imgs, batch_p.params(u, hs, ws, 0, batch_p.head), list(range(n_)))
+        x = torch.stack(heads)
+        return batch_p.run_tail(x, batch_p.params(u, torch.full((n_,), x.shape[2]), torch.full((n_,), x.shape[3]), batch_p.head))
+
+    out["gpu-backend ops on CPU (torchvision decode)"] = batched([decode_bytes(b) for b in blobs])
+    notes = []
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+        imgs = decode_on_device(data, dev)
+        if any(x is None for x in imgs):
+            notes.append("some files could not be decoded by nvJPEG")
+        else:
+            out["gpu: nvJPEG + batched ops"] = batched(imgs).cpu()
+        if "dali" in LOADERS:
+            notes.append(_dali_compare(cfg, blobs, out))
+    else:
+        notes.append("GPU paths unavailable: this machine has no CUDA device (compared the CPU decoders and ops only)")
+    return {"paths": out, "files": paths, "notes": [x for x in notes if x]}
+
+
+def _dali_compare(cfg, blobs, out) -> str:
+    import numpy as np
+    import torch
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    from torchsprint.data.dali import build_graph
+    from torchsprint.data.transforms import parse_step
+
+    steps = [parse_step(s, "data.eval.transforms") for s in cfg.data.eval.transforms]
+
+    @pipeline_def(batch_size=len(blobs), num_threads=2, device_id=0, seed=0)
+    def pipe():
+        data = fn.external_source(name="bytes", dtype=types.UINT8)
+        return build_graph(fn, types, fn.decoders.image(data, device="mixed", output_type=types.RGB), steps, 0,
+                           "data.eval.transforms")
+
+    p = pipe()
+    p.build()
+    p.feed_input("bytes", [np.frombuffer(b, dtype=np.uint8) for b in blobs])
+    (o,) = p.run()
+    t = o.as_tensor()
+    x = torch.empty(t.shape(), dtype=torch.uint8, device="cuda")
+    feed_ndarray(t, x)
+    out["dali: nvJPEG + DALI ops"] = x.cpu()
+    return ""
+
+
+def compare(cfg, images: int = 64, run: str | None = None) -> dict:
+    """Max and mean absolute pixel difference (uint8 units) of every path against the cpu/torchvision one,
+    and, with a run folder, the top-1 agreement of that run's model on the normalised outputs."""
+    import torch
+
+    from torchsprint.data import DATASETS
+    from torchsprint.data.transforms import DeviceNormalize, compile_spec
+    from torchsprint.errors import UsageError
+
+    splits = DATASETS.get(cfg.data.dataset)(cfg.data)
+    raw = splits.val if len(splits.val) else splits.train
+    if not hasattr(raw, "samples"):
+        raise UsageError(f"data compare decodes image files; dataset '{cfg.data.dataset}' is already decoded, so "
+                         "every backend sees the same pixels.")
+    res = _eval_paths(cfg, raw, images)
+    paths = res["paths"]
+    ref_name = "cpu: torchvision decode + torchvision v2"
+    ref = paths[ref_name]
+    rows = []
+    for name, x in paths.items():
+        if x.shape != ref.shape:
+            rows.append({"path": name, "error": f"shape {tuple(x.shape)} vs {tuple(ref.shape)}"})
+            continue
+        d = (x.int() - ref.int()).abs()
+        rows.append({"path": name, "max_abs": int(d.max()), "mean_abs": float(d.float().mean())})
+    if run is not None:
+        from safetensors.torch import load_file
+
+        from torchsprint.models import build_model
+        from torchsprint.run import load_run_config
+
+        rcfg = load_run_config(Path(run))
+        wpath = Path(run) / "best.safetensors"
+        if not wpath.is_file():
+            wpath = Path(run) / "last.safetensors"
+        if not wpath.is_file():
+            raise UsageError(f"{run} has no best.safetensors or last.safetensors; train it first.")
+        model = build_model(rcfg.model, len(splits.classes), splits.in_channels)
+        p = compile_spec(cfg.data.eval.transforms, "data.eval.transforms", splits.in_channels)
+        norm = DeviceNormalize(p.mean, p.std, torch.device("cpu"))
+        with torch.no_grad():
+            model(norm(ref[:1]))  # materialise lazy layers
+            model.load_state_dict(load_file(str(wpath)))
+            model.eval()
+            preds = {name: model(norm(x)).argmax(1) for name, x in paths.items() if x.shape == ref.shape}
+        for r in rows:
+            if r["path"] in preds:
+                r["top1_agreement"] = float((preds[r["path"]] == preds[ref_name]).float().mean())
+    return {"reference": ref_name, "images": len(res["files"]), "rows": rows, "notes": res["notes"]}
+
+
+def compare_cli(args) -> int:
+    """`torchsprint data compare -c cfg [--images N] [--run RUN_DIR]`: print the difference table."""
+    from torchsprint import config
+
+    cfg = config.load(args.config, args.overrides)
+    r = compare(cfg, args.images, args.run)
+    print(f"eval preprocessing on {r['images']} images; reference: {r['reference']} (uint8 pixel units)")
+    for row in r["rows"]:
+        if "error" in row:
+            print(f"  {row['path']:<48} {row['error']}")
+            continue
+        agree = f"  top-1 agreement {row['top1_agreement']:.3f}" if "top1_agreement" in row else ""
+        print(f"  {row['path']:<48} max |diff| {row['max_abs']:>3}  mean |diff| {row['mean_abs']:.3f}{agree}")
+    for n in r["notes"]:
+        print(f"note: {n}")
+    return 0

@@ -1,0 +1,194 @@
+"""Predictor: classify images with the eval preprocessing stored with the model (torch or onnxruntime)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import torch
+
+from torchsprint.errors import UsageError
+
+
+def expand_inputs(inputs: list[str | Path]) -> list[tuple[str, str | None]]:
+    """Files and folders -> [(path, error or None)]; a folder without images becomes one error entry."""
+    from torchsprint.data.datasets import IMAGE_EXTENSIONS
+
+    out: list[tuple[str, str | None]] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+            out += [(str(f), None) for f in files] or [(str(p), "folder contains no images")]
+        elif not p.exists():
+            out.append((str(p), "file not found"))
+        else:
+            out.append((str(p), None))
+    return out
+
+
+class Predictor:
+    """Runs a trained model on image files or uint8 tensors with exactly the eval preprocessing.
+
+    Build with `Predictor.from_run(run_dir)` or `Predictor.from_file(model.onnx | model.safetensors)`.
+    """
+
+    def __init__(self, forward, classes: list[str], in_channels: int, eval_transforms: list, data_cfg,
+                 device: torch.device, batch_size: int = 64, uint8_input: bool = False):
+        from torchsprint.data.transforms import DeviceNormalize, compile_spec
+
+        self.forward, self.classes, self.in_channels = forward, classes, in_channels
+        self.pipeline = compile_spec(eval_transforms, "data.eval.transforms", in_channels)
+        self.normalize = None if uint8_input else DeviceNormalize(self.pipeline.mean, self.pipeline.std, device)
+        self.data_cfg, self.device, self.batch_size = data_cfg, device, batch_size
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, weights: str = "best", backend: str = "torch", device: str = "cpu",
+                 batch_size: int = 64) -> Predictor:
+        """Use a run folder's best/last weights (torch) or export them to ONNX first (onnx)."""
+        if backend == "onnx":
+            from torchsprint.export import export
+
+            path = Path(run_dir) / "export" / "model.onnx"
+            if not path.is_file():
+                export(run_dir, "onnx", weights=weights, out=path)
+            return cls.from_file(path, device=device, batch_size=batch_size)
+        from torchsprint.trained import load_run
+
+        return cls.from_trained(load_run(run_dir, weights, device), device, batch_size)
+
+    @classmethod
+    def from_trained(cls, trained, device: str = "cpu", batch_size: int = 64) -> Predictor:
+        dev = torch.device(device)
+        model = trained.model.to(dev).eval()
+
+        @torch.inference_mode()
+        def forward(x):
+            return model(x).float()
+
+        return cls(forward, trained.classes, trained.in_channels, trained.cfg.data.eval.transforms, trained.cfg.data,
+                   dev, batch_size)
+
+    @classmethod
+    def from_file(cls, path: str | Path, device: str = "cpu", batch_size: int = 64) -> Predictor:
+        """An exported .onnx (onnxruntime) or .safetensors (torch) file with torchsprint metadata."""
+        from torchsprint import config as config_mod
+
+        path = Path(path)
+        if path.suffix == ".safetensors":
+            from torchsprint.trained import load_weights_file
+
+            return cls.from_trained(load_weights_file(path, device), device, batch_size)
+        if path.suffix != ".onnx":
+            raise UsageError(f"{path}: predict takes a run folder, a .onnx or a .safetensors file.")
+        if not path.is_file():
+            raise UsageError(f"model file not found: {path}")
+        import onnxruntime as ort
+
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else ["CPUExecutionProvider"]
+        sess = ort.InferenceSession(str(path), providers=[p for p in providers if p in ort.get_available_providers()])
+        meta = sess.get_modelmeta().custom_metadata_map
+        if "classes" not in meta:
+            raise UsageError(f"{path} has no torchsprint metadata; export it with `torchsprint export`.")
+        cfg = config_mod.validate(json.loads(meta["config"]), str(path))
+        uint8 = meta.get("input_dtype") == "uint8"
+        name = sess.get_inputs()[0].name
+
+        def forward(x):
+            return torch.from_numpy(sess.run(None, {name: x.cpu().numpy()})[0])
+
+        return cls(forward, json.loads(meta["classes"]), int(meta["in_channels"]), json.loads(meta["eval_transforms"]),
+                   cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8)
+
+    def _load(self, path: str) -> torch.Tensor:
+        """Decode and apply the eval spec to one file, exactly as the eval loader does."""
+        from torchsprint.data.datasets import ImageFiles
+
+        files = ImageFiles([(path, 0)], "GRAY" if self.in_channels == 1 else "RGB", decoder=self.data_cfg.decoder,
+                           max_pixels=self.data_cfg.max_image_pixels)
+        image, _, reason = files[0]
+        if image is None:
+            raise ValueError(reason.split(": ", 1)[-1] if reason else "unreadable image")
+        return self.pipeline.cpu(image) if self.pipeline.cpu is not None else image
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 NCHW batch (after the eval spec's geometry) -> logits (float32, CPU)."""
+        x = images.to(self.device)
+        if self.normalize is not None:
+            x = self.normalize(x)
+        return self.forward(x).cpu()
+
+    def predict(self, inputs: list, topk: int = 5) -> list[dict]:
+        """Top-k classes and probabilities per input (a path or a uint8 CHW tensor); bad inputs get an error."""
+        results: list[dict] = []
+        ready: list[tuple[int, torch.Tensor]] = []
+        entries: list[tuple[str, object]] = []
+        for item in inputs:
+            if torch.is_tensor(item):
+                entries.append(("<tensor>", item))
+            else:
+                entries += expand_inputs([item])
+        for i, (name, payload) in enumerate(entries):
+            results.append({"input": name})
+            if torch.is_tensor(payload):
+                img = self.pipeline.cpu(payload) if self.pipeline.cpu is not None else payload
+                ready.append((i, img))
+            elif payload is not None:
+                results[i]["error"] = payload
+            else:
+                try:
+                    ready.append((i, self._load(name)))
+                except Exception as e:  # noqa: BLE001 - every bad file becomes an error entry, others go on
+                    results[i]["error"] = str(e) or type(e).__name__
+        k = min(topk, len(self.classes))
+        by_shape: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        for i, img in ready:
+            by_shape.setdefault(tuple(img.shape), []).append((i, img))
+        for group in by_shape.values():
+            for s in range(0, len(group), self.batch_size):
+                chunk = group[s : s + self.batch_size]
+                probs = torch.softmax(self.logits(torch.stack([img for _, img in chunk])), dim=1)
+                p, c = probs.topk(k, dim=1)
+                for (i, _), pi, ci in zip(chunk, p.tolist(), c.tolist()):
+                    results[i]["top"] = [{"class": self.classes[j], "prob": q} for j, q in zip(ci, pi)]
+        return results
+
+
+def write_results(results: list[dict], path: Path) -> None:
+    if path.suffix == ".csv":
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["input", "class", "prob", "error"])
+            for r in results:
+                top = r.get("top") or [{"class": "", "prob": ""}]
+                w.writerow([r["input"], top[0]["class"], top[0]["prob"], r.get("error", "")])
+    else:
+        with open(path, "w") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+
+def predict_cli(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    target = Path(args.run)
+    if target.is_dir():
+        predictor = Predictor.from_run(target, args.weights, args.backend, args.device, args.batch_size)
+    else:
+        predictor = Predictor.from_file(target, args.device, args.batch_size)
+    results = predictor.predict(args.inputs, topk=args.topk)
+    table = Table(show_header=True)
+    table.add_column("input", overflow="fold")
+    table.add_column(f"top-{args.topk}")
+    for r in results:
+        text = r.get("error") and f"[red]error: {r['error']}[/]" or "  ".join(f"{t['class']} {t['prob']:.3f}" for t in r["top"])
+        table.add_row(r["input"], text)
+    Console(soft_wrap=True).print(table)
+    if args.out:
+        write_results(results, Path(args.out))
+    ok = sum("top" in r for r in results)
+    failed = len(results) - ok
+    print(f"{ok} predicted, {failed} failed")
+    return 1 if ok == 0 or (args.strict and failed) else 0

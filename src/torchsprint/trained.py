@@ -1,0 +1,93 @@
+"""A trained model with everything inference needs: classes, channels, config and the eval preprocessing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchsprint import config as config_mod
+from torchsprint.errors import UsageError
+
+
+@dataclass
+class Trained:
+    """A model in eval mode plus the metadata that travels with it into exports and predictions."""
+
+    model: nn.Module
+    classes: list[str]
+    in_channels: int
+    cfg: config_mod.Config
+    weights_path: Path
+
+    @property
+    def pipeline(self):
+        """The compiled eval spec (CPU uint8 part + normalisation constants + output size)."""
+        from torchsprint.data.transforms import compile_spec
+
+        return compile_spec(self.cfg.data.eval.transforms, "data.eval.transforms", self.in_channels)
+
+    def metadata(self) -> dict[str, str]:
+        """String metadata stored in every export (ONNX metadata_props, safetensors header)."""
+        p = self.pipeline
+        return {
+            "format": "torchsprint",
+            "classes": json.dumps(self.classes),
+            "in_channels": str(self.in_channels),
+            "input_size": json.dumps(list(p.out_size) if p.out_size else None),
+            "mean": json.dumps(list(p.mean)),
+            "std": json.dumps(list(p.std)),
+            "eval_transforms": json.dumps(self.cfg.data.eval.transforms),
+            "model": self.cfg.model.name,
+            "config": json.dumps(config_mod.to_dict(self.cfg)),
+        }
+
+
+def read_safetensors_metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}
+
+
+def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg: config_mod.Config | None = None) -> Trained:
+    """Rebuild a model from a torchsprint .safetensors file (its metadata holds classes and config)."""
+    from safetensors.torch import load_file
+
+    from torchsprint.models import build_model
+    from torchsprint.run import import_modules
+
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"weights file not found: {path}")
+    try:
+        meta = read_safetensors_metadata(path)
+    except Exception as e:
+        raise UsageError(f"{path} is not a safetensors file ({type(e).__name__}: {e})") from None
+    if "classes" not in meta:
+        raise UsageError(f"{path} has no torchsprint metadata (classes); export it with `torchsprint export`.")
+    if cfg is None:
+        if "config" not in meta:
+            raise UsageError(f"{path} carries no config; pass the run folder instead.")
+        cfg = config_mod.validate(json.loads(meta["config"]), str(path))
+    import_modules(cfg.imports)
+    classes, in_channels = json.loads(meta["classes"]), int(meta["in_channels"])
+    model = build_model(cfg.model, len(classes), in_channels)
+    state = load_file(str(path))
+    model.load_state_dict(state)
+    return Trained(model.to(device).eval(), classes, in_channels, cfg, path)
+
+
+def load_run(run_dir: str | Path, weights: str = "best", device: str | torch.device = "cpu") -> Trained:
+    """The best or last weights of a run folder, with the run's resolved config."""
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise UsageError(f"{run_dir} is not a torchsprint run folder (no config.yaml). Pass the folder `train` printed.")
+    wpath = run_dir / f"{weights}.safetensors"
+    if not wpath.is_file():
+        raise UsageError(f"{wpath} not found: the run has not saved {weights} weights yet. Try --weights last or best.")
+    return load_weights_file(wpath, device, config_mod.load(cfg_path))

@@ -1,0 +1,124 @@
+"""Export and predict against independent references: the PyTorch model before export and `torchsprint eval`."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from torchsprint import config
+from torchsprint.errors import UsageError
+from torchsprint.export import export, onnx_logits
+from torchsprint.predict import Predictor
+from torchsprint.run import evaluate_run, train
+from torchsprint.trained import load_run
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("digits") / "run"
+    cfg = config.load(None, [f"run.dir={run}", "run.epochs=3", "log.tensorboard=false", "model.args={width: 16}"])
+    train(cfg, quiet=True)
+    return run
+
+
+def val_tensors(run: Path):
+    """The digits validation split as the eval loader sees it (uint8) and its labels."""
+    from torchsprint import runtime
+    from torchsprint.data import build_loaders
+
+    cfg = config.load(run / "config.yaml", ["data.backend=cpu"])
+    loaders = build_loaders(cfg.data, runtime.Runtime(torch.device("cpu")), seed=0)
+    loaders.val.set_epoch(0)
+    xs, ys = zip(*[(b[0], b[1]) for b in loaders.val.loader])
+    return torch.cat(xs), torch.cat(ys)
+
+
+@pytest.mark.parametrize("uint8_input", [False, True])
+def test_onnx_top1_equals_eval_on_whole_val_set(digits_run, tmp_path, uint8_input):
+    r = export(digits_run, "onnx", out=tmp_path / "m.onnx", uint8_input=uint8_input)
+    assert r["max_abs_diff"] < 1e-4
+    x, y = val_tensors(digits_run)
+    trained = load_run(digits_run)
+    with torch.no_grad():
+        from torchsprint.export import normalize
+
+        ref = trained.model(normalize(x, trained.pipeline))
+    got = onnx_logits(Path(r["path"]), x if uint8_input else normalize(x, trained.pipeline))
+    assert got.shape == (len(y), 10)  # dynamic batch: the whole split in one call
+    assert (got - ref).abs().max().item() < 1e-4
+    ev = evaluate_run(digits_run)
+    assert (got.argmax(1) == y).float().mean().item() == pytest.approx(ev["top1"], abs=1e-6)
+    import onnx
+
+    meta = {p.key: p.value for p in onnx.load(r["path"]).metadata_props}
+    assert json.loads(meta["classes"]) == [str(i) for i in range(10)]
+    assert meta["input_dtype"] == ("uint8" if uint8_input else "float32")
+    assert "eval_transforms" in meta and json.loads(meta["mean"])
+
+
+def test_predict_on_files_matches_eval(digits_run, tmp_path):
+    """Write the val split as lossless PNGs in class folders, predict them, compare with `eval`."""
+    x, y = val_tensors(digits_run)
+    paths, labels = [], []
+    for i, (img, label) in enumerate(zip(x, y)):
+        p = tmp_path / "val" / str(int(label)) / f"{i}.png"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img[0].numpy()).save(p)
+        paths.append(str(p))
+        labels.append(str(int(label)))
+    ev = evaluate_run(digits_run)
+    for backend in ("torch", "onnx"):
+        results = Predictor.from_run(digits_run, backend=backend).predict([str(tmp_path / "val")], topk=3)
+        by_path = {r["input"]: r for r in results}
+        acc = np.mean([by_path[p]["top"][0]["class"] == lab for p, lab in zip(paths, labels)])
+        assert acc == pytest.approx(ev["top1"], abs=1e-6), backend
+        assert all(len(r["top"]) == 3 for r in results)
+
+
+def test_bad_inputs_get_error_entries_and_others_still_predict(digits_run, tmp_path, run_cli):
+    good = tmp_path / "good.png"
+    Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(good)
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "notes.jpg").write_text("not an image at all")
+    jpg = tmp_path / "trunc.jpg"
+    Image.fromarray(np.full((8, 8), 128, dtype=np.uint8)).save(jpg)
+    jpg.write_bytes(jpg.read_bytes()[:40])
+    (tmp_path / "nothing").mkdir()
+    inputs = [str(good), str(tmp_path / "missing.png"), str(tmp_path / "empty.png"), str(tmp_path / "notes.jpg"),
+              str(jpg), str(tmp_path / "nothing")]
+    results = Predictor.from_run(digits_run).predict(inputs)
+    assert "top" in results[0]
+    assert [("error" in r) for r in results] == [False, True, True, True, True, True]
+    r = run_cli("predict", "-r", str(digits_run), *inputs, "--out", str(tmp_path / "out.jsonl"))
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(lines) == 6 and sum("error" in x for x in lines) == 5
+    assert run_cli("predict", "-r", str(digits_run), *inputs, "--strict").returncode == 1
+    assert run_cli("predict", "-r", str(digits_run), inputs[1], inputs[2]).returncode == 1  # nothing predicted
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torchscript"])
+def test_other_formats_round_trip(digits_run, tmp_path, fmt):
+    r = export(digits_run, fmt, out=tmp_path / f"m.{fmt}")
+    assert r["max_abs_diff"] is not None and r["max_abs_diff"] < 1e-5
+
+
+def test_exported_safetensors_predicts_without_the_run_folder(digits_run, tmp_path):
+    r = export(digits_run, "safetensors", out=tmp_path / "m.safetensors")
+    x, _ = val_tensors(digits_run)
+    a = Predictor.from_file(r["path"]).logits(x[:16])
+    b = Predictor.from_run(digits_run).logits(x[:16])
+    assert torch.equal(a, b)
+
+
+def test_tensorrt_says_what_is_missing(digits_run, tmp_path):
+    with pytest.raises(UsageError, match="TensorRT"):
+        export(digits_run, "tensorrt", out=tmp_path / "m.engine")
+
+
+def test_parity_failure_fails_the_export(digits_run, tmp_path):
+    with pytest.raises(UsageError, match="parity check failed"):
+        export(digits_run, "onnx", out=tmp_path / "m.onnx", tolerance=-1.0)

@@ -1,0 +1,102 @@
+"""Predict throughput (images/s) of the torch and onnxruntime backends, end to end and model-only.
+
+Cases: the default digits model (8x8 grayscale PNG files) and a ResNet-18 at 224 (500x375 JPEG files,
+eval spec resize 256 + center_crop 224 + imagenet normalisation). Weights are random: throughput does
+not depend on them. Backends alternate within each repeat so that machine load hits both alike.
+
+    python benchmarks/predict_throughput.py [--repeats 3] [--images 64] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from torchsprint import config
+from torchsprint.export import export
+from torchsprint.models import build_model
+from torchsprint.predict import Predictor
+from torchsprint.trained import Trained
+
+
+def make_run(root: Path, model: str, eval_spec: list, in_channels: int, classes: int, data: list[str] = ()) -> Path:
+    """A run folder with random weights and the given eval spec (what `train` would leave behind)."""
+    from torchsprint.checkpoint import save_weights
+
+    cfg = config.load(None, [f"model.name={model}", f"data.eval.transforms={eval_spec}", *data])
+    trained = Trained(build_model(cfg.model, classes, in_channels).eval(), [str(i) for i in range(classes)], in_channels,
+                      cfg, root / "best.safetensors")
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(config.dump_yaml(cfg))
+    save_weights(root / "best.safetensors", trained.model, trained.metadata())
+    return root
+
+
+def make_images(folder: Path, n: int, size: tuple[int, int], gray: bool, ext: str) -> list[str]:
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        shape = (size[1], size[0]) if gray else (size[1], size[0], 3)
+        # Smooth content plus noise: realistic JPEG sizes, not pure noise (which decodes unusually slowly).
+        base = np.linspace(0, 255, size[0], dtype=np.float32)[None, :]
+        arr = (base + rng.normal(0, 25, shape[:2])).clip(0, 255).astype(np.uint8)
+        if not gray:
+            arr = np.stack([arr, arr[::-1], np.roll(arr, 7, 1)], -1)
+        p = folder / f"{i}{ext}"
+        Image.fromarray(arr).save(p, quality=90) if ext == ".jpg" else Image.fromarray(arr).save(p)
+        paths.append(str(p))
+    return paths
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--images", type=int, default=64)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tmp = Path(tempfile.mkdtemp(prefix="predict-bench-"))
+    jpgs = make_images(tmp / "jpg" / "c0", args.images, (500, 375), False, ".jpg")
+    r18_spec = [{"resize": 256}, {"center_crop": 224}, {"normalize": "imagenet"}]
+    cases = {
+        "small_cnn digits 8x8 (PNG)": (make_run(tmp / "digits", "small_cnn", [], 1, 10),
+                                        make_images(tmp / "png", args.images * 4, (8, 8), True, ".png"), 256),
+        "resnet18 224 (500x375 JPEG)": (make_run(tmp / "r18", "resnet18", r18_spec, 3, 1000,
+                                                 ["data.dataset=image_folder", f"data.root={tmp / 'jpg'}", f"data.train.transforms={r18_spec}"]), jpgs, 32),
+    }
+    print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} repeats={args.repeats}")
+    print("| case | backend | end-to-end images/s (median, min-max) | model-only images/s |")
+    print("|---|---|---|---|")
+    for name, (run, paths, bs) in cases.items():
+        export(run, "onnx")
+        preds = {b: Predictor.from_run(run, backend=b, device=args.device, batch_size=bs) for b in ("torch", "onnx")}
+        batch = torch.stack([preds["torch"]._load(p) for p in paths[:bs]])
+        for p in preds.values():  # warm-up: first-call allocations, onnxruntime graph optimisation
+            p.predict(paths[:bs])
+        e2e = {b: [] for b in preds}
+        model_only = {b: [] for b in preds}
+        for _ in range(args.repeats):
+            for b, p in preds.items():
+                e2e[b].append(len(paths) / timed(lambda p=p: p.predict(paths)))
+                model_only[b].append(len(batch) * 3 / timed(lambda p=p: [p.logits(batch) for _ in range(3)]))
+        for b in preds:
+            print(f"| {name} | {b} | {statistics.median(e2e[b]):.0f} ({min(e2e[b]):.0f}-{max(e2e[b]):.0f}) | "
+                  f"{statistics.median(model_only[b]):.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Loader backends: per-sample seeded augmentation, determinism, exact resume, the CPU/GPU split,
+refusals and fallbacks. CUDA-only checks are marked `gpu`."""
+
+import math
+
+import pytest
+import torch
+
+from torchsprint import config
+from torchsprint.data import DATASETS, LOADERS, build_loaders
+from torchsprint.data.augment import compile_batch_spec, sample_seeds, uniforms
+from torchsprint.data.core import sample_seed
+from torchsprint.data.gpu import FractionTuner, build_gpu_loaders, cpu_rows
+from torchsprint.errors import UsageError
+from torchsprint.runtime import Runtime
+
+CPU = Runtime(torch.device("cpu"))
+MEM_SPEC = "[{random_crop: {size: 8, padding: 2}}, hflip, {cutout: {size: 3}}, {normalize: half}]"
+
+
+def mem_cfg(*extra):
+    return config.load(None, ["data.backend=memory", "data.batch_size=32", f"data.train.transforms={MEM_SPEC}",
+                              "data.eval.transforms=[{normalize: half}]", *extra]).data
+
+
+def test_vectorised_seeds_match_scalar_and_uniforms_look_uniform():
+    idx = torch.arange(0, 3000, 7)
+    assert [int(s) for s in sample_seeds(42, 3, idx)] == [sample_seed(42, 3, int(i)) for i in idx]
+    u = uniforms(sample_seeds(0, 0, torch.arange(20000)), 4)
+    assert u.min() >= 0 and u.max() < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.std()) - math.sqrt(1 / 12)) < 0.01
+    assert abs(float(torch.corrcoef(u.T)[0, 1])) < 0.03  # columns independent
+
+
+def test_memory_deterministic_per_seed_and_epoch_and_exact_resume():
+    loaders = build_loaders(mem_cfg(), CPU, seed=5)
+    tr = loaders.train
+    tr.set_epoch(2)
+    full = list(tr)
+    tr.set_epoch(2)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full, tr))
+    tr.set_epoch(2, start_batch=3)
+    resumed = list(tr)
+    assert len(resumed) == len(full) - 3
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[3:], resumed))
+    tr.set_epoch(3)
+    assert not torch.equal(next(iter(tr))[0], full[0][0])
+
+
+def test_memory_crop_flip_cutout_match_a_per_sample_reference():
+    """Each sample of one batch gets its own parameters; the batched ops equal a plain per-image loop."""
+    p = compile_batch_spec([{"random_crop": {"size": 8, "padding": 2}}, "hflip", {"cutout": {"size": 3}}], "t", 3, "memory")
+    x = torch.randint(0, 255, (64, 3, 8, 8), dtype=torch.uint8)
+    seeds = sample_seeds(1, 0, torch.arange(64))
+    out = p(x, seeds)
+    u = uniforms(seeds, p.k)
+    for i in range(64):
+        padded = torch.nn.functional.pad(x[i], (2, 2, 2, 2))
+        top, left = int(u[i, 0] * 5), int(u[i, 1] * 5)
+        ref = padded[:, top : top + 8, left : left + 8]
+        if u[i, 2] < 0.5:
+            ref = ref.flip(-1)
+        cy, cx = int(u[i, 3] * 8), int(u[i, 4] * 8)
+        ref = ref.clone()
+        ref[:, max(0, cy - 1) : cy + 2, max(0, cx - 1) : cx + 2] = 0
+        assert torch.equal(out[i], ref), i
+    flips = (u[:, 2] < 0.5).sum()
+    assert 10 < flips < 54  # per-sample coins, not one for the batch
+
+
+def test_batched_random_resized_crop_params_are_valid_and_cover_the_range():
+    p = compile_batch_spec([{"random_resized_crop": {"size": 16}}], "t", 3, "gpu")
+    n = 4000
+    hs, ws = torch.full((n,), 375), torch.full((n,), 500)
+    (prm,) = p.params(p.draw(sample_seeds(0, 0, torch.arange(n))), hs, ws)
+    area = (prm["h"] * prm["w"]).double() / (375 * 500)
+    ratio = prm["w"].double() / prm["h"].double()
+    assert bool((prm["top"] >= 0).all() and (prm["top"] + prm["h"] <= 375).all() and (prm["left"] + prm["w"] <= 500).all())
+    assert area.min() > 0.07 and area.max() <= 1.0 and ratio.min() > 0.74 and ratio.max() < 1.35
+    # same distribution as torchvision's own sampler (independent reference), 4,000 draws each
+    from torchvision.transforms import RandomResizedCrop
+
+    torch.manual_seed(0)
+    img = torch.zeros(3, 375, 500)
+    ref = [RandomResizedCrop.get_params(img, [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(n)]
+    ref_area = torch.tensor([h * w / (375 * 500) for _, _, h, w in ref], dtype=torch.float64)
+    ref_top = torch.tensor([t for t, _, _, _ in ref], dtype=torch.float64)
+    assert abs(float(area.mean() - ref_area.mean())) < 0.02 and abs(float(area.std() - ref_area.std())) < 0.02
+    assert abs(float(prm["top"].double().mean() - ref_top.mean())) < 5
+
+
+def test_memory_refuses_unsupported_steps_by_name():
+    with pytest.raises(UsageError, match=r"random_rotation' is not supported by data.backend=memory"):
+        build_loaders(mem_cfg("data.train.transforms=[{random_rotation: 10}]"), CPU, seed=0)
+
+
+def test_cpu_backend_cutout_and_memory_have_the_same_geometry():
+    from torchsprint.data.transforms import TRANSFORMS
+
+    torch.manual_seed(0)
+    out = TRANSFORMS.get("cutout")(size=4)(torch.full((3, 10, 10), 200, dtype=torch.uint8))
+    zeros = (out[0] == 0).sum()
+    assert 4 <= zeros <= 16 and bool((out == 0).all(0).eq(out[0] == 0).all())
+
+
+def gpu_cfg(root, frac, *extra):
+    return config.load(None, [
+        "data.dataset=synthetic_jpeg", f"data.root={root}", "data.options={num_images: 12, val_images: 4, size: [40, 30], classes: 3}",
+        "data.batch_size=5", f"data.cpu_fraction={frac}", "data.decoder=torchvision", "data.drop_last=false",
+        "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {cutout: {size: 4}}, {normalize: imagenet}]",
+        "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]", *extra]).data
+
+
+def test_gpu_backend_split_changes_who_decodes_not_what(tmp_path):
+    """Run on the CPU device (decode_jpeg on CPU): any cpu_fraction gives bit-identical batches."""
+    outs = {}
+    for frac in (0.0, 0.3, 1.0):
+        d = gpu_cfg(tmp_path, frac)
+        loaders = build_gpu_loaders(d, DATASETS.get("synthetic_jpeg")(d), CPU, seed=3)
+        loaders.train.set_epoch(1)
+        outs[frac] = list(loaders.train)
+        assert len(outs[frac]) == len(loaders.train) == 3
+    for frac in (0.3, 1.0):
+        for a, b in zip(outs[0.0], outs[frac]):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_gpu_backend_resume_mid_epoch(tmp_path):
+    d = gpu_cfg(tmp_path, 0.3)
+    tr = build_gpu_loaders(d, DATASETS.get("synthetic_jpeg")(d), CPU, seed=3).train
+    tr.set_epoch(0)
+    full = list(tr)
+    tr.set_epoch(0, start_batch=1)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full[1:], list(tr)))
+
+
+def test_cpu_share_split_rounding():
+    assert [cpu_rows(10, f) for f in (0.0, 0.25, 0.3, 0.35, 1.0)] == [0, 3, 3, 4, 10]
+    assert cpu_rows(7, 0.5) == 4
+
+
+def test_auto_fraction_moves_toward_balance():
+    t = FractionTuner(start=0.2, step=0.05, window=4)
+    for _ in range(8):
+        t.update(0.0)  # workers always ready: give them more
+    assert t.fraction == pytest.approx(0.3)
+    for _ in range(12):
+        t.update(0.01)  # 10 ms waits: the CPU is the bottleneck
+    assert t.fraction == pytest.approx(0.15)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+@pytest.mark.parametrize("backend", ["gpu", "dali"], ids=["backend-gpu", "backend-dali"])
+def test_gpu_backends_without_cuda_fail_clearly_or_fall_back(tmp_path, backend):
+    d = gpu_cfg(tmp_path, 0.0, f"data.backend={backend}")
+    with pytest.raises(UsageError, match="data.fallback=cpu"):
+        build_loaders(d, CPU, seed=0)
+    d = gpu_cfg(tmp_path, 0.0, f"data.backend={backend}", "data.fallback=cpu")
+    with pytest.warns(UserWarning, match="using data.fallback=cpu"):
+        loaders = build_loaders(d, CPU, seed=0)
+    loaders.train.set_epoch(0)
+    x, y = next(iter(loaders.train))
+    assert x.shape == (5, 3, 16, 16)
+
+
+def test_dali_registered_only_when_it_imports():
+    from torchsprint.data.dali import dali_available
+
+    assert ("dali" in LOADERS) == dali_available()
+
+
+@pytest.mark.gpu
+def test_gpu_backend_on_cuda_matches_cpu_decode(tmp_path):
+    d = gpu_cfg(tmp_path, 0.0)
+    splits = DATASETS.get("synthetic_jpeg")(d)
+    cuda = build_gpu_loaders(d, splits, Runtime(torch.device("cuda")), seed=3).train
+    host = build_gpu_loaders(d, splits, CPU, seed=3).train
+    cuda.set_epoch(0)
+    host.set_epoch(0)
+    for (a, ya), (b, yb) in zip(cuda, host):
+        assert torch.equal(ya.cpu(), yb)
+        # nvJPEG's IDCT/upsampling and float-vs-uint8 resize differ by a few levels; same crops and flips
+        assert float((a.cpu() - b).abs().mean()) < 0.1
+
+
+@pytest.mark.gpu
+def test_memory_backend_on_cuda_equals_cpu():
+    cpu = build_loaders(mem_cfg(), CPU, seed=1).train
+    gpu = build_loaders(mem_cfg(), Runtime(torch.device("cuda")), seed=1).train
+    cpu.set_epoch(0)
+    gpu.set_epoch(0)
+    for a, b in zip(cpu, gpu):
+        assert torch.equal(a[0], b[0].cpu())

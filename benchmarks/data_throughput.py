@@ -1,0 +1,193 @@
+"""Input-pipeline throughput: decode + RandomResizedCrop(224) + flip + normalize on ~500x375 JPEGs.
+
+Compares torchsprint's loader backends against the naive baseline of the seeds (PIL `Image.open` +
+torchvision transforms + ToTensor + Normalize in a DataLoader with the same number of workers), and
+times the candidate JPEG decoders one image at a time on one thread.
+
+    .venv/bin/python benchmarks/data_throughput.py --images 512 --workers 2 --repeats 3
+
+Variants alternate within each repeat (A B C A B C ...) so that load from other processes on a
+shared machine hits them alike; the median over repeats is reported with the min-max range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+
+def naive_loader(samples, batch_size: int, workers: int):
+    """The seeds' loader: PIL decode, PIL-space augmentation, float tensors built in the workers."""
+    import torch
+    import torchvision.transforms as T
+    from PIL import Image
+
+    tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+                    T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+
+    class Naive(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(samples)
+
+        def __getitem__(self, i):
+            path, label = samples[i]
+            return tf(Image.open(path).convert("RGB")), label
+
+    return torch.utils.data.DataLoader(Naive(), batch_size=batch_size, shuffle=True, num_workers=workers,
+                                       persistent_workers=workers > 0, drop_last=True)
+
+
+def torchsprint_loader(root: str, backend: str, decoder: str, batch_size: int, workers: int, n: int):
+    import torch
+
+    from torchsprint import config
+    from torchsprint.data import build_loaders
+    from torchsprint.runtime import Runtime
+
+    cfg = config.load(None, [
+        "data.dataset=synthetic_jpeg", f"data.root={root}", f"data.options={{num_images: {n}, val_images: 8}}",
+        f"data.backend={backend}", f"data.decoder={decoder}", f"data.batch_size={batch_size}", f"data.num_workers={workers}",
+        "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
+        "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]",
+    ])
+    loaders = build_loaders(cfg.data, Runtime(torch.device("cpu")), seed=0)
+    return loaders.train
+
+
+def time_epoch(loader, epoch: int, warmup: int = 2) -> float:
+    """Images/s over one epoch after `warmup` batches (workers started, queues filled)."""
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    n, t0 = 0, None
+    for i, (x, _) in enumerate(loader):
+        x.sum()  # touch the batch, as a training step would
+        if i == warmup - 1:
+            t0 = time.perf_counter()
+        elif i >= warmup:
+            n += x.shape[0]
+    return n / (time.perf_counter() - t0)
+
+
+def cpu_seconds_per_image(loader, naive: bool, n: int = 256, batch: int = 64) -> float:
+    """CPU seconds per image of the whole per-image path (decode, augment, collate, normalize) in this
+    process on one thread. Unlike wall-clock images/s this barely moves when other processes load the
+    machine, so it is the per-core figure to trust on a shared box."""
+    import torch
+
+    ds = loader.dataset if naive else loader.loader.dataset
+    collate = None if naive else loader.loader.collate_fn
+    t0 = time.process_time()
+    for start in range(0, n, batch):
+        if naive:
+            xs = [ds[i][0] for i in range(start, start + batch)]
+            torch.stack(xs).sum()
+        else:
+            items = [ds[(i, 1000 + i)] for i in range(start, start + batch)]
+            images, _, _ = collate(items)
+            loader.normalize(images).sum()
+    return (time.process_time() - t0) / n
+
+
+def decoder_micro(paths: list[Path], repeats: int) -> dict:
+    """ms per image, one thread, for each decoder (file read included), best of `repeats`."""
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    torch.set_num_threads(1)
+    blobs = [p.read_bytes() for p in paths[:64]]
+
+    def pil(b):
+        return np.asarray(Image.open(io.BytesIO(b)).convert("RGB"))
+
+    def pil_draft(b):
+        im = Image.open(io.BytesIO(b))
+        im.draft("RGB", (224, 224))  # scale chosen so that the result stays >= 224 on both sides
+        return np.asarray(im.convert("RGB"))
+
+    variants = {
+        "torchvision.io.decode_jpeg": lambda b: decode_jpeg(torch.frombuffer(bytearray(b), dtype=torch.uint8), mode=ImageReadMode.RGB),
+        "PIL Image.open + convert": pil,
+        "PIL + draft(224) (DCT scaling)": pil_draft,
+    }
+    try:
+        import simplejpeg
+
+        variants["simplejpeg"] = lambda b: simplejpeg.decode_jpeg(b)
+        variants["simplejpeg min 224 (DCT scaling)"] = lambda b: simplejpeg.decode_jpeg(b, min_height=224, min_width=224)
+    except ImportError:
+        pass
+    out = {}
+    for name, fn in variants.items():
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for b in blobs:
+                fn(b)
+            best = min(best, (time.perf_counter() - t0) / len(blobs))
+        out[name] = best * 1e3
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=int, default=512, help="training JPEGs (500x375, generated once)")
+    ap.add_argument("--root", default="/tmp/torchsprint-bench-data", help="where the synthetic JPEGs live")
+    ap.add_argument("--workers", type=int, default=2, help="DataLoader workers for every variant")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    variants = {
+        "naive: PIL + torchvision transforms (float in workers)": None,
+        "cpu backend, decoder=auto": ("cpu", "auto"),
+        "cpu backend, decoder=torchvision": ("cpu", "torchvision"),
+        "cpu backend, decoder=pil": ("cpu", "pil"),
+    }
+    loaders = {}
+    for name, v in variants.items():
+        if v is None:
+            continue
+        loaders[name] = torchsprint_loader(args.root, v[0], v[1], args.batch_size, args.workers, args.images)
+    samples = loaders["cpu backend, decoder=auto"].loader.dataset.raw.samples
+    loaders["naive: PIL + torchvision transforms (float in workers)"] = naive_loader(samples, args.batch_size, args.workers)
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    load_before = os.getloadavg()
+    for r in range(args.repeats):
+        for name in variants:
+            results[name].append(time_epoch(loaders[name], r))
+    load_after = os.getloadavg()
+    cpu_s: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name in variants:
+            cpu_s[name].append(cpu_seconds_per_image(loaders[name], name.startswith("naive")))
+    base = statistics.median(results["naive: PIL + torchvision transforms (float in workers)"])
+    cores = os.cpu_count()
+    print(f"{len(samples)} JPEGs 500x375, batch {args.batch_size}, {args.workers} workers, {cores} cores, "
+          f"load average before/after {load_before[0]:.2f}/{load_after[0]:.2f}")
+    base_cpu = statistics.median(cpu_s["naive: PIL + torchvision transforms (float in workers)"])
+    print("| variant | images/s, 2 workers (median) | min-max | vs naive | CPU ms per image, 1 thread | images/s per core | vs naive |")
+    print("|---|---|---|---|---|---|---|")
+    for name, xs in results.items():
+        med, c = statistics.median(xs), statistics.median(cpu_s[name])
+        print(f"| {name} | {med:.0f} | {min(xs):.0f}-{max(xs):.0f} | {med / base:.2f}x | {c * 1e3:.2f} | {1 / c:.0f} | {base_cpu / c:.2f}x |")
+    print()
+    print("| decoder (one thread, 500x375, file bytes in memory) | ms per image | images/s |")
+    print("|---|---|---|")
+    for name, ms in decoder_micro(sorted(Path(args.root).glob("*/train/*/*.jpg")), args.repeats).items():
+        print(f"| {name} | {ms:.3f} | {1e3 / ms:.0f} |")
+    if not torch.cuda.is_available():
+        print("\ngpu / dali backends: not measured, this machine has no CUDA device")
+
+
+if __name__ == "__main__":
+    main()

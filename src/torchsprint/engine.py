@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchsprint.checkpoint import TrainState, save_weights
+from torchsprint.checkpoint import TrainState, rng_isolated, save_weights
 from torchsprint.errors import UsageError
 from torchsprint.parallel import no_sync, unwrap
 
@@ -50,12 +50,14 @@ def set_train_mode(model: nn.Module, frozen_norms: list[nn.Module]) -> None:
         m.eval()
 
 
-def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState, *, cfg, logger, saver) -> dict:
-    """Train until the end of `state.epoch` (or run.max_steps), resuming at state.step_in_epoch.
+def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState, *, cfg, logger, saver,
+                    stop_at: int | None = None) -> dict:
+    """Train until the end of `state.epoch` (or run.max_steps, or global step `stop_at`), resuming at state.step_in_epoch.
 
     Returns epoch statistics: images, seconds, data-wait seconds, mean loss.
     """
     accum, per_step_sched = cfg.optim.accum_steps, cfg.sched.interval == "step"
+    loader.set_epoch(state.epoch)  # the full epoch's length, whatever start the previous epoch resumed at
     steps_per_epoch = math.ceil(len(loader) / accum)
     loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * accum)
     logger.start_epoch(state.epoch, cfg.run.epochs, steps_per_epoch, state.step_in_epoch)
@@ -63,7 +65,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
     images_seen = log_images = log_steps = 0
     data_wait = 0.0
     t_start = t_log = time.perf_counter()
-    it = iter(loader)
+    it = rng_isolated(loader, loss_sum.device)  # data loading must not shift the model's RNG stream (exact resume)
     done = False
     while not done:
         micro = []
@@ -103,6 +105,8 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
             saver.save(state, model, opt, sched, prec, metric=None)
         if cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps:
             break
+        if stop_at is not None and state.global_step >= stop_at:
+            break
     logger.end_epoch()
     seconds = time.perf_counter() - t_start
     return {"images": images_seen, "seconds": seconds, "data_wait": data_wait,
@@ -123,7 +127,8 @@ def evaluate(model, loader, loss_fn, prec, metrics) -> dict:
     was_training = model.training
     model.eval()
     loader.set_epoch(0)
-    for images, targets in loader:
+    device = next(unwrap(model).parameters()).device
+    for images, targets in rng_isolated(loader, device):  # evaluating must not change how training continues
         with prec.autocast():
             logits = model(images)
             loss = loss_fn(logits, targets)
@@ -140,6 +145,8 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
         logger, saver, make_metrics, frozen_norms, weights_meta: dict) -> dict:
     """Train for cfg.run.epochs (or cfg.run.max_steps) from `state`, evaluating and checkpointing.
 
+    run.stop_after_steps pauses after that many steps of this call (checkpoint saved, no extra
+    evaluation, schedule untouched), so that a later resume continues exactly as if never stopped.
     Returns the summary: final and best validation metrics, time and throughput.
     """
     from torchsprint.metrics import write_confusion
@@ -148,18 +155,25 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
     last_eval: dict = {}
     total_images, total_seconds, total_wait = 0, 0.0, 0.0
     t_fit = time.perf_counter()
+    pause_at = None if cfg.run.stop_after_steps is None else state.global_step + cfg.run.stop_after_steps
+    pausing = False
     while state.epoch < epochs:
         set_train_mode(model, frozen_norms)
-        ep = train_one_epoch(model, loaders.train, loss_fn, opt, sched, prec, state, cfg=cfg, logger=logger, saver=saver)
+        ep = train_one_epoch(model, loaders.train, loss_fn, opt, sched, prec, state, cfg=cfg, logger=logger, saver=saver,
+                             stop_at=pause_at)
         total_images += ep["images"]
         total_seconds += ep["seconds"]
         total_wait += ep["data_wait"]
         stopping = cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps
-        if not ep["finished_epoch"] and not stopping:
+        pausing = pause_at is not None and state.global_step >= pause_at and not stopping
+        if not ep["finished_epoch"] and not stopping and not pausing:
             raise RuntimeError("loader ended before the epoch did")  # a loader length bug, never expected
         if ep["finished_epoch"] and cfg.sched.interval == "epoch":
             sched.step()
         report_epoch(logger, state, ep, loaders.train, cfg.data.backend)
+        if pausing and not ep["finished_epoch"]:  # mid-epoch: no evaluation here, an uninterrupted run has none
+            saver.save(state, model, opt, sched, prec, metric=None)
+            break
         last_epoch = state.epoch + 1 >= epochs or stopping
         metric = None
         if (state.epoch + 1) % cfg.eval.every_epochs == 0 or last_epoch:
@@ -181,11 +195,15 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
         if ep["finished_epoch"]:
             state.epoch += 1
             state.step_in_epoch = 0
-        if (cfg.checkpoint.every_epochs and state.epoch % cfg.checkpoint.every_epochs == 0) or last_epoch:
+        if (cfg.checkpoint.every_epochs and state.epoch % cfg.checkpoint.every_epochs == 0) or last_epoch or pausing:
             saver.save(state, model, opt, sched, prec, metric)
-        if stopping:
+        if stopping or pausing:
             break
-    if rt.is_main:
+    paused = pausing and state.epoch < epochs
+    if paused:
+        logger.info(f"paused at step {state.global_step} (run.stop_after_steps); continue with checkpoint.resume=auto "
+                    f"or `torchsprint train --resume {run_dir}`")
+    elif rt.is_main:
         save_weights(run_dir / "last.safetensors", model, weights_meta | {"epoch": str(state.epoch)})
     return {
         "final": {k: v for k, v in last_eval.items() if not isinstance(v, list)},
@@ -196,6 +214,7 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
         "data_wait_share": total_wait / max(total_seconds, 1e-9),
         "global_step": state.global_step,
         "skipped_steps": state.skipped_steps,
+        "paused": paused,
     }
 
 

@@ -89,7 +89,7 @@ def materialize_lazy(model, loader) -> None:
 def train(cfg, *, quiet: bool = False) -> dict:
     """Train one run described by `cfg` and return its summary (also written to summary.json)."""
     from torchsprint import runtime
-    from torchsprint.checkpoint import Saver, TrainState, find_resume, set_rng_state
+    from torchsprint.checkpoint import Saver, TrainState, data_geometry, find_resume, restore
     from torchsprint.data import build_loaders
     from torchsprint.engine import fit
     from torchsprint.logging import RunLogger
@@ -110,7 +110,7 @@ def train(cfg, *, quiet: bool = False) -> dict:
             (run_dir / "env.json").write_text(json.dumps(environment(rt, cfg.run.seed), indent=1))
         logger.info(f"run folder: {run_dir}  device: {rt.device}  world size: {rt.world_size}")
 
-        resume_path, ckpt = find_resume(cfg.checkpoint.resume, Path(cfg.run.dir) if cfg.run.dir else run_dir, logger.info)
+        resume_path, ckpt = find_resume(cfg.checkpoint.resume, run_dir, logger.info, rt)
         prec = Precision(cfg.precision.mode, rt.device)
         loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last)
         info = loaders.info
@@ -133,16 +133,15 @@ def train(cfg, *, quiet: bool = False) -> dict:
             epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
         sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
         loss_fn = build_loss(cfg.loss).to(rt.device)
+        geometry = data_geometry(cfg, rt.world_size)
         state = TrainState()
         if ckpt is not None:
-            opt.load_state_dict(ckpt["optimizer"])
-            sched.load_state_dict(ckpt["scheduler"])
-            prec.load_state_dict(ckpt["scaler"])
-            state = TrainState(**ckpt["train_state"])
-            set_rng_state(ckpt["rng"])
-            logger.info(f"resuming at epoch {state.epoch + 1}, step {state.global_step}")
+            state = restore(ckpt, opt, sched, prec, rt, geometry, logger.info)
+            logger.info(f"resuming at epoch {state.epoch + 1}, step {state.global_step} "
+                        f"({state.step_in_epoch} step(s) into the epoch) from {resume_path}")
         meta = {"classes": info.classes, "config": config_mod.to_dict(cfg)}
-        saver = Saver(run_dir, cfg.checkpoint, rt, meta)
+        saver = Saver(run_dir, cfg.checkpoint, rt, meta, geometry=geometry,
+                      resumed_step=state.global_step if ckpt is not None else None, log=logger.info)
         weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name,
                         "in_channels": str(info.in_channels), "format": "torchsprint"}
         summary = fit(

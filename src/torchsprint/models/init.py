@@ -36,26 +36,41 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return strip_prefixes(state)
 
 
-def load_pretrained(model: nn.Module, path: str | Path, strict: bool = False) -> dict[str, list[str]]:
-    """Load what matches from a weights file; report missing, unexpected and shape-mismatched keys.
+def compare_state(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Keys of `state` against a model's `own` state dict: missing, unexpected and shape-mismatched."""
+    return {
+        "missing": [k for k in own if k not in state],
+        "unexpected": [k for k in state if k not in own],
+        "mismatched": [f"{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+                       for k, v in state.items() if k in own and own[k].shape != v.shape],
+    }
 
-    Shape-mismatched tensors (a classifier head for another class count) are skipped, not
-    loaded; with `strict=True` any mismatch is an error.
+
+def _details(report: dict[str, list[str]], n: int = 5) -> str:
+    return "; ".join(f"{len(v)} {k}: {', '.join(v[:n])}{' ...' if len(v) > n else ''}" for k, v in report.items() if v)
+
+
+def load_pretrained(model: nn.Module, path: str | Path, strict: bool = False) -> dict[str, list[str]]:
+    """Load what matches from a weights file; return the missing, unexpected and shape-mismatched keys.
+
+    Args:
+        model: the freshly built (unwrapped) model.
+        path: a .safetensors, .pt or .pth file (a state dict, a torchsprint checkpoint, or a dict
+            with a `state_dict` entry); `module.` / `_orig_mod.` prefixes are stripped.
+        strict: any missing, unexpected or mismatched key is an error.
+    Shape-mismatched tensors (a classifier head for another class count) are skipped, not loaded,
+    and keep the model's random initialisation.
     """
     state = read_weights(path)
     own = model.state_dict()
-    mismatched = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
-    report = {
-        "missing": [k for k in own if k not in state],
-        "unexpected": [k for k in state if k not in own],
-        "mismatched": [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in mismatched],
-    }
+    report = compare_state(own, state)
     if strict and any(report.values()):
-        details = "; ".join(f"{k}: {v[:5]}" for k, v in report.items() if v)
-        raise UsageError(f"model.pretrained={path} does not match model exactly (model.strict=true): {details}")
-    loadable = {k: v for k, v in state.items() if k in own and k not in mismatched}
+        raise UsageError(f"model.pretrained={path} does not match model exactly (model.strict=true): {_details(report)}. "
+                         "Set model.strict=false to load what matches and skip the rest.")
+    loadable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not loadable:
-        raise UsageError(f"model.pretrained={path}: no tensor matches this model by name and shape. Wrong file or model?")
+        raise UsageError(f"model.pretrained={path}: no tensor matches this model by name and shape "
+                         f"({_details(report, 3)}). Wrong file or wrong model.name?")
     model.load_state_dict(loadable, strict=False)
     return report
 
@@ -100,17 +115,34 @@ def frozen_norm_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def init_model(model: nn.Module, model_cfg, resume_ckpt: dict | None, log) -> str:
-    """Initialise in the order: resume checkpoint > model.pretrained file > random. Returns which happened."""
+    """Initialise in the order: resume checkpoint > model.pretrained file > random. Returns which happened.
+
+    Args:
+        model: the freshly built (unwrapped) model, randomly initialised by its constructor.
+        model_cfg: the `model` section (name, pretrained, strict).
+        resume_ckpt: a loaded checkpoint to resume from, or None.
+        log: callable for one-line messages (what was skipped or ignored).
+    Returns "checkpoint", "pretrained" or "random".
+    """
     if resume_ckpt is not None:
-        try:
-            model.load_state_dict(resume_ckpt["model"])
-        except RuntimeError as e:
-            raise UsageError(f"the checkpoint does not fit model '{model_cfg.name}': {str(e).splitlines()[0]} ...") from None
+        report = compare_state(model.state_dict(), resume_ckpt["model"])
+        if any(report.values()):
+            saved = resume_ckpt.get("config", {}).get("model", {})
+            raise UsageError(
+                f"the checkpoint does not fit this model ({model_cfg.name} {model_cfg.args or ''}); it was saved from "
+                f"{saved.get('name', '?')} {saved.get('args') or ''}: {_details(report)}. Resume with the model settings "
+                "it was saved with, or start a new run from its weights with model.pretrained=<checkpoint file>."
+            )
+        model.load_state_dict(resume_ckpt["model"])
+        if model_cfg.pretrained:
+            log(f"model.pretrained={model_cfg.pretrained} not loaded: the resumed checkpoint's weights come first")
         return "checkpoint"
     if model_cfg.pretrained:
         report = load_pretrained(model, model_cfg.pretrained, model_cfg.strict)
+        names = {"missing": "missing (left randomly initialised)", "unexpected": "unexpected (ignored)",
+                 "mismatched": "skipped for a shape mismatch (left randomly initialised)"}
         for kind, keys in report.items():
             if keys:
-                log(f"pretrained: {len(keys)} {kind} key(s): {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}")
+                log(f"pretrained: {len(keys)} key(s) {names[kind]}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}")
         return "pretrained"
     return "random"

@@ -38,10 +38,6 @@ class RunConfig(Section):
         None, ge=1, description="Pause after this many optimizer steps of this invocation and save a checkpoint; unlike "
         "max_steps the schedule and run length are unchanged, so resuming continues exactly (time slices, tests).",
     )
-    stop_after_steps: int | None = Field(
-        None, ge=1, description="Pause after this many optimizer steps of this invocation and save a checkpoint; unlike "
-        "max_steps the schedule and run length are unchanged, so resuming continues exactly (time slices, tests).",
-    )
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     deterministic: bool = Field(False, description="Use deterministic algorithms (slower on GPU; bit-exact reruns).")
 

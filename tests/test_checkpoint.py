@@ -1,0 +1,320 @@
+"""The saver (cadence, last-K/best-K, status file, atomic writes), safe loading, exported weights and bad input."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from torchsprint import checkpoint as ckpt_mod
+from torchsprint import cli, config
+from torchsprint.checkpoint import (
+    TEMP_RE,
+    Saver,
+    TrainState,
+    atomic_write,
+    data_geometry,
+    find_checkpoints,
+    load_checkpoint,
+    rng_isolated,
+    rng_state,
+    set_rng_state,
+)
+from torchsprint.errors import UsageError
+from torchsprint.precision import Precision
+from torchsprint.run import train
+from torchsprint.runtime import Runtime
+
+CPU = Runtime(torch.device("cpu"))
+# No augmentation: these runs test bookkeeping, so keep them as fast as the loader allows.
+FAST = ["model.args={width: 8}", "data.batch_size=128", "eval.per_class=false", "log.tensorboard=false",
+        "log.progress=false", "checkpoint.every_epochs=null"]
+
+
+def fast_run(run_dir: Path, *extra: str, quiet: bool = True) -> dict:
+    return train(config.load(None, [*FAST, f"run.dir={run_dir}", *extra]), quiet=quiet)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- saver bookkeeping
+
+
+def make_saver(run_dir: Path, *overrides: str, rt: Runtime = CPU) -> tuple[Saver, tuple]:
+    cfg = config.load(None, list(overrides))
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    saver = Saver(run_dir, cfg.checkpoint, rt, {"config": config.to_dict(cfg), "classes": ["a", "b"]},
+                  geometry=data_geometry(cfg, rt.world_size))
+    return saver, (model, opt, sched, Precision("fp32", CPU.device))
+
+
+@pytest.mark.parametrize("mode, kept", [("max", {1, 2, 4, 5}), ("min", {0, 3, 4, 5})])
+def test_saver_keeps_last_k_and_best_k_and_records_every_save(tmp_path, mode, kept):
+    saver, objs = make_saver(tmp_path, "checkpoint.keep_last=2", "checkpoint.keep_best=2", f"checkpoint.mode={mode}")
+    metrics = [0.5, 0.9, 0.7, 0.4, None, None]  # steps 1..6 (None: a mid-epoch save, unscored)
+    for i, m in enumerate(metrics):
+        saver.save(TrainState(epoch=0, step_in_epoch=i + 1, global_step=i + 1), *objs, metric=m)
+    on_disk = {p.name for p in find_checkpoints(tmp_path)}
+    assert on_disk == {f"ckpt-e000-s{i + 1:07d}.pt" for i in kept}
+    status = json.loads((tmp_path / "checkpoints" / "status.json").read_text())
+    assert {e["file"] for e in status["checkpoints"]} == on_disk
+    for e in status["checkpoints"]:
+        assert e["bytes"] == (tmp_path / "checkpoints" / e["file"]).stat().st_size
+        assert e["metric"] == metrics[e["step"] - 1]
+    assert [(e["step"], e["metric"]) for e in status["history"]] == [(i + 1, m) for i, m in enumerate(metrics)]
+    assert status["latest"] == "ckpt-e000-s0000006.pt"
+    assert status["best"] == ("ckpt-e000-s0000002.pt" if mode == "max" else "ckpt-e000-s0000004.pt")
+
+
+def test_checkpoint_holds_everything_needed_to_continue(tmp_path):
+    saver, (model, opt, sched, prec) = make_saver(tmp_path, "run.seed=3", "data.batch_size=32", "optim.accum_steps=2")
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    path = saver.save(TrainState(epoch=1, step_in_epoch=5, global_step=20, best_metric=0.5, best_epoch=0),
+                      model, opt, sched, prec, metric=None)
+    ck = load_checkpoint(path)
+    assert torch.equal(ck["model"]["weight"], model.weight.detach())
+    assert torch.equal(ck["optimizer"]["state"][0]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
+    assert ck["scheduler"]["last_epoch"] == sched.last_epoch and "scaler" in ck
+    assert ck["train_state"] == {"epoch": 1, "step_in_epoch": 5, "global_step": 20, "best_metric": 0.5,
+                                 "best_epoch": 0, "skipped_steps": 0}
+    assert ck["sampler"] == {"epoch": 1, "batches_done": 10, "batch_size": 32, "accum_steps": 2, "world_size": 1, "seed": 3}
+    assert set(ck["rng"][0]) == {"python", "numpy", "torch"}  # + "cuda" when training on a GPU
+    assert ck["config"]["run"]["seed"] == 3 and ck["classes"] == ["a", "b"]
+
+
+def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
+    saved = rng_state(torch.device("cpu"))
+    torch.save({"rng": saved}, tmp_path / "r.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    set_rng_state(torch.load(tmp_path / "r.pt", weights_only=True)["rng"], torch.device("cpu"))
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+def test_iterating_a_dataloader_leaves_the_model_rng_untouched():
+    loader = torch.utils.data.DataLoader(torch.arange(10), batch_size=5)
+    before = torch.get_rng_state()
+    list(rng_isolated(loader, torch.device("cpu")))
+    assert torch.equal(torch.get_rng_state(), before)
+    list(loader)  # the reason for rng_isolated: a plain DataLoader draws a base seed per iterator
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+def test_atomic_write_failure_keeps_the_old_file(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"old contents")
+
+    def half_then_fail(f):
+        f.write(b"new, partial")
+        raise OSError(errno.EIO, "I/O error")
+
+    with pytest.raises(OSError):
+        atomic_write(path, half_then_fail)
+    assert path.read_bytes() == b"old contents"
+    assert not [p for p in tmp_path.iterdir() if TEMP_RE.match(p.name)]
+
+
+def test_loading_never_executes_code_from_the_file(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    path = tmp_path / "checkpoints" / "ckpt-e000-s0000001.pt"
+    path.parent.mkdir()
+    torch.save({"format": ckpt_mod.FORMAT, "model": Payload()}, path)
+    with pytest.raises(UsageError, match="not a readable checkpoint"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_saves_every_n_epochs_every_n_steps_and_at_the_end(tmp_path):
+    # 3 epochs x 11 steps; steps 8, 16, 24, 32; after epoch 2 (step 22); the end (step 33).
+    fast_run(tmp_path, "run.epochs=3", "checkpoint.every_epochs=2", "checkpoint.every_steps=8", "checkpoint.keep_last=10")
+    history = json.loads((tmp_path / "checkpoints" / "status.json").read_text())["history"]
+    assert [(e["epoch"], e["step_in_epoch"], e["step"]) for e in history] == [
+        (0, 8, 8), (1, 5, 16), (2, 0, 22), (2, 2, 24), (2, 10, 32), (3, 0, 33)]
+    assert [e["metric"] is None for e in history] == [True, True, False, True, True, False]
+
+
+# ---------------------------------------------------------------- exported weights
+
+
+def test_best_and_last_weights_load_with_plain_safetensors_without_torchsprint(tmp_path):
+    fast_run(tmp_path, "run.epochs=2")
+    script = f"""
+import sys, torch
+from torch import nn
+from safetensors.torch import load_file
+def block(i, o):
+    return nn.Sequential(nn.Conv2d(i, o, 3, 1, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+torch.manual_seed(0)
+x = torch.rand(4, 1, 8, 8)
+for name in ("best", "last"):
+    m = nn.Sequential(block(1, 8), block(8, 16), nn.MaxPool2d(2), block(16, 32), nn.AdaptiveAvgPool2d(1),
+                      nn.Flatten(), nn.Identity(), nn.Linear(32, 10)).eval()
+    m.load_state_dict(load_file(r"{tmp_path}/" + name + ".safetensors"), strict=True)
+    torch.save(m(x).detach(), r"{tmp_path}/" + name + "-logits.pt")
+assert "torchsprint" not in sys.modules
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, cwd="/", env={"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"})
+    from torchsprint.models.nets import small_cnn
+
+    torch.manual_seed(0)
+    x = torch.rand(4, 1, 8, 8)
+    for name in ("best", "last"):
+        m = small_cnn(10, 1, width=8).eval()
+        m.load_state_dict(load_file(str(tmp_path / f"{name}.safetensors")))
+        assert torch.equal(m(x).detach(), torch.load(tmp_path / f"{name}-logits.pt"))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_missing_checkpoint_path_is_a_usage_error(tmp_path, capsys):
+    missing = tmp_path / "nope" / "ckpt-e000-s0000001.pt"
+    assert cli.main(["train", *FAST, f"run.dir={tmp_path / 'run'}", f"checkpoint.resume={missing}"]) == 2
+    assert str(missing) in capsys.readouterr().err
+    assert cli.main(["train", "--resume", str(tmp_path / "no-run")]) == 2
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named(tmp_path):
+    text = tmp_path / "notes.pt"
+    text.write_text("not a checkpoint")
+    with pytest.raises(UsageError, match=r"notes\.pt is not a readable checkpoint"):
+        load_checkpoint(text)
+    weights = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(2)}, str(weights))
+    with pytest.raises(UsageError, match=r"w\.safetensors is not a .*checkpoint"):
+        load_checkpoint(weights)
+    state_dict = tmp_path / "sd.pt"
+    torch.save(nn.Linear(2, 2).state_dict(), state_dict)
+    with pytest.raises(UsageError, match=r"not a torchsprint checkpoint.*model\.pretrained"):
+        load_checkpoint(state_dict)
+    with pytest.raises(UsageError, match="not a torchsprint checkpoint"):
+        fast_run(tmp_path / "run", f"checkpoint.resume={state_dict}")
+
+
+def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
+    fast_run(tmp_path, "run.stop_after_steps=2", "checkpoint.every_steps=1")
+    saved = find_checkpoints(tmp_path)
+    digests = {p: sha(p) for p in saved}
+    with pytest.raises(UsageError, match=r"does not fit this model.*0\.0\.weight: file \(8, 1, 3, 3\) vs model \(16, 1, 3, 3\)"):
+        fast_run(tmp_path, "checkpoint.resume=auto", "model.args={width: 16}")
+    assert {p: sha(p) for p in find_checkpoints(tmp_path)} == digests
+
+
+def test_unwritable_run_folder_is_a_usage_error(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a path through a file cannot be created, even by root (chmod would not stop root)
+    assert cli.main(["train", *FAST, f"run.dir={blocker / 'run'}"]) == 2
+    assert "cannot write the run folder" in capsys.readouterr().err
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("")  # the checkpoint folder cannot be made
+    with pytest.raises(UsageError, match="cannot use the checkpoint folder"):
+        fast_run(run_dir)
+
+
+class FullDisk:
+    """`open` for torchsprint.checkpoint on a disk with `free` bytes left: writes past that fail with ENOSPC."""
+
+    def __init__(self, free: int):
+        self.free = free
+
+    def __call__(self, path, mode="r", *args, **kw):
+        f = open(path, mode, *args, **kw)
+        if "w" not in mode:
+            return f
+        disk, real_write = self, f.write
+
+        def write(data):
+            n = len(memoryview(data).cast("B"))
+            if n > disk.free:
+                real_write(memoryview(data).cast("B")[: disk.free])  # what fits lands, as on a real disk
+                disk.free = 0
+                raise OSError(errno.ENOSPC, "No space left on device")
+            disk.free -= n
+            return real_write(data)
+
+        f.write = write
+        return f
+
+
+def test_full_disk_during_save_is_a_clear_error_and_loses_nothing(tmp_path, monkeypatch):
+    # First fill: checkpoints at steps 3, 6 (~80 KB each) and their status files; the disk fills on the third.
+    monkeypatch.setattr(ckpt_mod, "open", FullDisk(free=200_000), raising=False)
+    with pytest.raises(UsageError, match=r"No space left on device \(ENOSPC\).*previous checkpoints .* are intact"):
+        fast_run(tmp_path, "run.epochs=1", "checkpoint.every_steps=3", "checkpoint.keep_last=5")
+    monkeypatch.undo()
+    saved = find_checkpoints(tmp_path)
+    assert [p.name for p in saved] == ["ckpt-e000-s0000006.pt", "ckpt-e000-s0000003.pt"]
+    for p in saved:
+        load_checkpoint(p)
+    status = json.loads((tmp_path / "checkpoints" / "status.json").read_text())
+    assert {e["file"] for e in status["checkpoints"]} == {p.name for p in saved}
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if TEMP_RE.match(p.name)]
+    # Space freed: the run continues from the newest checkpoint and completes.
+    summary = fast_run(tmp_path, "run.epochs=1", "checkpoint.every_steps=3", "checkpoint.keep_last=5", "checkpoint.resume=auto")
+    assert summary["global_step"] == 11 and not summary["paused"]
+
+
+# ---------------------------------------------------------------- several processes
+
+
+def _two_rank_worker(rank: int, run_dir: str, results: str) -> None:
+    """One gloo rank: save, reload per-rank RNG, then a save that fails on rank 0 only (full disk)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}/pg", rank=rank, world_size=2)
+    rt = Runtime(torch.device("cpu"), rank=rank, world_size=2)
+    torch.manual_seed(100 + rank)  # each rank has its own stream, as after runtime.setup(seed + rank)
+    saver, objs = make_saver(Path(run_dir), rt=rt)
+    path = saver.save(TrainState(epoch=0, step_in_epoch=1, global_step=1), *objs, metric=None)
+    files_after_save = sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir())  # every rank waited for rank 0
+    expected = torch.rand(3)
+    found, ck = ckpt_mod.find_resume("auto", Path(run_dir), lambda m: None, rt)
+    torch.manual_seed(0)
+    ckpt_mod.restore(ck, objs[1], objs[2], objs[3], rt, saver.geometry, lambda m: None)
+    rng_ok = torch.equal(torch.rand(3), expected)
+    if rank == 0:
+        ckpt_mod.open = FullDisk(free=0)
+    try:
+        saver.save(TrainState(epoch=0, step_in_epoch=2, global_step=2), *objs, metric=None)
+        error = None
+    except UsageError as e:
+        error = str(e)
+    Path(results, f"rank{rank}.json").write_text(json.dumps(
+        {"path": str(path), "found": str(found), "files": files_after_save, "rng_ok": rng_ok, "n_rng": len(ck["rng"]),
+         "error": error}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_two_ranks_rank0_writes_all_wait_and_a_failed_save_stops_every_rank(tmp_path):
+    run_dir, results = tmp_path / "run", tmp_path / "results"
+    run_dir.mkdir(), results.mkdir()
+    torch.multiprocessing.spawn(_two_rank_worker, args=(str(run_dir), str(results)), nprocs=2, join=True)
+    r0, r1 = (json.loads((results / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["path"] == r1["path"] == r0["found"] == r1["found"]  # one file, chosen by rank 0, loaded by both
+    assert r1["files"] == ["ckpt-e000-s0000001.pt", "status.json"]  # rank 1 saw rank 0's finished save
+    assert r0["rng_ok"] and r1["rng_ok"] and r0["n_rng"] == 2  # each rank got its own stream back
+    assert "No space left on device" in r0["error"] and r0["error"] == r1["error"]  # no rank left waiting
+    assert [p.name for p in find_checkpoints(run_dir)] == ["ckpt-e000-s0000001.pt"]

@@ -82,21 +82,28 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "k, extra",
+    "stops, extra",
     [
-        pytest.param(5, [], id="mid-epoch"),
-        pytest.param(STEPS_PER_EPOCH, [], id="epoch-boundary"),
-        pytest.param(10, ["data.num_workers=2"], id="mid-epoch-2-workers"),
+        pytest.param([5], [], id="mid-epoch"),
+        pytest.param([STEPS_PER_EPOCH], [], id="epoch-boundary"),
+        pytest.param([10], ["data.num_workers=2"], id="mid-epoch-2-workers"),
+        # Resumed mid-epoch 0, then paused 4 steps into epoch 1: the epoch after a resumed one must
+        # still count its full length (it once took the resumed epoch's remainder and ended early).
+        pytest.param([3, 8], [], id="two-pauses"),
     ],
 )
-def test_stop_and_resume_is_bit_identical(reference, tmp_path, k, extra):
+def test_stop_and_resume_is_bit_identical(reference, tmp_path, stops, extra):
+    """Pause after each of `stops` steps (run.stop_after_steps counts per invocation), then finish."""
     ref_dir, ref = reference
-    first = run(tmp_path, *extra, f"run.stop_after_steps={k}")
-    assert first["paused"] and first["global_step"] == k
-    assert not (tmp_path / "last.safetensors").exists()  # a pause is not the end of training
-    ckpt = load_checkpoint(find_checkpoints(tmp_path)[0])
-    assert ckpt["train_state"]["global_step"] == k
-    assert ckpt["sampler"]["epoch"] * STEPS_PER_EPOCH + ckpt["sampler"]["batches_done"] == k
+    step = 0
+    for i, k in enumerate(stops):
+        first = run(tmp_path, *extra, f"run.stop_after_steps={k}", *(["checkpoint.resume=auto"] if i else []))
+        step += k
+        assert first["paused"] and first["global_step"] == step
+        assert not (tmp_path / "last.safetensors").exists()  # a pause is not the end of training
+        ckpt = load_checkpoint(find_checkpoints(tmp_path)[0])
+        assert ckpt["train_state"]["global_step"] == step
+        assert ckpt["sampler"]["epoch"] * STEPS_PER_EPOCH + ckpt["sampler"]["batches_done"] == step
     done = run(tmp_path, *extra, "checkpoint.resume=auto")
     assert not done["paused"]
     assert_same_run(ref_dir, ref, tmp_path, done)

@@ -116,6 +116,11 @@ def test_iterating_a_dataloader_leaves_the_model_rng_untouched():
     assert not torch.equal(torch.get_rng_state(), before)
 
 
+def test_a_loader_drawing_global_random_numbers_gets_fresh_ones_per_batch():
+    batches = list(rng_isolated((torch.rand(2) for _ in range(3)), torch.device("cpu")))
+    assert not torch.equal(batches[0], batches[1]) and not torch.equal(batches[1], batches[2])  # no replay
+
+
 def test_atomic_write_failure_keeps_the_old_file(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"old contents")
@@ -152,6 +157,19 @@ def test_saves_every_n_epochs_every_n_steps_and_at_the_end(tmp_path):
     assert [(e["epoch"], e["step_in_epoch"], e["step"]) for e in history] == [
         (0, 8, 8), (1, 5, 16), (2, 0, 22), (2, 2, 24), (2, 10, 32), (3, 0, 33)]
     assert [e["metric"] is None for e in history] == [True, True, False, True, True, False]
+
+
+def test_resume_from_an_explicit_file_or_run_folder(tmp_path):
+    a = tmp_path / "a"
+    fast_run(a, "run.stop_after_steps=2", "checkpoint.every_steps=1")
+    s2, s1 = find_checkpoints(a)
+    # A run folder resumes from its newest checkpoint; the new run saves into its own folder.
+    assert fast_run(tmp_path / "b", f"checkpoint.resume={a}", "run.stop_after_steps=1")["global_step"] == 3
+    # An explicit older file of the same folder: the newer one is another timeline now, set aside
+    # so that a later `resume: auto` cannot pick it.
+    assert fast_run(a, f"checkpoint.resume={s1}", "run.stop_after_steps=2", "checkpoint.every_steps=5")["global_step"] == 3
+    assert [p.name for p in find_checkpoints(a)] == ["ckpt-e000-s0000003.pt", s1.name]
+    assert [p.name for p in (a / "checkpoints").glob("superseded-*/*.pt")] == [s2.name]
 
 
 # ---------------------------------------------------------------- exported weights

@@ -96,24 +96,40 @@ def _tuplify(x):
 
 
 def rng_isolated(iterable, device: torch.device):
-    """Iterate `iterable` without letting it draw from the global torch RNGs that the model uses.
+    """Iterate `iterable` on its own torch RNG stream, leaving the global one to the model.
 
     A DataLoader draws a base seed from the global generator every time an iterator is created
-    (and persistent workers only on the first epoch of a process), so a resumed run would see a
-    different dropout/stochastic-depth stream than an uninterrupted one. Data order and augmentation
-    have their own seeds (data.core.sample_seed); isolating the loader keeps the model's stream a
+    (persistent workers: only in a process's first epoch), so a resumed run would see another
+    dropout/stochastic-depth stream than an uninterrupted one. Data order and augmentation have
+    their own seeds (data.core.sample_seed); giving the loader a separate stream keeps the model's a
     function of the optimizer steps alone, which is what makes mid-epoch resume bit-exact.
-    Costs one CPU RNG state copy (~5 KB) per batch.
+    The loader's stream starts as a copy of the global one and then advances on its own, so a
+    loader that does draw from the global RNG per batch gets fresh numbers, not a replay.
+    Costs two CPU RNG state copies (~5 KB each) per batch, plus the device's on CUDA.
     """
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        it = iter(iterable)
+    cuda = device.type == "cuda"
+
+    def get():
+        return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if cuda else None)
+
+    def put(state) -> None:
+        torch.set_rng_state(state[0])
+        if cuda:
+            torch.cuda.set_rng_state(state[1], device)
+
+    loader_rng, it = get(), None
     while True:
-        with torch.random.fork_rng(devices=devices):
-            try:
-                item = next(it)
-            except StopIteration:
-                return
+        model_rng = get()
+        put(loader_rng)
+        try:
+            if it is None:
+                it = iter(iterable)
+            item = next(it)
+        except StopIteration:
+            return
+        finally:
+            loader_rng = get()
+            put(model_rng)
         yield item
 
 
@@ -481,6 +497,8 @@ def _find_resume(resume: str | None, run_dir: Path | None, log) -> tuple[Path | 
         return None, None
     if resume != "auto":
         p = Path(resume)
+        if p.is_dir() and p.name == "checkpoints" and not find_checkpoints(p):
+            p = p.parent  # the run's checkpoints/ folder itself
         if p.is_dir():
             if not find_checkpoints(p):
                 raise UsageError(f"checkpoint.resume={resume}: no checkpoints/ckpt-*.pt in that folder. "
@@ -492,7 +510,8 @@ def _find_resume(resume: str | None, run_dir: Path | None, log) -> tuple[Path | 
         return p, load_checkpoint(p)
     candidates = find_checkpoints(run_dir) if run_dir is not None else []
     if not candidates:
-        log(f"checkpoint.resume=auto: no checkpoint in {run_dir}; starting from scratch")
+        log(f"checkpoint.resume=auto: no checkpoint in {run_dir}; starting from scratch "
+            "(to continue a run, set run.dir to its folder or use `torchsprint train --resume RUN_DIR`)")
         return None, None
     for p in candidates:
         try:

@@ -92,9 +92,9 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         logger.advance()
         if state.global_step % cfg.log.every_steps == 0:
             mean_loss = (loss_sum / log_steps).item()  # note: a CPU-GPU sync point, once per log step
-            check_finite(mean_loss, state, cfg.precision.on_nonfinite)
+            check_finite(prec, state)
             now = time.perf_counter()
-            stats = {"train/loss": mean_loss, "train/lr": opt.param_groups[0]["lr"],
+            stats = {"train/loss": mean_loss, "train/lr": opt.param_groups[0]["lr"], "train/skipped_steps": state.skipped_steps,
                      "train/images_per_s": log_images / max(now - t_log, 1e-9), "epoch": state.epoch}
             logger.scalars(state.global_step, stats, "train")
             logger.step_stats(f"loss {mean_loss:.4f}  lr {stats['train/lr']:.3g}  {stats['train/images_per_s']:.0f} img/s")
@@ -108,17 +108,19 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         if stop_at is not None and state.global_step >= stop_at:
             break
     logger.end_epoch()
+    check_finite(prec, state)  # count the steps since the last log step too (all ranks call it: it reduces)
     seconds = time.perf_counter() - t_start
     return {"images": images_seen, "seconds": seconds, "data_wait": data_wait,
             "finished_epoch": state.step_in_epoch >= steps_per_epoch}
 
 
-def check_finite(loss: float, state: TrainState, on_nonfinite: str) -> None:
-    if not math.isfinite(loss):
-        if on_nonfinite == "stop":
-            raise FloatingPointError(f"non-finite training loss {loss} at step {state.global_step}; stopping "
-                                     "(precision.on_nonfinite=stop). Lower optim.lr or set optim.clip_grad_norm.")
-        state.skipped_steps += 1
+def check_finite(prec, state: TrainState) -> None:
+    """Add the steps skipped for non-finite loss/gradients since the last check to state.skipped_steps.
+
+    Precision counts them on the device (no per-step host sync) and raises FloatingPointError
+    here under precision.on_nonfinite=stop. Note: a CPU-GPU sync point, at log steps and epoch ends.
+    """
+    state.skipped_steps += prec.pop_nonfinite(state.global_step)
 
 
 @torch.inference_mode()

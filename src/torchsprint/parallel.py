@@ -1,7 +1,18 @@
-"""wrap_model(model, strategy, rt): single device, nn.DataParallel or DistributedDataParallel."""
+"""wrap_model: device, SyncBN, precision, CUDA graphs, single/DataParallel/DDP, torch.compile; rank agreement helpers.
+
+The order of `wrap_model` is fixed by what each layer needs to see:
+device -> channels_last -> SyncBatchNorm -> half weights (Precision.prepare) -> CUDA graphs
+(captured on the plain module, before DDP, so gradient all-reduces stay outside the graph)
+-> DataParallel/DDP -> torch.compile (outermost, so dynamo's DDPOptimizer can split the graph
+at DDP bucket boundaries and overlap all-reduce with backward).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -9,47 +20,273 @@ from torch import nn
 
 from torchsprint.errors import UsageError
 
+# ---------------------------------------------------------------- SyncBatchNorm
 
-def wrap_model(model: nn.Module, strategy_cfg, rt) -> nn.Module:
-    """Move the model to rt.device and wrap it for the configured strategy.
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks whose backward sums the gradient over ranks (each rank's loss depends on every
+    rank's input through the sum). Written out because torch.distributed.nn's is deprecated and the
+    functional collectives' autograd support is recent."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        torch.distributed.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad)
+        return grad
+
+
+class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm whose training statistics are reduced over all ranks, for CPU tensors (gloo).
+
+    torch.nn.SyncBatchNorm only runs on GPUs (its kernels are CUDA-only), so CPU DDP gets this
+    one: per-channel sums go through an autograd-aware all-reduce whose backward all-reduces the
+    gradient, which gives exactly the gradients of one BatchNorm over
+    the global batch. The mean and the variance are reduced in two passes (sum, then sum of
+    squared deviations) to avoid E[x^2] - E[x]^2 cancellation. It subclasses _BatchNorm only to
+    keep the same parameters, buffers and state_dict keys as the layer it replaces.
+    """
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (N, C, ...), got {x.dim()}D")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not (self.training and distributed and torch.distributed.get_world_size() > 1):
+            return super().forward(x)
+        all_reduce = _AllReduceSum.apply
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        xf = x.float()  # statistics in fp32 whatever the activation dtype (bf16 weights keep BN in fp32)
+        count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float32, device=x.device)
+        sums = all_reduce(torch.cat([xf.sum(dims), count]))
+        n = sums[-1]
+        mean = sums[:-1] / n
+        centered = xf - mean.view(shape)
+        var = all_reduce(centered.square().sum(dims)) / n  # biased, as BatchNorm normalises with
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+                unbiased = var * n / (n - 1).clamp(min=1)
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+        y = centered * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            y = y * self.weight.float().view(shape) + self.bias.float().view(shape)
+        return y.to(x.dtype)
+
+
+_PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def to_gloo_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every torch BatchNorm1d/2d/3d by GlooSyncBatchNorm, sharing parameters and buffers."""
+    if type(module) in _PLAIN_BN:
+        out = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        if module.affine:
+            out.weight, out.bias = module.weight, module.bias
+        out.running_mean, out.running_var = module.running_mean, module.running_var
+        out.num_batches_tracked = module.num_batches_tracked
+        out.train(module.training)
+        return out
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlooSyncBatchNorm | nn.SyncBatchNorm):
+        raise UsageError(
+            f"strategy.sync_bn on CPU cannot convert {type(module).__name__} (only torch's BatchNorm1d/2d/3d have a "
+            "CPU SyncBatchNorm). Train on GPUs for SyncBatchNorm with this model, or set strategy.sync_bn=false."
+        )
+    for name, child in module.named_children():
+        new = to_gloo_sync_batchnorm(child)
+        if new is not child:
+            setattr(module, name, new)
+    return module
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """BatchNorm -> SyncBatchNorm: timm's converter when timm is installed (it also converts timm's
+    BatchNormAct layers, which torch's converter would turn into plain SyncBatchNorm and lose the
+    activation), torch's otherwise; GlooSyncBatchNorm on CPU."""
+    if device.type == "cpu":
+        return to_gloo_sync_batchnorm(model)
+    try:
+        from timm.layers import convert_sync_batchnorm as timm_convert
+    except ImportError:  # timm is optional; torch's converter handles every torch BatchNorm
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return timm_convert(model)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+
+class CudaGraphed(nn.Module):
+    """Replays a captured CUDA graph of the module's forward and backward for training batches of the
+    captured shape, dtype and layout; runs the module eagerly otherwise (eval, a last partial batch).
+
+    Partial-network capture (torch.cuda.make_graphed_callables): the loss, the optimizer step and
+    DDP's gradient all-reduce stay eager, so gradient accumulation, GradScaler and the non-finite
+    skip work unchanged. PyTorch's CUDA-graph notes: capture the network before wrapping it in DDP.
+    """
+
+    _torchsprint_wrapper = True
+
+    def __init__(self, module: nn.Module, example: torch.Tensor, prec):
+        super().__init__()
+        self.key = (tuple(example.shape), example.dtype, example.stride())
+        # Warm-up and capture run real forwards; keep BatchNorm statistics as they were before.
+        saved = {k: v.clone() for k, v in module.state_dict().items()}
+        sample = example.detach().clone().requires_grad_(False)
+        with prec.autocast():  # capture inside autocast (cache disabled) so the graph holds the casts
+            graphed = torch.cuda.make_graphed_callables(module, (sample,))
+        module.load_state_dict(saved)
+        self.module = graphed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and (tuple(x.shape), x.dtype, x.stride()) == self.key:
+            return self.module(x)  # graphed (make_graphed_callables checks module.training too)
+        return type(self.module).forward(self.module, x)  # the class's eager forward
+
+
+def capture_cuda_graphs(model: nn.Module, example: Callable[[], torch.Tensor] | None, prec) -> nn.Module:
+    """Capture `model`'s training forward/backward as CUDA graphs for a batch like `example()`."""
+    if example is None:
+        raise UsageError("speed.cuda_graphs needs an example batch (pass example= to wrap_model).")
+    model.train()
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device]):  # drawing a batch must not shift the model's RNG stream
+        batch = example()
+    return CudaGraphed(model, batch, prec)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch.compile's inductor would use on CPU (CXX, else g++/clang++/cl), if present."""
+    default = "cl" if sys.platform == "win32" else "clang++" if sys.platform == "darwin" else "g++"
+    return shutil.which(os.environ.get("CXX") or default)
+
+
+def check_speed(speed_cfg, strategy_cfg, device: torch.device) -> None:
+    """Refuse speed switches this machine or combination cannot run, naming what to use instead."""
+    if speed_cfg.compile:
+        import torch._dynamo
+
+        if not torch._dynamo.is_dynamo_supported():
+            raise UsageError(
+                f"speed.compile=true: torch.compile does not support this platform (Python "
+                f"{sys.version_info.major}.{sys.version_info.minor} on {sys.platform}, torch {torch.__version__}). "
+                "Set speed.compile=false (channels_last and AMP still apply)."
+            )
+        backend = getattr(speed_cfg, "compile_backend", "inductor")
+        if backend == "inductor" and device.type == "cuda":
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                raise UsageError("speed.compile=true on CUDA needs Triton (pip install triton) for the inductor "
+                                 "backend. Install it, or set speed.compile=false.")
+        if backend == "inductor" and device.type == "cpu" and cpp_compiler() is None:
+            raise UsageError("speed.compile=true on CPU needs a C++ compiler for the inductor backend (g++ or "
+                             "clang++ on PATH, or CXX); none was found. Install one, or set speed.compile=false.")
+    if speed_cfg.cuda_graphs:
+        if device.type != "cuda":
+            raise UsageError("speed.cuda_graphs=true needs a CUDA device; on CPU set speed.cuda_graphs=false.")
+        if speed_cfg.compile:
+            raise UsageError("speed.cuda_graphs and speed.compile both capture the model: use one. For CUDA graphs "
+                             "inside torch.compile, set speed.compile_mode=reduce-overhead and speed.cuda_graphs=false.")
+        if strategy_cfg.name == "dp":
+            raise UsageError("speed.cuda_graphs does not work with strategy=dp (DataParallel replicates the model "
+                             "every step). Use strategy=ddp.")
+        if strategy_cfg.sync_bn:
+            raise UsageError("speed.cuda_graphs cannot capture SyncBatchNorm's all-reduces inside the forward. "
+                             "Set strategy.sync_bn=false or speed.cuda_graphs=false.")
+
+
+# ---------------------------------------------------------------- wrapping
+
+
+def _compile(model: nn.Module, speed_cfg) -> nn.Module:
+    kwargs = {"fullgraph": speed_cfg.fullgraph, "backend": getattr(speed_cfg, "compile_backend", "inductor")}
+    if speed_cfg.compile_mode:
+        kwargs["mode"] = speed_cfg.compile_mode
+    return torch.compile(model, **kwargs)
+
+
+def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
+               example: Callable[[], torch.Tensor] | None = None, log: Callable[[str], None] | None = None) -> nn.Module:
+    """Make the model ready to train: device, memory format, SyncBN, precision, CUDA graphs, strategy, compile.
 
     Args:
         model: the initialised, unwrapped model.
-        strategy_cfg: the `strategy` section.
-        rt: the Runtime.
+        strategy_cfg: the `strategy` section (name, sync_bn, DDP options).
+        rt: the Runtime; several processes mean DDP (strategy single or ddp).
+        speed_cfg: the `speed` section (channels_last, compile, cuda_graphs); None: all off.
+        prec: the Precision; its `prepare` gives half-weight modes their fp16/bf16 model.
+        example: returns one training input batch (only called for speed.cuda_graphs).
+        log: where to say what was chosen and why (rank 0's logger.info); None: silent.
     """
+    log = log or (lambda msg: None)
     model = model.to(rt.device)
+    if speed_cfg is not None:
+        check_speed(speed_cfg, strategy_cfg, rt.device)
+        if speed_cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
     name = strategy_cfg.name
-    if name == "single":
-        return model
     if name == "dp":
         if rt.device.type != "cuda":
-            raise UsageError("strategy=dp (nn.DataParallel) needs CUDA GPUs; on CPU use strategy=single or ddp.")
-        # DataParallel replicates the model every step from one process and gathers outputs on
-        # GPU 0; DDP (one process per GPU, overlapped all-reduce) is faster and scales better.
-        return nn.DataParallel(model)
-    if not rt.distributed:
-        return model  # ddp in one process is the single-device case: nothing to synchronise
+            raise UsageError("strategy=dp (nn.DataParallel) needs CUDA GPUs; on CPU use strategy=single, or "
+                             "strategy=ddp with --nproc-per-node N for several processes.")
+        log("[yellow]strategy=dp: nn.DataParallel is slower than DDP[/]: one Python process drives every GPU "
+            "(GIL-bound), replicates the model and scatters inputs every step, and gathers outputs on GPU 0. "
+            "DDP runs one process per GPU and overlaps the gradient all-reduce with backward: "
+            "use strategy=ddp with `torchsprint train --nproc-per-node N`.")
     if strategy_cfg.sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return nn.parallel.DistributedDataParallel(
-        model,
-        device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-        find_unused_parameters=strategy_cfg.find_unused_parameters,
-        static_graph=strategy_cfg.static_graph,
-        bucket_cap_mb=strategy_cfg.bucket_cap_mb,
-    )
+        if rt.distributed:
+            model = convert_sync_batchnorm(model, rt.device)
+        else:
+            log("strategy.sync_bn: one process, nothing to synchronise (BatchNorm left as is)")
+    if prec is not None:
+        model = prec.prepare(model)
+    if speed_cfg is not None and speed_cfg.cuda_graphs:
+        model = capture_cuda_graphs(model, example, prec)
+    if name == "dp":
+        if torch.cuda.device_count() < 2:
+            log("[yellow]strategy=dp with one GPU: DataParallel adds overhead and no speed; use strategy=single[/]")
+        model = nn.DataParallel(model)
+    elif rt.distributed:
+        model = nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+            find_unused_parameters=strategy_cfg.find_unused_parameters,
+            static_graph=strategy_cfg.static_graph,
+            bucket_cap_mb=strategy_cfg.bucket_cap_mb,
+        )
+    if speed_cfg is not None and speed_cfg.compile:
+        model = _compile(model, speed_cfg)
+    return model
 
 
 def no_sync(model: nn.Module):
-    """DDP's no_sync() (skip the gradient all-reduce on accumulation micro-steps); a null context otherwise."""
-    return model.no_sync() if isinstance(model, nn.parallel.DistributedDataParallel) else nullcontext()
+    """DDP's no_sync() (skip the gradient all-reduce on accumulation micro-steps); a null context otherwise.
+
+    Looks through torch.compile's wrapper, which sits outside DDP.
+    """
+    inner = getattr(model, "_orig_mod", model)
+    return inner.no_sync() if isinstance(inner, nn.parallel.DistributedDataParallel) else nullcontext()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside DataParallel / DDP / torch.compile wrappers."""
+    """The plain module inside DataParallel / DDP / torch.compile / torchsprint's precision and graph wrappers."""
     while True:
-        if isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+        if isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel) or getattr(
+            model, "_torchsprint_wrapper", False
+        ):
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod
@@ -57,8 +294,66 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+# ---------------------------------------------------------------- collectives
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over ranks in place (no-op without a process group)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(t)
     return t
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Max of a tensor over ranks in place (no-op without a process group)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t
+
+
+def agree_min(n: int, rt) -> int:
+    """The smallest `n` over all ranks, through the host-side control group; `n` itself in one process.
+
+    Costs one small gloo all-reduce of a CPU tensor: no GPU stream sync (see Runtime.control_group).
+    """
+    if not rt.distributed:
+        return n
+    t = torch.tensor([n], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=rt.control_group)
+    return int(t.item())
+
+
+class AgreedLoader:
+    """A training loader whose ranks agree, batch by batch, that every rank still has data.
+
+    DDP hangs when one rank runs out of batches while another starts a step that all-reduces
+    gradients. Before yielding each batch, the ranks agree (one MIN all-reduce of a 0/1 flag) that
+    all of them got one; the first rank without data ends the epoch for all. `len` is the smallest
+    length over ranks, agreed once at construction, so every rank counts the same steps per epoch.
+    """
+
+    def __init__(self, loader, rt):
+        self.loader, self.rt = loader, rt
+        self.length = agree_min(len(loader), rt)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.loader.set_epoch(epoch, start_batch)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        it = iter(self.loader)
+        while True:
+            batch = next(it, None)
+            if agree_min(int(batch is not None), self.rt) == 0:
+                return
+            yield batch
+
+    def __getattr__(self, name):  # skipped-sample lists and other backend attributes
+        return getattr(self.loader, name)
+
+
+def agree_on_data(loader, rt):
+    """Wrap a training loader so that uneven per-rank loaders cannot hang DDP; the loader itself in one process."""
+    return AgreedLoader(loader, rt) if rt.distributed else loader

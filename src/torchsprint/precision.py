@@ -1,6 +1,22 @@
-"""Precision: autocast(), backward(loss), step(opt) and a checkpointable gradient scaler, for every mode.
+"""Precision: autocast(), prepare(model), backward(loss), step(opt) and a checkpointable state, for every mode.
 
-Off is a no-op object, not a branch: fp32 autocast is a null context and its scaler is disabled.
+Modes (apex levels as aliases in config.py: O0 = fp32, O1 = amp_fp16, O2 = fp16):
+  fp32      everything fp32; autocast is a null context, the scaler is disabled (off is a no-op object).
+  amp_fp16  fp32 weights, fp16 autocast, dynamic loss scaling (GradScaler). CUDA only.
+  amp_bf16  fp32 weights, bf16 autocast, no scaling (bf16 has fp32's exponent range). CUDA and CPU.
+  fp16      half weights (apex O2): the model runs in fp16 with BatchNorm kept in fp32, the optimizer
+            updates fp32 master copies, the loss is scaled. CUDA only.
+  bf16      like fp16 with bf16 weights and no scaling. CUDA and CPU.
+
+Non-finite values (precision.on_nonfinite):
+  skip  a step whose gradients hold inf/NaN is not applied (parameters and optimizer state untouched)
+        and is counted. With a loss scaler (amp_fp16, fp16) this rides on GradScaler's own on-device
+        inf check, which also backs the scale off. Without one (fp32, amp_bf16, bf16) the decision must
+        be made before the update, so it reads one on-device flag: free on CPU, but on CUDA one host
+        sync per step (the CPU waits for the step's kernels before queueing the next ones). No sync-free
+        alternative skips exactly: zeroing the gradients still moves momentum and weight decay.
+  stop  no per-step sync at all: non-finite losses are counted on the device and read when the engine
+        checks (log steps, epoch ends), which then stops the run. The fastest choice for fp32/bf16 on GPU.
 """
 
 from __future__ import annotations
@@ -8,54 +24,228 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_map
 
 from torchsprint.errors import UsageError
 
 _AUTOCAST = {"amp_fp16": torch.float16, "amp_bf16": torch.bfloat16}
+_HALF_WEIGHTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_SCALED = ("amp_fp16", "fp16")  # fp16's 5-bit exponent underflows small gradients without loss scaling
+
+
+class HalfModel(nn.Module):
+    """Runs `module` in half precision: floating inputs are cast to `dtype` on the way in and floating
+    outputs back to fp32 on the way out, so the loss is computed in fp32 (apex O2's casts).
+    """
+
+    _torchsprint_wrapper = True  # parallel.unwrap looks through it; its `module.` prefix is stripped on save
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, *args, **kwargs):
+        def cast_in(t):
+            return t.to(self.dtype) if torch.is_tensor(t) and t.is_floating_point() else t
+
+        def cast_out(t):
+            return t.float() if torch.is_tensor(t) and t.is_floating_point() else t
+
+        return tree_map(cast_out, self.module(*tree_map(cast_in, args), **tree_map(cast_in, kwargs)))
+
+
+def check_mode(mode: str, device: torch.device) -> None:
+    """Refuse a precision this device cannot run, naming what to use instead."""
+    if mode in ("amp_fp16", "fp16") and device.type == "cpu":
+        raise UsageError(f"precision={mode} needs a CUDA device (CPUs have no fast fp16 math); "
+                         "on CPU use precision=amp_bf16 (CPU autocast), bf16 or fp32.")
+    if mode in ("amp_bf16", "bf16") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UsageError(f"precision={mode}: this GPU has no bfloat16 support (needs compute capability 8.0+, "
+                         "Ampere or newer). Use precision=amp_fp16.")
 
 
 class Precision:
     """Numeric precision of one run.
 
     Args:
-        mode: fp32 | amp_fp16 | amp_bf16 (fp16/bf16 half-weight modes are refused for now).
+        mode: fp32 | amp_fp16 | amp_bf16 | fp16 | bf16.
         device: the training device.
+        on_nonfinite: 'skip' (skip and count a step with non-finite gradients) or 'stop' (raise at the
+            next check); see the module docstring for what each costs.
+        graph_safe: disable autocast's weight-cast cache, which CUDA graph capture does not support.
     """
 
-    def __init__(self, mode: str, device: torch.device):
-        if mode in ("fp16", "bf16"):
-            raise UsageError(
-                f"precision={mode} (half weights, apex O2) is not implemented yet; use amp_fp16 (O1) or amp_bf16."
-            )
-        if mode == "amp_fp16" and device.type == "cpu":
-            raise UsageError("precision=amp_fp16 needs a CUDA device; on CPU use precision=amp_bf16 or fp32.")
-        self.mode, self.device = mode, device
+    def __init__(self, mode: str, device: torch.device, *, on_nonfinite: str = "skip", graph_safe: bool = False):
+        check_mode(mode, device)
+        self.mode, self.device, self.on_nonfinite, self.graph_safe = mode, device, on_nonfinite, graph_safe
         self.dtype = _AUTOCAST.get(mode)
-        # Only fp16 needs loss scaling: bf16 has fp32's exponent range.
-        self.scaler = torch.amp.GradScaler(device.type, enabled=mode == "amp_fp16")
+        self.half = _HALF_WEIGHTS.get(mode)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=mode in _SCALED)
+        self.masters: list[tuple[nn.Parameter, torch.Tensor]] = []  # (half parameter, fp32 master)
+        self._half_data: list[torch.Tensor] | None = None  # the half storages while masters are swapped in
+        # On-device counters, read only by pop_nonfinite (no host sync in the step).
+        self._bad_loss = torch.zeros((), dtype=torch.int64, device=device)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype the model wants its images in (loaders can normalise straight into it)."""
+        return self.half or torch.float32
+
+    # ------------------------------------------------------------ forward
 
     def autocast(self):
-        """Context for forward + loss: torch.autocast in AMP modes, a null context in fp32."""
+        """Context for forward + loss: torch.autocast in AMP modes, a null context otherwise."""
         if self.dtype is None:
             return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=False if self.graph_safe else None)
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Half-weight modes: fp32 master copies of the trainable weights, then the model in fp16/bf16
+        with BatchNorm in fp32, wrapped in HalfModel. Other modes: the model unchanged.
+
+        Call before DDP wraps the model (DDP sizes its buckets by parameter dtype) and before the
+        optimizer is built (its state is created in fp32 because steps run on the masters).
+        """
+        if self.half is None:
+            return model
+        keep_fp32 = set()
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):  # apex O2's keep_batchnorm_fp32
+                keep_fp32.update(id(p) for p in m.parameters(recurse=False))
+        params = [p for p in model.parameters() if p.is_floating_point() and id(p) not in keep_fp32]
+        self.masters = [(p, p.detach().float().clone()) for p in params if p.requires_grad]
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                continue
+            for p in m.parameters(recurse=False):
+                if p.is_floating_point():
+                    p.data = p.data.to(self.half)
+            for name, b in m.named_buffers(recurse=False):
+                if b.is_floating_point():
+                    setattr(m, name, b.to(self.half))
+        return HalfModel(model, self.half)
+
+    # ------------------------------------------------------------ backward and step
 
     def backward(self, loss: torch.Tensor) -> None:
+        """(Scaled) backward; counts a non-finite loss on the device without syncing."""
+        self._bad_loss += (~torch.isfinite(loss.detach())).to(torch.int64)
         self.scaler.scale(loss).backward()
 
     def unscale_(self, opt: torch.optim.Optimizer) -> None:
-        """Make .grad hold true gradients (before clipping); no-op when the scaler is off."""
+        """Make .grad hold true fp32 gradients (before clipping); no-op in fp32/amp_bf16."""
+        self._swap_in_masters()
         if self.scaler.is_enabled():
             self.scaler.unscale_(opt)
 
     def step(self, opt: torch.optim.Optimizer) -> None:
-        """opt.step() (skipped by the scaler when fp16 gradients overflowed), then update the scale."""
-        self.scaler.step(opt)
-        self.scaler.update()
+        """opt.step(), unless the gradients are non-finite (skipped and counted, see on_nonfinite)."""
+        self._swap_in_masters()
+        if self.scaler.is_enabled():
+            self.scaler.step(opt)  # skips the update when the (unscaled) gradients hold inf/NaN
+            # Private but stable (Lightning reads it too): the found-inf flags of this step, before
+            # update() clears them; summing keeps the count on the device.
+            found = sum(self.scaler._found_inf_per_device(opt).values(), torch.zeros((), device=self.device))
+            self._skipped += (found > 0).to(torch.int64)
+            self.scaler.update()
+        elif self.on_nonfinite == "skip":
+            bad = ~torch.isfinite(grad_max_abs(opt))
+            self._skipped += bad.to(torch.int64)
+            if not bad.item():  # note: a CPU-GPU sync point per step on CUDA (fp32/bf16 + skip only)
+                opt.step()
+        else:
+            opt.step()
+        self._swap_out_masters()
+
+    def pop_nonfinite(self, step: int) -> int:
+        """Steps skipped since the last call (max over ranks); raises FloatingPointError under stop.
+
+        Note: a CPU-GPU sync point; the engine calls it at log steps and epoch ends only.
+        """
+        from torchsprint.parallel import all_reduce_max
+
+        counts = all_reduce_max(torch.stack([self._bad_loss, self._skipped]))
+        bad_loss, skipped = (int(v) for v in counts.tolist())
+        self._bad_loss.zero_()
+        self._skipped.zero_()
+        # With a loss scaler, skipped steps are the scaler finding its scale (expected early in a run),
+        # so only a non-finite loss stops it; without one any non-finite value does.
+        if self.on_nonfinite == "stop" and (bad_loss or (skipped and not self.scaler.is_enabled())):
+            raise FloatingPointError(
+                f"non-finite training loss or gradients by step {step} ({bad_loss} micro-batch(es) with a non-finite "
+                f"loss); stopping (precision.on_nonfinite=stop). Lower optim.lr, set optim.clip_grad_norm, or use "
+                "precision=amp_bf16/fp32 instead of fp16.")
+        return skipped
+
+    # ------------------------------------------------------------ fp32 master copies (fp16/bf16 modes)
+
+    def _swap_in_masters(self) -> None:
+        """Point each half parameter at its fp32 master, with its gradient in fp32, for the optimizer.
+
+        The optimizer keeps the model's own Parameter objects (so build_optimizer, param groups and
+        checkpoints need nothing special); only their storage is swapped for the step.
+        """
+        if not self.masters or self._half_data is not None:
+            return
+        self._half_data = []
+        for p, master in self.masters:
+            grad = p.grad
+            self._half_data.append(p.data)
+            p.data = master  # fp32 first: a grad must match its parameter's dtype
+            p.grad = None if grad is None else grad.float()
+
+    def _swap_out_masters(self) -> None:
+        """Round the updated masters into the half storages and point the parameters back at them."""
+        if self._half_data is None:
+            return
+        with torch.no_grad():
+            for (p, master), half in zip(self.masters, self._half_data):
+                half.copy_(master)
+                p.grad = None  # the fp32 gradient has served the step (the engine zeroes grads next anyway)
+                p.data = half
+        self._half_data = None
+
+    def attach(self, opt: torch.optim.Optimizer) -> None:
+        """Let `opt.load_state_dict` run with the masters swapped in (half-weight modes).
+
+        Optimizer.load_state_dict casts floating state to its parameters' dtype; with the half
+        storages in place, resumed fp32 momentum/Adam moments would be rounded to fp16/bf16.
+        """
+        if self.half is None:
+            return
+        opt.register_load_state_dict_pre_hook(lambda o, state: self._swap_in_masters())
+        opt.register_load_state_dict_post_hook(lambda o: self._swap_out_masters())
+
+    # ------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict:
-        return self.scaler.state_dict()
+        """The loss scaler's state and the fp32 master weights (half-weight modes)."""
+        return {"scaler": self.scaler.state_dict(), "masters": [m for _, m in self.masters]}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            self.scaler.load_state_dict(state)
+        """Restore state_dict(); also accepts a bare GradScaler state (older checkpoints)."""
+        if not state:
+            return
+        if "scaler" not in state and "masters" not in state:
+            state = {"scaler": state}
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        saved = state.get("masters") or []
+        if saved:
+            if len(saved) != len(self.masters):
+                raise UsageError(f"checkpoint has {len(saved)} fp32 master weights, this run {len(self.masters)}: "
+                                 "resume with the same model and precision.mode.")
+            with torch.no_grad():
+                for (p, master), s in zip(self.masters, saved):
+                    master.copy_(s)
+                    p.copy_(s)
+
+
+def grad_max_abs(opt: torch.optim.Optimizer) -> torch.Tensor:
+    """max |g| over the optimizer's gradients as a device scalar (inf/NaN propagate; no overflow)."""
+    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    if not grads:
+        return torch.zeros(())  # nothing to check: finite
+    return torch.nn.utils.get_total_norm(grads, norm_type=float("inf"))

@@ -97,7 +97,7 @@ def train(cfg, *, quiet: bool = False) -> dict:
     from torchsprint.models import build_model
     from torchsprint.models.init import apply_freeze, frozen_norm_layers, init_model
     from torchsprint.optim import build_loss, build_optimizer, build_scheduler
-    from torchsprint.parallel import wrap_model
+    from torchsprint.parallel import agree_on_data, wrap_model
     from torchsprint.precision import Precision
 
     import_modules(cfg.imports)
@@ -111,8 +111,10 @@ def train(cfg, *, quiet: bool = False) -> dict:
         logger.info(f"run folder: {run_dir}  device: {rt.device}  world size: {rt.world_size}")
 
         resume_path, ckpt = find_resume(cfg.checkpoint.resume, run_dir, logger.info, rt)
-        prec = Precision(cfg.precision.mode, rt.device)
-        loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last)
+        prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite,
+                         graph_safe=cfg.speed.cuda_graphs)
+        loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last,
+                                dtype=prec.input_dtype)
         info = loaders.info
         model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
         materialize_lazy(model, loaders.val)
@@ -122,11 +124,13 @@ def train(cfg, *, quiet: bool = False) -> dict:
                        "random": "random initialisation"}[how])
         trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
         logger.info(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
+        model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=logger.info,
+                           example=lambda: next(iter(loaders.train))[0])
+        # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
         frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
-        if cfg.speed.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        model = wrap_model(model, cfg.strategy, rt)
+        loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
         opt = build_optimizer(cfg.optim, model)
+        prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
         steps_per_epoch = -(-len(loaders.train) // cfg.optim.accum_steps)
         epochs = cfg.run.epochs
         if cfg.run.max_steps is not None:

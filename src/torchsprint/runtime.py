@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,12 +17,21 @@ from torchsprint.errors import UsageError
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this process runs. Travels explicitly to every builder that needs it (no globals)."""
+    """Where this process runs. Travels explicitly to every builder that needs it (no globals).
+
+    `control_group` is a gloo group for small host-side agreements (does every rank still have
+    data?) when the main backend is NCCL: a gloo all-reduce of a CPU flag does not wait for the
+    GPU stream, where an NCCL all-reduce read back with .item() would. None means "use the
+    default group" (gloo runs, or a single process that never communicates).
+    """
 
     device: torch.device
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    backend: str | None = None
+    control_group: Any = None
+    owns_group: bool = False  # setup() created the process group (teardown destroys only such a group)
 
     @property
     def is_main(self) -> bool:
@@ -34,6 +45,60 @@ class Runtime:
         """Wait for every rank (no-op in a single process)."""
         if self.distributed:
             torch.distributed.barrier()
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """How this process was launched: rank, world size, local rank, and where to rendezvous.
+
+    `init_method` is None for torchrun (its env:// variables MASTER_ADDR/PORT are already set),
+    or an explicit tcp:// address for a bare SLURM `srun` launch.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    source: str = "single process"
+    init_method: str | None = None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host name of a SLURM hostlist: 'gpu[07-09,12],cpu1' -> 'gpu07', 'a,b' -> 'a'.
+
+    SLURM compresses node lists; the first node hosts the rendezvous store.
+    """
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if m is None:
+        raise UsageError(f"cannot read SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR to the first node's host name.")
+    prefix, ranges = m.group(1), m.group(3)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]  # keeps zero padding: 'gpu[07-09]' -> 'gpu07'
+    return prefix + first
+
+
+def slurm_port(env: dict[str, str]) -> int:
+    """MASTER_PORT, or a port derived from the job id so that two jobs on one node don't collide."""
+    if "MASTER_PORT" in env:
+        return int(env["MASTER_PORT"])
+    return 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+
+
+def launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
+    """Read the launcher's variables: torchrun (RANK, WORLD_SIZE, LOCAL_RANK) first, then SLURM `srun`.
+
+    SLURM is used only inside a job step (SLURM_PROCID and SLURM_STEP_ID set) with SLURM_NTASKS > 1,
+    so a plain `python` in an `sbatch` script or an `salloc` shell stays a single process.
+    """
+    env = dict(os.environ) if env is None else env
+    if "WORLD_SIZE" in env:
+        return LaunchEnv(int(env.get("RANK", "0")), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")), "torchrun")
+    ntasks = int(env.get("SLURM_NTASKS", "1"))
+    if ntasks > 1 and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+        return LaunchEnv(int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", "0")), "slurm",
+                         f"tcp://{addr}:{slurm_port(env)}")
+    return LaunchEnv()
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -52,6 +117,25 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return dev
 
 
+def resolve_backend(strategy_cfg, device: torch.device) -> str:
+    """strategy.backend, with 'auto' -> NCCL on CUDA and gloo on CPU; NCCL on CPU is refused."""
+    backend = strategy_cfg.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UsageError("strategy.backend=nccl needs CUDA devices; on CPU use strategy.backend=gloo (or auto).")
+    return backend
+
+
+def check_strategy(strategy_cfg, world_size: int) -> None:
+    """Refuse a launch the strategy cannot use: DataParallel is one process driving every GPU."""
+    if world_size > 1 and strategy_cfg.name == "dp":
+        raise UsageError(
+            f"launched as {world_size} processes (torchrun/SLURM) but strategy=dp (nn.DataParallel) runs in one "
+            "process. Use strategy=ddp with several processes, or launch one process for dp."
+        )
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and every CUDA device)."""
     random.seed(seed)
@@ -60,34 +144,37 @@ def seed_everything(seed: int) -> None:
 
 
 def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
-    """Create the Runtime: read torchrun's environment, init the process group, seed, set backend flags.
+    """Create the Runtime: read the launcher's environment, init the process group, seed, set backend flags.
+
+    A run started by torchrun or `srun` with several processes is DDP even when the config says
+    strategy=single (the same config runs under `torchsprint train --nproc-per-node N` and a
+    plain `torchrun -m torchsprint train`); strategy=dp there is refused.
 
     Args:
         run_cfg: the `run` section (device, seed, deterministic).
         strategy_cfg: the `strategy` section (name, backend, timeout_s).
         speed_cfg: the `speed` section (cudnn_benchmark, tf32), optional.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(run_cfg.device, local_rank)
-    if world_size > 1 and strategy_cfg.name != "ddp":
-        raise UsageError(
-            f"launched with WORLD_SIZE={world_size} (torchrun) but strategy.name={strategy_cfg.name}. "
-            "Set strategy=ddp, or launch one process."
-        )
-    if strategy_cfg.name == "ddp" and world_size > 1 and not torch.distributed.is_initialized():
-        backend = strategy_cfg.backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        if backend == "nccl" and device.type != "cuda":
-            raise UsageError("strategy.backend=nccl needs CUDA devices; on CPU use strategy.backend=gloo (or auto).")
+    launch = launch_env()
+    device = resolve_device(run_cfg.device, launch.local_rank)
+    check_strategy(strategy_cfg, launch.world_size)
+    backend, control, owns = None, None, False
+    if launch.world_size > 1:
+        backend = resolve_backend(strategy_cfg, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        torch.distributed.init_process_group(
-            backend=backend, timeout=timedelta(seconds=strategy_cfg.timeout_s), device_id=device if backend == "nccl" else None
-        )
-    seed_everything(run_cfg.seed + rank)
+        timeout = timedelta(seconds=strategy_cfg.timeout_s)
+        owns = not torch.distributed.is_initialized()  # a caller's own group is used as is, and left alive
+        if owns:
+            # The timeout bounds every collective: a rank that died or hangs makes the others
+            # fail after `timeout_s` instead of waiting forever (gloo raises; NCCL's watchdog aborts).
+            torch.distributed.init_process_group(
+                backend=backend, init_method=launch.init_method, rank=launch.rank, world_size=launch.world_size,
+                timeout=timeout, device_id=device if backend == "nccl" else None,
+            )
+        if backend == "nccl":
+            control = torch.distributed.new_group(backend="gloo", timeout=timeout)
+    seed_everything(run_cfg.seed + launch.rank)
     if run_cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
@@ -97,10 +184,11 @@ def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
     if speed_cfg is not None and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = speed_cfg.tf32
         torch.backends.cudnn.allow_tf32 = speed_cfg.tf32
-    return Runtime(device=device, rank=rank, world_size=world_size, local_rank=local_rank)
+    return Runtime(device=device, rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
+                   backend=backend, control_group=control, owns_group=owns)
 
 
 def teardown(rt: Runtime) -> None:
-    """Destroy the process group if this process made one."""
-    if rt.distributed and torch.distributed.is_initialized():
+    """Destroy the process group if setup() made it (a group the caller initialised stays theirs)."""
+    if rt.owns_group and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

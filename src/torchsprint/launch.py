@@ -1,0 +1,165 @@
+"""`torchsprint train --nproc-per-node N [--nnodes ...]`: start DDP workers through torchrun's own launcher.
+
+The workers are `python -m torchsprint train <same arguments> strategy.name=ddp`, started by
+torch.distributed.run (the code behind `torchrun`), so a run launched here behaves exactly like
+`torchrun --nproc-per-node N -m torchsprint train ...`: same environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT), same failure handling (one failed worker stops its siblings).
+Machines: `--nnodes/--node-rank/--rdzv-endpoint`, or SLURM's variables when run under `srun`
+with one task per node.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from torchsprint.errors import UsageError
+
+DEFAULT_PORT = 29500
+
+
+def node_settings(args, env: dict[str, str]) -> tuple[str, int, str | None]:
+    """(nnodes, node_rank, rendezvous endpoint) from the flags, else from SLURM, else one machine.
+
+    Args:
+        args: the parsed `train` arguments (nnodes, node_rank, rdzv_endpoint).
+        env: the environment (os.environ).
+    """
+    if args.nnodes is not None or args.rdzv_endpoint is not None:
+        nnodes = str(args.nnodes or "1")
+        multi = nnodes != "1"
+        if multi and args.rdzv_endpoint is None:
+            raise UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (a host every machine can reach, "
+                             "e.g. the first node's name and a free port), run on every machine.")
+        return nnodes, args.node_rank or 0, args.rdzv_endpoint
+    nnodes_slurm = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
+    if nnodes_slurm > 1 and "SLURM_NODEID" in env:
+        from torchsprint.runtime import first_slurm_host, slurm_port
+
+        ntasks = int(env.get("SLURM_NTASKS", str(nnodes_slurm)))
+        if ntasks != nnodes_slurm:
+            raise UsageError(
+                f"under srun with {ntasks} tasks on {nnodes_slurm} nodes: --nproc-per-node needs one task per node "
+                "(srun --ntasks-per-node=1). Or drop --nproc-per-node and let srun start one task per GPU: "
+                "torchsprint reads SLURM_PROCID/SLURM_NTASKS itself.")
+        host = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+        return str(nnodes_slurm), int(env["SLURM_NODEID"]), f"{host}:{slurm_port(env)}"
+    return "1", 0, None
+
+
+def check_nproc(nproc: int, device_type: str, gpus: int) -> None:
+    """Refuse more DDP processes per machine than it has GPUs (on a CUDA run), or fewer than one."""
+    if nproc < 1:
+        raise UsageError(f"--nproc-per-node {nproc}: needs at least 1 process.")
+    if device_type == "cuda" and nproc > gpus:
+        raise UsageError(
+            f"--nproc-per-node {nproc} but this machine has {gpus} GPU(s): DDP runs one process per GPU. "
+            f"Use --nproc-per-node {gpus} (or fewer), or run.device=cpu to train on CPU processes (gloo)."
+        )
+
+
+def config_source(args) -> tuple[str | None, list[str]]:
+    """The config path and overrides the workers will load, as `cmd_train` computes them."""
+    path, overrides = args.config, list(args.overrides)
+    if args.resume:
+        if not Path(args.resume).is_dir():
+            raise UsageError(f"--resume {args.resume}: no such run folder.")
+        path = path or str(Path(args.resume) / "config.yaml")
+        overrides += [f"run.dir={args.resume}", "checkpoint.resume=auto"]
+    return path, overrides + ["strategy.name=ddp"]
+
+
+def preflight(args):
+    """Load the config and refuse what the workers would refuse, once, before starting any of them."""
+    import torch
+
+    from torchsprint import config
+    from torchsprint.parallel import check_speed
+    from torchsprint.precision import check_mode
+    from torchsprint.runtime import resolve_backend, resolve_device
+
+    path, overrides = config_source(args)
+    cfg = config.load(path, overrides)
+    device = resolve_device(cfg.run.device)
+    if device.type == "cuda" and cfg.run.device not in ("auto", "cuda"):
+        raise UsageError(f"run.device={cfg.run.device} pins every DDP process to one GPU. Use run.device=auto (or cuda): "
+                         "each process takes cuda:<local rank>.")
+    resolve_backend(cfg.strategy, device)
+    check_mode(cfg.precision.mode, device)
+    check_speed(cfg.speed, cfg.strategy, device)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    return cfg, device.type, gpus
+
+
+def worker_args(args) -> list[str]:
+    """`train` arguments of each worker: the user's, plus strategy.name=ddp."""
+    out = ["train"]
+    if args.config:
+        out += ["-c", args.config]
+    for name in args.imports:
+        out += ["--import", name]
+    if args.resume:
+        out += ["--resume", args.resume]
+    if getattr(args, "debug", False):
+        out.append("--debug")
+    return out + list(args.overrides) + ["strategy.name=ddp"]
+
+
+def torchrun_argv(nproc: int, nnodes: str, node_rank: int, endpoint: str | None, timeout_s: float,
+                  script_args: list[str]) -> list[str]:
+    """torchrun's command line for these settings (without the leading `torchrun`)."""
+    argv = [f"--nproc-per-node={nproc}", "--max-restarts=0"]
+    if endpoint is None:
+        argv.append("--standalone")  # one machine: c10d rendezvous on a free localhost port
+    elif nnodes != "1":
+        host, _, port = endpoint.rpartition(":")
+        if not host:
+            host, port = endpoint, str(DEFAULT_PORT)
+        # With a fixed --node-rank, static rendezvous (rank = node rank); the join timeout is the
+        # strategy timeout, so a machine that never arrives fails the run instead of hanging it.
+        argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
+                 f"--rdzv-endpoint={host}:{port}", f"--rdzv-conf=timeout={int(timeout_s)}"]
+    else:
+        argv += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
+    return argv + ["-m", "torchsprint", *script_args]
+
+
+def exit_code(err) -> int:
+    """A shell exit status for torchrun's ChildFailedError: the first failed worker's code (128+N for signal N)."""
+    _, failure = err.get_first_failure()
+    code = failure.exitcode
+    return 128 - code if code < 0 else (code or 1)
+
+
+def launch(args) -> int:
+    """Run `torchsprint train` as DDP workers through torch.distributed.run; returns the exit status.
+
+    Args:
+        args: the parsed `train` arguments (config, overrides, imports, resume, nproc_per_node,
+            nnodes, node_rank, rdzv_endpoint, debug).
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        raise UsageError("already running under torchrun (LOCAL_RANK is set): drop --nproc-per-node/--nnodes, "
+                         "torchrun has started the workers.")
+    cfg, device_type, gpus = preflight(args)
+    nnodes, node_rank, endpoint = node_settings(args, dict(os.environ))
+    nproc = args.nproc_per_node or (gpus if device_type == "cuda" else 1)
+    check_nproc(nproc, device_type, gpus)
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    argv = torchrun_argv(nproc, nnodes, node_rank, endpoint, cfg.strategy.timeout_s, worker_args(args))
+    where = "this machine" if nnodes == "1" else f"node {node_rank} of {nnodes} (rendezvous {endpoint})"
+    print(f"launching {nproc} DDP process(es) on {where} ({'NCCL' if device_type == 'cuda' else 'gloo'}): "
+          f"torchrun {' '.join(argv)}", file=sys.stderr, flush=True)
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as e:
+        code = exit_code(e)
+        rank, failure = e.get_first_failure()
+        how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        print(f"error: DDP worker rank {rank} failed ({how}); the other workers were stopped.", file=sys.stderr)
+        return code
+    return 0

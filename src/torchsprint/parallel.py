@@ -142,7 +142,7 @@ class CudaGraphed(nn.Module):
         # Warm-up and capture run real forwards; keep BatchNorm statistics as they were before.
         saved = {k: v.clone() for k, v in module.state_dict().items()}
         sample = example.detach().clone().requires_grad_(False)
-        with prec.autocast():  # capture inside autocast (cache disabled) so the graph holds the casts
+        with prec.autocast() if prec is not None else nullcontext():  # the graph holds autocast's casts (cache off)
             graphed = torch.cuda.make_graphed_callables(module, (sample,))
         module.load_state_dict(saved)
         self.module = graphed

@@ -29,6 +29,8 @@ SCENARIOS = {
     "bn_local": ["model.args.width=8"],  # BatchNorm without SyncBN: per-rank statistics, must NOT match
     "accum": ["model.name=linear", "optim.accum_steps=2"],
     "compiled": ["model.name=linear", "speed.compile=true", "speed.compile_backend=aot_eager"],
+    # bf16 weights + fp32 masters + clipping: gradients all-reduced in bf16 (DDP's hooks must survive the step).
+    "bf16": ["model.name=linear", "precision=bf16", "optim.clip_grad_norm=1.0"],
 }
 MICRO = {"accum": 2}  # micro-batches per step: each rank's micro-batch is B / MICRO
 

@@ -133,12 +133,14 @@ def test_bf16_skip_leaves_masters_untouched():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train_step(model, [(torch.randn(8, 4), torch.randint(0, 3, (8,)))], nn.CrossEntropyLoss(), opt, prec)
     before = [m.clone() for _, m in prec.masters]
-    momentum = [opt.state[p]["momentum_buffer"].clone() for p, _ in prec.masters]
+    momentum = [opt.state[m]["momentum_buffer"].clone() for _, m in prec.masters]  # the optimizer steps the masters
+    halves = [p.detach().clone() for p, _ in prec.masters]
     train_step(model, [(torch.full((8, 4), float("nan")), torch.zeros(8, dtype=torch.long))], nn.CrossEntropyLoss(), opt, prec)
     assert prec.pop_nonfinite(step=2) == 1
     assert all(torch.equal(a, m) for a, (_, m) in zip(before, prec.masters))
-    assert all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, (p, _) in zip(momentum, prec.masters))
-    assert all(opt.state[p]["momentum_buffer"].dtype == torch.float32 for p, _ in prec.masters)
+    assert all(torch.equal(a, p) for a, (p, _) in zip(halves, prec.masters))
+    assert all(torch.equal(a, opt.state[m]["momentum_buffer"]) for a, (_, m) in zip(momentum, prec.masters))
+    assert all(opt.state[m]["momentum_buffer"].dtype == torch.float32 for _, m in prec.masters)
 
 
 def test_half_weight_state_round_trips_through_a_checkpoint():
@@ -165,8 +167,8 @@ def test_half_weight_state_round_trips_through_a_checkpoint():
     prec2.load_state_dict(ckpt["scaler"])
     for (_, m1), (p2, m2) in zip(prec.masters, prec2.masters):
         assert torch.equal(m1, m2) and torch.equal(p2, m1.to(torch.bfloat16))
-    for (p1, _), (p2, _) in zip(prec.masters, prec2.masters):
-        b1, b2 = opt.state[p1]["momentum_buffer"], opt2.state[p2]["momentum_buffer"]
+    for (_, m1), (_, m2) in zip(prec.masters, prec2.masters):
+        b1, b2 = opt.state[m1]["momentum_buffer"], opt2.state[m2]["momentum_buffer"]
         assert b2.dtype == torch.float32 and torch.equal(b1, b2)  # not rounded through bf16
 
 

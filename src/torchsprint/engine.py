@@ -37,7 +37,8 @@ def train_step(model, micro_batches, loss_fn, opt, prec, clip_grad_norm: float |
         total += loss.detach().float()
     if clip_grad_norm is not None:
         prec.unscale_(opt)
-        nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        # The optimizer's parameters: in fp16/bf16 modes these are the fp32 masters that hold the gradients.
+        nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip_grad_norm)
     prec.step(opt)
     opt.zero_grad(set_to_none=True)
     return total / n

@@ -267,6 +267,8 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
             static_graph=strategy_cfg.static_graph,
             bucket_cap_mb=strategy_cfg.bucket_cap_mb,
         )
+        if prec is not None:
+            prec.broadcast_masters()  # DDP broadcast rank 0's parameters; fp32 masters must follow
     if speed_cfg is not None and speed_cfg.compile:
         model = _compile(model, speed_cfg)
     return model

@@ -83,15 +83,11 @@ class Precision:
         self.half = _HALF_WEIGHTS.get(mode)
         self.scaler = torch.amp.GradScaler(device.type, enabled=mode in _SCALED)
         self.masters: list[tuple[nn.Parameter, torch.Tensor]] = []  # (half parameter, fp32 master)
-        self._half_data: list[torch.Tensor] | None = None  # the half storages while masters are swapped in
+        self._attached: set[int] = set()  # ids of optimizers that step the masters
+        self._grads_on_masters = False  # this step's gradients were moved to the masters
         # On-device counters, read only by pop_nonfinite (no host sync in the step).
         self._bad_loss = torch.zeros((), dtype=torch.int64, device=device)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
-
-    @property
-    def input_dtype(self) -> torch.dtype:
-        """The dtype the model wants its images in (loaders can normalise straight into it)."""
-        return self.half or torch.float32
 
     # ------------------------------------------------------------ forward
 
@@ -135,14 +131,15 @@ class Precision:
         self.scaler.scale(loss).backward()
 
     def unscale_(self, opt: torch.optim.Optimizer) -> None:
-        """Make .grad hold true fp32 gradients (before clipping); no-op in fp32/amp_bf16."""
-        self._swap_in_masters()
+        """Make the optimizer's parameters hold true gradients (before clipping them): unscaled, and in
+        fp16/bf16 modes moved to the fp32 masters. No-op in fp32/amp_bf16."""
+        self._grads_to_masters(opt)
         if self.scaler.is_enabled():
             self.scaler.unscale_(opt)
 
     def step(self, opt: torch.optim.Optimizer) -> None:
         """opt.step(), unless the gradients are non-finite (skipped and counted, see on_nonfinite)."""
-        self._swap_in_masters()
+        self._grads_to_masters(opt)
         if self.scaler.is_enabled():
             self.scaler.step(opt)  # skips the update when the (unscaled) gradients hold inf/NaN
             # Private but stable (Lightning reads it too): the found-inf flags of this step, before
@@ -157,7 +154,7 @@ class Precision:
                 opt.step()
         else:
             opt.step()
-        self._swap_out_masters()
+        self._masters_to_model()
 
     def pop_nonfinite(self, step: int) -> int:
         """Steps skipped since the last call (max over ranks); raises FloatingPointError under stop.
@@ -181,42 +178,58 @@ class Precision:
 
     # ------------------------------------------------------------ fp32 master copies (fp16/bf16 modes)
 
-    def _swap_in_masters(self) -> None:
-        """Point each half parameter at its fp32 master, with its gradient in fp32, for the optimizer.
+    def attach(self, opt: torch.optim.Optimizer) -> None:
+        """Half-weight modes: make `opt` step the fp32 masters in place of the half parameters.
 
-        The optimizer keeps the model's own Parameter objects (so build_optimizer, param groups and
-        checkpoints need nothing special); only their storage is swapped for the step.
+        Call right after building the optimizer (before loading its state). The parameter groups
+        keep their order and options (weight decay, no-decay groups), so state dicts keep their
+        layout; the optimizer state is created, saved and loaded in fp32. The half parameters'
+        dtype never changes: a dtype change would reset their gradient accumulators and with them
+        DDP's all-reduce hooks. Called again by unscale_/step, so forgetting it is not silent.
         """
-        if not self.masters or self._half_data is not None:
+        if self.half is None or id(opt) in self._attached:
             return
-        self._half_data = []
-        for p, master in self.masters:
-            grad = p.grad
-            self._half_data.append(p.data)
-            p.data = master  # fp32 first: a grad must match its parameter's dtype
-            p.grad = None if grad is None else grad.float()
+        master_of = {id(p): m for p, m in self.masters}
+        for group in opt.param_groups:
+            group["params"] = [master_of.get(id(p), p) for p in group["params"]]
+        for p, master in self.masters:  # state loaded before attaching: re-key it, in fp32
+            if p in opt.state:
+                opt.state[master] = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+                                     for k, v in opt.state.pop(p).items()}
+        self._attached.add(id(opt))
 
-    def _swap_out_masters(self) -> None:
-        """Round the updated masters into the half storages and point the parameters back at them."""
-        if self._half_data is None:
+    def broadcast_masters(self) -> None:
+        """Give every rank rank 0's masters (and half weights), as DDP's construction does for parameters.
+
+        Each rank built its masters from its own random initialisation; DDP's broadcast reaches the
+        half parameters only, and the first step would copy each rank's own masters back.
+        """
+        if not self.masters or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return
         with torch.no_grad():
-            for (p, master), half in zip(self.masters, self._half_data):
-                half.copy_(master)
-                p.grad = None  # the fp32 gradient has served the step (the engine zeroes grads next anyway)
-                p.data = half
-        self._half_data = None
+            for p, master in self.masters:
+                torch.distributed.broadcast(master, src=0)
+                p.copy_(master)
 
-    def attach(self, opt: torch.optim.Optimizer) -> None:
-        """Let `opt.load_state_dict` run with the masters swapped in (half-weight modes).
-
-        Optimizer.load_state_dict casts floating state to its parameters' dtype; with the half
-        storages in place, resumed fp32 momentum/Adam moments would be rounded to fp16/bf16.
-        """
-        if self.half is None:
+    def _grads_to_masters(self, opt: torch.optim.Optimizer) -> None:
+        """Move this step's half gradients to the masters as fp32 (once per step)."""
+        if not self.masters or self._grads_on_masters:
             return
-        opt.register_load_state_dict_pre_hook(lambda o, state: self._swap_in_masters())
-        opt.register_load_state_dict_post_hook(lambda o: self._swap_out_masters())
+        self.attach(opt)
+        for p, master in self.masters:
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None  # released: the masters hold the step's gradients now
+        self._grads_on_masters = True
+
+    def _masters_to_model(self) -> None:
+        """Round the (updated or, after a skipped step, unchanged) masters into the half parameters."""
+        if not self.masters:
+            return
+        with torch.no_grad():
+            for p, master in self.masters:
+                p.copy_(master)
+                master.grad = None
+        self._grads_on_masters = False
 
     # ------------------------------------------------------------ checkpoint
 

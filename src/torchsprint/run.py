@@ -113,8 +113,7 @@ def train(cfg, *, quiet: bool = False) -> dict:
         resume_path, ckpt = find_resume(cfg.checkpoint.resume, run_dir, logger.info, rt)
         prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite,
                          graph_safe=cfg.speed.cuda_graphs)
-        loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last,
-                                dtype=prec.input_dtype)
+        loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last)
         info = loaders.info
         model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
         materialize_lazy(model, loaders.val)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -86,19 +87,65 @@ def materialize_lazy(model, loader) -> None:
             model(images[:1])
 
 
-def train(cfg, *, quiet: bool = False) -> dict:
-    """Train one run described by `cfg` and return its summary (also written to summary.json)."""
-    from torchsprint import runtime
-    from torchsprint.checkpoint import Saver, TrainState, data_geometry, find_resume, restore
+@dataclass
+class Built:
+    """Everything one training run is made of, built from the config in the documented order."""
+
+    loaders: object
+    model: torch.nn.Module
+    frozen_norms: list
+    opt: torch.optim.Optimizer
+    sched: object
+    prec: object
+    loss_fn: torch.nn.Module
+
+
+def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
+    """loaders -> model -> init (checkpoint > pretrained > random) -> freeze -> wrap -> optimizer -> scheduler -> loss.
+
+    Shared by `train` and `bench` so that a benchmark measures exactly what training runs.
+    """
     from torchsprint.data import build_loaders
-    from torchsprint.engine import fit
-    from torchsprint.logging import RunLogger
-    from torchsprint.metrics import ClassificationMetrics
     from torchsprint.models import build_model
     from torchsprint.models.init import apply_freeze, frozen_norm_layers, init_model
     from torchsprint.optim import build_loss, build_optimizer, build_scheduler
     from torchsprint.parallel import agree_on_data, wrap_model
     from torchsprint.precision import Precision
+
+    prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last)
+    info = loaders.info
+    model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
+    materialize_lazy(model, loaders.val)
+    how = init_model(model, cfg.model, ckpt, log)
+    log(f"model {cfg.model.name}: initialised from "
+        + {"checkpoint": f"checkpoint {resume_path}", "pretrained": f"pretrained weights {cfg.model.pretrained}",
+           "random": "random initialisation"}[how])
+    trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
+    log(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
+    model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
+                       example=lambda: next(iter(loaders.train))[0])
+    # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
+    frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
+    loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
+    opt = build_optimizer(cfg.optim, model)
+    prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
+    steps_per_epoch = -(-len(loaders.train) // cfg.optim.accum_steps)
+    epochs = cfg.run.epochs
+    if cfg.run.max_steps is not None:
+        epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
+    sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
+    loss_fn = build_loss(cfg.loss).to(rt.device)
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn)
+
+
+def train(cfg, *, quiet: bool = False) -> dict:
+    """Train one run described by `cfg` and return its summary (also written to summary.json)."""
+    from torchsprint import runtime
+    from torchsprint.checkpoint import Saver, TrainState, data_geometry, find_resume, restore
+    from torchsprint.engine import fit
+    from torchsprint.logging import RunLogger
+    from torchsprint.metrics import ClassificationMetrics
 
     import_modules(cfg.imports)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -111,45 +158,22 @@ def train(cfg, *, quiet: bool = False) -> dict:
         logger.info(f"run folder: {run_dir}  device: {rt.device}  world size: {rt.world_size}")
 
         resume_path, ckpt = find_resume(cfg.checkpoint.resume, run_dir, logger.info, rt)
-        prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite,
-                         graph_safe=cfg.speed.cuda_graphs)
-        loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last)
-        info = loaders.info
-        model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
-        materialize_lazy(model, loaders.val)
-        how = init_model(model, cfg.model, ckpt, logger.info)
-        logger.info(f"model {cfg.model.name}: initialised from "
-                    + {"checkpoint": f"checkpoint {resume_path}", "pretrained": f"pretrained weights {cfg.model.pretrained}",
-                       "random": "random initialisation"}[how])
-        trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
-        logger.info(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
-        model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=logger.info,
-                           example=lambda: next(iter(loaders.train))[0])
-        # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
-        frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
-        loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
-        opt = build_optimizer(cfg.optim, model)
-        prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
-        steps_per_epoch = -(-len(loaders.train) // cfg.optim.accum_steps)
-        epochs = cfg.run.epochs
-        if cfg.run.max_steps is not None:
-            epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
-        sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
-        loss_fn = build_loss(cfg.loss).to(rt.device)
+        b = build_training(cfg, rt, logger.info, ckpt, resume_path)
+        info = b.loaders.info
         geometry = data_geometry(cfg, rt.world_size)
         state = TrainState()
         if ckpt is not None:
-            state = restore(ckpt, opt, sched, prec, rt, geometry, logger.info)
+            state = restore(ckpt, b.opt, b.sched, b.prec, rt, geometry, logger.info)
             logger.info(f"resuming at epoch {state.epoch + 1}, step {state.global_step} "
                         f"({state.step_in_epoch} step(s) into the epoch) from {resume_path}")
-        meta = {"classes": info.classes, "config": config_mod.to_dict(cfg)}
-        saver = Saver(run_dir, cfg.checkpoint, rt, meta, geometry=geometry,
+        resolved = config_mod.to_dict(cfg)
+        saver = Saver(run_dir, cfg.checkpoint, rt, {"classes": info.classes, "config": resolved}, geometry=geometry,
                       resumed_step=state.global_step if ckpt is not None else None, log=logger.info)
-        weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name,
-                        "in_channels": str(info.in_channels), "format": "torchsprint"}
+        weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name, "in_channels": str(info.in_channels),
+                        "format": "torchsprint", "config": json.dumps(resolved)}
         summary = fit(
-            model, loaders, loss_fn, opt, sched, prec, state, cfg=cfg, rt=rt, run_dir=run_dir, logger=logger,
-            saver=saver, frozen_norms=frozen_norms, weights_meta=weights_meta,
+            b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir, logger=logger,
+            saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta,
             make_metrics=lambda: ClassificationMetrics(info.num_classes, cfg.eval.topk, cfg.eval.per_class, rt.device),
         )
         summary["run_dir"] = str(run_dir)

@@ -176,7 +176,7 @@ def test_diverging_run_counts_skipped_steps_or_stops(tmp_path):
     """optim.lr=1e30 blows the weights up after one step; every later step has NaN gradients."""
     base = ["optim.lr=1e30", "run.max_steps=6", "log.every_steps=2", "log.tensorboard=false", "model.args.width=8",
             "checkpoint.every_epochs=null", "eval.per_class=false"]
-    summary = train(config.load(None, [*base, f"run.dir={tmp_path / 'skip'}"]), quiet=True)
+    summary = train(config.load(None, [*base, "precision.on_nonfinite=skip", f"run.dir={tmp_path / 'skip'}"]), quiet=True)
     assert summary["skipped_steps"] >= 4
     logged = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     assert [x["train/skipped_steps"] for x in logged if x["kind"] == "train"][-1] == summary["skipped_steps"]

@@ -146,7 +146,12 @@ class PrecisionConfig(Section):
     mode: Literal["fp32", "amp_fp16", "amp_bf16", "fp16", "bf16"] = Field(
         "fp32", description="fp32 | amp_fp16 | amp_bf16 | fp16 | bf16; apex levels O0/O1/O2 are aliases."
     )
-    on_nonfinite: Literal["skip", "stop"] = Field("skip", description="A NaN/inf loss or gradient: skip the step (counted) or stop.")
+    on_nonfinite: Literal["skip", "stop"] = Field(
+        "stop",
+        description="A NaN/inf loss or gradient: stop the run (checked at log steps; no per-step cost) or skip the step "
+        "(counted; costs a gradient check per step, and a host sync per step on CUDA in fp32/bf16). Loss-scaled fp16 "
+        "always skips overflowing steps.",
+    )
     _short = _shorthand("mode")
 
     @field_validator("mode", mode="before")

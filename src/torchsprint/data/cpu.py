@@ -33,7 +33,10 @@ class SeededTransform(torch.utils.data.Dataset):
         if self.transform is not None:
             in_worker = torch.utils.data.get_worker_info() is not None
             state = None if in_worker else torch.get_rng_state()  # keep the main process's RNG stream intact
-            torch.manual_seed(seed)
+            # Only the CPU generator: the CPU transforms draw from nothing else. torch.manual_seed would
+            # also queue a lazy CUDA seeding in a worker without CUDA, formatting a Python stack trace
+            # each time: 0.13 ms per image, 5% of the whole per-image cost (BENCHMARKS.md, "Data loading").
+            torch.default_generator.manual_seed(seed)
             image = self.transform(image)
             if state is not None:
                 torch.set_rng_state(state)
@@ -52,7 +55,14 @@ def collate(items):
             f"images in one batch have different shapes {sorted(shapes)[:3]}: add a resize/center_crop or "
             "random_resized_crop step to data.train.transforms and data.eval.transforms."
         )
-    images = torch.stack([x for x, _ in good])
+    xs = [x for x, _ in good]
+    out = None
+    if torch.utils.data.get_worker_info() is not None:
+        # In a worker the batch goes to the main process through shared memory: stack straight into it
+        # (as default_collate does) instead of stacking and then copying into it when it is sent.
+        storage = xs[0]._typed_storage()._new_shared(len(xs) * xs[0].numel(), device=xs[0].device)
+        out = xs[0].new(storage).resize_(len(xs), *xs[0].shape)
+    images = torch.stack(xs, out=out)
     targets = torch.as_tensor([t for _, t in good]) if not torch.is_tensor(good[0][1]) else torch.stack([t for _, t in good])
     return images, targets, skipped
 

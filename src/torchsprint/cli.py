@@ -53,11 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
-    p = sub.add_parser("predict", help="classify images with a run or an exported model",
+    p = sub.add_parser("predict", help="predict with a run or an exported model (classes, labels or images)",
                        description="Predict with the eval preprocessing stored with the model.")
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR|MODEL_FILE", help="run folder or exported model file")
     p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files or folders of images")
     p.add_argument("--topk", type=int, default=5, help="classes to report per image")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="task=multilabel: report labels with probability >= this (default: the run's eval.threshold)")
+    p.add_argument("--out-dir", default=None, metavar="FOLDER",
+                   help="task=image_to_image: folder for the output images (default: ./predictions)")
     p.add_argument("--backend", choices=["torch", "onnx"], default="torch", help="inference engine")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda also decodes JPEGs on the GPU)")
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass")

@@ -202,12 +202,19 @@ class EvalConfig(Section):
     every_epochs: int = Field(1, ge=1, description="Evaluate on the validation set every N epochs (and at the end).")
     topk: int = Field(5, ge=2, description="Also report top-k accuracy when the dataset has more than k classes.")
     per_class: bool = Field(True, description="Per-class precision/recall/F1 and a confusion matrix (CSV and PNG).")
+    threshold: float = Field(0.5, gt=0, lt=1, description="task=multilabel: a label is predicted when its probability is at "
+                             "least this (F1 and `torchsprint predict`).")
 
 
 class Config(Section):
     """One run. Every key has a default, so an empty file is a valid run (digits + small CNN)."""
 
     imports: list[str] = Field(default_factory=list, description="Python modules to import first (register your own models, datasets...).")
+    task: str = Field(
+        "classification", description="What the run learns, from the TASKS registry: classification (one class per image), "
+        "multilabel (any number of labels per image), image_to_image (paired restoration), video (clip classification). "
+        "It sets the default loss, metrics, checkpoint.monitor/mode, artifacts and predict output.",
+    )
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity, length and device.")
     data: DataConfig = Field(default_factory=DataConfig, description="Dataset, loader backend and preprocessing.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model, initialisation and freezing.")
@@ -220,6 +227,14 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving, keeping and resuming.")
     log: LogConfig = Field(default_factory=LogConfig, description="Console, JSONL and TensorBoard logging.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation metrics.")
+
+    @model_validator(mode="after")
+    def _task_defaults(self):
+        # The task's default loss and monitor apply only where the config leaves them unset.
+        from torchsprint.tasks import apply_defaults
+
+        apply_defaults(self)
+        return self
 
 
 # ---------------------------------------------------------------- loading

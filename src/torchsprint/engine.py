@@ -145,14 +145,18 @@ def is_better(value: float, best: float | None, mode: str) -> bool:
 
 
 def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt, run_dir: Path,
-        logger, saver, make_metrics, frozen_norms, weights_meta: dict) -> dict:
+        logger, saver, make_metrics, frozen_norms, weights_meta: dict, task=None) -> dict:
     """Train for cfg.run.epochs (or cfg.run.max_steps) from `state`, evaluating and checkpointing.
 
     run.stop_after_steps pauses after that many steps of this call (checkpoint saved, no extra
     evaluation, schedule untouched), so that a later resume continues exactly as if never stopped.
+    `task` (tasks.Task; classification when None) formats the evaluation line and writes the extra
+    artifacts that go with the best weights (the confusion matrix for classification).
     Returns the summary: final and best validation metrics, time and throughput.
     """
-    from torchsprint.metrics import write_confusion
+    from torchsprint.tasks import get_task
+
+    task = task or get_task("classification")
 
     epochs, monitor = cfg.run.epochs, cfg.checkpoint.monitor
     last_eval: dict = {}
@@ -186,15 +190,12 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
             if monitor not in last_eval:
                 raise UsageError(f"checkpoint.monitor={monitor} is not a metric; available: {sorted(last_eval)}")
             metric = last_eval[monitor]
-            top = f"  top{cfg.eval.topk} {last_eval[f'val/top{cfg.eval.topk}']:.4f}" if f"val/top{cfg.eval.topk}" in last_eval else ""
-            logger.info(f"epoch {state.epoch + 1}/{epochs}  val loss {last_eval['val/loss']:.4f}  "
-                        f"top1 {last_eval['val/top1']:.4f}{top}")
+            logger.info(f"epoch {state.epoch + 1}/{epochs}  {task.summary(last_eval)}")
             if is_better(metric, state.best_metric, cfg.checkpoint.mode):
                 state.best_metric, state.best_epoch = metric, state.epoch
                 if rt.is_main:
                     save_weights(run_dir / "best.safetensors", model, weights_meta | {"epoch": str(state.epoch), monitor: str(metric)})
-                    if "val/confusion" in last_eval:
-                        write_confusion(run_dir / "confusion_matrix", last_eval["val/confusion"], loaders.info.classes)
+                    task.write_artifacts(run_dir, last_eval, loaders.info)
         if ep["finished_epoch"]:
             state.epoch += 1
             state.step_in_epoch = 0

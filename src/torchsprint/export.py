@@ -22,6 +22,7 @@ class WithNormalize(nn.Module):
     def __init__(self, model: nn.Module, mean, std):
         super().__init__()
         self.model = model
+        # (1, C, 1, 1) broadcasts against the trailing (C, H, W) of images (N, C, H, W) and clips (N, T, C, H, W).
         std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         # Same constants and arithmetic as data.transforms.DeviceNormalize, so outputs match training.
@@ -36,14 +37,16 @@ def sample_batch(trained, n: int = 8) -> torch.Tensor:
     """A uint8 batch of validation images after the eval spec (the exact input the model saw in eval)."""
     from torchsprint import runtime
     from torchsprint.data import build_loaders
+    from torchsprint.tasks import get_task
 
     cfg = trained.cfg.model_copy(deep=True)
     cfg.data.backend, cfg.data.num_workers = "cpu", 0  # the reference CPU path; its raw uint8 batches
     rt = runtime.Runtime(device=torch.device("cpu"))
     loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed)
     loaders.val.set_epoch(0)
+    task = get_task(cfg.task)
     for batch in loaders.val.loader:
-        return batch[0][:n]
+        return task.example(batch[0][:n], trained.in_channels)  # the raw batch as the model's uint8 input
     raise UsageError("the validation split is empty: nothing to check the export against.")
 
 
@@ -164,7 +167,10 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
     """
     from torchsprint.trained import load_run
 
+    from torchsprint.tasks import get_task
+
     trained = load_run(run_dir, weights)
+    get_task(trained.cfg.task).check_export(fmt)
     out = Path(out) if out else Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{EXTENSIONS[fmt]}"
     out.parent.mkdir(parents=True, exist_ok=True)
     example = sample_batch(trained)

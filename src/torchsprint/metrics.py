@@ -1,4 +1,4 @@
-"""Classification metrics on torchmetrics (top-1, top-k, per-class P/R/F1, confusion matrix) and writers."""
+"""Metrics on torchmetrics, one class per task (classification, multilabel, restoration), and writers."""
 
 from __future__ import annotations
 
@@ -57,6 +57,84 @@ class ClassificationMetrics:
         out["loss"] = (loss_count[0] / loss_count[1].clamp(min=1)).item()
         out["count"] = int(loss_count[1].item())
         return out
+
+
+def _compute(metrics, loss_sum: torch.Tensor, count: torch.Tensor) -> dict:
+    """metrics.compute() as floats/lists plus the mean loss and sample count, all reduced over DDP ranks."""
+    from torchsprint.parallel import all_reduce_sum
+
+    out = {}
+    for k, v in metrics.compute().items():  # note: a CPU-GPU sync point, once per evaluation
+        out[k] = v.item() if v.ndim == 0 else v.cpu().tolist()
+    loss_count = torch.stack([loss_sum, count.double()])
+    all_reduce_sum(loss_count)
+    out["loss"] = (loss_count[0] / loss_count[1].clamp(min=1)).item()
+    out["count"] = int(loss_count[1].item())
+    return out
+
+
+class MultilabelMetrics:
+    """task=multilabel: mean average precision over labels (threshold-free) and F1 at `threshold`.
+
+    Returns mAP (macro mean of per-label AP), f1_macro, and per-label f1/precision/recall lists.
+    Outputs are logits; a label counts as predicted when sigmoid(logit) >= threshold.
+    """
+
+    def __init__(self, num_labels: int, threshold: float, device: torch.device):
+        from torchmetrics import MetricCollection
+        from torchmetrics.classification import (
+            MultilabelAveragePrecision,
+            MultilabelF1Score,
+            MultilabelPrecision,
+            MultilabelRecall,
+        )
+
+        kw = dict(num_labels=num_labels, threshold=threshold)
+        self.metrics = MetricCollection({
+            "mAP": MultilabelAveragePrecision(num_labels, average="macro"),
+            "f1_macro": MultilabelF1Score(average="macro", **kw),
+            "f1": MultilabelF1Score(average=None, **kw),
+            "precision": MultilabelPrecision(average=None, **kw),
+            "recall": MultilabelRecall(average=None, **kw),
+        }).to(device)
+        self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        self.count = torch.zeros((), device=device, dtype=torch.int64)
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
+        # torchmetrics applies the sigmoid itself when the inputs are outside [0, 1] (logits).
+        self.metrics.update(logits.float(), target.int())
+        self.loss_sum += loss.double() * target.shape[0]
+        self.count += target.shape[0]
+
+    def compute(self) -> dict:
+        return _compute(self.metrics, self.loss_sum, self.count)
+
+
+class RestorationMetrics:
+    """task=image_to_image: PSNR (dB) and SSIM of outputs vs targets, both in [0, 1] units (pixels / 255).
+
+    Outputs are clamped to [0, 1] first, as they are when written as pixels. PSNR is the mean of
+    per-image PSNRs (the usual restoration convention), SSIM the mean over images (11x11 Gaussian window).
+    """
+
+    def __init__(self, device: torch.device):
+        from torchmetrics import MetricCollection
+        from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
+
+        self.metrics = MetricCollection({
+            "psnr": PeakSignalNoiseRatio(data_range=1.0, reduction="elementwise_mean", dim=(1, 2, 3)),
+            "ssim": StructuralSimilarityIndexMeasure(data_range=1.0),
+        }).to(device)
+        self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        self.count = torch.zeros((), device=device, dtype=torch.int64)
+
+    def update(self, output: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
+        self.metrics.update(output.float().clamp(0, 1), target.float())
+        self.loss_sum += loss.double() * target.shape[0]
+        self.count += target.shape[0]
+
+    def compute(self) -> dict:
+        return _compute(self.metrics, self.loss_sum, self.count)
 
 
 def write_confusion(path_stem: Path, confusion: list[list[int]], classes: list[str]) -> None:

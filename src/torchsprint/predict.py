@@ -1,4 +1,8 @@
-"""Predictor: classify images with the eval preprocessing stored with the model (torch or onnxruntime)."""
+"""Predictor: run a trained model on images with the eval preprocessing stored with it (torch or onnxruntime).
+
+What a prediction is comes from the run's task (tasks.TASKS): top-k classes, the labels above a
+threshold (multilabel), or an output image (image_to_image).
+"""
 
 from __future__ import annotations
 
@@ -35,10 +39,15 @@ class Predictor:
     """
 
     def __init__(self, forward, classes: list[str], in_channels: int, eval_transforms: list, data_cfg,
-                 device: torch.device, batch_size: int = 64, uint8_input: bool = False):
+                 device: torch.device, batch_size: int = 64, uint8_input: bool = False, task: str = "classification",
+                 threshold: float = 0.5):
         from torchsprint.data.transforms import DeviceNormalize, compile_spec
+        from torchsprint.tasks import get_task
 
         self.forward, self.classes, self.in_channels = forward, classes, in_channels
+        self.task, self.threshold = get_task(task), threshold
+        if "predict" in self.task.unsupported:
+            raise UsageError(f"task={task}: predict is not supported: {self.task.unsupported['predict']}")
         self.pipeline = compile_spec(eval_transforms, "data.eval.transforms", in_channels)
         self.normalize = None if uint8_input else DeviceNormalize(self.pipeline.mean, self.pipeline.std, device)
         self.data_cfg, self.device, self.batch_size = data_cfg, device, batch_size
@@ -68,7 +77,7 @@ class Predictor:
             return model(x).float()
 
         return cls(forward, trained.classes, trained.in_channels, trained.cfg.data.eval.transforms, trained.cfg.data,
-                   dev, batch_size)
+                   dev, batch_size, task=trained.cfg.task, threshold=trained.cfg.eval.threshold)
 
     @classmethod
     def from_file(cls, path: str | Path, device: str = "cpu", batch_size: int = 64) -> Predictor:
@@ -99,7 +108,7 @@ class Predictor:
             return torch.from_numpy(sess.run(None, {name: x.cpu().numpy()})[0])
 
         return cls(forward, json.loads(meta["classes"]), int(meta["in_channels"]), json.loads(meta["eval_transforms"]),
-                   cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8)
+                   cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8, task=cfg.task, threshold=cfg.eval.threshold)
 
     def _load(self, path: str) -> torch.Tensor:
         """Decode and apply the eval spec to one file, exactly as the eval loader does."""
@@ -119,8 +128,14 @@ class Predictor:
             x = self.normalize(x)
         return self.forward(x).cpu()
 
-    def predict(self, inputs: list, topk: int = 5) -> list[dict]:
-        """Top-k classes and probabilities per input (a path or a uint8 CHW tensor); bad inputs get an error."""
+    def predict(self, inputs: list, topk: int = 5, threshold: float | None = None) -> list[dict]:
+        """One result per input (a path or a uint8 CHW tensor); bad inputs get an "error" entry.
+
+        classification: "top" (the top-k classes and probabilities); multilabel: "labels" (those with
+        probability >= threshold, default the run's eval.threshold) and "probs"; image_to_image: "image"
+        (uint8 CHW output pixels, see tasks.to_pixels).
+        """
+        options = {"topk": topk, "threshold": self.threshold if threshold is None else threshold}
         results: list[dict] = []
         ready: list[tuple[int, torch.Tensor]] = []
         entries: list[tuple[str, object]] = []
@@ -141,18 +156,49 @@ class Predictor:
                     ready.append((i, self._load(name)))
                 except Exception as e:  # noqa: BLE001 - every bad file becomes an error entry, others go on
                     results[i]["error"] = str(e) or type(e).__name__
-        k = min(topk, len(self.classes))
         by_shape: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
         for i, img in ready:
             by_shape.setdefault(tuple(img.shape), []).append((i, img))
         for group in by_shape.values():
             for s in range(0, len(group), self.batch_size):
                 chunk = group[s : s + self.batch_size]
-                probs = torch.softmax(self.logits(torch.stack([img for _, img in chunk])), dim=1)
-                p, c = probs.topk(k, dim=1)
-                for (i, _), pi, ci in zip(chunk, p.tolist(), c.tolist()):
-                    results[i]["top"] = [{"class": self.classes[j], "prob": q} for j, q in zip(ci, pi)]
+                outputs = self.logits(torch.stack([img for _, img in chunk]))
+                for (i, _), r in zip(chunk, self.task.postprocess(outputs, self.classes, options)):
+                    results[i].update(r)
         return results
+
+
+def write_images(results: list[dict], folder: Path) -> None:
+    """Save each result's output "image" as <folder>/<input stem>.png and replace it by that path.
+
+    Inputs that share a stem get an index suffix, so no output overwrites another.
+    """
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    used: set[str] = set()
+    for i, r in enumerate(results):
+        if "image" not in r:
+            continue
+        stem = Path(r["input"]).stem if r["input"] != "<tensor>" else f"tensor_{i}"
+        name = stem if stem not in used else f"{stem}_{i}"
+        used.add(name)
+        img = r.pop("image")
+        arr = img.permute(1, 2, 0).numpy()
+        out = folder / f"{name}.png"
+        Image.fromarray(arr[..., 0] if arr.shape[2] == 1 else arr).save(out)
+        r["output"] = str(out)
+
+
+def describe(r: dict) -> str:
+    """One line of text for a result of any task."""
+    if "error" in r:
+        return f"[red]error: {r['error']}[/]"
+    if "top" in r:
+        return "  ".join(f"{t['class']} {t['prob']:.3f}" for t in r["top"])
+    if "labels" in r:
+        return "  ".join(f"{t['class']} {t['prob']:.3f}" for t in r["labels"]) or "(no label above the threshold)"
+    return f"wrote {r.get('output', '?')}"
 
 
 def write_results(results: list[dict], path: Path) -> None:
@@ -161,7 +207,9 @@ def write_results(results: list[dict], path: Path) -> None:
             w = csv.writer(f)
             w.writerow(["input", "class", "prob", "error"])
             for r in results:
-                top = r.get("top") or [{"class": "", "prob": ""}]
+                top = r.get("top") or r.get("labels") or [{"class": r.get("output", ""), "prob": ""}]
+                if "labels" in r:  # every label above the threshold, ';'-separated like the training CSV
+                    top = [{"class": ";".join(t["class"] for t in top), "prob": ";".join(f"{t['prob']:.4f}" for t in top)}]
                 w.writerow([r["input"], top[0]["class"], top[0]["prob"], r.get("error", "")])
     else:
         with open(path, "w") as f:
@@ -178,17 +226,17 @@ def predict_cli(args) -> int:
         predictor = Predictor.from_run(target, args.weights, args.backend, args.device, args.batch_size)
     else:
         predictor = Predictor.from_file(target, args.device, args.batch_size)
-    results = predictor.predict(args.inputs, topk=args.topk)
+    results = predictor.predict(args.inputs, topk=args.topk, threshold=getattr(args, "threshold", None))
+    write_images(results, Path(getattr(args, "out_dir", None) or "predictions"))
     table = Table(show_header=True)
     table.add_column("input", overflow="fold")
-    table.add_column(f"top-{args.topk}")
+    table.add_column({"multilabel": "labels above threshold", "image_to_image": "output"}.get(predictor.task.name, f"top-{args.topk}"))
     for r in results:
-        text = r.get("error") and f"[red]error: {r['error']}[/]" or "  ".join(f"{t['class']} {t['prob']:.3f}" for t in r["top"])
-        table.add_row(r["input"], text)
+        table.add_row(r["input"], describe(r))
     Console(soft_wrap=True).print(table)
     if args.out:
         write_results(results, Path(args.out))
-    ok = sum("top" in r for r in results)
+    ok = sum("error" not in r for r in results)
     failed = len(results) - ok
     print(f"{ok} predicted, {failed} failed")
     return 1 if ok == 0 or (args.strict and failed) else 0

@@ -113,8 +113,12 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.precision import Precision
 
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
+    from torchsprint.tasks import check_data_task, get_task
+
+    get_task(cfg.task).check(cfg)
     loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last)
     info = loaders.info
+    check_data_task(cfg, info)
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
     materialize_lazy(model, loaders.val)
     how = init_model(model, cfg.model, ckpt, log)
@@ -145,9 +149,10 @@ def train(cfg, *, quiet: bool = False) -> dict:
     from torchsprint.checkpoint import Saver, TrainState, data_geometry, find_resume, restore
     from torchsprint.engine import fit
     from torchsprint.logging import RunLogger
-    from torchsprint.metrics import ClassificationMetrics
+    from torchsprint.tasks import get_task
 
     import_modules(cfg.imports)
+    task = get_task(cfg.task)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
         run_dir = make_run_dir(cfg.run, rt)
@@ -170,11 +175,11 @@ def train(cfg, *, quiet: bool = False) -> dict:
         saver = Saver(run_dir, cfg.checkpoint, rt, {"classes": info.classes, "config": resolved}, geometry=geometry,
                       resumed_step=state.global_step if ckpt is not None else None, log=logger.info)
         weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name, "in_channels": str(info.in_channels),
-                        "format": "torchsprint", "config": json.dumps(resolved)}
+                        "format": "torchsprint", "task": cfg.task, "config": json.dumps(resolved)}
         summary = fit(
             b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir, logger=logger,
-            saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta,
-            make_metrics=lambda: ClassificationMetrics(info.num_classes, cfg.eval.topk, cfg.eval.per_class, rt.device),
+            saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task,
+            make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
         )
         summary["run_dir"] = str(run_dir)
         if rt.is_main:
@@ -207,7 +212,6 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     from torchsprint import runtime
     from torchsprint.data import build_loaders
     from torchsprint.engine import evaluate
-    from torchsprint.metrics import ClassificationMetrics
     from torchsprint.models import build_model
     from torchsprint.optim import build_loss
     from torchsprint.precision import Precision
@@ -218,13 +222,18 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     wpath = run_dir / f"{weights}.safetensors"
     if not wpath.is_file():
         raise UsageError(f"{wpath} not found: the run has not finished an evaluation yet. Use --weights last or best.")
+    from torchsprint.tasks import check_data_task, get_task
+
+    task = get_task(cfg.task)
+    task.check(cfg)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed)
     info = loaders.info
+    check_data_task(cfg, info)
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
     materialize_lazy(model, loaders.val)
     model.load_state_dict(load_file(str(wpath), device=str(rt.device)))
-    metrics = ClassificationMetrics(info.num_classes, cfg.eval.topk, cfg.eval.per_class, rt.device)
+    metrics = task.make_metrics(info, cfg.eval, rt.device)
     out = evaluate(model, loaders.val, build_loss(cfg.loss).to(rt.device), Precision(cfg.precision.mode, rt.device), metrics)
     out["weights"] = str(wpath)
     return out

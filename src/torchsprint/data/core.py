@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -16,6 +17,9 @@ class Splits:
     """What a dataset builder returns: raw (undecoded or uint8) train/val datasets and their metadata.
 
     Each dataset item is (uint8 CHW tensor | None for an unreadable sample, target, source path or id).
+    `task` names the kind of targets (tasks.TASKS). `wrap` turns the backend's Loaders into what the
+    model sees, for datasets whose stored items differ from model inputs (paired images stacked
+    along channels, clips collated frames-first); the identity for everything else.
     """
 
     train: Any
@@ -23,6 +27,7 @@ class Splits:
     classes: list[str]
     in_channels: int
     task: str = "classification"
+    wrap: Callable[[Loaders], Loaders] = field(default=lambda loaders: loaders)
 
 
 @dataclass
@@ -125,9 +130,9 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
         raise UsageError(f"dataset '{data_cfg.dataset}' has no training samples (root={data_cfg.root}).")
     kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
     if data_cfg.backend not in LOADERS and data_cfg.backend in OPTIONAL_LOADERS:
-        return missing_backend(data_cfg, splits, rt, kw)
+        return splits.wrap(missing_backend(data_cfg, splits, rt, kw))
     backend = LOADERS.get(data_cfg.backend)
-    return backend(data_cfg, splits, rt, **kw)
+    return splits.wrap(backend(data_cfg, splits, rt, **kw))
 
 
 # Backends registered only when their library imports, and how to get them.

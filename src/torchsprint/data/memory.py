@@ -17,7 +17,7 @@ from torchsprint.errors import UsageError
 
 
 def decode_all(raw, on_bad_sample: str, num_workers: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Decode every sample of `raw` into (uint8 N x C x H x W, int64 targets, skipped reasons).
+    """Decode every sample of `raw` into (uint8 N x C x H x W, int64 or stacked tensor targets, skipped reasons).
 
     Already-decoded datasets (TensorImages) are taken as they are. Unreadable samples are skipped
     (counted, with their paths) or raise, per `on_bad_sample`; all ranks decode the same dataset, so
@@ -35,7 +35,7 @@ def decode_all(raw, on_bad_sample: str, num_workers: int = 0) -> tuple[torch.Ten
                 skipped.append(source)
                 continue
             images.append(image)
-            targets.append(int(target))
+            targets.append(target)
     if not images:
         raise UsageError(f"no readable images (e.g. {skipped[:1]}).")
     shapes = sorted({tuple(x.shape) for x in images})
@@ -44,7 +44,9 @@ def decode_all(raw, on_bad_sample: str, num_workers: int = 0) -> tuple[torch.Ten
             f"data.backend=memory keeps one tensor of same-size images, but the images have {len(shapes)} sizes "
             f"(e.g. {shapes[:3]}). Resize the files to one size, or use data.backend=cpu/gpu."
         )
-    return torch.stack([x.contiguous() for x in images]), torch.tensor(targets, dtype=torch.int64), skipped
+    # Class indices become int64; tensor targets (multi-hot label vectors) are stacked as they are.
+    stacked = torch.stack(targets) if torch.is_tensor(targets[0]) else torch.tensor([int(t) for t in targets], dtype=torch.int64)
+    return torch.stack([x.contiguous() for x in images]), stacked, skipped
 
 
 class MemoryLoader:

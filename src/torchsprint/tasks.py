@@ -1,0 +1,210 @@
+"""TASKS registry: what a run learns (classification, multilabel, image_to_image, video) as one object.
+
+A Task supplies everything that differs between learning problems, so that the engine, the CLI
+and the exporter never ask which task they run (DESIGN rule 3): the default loss and
+`checkpoint.monitor`, a metrics factory (update(output, target, loss) / compute(), reduced across
+DDP ranks), the extra artifacts written with the best weights, the one-line evaluation summary,
+the predict post-processing, and which loader backends / export formats it supports (anything
+else is refused with a UsageError naming the combination, never run silently wrong).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from torchsprint.errors import UsageError
+from torchsprint.registry import Registry
+
+TASKS = Registry("task")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One learning problem. Fields are plain values and functions, no inheritance (DESIGN rule 8).
+
+    Attributes:
+        name: the `task:` value.
+        loss: default loss name (used when the config does not name one).
+        monitor, mode: default `checkpoint.monitor` / `checkpoint.mode`.
+        make_metrics: (DataInfo, eval config section, device) -> metrics object.
+        summary: validation metrics dict (keys 'val/...') -> one log line.
+        write_artifacts: (run_dir, validation metrics, DataInfo) -> None, called on rank 0 with the best weights.
+        postprocess: (model outputs float32 CPU, classes, options dict) -> one result dict per sample.
+        backends: loader backends that deliver this task's batches correctly.
+        export_formats: export formats whose parity check applies to this task's outputs.
+        example: raw uint8 loader batch -> the model's uint8 input (export's parity batch).
+        channels_last: whether speed.channels_last applies (4-D image batches only).
+    """
+
+    name: str
+    loss: str
+    monitor: str
+    mode: str
+    make_metrics: Callable
+    summary: Callable[[dict], str]
+    write_artifacts: Callable
+    postprocess: Callable
+    backends: tuple[str, ...] = ("cpu", "memory", "gpu", "dali")
+    export_formats: tuple[str, ...] = ("onnx", "safetensors", "torchscript", "tensorrt")
+    example: Callable = field(default=lambda x, in_channels: x)
+    channels_last: bool = True
+    unsupported: dict = field(default_factory=dict)  # feature ("predict", "bench", ...) -> why it is refused
+
+    def check(self, cfg) -> None:
+        """Refuse config combinations this task cannot run correctly, naming them and what to do instead."""
+        if cfg.data.backend not in self.backends:
+            raise UsageError(f"task={self.name} does not support data.backend={cfg.data.backend} (supported: "
+                             f"{', '.join(self.backends)}). Set data.backend={self.backends[0]}.")
+        if cfg.speed.channels_last and not self.channels_last:
+            raise UsageError(f"task={self.name}: speed.channels_last applies to 4-D image batches only; set speed.channels_last=false.")
+
+    def check_export(self, fmt: str) -> None:
+        if fmt not in self.export_formats:
+            raise UsageError(f"task={self.name}: export --format {fmt} is not supported (supported: "
+                             f"{', '.join(self.export_formats)}).")
+
+
+def get_task(name: str) -> Task:
+    """The Task registered as `name` (a UsageError with the closest names otherwise)."""
+    return TASKS.get(name)()
+
+
+def apply_defaults(cfg) -> None:
+    """Fill the task's default loss and checkpoint.monitor/mode where the config does not set them."""
+    task = get_task(cfg.task)
+    if "name" not in cfg.loss.model_fields_set and not cfg.loss.terms:
+        cfg.loss.name = task.loss
+    if "monitor" not in cfg.checkpoint.model_fields_set:
+        cfg.checkpoint.monitor = task.monitor
+    if "mode" not in cfg.checkpoint.model_fields_set:
+        cfg.checkpoint.mode = task.mode
+
+
+def check_data_task(cfg, info) -> None:
+    """The dataset's kind of targets must match `task:` (a paired dataset cannot train a classifier)."""
+    if info.task != cfg.task:
+        raise UsageError(f"data.dataset={cfg.data.dataset} provides {info.task} samples but task={cfg.task}. "
+                         f"Set task: {info.task}, or pick a dataset made for task={cfg.task}.")
+
+
+# ---------------------------------------------------------------- classification (and video)
+
+
+def _classification_metrics(info, eval_cfg, device):
+    from torchsprint.metrics import ClassificationMetrics
+
+    return ClassificationMetrics(info.num_classes, eval_cfg.topk, eval_cfg.per_class, device)
+
+
+def _classification_summary(ev: dict) -> str:
+    top = "".join(f"  {k[4:]} {v:.4f}" for k, v in ev.items() if k.startswith("val/top") and k != "val/top1")
+    return f"val loss {ev['val/loss']:.4f}  top1 {ev['val/top1']:.4f}{top}"
+
+
+def _write_confusion(run_dir: Path, ev: dict, info) -> None:
+    from torchsprint.metrics import write_confusion
+
+    if "val/confusion" in ev:
+        write_confusion(run_dir / "confusion_matrix", ev["val/confusion"], info.classes)
+
+
+def _topk(outputs: torch.Tensor, classes: list[str], options: dict) -> list[dict]:
+    k = min(options.get("topk", 5), len(classes))
+    p, c = torch.softmax(outputs, dim=1).topk(k, dim=1)
+    return [{"top": [{"class": classes[j], "prob": q} for j, q in zip(ci, pi)]} for pi, ci in zip(p.tolist(), c.tolist())]
+
+
+@TASKS.register("classification")
+def classification() -> Task:
+    """One class per image: cross-entropy, top-1/top-k, per-class P/R/F1 and a confusion matrix."""
+    return Task("classification", "cross_entropy", "val/top1", "max", _classification_metrics, _classification_summary,
+                _write_confusion, _topk)
+
+
+# ---------------------------------------------------------------- multilabel
+
+
+def _multilabel_metrics(info, eval_cfg, device):
+    from torchsprint.metrics import MultilabelMetrics
+
+    return MultilabelMetrics(info.num_classes, eval_cfg.threshold, device)
+
+
+def _multilabel_summary(ev: dict) -> str:
+    return f"val loss {ev['val/loss']:.4f}  mAP {ev['val/mAP']:.4f}  F1 {ev['val/f1_macro']:.4f}"
+
+
+def _above_threshold(outputs: torch.Tensor, classes: list[str], options: dict) -> list[dict]:
+    threshold = options.get("threshold", 0.5)
+    out = []
+    for probs in torch.sigmoid(outputs).tolist():
+        labels = [{"class": c, "prob": q} for c, q in zip(classes, probs) if q >= threshold]
+        out.append({"labels": sorted(labels, key=lambda d: -d["prob"]), "probs": dict(zip(classes, probs))})
+    return out
+
+
+def _nothing(*_args) -> None:
+    """No extra artifacts (off is a no-op, not a branch)."""
+
+
+@TASKS.register("multilabel")
+def multilabel() -> Task:
+    """Any number of labels per image: BCE-with-logits on multi-hot targets, mAP and per-label F1 at eval.threshold."""
+    return Task("multilabel", "bce_with_logits", "val/mAP", "max", _multilabel_metrics, _multilabel_summary, _nothing,
+                _above_threshold, backends=("cpu", "memory"))
+
+
+# ---------------------------------------------------------------- image_to_image
+
+
+def _restoration_metrics(info, eval_cfg, device):
+    from torchsprint.metrics import RestorationMetrics
+
+    return RestorationMetrics(device)
+
+
+def _restoration_summary(ev: dict) -> str:
+    return f"val loss {ev['val/loss']:.4f}  PSNR {ev['val/psnr']:.2f} dB  SSIM {ev['val/ssim']:.4f}"
+
+
+def to_pixels(outputs: torch.Tensor) -> torch.Tensor:
+    """Model outputs in [0, 1] units (targets are x / 255) -> uint8 pixels: round(clamp(y, 0, 1) * 255)."""
+    return (outputs.float().clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def _images(outputs: torch.Tensor, classes: list[str], options: dict) -> list[dict]:
+    return [{"image": img} for img in to_pixels(outputs)]
+
+
+def _paired_example(x: torch.Tensor, in_channels: int) -> torch.Tensor:
+    # Paired loaders stack input and target along channels (so one crop/flip covers both): keep the input.
+    return x[:, :in_channels]
+
+
+@TASKS.register("image_to_image")
+def image_to_image() -> Task:
+    """Paired restoration (deblur, denoise): L1 loss by default, PSNR and SSIM, predict writes output images."""
+    return Task("image_to_image", "l1", "val/psnr", "max", _restoration_metrics, _restoration_summary, _nothing, _images,
+                backends=("cpu", "memory"), export_formats=("onnx", "safetensors", "torchscript"), example=_paired_example)
+
+
+# ---------------------------------------------------------------- video
+
+
+@TASKS.register("video")
+def video() -> Task:
+    """Clip classification: cross-entropy on T-frame clips, top-1/top-k and a confusion matrix.
+
+    Clips travel frames-first, (N, T, C, H, W) uint8, so that per-channel normalisation broadcasts
+    exactly as for images; the registered video models permute to torchvision's (N, C, T, H, W).
+    """
+    return Task("video", "cross_entropy", "val/top1", "max", _classification_metrics, _classification_summary,
+                _write_confusion, _topk, backends=("cpu",), export_formats=("onnx", "safetensors"), channels_last=False,
+                unsupported={"predict": "predict decodes image files; evaluate clips with `torchsprint eval` instead."})
+
+
+__all__ = ["TASKS", "Task", "get_task", "apply_defaults", "check_data_task", "to_pixels"]

@@ -1,0 +1,106 @@
+"""task=multilabel end to end on real JPEGs: CSV labels, learning vs chance, predict, ONNX parity, memory backend."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchsprint import config
+from torchsprint.errors import UsageError
+from torchsprint.run import train
+
+BASE = ["task=multilabel", "data.dataset=synthetic_multilabel", "log.tensorboard=false", "log.progress=false",
+        "model.args={width: 8}", "data.batch_size=16", "optim.lr=0.05", "data.options={num_images: 160, val_images: 48, size: 24}"]
+
+
+@pytest.fixture(scope="module")
+def ml_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ml")
+    cfg = config.load(None, BASE + [f"data.root={root / 'data'}", f"run.dir={root / 'run'}", "run.epochs=6"])
+    summary = train(cfg, quiet=True)
+    return root / "run", summary, next((root / "data").glob("synthetic_multilabel-*"))
+
+
+def test_task_sets_loss_and_monitor_unless_given():
+    cfg = config.load(None, ["task=multilabel"])
+    assert (cfg.loss.name, cfg.checkpoint.monitor, cfg.checkpoint.mode) == ("bce_with_logits", "val/mAP", "max")
+    cfg = config.load(None, ["task=multilabel", "loss.name=mse", "checkpoint.monitor=val/loss", "checkpoint.mode=min"])
+    assert (cfg.loss.name, cfg.checkpoint.monitor, cfg.checkpoint.mode) == ("mse", "val/loss", "min")
+    assert config.load(None, []).loss.name == "cross_entropy"
+    with pytest.raises(UsageError, match="multilabel"):
+        config.load(None, ["task=multilabl"])
+
+
+def test_learns_well_above_chance(ml_run):
+    run, summary, data = ml_run
+    # Chance reference: a random ranking's average precision equals the label's prevalence.
+    rows = list(csv.reader(open(data / "val.csv")))[1:]
+    prevalence = [sum(s in r[1].split(";") for r in rows) / len(rows) for s in ("disc", "square", "triangle")]
+    chance = sum(prevalence) / 3
+    assert 0.3 < chance < 0.7
+    assert summary["final"]["val/mAP"] > chance + 0.3, (summary["final"], chance)
+    assert summary["final"]["val/f1_macro"] > 0.7
+    assert not (run / "confusion_matrix.csv").exists()  # classification-only artifact
+
+
+def test_predict_labels_above_threshold_and_onnx_parity(ml_run, tmp_path):
+    from torchsprint.export import export
+    from torchsprint.predict import Predictor
+
+    run, _, data = ml_run
+    rows = list(csv.reader(open(data / "val.csv")))[1:13]
+    files = [str(data / r[0]) for r in rows]
+    results = Predictor.from_run(run).predict(files)
+    # Per (image, label) decisions right: chance is 1/2 (each label present with probability 1/2).
+    right = sum((s in {t["class"] for t in r["labels"]}) == (s in row[1].split(";"))
+                for r, row in zip(results, rows) for s in ("disc", "square", "triangle"))
+    assert right >= 28, results  # of 36
+    assert all(t["prob"] >= 0.5 for r in results for t in r["labels"])
+    r = export(run, "onnx", out=tmp_path / "m.onnx")
+    assert r["max_abs_diff"] < 1e-4
+    onnx_results = Predictor.from_file(tmp_path / "m.onnx").predict(files, threshold=0.5)
+    assert [x["labels"] and [t["class"] for t in x["labels"]] for x in onnx_results] == \
+        [x["labels"] and [t["class"] for t in x["labels"]] for x in results]
+
+
+def test_predict_cli_prints_labels(ml_run, run_cli):
+    run, _, data = ml_run
+    img = next((data / "images").glob("val_*.jpg"))
+    r = run_cli("predict", "-r", str(run), str(img), "--threshold", "0.01")
+    assert r.returncode == 0, r.stderr
+    assert "labels above threshold" in r.stdout and "disc" in r.stdout and "triangle" in r.stdout  # all labels at 0.01
+
+
+def test_memory_backend_trains_multilabel(tmp_path):
+    cfg = config.load(None, BASE + [f"data.root={tmp_path / 'data'}", f"run.dir={tmp_path / 'run'}", "run.epochs=1",
+                                    "data.backend=memory", "data.options={num_images: 32, val_images: 16, size: 16}"])
+    s = train(cfg, quiet=True)
+    assert s["final"]["val/count"] == 16 and 0 <= s["final"]["val/mAP"] <= 1
+
+
+def test_multilabel_csv_rows(tmp_path):
+    from PIL import Image
+
+    from torchsprint.data.multilabel import multilabel_csv
+
+    for n in ("a", "b"):
+        Image.new("RGB", (8, 8)).save(tmp_path / f"{n}.png")
+    (tmp_path / "train.csv").write_text("path,labels\na.png,cat;dog\nb.png,\n")
+    cfg = config.load(None, ["task=multilabel", "data.dataset=multilabel_csv", f"data.root={tmp_path}", "data.val_fraction=0.5"])
+    splits = multilabel_csv(cfg.data)
+    assert splits.classes == ["cat", "dog"] and splits.task == "multilabel"
+    targets = sorted(tuple(s[1].tolist()) for s in splits.train.samples + splits.val.samples)
+    assert targets == [(0.0, 0.0), (1.0, 1.0)]  # an empty label field is a valid "no label" row
+    (tmp_path / "train.csv").write_text("a.png,cat;bird\n")
+    cfg.data.options = {"classes": ["cat", "dog"]}
+    with pytest.raises(UsageError, match="bird"):
+        multilabel_csv(cfg.data)
+
+
+def test_dataset_task_mismatch_is_refused(tmp_path):
+    cfg = config.load(None, BASE[1:] + [f"data.root={tmp_path / 'd'}", f"run.dir={tmp_path / 'r'}"])  # task left as classification
+    with pytest.raises(UsageError, match="task: multilabel"):
+        train(cfg, quiet=True)

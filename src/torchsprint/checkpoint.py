@@ -95,17 +95,19 @@ def _tuplify(x):
     return tuple(_tuplify(i) for i in x) if isinstance(x, list | tuple) else x
 
 
-def rng_isolated(iterable, device: torch.device):
+def rng_isolated(iterable, device: torch.device, every_batch: bool = False):
     """Iterate `iterable` on its own torch RNG stream, leaving the global one to the model.
 
-    A DataLoader draws a base seed from the global generator every time an iterator is created
-    (persistent workers: only in a process's first epoch), so a resumed run would see another
-    dropout/stochastic-depth stream than an uninterrupted one. Data order and augmentation have
-    their own seeds (data.core.sample_seed); giving the loader a separate stream keeps the model's a
-    function of the optimizer steps alone, which is what makes mid-epoch resume bit-exact.
-    The loader's stream starts as a copy of the global one and then advances on its own, so a
-    loader that does draw from the global RNG per batch gets fresh numbers, not a replay.
-    Costs two CPU RNG state copies (~5 KB each) per batch, plus the device's on CUDA.
+    A DataLoader without its own `generator` draws a base seed from the global generator every time
+    an iterator is created (persistent workers: only in a process's first epoch), so a resumed run
+    would see another dropout/stochastic-depth stream than an uninterrupted one. Data order and
+    augmentation have their own seeds (data.core.sample_seed), and torchsprint's loaders pass their
+    DataLoaders a seeded generator; this wrapper protects loaders that do not (user-registered ones).
+    It isolates the iterator's creation and first batch, where DataLoaders draw; `every_batch=True`
+    isolates every batch too, for a loader that draws from the global RNG per batch (two CPU RNG state
+    copies of ~5 KB per batch, plus the device's on CUDA: measurable for tiny steps, hence opt-in).
+    The loader's stream is seeded from the global seed plus a constant, not copied from the global
+    state, so a loader that draws per batch never replays the numbers the model stream will draw.
     """
     cuda = device.type == "cuda"
 
@@ -117,8 +119,14 @@ def rng_isolated(iterable, device: torch.device):
         if cuda:
             torch.cuda.set_rng_state(state[1], device)
 
-    loader_rng, it = get(), None
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        torch.manual_seed((torch.initial_seed() + 0x5EED) % 2**63)  # deterministic per run seed and rank
+        loader_rng = get()
+    it, isolate = None, True
     while True:
+        if not isolate:
+            yield from it
+            return
         model_rng = get()
         put(loader_rng)
         try:
@@ -130,6 +138,7 @@ def rng_isolated(iterable, device: torch.device):
         finally:
             loader_rng = get()
             put(model_rng)
+        isolate = every_batch
         yield item
 
 

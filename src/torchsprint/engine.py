@@ -27,21 +27,22 @@ def train_step(model, micro_batches, loss_fn, opt, prec, clip_grad_norm: float |
     Returns the mean loss as a detached device tensor (no host sync here).
     """
     n = len(micro_batches)
-    total = torch.zeros((), device=micro_batches[0][0].device)
+    losses = []
     for i, (images, targets) in enumerate(micro_batches):
         # DDP all-reduces gradients only on the last micro-step; no_sync is a null context elsewhere.
         with no_sync(model) if i < n - 1 else nullcontext():
             with prec.autocast():
                 loss = loss_fn(model(images), targets)
             prec.backward(loss / n if n > 1 else loss)
-        total += loss.detach().float()
+        losses.append(loss.detach())
     if clip_grad_norm is not None:
         prec.unscale_(opt)
         # The optimizer's parameters: in fp16/bf16 modes these are the fp32 masters that hold the gradients.
         nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip_grad_norm)
     prec.step(opt)
     opt.zero_grad(set_to_none=True)
-    return total / n
+    # One micro-batch (the usual case) returns its loss as is: no extra kernels in the step.
+    return losses[0] if n == 1 else torch.stack(losses).float().mean()
 
 
 def set_train_mode(model: nn.Module, frozen_norms: list[nn.Module]) -> None:
@@ -62,11 +63,12 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
     steps_per_epoch = math.ceil(len(loader) / accum)
     loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * accum)
     logger.start_epoch(state.epoch, cfg.run.epochs, steps_per_epoch, state.step_in_epoch)
-    loss_sum = torch.zeros((), device=next(unwrap(model).parameters()).device)
-    images_seen = log_images = log_steps = 0
+    device = next(unwrap(model).parameters()).device
+    window: list[torch.Tensor] = []  # this log window's step losses, on the device; summed at log steps only
+    images_seen = log_images = 0
     data_wait = 0.0
     t_start = t_log = time.perf_counter()
-    it = rng_isolated(loader, loss_sum.device)  # data loading must not shift the model's RNG stream (exact resume)
+    it = rng_isolated(loader, device)  # data loading must not shift the model's RNG stream (exact resume)
     done = False
     while not done:
         micro = []
@@ -86,21 +88,20 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         n_images = sum(b[0].shape[0] for b in micro)
         images_seen += n_images
         log_images += n_images
-        loss_sum += loss
-        log_steps += 1
+        window.append(loss)
         state.step_in_epoch += 1
         state.global_step += 1
         logger.advance()
         if state.global_step % cfg.log.every_steps == 0:
-            mean_loss = (loss_sum / log_steps).item()  # note: a CPU-GPU sync point, once per log step
-            check_finite(prec, state)
+            mean_loss = torch.stack(window).float().mean().item()  # note: a CPU-GPU sync point, once per log step
+            check_finite(prec, state, math.isfinite(mean_loss))
             now = time.perf_counter()
             stats = {"train/loss": mean_loss, "train/lr": opt.param_groups[0]["lr"], "train/skipped_steps": state.skipped_steps,
                      "train/images_per_s": log_images / max(now - t_log, 1e-9), "epoch": state.epoch}
             logger.scalars(state.global_step, stats, "train")
             logger.step_stats(f"loss {mean_loss:.4f}  lr {stats['train/lr']:.3g}  {stats['train/images_per_s']:.0f} img/s")
-            loss_sum.zero_()
-            log_steps = log_images = 0
+            window.clear()
+            log_images = 0
             t_log = now
         if cfg.checkpoint.every_steps and state.global_step % cfg.checkpoint.every_steps == 0:
             saver.save(state, model, opt, sched, prec, metric=None)
@@ -109,19 +110,22 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         if stop_at is not None and state.global_step >= stop_at:
             break
     logger.end_epoch()
-    check_finite(prec, state)  # count the steps since the last log step too (all ranks call it: it reduces)
+    # Count the steps since the last log step too (all ranks call it: it reduces). Note: a sync point.
+    check_finite(prec, state, not window or bool(torch.isfinite(torch.stack(window).float().sum())))
     seconds = time.perf_counter() - t_start
     return {"images": images_seen, "seconds": seconds, "data_wait": data_wait,
             "finished_epoch": state.step_in_epoch >= steps_per_epoch}
 
 
-def check_finite(prec, state: TrainState) -> None:
-    """Add the steps skipped for non-finite loss/gradients since the last check to state.skipped_steps.
+def check_finite(prec, state: TrainState, loss_finite: bool = True) -> None:
+    """Add the steps skipped for non-finite gradients since the last check to state.skipped_steps.
 
-    Precision counts them on the device (no per-step host sync) and raises FloatingPointError
-    here under precision.on_nonfinite=stop. Note: a CPU-GPU sync point, at log steps and epoch ends.
+    `loss_finite`: whether every loss since the last check was finite (a NaN/inf anywhere makes their
+    sum non-finite, so the log step's mean answers it for free). Precision counts skipped steps on the
+    device (no per-step host sync) and raises FloatingPointError here under precision.on_nonfinite=stop.
+    Note: a CPU-GPU sync point, at log steps and epoch ends.
     """
-    state.skipped_steps += prec.pop_nonfinite(state.global_step)
+    state.skipped_steps += prec.pop_nonfinite(state.global_step, loss_finite)
 
 
 @torch.inference_mode()

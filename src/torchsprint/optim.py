@@ -159,7 +159,26 @@ def exponential(c, total_epochs: float):
 
 @SCHEDULERS.register("constant")
 def constant(c, total_epochs: float):
-    return lambda e: 1.0
+    return None  # no shape: with no warm-up either, build_scheduler returns a scheduler whose step() does nothing
+
+
+class FixedLR:
+    """The scheduler of a constant learning rate: step() is a no-op, so a tiny model's step pays nothing for it."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.optimizer = opt
+
+    def step(self) -> None:
+        pass
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 @SCHEDULERS.register("onecycle")
@@ -177,6 +196,10 @@ def onecycle(c, total_epochs: float):
     return f
 
 
+def _one(e: float) -> float:
+    return 1.0
+
+
 def build_scheduler(sched_cfg, opt: torch.optim.Optimizer, *, epochs: float, steps_per_epoch: int):
     """A LambdaLR following `sched_cfg.name` with optional linear warm-up.
 
@@ -189,6 +212,10 @@ def build_scheduler(sched_cfg, opt: torch.optim.Optimizer, *, epochs: float, ste
     """
     shape = SCHEDULERS.get(sched_cfg.name)(sched_cfg, epochs)
     warm, start = sched_cfg.warmup_epochs, sched_cfg.warmup_start
+    if shape is None:
+        if warm == 0:
+            return FixedLR(opt)
+        shape = _one
 
     def factor(e: float) -> float:
         w = start + (1 - start) * min(e / warm, 1.0) if warm > 0 else 1.0

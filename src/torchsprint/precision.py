@@ -86,7 +86,6 @@ class Precision:
         self._attached: set[int] = set()  # ids of optimizers that step the masters
         self._grads_on_masters = False  # this step's gradients were moved to the masters
         # On-device counters, read only by pop_nonfinite (no host sync in the step).
-        self._bad_loss = torch.zeros((), dtype=torch.int64, device=device)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
 
     # ------------------------------------------------------------ forward
@@ -126,8 +125,7 @@ class Precision:
     # ------------------------------------------------------------ backward and step
 
     def backward(self, loss: torch.Tensor) -> None:
-        """(Scaled) backward; counts a non-finite loss on the device without syncing."""
-        self._bad_loss += (~torch.isfinite(loss.detach())).to(torch.int64)
+        """(Scaled) backward. Non-finite losses are found by the engine's log-step check (check_finite)."""
         self.scaler.scale(loss).backward()
 
     def unscale_(self, opt: torch.optim.Optimizer) -> None:
@@ -156,23 +154,24 @@ class Precision:
             opt.step()
         self._masters_to_model()
 
-    def pop_nonfinite(self, step: int) -> int:
+    def pop_nonfinite(self, step: int, loss_finite: bool = True) -> int:
         """Steps skipped since the last call (max over ranks); raises FloatingPointError under stop.
 
+        `loss_finite`: the caller's verdict on this rank's losses since the last call.
         Note: a CPU-GPU sync point; the engine calls it at log steps and epoch ends only.
         """
         from torchsprint.parallel import all_reduce_max
 
-        counts = all_reduce_max(torch.stack([self._bad_loss, self._skipped]))
+        bad = torch.tensor(0 if loss_finite else 1, dtype=torch.int64, device=self.device)
+        counts = all_reduce_max(torch.stack([bad, self._skipped]))
         bad_loss, skipped = (int(v) for v in counts.tolist())
-        self._bad_loss.zero_()
         self._skipped.zero_()
         # With a loss scaler, skipped steps are the scaler finding its scale (expected early in a run),
         # so only a non-finite loss stops it; without one any non-finite value does.
         if self.on_nonfinite == "stop" and (bad_loss or (skipped and not self.scaler.is_enabled())):
             raise FloatingPointError(
-                f"non-finite training loss or gradients by step {step} ({bad_loss} micro-batch(es) with a non-finite "
-                f"loss); stopping (precision.on_nonfinite=stop). Lower optim.lr, set optim.clip_grad_norm, or use "
+                f"non-finite training {'loss' if bad_loss else 'gradients'} by step {step}; "
+                f"stopping (precision.on_nonfinite=stop). Lower optim.lr, set optim.clip_grad_norm, or use "
                 "precision=amp_bf16/fp32 instead of fp16.")
         return skipped
 

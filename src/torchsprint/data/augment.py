@@ -371,6 +371,8 @@ class BatchPipeline:
 
     def __call__(self, x: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
         """Augment a uniform-size uint8 batch (memory backend): every step batched."""
+        if not self.steps:
+            return x  # nothing to draw: keep the per-batch cost of an unaugmented split at zero
         n, _, h, w = x.shape
         params = self.params(self.draw(seeds), torch.full((n,), h), torch.full((n,), w))
         for (_, op), p in zip(self.steps, params):

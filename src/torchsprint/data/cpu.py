@@ -124,6 +124,9 @@ def make_loader(raw, pipeline, data_cfg, rt, *, seed, train: bool, channels_last
         drop_last=train and data_cfg.drop_last and len(sampler) >= data_cfg.batch_size,
         persistent_workers=data_cfg.persistent_workers and workers > 0,
         prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
+        # Its own generator: a DataLoader without one draws worker base seeds from the global RNG, which
+        # would shift the model's dropout stream between a resumed and an uninterrupted run.
+        generator=torch.Generator().manual_seed(seed),
     )
     norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last)
     return DeviceLoader(loader, sampler, rt.device, norm)

@@ -271,6 +271,7 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
             pin_memory=data_cfg.pin_memory and rt.device.type == "cuda",
             persistent_workers=data_cfg.persistent_workers and workers > 0,
             prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
+            generator=torch.Generator().manual_seed(seed),  # not the global RNG (see cpu.make_loader)
         )
         out.append(GpuLoader(loader, batches, pipe, rt.device, norm, fraction, tuner if train else None, data_cfg.on_bad_sample))
     info = DataInfo(splits.classes, channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)

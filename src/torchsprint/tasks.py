@@ -187,8 +187,14 @@ def _paired_example(x: torch.Tensor, in_channels: int) -> torch.Tensor:
 
 @TASKS.register("image_to_image")
 def image_to_image() -> Task:
-    """Paired restoration (deblur, denoise): L1 loss by default, PSNR and SSIM, predict writes output images."""
-    return Task("image_to_image", "l1", "val/psnr", "max", _restoration_metrics, _restoration_summary, _nothing, _images,
+    """Paired restoration (deblur, denoise): MSE by default, PSNR and SSIM, predict writes output images.
+
+    MSE, not L1, by default: PSNR is -10 log10(MSE), and with errors concentrated at edges (most pixels of
+    a blurred image are already right) L1's sign gradient held the residual U-Net at the identity on
+    synthetic_blur (24.23 -> 24.23 dB after 150 steps) where MSE gained +1.1 dB. Set loss.name=l1 or
+    weighted loss.terms for other data.
+    """
+    return Task("image_to_image", "mse", "val/psnr", "max", _restoration_metrics, _restoration_summary, _nothing, _images,
                 backends=("cpu", "memory"), export_formats=("onnx", "safetensors", "torchscript"), example=_paired_example)
 
 

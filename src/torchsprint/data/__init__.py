@@ -12,6 +12,7 @@ from torchsprint.data import datasets as _datasets  # noqa: E402,F401  (register
 from torchsprint.data import gpu as _gpu  # noqa: E402,F401  (registers the gpu loader)
 from torchsprint.data import memory as _memory  # noqa: E402,F401  (registers the memory loader)
 from torchsprint.data import multilabel as _multilabel  # noqa: E402,F401  (registers multi-label datasets)
+from torchsprint.data import paired as _paired  # noqa: E402,F401  (registers paired image-to-image datasets)
 from torchsprint.data.dali import register_dali  # noqa: E402
 
 register_dali()  # only when nvidia.dali imports

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from torchsprint.models import MODELS
@@ -82,3 +83,48 @@ class CifarResNet(nn.Module):
 def cifar_resnet18(num_classes: int, in_channels: int = 3, width: int = 64) -> nn.Module:
     """CIFAR-style ResNet-18: 11M parameters at width 64."""
     return CifarResNet((2, 2, 2, 2), num_classes, in_channels, width)
+
+
+class ShallowUNet(nn.Module):
+    """A two-level U-Net for image restoration: (N, C_in, H, W) -> (N, C_out, H, W), same units as the target.
+
+    conv-conv at full resolution, conv-conv at half (stride-2 down, bilinear up), skip concatenation,
+    a 1x1 head. When C_in == C_out the head predicts a residual added to the input (Zhang et al. 2017,
+    DnCNN): a restoration net starts as the identity, so it begins at the input's quality and learns
+    the correction. Any H, W (odd sizes are padded for the down/up path and cropped back).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, width: int = 16, residual: bool = True):
+        super().__init__()
+        w = width
+
+        def block(cin, cout):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1), nn.LeakyReLU(0.1), nn.Conv2d(cout, cout, 3, 1, 1),
+                                 nn.LeakyReLU(0.1))
+
+        self.enc = block(in_channels, w)
+        self.down = nn.Sequential(nn.Conv2d(w, 2 * w, 3, 2, 1), nn.LeakyReLU(0.1), block(2 * w, 2 * w))
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.dec = block(3 * w, w)
+        self.head = nn.Conv2d(w, out_channels, 1)
+        self.residual = residual and in_channels == out_channels
+        if self.residual:  # start near the identity map: a small correction (zero would stall the layers below)
+            with torch.no_grad():
+                self.head.weight.mul_(0.1)
+                self.head.bias.zero_()
+
+    def forward(self, x):
+        h, w = x.shape[-2:]
+        e = self.enc(x)
+        d = self.up(self.down(e))[..., :h, :w]
+        y = self.head(self.dec(torch.cat([e, d], dim=1)))
+        return x + y if self.residual else y
+
+
+@MODELS.register("unet_small")
+def unet_small(num_classes: int, in_channels: int = 3, width: int = 16, residual: bool = True) -> nn.Module:
+    """Shallow U-Net for task=image_to_image: `num_classes` is the number of output channels (the dataset's).
+
+    ~30k parameters at width 16 (two resolutions, one skip); see ShallowUNet.
+    """
+    return ShallowUNet(in_channels, num_classes, width, residual)

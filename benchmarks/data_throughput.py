@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -135,6 +136,89 @@ def decoder_micro(paths: list[Path], repeats: int) -> dict:
     return out
 
 
+def stage_breakdown(paths: list[Path], repeats: int, n: int = 192, batch: int = 64) -> dict:
+    """CPU ms per image of each step of the per-image path, one thread, this process, best of `repeats`:
+    where the time goes in the naive path, in torchvision v2 on uint8 tensors, and in the cpu backend."""
+    import torch
+    import torchvision.transforms as T
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    from torchsprint.data.decode import decode_bytes
+    from torchsprint.data.transforms import DeviceNormalize, compile_spec
+
+    torch.set_num_threads(1)
+    paths = paths[:n]
+    blobs = [p.read_bytes() for p in paths]
+    decoded = [decode_bytes(b, decoder="simplejpeg") for b in blobs]
+    pils = [Image.open(p).convert("RGB") for p in paths]
+    v2_tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()])
+    fast_tf = compile_spec([{"random_resized_crop": {"size": 224}}, "hflip"], "bench").cpu
+    naive_tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+                          T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    crops = [fast_tf(x) for x in decoded]
+    norm = DeviceNormalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), torch.device("cpu"))
+    batches = [torch.stack(crops[i : i + batch]) for i in range(0, len(crops) - batch + 1, batch)]
+
+    def old_normalize(x):  # before: x.float() and addcmul each allocate a batch of fp32
+        return torch.addcmul(norm.shift, x.float(), norm.scale)
+
+    per_image = {
+        "naive: PIL Image.open + convert (from file)": lambda i: Image.open(paths[i]).convert("RGB"),
+        "naive: RandomResizedCrop + flip + ToTensor + Normalize (PIL)": lambda i: naive_tf(pils[i]),
+        "decode: simplejpeg + header sniff (bytes in memory)": lambda i: decode_bytes(blobs[i], decoder="simplejpeg"),
+        "seed: torch.manual_seed (before)": lambda i: torch.manual_seed(i),
+        "seed: torch.default_generator.manual_seed (now)": lambda i: torch.default_generator.manual_seed(i),
+        "RandomResizedCrop(224) + flip: torchvision v2 on uint8 (before)": lambda i: v2_tf(decoded[i]),
+        "RandomResizedCrop(224) + flip: torchsprint, same pixels (now)": lambda i: fast_tf(decoded[i]),
+    }
+    per_batch = {
+        f"collate: torch.stack of {batch}": lambda b: torch.stack(crops[b * batch : (b + 1) * batch]),
+        "normalize on the CPU: float + addcmul (before)": lambda b: old_normalize(batches[b]),
+        "normalize on the CPU: float + in-place addcmul (now)": lambda b: norm(batches[b]),
+    }
+    out = {}
+    for name, fn in per_image.items():
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.process_time()
+            for i in range(len(paths)):
+                fn(i)
+            best = min(best, (time.process_time() - t0) / len(paths))
+        out[name] = best * 1e3
+    for name, fn in per_batch.items():
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.process_time()
+            for b in range(len(batches)):
+                fn(b)
+            best = min(best, (time.process_time() - t0) / (len(batches) * batch))
+        out[name] = best * 1e3
+    return out
+
+
+class LoadSampler:
+    """1-minute load average every `every` seconds in a background thread (this benchmark's own 3
+    processes count too: on 2 cores a load near 3 means nobody else was running)."""
+
+    def __init__(self, every: float = 2.0):
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+
+    def _run(self, every: float) -> None:
+        while not self._stop.wait(every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=512, help="training JPEGs (500x375, generated once)")
@@ -162,18 +246,20 @@ def main() -> None:
     loaders["naive: PIL + torchvision transforms (float in workers)"] = naive_loader(samples, args.batch_size, args.workers)
     results: dict[str, list[float]] = {name: [] for name in variants}
     load_before = os.getloadavg()
-    for r in range(args.repeats):
-        for name in variants:
-            results[name].append(time_epoch(loaders[name], r))
-    load_after = os.getloadavg()
+    with LoadSampler() as load:
+        for r in range(args.repeats):
+            for name in variants:
+                results[name].append(time_epoch(loaders[name], r))
     cpu_s: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):
         for name in variants:
             cpu_s[name].append(cpu_seconds_per_image(loaders[name], name.startswith("naive")))
     base = statistics.median(results["naive: PIL + torchvision transforms (float in workers)"])
     cores = os.cpu_count()
+    ls = load.samples or [os.getloadavg()[0]]
     print(f"{len(samples)} JPEGs 500x375, batch {args.batch_size}, {args.workers} workers, {cores} cores, "
-          f"load average before/after {load_before[0]:.2f}/{load_after[0]:.2f}")
+          f"1-min load average before {load_before[0]:.2f}, during min/median/max "
+          f"{min(ls):.2f}/{statistics.median(ls):.2f}/{max(ls):.2f} ({time.strftime('%Y-%m-%d %H:%M')})")
     base_cpu = statistics.median(cpu_s["naive: PIL + torchvision transforms (float in workers)"])
     print("| variant | images/s, 2 workers (median) | min-max | vs naive | CPU ms per image, 1 thread | images/s per core | vs naive |")
     print("|---|---|---|---|---|---|---|")
@@ -181,9 +267,15 @@ def main() -> None:
         med, c = statistics.median(xs), statistics.median(cpu_s[name])
         print(f"| {name} | {med:.0f} | {min(xs):.0f}-{max(xs):.0f} | {med / base:.2f}x | {c * 1e3:.2f} | {1 / c:.0f} | {base_cpu / c:.2f}x |")
     print()
+    paths = sorted(Path(args.root).glob("*/train/*/*.jpg"))
+    print("| step (one thread, 500x375 JPEG, 224 output) | CPU ms per image |")
+    print("|---|---|")
+    for name, ms in stage_breakdown(paths, args.repeats).items():
+        print(f"| {name} | {ms:.3f} |")
+    print()
     print("| decoder (one thread, 500x375, file bytes in memory) | ms per image | images/s |")
     print("|---|---|---|")
-    for name, ms in decoder_micro(sorted(Path(args.root).glob("*/train/*/*.jpg")), args.repeats).items():
+    for name, ms in decoder_micro(paths, args.repeats).items():
         print(f"| {name} | {ms:.3f} | {1e3 / ms:.0f} |")
     if not torch.cuda.is_available():
         print("\ngpu / dali backends: not measured, this machine has no CUDA device")

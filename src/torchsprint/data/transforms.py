@@ -50,8 +50,8 @@ def channels_last_copy(img: torch.Tensor) -> torch.Tensor:
     torch's uint8 antialiased bilinear resize (AVX2/AVX-512, the path torchvision takes on CPU) works
     on interleaved pixels; given a planar or a strided (cropped) input it repacks internally, and it
     allocates a planar output for anything that is not channels-last contiguous. Copying the crop into
-    HWC memory first costs less than that: 0.21 vs 0.26 ms per RandomResizedCrop(224) of 500x375
-    (BENCHMARKS.md, "Data loading"). Values are untouched, so the resize output is bit-identical.
+    HWC memory first costs less than that: 0.21 vs 0.26 ms per RandomResizedCrop(224) of 500x375, one
+    thread, measured with F.interpolate on 200 crops. Values are untouched, so the output is identical.
     """
     c, h, w = img.shape
     if img.stride() == (1, w * c, c) or c == 1:
@@ -81,7 +81,8 @@ class FastResize:
 
 
 class FastRandomResizedCrop:
-    """v2.RandomResizedCrop for uint8 CHW tensors, 1.8x faster and bit-identical.
+    """v2.RandomResizedCrop for uint8 CHW tensors: bit-identical, and cheaper (500x375 -> 224, one
+    thread: ~0.21 vs ~0.38 ms for the crop and resize alone; BENCHMARKS.md, "Data loading").
 
     The crop parameters are drawn by the same code as torchvision 0.29's `make_params` (same global-RNG
     calls in the same order, so per-sample seeds give the same crops); the crop is a view, copied to
@@ -325,8 +326,9 @@ class DeviceNormalize:
             x = torch.addcmul(self.shift, x.float(), self.scale)
         else:
             # In place on the fresh float copy: one batch-sized allocation instead of two. On a CPU device
-            # the page faults of a new 38 MB buffer (64x3x224x224 fp32) cost about as much as the
-            # arithmetic: 0.35 vs 0.60 ms per image (BENCHMARKS.md, "Data loading"). Same values.
+            # the page faults of a new 38 MB buffer (64x3x224x224 fp32) cost more than the arithmetic:
+            # 0.38 vs 0.71 ms per image (BENCHMARKS.md, "Data loading"). Same values, same arithmetic
+            # as export.WithNormalize.
             xf = x.float()
             x = torch.addcmul(self.shift, xf, self.scale, out=xf)
         return x.to(dtype=self.dtype, memory_format=self.memory_format)

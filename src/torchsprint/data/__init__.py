@@ -13,6 +13,7 @@ from torchsprint.data import gpu as _gpu  # noqa: E402,F401  (registers the gpu 
 from torchsprint.data import memory as _memory  # noqa: E402,F401  (registers the memory loader)
 from torchsprint.data import multilabel as _multilabel  # noqa: E402,F401  (registers multi-label datasets)
 from torchsprint.data import paired as _paired  # noqa: E402,F401  (registers paired image-to-image datasets)
+from torchsprint.data import video as _video  # noqa: E402,F401  (registers video datasets and clip steps)
 from torchsprint.data.dali import register_dali  # noqa: E402
 
 register_dali()  # only when nvidia.dali imports

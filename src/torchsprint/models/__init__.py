@@ -59,7 +59,26 @@ def _timm_provider():
     return {f"timm/{n}": make(n) for n in timm.list_models()}
 
 
+def _torchvision_video_provider():
+    import torchvision
+
+    from torchsprint.models.nets import FramesFirst
+
+    def make(fn_name):
+        def build(num_classes: int, in_channels: int = 3, **args):
+            if in_channels != 3:
+                raise TypeError(f"torchvision video model {fn_name} takes RGB clips (in_channels=3), not {in_channels}")
+            # Clips travel (N, T, C, H, W); torchvision's video models take (N, C, T, H, W).
+            return FramesFirst(torchvision.models.get_model(fn_name, weights=None, num_classes=num_classes, **args))
+
+        build.__doc__ = f"torchvision.models.video.{fn_name} (task=video; input (N, T, C, H, W) clips)"
+        return build
+
+    return {n: make(n) for n in torchvision.models.list_models(module=torchvision.models.video)}
+
+
 MODELS.add_provider(_torchvision_provider)
+MODELS.add_provider(_torchvision_video_provider)
 MODELS.add_provider(_timm_provider)
 
 

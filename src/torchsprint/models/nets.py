@@ -128,3 +128,29 @@ def unet_small(num_classes: int, in_channels: int = 3, width: int = 16, residual
     ~30k parameters at width 16 (two resolutions, one skip); see ShallowUNet.
     """
     return ShallowUNet(in_channels, num_classes, width, residual)
+
+
+class FramesFirst(nn.Module):
+    """Clips arrive (N, T, C, H, W) (frames first, as collated and normalised); 3-D conv nets take (N, C, T, H, W)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, clips):
+        return self.model(clips.transpose(1, 2))
+
+
+@MODELS.register("small_3d_cnn")
+def small_3d_cnn(num_classes: int, in_channels: int = 3, width: int = 16) -> nn.Module:
+    """task=video: two 3x3x3 conv-BN-ReLU blocks (the second strided in time and space), global pool, linear head.
+
+    Input (N, T, C, H, W) clips; ~20k parameters at width 16; for CPU tests and tiny clips.
+    """
+    w = width
+    net = nn.Sequential(
+        nn.Conv3d(in_channels, w, 3, 1, 1, bias=False), nn.BatchNorm3d(w), nn.ReLU(inplace=True),
+        nn.Conv3d(w, 2 * w, 3, 2, 1, bias=False), nn.BatchNorm3d(2 * w), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(2 * w, num_classes),
+    )
+    return FramesFirst(net)

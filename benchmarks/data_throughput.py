@@ -158,6 +158,7 @@ def stage_breakdown(paths: list[Path], repeats: int, n: int = 192, batch: int = 
                           T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
     crops = [fast_tf(x) for x in decoded]
     norm = DeviceNormalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), torch.device("cpu"))
+    recycled = DeviceNormalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), torch.device("cpu"), recycle=True)
     batches = [torch.stack(crops[i : i + batch]) for i in range(0, len(crops) - batch + 1, batch)]
 
     def old_normalize(x):  # before: x.float() and addcmul each allocate a batch of fp32
@@ -175,7 +176,8 @@ def stage_breakdown(paths: list[Path], repeats: int, n: int = 192, batch: int = 
     per_batch = {
         f"collate: torch.stack of {batch}": lambda b: torch.stack(crops[b * batch : (b + 1) * batch]),
         "normalize on the CPU: float + addcmul (before)": lambda b: old_normalize(batches[b]),
-        "normalize on the CPU: float + in-place addcmul (now)": lambda b: norm(batches[b]),
+        "normalize on the CPU: float + in-place addcmul, fresh buffer": lambda b: norm(batches[b]),
+        "normalize on the CPU: in-place addcmul, recycled buffer (now)": lambda b: recycled(batches[b]),
     }
     out = {}
     for name, fn in per_image.items():

@@ -100,3 +100,21 @@ def test_cpu_backend_batches_from_workers_equal_single_process(image_folder):
     assert len(ref) == len(got) > 2
     for (a, ya), (b, yb) in zip(ref, got):
         assert torch.equal(a, b) and torch.equal(ya, yb)
+
+
+def test_recycled_normalize_buffers_never_overwrite_a_batch_still_referenced():
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    plain = DeviceNormalize(mean, std, torch.device("cpu"))
+    rec = DeviceNormalize(mean, std, torch.device("cpu"), recycle=True)
+    xs = [torch.randint(0, 256, (2, 3, 4, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    held = [rec(x) for x in xs]  # more batches alive than the pool keeps
+    for h, x in zip(held, xs):
+        assert torch.equal(h, plain(x))
+    ptr = held[0].data_ptr()
+    view, arr = held[1][0], held[2].numpy()
+    del held
+    again = [rec(x) for x in xs[:3]]
+    assert ptr in {a.data_ptr() for a in again}, "a released buffer is handed out again"
+    assert torch.equal(view, plain(xs[1])[0]) and torch.equal(torch.from_numpy(arr), plain(xs[2])), "views stay intact"
+    for a, x in zip(again, xs):
+        assert torch.equal(a, plain(x))

@@ -128,7 +128,7 @@ def make_loader(raw, pipeline, data_cfg, rt, *, seed, train: bool, channels_last
         # would shift the model's dropout stream between a resumed and an uninterrupted run.
         generator=torch.Generator().manual_seed(seed),
     )
-    norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last)
+    norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last, recycle=True)
     return DeviceLoader(loader, sampler, rt.device, norm)
 
 

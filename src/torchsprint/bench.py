@@ -190,7 +190,11 @@ def measure_ddp(config_path: Path, overrides: list[str], processes: int, steps: 
 
 
 def time_to_accuracy(cfg, target: float, folder: Path) -> float | None:
-    """Seconds from the start of training until validation top-1 first reaches `target` (None: never)."""
+    """Seconds from the start of training until the monitored validation metric first reaches `target` (None: never).
+
+    The metric is checkpoint.monitor, the task's by default (top-1, multilabel mAP, PSNR in dB), and
+    "reaches" follows checkpoint.mode (>= for max, <= for min): val/top1 does not exist for every task.
+    """
     from torchsprint.run import train
 
     cfg = cfg.model_copy(deep=True)
@@ -200,7 +204,8 @@ def time_to_accuracy(cfg, target: float, folder: Path) -> float | None:
     train(cfg, quiet=True)
     for line in (folder / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        if row["kind"] == "eval" and row.get("val/top1", 0) >= target:
+        value = row.get(cfg.checkpoint.monitor) if row["kind"] == "eval" else None
+        if value is not None and (value >= target if cfg.checkpoint.mode == "max" else value <= target):
             return row["time"] - t0
     return None
 

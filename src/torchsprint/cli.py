@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps per variant")
     p.add_argument("--repeats", type=int, default=3, help="repetitions per variant (median, min-max reported)")
     p.add_argument("--variants", default=None, help="comma-separated variant names to run (default: all that apply)")
-    p.add_argument("--to-accuracy", type=float, default=None, metavar="X", help="also measure time to val top-1 >= X")
+    p.add_argument("--to-accuracy", type=float, default=None, metavar="X",
+                   help="also measure time until the monitored val metric (checkpoint.monitor: top-1, mAP, PSNR) reaches X")
     p.add_argument("--out", metavar="DIR", default=None, help="bench folder (default: bench/<timestamp>)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 

@@ -88,3 +88,90 @@ def test_clip_step_required_and_video_models_registered():
     m = build_model(config.load(None, ["model.name=r3d_18"]).model, 4, 3).eval()
     with torch.no_grad():
         assert m(torch.zeros(1, 4, 3, 32, 32)).shape == (1, 4)  # (N, T, C, H, W) in
+
+
+# ---------------------------------------------------------------- multi-clip evaluation
+
+TINY = ["task=video", "data.dataset=synthetic_video", "model.name=small_3d_cnn", "model.args={width: 4}",
+        "data.batch_size=8", "data.options={per_class: 4, val_per_class: 2, size: 16, frames: 8}", "run.epochs=1",
+        "log.tensorboard=false", "log.progress=false", "data.train.transforms=[{random_clip: {frames: 4}}, {random_crop: 14}]"]
+
+
+def eval_spec(step: str) -> str:
+    return f"data.eval.transforms=[{step}, {{center_crop: 14}}]"
+
+
+def test_multi_clip_positions_evenly_spaced_deterministic_and_k1_is_center_clip():
+    from torchsprint.data.video import Clip, MultiClip
+
+    video = torch.arange(20).view(20, 1, 1, 1).expand(20, 3, 2, 2).to(torch.uint8)
+    clips = MultiClip(4, stride=1, clips=4)(video)
+    assert clips.shape == (4, 4, 3, 2, 2)  # (K, T, C, H, W)
+    # slack 16 split in 4 parts of 4, each clip at a part's centre: starts 2, 6, 10, 14 (evenly spaced, symmetric)
+    assert clips[:, :, 0, 0, 0].tolist() == [[s + i for i in range(4)] for s in (2, 6, 10, 14)]
+    strided = MultiClip(3, stride=2, clips=2)(video)[:, :, 0, 0, 0].tolist()  # span 5, slack 15: starts 3, 11
+    assert strided == [[3, 5, 7], [11, 13, 15]]
+    torch.manual_seed(1)
+    a = MultiClip(4, 2, 3)(video)
+    torch.manual_seed(2)
+    assert torch.equal(a, MultiClip(4, 2, 3)(video))  # no random draw
+    for frames, stride, length in ((4, 1, 20), (4, 3, 20), (3, 2, 9), (5, 1, 5)):
+        v = video[:length]
+        assert torch.equal(MultiClip(frames, stride, clips=1)(v)[0], Clip(frames, stride, random=False)(v))
+
+
+def test_multi_clip_logits_are_the_mean_over_clips():
+    from torchsprint.data.video import MultiClip
+    from torchsprint.models.nets import small_3d_cnn
+
+    torch.manual_seed(0)
+    model = small_3d_cnn(num_classes=4, width=4)
+    with torch.no_grad():  # non-trivial BatchNorm running statistics, as after training
+        model.train()(torch.randn(6, 4, 3, 12, 12))
+    model.eval()
+    videos = torch.randn(2, 12, 3, 12, 12)  # (N, F, C, H, W), already normalised
+    batch = torch.stack([MultiClip(4, stride=1, clips=3)(v) for v in videos])  # (N, K, T, C, H, W)
+    assert batch.shape == (2, 3, 4, 3, 12, 12)
+    with torch.no_grad():
+        got = model(batch)
+        # reference: slice each clip by hand (slack 8: starts 8//6, 24//6, 40//6) and run the model per clip
+        ref = torch.stack([model(videos[:, s : s + 4]) for s in (1, 4, 6)]).mean(0)
+    assert got.shape == (2, 4)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_multi_clip_in_training_spec_is_refused(tmp_path):
+    from torchsprint import runtime
+    from torchsprint.data import build_loaders
+
+    cfg = config.load(None, TINY + [f"data.root={tmp_path / 'data'}", eval_spec("{center_clip: {frames: 4}}"),
+                                    "data.train.transforms=[{multi_clip: {frames: 4, clips: 2}}]"])
+    with pytest.raises(UsageError, match=r"data.train.transforms: multi_clip is for evaluation only.*random_clip"):
+        build_loaders(cfg.data, runtime.Runtime(torch.device("cpu")), seed=0)
+
+
+def test_multi_clip_eval_k1_equals_center_clip_and_export_takes_one_clip(tmp_path):
+    import onnx
+
+    from torchsprint.export import export
+    from torchsprint.run import evaluate_run, train
+
+    run = tmp_path / "run"
+    cfg = config.load(None, TINY + [f"data.root={tmp_path / 'data'}", f"run.dir={run}",
+                                    eval_spec("{multi_clip: {frames: 4, clips: 3}}")])
+    s = train(cfg, quiet=True)  # validation batches are (N, 3, 4, 3, 14, 14) during fit
+    assert s["final"]["val/count"] == 8
+    run_dir = run
+    center = evaluate_run(run_dir, overrides=[eval_spec("{center_clip: {frames: 4}}")])
+    one = evaluate_run(run_dir, overrides=[eval_spec("{multi_clip: {frames: 4, clips: 1}}")])
+    assert one["count"] == center["count"] == 8
+    assert one["top1"] == center["top1"] and one["confusion"] == center["confusion"]
+    assert one["loss"] == pytest.approx(center["loss"], abs=1e-6)
+    three = evaluate_run(run_dir)  # the run's own eval spec: 3 clips per video, as during fit
+    assert three["count"] == 8 and three["top1"] == s["final"]["val/top1"]
+
+    # export: the single-clip model (N, T, C, H, W), parity checked on each video's first clip
+    r = export(run_dir, "onnx")
+    assert r["max_abs_diff"] <= 1e-3 and r["images_checked"] == 8
+    dims = onnx.load(r["path"]).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims][1:] == [4, 3, 14, 14]

@@ -201,15 +201,25 @@ def image_to_image() -> Task:
 # ---------------------------------------------------------------- video
 
 
+def _first_clip(x: torch.Tensor, in_channels: int) -> torch.Tensor:
+    # multi_clip eval batches are (N, K, T, C, H, W). The exported model is the single-clip model,
+    # (N, T, C, H, W) -> logits, so parity is checked on each video's first clip; averaging the K
+    # clips' logits is left to the caller, as multi_clip's metadata (the eval spec) says.
+    return x[:, 0] if x.ndim == 6 else x
+
+
 @TASKS.register("video")
 def video() -> Task:
     """Clip classification: cross-entropy on T-frame clips, top-1/top-k and a confusion matrix.
 
     Clips travel frames-first, (N, T, C, H, W) uint8, so that per-channel normalisation broadcasts
     exactly as for images; the registered video models permute to torchvision's (N, C, T, H, W).
+    With multi_clip in the eval spec, val batches are (N, K, T, C, H, W) and the model wrapper averages
+    the K clips' logits; export takes the single-clip model (parity on the first clip).
     """
     return Task("video", "cross_entropy", "val/top1", "max", _classification_metrics, _classification_summary,
                 _write_confusion, _topk, backends=("cpu",), export_formats=("onnx", "safetensors"), channels_last=False,
+                example=_first_clip,
                 unsupported={"predict": "predict decodes image files; evaluate clips with `torchsprint eval` instead."})
 
 

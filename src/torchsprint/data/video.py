@@ -9,7 +9,10 @@ Temporal sampling is a step of the spec, like a crop: `random_clip: {frames: T, 
 data.train.transforms and `center_clip: {...}` in data.eval.transforms, drawn from the per-sample
 seed like every other random step (exact resume). A clip is (T, C, H, W) uint8, frames first, so
 the spatial steps (crop, flip, resize) apply the same parameters to every frame of a clip, and
-per-channel normalisation broadcasts as for images. Videos too short for one clip, and unreadable
+per-channel normalisation broadcasts as for images. `multi_clip: {frames: T, stride: S, clips: K}`
+(evaluation only) takes K evenly spaced clips, (K, T, C, H, W); batches are then (N, K, T, C, H, W)
+and the video model wrapper (models.nets.FramesFirst) averages the K clips' logits, so the engine
+never knows. Videos too short for one clip, and unreadable
 files, are bad samples: counted and named (data.on_bad_sample=skip) or an error.
 """
 
@@ -29,7 +32,7 @@ from torchsprint.data.transforms import TRANSFORMS, parse_step
 from torchsprint.errors import UsageError
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".m4v")
-CLIP_STEPS = ("random_clip", "center_clip")
+CLIP_STEPS = ("random_clip", "center_clip", "multi_clip")
 
 
 class Clip:
@@ -68,13 +71,58 @@ def center_clip(frames: int = 8, stride: int = 1):
     return Clip(frames, stride, random=False)
 
 
-def clip_of(spec: list, where: str) -> Clip:
-    """The spec's clip step, which must come first (it picks frames before any spatial step)."""
+class MultiClip:
+    """K clips of T frames `stride` apart from a (F, C, H, W) video, evenly spaced: (K, T, C, H, W) (evaluation).
+
+    Clip k starts at floor((2k + 1) * slack / (2K)), slack = F - span: the centre of the k-th of K equal
+    parts of the possible starts, so K=1 is exactly center_clip's clip and the clips sit symmetrically
+    in the video. Deterministic (no random draw). The model's prediction is the mean of the K clips' logits.
+    """
+
+    def __init__(self, frames: int, stride: int = 1, clips: int = 3):
+        if frames < 1 or stride < 1 or clips < 1:
+            raise UsageError("multi_clip: frames, stride and clips must be >= 1.")
+        self.frames, self.stride, self.clips = int(frames), int(stride), int(clips)
+
+    @property
+    def span(self) -> int:
+        """Frames one clip covers in the source video."""
+        return (self.frames - 1) * self.stride + 1
+
+    def starts(self, num_frames: int) -> list[int]:
+        """First frame of each of the K clips in a video of `num_frames` frames."""
+        slack = num_frames - self.span
+        if slack < 0:
+            raise ValueError(f"video has {num_frames} frames, a clip needs {self.span}")
+        return [(2 * k + 1) * slack // (2 * self.clips) for k in range(self.clips)]
+
+    def __call__(self, video: torch.Tensor) -> torch.Tensor:
+        return torch.stack([video[s : s + self.span : self.stride] for s in self.starts(video.shape[0])])
+
+    def __repr__(self) -> str:
+        return f"MultiClip(frames={self.frames}, stride={self.stride}, clips={self.clips})"
+
+
+@TRANSFORMS.register("multi_clip")
+def multi_clip(frames: int = 8, stride: int = 1, clips: int = 3):
+    """task=video, evaluation only: K = `clips` evenly spaced clips per video; the prediction averages their logits."""
+    return MultiClip(frames, stride, clips)
+
+
+def clip_of(spec: list, where: str, train: bool = False) -> Clip | MultiClip:
+    """The spec's clip step, which must come first (it picks frames before any spatial step).
+
+    `train`: the training spec, where multi_clip is refused (a training batch is one clip per video).
+    """
     steps = [parse_step(s, where) for s in spec]
     if not steps or steps[0][0] not in CLIP_STEPS:
         raise UsageError(f"{where}: task=video needs a clip step first, e.g. [random_clip: {{frames: 8, stride: 2}}, ...] "
                          f"for training and [center_clip: {{frames: 8, stride: 2}}, ...] for evaluation.")
     name, arg = steps[0]
+    if train and name == "multi_clip":
+        raise UsageError(f"{where}: multi_clip is for evaluation only (it averages the logits of K clips per video); "
+                         f"train on one clip per video with random_clip: {{frames: T, stride: S}} and put multi_clip "
+                         f"in data.eval.transforms.")
     return TRANSFORMS.get(name)(**(arg or {}))
 
 
@@ -129,10 +177,10 @@ def video_splits(root: Path, data_cfg) -> Splits:
         import av  # noqa: F401
     except ImportError:
         raise UsageError("task=video decodes with PyAV: `pip install av` (its wheels bundle FFmpeg).") from None
-    train_clip = clip_of(data_cfg.train.transforms, "data.train.transforms")
+    train_clip = clip_of(data_cfg.train.transforms, "data.train.transforms", train=True)
     eval_clip = clip_of(data_cfg.eval.transforms, "data.eval.transforms")
     if train_clip.frames != eval_clip.frames:
-        raise UsageError(f"random_clip and center_clip take different frame counts ({train_clip.frames} vs "
+        raise UsageError(f"the train and eval clip steps take different frame counts ({train_clip.frames} vs "
                          f"{eval_clip.frames}); the model sees T frames in both.")
     channels = 1 if data_cfg.options.get("mode", "RGB") == "GRAY" else 3
     if (root / "train").is_dir():
@@ -153,7 +201,7 @@ def video_splits(root: Path, data_cfg) -> Splits:
 def video_folder(data_cfg) -> Splits:
     """Class-per-subfolder videos (task=video): <root>/train/<class>/*.mp4 and <root>/val/<class>/* (or split by val_fraction).
 
-    Clips come from the spec's first step: random_clip (train) / center_clip (eval). data.options: mode (RGB or GRAY).
+    Clips come from the spec's first step: random_clip (train) / center_clip or multi_clip (eval). data.options: mode (RGB or GRAY).
     """
     if data_cfg.root is None:
         raise UsageError("data.dataset=video_folder needs data.root=<folder with train/ and val/ class subfolders of videos>.")

@@ -19,7 +19,7 @@ def images():
     (7x300 and 300x7 force RandomResizedCrop's central-crop fallback)."""
     g = torch.Generator().manual_seed(0)
     out = []
-    for c, h, w in [(3, 75, 100), (3, 7, 300), (3, 300, 7), (1, 33, 17), (4, 20, 20), (3, 120, 18)]:
+    for c, h, w in [(3, 75, 100), (3, 7, 300), (3, 300, 7), (1, 33, 17), (4, 20, 20), (3, 120, 18), (6, 40, 30)]:
         x = torch.randint(0, 256, (c, h, w), dtype=torch.uint8, generator=g)
         out += [x, x.permute(1, 2, 0).contiguous().permute(2, 0, 1)]
     big = torch.randint(0, 256, (90, 120, 3), dtype=torch.uint8, generator=g).permute(2, 0, 1)

@@ -91,8 +91,8 @@ def main() -> None:
         model_only = {b: [] for b in preds}
         for _ in range(args.repeats):
             for b, p in preds.items():
-                e2e[b].append(len(paths) / timed(lambda p=p: p.predict(paths)))
-                model_only[b].append(len(batch) * 3 / timed(lambda p=p: [p.logits(batch) for _ in range(3)]))
+                e2e[b].append(len(paths) / timed(lambda p=p, paths=paths: p.predict(paths)))
+                model_only[b].append(len(batch) * 3 / timed(lambda p=p, batch=batch: [p.logits(batch) for _ in range(3)]))
         for b in preds:
             print(f"| {name} | {b} | {statistics.median(e2e[b]):.0f} ({min(e2e[b]):.0f}-{max(e2e[b]):.0f}) | "
                   f"{statistics.median(model_only[b]):.0f} |")

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -75,7 +76,7 @@ def main() -> None:
     try:
         import lightning
     except ImportError:
-        raise SystemExit("PyTorch Lightning is not installed: `pip install lightning` (benchmark only, not a dependency)")
+        raise SystemExit("PyTorch Lightning is not installed: `pip install lightning` (benchmark only, not a dependency)") from None
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -91,10 +92,12 @@ def main() -> None:
         lightning_epoch(model, x, y, bs, lr)  # warm-up
         torchsprint_epoch(model, bs, lr, "memory", log_dir)
         lt, sc, sm = [], [], []
-        for _ in range(args.repeats):
-            lt.append(lightning_epoch(model, x, y, bs, lr))
-            sc.append(torchsprint_epoch(model, bs, lr, "cpu", log_dir))
-            sm.append(torchsprint_epoch(model, bs, lr, "memory", log_dir))
+        sides = [(lt, partial(lightning_epoch, model, x, y, bs, lr)),
+                 (sc, partial(torchsprint_epoch, model, bs, lr, "cpu", log_dir)),
+                 (sm, partial(torchsprint_epoch, model, bs, lr, "memory", log_dir))]
+        for r in range(args.repeats):
+            for out, fn in sides[r % 3:] + sides[: r % 3]:  # rotate the order: no side always runs first
+                out.append(fn())
         rc = statistics.median(a / b for a, b in zip(sc, lt))
         rm = statistics.median(a / b for a, b in zip(sm, lt))
         print(f"| {name} (n={n}, bs={bs}) | {statistics.median(lt):.0f} | {statistics.median(sc):.0f} | {rc:.2f}x | "

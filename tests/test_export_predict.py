@@ -122,3 +122,20 @@ def test_tensorrt_says_what_is_missing(digits_run, tmp_path):
 def test_parity_failure_fails_the_export(digits_run, tmp_path):
     with pytest.raises(UsageError, match="parity check failed"):
         export(digits_run, "onnx", out=tmp_path / "m.onnx", tolerance=-1.0)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_predict_agrees_with_cpu_path(tmp_path):
+    """nvJPEG + GPU eval preprocessing vs the CPU decoder path: top-1 agreement >= 99.5% on real JPEGs."""
+    run = tmp_path / "run"
+    cfg = config.load(None, [f"run.dir={run}", "data.dataset=synthetic_jpeg", f"data.root={tmp_path / 'data'}",
+                             "data.options={num_images: 400, size: [96, 72]}", "run.epochs=2", "log.tensorboard=false",
+                             "data.train.transforms=[random_resized_crop: {size: 64}, hflip, normalize: imagenet]",
+                             "data.eval.transforms=[resize: 72, center_crop: 64, normalize: imagenet]",
+                             "model.args={width: 8}", "run.device=cpu"])
+    train(cfg, quiet=True)
+    files = sorted(str(p) for p in (tmp_path / "data").rglob("*.jpg"))
+    cpu = Predictor.from_run(run, device="cpu").predict(files, topk=1)
+    gpu = Predictor.from_run(run, device="cuda").predict(files, topk=1)
+    agree = np.mean([a["top"][0]["class"] == b["top"][0]["class"] for a, b in zip(cpu, gpu)])
+    assert agree >= 0.995, agree

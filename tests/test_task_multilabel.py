@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
-import torch
 
 from torchsprint import config
 from torchsprint.errors import UsageError

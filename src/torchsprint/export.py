@@ -165,9 +165,8 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
 
     Returns {"path", "format", "max_abs_diff"}; raises UsageError when the difference exceeds `tolerance`.
     """
-    from torchsprint.trained import load_run
-
     from torchsprint.tasks import get_task
+    from torchsprint.trained import load_run
 
     trained = load_run(run_dir, weights)
     get_task(trained.cfg.task).check_export(fmt)

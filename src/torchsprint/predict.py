@@ -51,6 +51,16 @@ class Predictor:
         self.pipeline = compile_spec(eval_transforms, "data.eval.transforms", in_channels)
         self.normalize = None if uint8_input else DeviceNormalize(self.pipeline.mean, self.pipeline.std, device)
         self.data_cfg, self.device, self.batch_size = data_cfg, device, batch_size
+        # On CUDA, 3-channel JPEGs decode with nvJPEG and the eval spec runs on the GPU (the `gpu` backend's
+        # own code, so predict matches what that backend evaluates); other files take the CPU path.
+        self.gpu_pipeline = None
+        if device.type == "cuda" and in_channels == 3 and self.task.name == "classification":
+            from torchsprint.data.augment import compile_batch_spec
+
+            try:
+                self.gpu_pipeline = compile_batch_spec(eval_transforms, "data.eval.transforms", in_channels, "gpu")
+            except UsageError:
+                self.gpu_pipeline = None  # a step the GPU path lacks: decode and preprocess on the CPU
 
     @classmethod
     def from_run(cls, run_dir: str | Path, weights: str = "best", backend: str = "torch", device: str = "cpu",
@@ -112,6 +122,31 @@ class Predictor:
 
     def _load(self, path: str) -> torch.Tensor:
         """Decode and apply the eval spec to one file, exactly as the eval loader does."""
+        if self.gpu_pipeline is not None:
+            image = self._load_gpu(path)
+            if image is not None:
+                return image
+        return self._load_cpu(path).to(self.device)
+
+    def _load_gpu(self, path: str) -> torch.Tensor | None:
+        """nvJPEG decode + the eval spec on the GPU; None when the file is not a 3-component JPEG."""
+        from torchsprint.data.decode import read_bytes, read_header
+        from torchsprint.data.gpu import decode_on_device, nvjpeg_ok
+
+        data = read_bytes(path)
+        if not nvjpeg_ok(read_header(data)):
+            return None
+        image = decode_on_device([torch.frombuffer(bytearray(data), dtype=torch.uint8)], self.device)[0]
+        if image is None:
+            raise ValueError("corrupt JPEG (nvJPEG could not decode it)")
+        p = self.gpu_pipeline
+        u = p.draw(torch.zeros(1, dtype=torch.int64))  # eval steps draw nothing; the seed is irrelevant
+        head = p.params(u, torch.tensor([image.shape[1]]), torch.tensor([image.shape[2]]), 0, p.head)
+        x = p.run_head([image], head, [0])[0].unsqueeze(0)
+        x = p.run_tail(x, p.params(u, torch.tensor([x.shape[2]]), torch.tensor([x.shape[3]]), p.head, None))
+        return x[0]
+
+    def _load_cpu(self, path: str) -> torch.Tensor:
         from torchsprint.data.datasets import ImageFiles
 
         files = ImageFiles([(path, 0)], "GRAY" if self.in_channels == 1 else "RGB", decoder=self.data_cfg.decoder,

@@ -49,12 +49,6 @@ def collate(items):
     skipped = [r for x, _, r in items if x is None]
     if not good:
         raise UsageError(f"every sample of a batch was unreadable, e.g. {skipped[0]}")
-    shapes = {tuple(x.shape) for x, _ in good}
-    if len(shapes) > 1:
-        raise UsageError(
-            f"images in one batch have different shapes {sorted(shapes)[:3]}: add a resize/center_crop or "
-            "random_resized_crop step to data.train.transforms and data.eval.transforms."
-        )
     xs = [x for x, _ in good]
     out = None
     if torch.utils.data.get_worker_info() is not None:
@@ -62,7 +56,16 @@ def collate(items):
         # (as default_collate does) instead of stacking and then copying into it when it is sent.
         storage = xs[0]._typed_storage()._new_shared(len(xs) * xs[0].numel(), device=xs[0].device)
         out = xs[0].new(storage).resize_(len(xs), *xs[0].shape)
-    images = torch.stack(xs, out=out)
+    try:
+        images = torch.stack(xs, out=out)  # checks the shapes itself: no per-sample Python check on the fast path
+    except RuntimeError:
+        shapes = sorted({tuple(x.shape) for x in xs})
+        if len(shapes) == 1:
+            raise
+        raise UsageError(
+            f"images in one batch have different shapes {shapes[:3]}: add a resize/center_crop or "
+            "random_resized_crop step to data.train.transforms and data.eval.transforms."
+        ) from None
     targets = torch.as_tensor([t for _, t in good]) if not torch.is_tensor(good[0][1]) else torch.stack([t for _, t in good])
     return images, targets, skipped
 

@@ -127,11 +127,13 @@ def render_shapes(rng: np.random.Generator, present: list[bool], size: int) -> n
         x0, y0 = int(rng.integers(0, size - s)), int(rng.integers(0, size - s))
         colour = [40, 40, 40]
         colour[k] = int(rng.uniform(190, 255))
-        box = [x0, y0, x0 + s, y0 + s]
-        {"disc": lambda: draw.ellipse(box, fill=tuple(colour)),
-         "square": lambda: draw.rectangle(box, fill=tuple(colour)),
-         "triangle": lambda: draw.polygon([(x0, y0 + s), (x0 + s, y0 + s), (x0 + s // 2, y0)], fill=tuple(colour))}[
-            MULTILABEL_SHAPES[k]]()
+        shape, fill = MULTILABEL_SHAPES[k], tuple(colour)
+        if shape == "disc":
+            draw.ellipse([x0, y0, x0 + s, y0 + s], fill=fill)
+        elif shape == "square":
+            draw.rectangle([x0, y0, x0 + s, y0 + s], fill=fill)
+        else:
+            draw.polygon([(x0, y0 + s), (x0 + s, y0 + s), (x0 + s // 2, y0)], fill=fill)
     return np.asarray(im)
 
 

@@ -175,3 +175,24 @@ def test_user_registration_via_decorator():
     assert "test_tiny_user_net" in MODELS.names()
     with pytest.raises(ValueError, match="twice"):
         MODELS.register("test_tiny_user_net")(small_cnn)
+
+
+def test_timm_models_when_timm_is_installed():
+    pytest.importorskip("timm", reason="timm is optional; the dev extra installs it")
+    model = build_model(cfg_with("model.name=timm/resnet18").model, num_classes=5, in_channels=1)
+    model.eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 1, 32, 32)).shape == (2, 5)
+    with pytest.raises(UsageError, match="timm/resnet18"):
+        MODELS.get("timm/resnet19")
+
+
+def test_a_torchvision_name_does_not_load_later_providers():
+    from torchsprint.registry import Registry
+
+    calls = []
+    reg = Registry("thing")
+    reg.add_provider(lambda: calls.append("a") or {"x": 1})
+    reg.add_provider(lambda: calls.append("b") or {"y": 2})
+    assert reg.get("x") == 1 and calls == ["a"]  # the second (e.g. timm, seconds to import) stays unloaded
+    assert reg.get("y") == 2 and calls == ["a", "b"]

@@ -18,8 +18,7 @@ class Registry:
     def __init__(self, family: str):
         self.family = family
         self._items: dict[str, Callable[..., Any]] = {}
-        self._providers: list[Callable[[], dict[str, Callable[..., Any]]]] = []
-        self._loaded = False
+        self._providers: list[Callable[[], dict[str, Callable[..., Any]]]] = []  # not yet loaded, in order
 
     def register(self, name: str | None = None, *, override: bool = False):
         """Decorator: `@MODELS.register("my_net")` (defaults to the function's name)."""
@@ -34,23 +33,20 @@ class Registry:
         return deco
 
     def add_provider(self, provider: Callable[[], dict[str, Callable[..., Any]]]) -> None:
-        """Add a function returning extra {name: builder}; called once, on first lookup."""
+        """Add a function returning extra {name: builder}; called once, when a lookup first needs it."""
         self._providers.append(provider)
-        self._loaded = False
 
-    def _load(self) -> None:
-        if self._loaded:
-            return
-        self._loaded = True
-        for provider in self._providers:
-            for key, fn in provider().items():
+    def _load(self, until: str | None = None) -> None:
+        """Load providers in order, stopping once `until` is known (a torchvision name never imports timm)."""
+        while self._providers and (until is None or until not in self._items):
+            for key, fn in self._providers.pop(0)().items():
                 self._items.setdefault(key, fn)  # project-registered names win
 
     def get(self, name: str) -> Callable[..., Any]:
         """The builder registered as `name`; a UsageError naming the closest names otherwise."""
         if name in self._items:
             return self._items[name]
-        self._load()
+        self._load(until=name)  # loads every provider when the name is nowhere
         if name in self._items:
             return self._items[name]
         raise UsageError(
@@ -64,7 +60,7 @@ class Registry:
         return sorted(self._items)
 
     def __contains__(self, name: str) -> bool:
-        self._load()
+        self._load(until=name)
         return name in self._items
 
     def __iter__(self) -> Iterable[str]:

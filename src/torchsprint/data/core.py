@@ -118,6 +118,29 @@ class EpochSampler(torch.utils.data.Sampler):
         return len(self.indices()) - self.start
 
 
+def prefetch_to_device(items, prepare, device: torch.device):
+    """Yield `prepare(item)` for each item; on CUDA, batch i+1 is prepared (copied, decoded, normalised)
+    on a side stream while batch i computes (timm's PrefetchLoader idea), with the stream
+    synchronisation and `record_stream` that make handing tensors across streams safe."""
+    if device.type != "cuda":
+        for item in items:
+            yield prepare(item)
+        return
+    stream = torch.cuda.Stream(device)
+    nxt = None
+    for item in items:
+        with torch.cuda.stream(stream):
+            cur = prepare(item)
+        if nxt is not None:
+            yield nxt
+        torch.cuda.current_stream(device).wait_stream(stream)
+        for t in cur:
+            t.record_stream(torch.cuda.current_stream(device))
+        nxt = cur
+    if nxt is not None:
+        yield nxt
+
+
 def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype: torch.dtype = torch.float32) -> Loaders:
     """Build the dataset named in `data_cfg.dataset` and the backend named in `data_cfg.backend`.
 

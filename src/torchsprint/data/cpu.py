@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchsprint.data import LOADERS
-from torchsprint.data.core import DataInfo, EpochSampler, Loaders
+from torchsprint.data.core import DataInfo, EpochSampler, Loaders, prefetch_to_device
 from torchsprint.data.transforms import DeviceNormalize, compile_spec, decode_hint
 from torchsprint.errors import UsageError
 
@@ -95,23 +95,7 @@ class DeviceLoader:
         return images, targets.to(self.device, non_blocking=True)
 
     def __iter__(self):
-        if self.device.type != "cuda":
-            for batch in self.loader:
-                yield self._to_device(batch)
-            return
-        stream = torch.cuda.Stream(self.device)
-        nxt = None
-        for batch in self.loader:
-            with torch.cuda.stream(stream):
-                cur = self._to_device(batch)
-            if nxt is not None:
-                yield nxt
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            for t in cur:
-                t.record_stream(torch.cuda.current_stream(self.device))
-            nxt = cur
-        if nxt is not None:
-            yield nxt
+        return prefetch_to_device(self.loader, self._to_device, self.device)
 
 
 def make_loader(raw, pipeline, data_cfg, rt, *, seed, train: bool, channels_last, dtype) -> DeviceLoader:

@@ -17,7 +17,7 @@ import torch
 
 from torchsprint.data import LOADERS
 from torchsprint.data.augment import BatchPipeline, compile_batch_spec
-from torchsprint.data.core import DataInfo, EpochSampler, Loaders
+from torchsprint.data.core import DataInfo, EpochSampler, Loaders, prefetch_to_device
 from torchsprint.data.decode import BadImage, decode_bytes, read_bytes, read_header
 from torchsprint.data.transforms import DeviceNormalize
 from torchsprint.errors import UsageError
@@ -202,23 +202,7 @@ class GpuLoader:
             yield item
 
     def __iter__(self):
-        if self.device.type != "cuda":
-            for item in self._items():
-                yield self._assemble(item)
-            return
-        stream = torch.cuda.Stream(self.device)
-        nxt = None
-        for item in self._items():
-            with torch.cuda.stream(stream):
-                cur = self._assemble(item)
-            if nxt is not None:
-                yield nxt
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            for t in cur:
-                t.record_stream(torch.cuda.current_stream(self.device))
-            nxt = cur
-        if nxt is not None:
-            yield nxt
+        return prefetch_to_device(self._items(), self._assemble, self.device)
 
 
 def parse_cpu_fraction(value) -> tuple[float, FractionTuner | None]:

@@ -233,8 +233,9 @@ def report_epoch(logger, state: TrainState, ep: dict, loader, backend: str) -> N
     logger.scalars(state.global_step, {"train/epoch_images_per_s": ips, "train/data_wait_share": share, "epoch": state.epoch}, "epoch")
     msg = f"epoch {state.epoch + 1}: {ips:.0f} img/s, data wait {share:.0%}"
     if share > INPUT_BOUND_SHARE:
-        msg += (f" [yellow]- input-bound: the loader ({backend}) is the bottleneck; try more data.num_workers, "
-                "data.backend=memory/gpu, or measure with `torchsprint bench`[/]")
+        msg += (f" [yellow]- input-bound: the loader ({backend}) is the bottleneck; try more data.num_workers or "
+                "another data.backend (memory for small datasets, gpu for JPEGs on CUDA); `torchsprint bench` "
+                "measures which pays off[/]")
     logger.info(msg)
     skipped = getattr(loader, "skipped", [])
     if skipped:

@@ -367,35 +367,46 @@ def render_synthetic(rng: np.random.Generator, cls: int, n_classes: int, w: int,
     return np.asarray(im)
 
 
-def generate_synthetic_jpeg(folder: Path, *, num_images: int, val_images: int, size, classes: int, quality: int,
-                            seed: int) -> Path:
-    """Write an image-folder tree folder/{train,val}/<class>/<i>.jpg once; reuse it when complete.
+def generate_once(folder: Path, params: dict, write) -> Path:
+    """Make a generated dataset at `folder` once: `write(tmp)` fills a temporary sibling, which gets a
+    done.json of `params` and is renamed into place; a complete folder is reused as it is.
 
-    Generated into a temporary sibling and renamed, so concurrent processes (test workers, DDP ranks)
-    never see half a dataset.
+    The rename is atomic, so concurrent processes (test workers, DDP ranks) never see half a dataset;
+    when another process finished first, its copy is kept and ours discarded.
     """
     if (folder / "done.json").is_file():
         return folder
-    from PIL import Image
-
-    w, h = size
     tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    rng = np.random.default_rng(seed)
-    names = [f"class_{c:02d}_{_SHAPES[c % len(_SHAPES)]}" for c in range(classes)]
-    for split, n in (("train", num_images), ("val", val_images)):
-        for c in names:
-            (tmp / split / c).mkdir(parents=True, exist_ok=True)
-        for i in range(n):
-            cls = i % classes
-            Image.fromarray(render_synthetic(rng, cls, classes, w, h)).save(tmp / split / names[cls] / f"{i:06d}.jpg", quality=quality)
-    (tmp / "done.json").write_text(json.dumps({"num_images": num_images, "val_images": val_images, "size": [w, h],
-                                               "classes": classes, "quality": quality, "seed": seed}))
+    write(tmp)
+    (tmp / "done.json").write_text(json.dumps(params))
     try:
         tmp.rename(folder)
     except OSError:  # another process finished first: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def generate_synthetic_jpeg(folder: Path, *, num_images: int, val_images: int, size, classes: int, quality: int,
+                            seed: int) -> Path:
+    """Write an image-folder tree folder/{train,val}/<class>/<i>.jpg once; reuse it when complete (generate_once)."""
+    w, h = size
+
+    def write(tmp: Path) -> None:
+        from PIL import Image
+
+        rng = np.random.default_rng(seed)
+        names = [f"class_{c:02d}_{_SHAPES[c % len(_SHAPES)]}" for c in range(classes)]
+        for split, n in (("train", num_images), ("val", val_images)):
+            for c in names:
+                (tmp / split / c).mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                cls = i % classes
+                Image.fromarray(render_synthetic(rng, cls, classes, w, h)).save(tmp / split / names[cls] / f"{i:06d}.jpg",
+                                                                                  quality=quality)
+
+    return generate_once(folder, {"num_images": num_images, "val_images": val_images, "size": [w, h], "classes": classes,
+                                  "quality": quality, "seed": seed}, write)
 
 
 @DATASETS.register("synthetic_jpeg")

@@ -7,9 +7,6 @@ multilabel metrics take as they are; they travel through the cpu and memory back
 from __future__ import annotations
 
 import csv
-import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -144,28 +141,23 @@ def generate_multilabel_shapes(folder: Path, *, num_images: int, val_images: int
     average precision of a random ranking) is about 0.5. Generated in a temporary sibling and renamed
     (concurrent test workers and DDP ranks never see half a dataset).
     """
-    if (folder / "done.json").is_file():
-        return folder
-    from PIL import Image
+    from torchsprint.data.datasets import generate_once
 
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "images").mkdir(parents=True)
-    rng = np.random.default_rng(seed)
-    for split, n in (("train", num_images), ("val", val_images)):
-        lines = ["path,labels"]
-        for i in range(n):
-            present = [bool(b) for b in rng.integers(0, 2, len(MULTILABEL_SHAPES))]
-            name = f"images/{split}_{i:05d}.jpg"
-            Image.fromarray(render_shapes(rng, present, size)).save(tmp / name, quality=quality)
-            lines.append(f"{name},{LABEL_SEPARATOR.join(s for s, on in zip(MULTILABEL_SHAPES, present) if on)}")
-        (tmp / f"{split}.csv").write_text("\n".join(lines) + "\n")
-    (tmp / "done.json").write_text(json.dumps({"num_images": num_images, "val_images": val_images, "size": size, "seed": seed}))
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process finished first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    def write(tmp: Path) -> None:
+        from PIL import Image
+
+        (tmp / "images").mkdir(parents=True)
+        rng = np.random.default_rng(seed)
+        for split, n in (("train", num_images), ("val", val_images)):
+            lines = ["path,labels"]
+            for i in range(n):
+                present = [bool(b) for b in rng.integers(0, 2, len(MULTILABEL_SHAPES))]
+                name = f"images/{split}_{i:05d}.jpg"
+                Image.fromarray(render_shapes(rng, present, size)).save(tmp / name, quality=quality)
+                lines.append(f"{name},{LABEL_SEPARATOR.join(s for s, on in zip(MULTILABEL_SHAPES, present) if on)}")
+            (tmp / f"{split}.csv").write_text("\n".join(lines) + "\n")
+
+    return generate_once(folder, {"num_images": num_images, "val_images": val_images, "size": size, "seed": seed}, write)
 
 
 @DATASETS.register("synthetic_multilabel")

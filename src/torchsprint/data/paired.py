@@ -11,9 +11,6 @@ statistics), so a model's output y maps back to pixels as round(clamp(y, 0, 1) *
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -218,27 +215,22 @@ def render_sharp(rng: np.random.Generator, size: int) -> np.ndarray:
 
 def generate_blur_pairs(folder: Path, *, num_images: int, val_images: int, size: int, sigma: float, seed: int) -> Path:
     """Write folder/{train,val}/{input,target}/<i>.png (lossless: the blur is the only degradation); reuse when complete."""
-    if (folder / "done.json").is_file():
-        return folder
-    from PIL import Image
+    from torchsprint.data.datasets import generate_once
 
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    rng = np.random.default_rng(seed)
-    for split, n in (("train", num_images), ("val", val_images)):
-        for side in ("input", "target"):
-            (tmp / split / side).mkdir(parents=True)
-        for i in range(n):
-            sharp = render_sharp(rng, size)
-            Image.fromarray(sharp).save(tmp / split / "target" / f"{i:05d}.png")
-            Image.fromarray(blur(sharp, sigma)).save(tmp / split / "input" / f"{i:05d}.png")
-    (tmp / "done.json").write_text(json.dumps({"num_images": num_images, "val_images": val_images, "size": size,
-                                               "sigma": sigma, "seed": seed}))
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process finished first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    def write(tmp: Path) -> None:
+        from PIL import Image
+
+        rng = np.random.default_rng(seed)
+        for split, n in (("train", num_images), ("val", val_images)):
+            for side in ("input", "target"):
+                (tmp / split / side).mkdir(parents=True)
+            for i in range(n):
+                sharp = render_sharp(rng, size)
+                Image.fromarray(sharp).save(tmp / split / "target" / f"{i:05d}.png")
+                Image.fromarray(blur(sharp, sigma)).save(tmp / split / "input" / f"{i:05d}.png")
+
+    return generate_once(folder, {"num_images": num_images, "val_images": val_images, "size": size, "sigma": sigma,
+                                  "seed": seed}, write)
 
 
 @DATASETS.register("synthetic_blur")

@@ -18,9 +18,6 @@ files, are bad samples: counted and named (data.on_bad_sample=skip) or an error.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -260,23 +257,18 @@ def render_moving(rng: np.random.Generator, direction: tuple[int, int], size: in
 
 def generate_moving_shapes(folder: Path, *, per_class: int, val_per_class: int, size: int, frames: int, seed: int) -> Path:
     """Write folder/{train,val}/<direction>/<i>.mp4 once (real MPEG-4 files); reuse a complete folder."""
-    if (folder / "done.json").is_file():
-        return folder
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    rng = np.random.default_rng(seed)
-    for split, n in (("train", per_class), ("val", val_per_class)):
-        for name, d in DIRECTIONS.items():
-            (tmp / split / name).mkdir(parents=True)
-            for i in range(n):
-                write_video(tmp / split / name / f"{i:04d}.mp4", render_moving(rng, d, size, frames))
-    (tmp / "done.json").write_text(json.dumps({"per_class": per_class, "val_per_class": val_per_class, "size": size,
-                                               "frames": frames, "seed": seed}))
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process finished first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    from torchsprint.data.datasets import generate_once
+
+    def write(tmp: Path) -> None:
+        rng = np.random.default_rng(seed)
+        for split, n in (("train", per_class), ("val", val_per_class)):
+            for name, d in DIRECTIONS.items():
+                (tmp / split / name).mkdir(parents=True)
+                for i in range(n):
+                    write_video(tmp / split / name / f"{i:04d}.mp4", render_moving(rng, d, size, frames))
+
+    return generate_once(folder, {"per_class": per_class, "val_per_class": val_per_class, "size": size, "frames": frames,
+                                  "seed": seed}, write)
 
 
 @DATASETS.register("synthetic_video")

@@ -9,8 +9,8 @@ import torch
 from torchsprint import config
 from torchsprint.data import DATASETS, LOADERS, build_loaders
 from torchsprint.data.augment import compile_batch_spec, sample_seeds, uniforms
+from torchsprint.data.backends.gpu import FractionTuner, build_gpu_loaders, cpu_rows
 from torchsprint.data.core import sample_seed
-from torchsprint.data.gpu import FractionTuner, build_gpu_loaders, cpu_rows
 from torchsprint.errors import UsageError
 from torchsprint.runtime import Runtime
 
@@ -164,7 +164,7 @@ def test_gpu_backends_without_cuda_fail_clearly_or_fall_back(tmp_path, backend):
 
 
 def test_dali_registered_only_when_it_imports():
-    from torchsprint.data.dali import dali_available
+    from torchsprint.data.backends.dali import dali_available
 
     assert ("dali" in LOADERS) == dali_available()
 

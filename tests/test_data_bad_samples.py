@@ -14,7 +14,7 @@ from PIL import Image
 
 from torchsprint import config
 from torchsprint.data import DATASETS, build_loaders
-from torchsprint.data.gpu import build_gpu_loaders
+from torchsprint.data.backends.gpu import build_gpu_loaders
 from torchsprint.errors import UsageError
 from torchsprint.runtime import Runtime
 

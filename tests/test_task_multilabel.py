@@ -82,7 +82,7 @@ def test_memory_backend_trains_multilabel(tmp_path):
 def test_multilabel_csv_rows(tmp_path):
     from PIL import Image
 
-    from torchsprint.data.multilabel import multilabel_csv
+    from torchsprint.data.sources.multilabel import multilabel_csv
 
     for n in ("a", "b"):
         Image.new("RGB", (8, 8)).save(tmp_path / f"{n}.png")

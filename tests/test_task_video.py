@@ -29,7 +29,7 @@ def test_learns_direction_above_chance(tmp_path):
 
 
 def write(path, frames):
-    from torchsprint.data.video import write_video
+    from torchsprint.data.sources.video import write_video
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_video(path, frames)
@@ -63,7 +63,7 @@ def test_unreadable_and_short_videos_are_named_and_counted(tmp_path, on_bad):
 
 
 def test_clip_sampling_random_in_train_centred_in_eval():
-    from torchsprint.data.video import Clip
+    from torchsprint.data.sources.video import Clip
 
     video = torch.arange(20).view(20, 1, 1, 1).expand(20, 3, 2, 2).to(torch.uint8)
     eval_clip = Clip(4, stride=3, random=False)
@@ -78,7 +78,7 @@ def test_clip_sampling_random_in_train_centred_in_eval():
 
 
 def test_clip_step_required_and_video_models_registered():
-    from torchsprint.data.video import clip_of
+    from torchsprint.data.sources.video import clip_of
     from torchsprint.models import MODELS, build_model
 
     with pytest.raises(UsageError, match="random_clip"):
@@ -102,7 +102,7 @@ def eval_spec(step: str) -> str:
 
 
 def test_multi_clip_positions_evenly_spaced_deterministic_and_k1_is_center_clip():
-    from torchsprint.data.video import Clip, MultiClip
+    from torchsprint.data.sources.video import Clip, MultiClip
 
     video = torch.arange(20).view(20, 1, 1, 1).expand(20, 3, 2, 2).to(torch.uint8)
     clips = MultiClip(4, stride=1, clips=4)(video)
@@ -121,7 +121,7 @@ def test_multi_clip_positions_evenly_spaced_deterministic_and_k1_is_center_clip(
 
 
 def test_multi_clip_logits_are_the_mean_over_clips():
-    from torchsprint.data.video import MultiClip
+    from torchsprint.data.sources.video import MultiClip
     from torchsprint.models.nets import small_3d_cnn
 
     torch.manual_seed(0)

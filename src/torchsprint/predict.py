@@ -17,7 +17,7 @@ from torchsprint.errors import UsageError
 
 def expand_inputs(inputs: list[str | Path]) -> list[tuple[str, str | None]]:
     """Files and folders -> [(path, error or None)]; a folder without images becomes one error entry."""
-    from torchsprint.data.datasets import IMAGE_EXTENSIONS
+    from torchsprint.data.sources.folders import IMAGE_EXTENSIONS
 
     out: list[tuple[str, str | None]] = []
     for item in inputs:
@@ -130,8 +130,8 @@ class Predictor:
 
     def _load_gpu(self, path: str) -> torch.Tensor | None:
         """nvJPEG decode + the eval spec on the GPU; None when the file is not a 3-component JPEG."""
+        from torchsprint.data.backends.gpu import decode_on_device, nvjpeg_ok
         from torchsprint.data.decode import read_bytes, read_header
-        from torchsprint.data.gpu import decode_on_device, nvjpeg_ok
 
         data = read_bytes(path)
         if not nvjpeg_ok(read_header(data)):
@@ -147,7 +147,7 @@ class Predictor:
         return x[0]
 
     def _load_cpu(self, path: str) -> torch.Tensor:
-        from torchsprint.data.datasets import ImageFiles
+        from torchsprint.data.sources.folders import ImageFiles
 
         files = ImageFiles([(path, 0)], "GRAY" if self.in_channels == 1 else "RGB", decoder=self.data_cfg.decoder,
                            max_pixels=self.data_cfg.max_image_pixels)

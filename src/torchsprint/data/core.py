@@ -1,4 +1,4 @@
-"""The loader seam: DataInfo, Loaders, the seeded epoch sampler and `build_loaders`."""
+"""The loader seam: the DATASETS and LOADERS registries, DataInfo, Loaders, the seeded epoch sampler, `build_loaders`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ from typing import Any, Protocol
 import torch
 
 from torchsprint.errors import UsageError
+from torchsprint.registry import Registry
+
+DATASETS = Registry("dataset")  # name -> builder(data_cfg) -> Splits; filled by data/sources/*
+LOADERS = Registry("loader")  # name -> builder(data_cfg, splits, rt, ...) -> Loaders; filled by data/backends/*
 
 
 @dataclass
@@ -151,8 +155,6 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
         channels_last: deliver images in channels_last memory format.
         dtype: floating dtype of the delivered images (fp32, or fp16/bf16 for half models).
     """
-    from torchsprint.data import DATASETS, LOADERS
-
     splits = DATASETS.get(data_cfg.dataset)(data_cfg)
     if len(splits.train) == 0:
         raise UsageError(f"dataset '{data_cfg.dataset}' has no training samples (root={data_cfg.root}).")
@@ -170,8 +172,6 @@ OPTIONAL_LOADERS = {"dali": "NVIDIA DALI is not installed: `pip install 'torchsp
 def missing_backend(data_cfg, splits, rt, kw) -> Loaders:
     """An optional backend that is not installed: use data.fallback (with a warning) or fail saying how to install it."""
     import warnings
-
-    from torchsprint.data import LOADERS
 
     why = OPTIONAL_LOADERS[data_cfg.backend]
     if data_cfg.fallback is None:

@@ -46,7 +46,7 @@ def check(cfg, batches: int = 10, out: Path | None = None) -> dict:
 
     import torch
 
-    from torchsprint.data import build_loaders
+    from torchsprint.data.core import build_loaders
 
     rt = _runtime(cfg)
     loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed)
@@ -126,10 +126,10 @@ def _eval_paths(cfg, raw, n: int) -> dict:
     """
     import torch
 
-    from torchsprint.data import LOADERS
     from torchsprint.data.augment import compile_batch_spec
+    from torchsprint.data.backends.gpu import decode_on_device
+    from torchsprint.data.core import LOADERS
     from torchsprint.data.decode import DECODERS, decode_bytes, read_bytes
-    from torchsprint.data.gpu import decode_on_device
     from torchsprint.data.transforms import compile_spec, decode_hint
 
     spec = cfg.data.eval.transforms
@@ -178,7 +178,7 @@ def _dali_compare(cfg, blobs, out) -> str:
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
-    from torchsprint.data.dali import build_graph
+    from torchsprint.data.backends.dali import build_graph
     from torchsprint.data.transforms import parse_step
 
     steps = [parse_step(s, "data.eval.transforms") for s in cfg.data.eval.transforms]
@@ -205,7 +205,7 @@ def compare(cfg, images: int = 64, run: str | None = None) -> dict:
     and, with a run folder, the top-1 agreement of that run's model on the normalised outputs."""
     import torch
 
-    from torchsprint.data import DATASETS
+    from torchsprint.data.core import DATASETS
     from torchsprint.data.transforms import DeviceNormalize, compile_spec
     from torchsprint.errors import UsageError
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data import DATASETS
-from torchsprint.data.core import Loaders, Splits
+from torchsprint.data.core import DATASETS, Loaders, Splits
 from torchsprint.errors import UsageError
 
 # Steps that move pixels without changing their values the same way on every channel: safe for a
@@ -34,7 +33,7 @@ class PairedImages(torch.utils.data.Dataset):
     """
 
     def __init__(self, pairs: list[tuple[str, str]], mode: str, decoder: str, max_pixels: int):
-        from torchsprint.data.datasets import ImageFiles
+        from torchsprint.data.sources.folders import ImageFiles
 
         self.pairs = pairs
         self.inputs = ImageFiles([(a, 0) for a, _ in pairs], mode, decoder=decoder, max_pixels=max_pixels)
@@ -112,7 +111,7 @@ def match_pairs(folder: Path) -> list[tuple[str, str]]:
     Matching ignores the extension (a .jpg input may pair with a .png target); an input without a
     target, or a target without an input, is an error naming the file.
     """
-    from torchsprint.data.datasets import IMAGE_EXTENSIONS
+    from torchsprint.data.sources.folders import IMAGE_EXTENSIONS
 
     def scan(sub: Path) -> dict[str, Path]:
         if not sub.is_dir():
@@ -215,7 +214,7 @@ def render_sharp(rng: np.random.Generator, size: int) -> np.ndarray:
 
 def generate_blur_pairs(folder: Path, *, num_images: int, val_images: int, size: int, sigma: float, seed: int) -> Path:
     """Write folder/{train,val}/{input,target}/<i>.png (lossless: the blur is the only degradation); reuse when complete."""
-    from torchsprint.data.datasets import generate_once
+    from torchsprint.data.sources.folders import generate_once
 
     def write(tmp: Path) -> None:
         from PIL import Image

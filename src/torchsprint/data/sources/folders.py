@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data import DATASETS
-from torchsprint.data.core import Splits
+from torchsprint.data.core import DATASETS, Splits
 from torchsprint.errors import UsageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")

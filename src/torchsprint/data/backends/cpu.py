@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torchsprint.data import LOADERS
-from torchsprint.data.core import DataInfo, EpochSampler, Loaders, prefetch_to_device
+from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, prefetch_to_device
 from torchsprint.data.transforms import DeviceNormalize, compile_spec, decode_hint
 from torchsprint.errors import UsageError
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from torchsprint.data import LOADERS
-from torchsprint.data.core import DataInfo, EpochSampler, Loaders
+from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders
 from torchsprint.data.decode import BadImage, read_bytes, read_header
 from torchsprint.data.transforms import DeviceNormalize, compile_spec, parse_step
 from torchsprint.errors import UsageError
@@ -127,7 +126,7 @@ class DaliLoader:
 
 def dali_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32) -> Loaders:
     """NVIDIA DALI decode (nvJPEG) and augmentation, fed by our sampler."""
-    from torchsprint.data.gpu import needs_cuda
+    from torchsprint.data.backends.gpu import needs_cuda
 
     kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
     if rt.device.type != "cuda":
@@ -154,3 +153,6 @@ def register_dali() -> None:
     """Register the `dali` loader when nvidia.dali imports (pip install torchsprint[dali])."""
     if dali_available() and "dali" not in LOADERS:
         LOADERS.register("dali")(dali_loader)
+
+
+register_dali()

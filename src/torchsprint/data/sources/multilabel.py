@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data import DATASETS
-from torchsprint.data.core import Splits
+from torchsprint.data.core import DATASETS, Splits
 from torchsprint.errors import UsageError
 
 LABEL_SEPARATOR = ";"
@@ -70,7 +69,7 @@ def _split(samples, data_cfg):
 
 
 def multilabel_splits(train_csv: Path, val_csv: Path | None, data_cfg) -> Splits:
-    from torchsprint.data.datasets import image_files
+    from torchsprint.data.sources.folders import image_files
 
     train_rows = read_multilabel_csv(train_csv)
     val_rows = read_multilabel_csv(val_csv) if val_csv is not None else []
@@ -141,7 +140,7 @@ def generate_multilabel_shapes(folder: Path, *, num_images: int, val_images: int
     average precision of a random ranking) is about 0.5. Generated in a temporary sibling and renamed
     (concurrent test workers and DDP ranks never see half a dataset).
     """
-    from torchsprint.data.datasets import generate_once
+    from torchsprint.data.sources.folders import generate_once
 
     def write(tmp: Path) -> None:
         from PIL import Image

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from torchsprint.data import LOADERS
 from torchsprint.data.augment import BatchPipeline, compile_batch_spec, sample_seeds
-from torchsprint.data.core import DataInfo, EpochSampler, Loaders
+from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders
 from torchsprint.data.transforms import DeviceNormalize
 from torchsprint.errors import UsageError
 

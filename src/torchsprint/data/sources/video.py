@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data import DATASETS
-from torchsprint.data.core import Splits
+from torchsprint.data.core import DATASETS, Splits
 from torchsprint.data.transforms import TRANSFORMS, parse_step
 from torchsprint.errors import UsageError
 
@@ -187,7 +186,7 @@ def video_splits(root: Path, data_cfg) -> Splits:
         classes, train = scan_video_folders(root)
         val = []
     if not val:
-        from torchsprint.data.datasets import _split_samples
+        from torchsprint.data.sources.folders import _split_samples
 
         train, val = _split_samples(train, data_cfg)
     return Splits(VideoFiles(train, train_clip.span, channels), VideoFiles(val, eval_clip.span, channels), classes,
@@ -257,7 +256,7 @@ def render_moving(rng: np.random.Generator, direction: tuple[int, int], size: in
 
 def generate_moving_shapes(folder: Path, *, per_class: int, val_per_class: int, size: int, frames: int, seed: int) -> Path:
     """Write folder/{train,val}/<direction>/<i>.mp4 once (real MPEG-4 files); reuse a complete folder."""
-    from torchsprint.data.datasets import generate_once
+    from torchsprint.data.sources.folders import generate_once
 
     def write(tmp: Path) -> None:
         rng = np.random.default_rng(seed)

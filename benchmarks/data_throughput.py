@@ -145,7 +145,8 @@ def stage_breakdown(paths: list[Path], repeats: int, n: int = 192, batch: int = 
     from torchvision.transforms import v2
 
     from torchsprint.data.decode import decode_bytes
-    from torchsprint.data.transforms import DeviceNormalize, compile_spec
+    from torchsprint.data.normalize import DeviceNormalize
+    from torchsprint.data.transforms import compile_spec
 
     torch.set_num_threads(1)
     paths = paths[:n]

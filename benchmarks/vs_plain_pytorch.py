@@ -23,8 +23,7 @@ from torch import nn
 from torchsprint import config, runtime
 from torchsprint.checkpoint import TrainState
 from torchsprint.data import DATASETS
-from torchsprint.data.core import Splits
-from torchsprint.data.sources.folders import TensorImages
+from torchsprint.data.core import Splits, TensorImages
 from torchsprint.engine import set_train_mode, train_one_epoch
 from torchsprint.logging import RunLogger
 from torchsprint.models import build_model

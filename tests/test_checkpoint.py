@@ -24,14 +24,12 @@ from torchsprint.checkpoint import (
     TrainState,
     atomic_write,
     data_geometry,
-    find_checkpoints,
     load_checkpoint,
-    rng_isolated,
-    rng_state,
-    set_rng_state,
 )
 from torchsprint.errors import UsageError
 from torchsprint.precision import Precision
+from torchsprint.resume import find_checkpoints, find_resume, restore
+from torchsprint.rng import rng_isolated, rng_state, set_rng_state
 from torchsprint.run import train
 from torchsprint.runtime import Runtime
 
@@ -308,9 +306,9 @@ def _two_rank_worker(rank: int, run_dir: str, results: str) -> None:
     path = saver.save(TrainState(epoch=0, step_in_epoch=1, global_step=1), *objs, metric=None)
     files_after_save = sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir())  # every rank waited for rank 0
     expected = torch.rand(3)
-    found, ck = ckpt_mod.find_resume("auto", Path(run_dir), lambda m: None, rt)
+    found, ck = find_resume("auto", Path(run_dir), lambda m: None, rt)
     torch.manual_seed(0)
-    ckpt_mod.restore(ck, objs[1], objs[2], objs[3], rt, saver.geometry, lambda m: None)
+    restore(ck, objs[1], objs[2], objs[3], rt, saver.geometry, lambda m: None)
     rng_ok = torch.equal(torch.rand(3), expected)
     if rank == 0:
         ckpt_mod.open = FullDisk(free=0)

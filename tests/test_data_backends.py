@@ -8,9 +8,9 @@ import torch
 
 from torchsprint import config
 from torchsprint.data import DATASETS, LOADERS, build_loaders
-from torchsprint.data.augment import compile_batch_spec, sample_seeds, uniforms
+from torchsprint.data.augment import compile_batch_spec, uniforms
 from torchsprint.data.backends.gpu import FractionTuner, build_gpu_loaders, cpu_rows
-from torchsprint.data.core import sample_seed
+from torchsprint.data.core import sample_seed, sample_seeds
 from torchsprint.errors import UsageError
 from torchsprint.runtime import Runtime
 

@@ -10,7 +10,8 @@ from torchvision.transforms import v2
 
 from torchsprint import config
 from torchsprint.data import build_loaders
-from torchsprint.data.transforms import DeviceNormalize, compile_spec
+from torchsprint.data.normalize import DeviceNormalize
+from torchsprint.data.transforms import compile_spec
 from torchsprint.runtime import Runtime
 
 

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from torchsprint import config
-from torchsprint.checkpoint import SLOW_WRITE_ENV, TEMP_RE, find_checkpoints, load_checkpoint
+from torchsprint.checkpoint import SLOW_WRITE_ENV, TEMP_RE, load_checkpoint
+from torchsprint.resume import find_checkpoints
 from torchsprint.run import train
 
 STEPS_PER_EPOCH = 7  # digits with half held out for validation: 898 training images // batch 128 (drop_last)

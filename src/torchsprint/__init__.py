@@ -1,3 +1,5 @@
 """torchsprint: train PyTorch vision models fast, with results you can trust."""
 
-__version__ = "0.1.0"
+from torchsprint.version import __version__
+
+__all__ = ["__version__"]

@@ -1,22 +1,25 @@
-"""Atomic checkpoint save/load, resume discovery and restore, last-K/best-K bookkeeping, safetensors weights."""
+"""Saving: atomic checkpoint files, last-K/best-K retention with status.json, safetensors weights, TrainState.
+
+Resume discovery and restore are in resume.py; the RNG states a checkpoint carries in rng.py.
+"""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
-import random
 import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from torchsprint.errors import UsageError
+from torchsprint.parallel import broadcast_object, gather_objects
+from torchsprint.rng import rng_state
 
 FORMAT = "torchsprint-checkpoint"
 FORMAT_VERSION = 1
@@ -42,7 +45,7 @@ class TrainState:
     skipped_steps: int = 0  # optimizer steps skipped for non-finite values
 
 
-# ---------------------------------------------------------------- names and RNG
+# ---------------------------------------------------------------- names
 
 
 def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -58,88 +61,6 @@ def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             k = k.split(".", 1)[1]
         out[k] = v
     return out
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """RNG states of Python, NumPy, torch CPU and the CUDA training device, as weights_only-loadable types.
-
-    Args:
-        device: the training device; its CUDA generator is saved when it is a CUDA device. Only the
-            training device's generator is kept (not get_rng_state_all) so that a checkpoint resumes
-            on a machine with another number of visible GPUs.
-    """
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        # uint32 -> int64 is lossless and a plain tensor type for the weights_only unpickler.
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    """Restore what `rng_state` saved (the CUDA part only when training on CUDA)."""
-    random.setstate(_tuplify(state["python"]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def _tuplify(x):
-    return tuple(_tuplify(i) for i in x) if isinstance(x, list | tuple) else x
-
-
-def rng_isolated(iterable, device: torch.device, every_batch: bool = False):
-    """Iterate `iterable` on its own torch RNG stream, leaving the global one to the model.
-
-    A DataLoader without its own `generator` draws a base seed from the global generator every time
-    an iterator is created (persistent workers: only in a process's first epoch), so a resumed run
-    would see another dropout/stochastic-depth stream than an uninterrupted one. Data order and
-    augmentation have their own seeds (data.core.sample_seed), and torchsprint's loaders pass their
-    DataLoaders a seeded generator; this wrapper protects loaders that do not (user-registered ones).
-    It isolates the iterator's creation and first batch, where DataLoaders draw; `every_batch=True`
-    isolates every batch too, for a loader that draws from the global RNG per batch (two CPU RNG state
-    copies of ~5 KB per batch, plus the device's on CUDA: measurable for tiny steps, hence opt-in).
-    The loader's stream is seeded from the global seed plus a constant, not copied from the global
-    state, so a loader that draws per batch never replays the numbers the model stream will draw.
-    """
-    cuda = device.type == "cuda"
-
-    def get():
-        return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if cuda else None)
-
-    def put(state) -> None:
-        torch.set_rng_state(state[0])
-        if cuda:
-            torch.cuda.set_rng_state(state[1], device)
-
-    with torch.random.fork_rng(devices=[device] if cuda else []):
-        torch.manual_seed((torch.initial_seed() + 0x5EED) % 2**63)  # deterministic per run seed and rank
-        loader_rng = get()
-    it, isolate = None, True
-    while True:
-        if not isolate:
-            yield from it
-            return
-        model_rng = get()
-        put(loader_rng)
-        try:
-            if it is None:
-                it = iter(iterable)
-            item = next(it)
-        except StopIteration:
-            return
-        finally:
-            loader_rng = get()
-            put(model_rng)
-        isolate = every_batch
-        yield item
 
 
 # ---------------------------------------------------------------- files
@@ -262,25 +183,8 @@ def data_geometry(cfg, world_size: int) -> dict[str, int]:
             "world_size": world_size, "seed": cfg.run.seed}
 
 
-def _share(obj, rt, src: int = 0):
-    """rank `src`'s object on every rank (identity in one process). All ranks wait here."""
-    if not rt.distributed:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def _gather(obj, rt) -> list:
-    """Every rank's object, in rank order (a one-element list in one process)."""
-    if not rt.distributed:
-        return [obj]
-    out = [None] * rt.world_size
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def _parse_name(name: str) -> tuple[int, int] | None:
+def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
+    """(epoch, step) of a ckpt-e<epoch>-s<step>.pt file name, None for other names."""
     m = CKPT_RE.match(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
@@ -322,7 +226,7 @@ class Saver:
                 self._set_aside_after(resumed_step)
             except OSError as e:
                 error = f"cannot use the checkpoint folder {self.dir}: {e.strerror or e}. Make the run folder writable or set run.dir."
-        if (error := _share(error, rt)) is not None:
+        if (error := broadcast_object(error, rt)) is not None:
             raise UsageError(error)
 
     # -- status file
@@ -350,7 +254,7 @@ class Saver:
         return status
 
     def _entry_from_file(self, p: Path) -> dict[str, Any]:
-        epoch, step = _parse_name(p.name)
+        epoch, step = parse_checkpoint_name(p.name)
         try:
             ckpt = load_checkpoint(p)
             metric, step_in_epoch = ckpt.get("metric"), ckpt["train_state"]["step_in_epoch"]
@@ -403,7 +307,7 @@ class Saver:
         key = (state.epoch, state.step_in_epoch, state.global_step, metric)
         if key == self._last_saved:  # the same on every rank, so all ranks skip together
             return path  # e.g. a pause right after a step checkpoint: nothing changed since
-        rngs = _gather(rng_state(self.rt.device), self.rt)  # every rank's stream, restored per rank
+        rngs = gather_objects(rng_state(self.rt.device), self.rt)  # every rank's stream, restored per rank
         error = None
         if self.rt.is_main:
             try:
@@ -414,7 +318,7 @@ class Saver:
                          f"Nothing saved before was lost: the previous checkpoints in {self.dir} are intact. "
                          "Free disk space or fix permissions, then continue with `torchsprint train --resume "
                          f"{self.dir.parent}`.")
-        if (error := _share(error, self.rt)) is not None:  # also the barrier: every rank waits for rank 0
+        if (error := broadcast_object(error, self.rt)) is not None:  # also the barrier: every rank waits for rank 0
             raise UsageError(error)
         self._last_saved = key
         return path
@@ -460,110 +364,3 @@ class Saver:
         ranked = sorted(scored, key=lambda e: (sign * e["metric"], e["step"]))
         keep |= {e["file"] for e in ranked[: self.cfg.keep_best]}
         return keep
-
-
-# ---------------------------------------------------------------- resume
-
-
-def find_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoints of a run folder, newest (highest step, then epoch) first."""
-    d = Path(run_dir) / "checkpoints"
-    if not d.is_dir():
-        return []
-    found = [(*reversed(_parse_name(p.name)), p) for p in d.iterdir() if CKPT_RE.match(p.name)]
-    return [p for *_, p in sorted(found, reverse=True)]
-
-
-def find_resume(resume: str | None, run_dir: Path | None, log, rt=None) -> tuple[Path | None, dict | None]:
-    """Resolve `checkpoint.resume` to (path, loaded checkpoint), or (None, None) to start fresh.
-
-    Args:
-        resume: None (start fresh), 'auto' (the newest readable checkpoint of `run_dir`; none
-            there starts fresh), a checkpoint file, or a run folder.
-        run_dir: the run folder (for 'auto').
-        log: callable for one-line messages.
-        rt: the Runtime; with several processes rank 0 chooses the file and every rank loads that
-            one, so ranks can never resume from different checkpoints.
-    A truncated or corrupt newest file is reported and skipped, and the previous one is used.
-    """
-    if rt is None or not rt.distributed:
-        return _find_resume(resume, run_dir, log)
-    choice: tuple[str | None, str | None] = (None, None)  # (path, error)
-    if rt.is_main:
-        try:
-            path, _ = _find_resume(resume, run_dir, log)
-            choice = (str(path) if path else None, None)
-        except UsageError as e:
-            choice = (None, str(e))
-    path, error = _share(choice, rt)
-    if error is not None:
-        raise UsageError(error)
-    return (Path(path), load_checkpoint(path)) if path else (None, None)
-
-
-def _find_resume(resume: str | None, run_dir: Path | None, log) -> tuple[Path | None, dict | None]:
-    if resume is None:
-        return None, None
-    if resume != "auto":
-        p = Path(resume)
-        if p.is_dir() and p.name == "checkpoints" and not find_checkpoints(p):
-            p = p.parent  # the run's checkpoints/ folder itself
-        if p.is_dir():
-            if not find_checkpoints(p):
-                raise UsageError(f"checkpoint.resume={resume}: no checkpoints/ckpt-*.pt in that folder. "
-                                 "Pass a run folder that saved checkpoints, or a ckpt-*.pt file.")
-            return _find_resume("auto", p, log)
-        if not p.exists():
-            raise UsageError(f"checkpoint.resume={resume}: no such file or folder. Pass a ckpt-*.pt file, "
-                             "a run folder, or 'auto'.")
-        return p, load_checkpoint(p)
-    candidates = find_checkpoints(run_dir) if run_dir is not None else []
-    if not candidates:
-        log(f"checkpoint.resume=auto: no checkpoint in {run_dir}; starting from scratch "
-            "(to continue a run, set run.dir to its folder or use `torchsprint train --resume RUN_DIR`)")
-        return None, None
-    for p in candidates:
-        try:
-            return p, load_checkpoint(p)
-        except UsageError as e:
-            log(f"[yellow]skipping unreadable checkpoint[/] {e}; trying the previous one")
-    raise UsageError(f"checkpoint.resume=auto: none of the {len(candidates)} checkpoint(s) in {Path(run_dir) / 'checkpoints'} "
-                     "could be read (see above). Move them away to start over, or resume from another file.")
-
-
-def restore(ckpt: dict, opt, sched, prec, rt, geometry: dict[str, int], log) -> TrainState:
-    """Load optimizer, scheduler, scaler and RNG states from `ckpt` and return its TrainState.
-
-    Args:
-        ckpt: a checkpoint from `load_checkpoint` (the model is loaded by models.init.init_model).
-        opt, sched, prec: the freshly built optimizer, scheduler and Precision of this run.
-        rt: the Runtime (each rank gets back its own RNG stream).
-        geometry: `data_geometry(cfg, world_size)` of this run.
-        log: callable for one-line messages.
-    A mid-epoch checkpoint refuses another batch size, accumulation, world size or seed: its data
-    position would point at other samples, so some would be repeated and others skipped.
-    """
-    state = TrainState(**ckpt["train_state"])
-    saved = {k: ckpt["sampler"][k] for k in geometry if k in ckpt.get("sampler", {})}
-    changed = {k: (saved[k], v) for k, v in geometry.items() if k in saved and saved[k] != v}
-    if state.step_in_epoch > 0 and changed:
-        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
-        raise UsageError(f"the checkpoint was saved in the middle of epoch {state.epoch + 1} (step {state.global_step}) "
-                         f"and this run changes {what}: the data position would no longer match. Resume with the "
-                         "same data.batch_size, optim.accum_steps, number of processes and run.seed, or from a "
-                         "checkpoint saved at an epoch boundary.")
-    try:
-        opt.load_state_dict(ckpt["optimizer"])
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise UsageError(f"the checkpoint's optimizer state does not fit this run's optimizer ({e}). Were "
-                         "model.freeze/train_only or optim.name changed? Resume with the same settings, or "
-                         "start from its weights with model.pretrained=<checkpoint>.") from None
-    sched.load_state_dict(ckpt["scheduler"])
-    prec.load_state_dict(ckpt["scaler"])
-    rngs = ckpt["rng"]
-    if len(rngs) == rt.world_size:
-        set_rng_state(rngs[rt.rank], rt.device)
-    else:
-        log(f"[yellow]RNG states not restored[/]: the checkpoint has {len(rngs)} process(es), this run "
-            f"{rt.world_size}; data order and augmentation stay exact, random layers (dropout) do not")
-    return state

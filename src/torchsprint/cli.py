@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        from torchsprint import __version__
+        from torchsprint.version import __version__
 
         print(__version__)
         return 0

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchsprint.checkpoint import TrainState, rng_isolated, save_weights
+from torchsprint.checkpoint import TrainState, save_weights
 from torchsprint.errors import UsageError
 from torchsprint.parallel import no_sync, unwrap
+from torchsprint.rng import rng_isolated
 
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
 

@@ -25,7 +25,7 @@ class WithNormalize(nn.Module):
         # (1, C, 1, 1) broadcasts against the trailing (C, H, W) of images (N, C, H, W) and clips (N, T, C, H, W).
         std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-        # Same constants and arithmetic as data.transforms.DeviceNormalize, so outputs match training.
+        # Same constants and arithmetic as data.normalize.DeviceNormalize, so outputs match training.
         self.register_buffer("scale", 1.0 / (255.0 * std_t))
         self.register_buffer("shift", -mean_t / std_t)
 
@@ -51,7 +51,7 @@ def sample_batch(trained, n: int = 8) -> torch.Tensor:
 
 
 def normalize(x_uint8: torch.Tensor, pipeline) -> torch.Tensor:
-    from torchsprint.data.transforms import DeviceNormalize
+    from torchsprint.data.normalize import DeviceNormalize
 
     return DeviceNormalize(pipeline.mean, pipeline.std, x_uint8.device)(x_uint8)
 

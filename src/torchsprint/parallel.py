@@ -313,6 +313,24 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def broadcast_object(obj, rt, src: int = 0):
+    """rank `src`'s object on every rank (identity in one process). All ranks wait here."""
+    if not rt.distributed:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj, rt) -> list:
+    """Every rank's object, in rank order (a one-element list in one process)."""
+    if not rt.distributed:
+        return [obj]
+    out = [None] * rt.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def agree_min(n: int, rt) -> int:
     """The smallest `n` over all ranks, through the host-side control group; `n` itself in one process.
 

@@ -41,7 +41,8 @@ class Predictor:
     def __init__(self, forward, classes: list[str], in_channels: int, eval_transforms: list, data_cfg,
                  device: torch.device, batch_size: int = 64, uint8_input: bool = False, task: str = "classification",
                  threshold: float = 0.5):
-        from torchsprint.data.transforms import DeviceNormalize, compile_spec
+        from torchsprint.data.normalize import DeviceNormalize
+        from torchsprint.data.transforms import compile_spec
         from torchsprint.tasks import get_task
 
         self.forward, self.classes, self.in_channels = forward, classes, in_channels

@@ -54,7 +54,7 @@ def environment(rt, seed: int) -> dict:
     """Versions, git revision, device, seed: what it takes to reproduce a run (written before step 0)."""
     import torchvision
 
-    import torchsprint
+    from torchsprint.version import __version__
 
     def git_rev():
         try:
@@ -69,7 +69,7 @@ def environment(rt, seed: int) -> dict:
     if rt.device.type == "cuda":
         dev += f" ({torch.cuda.get_device_name(rt.device)})"
     return {
-        "torchsprint": torchsprint.__version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
+        "torchsprint": __version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
         "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
         "cpu_threads": torch.get_num_threads(), "device": dev, "world_size": rt.world_size, "seed": seed,
         "git_revision": git_rev(), "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -146,9 +146,10 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
 def train(cfg, *, quiet: bool = False) -> dict:
     """Train one run described by `cfg` and return its summary (also written to summary.json)."""
     from torchsprint import runtime
-    from torchsprint.checkpoint import Saver, TrainState, data_geometry, find_resume, restore
+    from torchsprint.checkpoint import Saver, TrainState, data_geometry
     from torchsprint.engine import fit
     from torchsprint.logging import RunLogger
+    from torchsprint.resume import find_resume, restore
     from torchsprint.tasks import get_task
 
     import_modules(cfg.imports)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from torchsprint.errors import UsageError
@@ -32,6 +33,39 @@ class Splits:
     in_channels: int
     task: str = "classification"
     wrap: Callable[[Loaders], Loaders] = field(default=lambda loaders: loaders)
+
+
+class TensorImages(torch.utils.data.Dataset):
+    """Already-decoded uint8 images (N, C, H, W) with integer labels."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, ids: list[str] | None = None):
+        self.images, self.labels = images, labels
+        self.ids = ids
+        self._targets = labels.tolist()  # plain ints: no tensor indexing + int() per sample (~1 us each)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.images[i], self._targets[i], self.ids[i] if self.ids else str(i)
+
+
+def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of a seeded, class-stratified train/val split."""
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(len(labels))
+    if val_fraction <= 0:
+        return idx, idx[:0]
+    tr, va = train_test_split(idx, test_size=val_fraction, random_state=seed, stratify=labels)
+    return np.sort(tr), np.sort(va)
+
+
+def split_samples(samples: list, data_cfg) -> tuple[list, list]:
+    """(train, val) lists of (item, class index) samples, split by data.val_fraction, stratified, seeded by data.split_seed."""
+    labels = np.array([s[1] for s in samples])
+    tr, va = stratified_split(labels, data_cfg.val_fraction, data_cfg.split_seed)
+    return [samples[i] for i in tr], [samples[i] for i in va]
 
 
 @dataclass
@@ -80,6 +114,29 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return x & (2**63 - 1)
 
 
+_M64 = (1 << 64) - 1
+
+
+def as_int64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores (arithmetic wraps mod 2**64)."""
+    return c - (1 << 64) if c >= (1 << 63) else c
+
+
+def lsr64(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic for negative values)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def sample_seeds(seed: int, epoch: int, indices: torch.Tensor) -> torch.Tensor:
+    """Vectorised core.sample_seed: int64 seeds for int64 `indices`, bit-identical to the scalar one."""
+    base = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9) & _M64
+    x = indices.to(torch.int64) * as_int64(0x94D049BB133111EB) + as_int64(base)
+    x = x ^ lsr64(x, 31)
+    x = x * as_int64(0xD6E8FEB86659FD93)
+    x = x ^ lsr64(x, 32)
+    return x & ((1 << 63) - 1)
+
+
 class EpochSampler(torch.utils.data.Sampler):
     """Seeded, epoch-aware, rank-sharded sampler that yields (index, sample_seed) pairs.
 
@@ -110,12 +167,8 @@ class EpochSampler(torch.utils.data.Sampler):
         return order[self.rank :: self.world_size]
 
     def __iter__(self):
-        from torchsprint.data.augment import (
-            sample_seeds,  # bit-identical to sample_seed, one tensor op per epoch
-        )
-
         order = self.indices()[self.start :]
-        # Vectorised: a Python sample_seed call per sample cost ~1 us, a tenth of a tiny model's step at batch 32.
+        # Vectorised (sample_seeds is bit-identical to sample_seed): a Python sample_seed call per sample cost ~1 us, a tenth of a tiny model's step at batch 32.
         return iter(zip(order, sample_seeds(self.seed, self.epoch, torch.tensor(order, dtype=torch.int64)).tolist()))
 
     def __len__(self) -> int:

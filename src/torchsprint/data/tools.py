@@ -206,7 +206,8 @@ def compare(cfg, images: int = 64, run: str | None = None) -> dict:
     import torch
 
     from torchsprint.data.core import DATASETS
-    from torchsprint.data.transforms import DeviceNormalize, compile_spec
+    from torchsprint.data.normalize import DeviceNormalize
+    from torchsprint.data.transforms import compile_spec
     from torchsprint.errors import UsageError
 
     splits = DATASETS.get(cfg.data.dataset)(cfg.data)
@@ -228,10 +229,12 @@ def compare(cfg, images: int = 64, run: str | None = None) -> dict:
     if run is not None:
         from safetensors.torch import load_file
 
+        from torchsprint import config as config_mod
         from torchsprint.models import build_model
-        from torchsprint.run import load_run_config
 
-        rcfg = load_run_config(Path(run))
+        if not (Path(run) / "config.yaml").is_file():
+            raise UsageError(f"{run} is not a torchsprint run folder (no config.yaml). Pass the folder `train` printed.")
+        rcfg = config_mod.load(Path(run) / "config.yaml")
         wpath = Path(run) / "best.safetensors"
         if not wpath.is_file():
             wpath = Path(run) / "last.safetensors"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchsprint.models import MODELS
+from torchsprint.models.core import MODELS, FramesFirst
 
 
 def conv_bn(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
@@ -128,27 +128,6 @@ def unet_small(num_classes: int, in_channels: int = 3, width: int = 16, residual
     ~30k parameters at width 16 (two resolutions, one skip); see ShallowUNet.
     """
     return ShallowUNet(in_channels, num_classes, width, residual)
-
-
-class FramesFirst(nn.Module):
-    """Clips arrive (N, T, C, H, W) (frames first, as collated and normalised); 3-D conv nets take (N, C, T, H, W).
-
-    Multi-clip evaluation (the eval spec's `multi_clip` step) delivers (N, K, T, C, H, W): the K clips are
-    folded into the batch, run as N*K clips, and the prediction is the mean of each video's K logits
-    (the standard video-classification protocol). In eval mode every clip is independent of the others
-    in its batch (BatchNorm uses running statistics), so this equals running the K clips one by one.
-    """
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, clips):
-        if clips.ndim == 6:  # (N, K, T, C, H, W): K clips per video
-            n, k = clips.shape[:2]
-            logits = self.model(clips.flatten(0, 1).transpose(1, 2))  # (N*K, classes)
-            return logits.unflatten(0, (n, k)).mean(dim=1)
-        return self.model(clips.transpose(1, 2))
 
 
 @MODELS.register("small_3d_cnn")

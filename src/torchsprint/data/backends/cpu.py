@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, prefetch_to_device
-from torchsprint.data.transforms import DeviceNormalize, compile_spec, decode_hint
+from torchsprint.data.normalize import DeviceNormalize
+from torchsprint.data.transforms import compile_spec, decode_hint
 from torchsprint.errors import UsageError
 
 

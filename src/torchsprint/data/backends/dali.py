@@ -13,7 +13,8 @@ import torch
 
 from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders
 from torchsprint.data.decode import BadImage, read_bytes, read_header
-from torchsprint.data.transforms import DeviceNormalize, compile_spec, parse_step
+from torchsprint.data.normalize import DeviceNormalize
+from torchsprint.data.transforms import compile_spec, parse_step
 from torchsprint.errors import UsageError
 
 

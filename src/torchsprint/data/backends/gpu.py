@@ -18,7 +18,7 @@ import torch
 from torchsprint.data.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, prefetch_to_device
 from torchsprint.data.decode import BadImage, decode_bytes, read_bytes, read_header
-from torchsprint.data.transforms import DeviceNormalize
+from torchsprint.data.normalize import DeviceNormalize
 from torchsprint.errors import UsageError
 
 

@@ -1,65 +1,15 @@
-"""Datasets (DATASETS registry): digits, image_folder, file_list, cifar10/cifar100 and synthetic_jpeg."""
+"""Image files on disk: image_folder (class-per-subfolder trees) and file_list (CSV/TXT lists of path,label)."""
 
 from __future__ import annotations
 
-import json
-import os
-import pickle
-import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from torchsprint.data.core import DATASETS, Splits
+from torchsprint.data.core import DATASETS, Splits, split_samples
 from torchsprint.errors import UsageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
-
-
-class TensorImages(torch.utils.data.Dataset):
-    """Already-decoded uint8 images (N, C, H, W) with integer labels."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, ids: list[str] | None = None):
-        self.images, self.labels = images, labels
-        self.ids = ids
-        self._targets = labels.tolist()  # plain ints: no tensor indexing + int() per sample (~1 us each)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int):
-        return self.images[i], self._targets[i], self.ids[i] if self.ids else str(i)
-
-
-def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of a seeded, class-stratified train/val split."""
-    from sklearn.model_selection import train_test_split
-
-    idx = np.arange(len(labels))
-    if val_fraction <= 0:
-        return idx, idx[:0]
-    tr, va = train_test_split(idx, test_size=val_fraction, random_state=seed, stratify=labels)
-    return np.sort(tr), np.sort(va)
-
-
-@DATASETS.register("digits")
-def digits(data_cfg) -> Splits:
-    """scikit-learn's bundled handwritten digits: 1,797 8x8 grayscale images, 10 classes, no download."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    # Pixel values are 0..16 ink counts; scale to the uint8 range every other dataset uses.
-    images = torch.from_numpy(np.rint(d.images * (255.0 / 16.0)).astype(np.uint8)).unsqueeze(1)
-    labels = torch.from_numpy(d.target.astype(np.int64))
-    tr, va = stratified_split(d.target, data_cfg.val_fraction, data_cfg.split_seed)
-    classes = [str(c) for c in d.target_names]
-    return Splits(
-        train=TensorImages(images[tr], labels[tr], [f"digits/{i}" for i in tr]),
-        val=TensorImages(images[va], labels[va], [f"digits/{i}" for i in va]),
-        classes=classes,
-        in_channels=1,
-    )
 
 
 def decode_image_file(path: str, mode: str = "RGB") -> torch.Tensor:
@@ -153,18 +103,12 @@ def image_folder(data_cfg) -> Splits:
             if val_classes != classes:
                 raise UsageError(f"{root}: train/ and val/ have different class folders: {classes} vs {val_classes}.")
         else:
-            train, val = _split_samples(train, data_cfg)
+            train, val = split_samples(train, data_cfg)
     else:
         classes, samples = scan_class_folders(root)
-        train, val = _split_samples(samples, data_cfg)
+        train, val = split_samples(samples, data_cfg)
     return Splits(image_files(train, data_cfg, mode), image_files(val, data_cfg, mode), classes,
                   in_channels=1 if mode == "GRAY" else 3)
-
-
-def _split_samples(samples, data_cfg):
-    labels = np.array([s[1] for s in samples])
-    tr, va = stratified_split(labels, data_cfg.val_fraction, data_cfg.split_seed)
-    return [samples[i] for i in tr], [samples[i] for i in va]
 
 
 # ---------------------------------------------------------------- file_list
@@ -262,173 +206,7 @@ def file_list(data_cfg) -> Splits:
     train = [(p, index[lab]) for p, lab in train_rows]
     val = [(p, index[lab]) for p, lab in val_rows]
     if val_path is None:
-        train, val = _split_samples(train, data_cfg)
+        train, val = split_samples(train, data_cfg)
     mode = opts.get("mode", "RGB")
-    return Splits(image_files(train, data_cfg, mode), image_files(val, data_cfg, mode), classes,
-                  in_channels=1 if mode == "GRAY" else 3)
-
-
-# ---------------------------------------------------------------- CIFAR
-
-# The layouts of the python versions of CIFAR (https://www.cs.toronto.edu/~kriz/cifar.html):
-# each batch is a pickled dict with b"data" (N, 3072) uint8, rows = 1024 R, 1024 G, 1024 B of a
-# 32x32 image in row-major order, and the labels under `label_key`.
-CIFAR_LAYOUTS = {
-    "cifar10": {"folder": "cifar-10-batches-py", "train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"],
-                "meta": "batches.meta", "names_key": b"label_names", "label_key": b"labels"},
-    "cifar100": {"folder": "cifar-100-python", "train": ["train"], "val": ["test"],
-                 "meta": "meta", "names_key": b"fine_label_names", "label_key": b"fine_labels"},
-}
-
-
-def _unpickle(path: Path) -> dict:
-    # Trusted local files only: these are the dataset's official pickles, which the user placed in data.root.
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
-
-
-def load_cifar(root: Path, name: str) -> Splits:
-    """Read CIFAR python batches from `root` (or root/cifar-10-batches-py); never downloads."""
-    lay = CIFAR_LAYOUTS[name]
-    if (root / lay["folder"]).is_dir():
-        root = root / lay["folder"]
-    missing = [f for f in lay["train"] + lay["val"] + [lay["meta"]] if not (root / f).is_file()]
-    if missing:
-        raise UsageError(
-            f"{name}: {root} lacks {missing}. Download and unpack the python version "
-            f"({lay['folder']}) into data.root yourself; torchsprint never downloads at run time."
-        )
-
-    def load(files):
-        xs, ys = [], []
-        for f in files:
-            d = _unpickle(root / f)
-            xs.append(np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-            ys.append(np.asarray(d[lay["label_key"]], dtype=np.int64))
-        return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
-
-    classes = [c.decode() for c in _unpickle(root / lay["meta"])[lay["names_key"]]]
-    (xt, yt), (xv, yv) = load(lay["train"]), load(lay["val"])
-    return Splits(TensorImages(xt, yt, [f"{name}/train/{i}" for i in range(len(yt))]),
-                  TensorImages(xv, yv, [f"{name}/test/{i}" for i in range(len(yv))]), classes, in_channels=3)
-
-
-def _cifar(name):
-    def build(data_cfg) -> Splits:
-        if data_cfg.root is None:
-            raise UsageError(f"data.dataset={name} needs data.root=<folder with the {CIFAR_LAYOUTS[name]['folder']} batches>.")
-        return load_cifar(Path(data_cfg.root).expanduser(), name)
-
-    build.__doc__ = f"{name.upper()} from the official python pickles in data.root (train: 50,000, val: the 10,000 test images)."
-    return build
-
-
-DATASETS.register("cifar10")(_cifar("cifar10"))
-DATASETS.register("cifar100")(_cifar("cifar100"))
-
-
-# ---------------------------------------------------------------- synthetic_jpeg
-
-SYNTHETIC_DEFAULTS = {"num_images": 1000, "val_images": 200, "size": [500, 375], "classes": 10, "quality": 90, "seed": 0}
-_SHAPES = ("disc", "square", "triangle", "stripes", "ring")
-
-
-def render_synthetic(rng: np.random.Generator, cls: int, n_classes: int, w: int, h: int) -> np.ndarray:
-    """One (h, w, 3) uint8 picture of class `cls`: a class-specific shape and hue at a random place and
-    scale over a random gradient with Gaussian noise (sigma 12), so it decodes like a photo (~70 KB
-    at 500x375, quality 90) and a small CNN can learn it."""
-    from PIL import Image, ImageDraw
-
-    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
-    a, b, c = rng.uniform(-0.3, 0.3, 3)
-    base = rng.uniform(60, 190, 3)[None, None, :] + (a * xx + b * yy)[..., None] * np.array([1.0, 0.6, -0.4]) + c * 40
-    img = base + rng.normal(0, 12, (h, w, 3))
-    im = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
-    draw = ImageDraw.Draw(im)
-    hue = cls / n_classes
-    import colorsys
-
-    colour = tuple(int(255 * v) for v in colorsys.hsv_to_rgb(hue, 0.85, rng.uniform(0.7, 1.0)))
-    s = int(min(w, h) * rng.uniform(0.3, 0.6))
-    x0, y0 = int(rng.integers(0, w - s + 1)), int(rng.integers(0, h - s + 1))
-    shape = _SHAPES[cls % len(_SHAPES)]
-    if shape == "disc":
-        draw.ellipse([x0, y0, x0 + s, y0 + s], fill=colour)
-    elif shape == "square":
-        draw.rectangle([x0, y0, x0 + s, y0 + s], fill=colour)
-    elif shape == "triangle":
-        draw.polygon([(x0, y0 + s), (x0 + s, y0 + s), (x0 + s // 2, y0)], fill=colour)
-    elif shape == "stripes":
-        for k in range(0, s, max(2, s // 6)):
-            draw.rectangle([x0 + k, y0, x0 + k + max(1, s // 12), y0 + s], fill=colour)
-    else:
-        draw.ellipse([x0, y0, x0 + s, y0 + s], outline=colour, width=max(2, s // 8))
-    return np.asarray(im)
-
-
-def generate_once(folder: Path, params: dict, write) -> Path:
-    """Make a generated dataset at `folder` once: `write(tmp)` fills a temporary sibling, which gets a
-    done.json of `params` and is renamed into place; a complete folder is reused as it is.
-
-    The rename is atomic, so concurrent processes (test workers, DDP ranks) never see half a dataset;
-    when another process finished first, its copy is kept and ours discarded.
-    """
-    if (folder / "done.json").is_file():
-        return folder
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    (tmp / "done.json").write_text(json.dumps(params))
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process finished first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
-def generate_synthetic_jpeg(folder: Path, *, num_images: int, val_images: int, size, classes: int, quality: int,
-                            seed: int) -> Path:
-    """Write an image-folder tree folder/{train,val}/<class>/<i>.jpg once; reuse it when complete (generate_once)."""
-    w, h = size
-
-    def write(tmp: Path) -> None:
-        from PIL import Image
-
-        rng = np.random.default_rng(seed)
-        names = [f"class_{c:02d}_{_SHAPES[c % len(_SHAPES)]}" for c in range(classes)]
-        for split, n in (("train", num_images), ("val", val_images)):
-            for c in names:
-                (tmp / split / c).mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                cls = i % classes
-                Image.fromarray(render_synthetic(rng, cls, classes, w, h)).save(tmp / split / names[cls] / f"{i:06d}.jpg",
-                                                                                  quality=quality)
-
-    return generate_once(folder, {"num_images": num_images, "val_images": val_images, "size": [w, h], "classes": classes,
-                                  "quality": quality, "seed": seed}, write)
-
-
-@DATASETS.register("synthetic_jpeg")
-def synthetic_jpeg(data_cfg) -> Splits:
-    """Generated JPEGs in an image-folder layout under data.root, made once and reused.
-
-    data.options: num_images (train, default 1000), val_images (200), size [w, h] ([500, 375], about
-    ImageNet's typical photo), classes (10), quality (90), seed (0). Each parameter set gets its own
-    subfolder, so changing them never mixes datasets.
-    """
-    if data_cfg.root is None:
-        raise UsageError("data.dataset=synthetic_jpeg needs data.root=<folder to generate the JPEG files into>.")
-    unknown = sorted(set(data_cfg.options) - set(SYNTHETIC_DEFAULTS) - {"mode"})
-    if unknown:
-        raise UsageError(f"synthetic_jpeg: unknown data.options {unknown}; valid: {sorted(SYNTHETIC_DEFAULTS)}.")
-    p = SYNTHETIC_DEFAULTS | {k: v for k, v in data_cfg.options.items() if k != "mode"}
-    w, h = p["size"]
-    folder = Path(data_cfg.root).expanduser() / (
-        f"synthetic_jpeg-n{p['num_images']}-v{p['val_images']}-{w}x{h}-c{p['classes']}-q{p['quality']}-s{p['seed']}")
-    generate_synthetic_jpeg(folder, num_images=p["num_images"], val_images=p["val_images"], size=(w, h),
-                            classes=p["classes"], quality=p["quality"], seed=p["seed"])
-    classes, train = scan_class_folders(folder / "train")
-    _, val = scan_class_folders(folder / "val")
-    mode = data_cfg.options.get("mode", "RGB")
     return Splits(image_files(train, data_cfg, mode), image_files(val, data_cfg, mode), classes,
                   in_channels=1 if mode == "GRAY" else 3)

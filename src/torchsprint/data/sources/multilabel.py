@@ -140,7 +140,7 @@ def generate_multilabel_shapes(folder: Path, *, num_images: int, val_images: int
     average precision of a random ranking) is about 0.5. Generated in a temporary sibling and renamed
     (concurrent test workers and DDP ranks never see half a dataset).
     """
-    from torchsprint.data.sources.folders import generate_once
+    from torchsprint.data.sources.synthetic import generate_once
 
     def write(tmp: Path) -> None:
         from PIL import Image

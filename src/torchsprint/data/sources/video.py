@@ -11,7 +11,7 @@ seed like every other random step (exact resume). A clip is (T, C, H, W) uint8, 
 the spatial steps (crop, flip, resize) apply the same parameters to every frame of a clip, and
 per-channel normalisation broadcasts as for images. `multi_clip: {frames: T, stride: S, clips: K}`
 (evaluation only) takes K evenly spaced clips, (K, T, C, H, W); batches are then (N, K, T, C, H, W)
-and the video model wrapper (models.nets.FramesFirst) averages the K clips' logits, so the engine
+and the video model wrapper (models.core.FramesFirst) averages the K clips' logits, so the engine
 never knows. Videos too short for one clip, and unreadable
 files, are bad samples: counted and named (data.on_bad_sample=skip) or an error.
 """
@@ -186,9 +186,9 @@ def video_splits(root: Path, data_cfg) -> Splits:
         classes, train = scan_video_folders(root)
         val = []
     if not val:
-        from torchsprint.data.sources.folders import _split_samples
+        from torchsprint.data.core import split_samples
 
-        train, val = _split_samples(train, data_cfg)
+        train, val = split_samples(train, data_cfg)
     return Splits(VideoFiles(train, train_clip.span, channels), VideoFiles(val, eval_clip.span, channels), classes,
                   in_channels=channels, task="video")
 
@@ -256,7 +256,7 @@ def render_moving(rng: np.random.Generator, direction: tuple[int, int], size: in
 
 def generate_moving_shapes(folder: Path, *, per_class: int, val_per_class: int, size: int, frames: int, seed: int) -> Path:
     """Write folder/{train,val}/<direction>/<i>.mp4 once (real MPEG-4 files); reuse a complete folder."""
-    from torchsprint.data.sources.folders import generate_once
+    from torchsprint.data.sources.synthetic import generate_once
 
     def write(tmp: Path) -> None:
         rng = np.random.default_rng(seed)

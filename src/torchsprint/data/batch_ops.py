@@ -1,0 +1,278 @@
+"""Batched preprocessing steps (the BATCH_OPS registry) for the memory and gpu backends.
+
+Each step has `k` (uniforms it reads per sample); `params(u (B, k), hs, ws)` -> (parameters, output
+heights, output widths) as CPU tensors; `fixes_size` (output size independent of the input);
+`apply_one(img CHW, params, i)` for the per-image head; `apply_batch(x NCHW, params)` for the batched
+tail, with per-sample parameters (never one coin for the whole batch). augment.py compiles a spec
+into a pipeline of these steps and draws the uniforms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torchsprint.errors import UsageError
+from torchsprint.registry import Registry
+
+BATCH_OPS = Registry("batched transform")
+
+
+def pair_size(size) -> tuple[int, int]:
+    if isinstance(size, int):
+        return size, size
+    if isinstance(size, list | tuple) and len(size) == 2:
+        return int(size[0]), int(size[1])
+    if isinstance(size, list | tuple) and len(size) == 1:
+        return int(size[0]), int(size[0])
+    raise UsageError(f"size must be an int or [height, width], got {size!r}")
+
+
+def _resized_crop(img, top, left, h, w, size):
+    from torchvision.transforms.v2 import functional as F
+
+    # torchvision's own kernel (uint8 AVX path on CPU, float + round on CUDA): the cpu backend's
+    # RandomResizedCrop calls this very function, so only the draws and the device differ.
+    return F.resized_crop(img, int(top), int(left), int(h), int(w), list(size), antialias=True)
+
+
+class RandomResizedCrop:
+    """torchvision's RandomResizedCrop: 10 tries of area in `scale` x aspect in log-uniform `ratio`,
+    first fit wins, else a centre crop clamped to `ratio` (torchvision v2 get_params)."""
+
+    k = 10 * 2 + 2
+    fixes_size = True
+
+    def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), antialias: bool = True):
+        self.size = pair_size(size)
+        self.scale, self.ratio = tuple(scale), tuple(ratio)
+
+    def params(self, u, hs, ws):
+        hs64, ws64 = hs.double(), ws.double()
+        area = (hs64 * ws64)[:, None]
+        target = area * (self.scale[0] + u[:, 0:10] * (self.scale[1] - self.scale[0]))
+        lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        aspect = torch.exp(lo + u[:, 10:20] * (hi - lo))
+        w = torch.round(torch.sqrt(target * aspect))
+        h = torch.round(torch.sqrt(target / aspect))
+        ok = (w > 0) & (h > 0) & (w <= ws64[:, None]) & (h <= hs64[:, None])
+        first = torch.where(ok.any(1), ok.double().argmax(1), torch.full_like(hs, -1))
+        pick = first.clamp(min=0)[:, None]
+        cw, ch = w.gather(1, pick)[:, 0], h.gather(1, pick)[:, 0]
+        # fallback: whole image cropped to the nearest allowed aspect ratio, centred
+        in_ratio = ws64 / hs64
+        fw = torch.where(in_ratio < self.ratio[0], ws64, torch.where(in_ratio > self.ratio[1], torch.round(hs64 * self.ratio[1]), ws64))
+        fh = torch.where(in_ratio < self.ratio[0], torch.round(ws64 / self.ratio[0]), hs64)
+        fallback = first < 0
+        cw, ch = torch.where(fallback, fw, cw), torch.where(fallback, fh, ch)
+        top = torch.where(fallback, torch.div(hs64 - ch, 2, rounding_mode="floor"), torch.floor(u[:, 20] * (hs64 - ch + 1)))
+        left = torch.where(fallback, torch.div(ws64 - cw, 2, rounding_mode="floor"), torch.floor(u[:, 21] * (ws64 - cw + 1)))
+        p = {"top": top.long(), "left": left.long(), "h": ch.long(), "w": cw.long()}
+        n = len(hs)
+        return p, torch.full((n,), self.size[0]), torch.full((n,), self.size[1])
+
+    def apply_one(self, img, p, i):
+        return _resized_crop(img, p["top"][i], p["left"][i], p["h"][i], p["w"][i], self.size)
+
+    def apply_batch(self, x, p):
+        return torch.stack([self.apply_one(x[i], p, i) for i in range(len(x))])
+
+
+class Resize:
+    """Deterministic resize: an int resizes the shorter side (keeping aspect), a pair sets (h, w)."""
+
+    k = 0
+
+    def __init__(self, size, interpolation: str = "bilinear", antialias: bool = True, max_size=None):
+        if interpolation != "bilinear" or max_size is not None:
+            raise UsageError("the batched resize supports interpolation=bilinear and no max_size; use data.backend=cpu for others.")
+        self.size = size
+        self.fixes_size = not isinstance(size, int) and not (isinstance(size, list | tuple) and len(size) == 1)
+
+    def _out(self, h: int, w: int) -> tuple[int, int]:
+        if self.fixes_size:
+            return pair_size(self.size)
+        s = self.size if isinstance(self.size, int) else self.size[0]
+        # torchvision's rule (_compute_resized_output_size): the long side is int(s * long / short).
+        return (s, int(s * w / h)) if h <= w else (int(s * h / w), s)
+
+    def params(self, u, hs, ws):
+        out = [self._out(int(h), int(w)) for h, w in zip(hs, ws)]
+        return {}, torch.tensor([o[0] for o in out]), torch.tensor([o[1] for o in out])
+
+    def apply_one(self, img, p, i):
+        from torchvision.transforms.v2 import functional as F
+
+        return F.resize(img, list(self._out(img.shape[-2], img.shape[-1])), antialias=True)
+
+    def apply_batch(self, x, p):
+        from torchvision.transforms.v2 import functional as F
+
+        return F.resize(x, list(self._out(x.shape[-2], x.shape[-1])), antialias=True)
+
+
+class CenterCrop:
+    """Deterministic centre crop (torchvision's rounding: top = round((H - h) / 2))."""
+
+    k = 0
+    fixes_size = True
+
+    def __init__(self, size):
+        self.size = pair_size(size)
+
+    def params(self, u, hs, ws):
+        n = len(hs)
+        return {}, torch.full((n,), self.size[0]), torch.full((n,), self.size[1])
+
+    def apply_one(self, img, p, i):
+        from torchvision.transforms.v2 import functional as F
+
+        return F.center_crop(img, list(self.size))
+
+    def apply_batch(self, x, p):
+        from torchvision.transforms.v2 import functional as F
+
+        return F.center_crop(x, list(self.size))
+
+
+class RandomCrop:
+    """Pad by `padding` (constant 0), then a uniformly placed crop of `size` (per sample).
+
+    Batched, it pads once and gathers every sample's window with one advanced-indexing op.
+    """
+
+    k = 2
+    fixes_size = True
+
+    def __init__(self, size, padding=None, padding_mode: str = "constant", pad_if_needed: bool = False):
+        if padding_mode != "constant" or pad_if_needed:
+            raise UsageError("the batched random_crop supports padding_mode=constant without pad_if_needed; use data.backend=cpu.")
+        self.size = pair_size(size)
+        self.pad = int(padding or 0)
+        if isinstance(padding, list | tuple):
+            if len(set(padding)) != 1:
+                raise UsageError("the batched random_crop takes one padding value for all sides.")
+            self.pad = int(padding[0])
+
+    def params(self, u, hs, ws):
+        ph, pw = hs + 2 * self.pad, ws + 2 * self.pad
+        if bool(((ph < self.size[0]) | (pw < self.size[1])).any()):
+            raise UsageError(f"random_crop size {self.size} is larger than the padded image; lower size or raise padding.")
+        top = torch.floor(u[:, 0] * (ph - self.size[0] + 1).double()).long()
+        left = torch.floor(u[:, 1] * (pw - self.size[1] + 1).double()).long()
+        n = len(hs)
+        return {"top": top, "left": left}, torch.full((n,), self.size[0]), torch.full((n,), self.size[1])
+
+    def apply_one(self, img, p, i):
+        if self.pad:
+            img = torch.nn.functional.pad(img, (self.pad,) * 4)
+        t, left = int(p["top"][i]), int(p["left"][i])
+        return img[:, t : t + self.size[0], left : left + self.size[1]]
+
+    def apply_batch(self, x, p):
+        if self.pad:
+            x = torch.nn.functional.pad(x, (self.pad,) * 4)
+        rows = p["top"][:, None] + torch.arange(self.size[0], device=x.device)[None, :]  # (B, h)
+        cols = p["left"][:, None] + torch.arange(self.size[1], device=x.device)[None, :]  # (B, w)
+        b = torch.arange(len(x), device=x.device)[:, None, None]
+        out = x.permute(0, 2, 3, 1)[b, rows[:, :, None], cols[:, None, :]]  # (B, h, w, C)
+        return out.permute(0, 3, 1, 2).contiguous()
+
+
+class Flip:
+    """Per-sample flip with probability p along the last (hflip) or second-last (vflip) axis."""
+
+    k = 1
+    fixes_size = False
+
+    def __init__(self, p: float = 0.5, dim: int = -1):
+        self.p, self.dim = float(p), dim
+
+    def params(self, u, hs, ws):
+        return {"flip": u[:, 0] < self.p}, hs, ws
+
+    def apply_one(self, img, p, i):
+        return img.flip(self.dim) if bool(p["flip"][i]) else img
+
+    def apply_batch(self, x, p):
+        return torch.where(p["flip"].view(-1, 1, 1, 1), x.flip(self.dim), x)
+
+
+class Cutout:
+    """Zero a size x size square centred uniformly in the image, clipped at the borders
+    (DeVries & Taylor 2017, as in the CIFAR speedruns), with probability p per sample."""
+
+    k = 3
+    fixes_size = False
+
+    def __init__(self, size: int = 8, p: float = 1.0, value: int = 0):
+        self.size, self.p, self.value = int(size), float(p), int(value)
+
+    def params(self, u, hs, ws):
+        cy = torch.floor(u[:, 0] * hs.double()).long()
+        cx = torch.floor(u[:, 1] * ws.double()).long()
+        return {"cy": cy, "cx": cx, "on": u[:, 2] < self.p}, hs, ws
+
+    def _mask(self, h, w, cy, cx, on, device):
+        y0 = (cy - self.size // 2)[:, None, None]
+        x0 = (cx - self.size // 2)[:, None, None]
+        yy = torch.arange(h, device=device)[None, :, None]
+        xx = torch.arange(w, device=device)[None, None, :]
+        inside = (yy >= y0) & (yy < y0 + self.size) & (xx >= x0) & (xx < x0 + self.size) & on[:, None, None]
+        return inside[:, None]  # (B, 1, H, W)
+
+    def apply_one(self, img, p, i):
+        m = self._mask(img.shape[-2], img.shape[-1], p["cy"][i : i + 1].to(img.device), p["cx"][i : i + 1].to(img.device),
+                       p["on"][i : i + 1].to(img.device), img.device)[0]
+        return img.masked_fill(m, self.value)
+
+    def apply_batch(self, x, p):
+        return x.masked_fill(self._mask(x.shape[-2], x.shape[-1], p["cy"], p["cx"], p["on"], x.device), self.value)
+
+
+class ColorJitter:
+    """Per-sample brightness, contrast and saturation factors in [1 - v, 1 + v], applied in that fixed
+    order in float and rounded back to uint8 (torchvision picks a random order; hue is not supported)."""
+
+    k = 3
+    fixes_size = False
+
+    def __init__(self, brightness=0.0, contrast=0.0, saturation=0.0, hue=0.0):
+        if hue:
+            raise UsageError("color_jitter hue is not supported by the batched (memory/gpu) backends; set hue: 0 or use data.backend=cpu.")
+        self.b, self.c, self.s = float(brightness), float(contrast), float(saturation)
+
+    def params(self, u, hs, ws):
+        f = lambda v, col: (1 - v) + u[:, col] * 2 * v  # noqa: E731
+        return {"b": f(self.b, 0), "c": f(self.c, 1), "s": f(self.s, 2)}, hs, ws
+
+    def apply_batch(self, x, p):
+        y = x.float()
+        dev = x.device
+        y = y * p["b"].to(dev, torch.float32).view(-1, 1, 1, 1)
+        if y.shape[1] == 3:
+            gray = (0.299 * y[:, 0] + 0.587 * y[:, 1] + 0.114 * y[:, 2]).unsqueeze(1)
+        else:
+            gray = y
+        mean = gray.mean(dim=(1, 2, 3), keepdim=True)
+        c = p["c"].to(dev, torch.float32).view(-1, 1, 1, 1)
+        y = (y * c + mean * (1 - c)).clamp_(0, 255)
+        if y.shape[1] == 3:
+            gray = (0.299 * y[:, 0] + 0.587 * y[:, 1] + 0.114 * y[:, 2]).unsqueeze(1)
+            s = p["s"].to(dev, torch.float32).view(-1, 1, 1, 1)
+            y = y * s + gray * (1 - s)
+        return y.clamp_(0, 255).round_().to(torch.uint8)
+
+    def apply_one(self, img, p, i):
+        return self.apply_batch(img[None], {k: v[i : i + 1] for k, v in p.items()})[0]
+
+
+BATCH_OPS.register("random_resized_crop")(RandomResizedCrop)
+BATCH_OPS.register("resize")(Resize)
+BATCH_OPS.register("center_crop")(CenterCrop)
+BATCH_OPS.register("random_crop")(RandomCrop)
+BATCH_OPS.register("hflip")(lambda p=0.5: Flip(p, -1))
+BATCH_OPS.register("vflip")(lambda p=0.5: Flip(p, -2))
+BATCH_OPS.register("cutout")(Cutout)
+BATCH_OPS.register("color_jitter")(ColorJitter)

@@ -1,0 +1,27 @@
+"""scikit-learn's bundled handwritten digits (the default run's dataset; no download)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from torchsprint.data.core import DATASETS, Splits, TensorImages, stratified_split
+
+
+@DATASETS.register("digits")
+def digits(data_cfg) -> Splits:
+    """scikit-learn's bundled handwritten digits: 1,797 8x8 grayscale images, 10 classes, no download."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    # Pixel values are 0..16 ink counts; scale to the uint8 range every other dataset uses.
+    images = torch.from_numpy(np.rint(d.images * (255.0 / 16.0)).astype(np.uint8)).unsqueeze(1)
+    labels = torch.from_numpy(d.target.astype(np.int64))
+    tr, va = stratified_split(d.target, data_cfg.val_fraction, data_cfg.split_seed)
+    classes = [str(c) for c in d.target_names]
+    return Splits(
+        train=TensorImages(images[tr], labels[tr], [f"digits/{i}" for i in tr]),
+        val=TensorImages(images[va], labels[va], [f"digits/{i}" for i in va]),
+        classes=classes,
+        in_channels=1,
+    )

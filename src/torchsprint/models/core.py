@@ -1,0 +1,128 @@
+"""The MODELS registry and `build_model`: built-in nets (nets.py), every torchvision classification and video
+model, and timm models when timm is installed (name providers, loaded only when a name needs them)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from torch import nn
+
+from torchsprint.registry import Registry
+
+MODELS = Registry("model")
+
+
+def adapt_in_channels(model: nn.Module, in_channels: int) -> nn.Module:
+    """Replace the first 3-channel Conv2d so that the model takes `in_channels` inputs."""
+    if in_channels == 3:
+        return model
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d) and child.in_channels == 3:
+                new = nn.Conv2d(
+                    in_channels, child.out_channels, child.kernel_size, child.stride, child.padding,
+                    child.dilation, child.groups, child.bias is not None, child.padding_mode,
+                )
+                setattr(parent, name, new)
+                return model
+    raise ValueError("no 3-channel Conv2d found to adapt to the data's channel count")
+
+
+class FramesFirst(nn.Module):
+    """Clips arrive (N, T, C, H, W) (frames first, as collated and normalised); 3-D conv nets take (N, C, T, H, W).
+
+    Multi-clip evaluation (the eval spec's `multi_clip` step) delivers (N, K, T, C, H, W): the K clips are
+    folded into the batch, run as N*K clips, and the prediction is the mean of each video's K logits
+    (the standard video-classification protocol). In eval mode every clip is independent of the others
+    in its batch (BatchNorm uses running statistics), so this equals running the K clips one by one.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, clips):
+        if clips.ndim == 6:  # (N, K, T, C, H, W): K clips per video
+            n, k = clips.shape[:2]
+            logits = self.model(clips.flatten(0, 1).transpose(1, 2))  # (N*K, classes)
+            return logits.unflatten(0, (n, k)).mean(dim=1)
+        return self.model(clips.transpose(1, 2))
+
+
+def _torchvision_provider():
+    import torchvision
+
+    def make(fn_name):
+        def build(num_classes: int, in_channels: int = 3, **args):
+            # weights=None: weights are never downloaded at run time; use model.pretrained=<file>.
+            model = torchvision.models.get_model(fn_name, weights=None, num_classes=num_classes, **args)
+            return adapt_in_channels(model, in_channels)
+
+        build.__doc__ = f"torchvision.models.{fn_name}"
+        return build
+
+    return {n: make(n) for n in torchvision.models.list_models(module=torchvision.models)}
+
+
+def _timm_provider():
+    if importlib.util.find_spec("timm") is None:
+        return {}
+    import timm
+
+    def make(name):
+        def build(num_classes: int, in_channels: int = 3, **args):
+            return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels, **args)
+
+        build.__doc__ = f"timm.create_model('{name}')"
+        return build
+
+    return {f"timm/{n}": make(n) for n in timm.list_models()}
+
+
+def _torchvision_video_provider():
+    import torchvision
+
+    def make(fn_name):
+        def build(num_classes: int, in_channels: int = 3, **args):
+            if in_channels != 3:
+                raise TypeError(f"torchvision video model {fn_name} takes RGB clips (in_channels=3), not {in_channels}")
+            # Clips travel (N, T, C, H, W); torchvision's video models take (N, C, T, H, W).
+            return FramesFirst(torchvision.models.get_model(fn_name, weights=None, num_classes=num_classes, **args))
+
+        build.__doc__ = f"torchvision.models.video.{fn_name} (task=video; input (N, T, C, H, W) clips)"
+        return build
+
+    return {n: make(n) for n in torchvision.models.list_models(module=torchvision.models.video)}
+
+
+MODELS.add_provider(_torchvision_provider)
+MODELS.add_provider(_torchvision_video_provider)
+MODELS.add_provider(_timm_provider)
+
+
+def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
+    """Instantiate `model_cfg.name` for the data's class and channel counts (random initialisation).
+
+    Args:
+        model_cfg: the `model` section (name, args).
+        num_classes: output size, from the dataset.
+        in_channels: input channels, from the dataset.
+    """
+    from torchsprint.errors import UsageError
+
+    builder = MODELS.get(model_cfg.name)
+    try:
+        model = builder(num_classes=num_classes, in_channels=in_channels, **model_cfg.args)
+    except TypeError as e:
+        raise UsageError(f"model '{model_cfg.name}': bad model.args {model_cfg.args}: {e}") from None
+    return model
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return trainable, frozen
+
+
+__all__ = ["MODELS", "build_model", "count_parameters", "adapt_in_channels"]

@@ -1,0 +1,158 @@
+"""The package's layering holds: imports point downward, and no module imports its own package's face.
+
+Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies point downward)"):
+
+  foundation   errors, registry, version: no torchsprint imports beyond these
+  machine      runtime (process group, seeds), rng, parallel (wrappers, collectives), logging
+  numerics     precision, checkpoint (saving), resume, metrics, optim
+  data         core (registries, sampler) < decode < transforms/normalize/batch_ops (the spec) < augment
+               < sources/ (one file per dataset family) < backends/ (one file per loader backend)
+  models       core (MODELS registry) < nets, init
+  tasks        what a run learns (metrics, losses, artifacts per task)
+  config       the schema (fills task defaults)
+  engine       the only loop
+  run          the flow of one run
+  commands     trained, export, predict, bench, report, launch, data/tools
+  cli          the `torchsprint` command
+
+A module may import from its own layer or below. A package's __init__.py is its face for users: it
+re-exports and registers, and no module inside that package imports names from it (a registry there
+would make every member import upward). Every module must be placed in a layer, so a new module is
+placed on purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+LAYERS: list[tuple[str, list[str]]] = [
+    ("foundation", ["errors", "registry", "version"]),
+    ("machine", ["runtime", "rng", "parallel", "logging"]),
+    ("numerics", ["precision", "checkpoint", "resume", "metrics", "optim"]),
+    ("data.core", ["data.core"]),
+    ("data.decode", ["data.decode"]),
+    ("data.spec", ["data.transforms", "data.normalize", "data.batch_ops"]),
+    ("data.augment", ["data.augment"]),
+    ("data.sources", ["data.sources.*"]),
+    ("data.backends", ["data.backends.*"]),
+    ("models.core", ["models.core"]),
+    ("models", ["models.nets", "models.init"]),
+    ("tasks", ["tasks"]),
+    ("config", ["config"]),
+    ("engine", ["engine"]),
+    ("run", ["run"]),
+    ("commands", ["trained", "export", "predict", "bench", "report", "launch", "data.tools"]),
+    ("cli", ["cli", "__main__"]),
+]
+
+
+def modules(src: Path = SRC) -> dict[str, tuple[Path, bool]]:
+    """{dotted name: (file, is a package __init__)} for every module of the torchsprint package."""
+    out = {}
+    for f in sorted((src / "torchsprint").rglob("*.py")):
+        parts = list(f.relative_to(src).with_suffix("").parts)
+        init = parts[-1] == "__init__"
+        if init:
+            parts = parts[:-1]
+        out[".".join(parts)] = (f, init)
+    return out
+
+
+def layer_of(name: str, mods: dict[str, tuple[Path, bool]]) -> int | None:
+    """Layer index of a module; a package face takes the highest layer of what it imports (re-exports)."""
+    short = name.removeprefix("torchsprint.").removeprefix("torchsprint")
+    if name in mods and mods[name][1]:  # a package face: as high as what it re-exports
+        path = mods[name][0]
+        inside = [layer_of(t, mods) for _, t, _ in imports(name, path, True, mods) if t != name]
+        inside = [i for i in inside if i is not None]
+        return max(inside) if inside else 0
+    for i, (_, patterns) in enumerate(LAYERS):
+        if any(fnmatch.fnmatchcase(short, p) for p in patterns):
+            return i
+    return None
+
+
+def imports(name: str, path: Path, is_init: bool, mods) -> list[tuple[int, str, str | None]]:
+    """(line, imported module, name taken from a package face or None) for every torchsprint import,
+    including the ones inside functions."""
+    package = name if is_init else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, None) for a in node.names if a.name.startswith("torchsprint")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("torchsprint"):
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                if sub in mods:
+                    out.append((node.lineno, sub, None))  # `from pkg import submodule`: the submodule itself
+                elif base in mods and mods[base][1]:
+                    out.append((node.lineno, base, a.name))  # a name defined in a package's __init__.py
+                else:
+                    out.append((node.lineno, base, None))
+    return out
+
+
+def violations(mods: dict[str, tuple[Path, bool]]) -> list[str]:
+    problems = []
+    for name, (path, is_init) in mods.items():
+        here = layer_of(name, mods)
+        if here is None and not is_init:
+            problems.append(f"{name}: not placed in any layer of tests/test_layout.py LAYERS; add it where it belongs")
+            continue
+        for line, target, face_name in imports(name, path, is_init, mods):
+            where = f"{path.relative_to(path.parents[len(name.split('.')) - (0 if is_init else 1)])}:{line}"
+            if face_name is not None and not is_init and (name + ".").startswith(target + "."):
+                problems.append(f"{where}: {name} imports {face_name!r} from its own package's face {target} "
+                                f"(__init__.py); import it from the module that defines it")
+                continue
+            there = layer_of(target, mods)
+            if is_init or there is None or here is None:
+                continue  # a face may import what it re-exports
+            if there > here:
+                problems.append(f"{where}: {name} (layer {LAYERS[here][0]}) imports {target} (layer "
+                                f"{LAYERS[there][0]}, higher)")
+    return problems
+
+
+def test_imports_point_downward_and_never_into_an_own_package_face():
+    assert violations(modules()) == []
+
+
+def test_the_checker_flags_an_upward_import_and_a_face_import(tmp_path):
+    """The checker itself can fail: a data module importing run, and a backend importing its package's face."""
+    pkg = tmp_path / "torchsprint"
+    (pkg / "data" / "backends").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "run.py").write_text("")
+    (pkg / "data" / "__init__.py").write_text("from torchsprint.data.core import LOADERS\n")
+    (pkg / "data" / "core.py").write_text("def f():\n    from torchsprint.run import train\n")
+    (pkg / "data" / "backends" / "__init__.py").write_text("")
+    (pkg / "data" / "backends" / "cpu.py").write_text("from torchsprint.data import LOADERS\n")
+    (pkg / "data" / "stray.py").write_text("")
+    found = violations(modules(tmp_path))
+    assert any("torchsprint.data.core (layer data.core) imports torchsprint.run" in p for p in found), found
+    assert any("imports 'LOADERS' from its own package's face torchsprint.data" in p for p in found), found
+    assert any("torchsprint.data.stray: not placed" in p for p in found), found
+    assert len(found) == 3, found
+
+
+@pytest.mark.parametrize("module", ["torchsprint.data", "torchsprint.models", "torchsprint.data.sources",
+                                    "torchsprint.data.backends"])
+def test_package_faces_only_reexport(module):
+    """An __init__.py holds imports and __all__, no definitions (registries live beside their code)."""
+    mods = modules()
+    tree = ast.parse(mods[module][0].read_text())
+    defs = [type(n).__name__ for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef | ast.Assign)
+            and not (isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["__all__"])]
+    assert defs == []

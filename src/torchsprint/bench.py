@@ -122,8 +122,9 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     import torch
 
     from torchsprint import runtime
+    from torchsprint.config import import_modules
     from torchsprint.engine import set_train_mode, train_step
-    from torchsprint.run import build_training, import_modules
+    from torchsprint.run import build_training
 
     import_modules(cfg.imports)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-FAMILIES = ("models", "optimizers", "schedulers", "losses", "datasets", "loaders", "transforms")
+FAMILIES = ("models", "optimizers", "schedulers", "losses", "datasets", "loaders", "transforms", "tasks")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -132,9 +132,7 @@ def cmd_train(args) -> int:
         from torchsprint.launch import launch
 
         return launch(args)
-    cfg = config.load(path, overrides)
-    if args.imports:
-        cfg.imports = list(cfg.imports) + args.imports
+    cfg = config.load(path, overrides, imports=args.imports)
     train(cfg)
     return 0
 
@@ -195,6 +193,8 @@ def registry_for(family: str):
         reg = DATASETS if family == "datasets" else LOADERS
     elif family == "transforms":
         from torchsprint.data.transforms import TRANSFORMS as reg
+    elif family == "tasks":
+        from torchsprint.tasks import TASKS as reg
     else:
         from torchsprint import optim
 
@@ -203,7 +203,7 @@ def registry_for(family: str):
 
 
 def cmd_list(args) -> int:
-    from torchsprint.run import import_modules
+    from torchsprint.config import import_modules
 
     import_modules(args.imports)
     for name in registry_for(args.family).names():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -368,11 +371,37 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
         raise UsageError(_format_validation_error(e, source)) from None
 
 
-def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a config file (or the defaults when `path` is None), then apply dotted overrides."""
+def import_modules(names: list[str] | tuple[str, ...]) -> None:
+    """Import user modules that register models, datasets, tasks... (`imports:` / --import).
+
+    The working folder is searched for them after the installed packages (appended to sys.path, never
+    put first) and only when a module is named, so a stray sklearn.py or torch.py there never shadows a
+    library. An error inside the module is one line naming it (--debug shows the traceback).
+    """
+    if names and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - any failure of a user module is reported the same way
+            raise UsageError(f"cannot import '{name}' (imports: / --import): {type(e).__name__}: {e}") from e
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+         imports: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a config file (or the defaults when `path` is None), apply dotted overrides, validate.
+
+    The config's `imports:` and `imports` (--import) are imported first, so that names they register
+    (a task, a loss...) validate; the returned config lists both.
+    """
     data = read_with_extends(path) if path is not None else {}
     for item in overrides:
         data = apply_override(data, item)
+    listed = data.get("imports") if isinstance(data.get("imports"), list) else []
+    names = list(dict.fromkeys([*listed, *imports]))
+    import_modules([n for n in names if isinstance(n, str)])
+    if imports:
+        data["imports"] = names
     source = str(path) if path is not None else "defaults"
     if overrides:
         source += " + overrides"

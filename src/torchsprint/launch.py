@@ -80,7 +80,7 @@ def preflight(args):
     from torchsprint.runtime import resolve_backend, resolve_device
 
     path, overrides = config_source(args)
-    cfg = config.load(path, overrides)
+    cfg = config.load(path, overrides, imports=args.imports)
     device = resolve_device(cfg.run.device)
     if device.type == "cuda" and cfg.run.device not in ("auto", "cuda"):
         raise UsageError(f"run.device={cfg.run.device} pins every DDP process to one GPU. Use run.device=auto (or cuda): "

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import platform
 import socket
 import subprocess
@@ -16,18 +14,8 @@ from pathlib import Path
 import torch
 
 from torchsprint import config as config_mod
+from torchsprint.config import import_modules
 from torchsprint.errors import UsageError
-
-
-def import_modules(names: list[str]) -> None:
-    """Import user modules that register models, datasets, losses or optimizers (`imports:` / --import)."""
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`, let users name modules next to their config
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            raise UsageError(f"imports: cannot import '{name}': {e}") from None
 
 
 def make_run_dir(run_cfg, rt) -> Path:

@@ -34,10 +34,13 @@ class Task:
         summary: validation metrics dict (keys 'val/...') -> one log line.
         write_artifacts: (run_dir, validation metrics, DataInfo) -> None, called on rank 0 with the best weights.
         postprocess: (model outputs float32 CPU, classes, options dict) -> one result dict per sample.
-        backends: loader backends that deliver this task's batches correctly.
+        backends: loader backends that deliver this task's batches correctly; None: any (plain image
+            batches with class targets, which every backend, a user's own included, delivers).
         export_formats: export formats whose parity check applies to this task's outputs.
         example: raw uint8 loader batch -> the model's uint8 input (export's parity batch).
         channels_last: whether speed.channels_last applies (4-D image batches only).
+        data_task: which datasets it takes, by their Splits.task (None: datasets made for `name`), so a
+            variant of classification (another monitor, another metric) trains on classification datasets.
     """
 
     name: str
@@ -48,15 +51,16 @@ class Task:
     summary: Callable[[dict], str]
     write_artifacts: Callable
     postprocess: Callable
-    backends: tuple[str, ...] = ("cpu", "memory", "gpu", "dali")
+    backends: tuple[str, ...] | None = None
     export_formats: tuple[str, ...] = ("onnx", "safetensors", "torchscript", "tensorrt")
     example: Callable = field(default=lambda x, in_channels: x)
     channels_last: bool = True
     unsupported: dict = field(default_factory=dict)  # feature ("predict", "bench", ...) -> why it is refused
+    data_task: str | None = None  # the kind of samples it trains on (a dataset's Splits.task); None: `name`
 
     def check(self, cfg) -> None:
         """Refuse config combinations this task cannot run correctly, naming them and what to do instead."""
-        if cfg.data.backend not in self.backends:
+        if self.backends is not None and cfg.data.backend not in self.backends:
             raise UsageError(f"task={self.name} does not support data.backend={cfg.data.backend} (supported: "
                              f"{', '.join(self.backends)}). Set data.backend={self.backends[0]}.")
         if cfg.speed.channels_last and not self.channels_last:
@@ -86,7 +90,8 @@ def apply_defaults(cfg) -> None:
 
 def check_data_task(cfg, info) -> None:
     """The dataset's kind of targets must match `task:` (a paired dataset cannot train a classifier)."""
-    if info.task != cfg.task:
+    wanted = get_task(cfg.task).data_task or cfg.task
+    if info.task != wanted:
         raise UsageError(f"data.dataset={cfg.data.dataset} provides {info.task} samples but task={cfg.task}. "
                          f"Set task: {info.task}, or pick a dataset made for task={cfg.task}.")
 

@@ -57,8 +57,8 @@ def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg:
     """Rebuild a model from a torchsprint .safetensors file (its metadata holds classes and config)."""
     from safetensors.torch import load_file
 
+    from torchsprint.config import import_modules
     from torchsprint.models import build_model
-    from torchsprint.run import import_modules
 
     path = Path(path)
     if not path.is_file():

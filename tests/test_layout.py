@@ -4,7 +4,7 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
 
   foundation   errors, registry, version: no torchsprint imports beyond these
   machine      runtime (process group, seeds), rng, parallel (wrappers, collectives), logging
-  numerics     precision, checkpoint (saving), resume, metrics, optim
+  numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
   data         core (registries, sampler) < decode < transforms/normalize/batch_ops (the spec) < augment
                < sources/ (one file per dataset family) < backends/ (one file per loader backend)
   models       core (MODELS registry) < nets, init
@@ -34,7 +34,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "registry", "version"]),
     ("machine", ["runtime", "rng", "parallel", "logging"]),
-    ("numerics", ["precision", "checkpoint", "resume", "metrics", "optim"]),
+    ("numerics", ["precision", "checkpoint", "resume", "rundir", "metrics", "optim"]),
     ("data.core", ["data.core"]),
     ("data.decode", ["data.decode"]),
     ("data.spec", ["data.transforms", "data.normalize", "data.batch_ops"]),

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import a module that registers your own models/datasets/losses (repeatable)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest valid checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="run.dir holds another run: move its files into run.dir/replaced-<time>/ and start over there")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="launch N DDP worker processes on this machine through torchrun (sets strategy=ddp)")
     p.add_argument("--nnodes", default=None, metavar="N", help="number of machines (torchrun --nnodes, e.g. 2 or 1:4)")
@@ -40,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights to evaluate")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.eval_batch_size=256")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module that registers your own models/datasets/losses (repeatable)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("export", help="export a run's model (ONNX, safetensors, TorchScript)",
@@ -51,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uint8-input", action="store_true", help="fold normalisation into the graph: input is uint8 NCHW")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset version")
     p.add_argument("--tolerance", type=float, default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module that registers your own models/datasets/losses (repeatable)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("predict", help="predict with a run or an exported model (classes, labels or images)",
@@ -68,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights of a run")
     p.add_argument("--out", metavar="FILE", help="write results to FILE (.jsonl or .csv)")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module that registers your own models/datasets/losses (repeatable)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("data", help="check a dataset and loader, or compare CPU/GPU preprocessing",
@@ -126,6 +134,11 @@ def cmd_train(args) -> int:
             from torchsprint.errors import UsageError
 
             raise UsageError(f"--resume {args.resume}: no such run folder.")
+        if path is None and not (Path(args.resume) / "config.yaml").is_file():
+            from torchsprint.errors import UsageError
+
+            raise UsageError(f"--resume {args.resume}: not a torchsprint run folder (no config.yaml). Pass the folder "
+                             "`torchsprint train` printed, or give its config with -c.")
         path = path or str(Path(args.resume) / "config.yaml")
         overrides += [f"run.dir={args.resume}", "checkpoint.resume=auto"]
     if args.nproc_per_node or args.nnodes:
@@ -133,13 +146,15 @@ def cmd_train(args) -> int:
 
         return launch(args)
     cfg = config.load(path, overrides, imports=args.imports)
-    train(cfg)
+    train(cfg, overwrite=args.overwrite)
     return 0
 
 
 def cmd_eval(args) -> int:
+    from torchsprint.config import import_modules
     from torchsprint.run import evaluate_run
 
+    import_modules(args.imports)
     out = evaluate_run(args.run, args.weights, args.overrides)
     if args.json:
         print(json.dumps(out))
@@ -151,14 +166,18 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from torchsprint.config import import_modules
     from torchsprint.export import export_cli
 
+    import_modules(args.imports)
     return export_cli(args)
 
 
 def cmd_predict(args) -> int:
+    from torchsprint.config import import_modules
     from torchsprint.predict import predict_cli
 
+    import_modules(args.imports)
     return predict_cli(args)
 
 

@@ -101,6 +101,8 @@ def worker_args(args) -> list[str]:
         out += ["--import", name]
     if args.resume:
         out += ["--resume", args.resume]
+    if getattr(args, "overwrite", False):
+        out.append("--overwrite")
     if getattr(args, "debug", False):
         out.append("--debug")
     return out + list(args.overrides) + ["strategy.name=ddp"]

@@ -38,10 +38,15 @@ class RunLogger:
         self.tb = None
         self.progress: Progress | None = None
         self.task = None
-        if not enabled or run_dir is None:
+        if run_dir is not None:
+            self.open_files(run_dir)
+
+    def open_files(self, run_dir: Path) -> None:
+        """Start writing metrics.jsonl (appended to, so a resumed run continues it) and TensorBoard into run_dir."""
+        if not self.enabled or self.jsonl is not None:
             return
         self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
-        if log_cfg.tensorboard:
+        if self.cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"))

@@ -93,7 +93,6 @@ class Predictor:
     @classmethod
     def from_file(cls, path: str | Path, device: str = "cpu", batch_size: int = 64) -> Predictor:
         """An exported .onnx (onnxruntime) or .safetensors (torch) file with torchsprint metadata."""
-        from torchsprint import config as config_mod
 
         path = Path(path)
         if path.suffix == ".safetensors":
@@ -111,7 +110,9 @@ class Predictor:
         meta = sess.get_modelmeta().custom_metadata_map
         if "classes" not in meta:
             raise UsageError(f"{path} has no torchsprint metadata; export it with `torchsprint export`.")
-        cfg = config_mod.validate(json.loads(meta["config"]), str(path))
+        from torchsprint.trained import file_config
+
+        cfg = file_config(json.loads(meta["config"]), path)
         uint8 = meta.get("input_dtype") == "uint8"
         name = sess.get_inputs()[0].name
 

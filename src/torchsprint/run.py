@@ -18,24 +18,51 @@ from torchsprint.config import import_modules
 from torchsprint.errors import UsageError
 
 
-def make_run_dir(run_cfg, rt) -> Path:
-    """run.dir, or <out_dir>/<name>/<timestamp>, chosen on rank 0 and shared with every rank."""
-    path = run_cfg.dir or str(Path(run_cfg.out_dir) / run_cfg.name / time.strftime("%Y%m%d-%H%M%S"))
-    if rt.distributed:
-        box = [path]
-        torch.distributed.broadcast_object_list(box, src=0)
-        path = box[0]
-    run_dir = Path(path)
+def claim_run_dir(cfg, overwrite: bool, log):
+    """Decide the run folder and refuse to clobber another run (rank 0). Returns (path, exists, lock or None).
+
+    A folder that already holds a run is locked at once (another process training there is refused)
+    and used only to resume it (checkpoint.resume / --resume) or, with --overwrite, to start over after
+    its files are moved into replaced-<time>/. A new folder is created later, after the whole run has
+    been built (so a config error leaves nothing behind), exclusively (see rundir.create_unique).
+    """
+    from torchsprint.rundir import RunLock, holds_run, planned_path, set_aside
+
+    path, explicit = planned_path(cfg.run)
+    if not (explicit and holds_run(path)):
+        return path, False, None
+    lock = RunLock(path)
+    if overwrite:
+        moved = set_aside(path)
+        log(f"--overwrite: moved the files of the run that was in {path} into {moved}")
+    elif cfg.checkpoint.resume is None:
+        lock.release()
+        raise UsageError(f"{path} already holds a run (config.yaml, weights, checkpoints). To continue it: "
+                         f"`torchsprint train --resume {path}`; to start over there (its files are moved into "
+                         f"{path}/replaced-<time>/): add --overwrite; or choose another run.dir.")
+    return path, True, lock
+
+
+def finished(ckpt: dict, run_cfg) -> bool:
+    """Whether a checkpoint's run already did everything `run_cfg` asks for (all epochs, or run.max_steps)."""
+    ts = ckpt["train_state"]
+    return ts["epoch"] >= run_cfg.epochs or (run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps)
+
+
+def on_main(rt, fn):
+    """fn() on rank 0; its result (or its UsageError, raised on every rank) shared with every rank."""
+    from torchsprint.parallel import broadcast_object
+
+    result, error = None, None
     if rt.is_main:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            probe = run_dir / ".write-test"
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as e:
-            raise UsageError(f"cannot write the run folder {run_dir}: {e.strerror}. Set run.out_dir or run.dir to a writable folder.") from None
-    rt.barrier()
-    return run_dir
+            result = fn()
+        except UsageError as e:
+            error = str(e)
+    result, error = broadcast_object((result, error), rt)
+    if error is not None:
+        raise UsageError(error)
+    return result
 
 
 def environment(rt, seed: int) -> dict:
@@ -131,28 +158,58 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn)
 
 
-def train(cfg, *, quiet: bool = False) -> dict:
-    """Train one run described by `cfg` and return its summary (also written to summary.json)."""
+def train(cfg, *, quiet: bool = False, overwrite: bool = False) -> dict:
+    """Train one run described by `cfg` and return its summary (also written to summary.json).
+
+    Args:
+        cfg: the run's config.
+        quiet: no console output (files are still written).
+        overwrite: run.dir holds another run: move its files into replaced-<time>/ and start over there.
+    Everything that can be validated (names, data, model, transforms) is built before the run folder
+    is created; a finished run asked to resume says so and leaves its files alone.
+    """
     from torchsprint import runtime
     from torchsprint.checkpoint import Saver, TrainState, data_geometry
     from torchsprint.engine import fit
     from torchsprint.logging import RunLogger
     from torchsprint.resume import find_resume, restore
+    from torchsprint.rundir import RunLock, create_unique, make_folder
     from torchsprint.tasks import get_task
 
     import_modules(cfg.imports)
     task = get_task(cfg.task)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    lock = None
     try:
-        run_dir = make_run_dir(cfg.run, rt)
-        logger = RunLogger(run_dir, cfg.log, enabled=rt.is_main, console=not quiet)
+        logger = RunLogger(None, cfg.log, enabled=rt.is_main, console=not quiet)
+        held = {}  # the lock stays in rank 0's process; only the decision is shared
+
+        def claim():
+            path, exists, held["lock"] = claim_run_dir(cfg, overwrite, logger.info)
+            return str(path), exists
+
+        run_dir, exists = on_main(rt, claim)
+        run_dir, lock = Path(run_dir), held.get("lock")
+        resume_path, ckpt = find_resume(cfg.checkpoint.resume, run_dir, logger.info, rt)
+        if ckpt is not None and finished(ckpt, cfg.run) and (run_dir / "summary.json").is_file():
+            ts = ckpt["train_state"]
+            logger.info(f"{run_dir} is a finished run (epoch {ts['epoch']} of {cfg.run.epochs}, step {ts['global_step']}): "
+                        "nothing to do, its files are left as they are (results: summary.json). To train it longer, "
+                        f"resume with a larger run.epochs, e.g. `torchsprint train --resume {run_dir} "
+                        f"run.epochs={cfg.run.epochs + 10}`.")
+            logger.close()
+            return json.loads((run_dir / "summary.json").read_text()) | {"run_dir": str(run_dir), "already_finished": True}
+        b = build_training(cfg, rt, logger.info, ckpt, resume_path)
+        if not exists:  # only now, with everything validated: a folder no other run can get, locked
+            run_dir = Path(on_main(rt, lambda: str(make_folder(run_dir) if cfg.run.dir else create_unique(run_dir))))
+            if rt.is_main:
+                lock = RunLock(run_dir)
+        rt.barrier()
+        logger.open_files(run_dir)
         if rt.is_main:
             (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
             (run_dir / "env.json").write_text(json.dumps(environment(rt, cfg.run.seed), indent=1))
         logger.info(f"run folder: {run_dir}  device: {rt.device}  world size: {rt.world_size}")
-
-        resume_path, ckpt = find_resume(cfg.checkpoint.resume, run_dir, logger.info, rt)
-        b = build_training(cfg, rt, logger.info, ckpt, resume_path)
         info = b.loaders.info
         geometry = data_geometry(cfg, rt.world_size)
         state = TrainState()
@@ -183,6 +240,8 @@ def train(cfg, *, quiet: bool = False) -> dict:
         logger.close()
         return summary
     finally:
+        if lock is not None:
+            lock.release()
         runtime.teardown(rt)
 
 
@@ -221,7 +280,12 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     check_data_task(cfg, info)
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
     materialize_lazy(model, loaders.val)
-    model.load_state_dict(load_file(str(wpath), device=str(rt.device)))
+    try:
+        model.load_state_dict(load_file(str(wpath), device=str(rt.device)))
+    except Exception as e:  # a truncated or corrupt file, or weights of another model
+        raise UsageError(f"{wpath}: cannot load its weights into {cfg.model.name} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200]}). The file is corrupt or from another model; evaluate "
+                         "--weights last/best, or re-train.") from None
     metrics = task.make_metrics(info, cfg.eval, rt.device)
     out = evaluate(model, loaders.val, build_loss(cfg.loss).to(rt.device), Precision(cfg.precision.mode, rt.device), metrics)
     out["weights"] = str(wpath)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +54,36 @@ def read_safetensors_metadata(path: Path) -> dict[str, str]:
         return f.metadata() or {}
 
 
+def file_config(raw: dict, source: str | Path) -> config_mod.Config:
+    """The config stored in a model file's metadata, validated WITHOUT importing the modules it lists.
+
+    A model file may come from someone else: opening it must never run code (its `imports` would import
+    whatever module of that name lies in the working folder). The user names modules with --import; when
+    the file needs them, the error says which.
+    """
+    missing = [m for m in raw.get("imports") or [] if isinstance(m, str) and m not in sys.modules]
+    try:
+        return config_mod.validate(raw, str(source))
+    except UsageError as e:
+        raise UsageError(f"{e}{needs_imports(source, missing)}") from None
+
+
+def needs_imports(source, missing: list[str]) -> str:
+    if not missing:
+        return ""
+    flags = " ".join(f"--import {m}" for m in missing)
+    return (f" {source} was trained with `imports: {missing}`; a model file never imports code by itself: "
+            f"if you trust these modules, pass {flags}.")
+
+
 def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg: config_mod.Config | None = None) -> Trained:
-    """Rebuild a model from a torchsprint .safetensors file (its metadata holds classes and config)."""
+    """Rebuild a model from a torchsprint .safetensors file (its metadata holds classes and config).
+
+    `cfg`: the run's config when loading a run folder's weights; None reads the file's own (never
+    importing what it lists, see file_config).
+    """
     from safetensors.torch import load_file
 
-    from torchsprint.config import import_modules
     from torchsprint.models import build_model
 
     path = Path(path)
@@ -66,18 +92,29 @@ def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg:
     try:
         meta = read_safetensors_metadata(path)
     except Exception as e:
-        raise UsageError(f"{path} is not a safetensors file ({type(e).__name__}: {e})") from None
+        raise UsageError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}). Re-export or "
+                         "re-train it.") from None
     if "classes" not in meta:
         raise UsageError(f"{path} has no torchsprint metadata (classes); export it with `torchsprint export`.")
+    raw = None
     if cfg is None:
         if "config" not in meta:
             raise UsageError(f"{path} carries no config; pass the run folder instead.")
-        cfg = config_mod.validate(json.loads(meta["config"]), str(path))
-    import_modules(cfg.imports)
+        raw = json.loads(meta["config"])
+        cfg = file_config(raw, path)
     classes, in_channels = json.loads(meta["classes"]), int(meta["in_channels"])
-    model = build_model(cfg.model, len(classes), in_channels)
-    state = load_file(str(path))
-    model.load_state_dict(state)
+    try:
+        model = build_model(cfg.model, len(classes), in_channels)
+    except UsageError as e:
+        missing = [m for m in (cfg.imports or []) if m not in sys.modules]
+        raise UsageError(f"{e}{needs_imports(path, missing)}") from None
+    try:
+        state = load_file(str(path))
+        model.load_state_dict(state)
+    except Exception as e:  # a truncated/corrupt file or weights of another model
+        raise UsageError(f"{path}: cannot load its weights into {cfg.model.name} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200]}). The file is corrupt or from another model; re-train "
+                         "or re-export it.") from None
     return Trained(model.to(device).eval(), classes, in_channels, cfg, path)
 
 

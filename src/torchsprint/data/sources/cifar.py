@@ -22,10 +22,43 @@ CIFAR_LAYOUTS = {
 }
 
 
+class CifarUnpickler(pickle.Unpickler):
+    """Unpickles the plain types CIFAR batches hold (dicts, lists, bytes, ints, numpy uint8 arrays) and
+    nothing else: a pickle naming any other callable (os.system, builtins.eval, a class with a __reduce__)
+    is refused before it runs. pickle.load would call whatever the file names."""
+
+    ALLOWED = {
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),  # numpy 1 / 2 names
+        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),  # pickle protocol 5 arrays
+        ("_codecs", "encode"),  # bytes pickled by Python 3 with protocol 2
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}: a CIFAR batch holds only dicts, lists, "
+                                         "bytes and numpy arrays")
+        return super().find_class(module, name)
+
+
 def _unpickle(path: Path) -> dict:
-    # Trusted local files only: these are the dataset's official pickles, which the user placed in data.root.
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+    """One CIFAR python batch as a dict, through CifarUnpickler; a malformed or hostile file is a UsageError."""
+    try:
+        with open(path, "rb") as f:
+            d = CifarUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, OSError) as e:
+        raise UsageError(f"{path} is not a CIFAR python batch ({type(e).__name__}: {e}). Re-download and unpack "
+                         "the python version of the dataset.") from None
+    if not isinstance(d, dict):
+        raise UsageError(f"{path} is not a CIFAR python batch (a pickled {type(d).__name__}, not a dict).")
+    return d
+
+
+def _field(d: dict, key: bytes, path: Path):
+    if key not in d:
+        raise UsageError(f"{path} is not a CIFAR python batch: no {key.decode()!r} entry (has "
+                         f"{sorted(k.decode(errors='replace') if isinstance(k, bytes) else str(k) for k in d)[:6]}).")
+    return d[key]
 
 
 def load_cifar(root: Path, name: str) -> Splits:
@@ -44,11 +77,20 @@ def load_cifar(root: Path, name: str) -> Splits:
         xs, ys = [], []
         for f in files:
             d = _unpickle(root / f)
-            xs.append(np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-            ys.append(np.asarray(d[lay["label_key"]], dtype=np.int64))
+            data, labels = _field(d, b"data", root / f), _field(d, lay["label_key"], root / f)
+            try:
+                x = np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32)
+                y = np.asarray(labels, dtype=np.int64).reshape(-1)
+            except (ValueError, TypeError) as e:
+                raise UsageError(f"{root / f}: CIFAR data must be N x 3072 uint8 values with N integer labels ({e}).") from None
+            if len(x) != len(y):
+                raise UsageError(f"{root / f}: {len(x)} images but {len(y)} labels.")
+            xs.append(x)
+            ys.append(y)
         return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
 
-    classes = [c.decode() for c in _unpickle(root / lay["meta"])[lay["names_key"]]]
+    names = _field(_unpickle(root / lay["meta"]), lay["names_key"], root / lay["meta"])
+    classes = [c.decode() if isinstance(c, bytes) else str(c) for c in names]
     (xt, yt), (xv, yv) = load(lay["train"]), load(lay["val"])
     return Splits(TensorImages(xt, yt, [f"{name}/train/{i}" for i in range(len(yt))]),
                   TensorImages(xv, yv, [f"{name}/test/{i}" for i in range(len(yv))]), classes, in_channels=3)

@@ -1,0 +1,135 @@
+"""Run folders: no run clobbers another, a finished run keeps its results, a config error leaves nothing behind."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchsprint import cli
+
+FAST = ["run.epochs=2", "log.tensorboard=false", "model.args={width: 8}"]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def snapshot(run: Path) -> dict[str, str]:
+    """Content hash of every file of a run folder (what 'left alone' must keep)."""
+    return {str(p.relative_to(run)): digest(p) for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def cli_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200")
+
+
+@pytest.mark.slow
+def test_two_runs_with_one_name_started_together_get_their_own_folders(tmp_path):
+    """Same run.name in the same second: one folder each (exclusive creation + suffix), never shared files."""
+    argv = [sys.executable, "-m", "torchsprint", "train", *FAST, "run.name=same", "run.epochs=1"]
+    for _attempt in range(4):  # retry until both really start within one second (the collision case)
+        out = tmp_path / f"try{_attempt}"
+        out.mkdir()
+        procs = [subprocess.Popen(argv, cwd=out, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        results = [p.communicate(timeout=300) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results]
+        folders = sorted(p.name for p in (out / "runs" / "same").iterdir())
+        assert len(folders) == 2, folders
+        if folders[1] == folders[0] + "-1":
+            break
+    else:
+        pytest.skip("the two processes never started within the same second")  # pragma: no cover
+    dirs = [out / "runs" / "same" / f for f in folders]
+    for d in dirs:
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["run_dir"] == str(Path("runs") / "same" / d.name)
+        # each folder's metrics are one run's: 1 epoch of evaluation lines, no interleaving
+        evals = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+        assert len(evals) == 1
+
+
+@pytest.mark.slow
+def test_a_locked_run_folder_refuses_a_second_process_and_the_kernel_frees_it(tmp_path):
+    run = tmp_path / "run"
+    a = subprocess.Popen([sys.executable, "-m", "torchsprint", "train", "log.tensorboard=false", "run.epochs=400",
+                          f"run.dir={run}", "checkpoint.every_epochs=1"], cwd=tmp_path, env=cli_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not list((run / "checkpoints").glob("ckpt-*.pt")):  # A is training (and holds the lock)
+            assert a.poll() is None and time.time() < deadline, a.stderr.read() if a.poll() is not None else "timeout"
+            time.sleep(0.2)
+        t = time.perf_counter()
+        b = subprocess.run([sys.executable, "-m", "torchsprint", "train", "--resume", str(run)], cwd=tmp_path,
+                           env=cli_env(), capture_output=True, text=True, timeout=120)
+        assert b.returncode == 2, b.stderr
+        assert f"in use by another torchsprint process (PID {a.pid} on" in b.stderr, b.stderr
+        assert "Traceback" not in b.stderr
+        assert time.perf_counter() - t < 60  # refused at start-up, not after building a run (measured ~3 s)
+    finally:
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+    # The holder was killed: its lock went with it, and the run resumes from its newest checkpoint.
+    c = subprocess.run([sys.executable, "-m", "torchsprint", "train", "--resume", str(run), "run.epochs=2",
+                        "log.tensorboard=false"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert c.returncode == 0, c.stderr[-2000:]
+    assert "resuming at epoch" in c.stdout or "finished run" in c.stdout
+
+
+def test_train_into_a_finished_run_refuses_unless_overwrite(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli.main(["train", *FAST, f"run.dir={run}"]) == 0
+    before = snapshot(run)
+    capsys.readouterr()
+    assert cli.main(["train", *FAST, f"run.dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and f"--resume {run}" in err and "--overwrite" in err
+    assert snapshot(run) == before  # nothing touched
+    assert cli.main(["train", *FAST, f"run.dir={run}", "--overwrite"]) == 0
+    moved = list(run.glob("replaced-*"))
+    assert len(moved) == 1
+    assert snapshot(moved[0]) == before  # the old run's files, intact, set aside
+    assert (run / "summary.json").is_file() and (run / "last.safetensors").is_file()
+
+
+def test_resume_of_a_finished_run_keeps_its_results_and_a_longer_run_continues(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli.main(["train", *FAST, f"run.dir={run}"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    before = snapshot(run)
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(run)]) == 0
+    assert "is a finished run" in capsys.readouterr().out
+    assert snapshot(run) == before  # summary.json keeps its final metrics, weights and metrics.jsonl untouched
+    assert cli.main(["train", "--resume", str(run), "run.epochs=3"]) == 0
+    longer = json.loads((run / "summary.json").read_text())
+    assert longer["global_step"] > summary["global_step"] and longer["final"]["val/top1"] > 0.5
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("model.name=resnet19", "unknown model"),
+    ("optim.name=sgdd", "unknown optimizer"),
+    ("sched.name=cosin", "unknown scheduler"),
+    ("data.train.transforms=[random_flip]", "unknown transform"),
+    ("loss.name=crossentropy", "unknown loss"),
+])
+def test_config_errors_leave_no_folder_behind(tmp_path, capsys, override, fragment):
+    assert cli.main(["train", *FAST, f"run.out_dir={tmp_path / 'runs'}", override]) == 2
+    assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_data_root_leaves_no_folder_behind(tmp_path, capsys):
+    assert cli.main(["train", *FAST, f"run.out_dir={tmp_path / 'runs'}", "data.dataset=image_folder",
+                     f"data.root={tmp_path / 'nowhere'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import a module that registers your own models/datasets/losses (repeatable)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest valid checkpoint")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check everything (config, data, model, optimizer) and report, without writing anything")
     p.add_argument("--overwrite", action="store_true",
                    help="run.dir holds another run: move its files into run.dir/replaced-<time>/ and start over there")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
@@ -141,12 +143,12 @@ def cmd_train(args) -> int:
                              "`torchsprint train` printed, or give its config with -c.")
         path = path or str(Path(args.resume) / "config.yaml")
         overrides += [f"run.dir={args.resume}", "checkpoint.resume=auto"]
-    if args.nproc_per_node or args.nnodes:
+    if (args.nproc_per_node or args.nnodes) and not args.dry_run:
         from torchsprint.launch import launch
 
         return launch(args)
     cfg = config.load(path, overrides, imports=args.imports)
-    train(cfg, overwrite=args.overwrite)
+    train(cfg, overwrite=args.overwrite, dry_run=args.dry_run)
     return 0
 
 
@@ -252,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         from torchsprint.errors import UsageError
 
         if isinstance(e, UsageError) and not args.debug:
-            print(f"error: {e}", file=sys.stderr)
+            from torchsprint.errors import one_line
+
+            print(f"error: {one_line(e)}", file=sys.stderr)
             return 2
         raise
 

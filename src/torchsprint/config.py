@@ -23,7 +23,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # inf/NaN: never a setting
 
 
 # A transform step: "hflip" or {"random_resized_crop": {"size": 224}} or {"resize": 256}.
@@ -160,7 +160,7 @@ class PrecisionConfig(Section):
     @field_validator("mode", mode="before")
     @classmethod
     def _alias(cls, v):
-        return _PRECISION_ALIASES.get(v, v)
+        return _PRECISION_ALIASES.get(v, v) if isinstance(v, str) else v
 
 
 class StrategyConfig(Section):
@@ -326,6 +326,10 @@ def apply_override(data: dict[str, Any], item: str) -> dict[str, Any]:
         if i == len(parts) - 1:
             break
         sub = node.get(part)
+        if not isinstance(sub, dict | str | None):
+            where = ".".join(parts[: i + 1])
+            raise UsageError(f"override '{item}': {where} is a section, but it was set to {sub!r}. Set its keys "
+                             f"({where}.<key>=value) instead of the whole section.")
         if not isinstance(sub, dict):
             sub = {} if sub is None or isinstance(sub, str) else sub
             if isinstance(node.get(part), str) and model is not None:
@@ -344,7 +348,8 @@ def apply_override(data: dict[str, Any], item: str) -> dict[str, Any]:
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid config:"]
+    """One line: '<source>: invalid config: <key>: <problem> (got <value>); <key>: ...'."""
+    problems = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
@@ -355,12 +360,12 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             names = _field_names(model) if model else []
             parent = ".".join(str(p) for p in e["loc"][:-1])
             full = [f"{parent}.{n}" if parent else n for n in names]
-            lines.append(f"  {loc}: unknown key.{did_you_mean(loc, full)}")
+            problems.append(f"{loc}: unknown key.{did_you_mean(loc, full)}")
         else:
             got = e.get("input")
             got_s = f" (got {got!r})" if not isinstance(got, dict | list) else ""
-            lines.append(f"  {loc}: {e['msg']}{got_s}")
-    return "\n".join(lines)
+            problems.append(f"{loc}: {e['msg']}{got_s}")
+    return f"{source}: invalid config: " + "; ".join(problems)
 
 
 def validate(data: dict[str, Any], source: str = "config") -> Config:
@@ -398,10 +403,10 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     for item in overrides:
         data = apply_override(data, item)
     listed = data.get("imports") if isinstance(data.get("imports"), list) else []
-    names = list(dict.fromkeys([*listed, *imports]))
-    import_modules([n for n in names if isinstance(n, str)])
-    if imports:
-        data["imports"] = names
+    import_modules(list(dict.fromkeys(n for n in [*listed, *imports] if isinstance(n, str))))
+    if imports:  # keep what the file lists as it is (validation reports a bad entry), then the flags' modules
+        data["imports"] = [*listed, *[m for m in imports if m not in listed]] if listed or "imports" not in data \
+            else data["imports"]
     source = str(path) if path is not None else "defaults"
     if overrides:
         source += " + overrides"

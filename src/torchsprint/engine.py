@@ -95,7 +95,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         logger.advance()
         if state.global_step % cfg.log.every_steps == 0:
             mean_loss = torch.stack(window).float().mean().item()  # note: a CPU-GPU sync point, once per log step
-            check_finite(prec, state, math.isfinite(mean_loss))
+            check_finite(prec, state, window, opt, math.isfinite(mean_loss))
             now = time.perf_counter()
             stats = {"train/loss": mean_loss, "train/lr": opt.param_groups[0]["lr"], "train/skipped_steps": state.skipped_steps,
                      "train/images_per_s": log_images / max(now - t_log, 1e-9), "epoch": state.epoch}
@@ -112,21 +112,29 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
             break
     logger.end_epoch()
     # Count the steps since the last log step too (all ranks call it: it reduces). Note: a sync point.
-    check_finite(prec, state, not window or bool(torch.isfinite(torch.stack(window).float().sum())))
+    check_finite(prec, state, window, opt)
     seconds = time.perf_counter() - t_start
     return {"images": images_seen, "seconds": seconds, "data_wait": data_wait,
             "finished_epoch": state.step_in_epoch >= steps_per_epoch}
 
 
-def check_finite(prec, state: TrainState, loss_finite: bool = True) -> None:
+def check_finite(prec, state: TrainState, window: list, opt, loss_finite: bool | None = None) -> None:
     """Add the steps skipped for non-finite gradients since the last check to state.skipped_steps.
 
-    `loss_finite`: whether every loss since the last check was finite (a NaN/inf anywhere makes their
-    sum non-finite, so the log step's mean answers it for free). Precision counts skipped steps on the
-    device (no per-step host sync) and raises FloatingPointError here under precision.on_nonfinite=stop.
+    `window`: the step losses since the last check (device scalars); `loss_finite`: whether they are all
+    finite when the caller knows already (a NaN/inf anywhere makes their mean non-finite, so the log
+    step's mean answers it for free). Precision counts skipped steps on the device (no per-step host
+    sync) and raises errors.Diverged here under precision.on_nonfinite=stop, naming the first bad step.
     Note: a CPU-GPU sync point, at log steps and epoch ends.
     """
-    state.skipped_steps += prec.pop_nonfinite(state.global_step, loss_finite)
+    if loss_finite is None:
+        loss_finite = not window or bool(torch.isfinite(torch.stack(window).float().sum()))
+    bad_step = None
+    if not loss_finite:  # the rare path: find which step it was
+        finite = torch.isfinite(torch.stack(window).float()).tolist()
+        bad_step = state.global_step - len(window) + 1 + finite.index(False)
+    state.skipped_steps += prec.pop_nonfinite(state.global_step, loss_finite, bad_step=bad_step,
+                                              lr=opt.param_groups[0]["lr"])
 
 
 @torch.inference_mode()

@@ -10,6 +10,11 @@ class UsageError(Exception):
     """Bad input from the user (config, names, paths). Printed as-is; exit code 2."""
 
 
+class Diverged(UsageError, FloatingPointError):
+    """Training went non-finite under precision.on_nonfinite=stop: a setting to change (the learning rate,
+    clipping, precision), so a one-line usage error; still a FloatingPointError for code that catches that."""
+
+
 def closest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
     """The registered names closest to `name`, best first (case-insensitive)."""
     candidates = list(candidates)
@@ -24,3 +29,17 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """' Did you mean: a, b?' or '' when nothing is close."""
     hits = closest(name, candidates)
     return f" Did you mean: {', '.join(hits)}?" if hits else ""
+
+
+def one_line(error: BaseException) -> str:
+    """The user-facing text of a UsageError, also when it crossed a process boundary.
+
+    A DataLoader worker's exception is re-raised in the main process with the worker's whole traceback
+    folded into its message ("Caught UsageError in DataLoader worker process 0. Original Traceback ...");
+    the user needs only the original message, its last line.
+    """
+    msg = str(error)
+    if "Original Traceback" in msg:
+        last = msg.rstrip().splitlines()[-1]
+        msg = last.split(f"{type(error).__name__}: ", 1)[-1]
+    return msg

@@ -170,10 +170,15 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
 
     trained = load_run(run_dir, weights)
     get_task(trained.cfg.task).check_export(fmt)
+    from torchsprint.rundir import writable_file
+
     out = Path(out) if out else Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{EXTENSIONS[fmt]}"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    writable_file(out, "--out")  # before the (slow) export, not after it
     example = sample_batch(trained)
-    path = EXPORTERS.get(fmt)(trained, out, uint8_input=uint8_input, opset=opset, example=example)
+    try:
+        path = EXPORTERS.get(fmt)(trained, out, uint8_input=uint8_input, opset=opset, example=example)
+    except OSError as e:  # the disk filled up or the folder changed under us
+        raise UsageError(f"could not write {out}: {e.strerror or e}. Free disk space or choose another --out.") from None
     diff = parity(fmt, path, trained, example, uint8_input)
     if diff is not None and not diff <= tolerance:
         raise UsageError(f"export parity check failed: max |logits difference| = {diff:.3g} > tolerance {tolerance} "

@@ -154,12 +154,15 @@ class Precision:
             opt.step()
         self._masters_to_model()
 
-    def pop_nonfinite(self, step: int, loss_finite: bool = True) -> int:
-        """Steps skipped since the last call (max over ranks); raises FloatingPointError under stop.
+    def pop_nonfinite(self, step: int, loss_finite: bool = True, *, bad_step: int | None = None,
+                      lr: float | None = None) -> int:
+        """Steps skipped since the last call (max over ranks); raises errors.Diverged under stop.
 
-        `loss_finite`: the caller's verdict on this rank's losses since the last call.
+        `loss_finite`: the caller's verdict on this rank's losses since the last call; `bad_step`, the
+        first step whose loss was not finite, and `lr`, the learning rate, make the message precise.
         Note: a CPU-GPU sync point; the engine calls it at log steps and epoch ends only.
         """
+        from torchsprint.errors import Diverged
         from torchsprint.parallel import all_reduce_max
 
         bad = torch.tensor(0 if loss_finite else 1, dtype=torch.int64, device=self.device)
@@ -169,10 +172,15 @@ class Precision:
         # With a loss scaler, skipped steps are the scaler finding its scale (expected early in a run),
         # so only a non-finite loss stops it; without one any non-finite value does.
         if self.on_nonfinite == "stop" and (bad_loss or (skipped and not self.scaler.is_enabled())):
-            raise FloatingPointError(
-                f"non-finite training {'loss' if bad_loss else 'gradients'} by step {step}; "
-                f"stopping (precision.on_nonfinite=stop). Lower optim.lr, set optim.clip_grad_norm, or use "
-                "precision=amp_bf16/fp32 instead of fp16.")
+            what = "loss" if bad_loss else "gradients"
+            at = f"at step {bad_step}" if bad_step is not None else f"by step {step}"
+            tips = [f"a lower optim.lr (now {lr:.3g})" if lr is not None else "a lower optim.lr",
+                    "optim.clip_grad_norm", "sched.warmup_epochs"]
+            if self.scaler.is_enabled():
+                tips.append("precision=amp_bf16 (fp16's range overflows where bf16's does not)")
+            raise Diverged(f"training diverged: the {what} became non-finite (inf/NaN) {at}, with "
+                           f"precision={self.mode}; stopped (precision.on_nonfinite=stop). Try {', '.join(tips[:-1])} "
+                           f"or {tips[-1]}; precision.on_nonfinite=skip skips such steps instead.")
         return skipped
 
     # ------------------------------------------------------------ fp32 master copies (fp16/bf16 modes)

@@ -238,6 +238,9 @@ def describe(r: dict) -> str:
     return f"wrote {r.get('output', '?')}"
 
 
+OUT_SUFFIXES = (".jsonl", ".json", ".csv")  # .json is written as JSON lines too, one result per line
+
+
 def write_results(results: list[dict], path: Path) -> None:
     if path.suffix == ".csv":
         with open(path, "w", newline="") as f:
@@ -258,16 +261,27 @@ def predict_cli(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from torchsprint.rundir import writable_file
+
+    if args.out:  # checked before any prediction is computed
+        if Path(args.out).suffix.lower() not in OUT_SUFFIXES:
+            raise UsageError(f"--out {args.out}: unknown format '{Path(args.out).suffix}'; use a file ending in "
+                             f"{', '.join(OUT_SUFFIXES)} (JSON lines or CSV).")
+        writable_file(args.out, "--out")
+    out_dir = Path(getattr(args, "out_dir", None) or "predictions")
     target = Path(args.run)
     if target.is_dir():
         predictor = Predictor.from_run(target, args.weights, args.backend, args.device, args.batch_size)
     else:
         predictor = Predictor.from_file(target, args.device, args.batch_size)
+    if predictor.task.name == "image_to_image":
+        writable_file(out_dir / "probe.png", "--out-dir")
     results = predictor.predict(args.inputs, topk=args.topk, threshold=getattr(args, "threshold", None))
-    write_images(results, Path(getattr(args, "out_dir", None) or "predictions"))
+    write_images(results, out_dir)
     table = Table(show_header=True)
     table.add_column("input", overflow="fold")
-    table.add_column({"multilabel": "labels above threshold", "image_to_image": "output"}.get(predictor.task.name, f"top-{args.topk}"))
+    k = min(args.topk, len(predictor.classes))
+    table.add_column({"multilabel": "labels above threshold", "image_to_image": "output"}.get(predictor.task.name, f"top-{k}"))
     for r in results:
         table.add_row(r["input"], describe(r))
     Console(soft_wrap=True).print(table)

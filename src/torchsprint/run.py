@@ -18,7 +18,7 @@ from torchsprint.config import import_modules
 from torchsprint.errors import UsageError
 
 
-def claim_run_dir(cfg, overwrite: bool, log):
+def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
     """Decide the run folder and refuse to clobber another run (rank 0). Returns (path, exists, lock or None).
 
     A folder that already holds a run is locked at once (another process training there is refused)
@@ -26,13 +26,20 @@ def claim_run_dir(cfg, overwrite: bool, log):
     its files are moved into replaced-<time>/. A new folder is created later, after the whole run has
     been built (so a config error leaves nothing behind), exclusively (see rundir.create_unique).
     """
-    from torchsprint.rundir import RunLock, holds_run, planned_path, set_aside
+    from torchsprint.rundir import RunLock, holds_results, holds_run, planned_path, set_aside
 
     path, explicit = planned_path(cfg.run)
     if not (explicit and holds_run(path)):
         return path, False, None
+    if dry_run:  # the same refusal, without locking or moving anything
+        if holds_results(path) and cfg.checkpoint.resume is None and not overwrite:
+            raise UsageError(f"{path} already holds a run: add --resume or --overwrite, or choose another run.dir.")
+        return path, True, None
     lock = RunLock(path)
-    if overwrite:
+    if not holds_results(path) and cfg.checkpoint.resume is None:  # a run that failed before saving anything
+        log(f"{path} holds only the start of a run that saved nothing (no checkpoint, weights or summary): its "
+            f"files are moved into {set_aside(path)}")
+    elif overwrite:
         moved = set_aside(path)
         log(f"--overwrite: moved the files of the run that was in {path} into {moved}")
     elif cfg.checkpoint.resume is None:
@@ -158,13 +165,15 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn)
 
 
-def train(cfg, *, quiet: bool = False, overwrite: bool = False) -> dict:
+def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:
     """Train one run described by `cfg` and return its summary (also written to summary.json).
 
     Args:
         cfg: the run's config.
         quiet: no console output (files are still written).
         overwrite: run.dir holds another run: move its files into replaced-<time>/ and start over there.
+        dry_run: build and check everything (config, data, model, optimizer), report, and stop before
+            creating or changing any file.
     Everything that can be validated (names, data, model, transforms) is built before the run folder
     is created; a finished run asked to resume says so and leaves its files alone.
     """
@@ -179,13 +188,13 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False) -> dict:
     import_modules(cfg.imports)
     task = get_task(cfg.task)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
-    lock = None
+    lock, clean = None, False
     try:
         logger = RunLogger(None, cfg.log, enabled=rt.is_main, console=not quiet)
         held = {}  # the lock stays in rank 0's process; only the decision is shared
 
         def claim():
-            path, exists, held["lock"] = claim_run_dir(cfg, overwrite, logger.info)
+            path, exists, held["lock"] = claim_run_dir(cfg, overwrite, logger.info, dry_run)
             return str(path), exists
 
         run_dir, exists = on_main(rt, claim)
@@ -198,8 +207,14 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False) -> dict:
                         f"resume with a larger run.epochs, e.g. `torchsprint train --resume {run_dir} "
                         f"run.epochs={cfg.run.epochs + 10}`.")
             logger.close()
+            clean = True
             return json.loads((run_dir / "summary.json").read_text()) | {"run_dir": str(run_dir), "already_finished": True}
         b = build_training(cfg, rt, logger.info, ckpt, resume_path)
+        if dry_run:
+            logger.info(f"dry run: everything checked; would train in {run_dir}{' (resuming)' if ckpt else ''}; "
+                        "nothing was written")
+            clean = True
+            return {"dry_run": True, "run_dir": str(run_dir), "resume": str(resume_path) if resume_path else None}
         if not exists:  # only now, with everything validated: a folder no other run can get, locked
             run_dir = Path(on_main(rt, lambda: str(make_folder(run_dir) if cfg.run.dir else create_unique(run_dir))))
             if rt.is_main:
@@ -222,11 +237,17 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False) -> dict:
                       resumed_step=state.global_step if ckpt is not None else None, log=logger.info)
         weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name, "in_channels": str(info.in_channels),
                         "format": "torchsprint", "task": cfg.task, "config": json.dumps(resolved)}
-        summary = fit(
-            b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir, logger=logger,
-            saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task,
-            make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
-        )
+        try:
+            summary = fit(
+                b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir,
+                logger=logger, saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task,
+                make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
+            )
+        except RuntimeError as e:
+            too_small = input_too_small(e, b.model, cfg, b.loaders)
+            if too_small is None:
+                raise
+            raise too_small from e
         summary["run_dir"] = str(run_dir)
         if rt.is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -238,11 +259,35 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False) -> dict:
                      ("wall time", f"{summary['seconds']:.1f} s"), ("run folder", str(run_dir))]
             logger.summary("run summary", rows)
         logger.close()
+        clean = True
         return summary
     finally:
         if lock is not None:
             lock.release()
-        runtime.teardown(rt)
+        runtime.teardown(rt, clean)
+
+
+# What PyTorch's pooling and convolution layers say when an input is smaller than they can take.
+_TOO_SMALL = ("Output size is too small", "Kernel size can't be greater than actual input size",
+              "smaller than kernel size", "Padding size should be less than the corresponding input dimension")
+
+
+def input_too_small(error: RuntimeError, model, cfg, loaders) -> UsageError | None:
+    """A UsageError naming the smallest input the model takes, when `error` says the images are too small."""
+    if not any(t in str(error) for t in _TOO_SMALL):
+        return None
+    from torchsprint.models.core import min_input_size
+    from torchsprint.parallel import unwrap
+
+    side = min_input_size(unwrap(model), loaders.info.in_channels)
+    need = f"at least {side}x{side} pixels" if side else "larger images than 1024x1024"
+    loaders.val.set_epoch(0)
+    h, w = next(iter(loaders.val))[0].shape[-2:]  # the error path only: one batch to say what the data is
+    size = f"{h}x{w}"
+    return UsageError(f"model {cfg.model.name} needs inputs of {need}, but the batches are {size} (dataset "
+                      f"{cfg.data.dataset}). Add a resize step, e.g. data.train.transforms=[resize: {side or 224}] and "
+                      f"the same in data.eval.transforms, or pick a model made for small images (small_cnn, "
+                      "cifar_resnet18).")
 
 
 def load_run_config(run_dir: Path, overrides: list[str] = ()) -> config_mod.Config:

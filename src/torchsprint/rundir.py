@@ -35,6 +35,13 @@ def holds_run(path: Path) -> bool:
     return path.is_dir() and ((path / "checkpoints").is_dir() or any((path / n).is_file() for n in files))
 
 
+def holds_results(path: Path) -> bool:
+    """Whether a run folder holds something a run produced by training: checkpoints, weights, a summary.
+    A folder with only config.yaml/env.json/metrics.jsonl is a run that failed before its first save."""
+    return ((path / "checkpoints").is_dir() and any((path / "checkpoints").glob("ckpt-*.pt"))) or any(
+        (path / n).is_file() for n in ("best.safetensors", "last.safetensors", "summary.json"))
+
+
 def create_unique(path: Path) -> Path:
     """Create `path`, or `path-1`, `path-2`... when it exists: a folder no other process can get."""
     for i in range(10_000):
@@ -107,3 +114,22 @@ def set_aside(run_dir: Path) -> Path | None:
     for name in present:
         os.replace(run_dir / name, dest / name)
     return dest
+
+
+def writable_file(path: str | Path, option: str) -> Path:
+    """Check, before any work, that `path` can be written: its folder is created if needed and a probe file
+    is written and removed there (os.access says yes to root even on a read-only filesystem).
+
+    `option` names the flag or key in the error, e.g. '--out'.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder; give a file name.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"{option} {path}: cannot write there ({e.strerror or e}). Choose a writable folder.") from None
+    return path

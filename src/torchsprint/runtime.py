@@ -188,7 +188,16 @@ def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
                    backend=backend, control_group=control, owns_group=owns)
 
 
-def teardown(rt: Runtime) -> None:
-    """Destroy the process group if setup() made it (a group the caller initialised stays theirs)."""
+def teardown(rt: Runtime, clean: bool = True) -> None:
+    """Destroy the process group if setup() made it (a group the caller initialised stays theirs).
+
+    `clean`: this rank finished normally. Then every rank first meets at a barrier, so no rank tears
+    its group down (and exits) while another still writes files or waits in a collective; a rank that
+    exits early under torchrun was seen to take its peer down with "terminate called without an active
+    exception" (exit 134) after the run had finished. After an error there is no barrier: the others
+    may be gone, and the strategy timeout bounds the wait anyway.
+    """
     if rt.owns_group and torch.distributed.is_initialized():
+        if clean:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -57,6 +57,7 @@ class Task:
     channels_last: bool = True
     unsupported: dict = field(default_factory=dict)  # feature ("predict", "bench", ...) -> why it is refused
     data_task: str | None = None  # the kind of samples it trains on (a dataset's Splits.task); None: `name`
+    min_classes: int = 2  # one class is nothing to tell apart (torchmetrics refuses it too)
 
     def check(self, cfg) -> None:
         """Refuse config combinations this task cannot run correctly, naming them and what to do instead."""
@@ -90,10 +91,15 @@ def apply_defaults(cfg) -> None:
 
 def check_data_task(cfg, info) -> None:
     """The dataset's kind of targets must match `task:` (a paired dataset cannot train a classifier)."""
-    wanted = get_task(cfg.task).data_task or cfg.task
+    task = get_task(cfg.task)
+    wanted = task.data_task or cfg.task
     if info.task != wanted:
         raise UsageError(f"data.dataset={cfg.data.dataset} provides {info.task} samples but task={cfg.task}. "
                          f"Set task: {info.task}, or pick a dataset made for task={cfg.task}.")
+    if info.num_classes < task.min_classes:
+        found = f"{info.num_classes} class ({', '.join(info.classes)})" if info.classes else "no classes"
+        raise UsageError(f"data.dataset={cfg.data.dataset} (root {cfg.data.root}) has {found}: task={cfg.task} needs at "
+                         f"least {task.min_classes} to tell apart. Add a folder (or label) per class.")
 
 
 # ---------------------------------------------------------------- classification (and video)
@@ -160,7 +166,7 @@ def _nothing(*_args) -> None:
 def multilabel() -> Task:
     """Any number of labels per image: BCE-with-logits on multi-hot targets, mAP and per-label F1 at eval.threshold."""
     return Task("multilabel", "bce_with_logits", "val/mAP", "max", _multilabel_metrics, _multilabel_summary, _nothing,
-                _above_threshold, backends=("cpu", "memory"))
+                _above_threshold, backends=("cpu", "memory"), min_classes=1)
 
 
 # ---------------------------------------------------------------- image_to_image
@@ -200,7 +206,8 @@ def image_to_image() -> Task:
     weighted loss.terms for other data.
     """
     return Task("image_to_image", "mse", "val/psnr", "max", _restoration_metrics, _restoration_summary, _nothing, _images,
-                backends=("cpu", "memory"), export_formats=("onnx", "safetensors", "torchscript"), example=_paired_example)
+                backends=("cpu", "memory"), export_formats=("onnx", "safetensors", "torchscript"), example=_paired_example,
+                min_classes=1)
 
 
 # ---------------------------------------------------------------- video

@@ -77,6 +77,26 @@ def _jpeg_header(data) -> ImageHeader:
     raise BadImage("JPEG without a frame header (truncated or corrupt)")
 
 
+# First bytes of common files that are not images, for the "not an image" message.
+_SIGNATURES = {b"%PDF": "a PDF document", b"PK\x03\x04": "a ZIP archive (or .docx/.xlsx)", b"\x1f\x8b": "a gzip file",
+               b"<!DOCTYPE": "an HTML page", b"<html": "an HTML page", b"<?xml": "an XML file", b"\x7fELF": "a program"}
+
+
+def describe_bytes(data: bytes | memoryview) -> str:
+    """What the first bytes of a non-image file say it is: a known format, text, or its first bytes in hex."""
+    head = bytes(data[:64])
+    for sig, what in _SIGNATURES.items():
+        if head.lstrip().lower().startswith(sig.lower()):
+            return what
+    try:
+        text = head.decode("utf-8")
+        if text and all(c.isprintable() or c in "\r\n\t" for c in text):
+            return f"text starting {text[:40]!r}"
+    except UnicodeDecodeError:
+        pass
+    return f"its first bytes are {head[:8].hex(' ')}"
+
+
 def check_size(header: ImageHeader, max_pixels: int) -> None:
     """Refuse images whose header announces more than `max_pixels` (decompression bombs, 100 MP scans)."""
     if header.height is not None and header.width is not None and header.height * header.width > max_pixels:
@@ -121,6 +141,8 @@ def _generic(data: bytes, channels: int) -> torch.Tensor:
         try:
             return _pil(data, channels, None)
         except BadImage:
+            if read_header(data).format == "other":  # neither library knows the format: say what the file is
+                raise BadImage(f"not an image: {describe_bytes(data)}") from None
             raise BadImage(str(tv_error).splitlines()[-1].split(", ")[-1]) from None
 
 

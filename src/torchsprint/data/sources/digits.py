@@ -6,12 +6,18 @@ import numpy as np
 import torch
 
 from torchsprint.data.core import DATASETS, Splits, TensorImages, stratified_split
+from torchsprint.errors import UsageError
 
 
 @DATASETS.register("digits")
 def digits(data_cfg) -> Splits:
     """scikit-learn's bundled handwritten digits: 1,797 8x8 grayscale images, 10 classes, no download."""
     from sklearn.datasets import load_digits
+
+    if data_cfg.root is not None or data_cfg.options:
+        what = f"data.root={data_cfg.root}" if data_cfg.root is not None else f"data.options={data_cfg.options}"
+        raise UsageError(f"data.dataset=digits is scikit-learn's bundled set and takes no {what.split('=')[0]}; remove "
+                         f"{what}, or set data.dataset=image_folder to train on your own images.")
 
     d = load_digits()
     # Pixel values are 0..16 ink counts; scale to the uint8 range every other dataset uses.

@@ -74,16 +74,26 @@ def image_files(samples, data_cfg, mode: str = "RGB") -> ImageFiles:
 
 
 def scan_class_folders(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
-    """Class names (sorted subfolder names) and (path, class index) for every image below them."""
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
+    """Class names (sorted subfolder names) and (path, class index) for every image below them.
+
+    A class folder without images is left out with a warning (a class with no samples cannot be
+    learnt, and would silently shift every later class index).
+    """
+    import warnings
+
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not folders:
         raise UsageError(f"{root}: no class subfolders. image_folder expects <root>/<class>/<image> files.")
-    samples = []
-    for ci, c in enumerate(classes):
-        files = sorted(p for p in (root / c).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
-        samples += [(str(p), ci) for p in files]
-    if not samples:
-        raise UsageError(f"{root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in the class subfolders {classes[:5]}.")
+    found = {c: sorted(p for p in (root / c).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+             for c in folders}
+    empty = [c for c in folders if not found[c]]
+    classes = [c for c in folders if found[c]]
+    if not classes:
+        raise UsageError(f"{root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in the class subfolders {folders[:5]}.")
+    if empty:
+        warnings.warn(f"{root}: class folder(s) {empty[:5]} hold no images ({', '.join(IMAGE_EXTENSIONS)}) and are "
+                      f"left out; training on {len(classes)} classes.", stacklevel=2)
+    samples = [(str(p), ci) for ci, c in enumerate(classes) for p in found[c]]
     return classes, samples
 
 

@@ -63,8 +63,9 @@ def test_frozen_parameters_are_not_optimised():
 @pytest.mark.parametrize("interval", ["step", "epoch"])
 def test_every_scheduler_builds_and_steps(name, interval):
     model = nn.Linear(2, 2)
-    cfg = cfg_with(f"sched.name={name}", f"sched.interval={interval}", "sched.warmup_epochs=1",
-                   "sched.step_size=2", "sched.milestones=[2, 3]", "sched.gamma=0.5")
+    own = {"step": ["sched.step_size=2", "sched.gamma=0.5"], "multistep": ["sched.milestones=[2, 3]", "sched.gamma=0.5"],
+           "exponential": ["sched.gamma=0.5"]}.get(name, [])  # each schedule's own fields (others are refused)
+    cfg = cfg_with(f"sched.name={name}", f"sched.interval={interval}", "sched.warmup_epochs=1", *own)
     opt = build_optimizer(cfg.optim, model)
     sched = build_scheduler(cfg.sched, opt, epochs=4, steps_per_epoch=5)
     lrs = []

@@ -37,7 +37,7 @@ CFG = {
     "video": ["task=video", "data.dataset=synthetic_video_odd", "model.name=small_3d_cnn", "model.args={width: 4}",
               "data.batch_size=8", "optim.name=adam", "optim.lr=0.01", "optim.weight_decay=0",
               "data.options={per_class: 8, val_per_class: 2, size: 16, frames: 8}",
-              "data.train.transforms=[{random_clip: {frames: 4, stride: 1}}, {random_crop: 14}, hflip]",
+              "data.train.transforms=[{random_clip: {frames: 4, stride: 1}}, {random_crop: 14}]",  # no flips: classes are directions
               "data.eval.transforms=[{center_clip: {frames: 4}}, {center_crop: 14}]"],
 }
 COMMON = ["log.tensorboard=false", "log.progress=false", "run.epochs=2", "log.every_steps=2"]
@@ -131,8 +131,8 @@ def chance(task: str, data_root: Path) -> float:
 
 # Measured (8 epochs = 32 steps, 2 CPU threads): mAP 0.953 both (chance 0.50); PSNR 22.970 fp32 / 22.967 bf16
 # (blurred input 22.930 dB); video top-1 0.50 both (chance 0.25, 8 clips).
-AMP_MARGIN = {"multilabel": 0.3, "image_to_image": 0.02, "video": 0.2}  # above chance, both precisions (video: > 3 of 8 clips)
-AMP_TOL = {"multilabel": 0.02, "image_to_image": 0.02, "video": 1 / 8}  # |bf16 - fp32|: mAP, dB, one clip of 8
+AMP_MARGIN = {"multilabel": 0.3, "image_to_image": 0.02, "video": 0.3}  # above chance, both precisions (video: > 8 of 16 clips)
+AMP_TOL = {"multilabel": 0.02, "image_to_image": 0.02, "video": 1 / 8}  # |bf16 - fp32|: mAP, dB, two clips of 16
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -142,7 +142,10 @@ def test_amp_bf16_trains_close_to_fp32(task, data_root, tmp_path):
 
     final, w = {}, {}
     for prec in ("fp32", "amp_bf16"):
-        over = overrides(task, data_root, tmp_path / prec) + ["run.epochs=8", f"precision={prec}"]
+        # Video needs more to learn the directions reliably: width 8, 16 epochs: val top-1 0.81-1.0 over seeds 0-2
+        # on 16 clips (width 4, 8 epochs, 8 clips: 0.125-0.5; it passed before only with label-swapping flips).
+        more = ["run.epochs=16", "model.args={width: 8}", "data.options={per_class: 8, val_per_class: 4, size: 16, frames: 8}"]
+        over = overrides(task, data_root, tmp_path / prec) + (more if task == "video" else ["run.epochs=8"]) + [f"precision={prec}"]
         over = [o.replace("synthetic_video_odd", "synthetic_video") for o in over]  # the whole balanced val set
         final[prec] = train(config.load(None, over), quiet=True)["final"]
         w[prec] = weights(tmp_path / prec)

@@ -53,24 +53,38 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def seeds_baseline() -> list[str]:
-    """The seeds' setup: fp32, a plain DataLoader with PIL decoding, no speed switches (seed 004's loop)."""
+def decodes_files(cfg) -> bool:
+    """Whether the dataset is image files decoded while loading (image_folder...) rather than already in memory
+    (digits, CIFAR): the baseline's PIL decoder and the decoder choice only exist for the former."""
+    from torchsprint.data import DATASETS
+
+    return hasattr(DATASETS.get(cfg.data.dataset)(cfg.data).train, "samples")
+
+
+def seeds_baseline(decodes: bool = True) -> list[str]:
+    """The seeds' setup: fp32, a plain DataLoader (with PIL decoding when there are files), no speed switches
+    (seed 004's loop). Backend-specific settings of the user's config are reset with the backend."""
     workers = min(8, os.cpu_count() or 1)  # seed 004 uses num_workers=8; never more than the cores here
-    return ["precision.mode=fp32", "strategy.name=single", "data.backend=cpu", "data.decoder=pil",
+    return ["precision.mode=fp32", "strategy.name=single", "data.backend=cpu", "data.cpu_fraction=0.0",
+            "data.fallback=null", *(["data.decoder=pil"] if decodes else []),
             f"data.num_workers={workers}", "data.persistent_workers=false", "speed.channels_last=false",
             "speed.compile=false", "speed.cuda_graphs=false", "speed.cudnn_benchmark=false", "speed.tf32=false",
             "optim.impl=for_loop"]
 
 
-def variants(cfg) -> list[Variant]:
-    """Every variant, in report order; each `skip` says why it cannot run on this machine."""
+def variants(cfg, decodes: bool = True) -> list[Variant]:
+    """Every variant, in report order; each `skip` says why it cannot run on this machine. `decodes`: the
+    dataset is files decoded while loading (see decodes_files); the rows say what they really do."""
     cuda, gpus = _cuda(), _gpus()
     no_gpu = "needs a CUDA GPU; none here"
     cores = os.cpu_count() or 1
     v = [
-        Variant("baseline (seeds)", [], "fp32, plain DataLoader + PIL decode, no switches"),
-        Variant("+ tuned cpu loader", ["data.decoder=auto", "data.persistent_workers=true", f"data.num_workers={cores}"],
-                "fastest decoder, persistent workers, one worker per core"),
+        Variant("baseline (seeds)", [], "fp32, plain DataLoader + PIL decoding, no switches" if decodes else
+                "fp32, plain DataLoader over the in-memory images (nothing to decode), no switches"),
+        Variant("+ tuned cpu loader", [*(["data.decoder=auto"] if decodes else []), "data.persistent_workers=true",
+                                       f"data.num_workers={cores}"],
+                "fastest installed decoder, persistent workers, one worker per core" if decodes else
+                "persistent workers, one worker per core"),
         Variant("+ gpu loader", ["data.backend=gpu"], "nvJPEG decode + GPU augmentation", None if cuda else no_gpu),
         Variant("+ memory loader", ["data.backend=memory"], "decoded dataset on the device, batched augmentation"),
         Variant("+ dali", ["data.backend=dali"], "NVIDIA DALI pipeline",
@@ -298,10 +312,11 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
     import torch
 
     user = config_mod.load(config_path, overrides)
-    base_overrides = list(overrides) + seeds_baseline()
+    decodes = decodes_files(user)
+    base_overrides = list(overrides) + seeds_baseline(decodes)
     out = Path(out or Path("bench") / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    all_variants = variants(user)
+    all_variants = variants(user, decodes)
     if only:
         names = {v.name for v in all_variants}
         unknown = [n for n in only if n not in names and n not in ("best", "your config")]
@@ -319,7 +334,7 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
             (out / "variants" / f"{slug(v.name)}.yaml").write_text(config_mod.dump_yaml(cfg))
             for i in range(repeats):
                 if v.processes > 1:
-                    res = measure_ddp(resolved, seeds_baseline() + extra, v.processes, steps, warmup, out / f".{slug(v.name)}-{i}.json")
+                    res = measure_ddp(resolved, seeds_baseline(decodes) + extra, v.processes, steps, warmup, out / f".{slug(v.name)}-{i}.json")
                 else:
                     res = measure(cfg, steps, warmup)
                 v.results.append(res)

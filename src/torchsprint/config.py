@@ -42,7 +42,8 @@ class RunConfig(Section):
         "max_steps the schedule and run length are unchanged, so resuming continues exactly (time slices, tests).",
     )
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
-    deterministic: bool = Field(False, description="Use deterministic algorithms (slower on GPU; bit-exact reruns).")
+    deterministic: bool = Field(False, description="Use deterministic algorithms only (slower on GPU; bit-exact reruns); "
+                                "an operation without a deterministic implementation stops the run, naming it.")
 
 
 class SplitConfig(Section):

@@ -106,6 +106,30 @@ def _torch_optim_provider():
 
 OPTIMIZERS.add_provider(_torch_optim_provider)
 
+# The optim fields each built-in optimizer reads besides lr, weight decay and impl; another optimizer takes
+# its own arguments through optim.args. A non-default value of a field the chosen one does not read is
+# refused: it would otherwise be accepted and silently ignored.
+OPTIMIZER_FIELDS = {"sgd": ("momentum", "nesterov"), "adam": ("betas", "eps"), "adamw": ("betas", "eps"),
+                    "rmsprop": ("momentum", "eps")}
+
+
+def default_of(section, field: str):
+    """The schema's default of `section.field` (default factories called), to tell a set value from none."""
+    value = type(section).model_fields[field].get_default(call_default_factory=True)
+    return tuple(value) if isinstance(getattr(section, field), tuple) and isinstance(value, list) else value
+
+
+def check_optim_fields(optim_cfg) -> None:
+    """Refuse optimizer-specific settings (momentum, nesterov, betas, eps) the chosen optimizer does not use."""
+    name = optim_cfg.name.lower()
+    uses = OPTIMIZER_FIELDS.get(name, ())
+    for field in ("momentum", "nesterov", "betas", "eps"):
+        value = getattr(optim_cfg, field)
+        if field not in uses and value != default_of(optim_cfg, field):
+            reads = f"it reads {', '.join('optim.' + u for u in uses)}" if uses else "it reads only optim.lr"
+            raise UsageError(f"optim.{field}={value} does not apply to optimizer {optim_cfg.name} ({reads}); remove it, "
+                             f"or pass {optim_cfg.name}'s own arguments in optim.args.")
+
 
 def build_optimizer(optim_cfg, model: nn.Module) -> torch.optim.Optimizer:
     """Build `optim_cfg.name` over the model's trainable parameters.
@@ -115,6 +139,7 @@ def build_optimizer(optim_cfg, model: nn.Module) -> torch.optim.Optimizer:
         model: the (unwrapped or wrapped) model; frozen parameters are left out.
     """
     builder = OPTIMIZERS.get(optim_cfg.name.lower())
+    check_optim_fields(optim_cfg)
     groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.no_decay_norm_bias)
     groups = [g for g in groups if g["params"]]
     if not groups:
@@ -200,6 +225,27 @@ def _one(e: float) -> float:
     return 1.0
 
 
+# The sched fields each schedule reads besides interval and warm-up (same rule as OPTIMIZER_FIELDS).
+SCHEDULE_FIELDS = {"cosine": ("min_lr_ratio",), "step": ("step_size", "gamma"), "multistep": ("milestones", "gamma"),
+                   "exponential": ("gamma",), "onecycle": ("pct_start",), "constant": ()}
+
+
+def check_sched_fields(sched_cfg) -> None:
+    """Refuse schedule-specific settings the chosen schedule does not read, and warm-up settings without warm-up."""
+    if sched_cfg.name not in SCHEDULE_FIELDS:
+        return  # a user's schedule reads what it reads
+    uses = SCHEDULE_FIELDS[sched_cfg.name]
+    for field in ("min_lr_ratio", "step_size", "milestones", "gamma", "pct_start"):
+        value = getattr(sched_cfg, field)
+        if field not in uses and value != default_of(sched_cfg, field):
+            reads = ", ".join("sched." + u for u in uses) or "no schedule-specific field"
+            raise UsageError(f"sched.{field}={value} does not apply to sched.name={sched_cfg.name} (it reads {reads}); "
+                             "remove it or pick the schedule it belongs to.")
+    if sched_cfg.warmup_epochs == 0 and sched_cfg.warmup_start != default_of(sched_cfg, "warmup_start"):
+        raise UsageError(f"sched.warmup_start={sched_cfg.warmup_start} has no effect with sched.warmup_epochs=0; set "
+                         "sched.warmup_epochs too, or remove it.")
+
+
 def build_scheduler(sched_cfg, opt: torch.optim.Optimizer, *, epochs: float, steps_per_epoch: int):
     """A LambdaLR following `sched_cfg.name` with optional linear warm-up.
 
@@ -211,6 +257,7 @@ def build_scheduler(sched_cfg, opt: torch.optim.Optimizer, *, epochs: float, ste
     The engine calls `sched.step()` every optimizer step (interval=step) or every epoch.
     """
     shape = SCHEDULERS.get(sched_cfg.name)(sched_cfg, epochs)
+    check_sched_fields(sched_cfg)
     warm, start = sched_cfg.warmup_epochs, sched_cfg.warmup_start
     if shape is None:
         if warm == 0:
@@ -227,9 +274,23 @@ def build_scheduler(sched_cfg, opt: torch.optim.Optimizer, *, epochs: float, ste
 
 
 # ---------------------------------------------------------------- losses
+# Each built-in loss says which targets it compares outputs with (a task's Task.targets): "class_index"
+# (N,) integers, "multi_hot" (N, K) 0/1, "image" (same shape as the output); and whether it has labels
+# to smooth. build_loss refuses a loss for targets it cannot take, and label smoothing where there are
+# no labels, instead of failing on the first batch with a shape error or ignoring the setting.
 
 
-@LOSSES.register("cross_entropy")
+def loss(name: str, targets: tuple[str, ...], smoothing: bool):
+    """Register a loss builder with the targets it takes and whether it honours label_smoothing."""
+
+    def deco(fn):
+        fn.targets, fn.smoothing = targets, smoothing
+        return LOSSES.register(name)(fn)
+
+    return deco
+
+
+@loss("cross_entropy", targets=("class_index",), smoothing=True)
 def cross_entropy(label_smoothing: float = 0.0, **args):
     return nn.CrossEntropyLoss(label_smoothing=label_smoothing, **args)
 
@@ -251,23 +312,23 @@ class BCEWithLogits(nn.Module):
         return self.loss(logits, target)
 
 
-@LOSSES.register("bce_with_logits")
+@loss("bce_with_logits", targets=("class_index", "multi_hot"), smoothing=True)
 def bce_with_logits(label_smoothing: float = 0.0, **args):
     return BCEWithLogits(label_smoothing, **args)
 
 
-@LOSSES.register("mse")
-def mse(label_smoothing: float = 0.0, **args):
+@loss("mse", targets=("image",), smoothing=False)
+def mse(**args):
     return nn.MSELoss(**args)
 
 
-@LOSSES.register("l1")
-def l1(label_smoothing: float = 0.0, **args):
+@loss("l1", targets=("image",), smoothing=False)
+def l1(**args):
     return nn.L1Loss(**args)
 
 
-@LOSSES.register("smooth_l1")
-def smooth_l1(label_smoothing: float = 0.0, **args):
+@loss("smooth_l1", targets=("image",), smoothing=False)
+def smooth_l1(**args):
     return nn.SmoothL1Loss(**args)
 
 
@@ -283,20 +344,55 @@ class WeightedSum(nn.Module):
         return sum(w * f(output, target) for f, w in zip(self.losses, self.weights))
 
 
-def _make_loss(name: str, label_smoothing: float, args: dict, where: str) -> nn.Module:
+TENSOR_ARGS = ("weight", "pos_weight")  # per-class weights: YAML lists become float tensors of num_classes values
+
+
+def _make_loss(name: str, label_smoothing: float, args: dict, where: str, targets: str | None,
+               num_classes: int | None) -> nn.Module:
+    import inspect
+
     builder = LOSSES.get(name)
+    known = getattr(builder, "targets", None)
+    if targets is not None and known is not None and targets not in known:
+        hint = {"class_index": "cross_entropy (or bce_with_logits)", "multi_hot": "bce_with_logits",
+                "image": "mse, l1 or smooth_l1"}.get(targets, "another loss")
+        raise UsageError(f"{where}: loss {name} compares outputs with {' or '.join(known)} targets, but this task's targets "
+                         f"are {targets}. Use {hint}.")
+    smooths = getattr(builder, "smoothing", None)
+    if smooths is None:  # a user's loss: it smooths if it takes the argument
+        smooths = "label_smoothing" in inspect.signature(builder).parameters
+    if label_smoothing and not smooths:
+        raise UsageError(f"loss.label_smoothing={label_smoothing}: loss {name} has no class labels to smooth (it applies "
+                         "to cross_entropy and bce_with_logits). Set loss.label_smoothing=0.")
+    args = dict(args)
+    for key in TENSOR_ARGS:
+        if key in args and not torch.is_tensor(args[key]):
+            try:
+                args[key] = torch.as_tensor(args[key], dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise UsageError(f"{where}.args.{key}: expected a list of numbers, got {args[key]!r}.") from None
+            if num_classes is not None and args[key].ndim == 1 and len(args[key]) != num_classes:
+                raise UsageError(f"{where}.args.{key}: {len(args[key])} values for {num_classes} classes; give one per class "
+                                 "(in the order of the dataset's classes).")
     try:
-        return builder(label_smoothing=label_smoothing, **args)
+        return builder(label_smoothing=label_smoothing, **args) if smooths else builder(**args)
     except TypeError as e:
         raise UsageError(f"{where}: bad arguments {args}: {e}") from None
 
 
-def build_loss(loss_cfg) -> nn.Module:
-    """The loss named in `loss_cfg.name`, or the weighted sum of `loss_cfg.terms`."""
+def build_loss(loss_cfg, targets: str | None = None, num_classes: int | None = None) -> nn.Module:
+    """The loss named in `loss_cfg.name`, or the weighted sum of `loss_cfg.terms`.
+
+    Args:
+        loss_cfg: the `loss` section.
+        targets: the task's kind of targets (Task.targets); a loss that cannot take them is refused.
+        num_classes: checks per-class weights (loss.args.weight / pos_weight) have one value per class.
+    """
     if loss_cfg.terms:
-        losses = [_make_loss(t.name, loss_cfg.label_smoothing, t.args, f"loss.terms[{i}]") for i, t in enumerate(loss_cfg.terms)]
+        losses = [_make_loss(t.name, loss_cfg.label_smoothing, t.args, f"loss.terms[{i}]", targets, num_classes)
+                  for i, t in enumerate(loss_cfg.terms)]
         return WeightedSum(losses, [t.weight for t in loss_cfg.terms])
-    return _make_loss(loss_cfg.name, loss_cfg.label_smoothing, loss_cfg.args, "loss")
+    return _make_loss(loss_cfg.name, loss_cfg.label_smoothing, loss_cfg.args, "loss", targets, num_classes)
 
 
 __all__ = ["OPTIMIZERS", "SCHEDULERS", "LOSSES", "build_optimizer", "build_scheduler", "build_loss"]

@@ -161,7 +161,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     if cfg.run.max_steps is not None:
         epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
     sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
-    loss_fn = build_loss(cfg.loss).to(rt.device)
+    loss_fn = build_loss(cfg.loss, get_task(cfg.task).targets, info.num_classes).to(rt.device)
     return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn)
 
 
@@ -244,10 +244,10 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
                 make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
             )
         except RuntimeError as e:
-            too_small = input_too_small(e, b.model, cfg, b.loaders)
-            if too_small is None:
+            explained = input_too_small(e, b.model, cfg, b.loaders) or not_deterministic(e, cfg)
+            if explained is None:
                 raise
-            raise too_small from e
+            raise explained from e
         summary["run_dir"] = str(run_dir)
         if rt.is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -288,6 +288,17 @@ def input_too_small(error: RuntimeError, model, cfg, loaders) -> UsageError | No
                       f"{cfg.data.dataset}). Add a resize step, e.g. data.train.transforms=[resize: {side or 224}] and "
                       f"the same in data.eval.transforms, or pick a model made for small images (small_cnn, "
                       "cifar_resnet18).")
+
+
+def not_deterministic(error: RuntimeError, cfg) -> UsageError | None:
+    """A UsageError naming the operation, when run.deterministic=true met one without a deterministic kernel."""
+    text = str(error)
+    if "does not have a deterministic implementation" not in text:
+        return None
+    op = text.split(" does not have a deterministic implementation")[0].strip()
+    return UsageError(f"run.deterministic=true: {op} has no deterministic implementation on {cfg.run.device} "
+                      "(torch.use_deterministic_algorithms), so this run cannot be bit-exact. Set run.deterministic=false, "
+                      "or change the model or settings that use it.")
 
 
 def load_run_config(run_dir: Path, overrides: list[str] = ()) -> config_mod.Config:
@@ -332,7 +343,8 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
                          f"{str(e).splitlines()[0][:200]}). The file is corrupt or from another model; evaluate "
                          "--weights last/best, or re-train.") from None
     metrics = task.make_metrics(info, cfg.eval, rt.device)
-    out = evaluate(model, loaders.val, build_loss(cfg.loss).to(rt.device), Precision(cfg.precision.mode, rt.device), metrics)
+    loss_fn = build_loss(cfg.loss, task.targets, info.num_classes).to(rt.device)
+    out = evaluate(model, loaders.val, loss_fn, Precision(cfg.precision.mode, rt.device), metrics)
     out["weights"] = str(wpath)
     return out
 

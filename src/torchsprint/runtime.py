@@ -176,7 +176,9 @@ def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
             control = torch.distributed.new_group(backend="gloo", timeout=timeout)
     seed_everything(run_cfg.seed + launch.rank)
     if run_cfg.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Strict: an operation without a deterministic implementation raises (run.train names it), where
+        # warn_only would print a warning and run it anyway, breaking the promise of bit-exact reruns.
+        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     elif speed_cfg is not None and device.type == "cuda":

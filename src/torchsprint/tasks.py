@@ -58,6 +58,7 @@ class Task:
     unsupported: dict = field(default_factory=dict)  # feature ("predict", "bench", ...) -> why it is refused
     data_task: str | None = None  # the kind of samples it trains on (a dataset's Splits.task); None: `name`
     min_classes: int = 2  # one class is nothing to tell apart (torchmetrics refuses it too)
+    targets: str = "class_index"  # what the loss compares outputs with: class_index, multi_hot or image (optim.loss)
 
     def check(self, cfg) -> None:
         """Refuse config combinations this task cannot run correctly, naming them and what to do instead."""
@@ -166,7 +167,7 @@ def _nothing(*_args) -> None:
 def multilabel() -> Task:
     """Any number of labels per image: BCE-with-logits on multi-hot targets, mAP and per-label F1 at eval.threshold."""
     return Task("multilabel", "bce_with_logits", "val/mAP", "max", _multilabel_metrics, _multilabel_summary, _nothing,
-                _above_threshold, backends=("cpu", "memory"), min_classes=1)
+                _above_threshold, backends=("cpu", "memory"), min_classes=1, targets="multi_hot")
 
 
 # ---------------------------------------------------------------- image_to_image
@@ -207,7 +208,7 @@ def image_to_image() -> Task:
     """
     return Task("image_to_image", "mse", "val/psnr", "max", _restoration_metrics, _restoration_summary, _nothing, _images,
                 backends=("cpu", "memory"), export_formats=("onnx", "safetensors", "torchscript"), example=_paired_example,
-                min_classes=1)
+                min_classes=1, targets="image")
 
 
 # ---------------------------------------------------------------- video

@@ -29,12 +29,12 @@ def pair_size(size) -> tuple[int, int]:
     raise UsageError(f"size must be an int or [height, width], got {size!r}")
 
 
-def _resized_crop(img, top, left, h, w, size):
+def _resized_crop(img, top, left, h, w, size, antialias: bool = True):
     from torchvision.transforms.v2 import functional as F
 
     # torchvision's own kernel (uint8 AVX path on CPU, float + round on CUDA): the cpu backend's
     # RandomResizedCrop calls this very function, so only the draws and the device differ.
-    return F.resized_crop(img, int(top), int(left), int(h), int(w), list(size), antialias=True)
+    return F.resized_crop(img, int(top), int(left), int(h), int(w), list(size), antialias=antialias)
 
 
 class RandomResizedCrop:
@@ -45,7 +45,7 @@ class RandomResizedCrop:
     fixes_size = True
 
     def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), antialias: bool = True):
-        self.size = pair_size(size)
+        self.size, self.antialias = pair_size(size), bool(antialias)
         self.scale, self.ratio = tuple(scale), tuple(ratio)
 
     def params(self, u, hs, ws):
@@ -73,7 +73,7 @@ class RandomResizedCrop:
         return p, torch.full((n,), self.size[0]), torch.full((n,), self.size[1])
 
     def apply_one(self, img, p, i):
-        return _resized_crop(img, p["top"][i], p["left"][i], p["h"][i], p["w"][i], self.size)
+        return _resized_crop(img, p["top"][i], p["left"][i], p["h"][i], p["w"][i], self.size, self.antialias)
 
     def apply_batch(self, x, p):
         return torch.stack([self.apply_one(x[i], p, i) for i in range(len(x))])
@@ -87,7 +87,7 @@ class Resize:
     def __init__(self, size, interpolation: str = "bilinear", antialias: bool = True, max_size=None):
         if interpolation != "bilinear" or max_size is not None:
             raise UsageError("the batched resize supports interpolation=bilinear and no max_size; use data.backend=cpu for others.")
-        self.size = size
+        self.size, self.antialias = size, bool(antialias)
         self.fixes_size = not isinstance(size, int) and not (isinstance(size, list | tuple) and len(size) == 1)
 
     def _out(self, h: int, w: int) -> tuple[int, int]:
@@ -104,12 +104,12 @@ class Resize:
     def apply_one(self, img, p, i):
         from torchvision.transforms.v2 import functional as F
 
-        return F.resize(img, list(self._out(img.shape[-2], img.shape[-1])), antialias=True)
+        return F.resize(img, list(self._out(img.shape[-2], img.shape[-1])), antialias=self.antialias)
 
     def apply_batch(self, x, p):
         from torchvision.transforms.v2 import functional as F
 
-        return F.resize(x, list(self._out(x.shape[-2], x.shape[-1])), antialias=True)
+        return F.resize(x, list(self._out(x.shape[-2], x.shape[-1])), antialias=self.antialias)
 
 
 class CenterCrop:

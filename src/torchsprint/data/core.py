@@ -24,7 +24,9 @@ class Splits:
     Each dataset item is (uint8 CHW tensor | None for an unreadable sample, target, source path or id).
     `task` names the kind of targets (tasks.TASKS). `wrap` turns the backend's Loaders into what the
     model sees, for datasets whose stored items differ from model inputs (paired images stacked
-    along channels, clips collated frames-first); the identity for everything else.
+    along channels, clips collated frames-first); the identity for everything else. `label_changing`
+    names preprocessing steps that would silently change what a label means for this data (a flip of a
+    clip whose class is its motion direction), which build_loaders refuses.
     """
 
     train: Any
@@ -33,6 +35,7 @@ class Splits:
     in_channels: int
     task: str = "classification"
     wrap: Callable[[Loaders], Loaders] = field(default=lambda loaders: loaders)
+    label_changing: dict[str, str] = field(default_factory=dict)  # spec step -> why it would change a label's meaning
 
 
 class TensorImages(torch.utils.data.Dataset):
@@ -48,6 +51,19 @@ class TensorImages(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         return self.images[i], self._targets[i], self.ids[i] if self.ids else str(i)
+
+
+MODE = {"mode": "RGB (3 channels, default) or GRAY (1 channel)"}
+
+
+def check_options(data_cfg, allowed: dict[str, str]) -> None:
+    """Refuse data.options a dataset does not read (an ignored option is a silent mistake), and a bad mode."""
+    unknown = sorted(set(data_cfg.options) - set(allowed))
+    if unknown:
+        valid = "; ".join(f"{k}: {v}" for k, v in allowed.items()) or "none"
+        raise UsageError(f"data.dataset={data_cfg.dataset} does not take data.options {unknown}. It takes: {valid}.")
+    if "mode" in data_cfg.options and data_cfg.options["mode"] not in ("RGB", "GRAY"):
+        raise UsageError(f"data.options.mode={data_cfg.options['mode']!r}: use RGB or GRAY.")
 
 
 def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -208,7 +224,16 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
         channels_last: deliver images in channels_last memory format.
         dtype: floating dtype of the delivered images (fp32, or fp16/bf16 for half models).
     """
+    check_data_fields(data_cfg)
     splits = DATASETS.get(data_cfg.dataset)(data_cfg)
+    if data_cfg.decoder != "auto" and not hasattr(splits.train, "samples"):
+        raise UsageError(f"data.decoder={data_cfg.decoder}: data.dataset={data_cfg.dataset} is already decoded in memory, "
+                         "so no decoder runs; remove data.decoder.")
+    for where, spec in (("data.train.transforms", data_cfg.train.transforms), ("data.eval.transforms", data_cfg.eval.transforms)):
+        for step in spec:
+            name = step if isinstance(step, str) else next(iter(step), None) if isinstance(step, dict) else None
+            if name in splits.label_changing:
+                raise UsageError(f"{where}: {name} on data.dataset={data_cfg.dataset} {splits.label_changing[name]}; remove it.")
     if len(splits.train) == 0:
         raise UsageError(f"dataset '{data_cfg.dataset}' has no training samples (root={data_cfg.root}).")
     kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
@@ -216,6 +241,19 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
         return splits.wrap(missing_backend(data_cfg, splits, rt, kw))
     backend = LOADERS.get(data_cfg.backend)
     return splits.wrap(backend(data_cfg, splits, rt, **kw))
+
+
+def check_data_fields(data_cfg) -> None:
+    """Refuse backend-specific settings the chosen backend would ignore (non-default values only)."""
+    if data_cfg.cpu_fraction != 0.0 and data_cfg.backend != "gpu":
+        raise UsageError(f"data.cpu_fraction={data_cfg.cpu_fraction} splits a batch between CPU and GPU decoding in the "
+                         f"gpu backend; data.backend={data_cfg.backend} does not use it. Remove it, or set data.backend=gpu.")
+    if data_cfg.fallback is not None and data_cfg.backend not in OPTIONAL_LOADERS and data_cfg.backend != "gpu":
+        raise UsageError(f"data.fallback={data_cfg.fallback} replaces the gpu or dali backend where it cannot run; "
+                         f"data.backend={data_cfg.backend} always runs. Remove data.fallback.")
+    if data_cfg.num_workers == 0 and data_cfg.prefetch_factor != 2:
+        raise UsageError(f"data.prefetch_factor={data_cfg.prefetch_factor} is per worker process, and data.num_workers=0 "
+                         "loads in the main process. Set data.num_workers too, or remove data.prefetch_factor.")
 
 
 # Backends registered only when their library imports, and how to get them.

@@ -28,12 +28,16 @@ class BadImage(Exception):
 
 @dataclass(frozen=True)
 class ImageHeader:
-    """What the first bytes of a file say: format, size in pixels, and JPEG colour components."""
+    """What the first bytes of a file say: format, stored size in pixels, JPEG colour components and
+    coding, and the EXIF orientation every decoder applies (see apply_orientation)."""
 
     format: str  # "jpeg", "png", or "other" (size unknown until decoded)
-    height: int | None
+    height: int | None  # as stored, before the EXIF orientation turns it
     width: int | None
     components: int | None = None  # JPEG: 1 gray, 3 YCbCr, 4 CMYK/YCCK
+    orientation: int = 1  # EXIF tag 0x0112: 1 upright .. 8; 5-8 swap height and width
+    sof: int | None = None  # JPEG start-of-frame marker: 0xC0/C1 baseline, C2 progressive, C3 lossless, C9-CF arithmetic
+    bits: int | None = None  # JPEG sample precision (8, or 12 for 12-bit JPEGs)
 
 
 # JPEG start-of-frame markers carrying the size: SOF0..SOF15 except DHT (C4), JPG (C8) and DAC (CC).
@@ -41,7 +45,7 @@ _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 
 
 
 def read_header(data: bytes | memoryview) -> ImageHeader:
-    """Sniff format and size without decoding (a few microseconds). Raises BadImage for empty data."""
+    """Sniff format, size and EXIF orientation without decoding (a few microseconds). Raises BadImage for empty data."""
     if len(data) == 0:
         raise BadImage("empty file (0 bytes)")
     head = bytes(data[:32])
@@ -49,12 +53,13 @@ def read_header(data: bytes | memoryview) -> ImageHeader:
         return _jpeg_header(data)
     if head[:8] == b"\x89PNG\r\n\x1a\n" and len(head) >= 24:
         w, h = struct.unpack(">II", head[16:24])  # IHDR is always the first chunk
-        return ImageHeader("png", h, w)
+        return ImageHeader("png", h, w, orientation=_png_orientation(data))
     return ImageHeader("other", None, None)
 
 
 def _jpeg_header(data) -> ImageHeader:
     i, n = 2, len(data)
+    orientation = 1
     while i + 4 <= n:
         if data[i] != 0xFF:
             i += 1  # tolerate fill bytes between segments
@@ -67,14 +72,68 @@ def _jpeg_header(data) -> ImageHeader:
             i += 2  # markers without a length field
             continue
         length = (data[i + 2] << 8) | data[i + 3]
+        if marker == 0xE1 and bytes(data[i + 4 : i + 10]) == b"Exif\x00\x00":  # APP1: EXIF (comes before the frame)
+            orientation = _tiff_orientation(bytes(data[i + 10 : i + 2 + length]))
         if marker in _SOF and i + 9 < n:
             h = (data[i + 5] << 8) | data[i + 6]
             w = (data[i + 7] << 8) | data[i + 8]
-            return ImageHeader("jpeg", h, w, data[i + 9])
+            return ImageHeader("jpeg", h, w, data[i + 9], orientation, sof=marker, bits=data[i + 4])
         if marker == 0xDA:  # start of scan before any frame header: broken
             break
         i += 2 + length
     raise BadImage("JPEG without a frame header (truncated or corrupt)")
+
+
+def _tiff_orientation(tiff: bytes) -> int:
+    """The Orientation tag (0x0112) of an EXIF/TIFF block's first IFD; 1 when absent or unreadable."""
+    try:
+        order = {b"II": "<", b"MM": ">"}[tiff[:2]]
+        (ifd,) = struct.unpack(order + "I", tiff[4:8])
+        (count,) = struct.unpack(order + "H", tiff[ifd : ifd + 2])
+        for k in range(count):
+            entry = tiff[ifd + 2 + 12 * k : ifd + 14 + 12 * k]
+            tag, kind = struct.unpack(order + "HH", entry[:4])
+            if tag == 0x0112 and kind == 3:  # SHORT
+                (value,) = struct.unpack(order + "H", entry[8:10])
+                return value if 1 <= value <= 8 else 1
+    except (KeyError, struct.error, IndexError):
+        pass
+    return 1
+
+
+def _png_orientation(data) -> int:
+    """EXIF orientation of a PNG's eXIf chunk (which must precede the image data); 1 without one."""
+    i, n = 8, len(data)
+    while i + 8 <= n:
+        length = struct.unpack(">I", bytes(data[i : i + 4]))[0]
+        kind = bytes(data[i + 4 : i + 8])
+        if kind == b"eXIf":
+            return _tiff_orientation(bytes(data[i + 8 : i + 8 + length]))
+        if kind in (b"IDAT", b"IEND"):
+            return 1
+        i += 12 + length
+    return 1
+
+
+def apply_orientation(img: torch.Tensor, orientation: int) -> torch.Tensor:
+    """Turn a decoded (..., H, W) image upright as its EXIF orientation says, on any device.
+
+    One policy for every decoder (torchvision, simplejpeg, Pillow, nvJPEG): phone photos store pixels as
+    the sensor read them and say in EXIF how to show them, so a decoder that ignored the tag would hand
+    the model a sideways picture on one backend and an upright one on another. Same transforms as
+    Pillow's ImageOps.exif_transpose (tests/test_decode_orientation.py checks all 8 tags against it).
+    """
+    if orientation in (None, 1):
+        return img
+    t = img.transpose(-1, -2)
+    out = {2: img.flip(-1), 3: img.flip((-2, -1)), 4: img.flip(-2),
+           5: t, 6: t.flip(-1), 7: t.flip((-2, -1)), 8: t.flip(-2)}.get(orientation, img)
+    return out.contiguous()
+
+
+def swaps_axes(orientation: int) -> bool:
+    """Orientations 5-8 turn the image by 90 degrees: the upright image is W x H of the stored one."""
+    return orientation in (5, 6, 7, 8)
 
 
 # First bytes of common files that are not images, for the "not an image" message.
@@ -135,7 +194,8 @@ def _generic(data: bytes, channels: int) -> torch.Tensor:
     try:
         # RGB/GRAY modes convert CMYK/YCCK JPEGs and drop alpha inside the decoder; 16-bit stays 16-bit.
         mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
-        img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode, apply_exif_orientation=True)
+        # Orientation is applied once, by decode_bytes, for every decoder alike.
+        img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode, apply_exif_orientation=False)
         return to_uint8_channels(img, channels)
     except RuntimeError as tv_error:
         try:
@@ -234,14 +294,18 @@ def decode_bytes(data: bytes, *, channels: int = 3, decoder: str = "torchvision"
     check_size(header, max_pixels)
     min_size = None
     if min_size_for is not None and header.height is not None:
-        min_size = min_size_for(header.height, header.width)
+        if swaps_axes(header.orientation):  # the hint speaks of the upright image; the decoder of the stored one
+            upright = min_size_for(header.width, header.height)
+            min_size = None if upright is None else (upright[1], upright[0])
+        else:
+            min_size = min_size_for(header.height, header.width)
     try:
         img = DECODERS.get(decoder)(data, header, channels, min_size)
     except RuntimeError as e:  # torchvision's decoders raise RuntimeError for corrupt data
         raise BadImage(str(e).splitlines()[-1]) from None
     if img.shape[1] * img.shape[2] > max_pixels:  # formats whose size the header sniffing cannot see
         check_size(ImageHeader("other", img.shape[1], img.shape[2]), max_pixels)
-    return img
+    return apply_orientation(img, header.orientation)
 
 
 def read_bytes(path: str) -> bytes:

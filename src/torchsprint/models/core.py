@@ -100,6 +100,17 @@ MODELS.add_provider(_torchvision_video_provider)
 MODELS.add_provider(_timm_provider)
 
 
+# Arguments torchsprint passes to every builder (or, for torchvision and timm, decides itself): given again in
+# model.args they would collide ("got multiple values") or quietly contradict the config.
+RESERVED_ARGS = {
+    "num_classes": "the dataset's class count",
+    "in_channels": "the dataset's channel count",
+    "in_chans": "timm's name for the dataset's channel count",
+    "weights": "torchvision weights: use model.pretrained",
+    "pretrained": "library weights: use model.pretrained",
+}
+
+
 def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
     """Instantiate `model_cfg.name` for the data's class and channel counts (random initialisation).
 
@@ -111,6 +122,10 @@ def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
     from torchsprint.errors import UsageError
 
     builder = MODELS.get(model_cfg.name)
+    for key in model_cfg.args:
+        if key in RESERVED_ARGS:
+            raise UsageError(f"model.args.{key}: torchsprint sets this itself ({RESERVED_ARGS[key]}); remove it from "
+                             "model.args.")
     try:
         model = builder(num_classes=num_classes, in_channels=in_channels, **model_cfg.args)
     except TypeError as e:

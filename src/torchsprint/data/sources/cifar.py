@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data.core import DATASETS, Splits, TensorImages
+from torchsprint.data.core import DATASETS, Splits, TensorImages, check_options
 from torchsprint.errors import UsageError
 
 # The layouts of the python versions of CIFAR (https://www.cs.toronto.edu/~kriz/cifar.html):
@@ -98,6 +98,7 @@ def load_cifar(root: Path, name: str) -> Splits:
 
 def _cifar(name):
     def build(data_cfg) -> Splits:
+        check_options(data_cfg, {})
         if data_cfg.root is None:
             raise UsageError(f"data.dataset={name} needs data.root=<folder with the {CIFAR_LAYOUTS[name]['folder']} batches>.")
         return load_cifar(Path(data_cfg.root).expanduser(), name)

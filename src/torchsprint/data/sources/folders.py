@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from torchsprint.data.core import DATASETS, Splits, split_samples
+from torchsprint.data.core import DATASETS, MODE, Splits, check_options, split_samples
 from torchsprint.errors import UsageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
@@ -100,6 +100,7 @@ def scan_class_folders(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
 @DATASETS.register("image_folder")
 def image_folder(data_cfg) -> Splits:
     """Class-per-subfolder images: <root>/train/<class>/* and <root>/val/<class>/* (or <root>/<class>/* split by val_fraction)."""
+    check_options(data_cfg, MODE)
     if data_cfg.root is None:
         raise UsageError("data.dataset=image_folder needs data.root=<folder with train/ and val/ class subfolders>.")
     root = Path(data_cfg.root).expanduser()
@@ -187,6 +188,10 @@ def _find_list(folder: Path, stem: str) -> Path | None:
     return None
 
 
+FILE_LIST_OPTIONS = {"train_list": "a list file for training", "val_list": "a list file for validation",
+                     "classes": "class names for integer labels, in index order", **MODE}
+
+
 @DATASETS.register("file_list")
 def file_list(data_cfg) -> Splits:
     """Images named in list files of `path,label` lines.
@@ -195,6 +200,7 @@ def file_list(data_cfg) -> Splits:
     .txt). data.options: train_list / val_list (explicit files), classes (names for integer labels),
     mode (RGB or GRAY).
     """
+    check_options(data_cfg, FILE_LIST_OPTIONS)
     if data_cfg.root is None and "train_list" not in data_cfg.options:
         raise UsageError("data.dataset=file_list needs data.root=<list.csv or folder with train.csv/val.csv>.")
     opts = data_cfg.options

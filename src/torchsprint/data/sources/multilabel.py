@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data.core import DATASETS, Splits
+from torchsprint.data.core import DATASETS, MODE, Splits, check_options
 from torchsprint.errors import UsageError
 
 LABEL_SEPARATOR = ";"
@@ -92,6 +92,7 @@ def multilabel_csv(data_cfg) -> Splits:
     data.root is one CSV (split by val_fraction) or a folder with train.csv and val.csv. data.options:
     classes (label names and their order; default: every label seen, sorted), mode (RGB or GRAY).
     """
+    check_options(data_cfg, {"classes": "label names and their order (default: every label seen, sorted)", **MODE})
     if data_cfg.root is None:
         raise UsageError("data.dataset=multilabel_csv needs data.root=<list.csv or a folder with train.csv/val.csv>.")
     root = Path(data_cfg.root).expanduser()

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data.core import DATASETS, Loaders, Splits
+from torchsprint.data.core import DATASETS, MODE, Loaders, Splits, check_options
 from torchsprint.errors import UsageError
 
 # Steps that move pixels without changing their values the same way on every channel: safe for a
@@ -162,6 +162,7 @@ def paired_folder(data_cfg) -> Splits:
     (or <root>/{input,target}/... split by val_fraction). Files are matched by relative path; a file
     without its partner is an error naming it. data.options: mode (RGB or GRAY).
     """
+    check_options(data_cfg, MODE)
     if data_cfg.root is None:
         raise UsageError("data.dataset=paired_folder needs data.root=<folder with train/input, train/target (and val/...)>.")
     root = Path(data_cfg.root).expanduser()

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data.core import DATASETS, Splits
+from torchsprint.data.core import DATASETS, MODE, Splits, check_options
 from torchsprint.data.transforms import TRANSFORMS, parse_step
 from torchsprint.errors import UsageError
 
@@ -199,6 +199,7 @@ def video_folder(data_cfg) -> Splits:
 
     Clips come from the spec's first step: random_clip (train) / center_clip or multi_clip (eval). data.options: mode (RGB or GRAY).
     """
+    check_options(data_cfg, MODE)
     if data_cfg.root is None:
         raise UsageError("data.dataset=video_folder needs data.root=<folder with train/ and val/ class subfolders of videos>.")
     root = Path(data_cfg.root).expanduser()
@@ -285,4 +286,8 @@ def synthetic_video(data_cfg) -> Splits:
     folder = Path(data_cfg.root).expanduser() / (
         f"synthetic_video-n{p['per_class']}-v{p['val_per_class']}-{p['size']}px-f{p['frames']}-s{p['seed']}")
     generate_moving_shapes(folder, **p)
-    return video_splits(folder, data_cfg.model_copy(update={"options": {}}))
+    splits = video_splits(folder, data_cfg.model_copy(update={"options": {}}))
+    # The classes are motion directions: a flip would show a 'left' clip moving right, labelled 'left'.
+    splits.label_changing = {"hflip": "mirrors left and right motion, so a 'left' clip would move right",
+                             "vflip": "mirrors up and down motion, so an 'up' clip would move down"}
+    return splits

@@ -178,7 +178,8 @@ class StrategyConfig(Section):
 class SpeedConfig(Section):
     channels_last: bool = Field(False, description="Use channels_last memory format for model and inputs.")
     compile: bool = Field(False, description="torch.compile the model.")
-    compile_mode: str | None = Field(None, description="torch.compile mode: default, reduce-overhead, max-autotune.")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = Field(
+        None, description="torch.compile mode (None: torch's default). reduce-overhead adds CUDA graphs (GPU).")
     compile_backend: str = Field("inductor", description="torch.compile backend: inductor (fast kernels), or aot_eager/eager to debug.")
     fullgraph: bool = Field(False, description="torch.compile fullgraph=True (fail on graph breaks).")
     cudnn_benchmark: bool = Field(True, description="Let cuDNN pick the fastest convolution algorithms (GPU).")

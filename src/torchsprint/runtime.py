@@ -127,8 +127,12 @@ def resolve_backend(strategy_cfg, device: torch.device) -> str:
     return backend
 
 
-def check_strategy(strategy_cfg, world_size: int) -> None:
-    """Refuse a launch the strategy cannot use: DataParallel is one process driving every GPU."""
+def check_strategy(strategy_cfg, world_size: int, source: str = "single process") -> None:
+    """Refuse a launch the strategy cannot use: DataParallel is one process driving every GPU; DDP needs a
+    launcher (a plain `torchsprint train` with strategy=ddp would otherwise train alone, silently)."""
+    if strategy_cfg.name == "ddp" and source == "single process":
+        raise UsageError("strategy=ddp runs one process per device: start it with `torchsprint train --nproc-per-node N` "
+                         "(or torchrun / srun); for one process set strategy=single.")
     if world_size > 1 and strategy_cfg.name == "dp":
         raise UsageError(
             f"launched as {world_size} processes (torchrun/SLURM) but strategy=dp (nn.DataParallel) runs in one "
@@ -157,7 +161,7 @@ def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
     """
     launch = launch_env()
     device = resolve_device(run_cfg.device, launch.local_rank)
-    check_strategy(strategy_cfg, launch.world_size)
+    check_strategy(strategy_cfg, launch.world_size, launch.source)
     backend, control, owns = None, None, False
     if launch.world_size > 1:
         backend = resolve_backend(strategy_cfg, device)
@@ -175,10 +179,12 @@ def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
         if backend == "nccl":
             control = torch.distributed.new_group(backend="gloo", timeout=timeout)
     seed_everything(run_cfg.seed + launch.rank)
+    # Set both ways: these flags are process-wide, and a second run in the same process (the Python API,
+    # bench) must not inherit the first one's.
+    # Strict: an operation without a deterministic implementation raises (run.train names it), where
+    # warn_only would print a warning and run it anyway, breaking the promise of bit-exact reruns.
+    torch.use_deterministic_algorithms(run_cfg.deterministic)
     if run_cfg.deterministic:
-        # Strict: an operation without a deterministic implementation raises (run.train names it), where
-        # warn_only would print a warning and run it anyway, breaking the promise of bit-exact reruns.
-        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     elif speed_cfg is not None and device.type == "cuda":

@@ -59,6 +59,7 @@ class Task:
     data_task: str | None = None  # the kind of samples it trains on (a dataset's Splits.task); None: `name`
     min_classes: int = 2  # one class is nothing to tell apart (torchmetrics refuses it too)
     targets: str = "class_index"  # what the loss compares outputs with: class_index, multi_hot or image (optim.loss)
+    eval_fields: tuple[str, ...] = ("topk", "per_class")  # the `eval` settings its metrics read (besides every_epochs)
 
     def check(self, cfg) -> None:
         """Refuse config combinations this task cannot run correctly, naming them and what to do instead."""
@@ -67,6 +68,12 @@ class Task:
                              f"{', '.join(self.backends)}). Set data.backend={self.backends[0]}.")
         if cfg.speed.channels_last and not self.channels_last:
             raise UsageError(f"task={self.name}: speed.channels_last applies to 4-D image batches only; set speed.channels_last=false.")
+        for key in ("topk", "per_class", "threshold"):
+            value = getattr(cfg.eval, key)
+            if key not in self.eval_fields and value != type(cfg.eval).model_fields[key].default:
+                raise UsageError(f"eval.{key}={value}: task={self.name} does not use it (it reads "
+                                 f"{', '.join('eval.' + k for k in self.eval_fields) or 'no eval setting but every_epochs'}); "
+                                 "remove it.")
 
     def check_export(self, fmt: str) -> None:
         if fmt not in self.export_formats:
@@ -167,7 +174,7 @@ def _nothing(*_args) -> None:
 def multilabel() -> Task:
     """Any number of labels per image: BCE-with-logits on multi-hot targets, mAP and per-label F1 at eval.threshold."""
     return Task("multilabel", "bce_with_logits", "val/mAP", "max", _multilabel_metrics, _multilabel_summary, _nothing,
-                _above_threshold, backends=("cpu", "memory"), min_classes=1, targets="multi_hot")
+                _above_threshold, backends=("cpu", "memory"), min_classes=1, targets="multi_hot", eval_fields=("threshold",))
 
 
 # ---------------------------------------------------------------- image_to_image
@@ -208,7 +215,7 @@ def image_to_image() -> Task:
     """
     return Task("image_to_image", "mse", "val/psnr", "max", _restoration_metrics, _restoration_summary, _nothing, _images,
                 backends=("cpu", "memory"), export_formats=("onnx", "safetensors", "torchscript"), example=_paired_example,
-                min_classes=1, targets="image")
+                min_classes=1, targets="image", eval_fields=())
 
 
 # ---------------------------------------------------------------- video

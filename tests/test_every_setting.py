@@ -1,0 +1,478 @@
+"""Every config field changes what happens, or is refused: none is accepted and ignored.
+
+The test walks the schema (config.Config and every section) and runs the probe registered for each
+field. A probe sets a non-default value and observes its effect against the default (a built object,
+a short training, the run folder), or checks that a value which cannot apply here is refused with a
+UsageError. A field without a probe fails the walk, so a new setting must come with one.
+
+Probes that only mean something on a GPU are gpu-marked (they run in the GPU session); a probe may also
+name the test elsewhere that proves its field, which the walk checks exists.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchsprint import config, runtime
+from torchsprint.errors import UsageError
+from torchsprint.run import build_training, train
+
+BASE = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.epochs=1"]
+TESTS = Path(__file__).resolve().parent
+
+
+def fields() -> list[str]:
+    out = []
+    for name, f in config.Config.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, config.Section):
+            out += [f"{name}.{k}" for k in ann.model_fields]
+        else:
+            out.append(name)
+    return out
+
+
+def cfg_of(*over):
+    return config.load(None, [*BASE, *over])
+
+
+def build(*over):
+    """(cfg, Built) of the run these overrides describe, on digits; nothing is written."""
+    cfg = cfg_of(*over)
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    try:
+        return cfg, build_training(cfg, rt, lambda m: None)
+    finally:
+        runtime.teardown(rt)
+        torch.use_deterministic_algorithms(False)
+
+
+def run(tmp: Path, *over) -> tuple[dict, Path]:
+    """A short real training; (summary, run folder)."""
+    d = tmp / f"run{len(list(tmp.glob('run*')))}"
+    summary = train(cfg_of(*over, f"run.dir={d}"), quiet=True)
+    return summary, d
+
+
+def refused(*over, match: str, build_it: bool = True):
+    with pytest.raises(UsageError, match=match):
+        build(*over) if build_it else cfg_of(*over)
+
+
+def differs(observe, *over, base=()):
+    """observe(cfg, built) differs between base and base + over."""
+    a = observe(*build(*base))
+    b = observe(*build(*base, *over))
+    assert a != b, (over, a)
+    return a, b
+
+
+def first_batch(loader):
+    loader.set_epoch(0)
+    return next(iter(loader))
+
+
+def group(key):
+    return lambda cfg, b: [g.get(key) for g in b.opt.param_groups]
+
+
+def lrs(steps: int = 12):
+    def observe(cfg, b):
+        out = []
+        for _ in range(steps):
+            out.append(round(b.opt.param_groups[0]["lr"], 12))
+            b.opt.step()
+            b.sched.step()
+        return out
+    return observe
+
+
+def n_params(cfg, b):
+    return (sum(p.numel() for p in b.model.parameters()), sum(p.numel() for p in b.model.parameters() if p.requires_grad))
+
+
+def weights_after_training(tmp, *over):
+    from safetensors.torch import load_file
+
+    _, d = run(tmp, *over)
+    return load_file(str(d / "last.safetensors"))
+
+
+def trained_differently(tmp, *over, base=()):
+    a = weights_after_training(tmp, *base)
+    b = weights_after_training(tmp, *base, *over)
+    assert any(not torch.equal(a[k], b[k]) for k in a), over
+
+
+def elsewhere(test: str):
+    """The field is proved by another test: check it exists (file::function)."""
+    file, func = test.split("::")
+    assert f"def {func}(" in (TESTS / file).read_text(), test
+
+
+def image_folder(tmp, n=6):
+    from conftest import make_image_folder
+
+    return make_image_folder(tmp / "imgs", per_class=n)
+
+
+IMG = ["data.dataset=image_folder", "data.train.transforms=[resize: [16, 16]]", "data.eval.transforms=[resize: [16, 16]]"]
+
+
+def probe_pretrained(tmp):
+    from safetensors.torch import save_file
+
+    cfg, b = build()
+    state = {k: torch.full_like(v, 0.5) if v.is_floating_point() else v for k, v in b.model.state_dict().items()}
+    save_file(state, str(tmp / "w.safetensors"))
+    _, b2 = build(f"model.pretrained={tmp / 'w.safetensors'}")
+    assert all(torch.equal(v, state[k]) for k, v in b2.model.state_dict().items())
+
+
+def probe_strict(tmp):
+    from safetensors.torch import save_file
+
+    _, b = build()
+    state = dict(b.model.state_dict())
+    state["extra.weight"] = torch.zeros(2)
+    save_file(state, str(tmp / "w.safetensors"))
+    build(f"model.pretrained={tmp / 'w.safetensors'}")  # loads what matches
+    refused(f"model.pretrained={tmp / 'w.safetensors'}", "model.strict=true", match="does not match model exactly")
+
+
+def probe_bad_sample(tmp):
+    root = image_folder(tmp)
+    (root / "train" / "circle" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0bad")
+    with pytest.raises(UsageError, match="unreadable sample"):
+        run(tmp, *IMG, f"data.root={root}")
+    summary, d = run(tmp, *IMG, f"data.root={root}", "data.on_bad_sample=skip")
+    assert "bad.jpg" in (d / "metrics.jsonl").read_text()
+
+
+def probe_progress(tmp, monkeypatch):
+    from torchsprint.logging import RunLogger
+
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)
+    for value, bar in ((True, True), (False, False)):
+        logger = RunLogger(None, cfg_of(f"log.progress={value}").log)
+        logger.start_epoch(0, 1, 10)
+        assert (logger.progress is not None) == bar
+        logger.end_epoch()
+
+
+def probe_compile_backend(tmp):
+    import torch._dynamo
+
+    calls = []
+
+    @torch._dynamo.register_backend(name="torchsprint_probe")
+    def probe_backend(gm, example_inputs):
+        calls.append(len(example_inputs))
+        return gm.forward
+
+    cfg, b = build("speed.compile=true", "speed.compile_backend=torchsprint_probe")
+    b.model(first_batch(b.loaders.val)[0])
+    assert calls, "the configured torch.compile backend never ran"
+
+
+def probe_fullgraph(tmp):
+    import torch._dynamo
+
+    class Breaks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 10)
+
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return self.fc(x.flatten(1))
+
+    from torchsprint.parallel import wrap_model
+
+    for full, fails in ((False, False), (True, True)):
+        model = wrap_model(Breaks(), cfg_of().strategy, runtime.Runtime(torch.device("cpu")),
+                           speed_cfg=cfg_of("speed.compile=true", f"speed.fullgraph={full}", "speed.compile_backend=eager").speed)
+        torch._dynamo.reset()
+        if fails:
+            with pytest.raises(Exception, match="graph_break|Graph break|fullgraph"):
+                model(torch.zeros(2, 1, 8, 8))
+        else:
+            model(torch.zeros(2, 1, 8, 8))
+
+
+def ddp_wrapped(*over):
+    """The model wrapped as one rank of DDP (a 1-process gloo group): what the strategy options reach."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from torchsprint.parallel import wrap_model
+
+    cfg = cfg_of(*over)
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'pg')}", rank=0, world_size=1)
+        try:
+            rt = runtime.Runtime(torch.device("cpu"), world_size=2)  # "distributed" for wrap_model; the group has 1 rank
+            from torchsprint.models import build_model
+
+            return wrap_model(build_model(cfg.model, 10, 1), cfg.strategy, rt, speed_cfg=cfg.speed)
+        finally:
+            dist.destroy_process_group()
+
+
+def probe_deterministic(tmp):
+    cfg = cfg_of("run.deterministic=true")
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    rt = runtime.setup(cfg_of().run, cfg.strategy, cfg.speed)  # a later run in the same process: back off
+    assert not torch.are_deterministic_algorithms_enabled()
+    runtime.teardown(rt)
+
+
+def probe_channels_last(tmp):
+    _, b = build("speed.channels_last=true")
+    x = first_batch(b.loaders.train)[0]
+    conv = [m for m in b.model.modules() if isinstance(m, nn.Conv2d)][1]  # 8 input channels: the layouts differ
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert x.stride()[1] == 1  # NHWC batch (1 channel: is_contiguous cannot tell the formats apart)
+    _, b = build()
+    assert not [m for m in b.model.modules() if isinstance(m, nn.Conv2d)][1].weight.is_contiguous(
+        memory_format=torch.channels_last)
+
+
+def probe_imports(tmp, monkeypatch):
+    (tmp / "probe_models.py").write_text("from torchsprint.models.core import MODELS\nfrom torchsprint.models.nets import small_cnn\n"
+                                         "MODELS.register('probe_net', override=True)(small_cnn)\n")
+    monkeypatch.chdir(tmp)
+    refused("model.name=probe_net", match="unknown model 'probe_net'")
+    build("model.name=probe_net", "imports=[probe_models]")
+
+
+def probe_run_name_out_dir_dir(tmp):
+    from torchsprint.rundir import planned_path
+
+    assert planned_path(cfg_of("run.name=abc").run)[0].parent.name == "abc"
+    assert planned_path(cfg_of(f"run.out_dir={tmp}").run)[0].parents[1] == tmp
+    assert planned_path(cfg_of(f"run.dir={tmp / 'x'}").run) == (tmp / "x", True)
+
+
+PROBES = {
+    "imports": probe_imports,
+    "task": lambda t: differs(lambda c, b: type(b.loss_fn).__name__, "task=multilabel", "data.dataset=synthetic_multilabel",
+                              f"data.root={t}", "data.options={num_images: 8, val_images: 4, size: 8}"),
+    "run.name": probe_run_name_out_dir_dir,
+    "run.out_dir": probe_run_name_out_dir_dir,
+    "run.dir": probe_run_name_out_dir_dir,
+    "run.seed": lambda t: differs(lambda c, b: float(next(b.model.parameters()).sum()), "run.seed=1"),
+    "run.epochs": lambda t: run(t, "run.epochs=2")[0]["global_step"] == 2 * run(t)[0]["global_step"] or pytest.fail(),
+    "run.max_steps": lambda t: run(t, "run.max_steps=3")[0]["global_step"] == 3 or pytest.fail(),
+    "run.stop_after_steps": lambda t: run(t, "run.stop_after_steps=2")[0]["paused"] or pytest.fail(),
+    "run.device": lambda t: refused("run.device=cuda", match="no CUDA device") if not torch.cuda.is_available() else
+        differs(lambda c, b: str(next(b.model.parameters()).device), "run.device=cuda", base=["run.device=cpu"]),
+    "run.deterministic": probe_deterministic,
+    "data.dataset": lambda t: differs(lambda c, b: b.loaders.info.classes, "data.dataset=synthetic_jpeg", f"data.root={t}",
+                                      "data.options={num_images: 6, val_images: 3, size: [20, 16], classes: 3}", *IMG[1:]),
+    "data.root": lambda t: refused(f"data.root={t}", match="takes no data.root"),
+    "data.options": lambda t: (refused("data.options={x: 1}", match="takes no data.options"),
+                               differs(lambda c, b: len(b.loaders.train) * c.data.batch_size, "data.options={num_images: 20, val_images: 4}",
+                                       base=["data.dataset=synthetic_jpeg", f"data.root={t}", "data.batch_size=2", *IMG[1:],
+                                             "data.options={num_images: 10, val_images: 4}"])),
+    "data.val_fraction": lambda t: differs(lambda c, b: len(b.loaders.val), "data.val_fraction=0.5"),
+    "data.split_seed": lambda t: differs(lambda c, b: first_batch(b.loaders.val)[1].tolist(), "data.split_seed=1"),
+    "data.backend": lambda t: differs(lambda c, b: type(b.loaders.train).__name__, "data.backend=memory"),
+    "data.batch_size": lambda t: differs(lambda c, b: first_batch(b.loaders.train)[0].shape[0], "data.batch_size=16"),
+    "data.eval_batch_size": lambda t: differs(lambda c, b: first_batch(b.loaders.val)[0].shape[0], "data.eval_batch_size=7"),
+    "data.num_workers": lambda t: differs(lambda c, b: b.loaders.train.loader.num_workers, "data.num_workers=1"),
+    "data.pin_memory": lambda t: elsewhere("test_every_setting.py::test_cuda_only_settings"),
+    "data.persistent_workers": lambda t: differs(lambda c, b: b.loaders.train.loader.persistent_workers,
+                                                 "data.persistent_workers=false", base=["data.num_workers=1"]),
+    "data.prefetch_factor": lambda t: (refused("data.prefetch_factor=4", match="per worker process"),
+                                       differs(lambda c, b: b.loaders.train.loader.prefetch_factor, "data.prefetch_factor=4",
+                                               base=["data.num_workers=1"])),
+    "data.drop_last": lambda t: differs(lambda c, b: len(b.loaders.train), "data.drop_last=false"),
+    "data.on_bad_sample": probe_bad_sample,
+    "data.max_image_pixels": lambda t: _expect(UsageError, "data.max_image_pixels", run, t, *IMG,
+                                               f"data.root={image_folder(t)}", "data.max_image_pixels=100"),
+    "data.decoder": lambda t: (refused("data.decoder=pil", match="already decoded in memory"),
+                               differs(lambda c, b: b.loaders.train.loader.dataset.raw.decoder, "data.decoder=pil",
+                                       base=[*IMG, f"data.root={image_folder(t)}"])),
+    "data.cpu_fraction": lambda t: refused("data.cpu_fraction=0.5", match="data.backend=cpu does not use it"),
+    "data.fallback": lambda t: (refused("data.fallback=cpu", match="always runs"), _fallback(t)),
+    "data.train": lambda t: differs(lambda c, b: tuple(first_batch(b.loaders.train)[0].shape), "data.train.transforms=[resize: 12]",
+                                    base=["data.eval.transforms=[resize: 12]"]),
+    "data.eval": lambda t: differs(lambda c, b: tuple(first_batch(b.loaders.val)[0].shape), "data.eval.transforms=[resize: 12]",
+                                   base=["data.train.transforms=[resize: 12]"]),
+    "model.name": lambda t: differs(n_params, "model.name=linear", "model.args={}"),
+    "model.args": lambda t: differs(n_params, "model.args={width: 4}"),
+    "model.pretrained": probe_pretrained,
+    "model.strict": probe_strict,
+    "model.freeze": lambda t: differs(n_params, "model.freeze=['0.*']"),
+    "model.train_only": lambda t: differs(n_params, "model.train_only=['7.*']"),
+    "model.freeze_bn_stats": lambda t: differs(lambda c, b: len(b.frozen_norms), "model.freeze_bn_stats=false",
+                                               base=["model.freeze=['0.*']"]),
+    "optim.name": lambda t: differs(lambda c, b: type(b.opt).__name__, "optim.name=adamw"),
+    "optim.lr": lambda t: differs(group("lr"), "optim.lr=0.05", base=["sched.name=constant"]),
+    "optim.momentum": lambda t: (differs(group("momentum"), "optim.momentum=0.5"),
+                                 refused("optim.name=adam", "optim.momentum=0.5", match="does not apply to optimizer adam")),
+    "optim.nesterov": lambda t: (differs(group("nesterov"), "optim.nesterov=false"),
+                                 refused("optim.name=adam", "optim.nesterov=false", match="does not apply")),
+    "optim.betas": lambda t: (differs(group("betas"), "optim.betas=[0.8, 0.9]", base=["optim.name=adam"]),
+                              refused("optim.betas=[0.8, 0.9]", match="does not apply to optimizer sgd")),
+    "optim.eps": lambda t: (differs(group("eps"), "optim.eps=1e-6", base=["optim.name=adam"]),
+                            refused("optim.eps=1e-6", match="does not apply to optimizer sgd")),
+    "optim.weight_decay": lambda t: differs(group("weight_decay"), "optim.weight_decay=0.1"),
+    "optim.no_decay_norm_bias": lambda t: differs(lambda c, b: len(b.opt.param_groups), "optim.no_decay_norm_bias=false"),
+    "optim.impl": lambda t: differs(group("foreach"), "optim.impl=foreach"),
+    "optim.args": lambda t: differs(group("dampening"), "optim.args={dampening: 0.1}", base=["optim.nesterov=false"]),
+    "optim.clip_grad_norm": lambda t: trained_differently(t, "optim.clip_grad_norm=0.01"),
+    "optim.accum_steps": lambda t: run(t, "optim.accum_steps=2")[0]["global_step"] * 2 == run(t)[0]["global_step"] or pytest.fail(),
+    "sched.name": lambda t: differs(lrs(), "sched.name=exponential", "sched.interval=step", "sched.gamma=0.5"),
+    "sched.interval": lambda t: differs(lrs(), "sched.interval=epoch"),
+    "sched.warmup_epochs": lambda t: differs(lrs(), "sched.warmup_epochs=0.5"),
+    "sched.warmup_start": lambda t: (differs(lrs(), "sched.warmup_start=0.5", base=["sched.warmup_epochs=0.5"]),
+                                     refused("sched.warmup_start=0.5", match="no effect with sched.warmup_epochs=0")),
+    "sched.min_lr_ratio": lambda t: differs(lrs(30), "sched.min_lr_ratio=0.5"),
+    "sched.step_size": lambda t: (differs(lrs(30), "sched.step_size=0.1", base=["sched.name=step"]),
+                                  refused("sched.step_size=0.1", match="does not apply to sched.name=cosine")),
+    "sched.milestones": lambda t: (differs(lrs(30), "sched.milestones=[0.1]", base=["sched.name=multistep"]),
+                                   refused("sched.milestones=[0.1]", match="does not apply")),
+    "sched.gamma": lambda t: (differs(lrs(30), "sched.gamma=0.5", base=["sched.name=exponential"]),
+                              refused("sched.gamma=0.5", match="does not apply")),
+    "sched.pct_start": lambda t: (differs(lrs(30), "sched.pct_start=0.5", base=["sched.name=onecycle"]),
+                                  refused("sched.pct_start=0.5", match="does not apply")),
+    "loss.name": lambda t: differs(lambda c, b: type(b.loss_fn).__name__, "loss.name=bce_with_logits"),
+    "loss.label_smoothing": lambda t: differs(lambda c, b: float(b.loss_fn(torch.eye(10) * 5, torch.arange(10))),
+                                              "loss.label_smoothing=0.2"),
+    "loss.args": lambda t: differs(lambda c, b: float(b.loss_fn(torch.randn(10, 10, generator=torch.Generator().manual_seed(0)),
+                                                                torch.arange(10))), "loss.args={weight: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}"),
+    "loss.terms": lambda t: differs(lambda c, b: type(b.loss_fn).__name__, "loss.terms=[{name: cross_entropy, weight: 0.5}]"),
+    "precision.mode": lambda t: (differs(lambda c, b: b.prec.dtype, "precision=amp_bf16"),
+                                 refused("precision=fp16", match="needs a CUDA device") if not torch.cuda.is_available() else None),
+    "precision.on_nonfinite": lambda t: (_expect(FloatingPointError, "on_nonfinite=stop", run, t, "optim.lr=1e30"),
+                                         run(t, "optim.lr=1e30", "precision.on_nonfinite=skip")[0]["skipped_steps"] > 0 or pytest.fail()),
+    "strategy.name": lambda t: (refused("strategy=ddp", match="one process per device"),
+                                refused("strategy=dp", match="needs CUDA GPUs") if not torch.cuda.is_available() else None),
+    "strategy.backend": lambda t: (runtime.resolve_backend(cfg_of("strategy.backend=gloo").strategy, torch.device("cpu")) == "gloo"
+                                   or pytest.fail(),
+                                   _expect(UsageError, "needs CUDA devices", runtime.resolve_backend,
+                                           cfg_of("strategy.backend=nccl").strategy, torch.device("cpu"))),
+    "strategy.sync_bn": lambda t: type(next(m for m in ddp_wrapped("strategy.sync_bn=true").modules()
+                                            if "BatchNorm" in type(m).__name__)).__name__ == "GlooSyncBatchNorm" or pytest.fail(),
+    "strategy.find_unused_parameters": lambda t: ddp_wrapped("strategy.find_unused_parameters=true").find_unused_parameters or pytest.fail(),
+    "strategy.static_graph": lambda t: ddp_wrapped("strategy.static_graph=true").static_graph or pytest.fail(),
+    "strategy.bucket_cap_mb": lambda t: ddp_wrapped("strategy.bucket_cap_mb=1").bucket_bytes_cap == 2**20 or pytest.fail(),
+    "strategy.timeout_s": lambda t: elsewhere("test_ddp.py::test_failed_rank_makes_the_other_exit_within_timeout"),
+    "speed.channels_last": probe_channels_last,
+    "speed.compile": lambda t: differs(lambda c, b: type(b.model).__name__, "speed.compile=true"),
+    "speed.compile_mode": lambda t: _expect(UsageError, "compile_mode", cfg_of, "speed.compile_mode=fastest") or
+        elsewhere("test_every_setting.py::test_cuda_only_settings"),
+    "speed.compile_backend": probe_compile_backend,
+    "speed.fullgraph": probe_fullgraph,
+    "speed.cudnn_benchmark": lambda t: elsewhere("test_every_setting.py::test_cuda_only_settings"),
+    "speed.tf32": lambda t: elsewhere("test_every_setting.py::test_cuda_only_settings"),
+    "speed.cuda_graphs": lambda t: refused("speed.cuda_graphs=true", match="needs a CUDA device") if not torch.cuda.is_available()
+        else elsewhere("test_every_setting.py::test_cuda_only_settings"),
+    "checkpoint.every_epochs": lambda t: _history(t, "run.epochs=2", "checkpoint.every_epochs=2") != _history(t, "run.epochs=2")
+        or pytest.fail(),
+    "checkpoint.every_steps": lambda t: _history(t, "checkpoint.every_steps=5") != _history(t) or pytest.fail(),
+    "checkpoint.keep_last": lambda t: _files(t, "checkpoint.every_steps=5", "checkpoint.keep_last=1", "checkpoint.keep_best=0") !=
+        _files(t, "checkpoint.every_steps=5", "checkpoint.keep_best=0") or pytest.fail(),
+    "checkpoint.keep_best": lambda t: _files(t, "run.epochs=3", "checkpoint.keep_last=1", "checkpoint.keep_best=0") !=
+        _files(t, "run.epochs=3", "checkpoint.keep_last=1", "checkpoint.keep_best=2") or pytest.fail(),
+    "checkpoint.monitor": lambda t: (run(t, "checkpoint.monitor=val/loss", "checkpoint.mode=min")[0]["best_metric"] !=
+                                     run(t)[0]["best_metric"] or pytest.fail(),
+                                     _expect(UsageError, "is not a metric", run, t, "checkpoint.monitor=val/nope")),
+    "checkpoint.mode": lambda t: run(t, "run.epochs=3", "checkpoint.mode=min")[0]["best_epoch"] !=
+        run(t, "run.epochs=3")[0]["best_epoch"] or pytest.fail(),
+    "checkpoint.resume": lambda t: _resume(t),
+    "log.every_steps": lambda t: _lines(t, "log.every_steps=5") != _lines(t) or pytest.fail(),
+    "log.progress": None,  # needs monkeypatch: see PROBES_WITH_MONKEYPATCH
+    "log.tensorboard": lambda t: (run(t, "log.tensorboard=true")[1] / "tb").is_dir() and not (run(t)[1] / "tb").exists()
+        or pytest.fail(),
+    "eval.every_epochs": lambda t: _lines(t, "run.epochs=2", "eval.every_epochs=2", kind="eval") !=
+        _lines(t, "run.epochs=2", kind="eval") or pytest.fail(),
+    "eval.topk": lambda t: "val/top3" in run(t, "eval.topk=3")[0]["final"] or pytest.fail(),
+    "eval.per_class": lambda t: (run(t)[1] / "confusion_matrix.csv").exists() and
+        not (run(t, "eval.per_class=false")[1] / "confusion_matrix.csv").exists() or pytest.fail(),
+    "eval.threshold": lambda t: refused("eval.threshold=0.7", match="task=classification does not use it"),
+}
+PROBES_WITH_MONKEYPATCH = {"log.progress": probe_progress, "imports": probe_imports}
+
+
+def _expect(exc, match, fn, *args):
+    with pytest.raises(exc, match=match):
+        fn(*args)
+    return True
+
+
+def _fallback(t):
+    """Without CUDA the gpu backend is refused, and with data.fallback=cpu the cpu backend runs instead."""
+    if torch.cuda.is_available():
+        return elsewhere("test_data_backends.py::test_gpu_backends_without_cuda_fail_clearly_or_fall_back")
+    base = [*IMG, f"data.root={image_folder(t)}", "data.backend=gpu"]
+    refused(*base, match="needs a CUDA GPU")
+    with pytest.warns(UserWarning, match="using data.fallback=cpu"):
+        _, b = build(*base, "data.fallback=cpu")
+    assert type(b.loaders.train).__name__ == "DeviceLoader"
+
+
+def _history(t, *over):
+    _, d = run(t, *over)
+    return [e["step"] for e in json.loads((d / "checkpoints" / "status.json").read_text())["history"]]
+
+
+def _files(t, *over):
+    _, d = run(t, *over)
+    return sorted(p.name for p in (d / "checkpoints").glob("ckpt-*.pt"))
+
+
+def _lines(t, *over, kind="train"):
+    _, d = run(t, *over)
+    return sum(json.loads(x)["kind"] == kind for x in (d / "metrics.jsonl").read_text().splitlines())
+
+
+def _resume(t):
+    summary, d = run(t, "run.epochs=2", "run.stop_after_steps=3")
+    assert summary["paused"]
+    resumed = train(cfg_of("run.epochs=2", f"run.dir={d}", "checkpoint.resume=auto"), quiet=True)
+    fresh, _ = run(t, "run.epochs=2")
+    assert resumed["global_step"] == fresh["global_step"] and resumed["final"] == fresh["final"]
+
+
+def test_every_field_has_a_probe():
+    missing = [f for f in fields() if f not in PROBES]
+    assert not missing, f"add a probe to tests/test_every_setting.py PROBES for {missing}"
+
+
+@pytest.mark.parametrize("field", fields())
+def test_field_changes_behaviour_or_is_refused(field, tmp_path, monkeypatch):
+    probe = PROBES_WITH_MONKEYPATCH.get(field)
+    if probe is not None:
+        probe(tmp_path, monkeypatch)
+        return
+    assert PROBES.get(field) is not None, f"no probe for {field}"
+    PROBES[field](tmp_path)
+
+
+@pytest.mark.gpu
+def test_cuda_only_settings(tmp_path):
+    """data.pin_memory, speed.cudnn_benchmark, speed.tf32, speed.compile_mode and speed.cuda_graphs act on CUDA."""
+    _, b = build("run.device=cuda", "data.num_workers=1")
+    assert b.loaders.train.loader.pin_memory
+    _, b = build("run.device=cuda", "data.num_workers=1", "data.pin_memory=false")
+    assert not b.loaders.train.loader.pin_memory
+    for flag in (True, False):
+        build("run.device=cuda", f"speed.cudnn_benchmark={flag}")
+        assert torch.backends.cudnn.benchmark is flag
+        build("run.device=cuda", f"speed.tf32={flag}")
+        assert torch.backends.cuda.matmul.allow_tf32 is flag and torch.backends.cudnn.allow_tf32 is flag
+    _, b = build("run.device=cuda", "speed.cuda_graphs=true")
+    assert type(b.model).__name__ == "CudaGraphed"
+    _, b = build("run.device=cuda", "speed.compile=true", "speed.compile_mode=reduce-overhead")
+    assert type(b.model).__name__ == "OptimizedModule"

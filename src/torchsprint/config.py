@@ -201,6 +201,15 @@ class LogConfig(Section):
     every_steps: int = Field(50, ge=1, description="Log loss, lr and throughput every N optimizer steps.")
     progress: bool = Field(True, description="Show a progress bar (rank 0, interactive terminals).")
     tensorboard: bool = Field(True, description="Write TensorBoard event files into the run folder.")
+    csv: bool = Field(False, description="Also write metrics_<kind>.csv (train, epoch, eval) into the run folder.")
+    mlflow: bool = Field(False, description="Log parameters and metrics to MLflow (pip install 'torchsprint[mlflow]').")
+    mlflow_uri: str | None = Field(
+        None, description="MLflow tracking URI; None: a local file store at <run.out_dir>/mlruns (open it with "
+        "`mlflow ui --backend-store-uri <that folder>`).")
+    wandb: bool = Field(False, description="Log parameters and metrics to Weights & Biases (pip install 'torchsprint[wandb]').")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="W&B mode: online (needs `wandb login`) or offline (synced later with `wandb sync`).")
+    project: str = Field("torchsprint", description="Experiment (MLflow) / project (W&B) name the run is logged under.")
 
 
 class EvalConfig(Section):

@@ -1,8 +1,15 @@
-"""Rank-0 console, progress bar, metrics.jsonl and TensorBoard. Other ranks get a silent logger."""
+"""Rank-0 console, progress bar, metrics.jsonl, TensorBoard and the optional CSV, MLflow and W&B sinks.
+
+Other ranks get a silent logger. Every sink receives the same (step, values, kind) records that go to
+metrics.jsonl: kind 'train' at log steps, 'epoch' at epoch ends, 'eval' after evaluations.
+"""
 
 from __future__ import annotations
 
+import csv
 import json
+import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -18,6 +25,134 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+
+from torchsprint.errors import UsageError
+
+
+def numeric(values: dict[str, Any]) -> dict[str, float]:
+    """The plain numbers of a record (no booleans, lists or text): what metric stores take."""
+    return {k: float(v) for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    """A nested config as 'section.key' -> text, for MLflow parameters."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = json.dumps(v) if not isinstance(v, str) else v
+    return out
+
+
+class CsvSink:
+    """metrics_<kind>.csv in the run folder: one row per record, a column per value (appended; the file is
+    rewritten only when a new column appears). Cheap enough to leave on."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = Path(run_dir)
+        self.rows: dict[str, list[dict]] = {}
+        for path in self.dir.glob("metrics_*.csv"):  # a resumed run continues its files
+            with open(path, newline="") as f:
+                self.rows[path.stem.removeprefix("metrics_")] = list(csv.DictReader(f))
+
+    def scalars(self, step: int, values: dict[str, Any], kind: str) -> None:
+        row = {"step": step, "time": round(time.time(), 3), **numeric(values)}
+        rows = self.rows.setdefault(kind, [])
+        header = list(dict.fromkeys(k for r in rows for k in r))
+        rows.append(row)
+        path = self.dir / f"metrics_{kind}.csv"
+        if header and set(row) <= set(header):
+            with open(path, "a", newline="") as f:
+                csv.DictWriter(f, header).writerow(row)
+            return
+        header = list(dict.fromkeys([*header, *row]))
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, header)
+            w.writeheader()
+            w.writerows(rows)
+
+    def close(self, finished: bool) -> None:
+        pass
+
+
+class MlflowSink:
+    """MLflow through its client API (no global active run): parameters once, metrics per record. The run id
+    is kept in <run>/mlflow.json so a resumed run logs into the same MLflow run."""
+
+    def __init__(self, run_dir: Path, uri: str, experiment: str, params: dict[str, str]):
+        if uri.startswith("file:") or "://" not in uri:
+            # MLflow 3 keeps its file store in maintenance mode behind this switch; a local folder needs no server.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        state = Path(run_dir) / "mlflow.json"
+        saved = json.loads(state.read_text()) if state.is_file() else {}
+        if saved.get("uri") == uri:
+            self.run_id = saved["run_id"]
+        else:
+            exp = self.client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
+            run = self.client.create_run(exp_id, run_name=Path(run_dir).name, tags={"torchsprint.run_dir": str(run_dir)})
+            self.run_id = run.info.run_id
+            from mlflow.entities import Param
+
+            items = [Param(k, v[:6000]) for k, v in params.items()]
+            for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per call
+                self.client.log_batch(self.run_id, params=items[i : i + 100])
+            state.write_text(json.dumps({"uri": uri, "run_id": self.run_id, "experiment": experiment}))
+        self.client.update_run(self.run_id, status="RUNNING")
+
+    def scalars(self, step: int, values: dict[str, Any], kind: str) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in numeric(values).items() if k != "epoch"]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self, finished: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if finished else "KILLED")
+
+
+class WandbSink:
+    """Weights & Biases: one W&B run per torchsprint run (its id kept in <run>/wandb.json, so a resumed run
+    continues it), the resolved config as its config, files under <run>/wandb."""
+
+    def __init__(self, run_dir: Path, project: str, mode: str, params: dict):
+        import wandb
+
+        state = Path(run_dir) / "wandb.json"
+        run_id = json.loads(state.read_text())["id"] if state.is_file() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
+        state.write_text(json.dumps({"id": run_id, "project": project}))
+        self.run = wandb.init(project=project, name=Path(run_dir).name, id=run_id, resume="allow", dir=str(run_dir),
+                              mode=mode, config=params, reinit="create_new")
+
+    def scalars(self, step: int, values: dict[str, Any], kind: str) -> None:
+        data = numeric(values)
+        if data:
+            self.run.log(data, step=step)
+
+    def close(self, finished: bool) -> None:
+        self.run.finish(exit_code=0 if finished else 1)
+
+
+def check_sinks(log_cfg) -> None:
+    """Refuse, before anything is created, a sink whose library is not installed."""
+    import importlib.util
+
+    for key, needs in (("mlflow_uri", ("mlflow",)), ("wandb_mode", ("wandb",)), ("project", ("mlflow", "wandb"))):
+        value = getattr(log_cfg, key)
+        if not any(getattr(log_cfg, n) for n in needs) and value != type(log_cfg).model_fields[key].default:
+            raise UsageError(f"log.{key}={value} applies to {' and '.join('log.' + n for n in needs)}, which "
+                             f"{'is' if len(needs) == 1 else 'are'} off; set {' or '.join('log.' + n + '=true' for n in needs)}, "
+                             "or remove it.")
+    for flag, module, extra in (("mlflow", "mlflow", "mlflow"), ("wandb", "wandb", "wandb")):
+        if getattr(log_cfg, flag) and importlib.util.find_spec(module) is None:
+            raise UsageError(f"log.{flag}=true needs the {module} package: pip install 'torchsprint[{extra}]' (or set "
+                             f"log.{flag}=false).")
 
 
 class RunLogger:
@@ -36,13 +171,16 @@ class RunLogger:
         self.cfg = log_cfg
         self.jsonl = None
         self.tb = None
+        self.sinks: list = []  # CSV, MLflow, W&B: each takes scalars(step, values, kind) and close(finished)
         self.progress: Progress | None = None
         self.task = None
         if run_dir is not None:
             self.open_files(run_dir)
 
-    def open_files(self, run_dir: Path) -> None:
-        """Start writing metrics.jsonl (appended to, so a resumed run continues it) and TensorBoard into run_dir."""
+    def open_files(self, run_dir: Path, params: dict | None = None, out_dir: str | Path = "runs") -> None:
+        """Start writing metrics.jsonl (appended to, so a resumed run continues it), TensorBoard and the optional
+        sinks into run_dir. `params`: the resolved config (MLflow parameters, W&B config); `out_dir`: where
+        the default local MLflow store goes (<out_dir>/mlruns)."""
         if not self.enabled or self.jsonl is not None:
             return
         self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
@@ -50,6 +188,14 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+        if self.cfg.csv:
+            self.sinks.append(CsvSink(run_dir))
+        if self.cfg.mlflow:
+            uri = self.cfg.mlflow_uri or (Path(out_dir) / "mlruns").resolve().as_uri()
+            self.sinks.append(MlflowSink(run_dir, uri, self.cfg.project, flatten(params or {})))
+            self.info(f"MLflow: experiment {self.cfg.project} at {uri} (`mlflow ui --backend-store-uri {uri}`)")
+        if self.cfg.wandb:
+            self.sinks.append(WandbSink(run_dir, self.cfg.project, self.cfg.wandb_mode, params or {}))
 
     def info(self, msg: str) -> None:
         if self.enabled:
@@ -62,9 +208,10 @@ class RunLogger:
         if self.jsonl:
             self.jsonl.write(json.dumps({"kind": kind, "step": step, "time": round(time.time(), 3), **values}) + "\n")
         if self.tb:
-            for k, v in values.items():
-                if isinstance(v, int | float) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, step)
+            for k, v in numeric(values).items():
+                self.tb.add_scalar(k, v, step)
+        for sink in self.sinks:
+            sink.scalars(step, values, kind)
 
     # -- progress: one bar per epoch (interactive terminals), a line per log step otherwise
     def start_epoch(self, epoch: int, epochs: int, total: int, done: int = 0) -> None:
@@ -103,9 +250,15 @@ class RunLogger:
             table.add_row(k, v)
         self.console.print(table)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Flush and close everything; `finished`: the run ended normally (MLflow/W&B mark it so)."""
         self.end_epoch()
         if self.jsonl:
             self.jsonl.close()
+            self.jsonl = None
         if self.tb:
             self.tb.close()
+            self.tb = None
+        for sink in self.sinks:
+            sink.close(finished)
+        self.sinks = []

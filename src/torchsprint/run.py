@@ -180,15 +180,16 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
     from torchsprint import runtime
     from torchsprint.checkpoint import Saver, TrainState, data_geometry
     from torchsprint.engine import fit
-    from torchsprint.logging import RunLogger
+    from torchsprint.logging import RunLogger, check_sinks
     from torchsprint.resume import find_resume, restore
     from torchsprint.rundir import RunLock, create_unique, make_folder
     from torchsprint.tasks import get_task
 
     import_modules(cfg.imports)
     task = get_task(cfg.task)
+    check_sinks(cfg.log)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
-    lock, clean = None, False
+    lock, clean, logger = None, False, None
     try:
         logger = RunLogger(None, cfg.log, enabled=rt.is_main, console=not quiet)
         held = {}  # the lock stays in rank 0's process; only the decision is shared
@@ -220,7 +221,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             if rt.is_main:
                 lock = RunLock(run_dir)
         rt.barrier()
-        logger.open_files(run_dir)
+        logger.open_files(run_dir, params=config_mod.to_dict(cfg), out_dir=cfg.run.out_dir)
         if rt.is_main:
             (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
             (run_dir / "env.json").write_text(json.dumps(environment(rt, cfg.run.seed), indent=1))
@@ -258,10 +259,12 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
                      ("data-wait share", f"{summary['data_wait_share']:.0%}"),
                      ("wall time", f"{summary['seconds']:.1f} s"), ("run folder", str(run_dir))]
             logger.summary("run summary", rows)
-        logger.close()
+        logger.close(finished=not summary["paused"])
         clean = True
         return summary
     finally:
+        if logger is not None:
+            logger.close(finished=False)  # an error: MLflow/W&B mark the run failed (a no-op after a normal close)
         if lock is not None:
             lock.release()
         runtime.teardown(rt, clean)

@@ -1,0 +1,121 @@
+"""The optional sinks against the real libraries: CSV files, a real MLflow store read back with MLflow's own
+client, and a real W&B offline run file read back record by record. Each must hold exactly what
+metrics.jsonl holds (the reference every sink is fed from)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import struct
+
+import pytest
+
+from torchsprint import config
+from torchsprint.run import train
+
+BASE = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.epochs=2", "log.every_steps=5"]
+
+
+def jsonl(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_csv_rows_equal_the_jsonl_records(tmp_path):
+    run = tmp_path / "r"
+    train(config.load(None, [*BASE, "log.csv=true", f"run.dir={run}"]), quiet=True)
+    records = jsonl(run)
+    for kind in ("train", "epoch", "eval"):
+        with open(run / f"metrics_{kind}.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        want = [r for r in records if r["kind"] == kind]
+        assert len(rows) == len(want) > 0, kind
+        for row, rec in zip(rows, want):
+            assert int(row["step"]) == rec["step"]
+            for k, v in rec.items():
+                if isinstance(v, float):
+                    assert float(row[k]) == pytest.approx(v, rel=1e-12), (kind, k)
+
+
+def test_mlflow_store_holds_params_and_every_metric_and_resume_continues_the_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    run = tmp_path / "r"
+    over = [*BASE, "log.mlflow=true", f"run.out_dir={tmp_path}", f"run.dir={run}"]
+    summary = train(config.load(None, [*over, "run.stop_after_steps=30"]), quiet=True)
+    assert summary["paused"]
+    train(config.load(None, [*over, "checkpoint.resume=auto"]), quiet=True)
+    state = json.loads((run / "mlflow.json").read_text())
+    assert state["uri"] == (tmp_path / "mlruns").resolve().as_uri()  # the documented default: <out_dir>/mlruns
+    client = MlflowClient(tracking_uri=state["uri"])
+    mrun = client.get_run(state["run_id"])  # one MLflow run for the paused and resumed halves
+    assert mrun.info.status == "FINISHED"
+    assert mrun.data.params["optim.lr"] == "0.1" and mrun.data.params["model.name"] == "small_cnn"
+    records = jsonl(run)
+    for key in ("train/loss", "val/top1"):
+        hist = sorted((m.step, m.value) for m in client.get_metric_history(state["run_id"], key))
+        want = sorted((r["step"], r[key]) for r in records if key in r)
+        assert [s for s, _ in hist] == [s for s, _ in want]
+        assert [v for _, v in hist] == pytest.approx([v for _, v in want], rel=1e-12)
+
+
+def read_wandb_history(path) -> list[dict]:
+    """History rows of a W&B run file, read independently of wandb's writer: the file is a LevelDB-style log
+    (7-byte header ':W&B' + magic + version, 32 KiB blocks of records with a crc32/length/type header) of
+    protobuf `Record` messages."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block = path.read_bytes(), 7, 32768
+    assert data[:4] == b":W&B"
+    payloads, buf = [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        if kind == 1:
+            payloads.append(chunk)
+        elif kind == 2:
+            buf = chunk
+        elif kind == 3:
+            buf += chunk
+        elif kind == 4:
+            payloads.append(buf + chunk)
+    rows = []
+    for p in payloads:
+        rec = pb.Record()
+        rec.ParseFromString(p)
+        if rec.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    return rows
+
+
+def test_wandb_offline_run_holds_every_metric(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "r"
+    train(config.load(None, [*BASE, "log.wandb=true", "log.wandb_mode=offline", f"run.dir={run}"]), quiet=True)
+    files = list(run.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    rows = read_wandb_history(files[0])
+    by_step: dict[int, dict] = {}
+    for r in rows:
+        by_step.setdefault(r["_step"], {}).update(r)
+    for rec in jsonl(run):
+        for k, v in rec.items():
+            if isinstance(v, float) and k != "time":
+                assert by_step[rec["step"]][k] == pytest.approx(v, rel=1e-6), (rec["step"], k)
+    assert json.loads((run / "wandb.json").read_text())["id"] in files[0].name
+
+
+def test_a_missing_sink_library_is_refused_before_anything_is_created(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from torchsprint import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    assert cli.main(["train", *BASE, "log.mlflow=true", f"run.dir={tmp_path / 'r'}"]) == 2
+    assert "pip install 'torchsprint[mlflow]'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -3,7 +3,7 @@
 Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies point downward)"):
 
   foundation   errors, registry, version: no torchsprint imports beyond these
-  machine      runtime (process group, seeds), rng, parallel (wrappers, collectives), logging
+  machine      runtime (process group, seeds), rng, parallel (wrappers, collectives), logging, plots
   numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
   data         core (registries, sampler) < decode < transforms/normalize/batch_ops (the spec) < augment
                < sources/ (one file per dataset family) < backends/ (one file per loader backend)
@@ -33,7 +33,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "registry", "version"]),
-    ("machine", ["runtime", "rng", "parallel", "logging"]),
+    ("machine", ["runtime", "rng", "parallel", "logging", "plots"]),
     ("numerics", ["precision", "checkpoint", "resume", "rundir", "metrics", "optim"]),
     ("data.core", ["data.core"]),
     ("data.decode", ["data.decode"]),

@@ -108,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", default=None, help="bench folder (default: bench/<timestamp>)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
+    p = sub.add_parser("report", help="one HTML page of a run: curves, confusion matrix, per-class scores, worst mistakes",
+                       description="Write <run>/report/report.html (self-contained) and its plots as PNG files.")
+    p.add_argument("run", metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
+    p.add_argument("--weights", choices=["best", "last"], default="best", help="weights for the validation pass")
+    p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: <run>/report)")
+    p.add_argument("--wrong", type=int, default=24, help="how many confidently wrong validation images to show")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module that registers your own models/datasets (repeatable)")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+
     p = sub.add_parser("config", help="show the resolved config or its JSON Schema", description="Inspect configs.")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     s = csub.add_parser("show", help="print the fully resolved config (YAML)", description="Print the resolved config.")
@@ -195,6 +205,14 @@ def cmd_bench(args) -> int:
     return bench_cli(args)
 
 
+def cmd_report(args) -> int:
+    from torchsprint.config import import_modules
+    from torchsprint.report import report_cli
+
+    import_modules(args.imports)
+    return report_cli(args)
+
+
 def cmd_config(args) -> int:
     from torchsprint import config
 
@@ -244,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # `torchsprint` alone runs the default training
         args = parser.parse_args(["train", *([] if argv is None else argv)] if argv else ["train"])
     handler = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "list": cmd_list, "export": cmd_export,
-               "predict": cmd_predict, "data": cmd_data, "bench": cmd_bench}[command]
+               "predict": cmd_predict, "data": cmd_data, "bench": cmd_bench, "report": cmd_report}[command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -138,29 +138,24 @@ class RestorationMetrics:
 
 
 def write_confusion(path_stem: Path, confusion: list[list[int]], classes: list[str]) -> None:
-    """Write the confusion matrix as CSV (rows: true class, columns: predicted) and as a PNG heat map."""
+    """Write the confusion matrix as CSV (rows: true class, columns: predicted) and as a PNG (plots.confusion)."""
+    from torchsprint.plots import confusion as plot_confusion
+
     with open(path_stem.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["true\\pred", *classes])
         for c, row in zip(classes, confusion):
             w.writerow([c, *row])
-    import matplotlib
+    plot_confusion(confusion, classes, path_stem.with_suffix(".png"), title=f"Confusion matrix: {path_stem.parent.name}")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    n = len(classes)
-    fig, ax = plt.subplots(figsize=(max(4, 0.45 * n + 2), max(3.5, 0.45 * n + 1.5)))
-    im = ax.imshow(confusion, cmap="Blues")
-    if n <= 30:
-        ax.set_xticks(range(n), classes, rotation=90)
-        ax.set_yticks(range(n), classes)
-        for i in range(n):
-            for j in range(n):
-                ax.text(j, i, confusion[i][j], ha="center", va="center", fontsize=7)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    fig.colorbar(im)
-    fig.tight_layout()
-    fig.savefig(path_stem.with_suffix(".png"), dpi=100)
-    plt.close(fig)
+def write_per_class(path: Path, metrics: dict, classes: list[str]) -> None:
+    """per_class.csv: class name, precision, recall, F1 and support (true images) from an evaluation's metrics
+    (keys precision/recall/f1/confusion, with or without a 'val/' prefix)."""
+    get = lambda k: metrics.get(k, metrics.get(f"val/{k}"))  # noqa: E731
+    support = [sum(row) for row in get("confusion")] if get("confusion") else [None] * len(classes)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["class", "precision", "recall", "f1", "support"])
+        for i, c in enumerate(classes):
+            w.writerow([c, *(f"{get(k)[i]:.6f}" if get(k) else "" for k in ("precision", "recall", "f1")), support[i]])

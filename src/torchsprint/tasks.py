@@ -125,10 +125,11 @@ def _classification_summary(ev: dict) -> str:
 
 
 def _write_confusion(run_dir: Path, ev: dict, info) -> None:
-    from torchsprint.metrics import write_confusion
+    from torchsprint.metrics import write_confusion, write_per_class
 
     if "val/confusion" in ev:
         write_confusion(run_dir / "confusion_matrix", ev["val/confusion"], info.classes)
+        write_per_class(run_dir / "per_class.csv", ev, info.classes)
 
 
 def _topk(outputs: torch.Tensor, classes: list[str], options: dict) -> list[dict]:

@@ -41,7 +41,8 @@ def test_report_files_and_what_the_page_holds(reported):
     rows = re.findall(r"<tr><td>([^<]+)</td><td>([0-9.]+)</td><td>([0-9.]+)</td><td>([0-9.]+)</td><td>(\d+)</td></tr>", text)
     assert len(rows) == 10
     for name, prec, rec, f1, support in rows:
-        assert float(rec) == pytest.approx(float(saved[name]["recall"]), abs=1e-4), name
+        for key, value in (("precision", prec), ("recall", rec), ("f1", f1)):
+            assert float(value) == pytest.approx(float(saved[name][key]), abs=1e-4), (name, key)
         assert int(support) == int(saved[name]["support"]), name
 
 

@@ -83,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="check a dataset and loader, or compare CPU/GPU preprocessing",
                        description="Inspect the data pipeline of a config.")
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    s = dsub.add_parser("check", help="load N batches per split, count problems, measure images/s, write a sample grid",
-                        description="Load batches from every split and report.")
+    s = dsub.add_parser("check", help="read every file: unreadable ones, duplicates, train/val leaks, class counts, a sample grid",
+                        description="Read and decode every sample of every split (whatever data.on_bad_sample says) and "
+                        "report unreadable files, identical files, images shared between splits, class counts and "
+                        "sizes; load a few batches through the configured backend; write check.json and samples.png.")
     _add_config_args(s)
     s.add_argument("--batches", type=int, default=10, help="batches to load per split")
     s.add_argument("--out", metavar="DIR", default=None, help="folder for the sample grid PNG (default: a temp folder)")
@@ -194,9 +196,13 @@ def cmd_predict(args) -> int:
 
 
 def cmd_data(args) -> int:
+    if args.data_command == "check":
+        from torchsprint.data.check import check_cli
+
+        return check_cli(args)
     from torchsprint.data import tools
 
-    return tools.check_cli(args) if args.data_command == "check" else tools.compare_cli(args)
+    return tools.compare_cli(args)
 
 
 def cmd_bench(args) -> int:

@@ -50,7 +50,7 @@ def tile_grid(rows: list[list[tuple[torch.Tensor, str]]], title: str, row_labels
     """A grid of labelled tiles: rows[i][j] = (uint8 CHW image, caption). Empty cells stay blank.
 
     Args:
-        rows: the tiles, row by row (rows may differ in length).
+        rows: the tiles, row by row (rows may differ in length; None leaves a cell blank).
         title: the figure title.
         row_labels: a label left of each row (e.g. the class name).
         path: where to write the PNG (also returned as bytes).
@@ -69,7 +69,7 @@ def tile_grid(rows: list[list[tuple[torch.Tensor, str]]], title: str, row_labels
             ax.set_yticks([])
             for spine in ax.spines.values():
                 spine.set_visible(False)
-            if j < len(row):
+            if j < len(row) and row[j] is not None:
                 img, caption = row[j]
                 arr = upscale(img, min_side)
                 ax.imshow(arr, cmap="gray" if arr.ndim == 2 else None, vmin=0, vmax=255, interpolation="nearest")

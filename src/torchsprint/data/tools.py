@@ -1,11 +1,11 @@
-"""`torchsprint data check` and `torchsprint data compare`: look at a data pipeline before training on it.
+"""`torchsprint data compare`: the eval preprocessing through every decoder and backend, pixel by pixel
+(`data check` is in data/check.py).
 
 torch is imported inside the functions so that `torchsprint --help` stays fast.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 
@@ -15,104 +15,6 @@ def _runtime(cfg):
     from torchsprint.runtime import Runtime, resolve_device
 
     return Runtime(torch.device(resolve_device(cfg.run.device)))
-
-
-def save_grid(images, mean, std, path: Path, nrow: int = 8) -> Path:
-    """Undo normalisation of a float NCHW batch and write the first 64 images as one PNG."""
-    import torch
-    from torchvision.io import write_png
-    from torchvision.utils import make_grid
-
-    x = images[:64].detach().float().cpu()
-    m = torch.tensor(mean).view(1, -1, 1, 1)
-    s = torch.tensor(std).view(1, -1, 1, 1)
-    x = ((x * s + m) * 255).round().clamp(0, 255).to(torch.uint8)
-    if x.shape[1] == 1:
-        x = x.expand(-1, 3, -1, -1)
-    grid = make_grid(x, nrow=nrow, padding=2)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_png(grid, str(path))
-    return path
-
-
-def check(cfg, batches: int = 10, out: Path | None = None) -> dict:
-    """Load up to `batches` batches of every split; return shapes, label and class counts, unreadable
-    samples, images/s and the path of a PNG grid of augmented training samples.
-
-    A problem (labels outside 0..K-1, non-finite pixels, changing shapes, an empty split) is listed
-    under "problems".
-    """
-    import tempfile
-
-    import torch
-
-    from torchsprint.data.core import build_loaders
-
-    rt = _runtime(cfg)
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed)
-    info = loaders.info
-    k = info.num_classes
-    report = {"backend": cfg.data.backend, "dataset": cfg.data.dataset, "classes": info.classes, "splits": {}, "problems": []}
-    grid_batch = None
-    for name, loader in (("train", loaders.train), ("val", loaders.val)):
-        loader.set_epoch(0)
-        counts = torch.zeros(k, dtype=torch.int64)
-        shapes, n_images, n_batches = set(), 0, 0
-        t0 = time.perf_counter()
-        for images, targets in loader:
-            if n_batches == 0 and name == "train":
-                grid_batch = images
-            shapes.add(tuple(images.shape[1:]))
-            # note: a host-device sync per batch is fine in a checking tool
-            if not bool(torch.isfinite(images).all()):
-                report["problems"].append(f"{name}: non-finite pixel values in batch {n_batches}")
-            t = targets.cpu()
-            bad = (t < 0) | (t >= k)
-            if bool(bad.any()):
-                report["problems"].append(f"{name}: labels {t[bad].unique().tolist()[:5]} outside 0..{k - 1}")
-                t = t[~bad]
-            counts += torch.bincount(t, minlength=k)
-            n_images += images.shape[0]
-            n_batches += 1
-            if n_batches >= batches:
-                break
-        seconds = time.perf_counter() - t0
-        if n_batches == 0:
-            report["problems"].append(f"{name}: no batches (len(loader)={len(loader)})")
-        if len(shapes) > 1:
-            report["problems"].append(f"{name}: batches have different image shapes {sorted(shapes)}")
-        skipped = list(getattr(loader, "skipped", []))
-        report["splits"][name] = {
-            "batches": n_batches, "of": len(loader), "images": n_images, "shape": sorted(shapes),
-            "class_counts": dict(zip(info.classes, counts.tolist())), "unreadable": len(skipped),
-            "unreadable_examples": skipped[:10], "images_per_s": n_images / max(seconds, 1e-9),
-        }
-    out = Path(out) if out else Path(tempfile.mkdtemp(prefix="torchsprint-data-check-"))
-    if grid_batch is not None:
-        report["grid"] = str(save_grid(grid_batch, info.mean, info.std, out / "train_samples.png"))
-    return report
-
-
-def check_cli(args) -> int:
-    """`torchsprint data check -c cfg [--batches N] [--out DIR]`: print the report; exit 1 on problems."""
-    from torchsprint import config
-
-    cfg = config.load(args.config, args.overrides)
-    r = check(cfg, args.batches, args.out)
-    print(f"dataset {r['dataset']}  backend {r['backend']}  {len(r['classes'])} classes: {', '.join(r['classes'][:10])}"
-          + (" ..." if len(r["classes"]) > 10 else ""))
-    for name, s in r["splits"].items():
-        print(f"{name:>5}: {s['batches']}/{s['of']} batches, {s['images']} images, shape {s['shape']}, "
-              f"{s['images_per_s']:.0f} images/s, unreadable {s['unreadable']}")
-        print(f"       class counts: {s['class_counts']}")
-        for e in s["unreadable_examples"]:
-            print(f"       unreadable: {e}")
-    if "grid" in r:
-        print(f"sample grid: {r['grid']}")
-    for p in r["problems"]:
-        print(f"problem: {p}")
-    print("ok" if not r["problems"] else f"{len(r['problems'])} problem(s)")
-    return 0 if not r["problems"] else 1
 
 
 # ---------------------------------------------------------------- compare

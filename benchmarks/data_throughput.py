@@ -6,6 +6,15 @@ times the candidate JPEG decoders one image at a time on one thread.
 
     .venv/bin/python benchmarks/data_throughput.py --images 512 --workers 2 --repeats 3
 
+On a GPU (`--device cuda`) it measures the loader backends that feed the GPU instead (issue 12, M2):
+the cpu backend with --workers workers (and per core, by CPU time), the gpu backend with
+cpu_fraction 0 and auto, and DALI when it is installed; `--json` writes the figures.
+
+    python benchmarks/data_throughput.py --device cuda --images 20000 --workers 16 --batch-size 256 --json m2.json
+
+`--transfer` times what crosses the DataLoader's worker queue per batch of 256 JPEGs: one tensor per
+file (the gpu backend before) against one flat buffer with offsets (now).
+
 Variants alternate within each repeat (A B C A B C ...) so that load from other processes on a
 shared machine hits them alike; the median over repeats is reported with the min-max range.
 """
@@ -13,6 +22,7 @@ shared machine hits them alike; the median over repeats is reported with the min
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import threading
@@ -41,7 +51,8 @@ def naive_loader(samples, batch_size: int, workers: int):
                                        persistent_workers=workers > 0, drop_last=True)
 
 
-def torchsprint_loader(root: str, backend: str, decoder: str, batch_size: int, workers: int, n: int):
+def torchsprint_loader(root: str, backend: str, decoder: str, batch_size: int, workers: int, n: int, device: str = "cpu",
+                       extra: tuple = ()):
     import torch
 
     from torchsprint import config
@@ -52,24 +63,107 @@ def torchsprint_loader(root: str, backend: str, decoder: str, batch_size: int, w
         "data.dataset=synthetic_jpeg", f"data.root={root}", f"data.options={{num_images: {n}, val_images: 8}}",
         f"data.backend={backend}", f"data.decoder={decoder}", f"data.batch_size={batch_size}", f"data.num_workers={workers}",
         "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
-        "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]",
+        "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]", *extra,
     ])
-    loaders = build_loaders(cfg.data, Runtime(torch.device("cpu")), seed=0)
+    loaders = build_loaders(cfg.data, Runtime(torch.device(device)), seed=0)
     return loaders.train
 
 
 def time_epoch(loader, epoch: int, warmup: int = 2) -> float:
-    """Images/s over one epoch after `warmup` batches (workers started, queues filled)."""
+    """Images/s over one epoch after `warmup` batches (workers started, queues filled); on CUDA the clock
+    stops after the device has finished the last batch."""
+    import torch
+
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
-    n, t0 = 0, None
+    n, t0, x = 0, None, None
     for i, (x, _) in enumerate(loader):
         x.sum()  # touch the batch, as a training step would
         if i == warmup - 1:
+            if x.is_cuda:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
         elif i >= warmup:
             n += x.shape[0]
+    if x is not None and x.is_cuda:
+        torch.cuda.synchronize()
     return n / (time.perf_counter() - t0)
+
+
+def transfer_micro(paths: list[Path], batch: int = 256, batches: int = 8, workers: int = 2) -> dict:
+    """ms per batch through a DataLoader worker queue: `batch` JPEGs as one tensor each (the gpu backend
+    before) against one flat uint8 buffer with offsets (now). The bytes are read before the workers
+    start (forked copies), so only what crosses the queue differs."""
+    import torch
+
+    from torchsprint.data.backends.gpu import pack
+
+    files = (paths * (batch * batches // max(1, len(paths)) + 1))[: batch * batches]
+    blobs = [p.read_bytes() for p in files]
+
+    class PerFile(torch.utils.data.Dataset):
+        def __len__(self):
+            return batches
+
+        def __getitem__(self, b):
+            return [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in blobs[b * batch : (b + 1) * batch]]
+
+    class Flat(PerFile):
+        def __getitem__(self, b):
+            return pack(blobs[b * batch : (b + 1) * batch])
+
+    out = {}
+    for name, ds in (("one tensor per JPEG", PerFile()), ("one flat buffer + offsets", Flat())):
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+        t0 = time.perf_counter()
+        for _ in loader:
+            pass
+        out[name] = (time.perf_counter() - t0) / batches * 1e3
+    return out
+
+
+def gpu_main(args) -> None:
+    """M2 of issue 12: the backends that feed a GPU, same JPEGs, same spec, images/s."""
+    import torch
+
+    from torchsprint.data.backends.dali import dali_available
+
+    dev = args.device
+    variants = {
+        f"cpu backend, {args.workers} workers": ("cpu", ()),
+        "gpu backend, cpu_fraction 0": ("gpu", ("data.cpu_fraction=0.0",)),
+        "gpu backend, cpu_fraction auto": ("gpu", ("data.cpu_fraction=auto",)),
+    }
+    if dali_available():
+        variants["dali backend"] = ("dali", ())
+    loaders = {name: torchsprint_loader(args.root, backend, "auto", args.batch_size, args.workers, args.images, dev, extra)
+               for name, (backend, extra) in variants.items()}
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(args.repeats):
+        for name in variants:
+            results[name].append(time_epoch(loaders[name], r))
+    cpu_loader = loaders[f"cpu backend, {args.workers} workers"]
+    per_core = 1 / statistics.median(cpu_seconds_per_image(cpu_loader, False) for _ in range(args.repeats))
+    gpu_name = torch.cuda.get_device_name() if torch.cuda.is_available() else dev
+    print(f"{args.images} JPEGs 500x375 q90, batch {args.batch_size}, {args.workers} workers, {os.cpu_count()} cores, "
+          f"{gpu_name}, torch {torch.__version__} ({time.strftime('%Y-%m-%d %H:%M')})")
+    print("| loader | images/s (median) | min-max |")
+    print("|---|---|---|")
+    rows = {}
+    for name, xs in results.items():
+        rows[name] = statistics.median(xs)
+        print(f"| {name} | {rows[name]:.0f} | {min(xs):.0f}-{max(xs):.0f} |")
+    print(f"| cpu backend per core (CPU time, one thread) | {per_core:.0f} | |")
+    fallbacks = {name: getattr(loaders[name], "cpu_fallbacks", None) for name in variants}
+    final_fraction = {name: getattr(loaders[name], "cpu_fraction", None) for name in variants}
+    if not dali_available():
+        print("dali backend: not measured, NVIDIA DALI is not installed here")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "device": gpu_name, "torch": torch.__version__, "images": args.images, "batch_size": args.batch_size,
+            "workers": args.workers, "images_per_s": rows, "cpu_backend_per_core": per_core, "runs": results,
+            "gpu_cpu_fallbacks": fallbacks, "final_cpu_fraction": final_fraction,
+            "dali": "measured" if dali_available() else "not installed"}, indent=1))
 
 
 def cpu_seconds_per_image(loader, naive: bool, n: int = 256, batch: int = 64) -> float:
@@ -229,10 +323,24 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers for every variant")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu: the CPU table below; cuda: the backends that feed a GPU (M2)")
+    ap.add_argument("--json", help="write the figures to this JSON file (--device cuda)")
+    ap.add_argument("--transfer", action="store_true", help="only the worker-queue transfer comparison")
     args = ap.parse_args()
 
     import torch
 
+    if args.transfer:
+        torchsprint_loader(args.root, "cpu", "auto", args.batch_size, 0, args.images)  # generates the JPEGs once
+        paths = sorted(Path(args.root).glob(f"*n{args.images}-*/train/*/*.jpg"))
+        print("| per batch of 256 JPEGs through the worker queue | ms |")
+        print("|---|---|")
+        for name, ms in transfer_micro(paths, workers=args.workers).items():
+            print(f"| {name} | {ms:.1f} |")
+        return
+    if args.device != "cpu":
+        gpu_main(args)
+        return
     torch.set_num_threads(1)
     variants = {
         "naive: PIL + torchvision transforms (float in workers)": None,

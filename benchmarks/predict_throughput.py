@@ -4,12 +4,16 @@ Cases: the default digits model (8x8 grayscale PNG files) and a ResNet-18 at 224
 eval spec resize 256 + center_crop 224 + imagenet normalisation). Weights are random: throughput does
 not depend on them. Backends alternate within each repeat so that machine load hits both alike.
 
-    python benchmarks/predict_throughput.py [--repeats 3] [--images 64] [--device cpu]
+    python benchmarks/predict_throughput.py [--repeats 3] [--images 64] [--device cpu] [--json out.json]
+
+On CUDA the torch backend decodes JPEGs with nvJPEG in batches (predict's GPU path); onnxruntime uses its
+CUDA provider when the installed onnxruntime has one (the row says which provider ran).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -67,6 +71,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--images", type=int, default=64)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp(prefix="predict-bench-"))
@@ -79,12 +84,13 @@ def main() -> None:
                                                  ["data.dataset=image_folder", f"data.root={tmp / 'jpg'}", f"data.train.transforms={r18_spec}"]), jpgs, 32),
     }
     print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} repeats={args.repeats}")
+    rows = []
     print("| case | backend | end-to-end images/s (median, min-max) | model-only images/s |")
     print("|---|---|---|---|")
     for name, (run, paths, bs) in cases.items():
         export(run, "onnx")
         preds = {b: Predictor.from_run(run, backend=b, device=args.device, batch_size=bs) for b in ("torch", "onnx")}
-        batch = torch.stack([preds["torch"]._load(p) for p in paths[:bs]])
+        batch = torch.stack(preds["torch"]._load_many(paths[:bs]))
         for p in preds.values():  # warm-up: first-call allocations, onnxruntime graph optimisation
             p.predict(paths[:bs])
         e2e = {b: [] for b in preds}
@@ -94,8 +100,20 @@ def main() -> None:
                 e2e[b].append(len(paths) / timed(lambda p=p, paths=paths: p.predict(paths)))
                 model_only[b].append(len(batch) * 3 / timed(lambda p=p, batch=batch: [p.logits(batch) for _ in range(3)]))
         for b in preds:
-            print(f"| {name} | {b} | {statistics.median(e2e[b]):.0f} ({min(e2e[b]):.0f}-{max(e2e[b]):.0f}) | "
+            label = b if b == "torch" else f"onnx ({providers(preds[b])})"
+            print(f"| {name} | {label} | {statistics.median(e2e[b]):.0f} ({min(e2e[b]):.0f}-{max(e2e[b]):.0f}) | "
                   f"{statistics.median(model_only[b]):.0f} |")
+            rows.append({"case": name, "backend": label, "end_to_end_images_per_s": statistics.median(e2e[b]),
+                         "model_only_images_per_s": statistics.median(model_only[b]),
+                         "cpu_fallbacks": getattr(preds[b], "cpu_fallbacks", 0)})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "torch": torch.__version__, "rows": rows}, indent=1))
+
+
+def providers(predictor) -> str:
+    """The execution provider onnxruntime actually used (the first of the session's providers)."""
+    sess = getattr(predictor.forward, "session", None)
+    return sess.get_providers()[0] if sess is not None else "?"
 
 
 if __name__ == "__main__":

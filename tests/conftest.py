@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny CPU configs and a real JPEG image folder generated on the fly."""
+"""Shared fixtures: tiny CPU configs and a real JPEG image folder generated on the fly.
+
+Unmarked tests run on the CPU on every machine (`cpu_only_unless_gpu_marked`): on a GPU machine
+run.device=auto would otherwise put them on CUDA (the DDP tests would ask for cuda:1 on a one-GPU
+machine, the bit-exact tests would compare CUDA with CPU references). GPU behaviour lives in tests
+marked `gpu` (and `dali`), which see the GPU as it is.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +21,66 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Read once, before any test hides the GPU: the CUDA driver enumerates devices (and reads
+# CUDA_VISIBLE_DEVICES) when it first initialises, so setting the variable later changes children only.
+HAS_CUDA = torch.cuda.is_available()
+
+
+def needs_gpu(item) -> bool:
+    return item.get_closest_marker("gpu") is not None or item.get_closest_marker("dali") is not None
+
+
+@pytest.fixture(autouse=True)
+def cpu_only_unless_gpu_marked(request, monkeypatch):
+    """Unmarked tests see a machine without CUDA, in this process and in every process they start.
+
+    In process: torch.cuda.is_available() and device_count() say no GPU, so run.device=auto resolves
+    to the CPU exactly as on a CPU machine (torchsprint asks only these). Child processes (the CLI,
+    torchrun's DDP workers) get CUDA_VISIBLE_DEVICES="" whether they inherit os.environ or are given
+    their own env. What users get from run.device=auto is unchanged: only the test harness hides it.
+    """
+    if not HAS_CUDA or needs_gpu(request.node):
+        yield
+        return
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    popen_init = subprocess.Popen.__init__
+
+    def init_without_gpu(self, *args, env=None, **kwargs):
+        if env is not None:
+            env = {**env, "CUDA_VISIBLE_DEVICES": ""}
+        popen_init(self, *args, env=env, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", init_without_gpu)
+    yield
+
 
 def pytest_collection_modifyitems(config, items):
-    if not torch.cuda.is_available():
+    if not HAS_CUDA:
         skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
         for item in items:
-            if "gpu" in item.keywords or "dali" in item.keywords:
+            if needs_gpu(item):
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def figure(request):
+    """figure(name, value, note=""): report a measured number a tolerance is set from. Printed, and
+    appended as a JSON line to $TORCHSPRINT_FIGURES when set (benchmarks/gpu/run_all.sh collects them),
+    so the GPU session reads the measured values instead of guessing bounds."""
+    import json
+
+    def record(name: str, value, note: str = ""):
+        line = {"test": request.node.nodeid, "name": name, "value": value, "note": note}
+        print(f"FIGURE {name} = {value} {note}")
+        path = os.environ.get("TORCHSPRINT_FIGURES")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        return value
+
+    return record
 
 
 @pytest.fixture

@@ -111,8 +111,14 @@ def gpu_cfg(root, frac, *extra):
         "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]", *extra]).data
 
 
+IMAGENET_STD_LEVELS = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255  # normalised units -> uint8 levels
+
+
 def test_gpu_backend_split_changes_who_decodes_not_what(tmp_path):
-    """Run on the CPU device (decode_jpeg on CPU): any cpu_fraction gives bit-identical batches."""
+    """Run on the CPU device (decode_jpeg on CPU, the same decoder for both shares): any cpu_fraction gives
+    the same crops, flips and cutouts. The GPU share resizes with resample_batch (torchvision's float
+    arithmetic), the CPU share with torchvision's uint8 CPU kernel: pixels within one level, on a share
+    of the pixels measured at 4-17% here (a different crop or flip moves most pixels by tens of levels)."""
     outs = {}
     for frac in (0.0, 0.3, 1.0):
         d = gpu_cfg(tmp_path, frac)
@@ -122,7 +128,9 @@ def test_gpu_backend_split_changes_who_decodes_not_what(tmp_path):
         assert len(outs[frac]) == len(loaders.train) == 3
     for frac in (0.3, 1.0):
         for a, b in zip(outs[0.0], outs[frac]):
-            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            levels = ((a[0] - b[0]) * IMAGENET_STD_LEVELS).abs()
+            assert torch.equal(a[1], b[1]) and levels.max() < 1.01
+            assert (levels > 0.5).float().mean() < 0.5  # measured 0.04-0.17 per batch (3x the largest)
 
 
 def test_gpu_backend_resume_mid_epoch(tmp_path):
@@ -149,7 +157,6 @@ def test_auto_fraction_moves_toward_balance():
     assert t.fraction == pytest.approx(0.15)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 @pytest.mark.parametrize("backend", ["gpu", "dali"], ids=["backend-gpu", "backend-dali"])
 def test_gpu_backends_without_cuda_fail_clearly_or_fall_back(tmp_path, backend):
     d = gpu_cfg(tmp_path, 0.0, f"data.backend={backend}")

@@ -155,8 +155,11 @@ def test_training_eval_predict_and_compare_see_the_same_upright_image(tmp_path):
 
     for f in files:
         expected = F.resize(refs[str(f)], [24, 24], antialias=True)
-        assert torch.equal(pred._load(str(f)), expected), f.name
+        assert torch.equal(pred._load_cpu(str(f)), expected), f.name
     paths = _eval_paths(cfg, ImageFiles([(str(f), 0) for f in files]), 8)["paths"]
     ref = paths["cpu: torchvision decode + torchvision v2"]
     for name, x in paths.items():
-        assert torch.equal(x, ref), name
+        if name.startswith("gpu-backend"):  # batch_ops.resample_batch rounds once: <= 1 level (test_data_batch_ops)
+            assert (x.int() - ref.int()).abs().max() <= 1, name
+        else:
+            assert torch.equal(x, ref), name

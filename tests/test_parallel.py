@@ -175,12 +175,31 @@ def test_single_process_wrappers_are_no_op_objects():
     assert Precision("fp32", torch.device("cpu")).prepare(model) is model
 
 
+def compiled_frames() -> dict:
+    """What dynamo did since the last counters.clear(): frames seen/compiled, graphs, graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {"frames": dict(counters["frames"]), "graphs": counters["stats"]["unique_graphs"],
+            "backward": counters["aot_autograd"]["ok"], "breaks": sum(counters["graph_break"].values())}
+
+
+def assert_ran_compiled(seen: dict) -> None:
+    """The model went through torch.compile (not a silent eager fallback): every frame dynamo saw
+    compiled, forward and backward graphs exist, no graph breaks."""
+    assert seen["frames"].get("ok", 0) >= 1 and seen["frames"].get("ok") == seen["frames"].get("total"), seen
+    assert seen["graphs"] >= 1 and seen["backward"] >= 1 and seen["breaks"] == 0, seen
+
+
 def test_compile_trains_like_eager(tmp_path):
     """speed.compile (aot_eager backend: dynamo + AOT autograd, no C++ build, seconds not minutes)."""
+    from torch._dynamo.utils import counters
+
     over = [*TINY, "model.name=linear"]
     train(config.load(None, [*over, f"run.dir={tmp_path / 'eager'}"]), quiet=True)
+    counters.clear()
     train(config.load(None, [*over, "speed.compile=true", "speed.compile_backend=aot_eager",
                              f"run.dir={tmp_path / 'compiled'}"]), quiet=True)
+    assert_ran_compiled(compiled_frames())
     eager, compiled = (load_file(str(tmp_path / n / "last.safetensors")) for n in ("eager", "compiled"))
     assert eager.keys() == compiled.keys()  # `_orig_mod.` stripped
     for k in eager:
@@ -204,6 +223,17 @@ def test_unwrap_sees_through_every_wrapper():
     prec = Precision("bf16", torch.device("cpu"))
     wrapped = torch.compile(nn.DataParallel(prec.prepare(net)), backend="eager")
     assert unwrap(wrapped) is net
+
+
+def test_cuda_graph_compile_modes_with_accumulation_are_refused():
+    """CUDA-graph trees reuse static outputs between replays; accumulated gradients are such outputs."""
+    for mode in ("reduce-overhead", "max-autotune"):
+        cfg = config.load(None, ["speed.compile=true", f"speed.compile_mode={mode}"])
+        with pytest.raises(UsageError, match="optim.accum_steps=4"):
+            check_speed(cfg.speed, cfg.strategy, torch.device("cuda"), accum_steps=4)
+        check_speed(cfg.speed, cfg.strategy, torch.device("cpu"), accum_steps=4)  # no CUDA graphs on CPU
+    cfg = config.load(None, ["speed.compile=true", "speed.compile_mode=max-autotune-no-cudagraphs"])
+    check_speed(cfg.speed, cfg.strategy, torch.device("cpu"), accum_steps=4)
 
 
 @pytest.mark.gpu

@@ -223,3 +223,75 @@ def test_bf16_run_paused_and_resumed_equals_uninterrupted(tmp_path):
     train(config.load(None, [*part, "checkpoint.resume=auto"]), quiet=True)
     full, resumed = (load_file(str(tmp_path / n / "last.safetensors")) for n in ("full", "part"))
     assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+# ---------------------------------------------------------------- sync-free skip (masked_step)
+
+
+def _optim_cases():
+    cases = [("sgd-for_loop", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4, foreach=False)),
+             ("sgd-foreach", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True)),
+             ("sgd-no-momentum", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+             ("adamw-foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True)),
+             ("adam-fused", lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True)),
+             ("rmsprop", lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5))]
+    return cases
+
+
+@pytest.mark.parametrize("name,make", _optim_cases(), ids=[c[0] for c in _optim_cases()])
+def test_masked_step_skips_bit_exactly_and_steps_like_opt_step(name, make):
+    """Reference: the same optimizer stepped plainly (opt.step) or not at all. A skipped step with NaN
+    gradients leaves parameters and state bit-identical; an unskipped one equals opt.step() bit for bit;
+    a skipped first step creates no state (as GradScaler's skip would)."""
+    import copy
+
+    from torchsprint.precision import masked_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    opt = make(model.parameters())
+    memo = {}
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+
+    def grads(m, poison=False):
+        m.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(m(x), y).backward()
+        if poison:
+            next(m.parameters()).grad[0, 0] = float("nan")
+
+    grads(model, poison=True)
+    masked_step(opt, torch.tensor(True), memo)  # first step, skipped
+    assert all(not s for s in opt.state.values()) and "stepped" not in memo
+    for _ in range(2):  # real steps: the first creates state (host path), the second runs masked
+        grads(model)
+        masked_step(opt, torch.tensor(False), memo)
+    before_p = [p.detach().clone() for p in model.parameters()]
+    before_s = copy.deepcopy(opt.state_dict())
+    grads(model, poison=True)
+    masked_step(opt, torch.tensor(True), memo)
+    assert all(torch.equal(a, b) for a, b in zip(before_p, model.parameters()))
+    after_s = opt.state_dict()["state"]
+    for k, st in before_s["state"].items():
+        for key, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(after_s[k][key])), (k, key)
+    ref_model = copy.deepcopy(model)
+    ref_opt = make(ref_model.parameters())
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict keeps the same tensors otherwise
+    grads(model)
+    grads(ref_model)
+    masked_step(opt, torch.tensor(False), memo)
+    ref_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(ref_model.parameters(), model.parameters()))
+
+
+def test_skip_mode_step_does_not_change_weights_on_nonfinite_gradients():
+    prec = Precision("fp32", CPU, on_nonfinite="skip")
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))]
+    for _ in range(2):
+        train_step(model, batch, nn.CrossEntropyLoss(), opt, prec)
+    w, buf = model.weight.detach().clone(), opt.state[model.weight]["momentum_buffer"].clone()
+    train_step(model, [(torch.full((8, 4), float("inf")), torch.zeros(8, dtype=torch.long))], nn.CrossEntropyLoss(), opt, prec)
+    assert torch.equal(w, model.weight) and torch.equal(buf, opt.state[model.weight]["momentum_buffer"])
+    assert prec.pop_nonfinite(step=3) == 1

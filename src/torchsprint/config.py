@@ -103,7 +103,8 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0, description="Adam/AdamW/RMSprop epsilon.")
     weight_decay: float = Field(5e-4, ge=0, description="Weight decay.")
     no_decay_norm_bias: bool = Field(True, description="Exclude normalization weights and biases from weight decay.")
-    impl: Literal["auto", "foreach", "fused", "for_loop"] = Field("auto", description="Kernel implementation of the update.")
+    impl: Literal["auto", "foreach", "fused", "for_loop"] = Field(
+        "auto", description="Kernel implementation of the update (auto: fused for sgd/adam/adamw on CUDA, PyTorch's choice elsewhere).")
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the optimizer class.")
     clip_grad_norm: float | None = Field(None, gt=0, description="Clip the global gradient norm to this value.")
     accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")

@@ -108,25 +108,60 @@ def export_torchscript(trained, out: Path, *, uint8_input: bool, opset, example)
 
 @EXPORTERS.register("tensorrt")
 def export_tensorrt(trained, out: Path, *, uint8_input: bool, opset, example) -> Path:
-    """A TensorRT engine through onnxruntime's TensorRT provider (builds and caches the engine)."""
+    """A serialized TensorRT engine (`out`, .engine) built from the ONNX export with TensorRT's own builder
+    and ONNX parser, for batches of 1 to max(64, len(example)) images. Refused, with the reason, where
+    TensorRT or a GPU is missing or the parser/builder fails; `export` then runs the engine and checks
+    its top-1 classes against PyTorch's."""
     try:
-        import onnxruntime as ort
+        import tensorrt as trt
     except ImportError:
-        ort = None
-    if ort is None or "TensorrtExecutionProvider" not in ort.get_available_providers() or not torch.cuda.is_available():
-        have = ort.get_available_providers() if ort else "onnxruntime not installed"
-        raise UsageError(
-            "--format tensorrt needs a CUDA GPU and onnxruntime-gpu with the TensorRT execution provider "
-            f"(available providers here: {have}). Install onnxruntime-gpu and TensorRT on a GPU machine, "
-            "or export --format onnx and build an engine with trtexec."
-        )
+        raise UsageError("--format tensorrt needs NVIDIA TensorRT's Python package (pip install tensorrt) and a CUDA "
+                         "GPU; it is not installed here. Or export --format onnx and build an engine with trtexec.") from None
+    if not torch.cuda.is_available():
+        raise UsageError("--format tensorrt builds an engine for the GPU it runs on, and this machine has no CUDA GPU. "
+                         "Export --format onnx here and build the engine on the target GPU (trtexec --onnx=...).")
     onnx_path = out.with_suffix(".onnx")
     export_onnx(trained, onnx_path, uint8_input=uint8_input, opset=opset, example=example)
-    cache = out.parent / "trt_cache"
-    cache.mkdir(exist_ok=True)
-    ort.InferenceSession(str(onnx_path), providers=[("TensorrtExecutionProvider", {
-        "trt_engine_cache_enable": True, "trt_engine_cache_path": str(cache)})])
-    return cache
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)  # explicit batch: the only mode of TensorRT 10
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(onnx_path.read_bytes()):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise UsageError(f"TensorRT cannot parse {onnx_path}: {errors[:500]}. Export --format onnx instead.")
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    name, shape = network.get_input(0).name, tuple(example.shape[1:])
+    profile.set_shape(name, (1, *shape), (len(example), *shape), (max(64, len(example)), *shape))
+    config.add_optimization_profile(profile)
+    engine = builder.build_serialized_network(network, config)
+    if engine is None:
+        raise UsageError(f"TensorRT could not build an engine from {onnx_path} (its log above says why). "
+                         "Export --format onnx instead.")
+    out.write_bytes(bytes(engine))
+    return out
+
+
+def tensorrt_logits(path: Path, x: torch.Tensor) -> torch.Tensor:
+    """Run a serialized engine on one batch (CUDA tensors through TensorRT's named-tensor API) -> CPU logits."""
+    import tensorrt as trt
+
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(path.read_bytes())
+    context = engine.create_execution_context()
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    inp = next(n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT)
+    outp = next(n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT)
+    xd = x.cuda().contiguous()
+    context.set_input_shape(inp, tuple(xd.shape))
+    dtypes = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16}
+    y = torch.empty(tuple(context.get_tensor_shape(outp)), dtype=dtypes[engine.get_tensor_dtype(outp)], device="cuda")
+    context.set_tensor_address(inp, xd.data_ptr())
+    context.set_tensor_address(outp, y.data_ptr())
+    stream = torch.cuda.current_stream()
+    if not context.execute_async_v3(stream.cuda_stream):
+        raise UsageError(f"TensorRT failed to run the engine {path}.")
+    stream.synchronize()
+    return y.float().cpu()
 
 
 def onnx_logits(path: Path, x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +181,12 @@ def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bo
     elif fmt == "torchscript":
         with torch.no_grad():
             got = torch.jit.load(str(path))(x)
+    elif fmt == "tensorrt":
+        got = tensorrt_logits(path, x)
+        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        if agree < 1.0:  # the check for an engine: TensorRT picks its own kernels (TF32 by default), so logits move
+            raise UsageError(f"TensorRT engine {path}: its top-1 class agrees with PyTorch's on {agree:.0%} of "
+                             f"{len(x)} validation images (max |logits difference| {(ref - got).abs().max():.3g}).")
     elif fmt == "safetensors":
         from torchsprint.trained import load_weights_file
 
@@ -180,7 +221,8 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
     except OSError as e:  # the disk filled up or the folder changed under us
         raise UsageError(f"could not write {out}: {e.strerror or e}. Free disk space or choose another --out.") from None
     diff = parity(fmt, path, trained, example, uint8_input)
-    if diff is not None and not diff <= tolerance:
+    # A TensorRT engine is held to top-1 agreement (parity raises otherwise); its logits difference is reported.
+    if fmt != "tensorrt" and diff is not None and not diff <= tolerance:
         raise UsageError(f"export parity check failed: max |logits difference| = {diff:.3g} > tolerance {tolerance} "
                          f"between PyTorch and {fmt} on {len(example)} validation images ({path}).")
     return {"path": str(path), "format": fmt, "max_abs_diff": diff, "images_checked": len(example)}

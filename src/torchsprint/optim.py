@@ -131,6 +131,21 @@ def check_optim_fields(optim_cfg) -> None:
                              f"or pass {optim_cfg.name}'s own arguments in optim.args.")
 
 
+# optim.impl=auto on CUDA uses the fused kernels of these: one kernel for the whole update, state on the GPU
+# (Precision's sync-free skip of non-finite steps restores device state; see precision.masked_step).
+FUSED_ON_CUDA = ("sgd", "adam", "adamw")
+
+
+def resolve_impl(optim_cfg, groups: list[dict]):
+    """optim.impl=auto -> fused for SGD/Adam/AdamW when every parameter is on a CUDA device (the section
+    unchanged otherwise, and whenever optim.args picks an implementation itself)."""
+    params = [p for g in groups for p in g["params"]]
+    if (optim_cfg.impl == "auto" and optim_cfg.name.lower() in FUSED_ON_CUDA and params
+            and all(p.is_cuda for p in params) and not {"fused", "foreach"} & set(optim_cfg.args)):
+        return optim_cfg.model_copy(update={"impl": "fused"})
+    return optim_cfg
+
+
 def build_optimizer(optim_cfg, model: nn.Module) -> torch.optim.Optimizer:
     """Build `optim_cfg.name` over the model's trainable parameters.
 
@@ -145,7 +160,7 @@ def build_optimizer(optim_cfg, model: nn.Module) -> torch.optim.Optimizer:
     if not groups:
         raise UsageError("no trainable parameters: model.freeze / model.train_only froze everything.")
     try:
-        return builder(groups, optim_cfg)
+        return builder(groups, resolve_impl(optim_cfg, groups))
     except (TypeError, ValueError) as e:
         raise UsageError(f"optimizer '{optim_cfg.name}': bad arguments (optim.args={optim_cfg.args}): {e}") from None
 

@@ -125,13 +125,27 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
 # ---------------------------------------------------------------- CUDA graphs
 
 
+def _fresh_grad(grad: torch.Tensor) -> torch.Tensor:
+    return grad.clone()
+
+
 class CudaGraphed(nn.Module):
     """Replays a captured CUDA graph of the module's forward and backward for training batches of the
     captured shape, dtype and layout; runs the module eagerly otherwise (eval, a last partial batch).
 
     Partial-network capture (torch.cuda.make_graphed_callables): the loss, the optimizer step and
-    DDP's gradient all-reduce stay eager, so gradient accumulation, GradScaler and the non-finite
-    skip work unchanged. PyTorch's CUDA-graph notes: capture the network before wrapping it in DDP.
+    DDP's gradient all-reduce stay eager, so GradScaler and the non-finite skip work unchanged.
+    PyTorch's CUDA-graph notes: capture the network before wrapping it in DDP.
+
+    Gradient accumulation: the graphed backward returns its static gradient buffers (detached views),
+    and autograd's AccumulateGrad steals an incoming gradient into `param.grad` when that is None, so
+    `param.grad` would alias the buffer the next replay overwrites: micro-batch 1's gradients lost,
+    micro-batch 2's doubled. A gradient hook on every parameter hands autograd a copy instead (one
+    parameter-sized copy per micro-batch), so accumulation adds as in eager mode.
+
+    The module's train/eval state at capture is baked into the graph: frozen BatchNorm layers
+    (model.freeze_bn_stats) must be in eval mode before capture (capture_cuda_graphs does it).
+    `replays` counts graphed training calls, so a test can tell a graph ran from a silent eager run.
     """
 
     _torchsprint_wrapper = True
@@ -146,18 +160,29 @@ class CudaGraphed(nn.Module):
             graphed = torch.cuda.make_graphed_callables(module, (sample,))
         module.load_state_dict(saved)
         self.module = graphed
+        self.replays = 0
+        self._grad_hooks = [p.register_hook(_fresh_grad) for p in module.parameters() if p.requires_grad]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and (tuple(x.shape), x.dtype, x.stride()) == self.key:
+            self.replays += 1
             return self.module(x)  # graphed (make_graphed_callables checks module.training too)
         return type(self.module).forward(self.module, x)  # the class's eager forward
 
 
-def capture_cuda_graphs(model: nn.Module, example: Callable[[], torch.Tensor] | None, prec) -> nn.Module:
-    """Capture `model`'s training forward/backward as CUDA graphs for a batch like `example()`."""
+def capture_cuda_graphs(model: nn.Module, example: Callable[[], torch.Tensor] | None, prec,
+                        frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None) -> nn.Module:
+    """Capture `model`'s training forward/backward as CUDA graphs for a batch like `example()`.
+
+    `frozen_norms(model)`: the normalisation layers the engine keeps in eval mode while training
+    (model.freeze_bn_stats); they are captured in eval mode (running statistics used and left alone),
+    since a replay cannot switch modes later.
+    """
     if example is None:
         raise UsageError("speed.cuda_graphs needs an example batch (pass example= to wrap_model).")
     model.train()
+    for m in frozen_norms(model) if frozen_norms is not None else []:
+        m.eval()
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device]):  # drawing a batch must not shift the model's RNG stream
         batch = example()
@@ -173,8 +198,19 @@ def cpp_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or default)
 
 
-def check_speed(speed_cfg, strategy_cfg, device: torch.device) -> None:
+# torch.compile modes that capture CUDA graphs (inductor's triton.cudagraphs).
+CUDAGRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_speed(speed_cfg, strategy_cfg, device: torch.device, accum_steps: int = 1) -> None:
     """Refuse speed switches this machine or combination cannot run, naming what to use instead."""
+    if (speed_cfg.compile and speed_cfg.compile_mode in CUDAGRAPH_COMPILE_MODES and accum_steps > 1
+            and device.type == "cuda"):
+        # CUDA-graph trees reuse their static outputs on the next replay; gradients of accumulated
+        # micro-batches are such outputs (not verified exact on a GPU yet: refused, not risked).
+        raise UsageError(f"speed.compile_mode={speed_cfg.compile_mode} captures CUDA graphs, which do not accumulate "
+                         f"gradients over optim.accum_steps={accum_steps} micro-batches exactly. Use speed.compile_mode="
+                         "default (or max-autotune-no-cudagraphs), speed.cuda_graphs=true, or optim.accum_steps=1.")
     if speed_cfg.compile:
         import torch._dynamo
 
@@ -219,7 +255,8 @@ def _compile(model: nn.Module, speed_cfg) -> nn.Module:
 
 
 def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
-               example: Callable[[], torch.Tensor] | None = None, log: Callable[[str], None] | None = None) -> nn.Module:
+               example: Callable[[], torch.Tensor] | None = None, log: Callable[[str], None] | None = None,
+               accum_steps: int = 1, frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None) -> nn.Module:
     """Make the model ready to train: device, memory format, SyncBN, precision, CUDA graphs, strategy, compile.
 
     Args:
@@ -230,11 +267,14 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
         prec: the Precision; its `prepare` gives half-weight modes their fp16/bf16 model.
         example: returns one training input batch (only called for speed.cuda_graphs).
         log: where to say what was chosen and why (rank 0's logger.info); None: silent.
+        accum_steps: micro-batches per optimizer step (optim.accum_steps), checked against the speed switches.
+        frozen_norms: returns the layers the engine keeps in eval mode (model.freeze_bn_stats), which a CUDA
+            graph must capture in eval mode too; None: none.
     """
     log = log or (lambda msg: None)
     model = model.to(rt.device)
     if speed_cfg is not None:
-        check_speed(speed_cfg, strategy_cfg, rt.device)
+        check_speed(speed_cfg, strategy_cfg, rt.device, accum_steps)
         if speed_cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
     name = strategy_cfg.name
@@ -254,7 +294,7 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
     if prec is not None:
         model = prec.prepare(model)
     if speed_cfg is not None and speed_cfg.cuda_graphs:
-        model = capture_cuda_graphs(model, example, prec)
+        model = capture_cuda_graphs(model, example, prec, frozen_norms)
     if name == "dp":
         if torch.cuda.device_count() < 2:
             log("[yellow]strategy=dp with one GPU: DataParallel adds overhead and no speed; use strategy=single[/]")

@@ -10,13 +10,19 @@ Modes (apex levels as aliases in config.py: O0 = fp32, O1 = amp_fp16, O2 = fp16)
 
 Non-finite values (precision.on_nonfinite):
   skip  a step whose gradients hold inf/NaN is not applied (parameters and optimizer state untouched)
-        and is counted. With a loss scaler (amp_fp16, fp16) this rides on GradScaler's own on-device
-        inf check, which also backs the scale off. Without one (fp32, amp_bf16, bf16) the decision must
-        be made before the update, so it reads one on-device flag: free on CPU, but on CUDA one host
-        sync per step (the CPU waits for the step's kernels before queueing the next ones). No sync-free
-        alternative skips exactly: zeroing the gradients still moves momentum and weight decay.
-  stop  no per-step sync at all: non-finite losses are counted on the device and read when the engine
-        checks (log steps, epoch ends), which then stops the run. The fastest choice for fp32/bf16 on GPU.
+        and is counted. With a loss scaler (amp_fp16, fp16) GradScaler's on-device inf check decides,
+        and backs the scale off; without one (fp32, amp_bf16, bf16) an on-device max |grad| check does.
+  stop  non-finite losses are counted on the device and read when the engine checks (log steps, epoch
+        ends), which then stops the run; loss-scaled modes still skip overflowing steps.
+
+No mode syncs with the host in the steady-state step. A skip is decided on the device: `masked_step`
+runs the update and puts the parameters and optimizer state back where the flag says so (a copy and a
+`where` per tensor). GradScaler.step would instead read the flag on the host every step (`.item()`)
+unless the optimizer is fused, and torch's fused SGD advances its momentum on steps the scaler skips
+(LibreYOLO/libreyolo#771, torch 2.11), so Precision unscales with the scaler and skips by itself. The
+host is asked only when a step would create optimizer state (the first step; a skip must then leave
+none) or when the optimizer keeps state on the host (e.g. Adam's step counter without fused or
+capturable; optim.impl=auto picks fused for sgd/adam/adamw on CUDA).
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ class Precision:
         self.masters: list[tuple[nn.Parameter, torch.Tensor]] = []  # (half parameter, fp32 master)
         self._attached: set[int] = set()  # ids of optimizers that step the masters
         self._grads_on_masters = False  # this step's gradients were moved to the masters
+        self._unscaled = False  # unscale_ ran for this step (GradScaler refuses a second call)
+        self._memo: dict[int, dict] = {}  # masked_step's copy buffers and first-step flag, per optimizer
         # On-device counters, read only by pop_nonfinite (no host sync in the step).
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
 
@@ -132,24 +140,28 @@ class Precision:
         """Make the optimizer's parameters hold true gradients (before clipping them): unscaled, and in
         fp16/bf16 modes moved to the fp32 masters. No-op in fp32/amp_bf16."""
         self._grads_to_masters(opt)
-        if self.scaler.is_enabled():
+        if self.scaler.is_enabled() and not self._unscaled:
             self.scaler.unscale_(opt)
+            self._unscaled = True
 
     def step(self, opt: torch.optim.Optimizer) -> None:
-        """opt.step(), unless the gradients are non-finite (skipped and counted, see on_nonfinite)."""
+        """opt.step(), unless the gradients are non-finite (skipped and counted, see on_nonfinite).
+
+        No host sync in the steady state (module docstring)."""
         self._grads_to_masters(opt)
         if self.scaler.is_enabled():
-            self.scaler.step(opt)  # skips the update when the (unscaled) gradients hold inf/NaN
-            # Private but stable (Lightning reads it too): the found-inf flags of this step, before
-            # update() clears them; summing keeps the count on the device.
+            self.unscale_(opt)  # unscales in place and records the found-inf flags on the device
+            # Private but stable (Lightning reads it too): this step's found-inf flags, before update()
+            # clears them; summing keeps them on the device.
             found = sum(self.scaler._found_inf_per_device(opt).values(), torch.zeros((), device=self.device))
             self._skipped += (found > 0).to(torch.int64)
-            self.scaler.update()
+            masked_step(opt, found > 0, self._memo.setdefault(id(opt), {}))
+            self.scaler.update()  # backs the scale off after an overflow, on the device
+            self._unscaled = False
         elif self.on_nonfinite == "skip":
             bad = ~torch.isfinite(grad_max_abs(opt))
             self._skipped += bad.to(torch.int64)
-            if not bad.item():  # note: a CPU-GPU sync point per step on CUDA (fp32/bf16 + skip only)
-                opt.step()
+            masked_step(opt, bad, self._memo.setdefault(id(opt), {}))
         else:
             opt.step()
         self._masters_to_model()
@@ -261,6 +273,42 @@ class Precision:
                 for (p, master), s in zip(self.masters, saved):
                     master.copy_(s)
                     p.copy_(s)
+
+
+def masked_step(opt: torch.optim.Optimizer, skip: torch.Tensor, memo: dict) -> None:
+    """opt.step(), undone where the 0-dim bool tensor `skip` is true, without asking the host.
+
+    The parameters with gradients and every tensor of their optimizer state are copied into buffers
+    (kept in `memo` across steps), the update runs, and `where(skip, saved, updated)` puts back the old
+    values: bit-identical to not stepping (NaN-safe), bit-identical to opt.step() otherwise. Two cases
+    read `skip` on the host instead (a sync): a step that would create optimizer state (a skip must
+    leave none, as if the optimizer never ran: its first step), and state kept on the host while the
+    parameter is on a device (a device `where` cannot put it back).
+    """
+    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    tensors, host_state, missing = list(params), False, 0
+    for p in params:
+        st = opt.state.get(p) or {}
+        missing += not st
+        for v in st.values():
+            if torch.is_tensor(v):
+                host_state |= v.device != p.device
+                tensors.append(v)
+    # Empty state after a real step means a stateless optimizer (SGD without momentum): nothing to create.
+    creates_state = missing and (not memo.get("stepped") or missing < len(params))
+    if host_state or creates_state:
+        if not bool(skip):  # note: a CPU-GPU sync point (first step, or host-side optimizer state)
+            opt.step()
+            memo["stepped"] = True
+        return
+    saved = memo.setdefault("saved", [])
+    if [(t.shape, t.dtype, t.device) for t in saved] != [(t.shape, t.dtype, t.device) for t in tensors]:
+        saved[:] = [torch.empty_like(t) for t in tensors]
+    with torch.no_grad():
+        torch._foreach_copy_(saved, tensors)
+        opt.step()
+        for t, old in zip(tensors, saved):
+            torch.where(skip, old, t, out=t)
 
 
 def grad_max_abs(opt: torch.optim.Optimizer) -> torch.Tensor:

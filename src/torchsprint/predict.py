@@ -62,6 +62,7 @@ class Predictor:
                 self.gpu_pipeline = compile_batch_spec(eval_transforms, "data.eval.transforms", in_channels, "gpu")
             except UsageError:
                 self.gpu_pipeline = None  # a step the GPU path lacks: decode and preprocess on the CPU
+        self.cpu_fallbacks = 0  # JPEGs nvJPEG rejected, decoded on the CPU instead
 
     @classmethod
     def from_run(cls, run_dir: str | Path, weights: str = "best", backend: str = "torch", device: str = "cpu",
@@ -119,34 +120,63 @@ class Predictor:
         def forward(x):
             return torch.from_numpy(sess.run(None, {name: x.cpu().numpy()})[0])
 
+        forward.session = sess  # which providers ran (benchmarks/predict_throughput.py)
+
         return cls(forward, json.loads(meta["classes"]), int(meta["in_channels"]), json.loads(meta["eval_transforms"]),
                    cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8, task=cfg.task, threshold=cfg.eval.threshold)
 
-    def _load(self, path: str) -> torch.Tensor:
-        """Decode and apply the eval spec to one file, exactly as the eval loader does."""
+    def _load_many(self, paths: list[str]) -> list[torch.Tensor | str]:
+        """Decode and apply the eval spec to each file, exactly as the eval loader does; on self.device.
+
+        Returns an image or an error message per path. On CUDA, 3-component JPEGs decode with nvJPEG in
+        batches of batch_size and the eval spec runs on the padded batch (the gpu backend's own code:
+        ordered decode, fused crop+resize); a file nvJPEG rejects, and every other file, takes the CPU path.
+        """
+        out: list[torch.Tensor | str | None] = [None] * len(paths)
         if self.gpu_pipeline is not None:
-            image = self._load_gpu(path)
-            if image is not None:
-                return image
-        return self._load_cpu(path).to(self.device)
+            for s in range(0, len(paths), self.batch_size):
+                for j, img in zip(range(s, len(paths)), self._load_gpu(paths[s : s + self.batch_size])):
+                    out[j] = img
+        for j, path in enumerate(paths):
+            if out[j] is None:
+                try:
+                    out[j] = self._load_cpu(path).to(self.device)
+                except Exception as e:  # noqa: BLE001 - every bad file becomes an error entry, others go on
+                    out[j] = str(e) or type(e).__name__
+        return out
 
-    def _load_gpu(self, path: str) -> torch.Tensor | None:
-        """nvJPEG decode + the eval spec on the GPU; None when the file is not a 3-component JPEG."""
-        from torchsprint.data.backends.gpu import decode_on_device, nvjpeg_ok
-        from torchsprint.data.decode import read_bytes, read_header
+    def _load_gpu(self, paths: list[str]) -> list[torch.Tensor | None]:
+        """nvJPEG decode + the eval spec on the GPU for the files it takes; None for the others."""
+        from torchsprint.data.backends.gpu import decode_on_device, nvjpeg_ok, preprocess_on_device
+        from torchsprint.data.decode import BadImage, read_bytes, read_header
 
-        data = read_bytes(path)
-        if not nvjpeg_ok(read_header(data)):
-            return None
-        image = decode_on_device([torch.frombuffer(bytearray(data), dtype=torch.uint8)], self.device)[0]
-        if image is None:
-            raise ValueError("corrupt JPEG (nvJPEG could not decode it)")
-        p = self.gpu_pipeline
-        u = p.draw(torch.zeros(1, dtype=torch.int64))  # eval steps draw nothing; the seed is irrelevant
-        head = p.params(u, torch.tensor([image.shape[1]]), torch.tensor([image.shape[2]]), 0, p.head)
-        x = p.run_head([image], head, [0])[0].unsqueeze(0)
-        x = p.run_tail(x, p.params(u, torch.tensor([x.shape[2]]), torch.tensor([x.shape[3]]), p.head, None))
-        return x[0]
+        take, data = [], []
+        for j, path in enumerate(paths):
+            try:
+                blob = read_bytes(path)
+                ok = nvjpeg_ok(read_header(blob))
+            except (BadImage, OSError):
+                continue  # the CPU path reports it
+            if ok:
+                take.append(j)
+                data.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        decoded = decode_on_device(data, self.device)
+        good = [(j, img) for j, img in zip(take, decoded) if img is not None]
+        if len(good) < len(take):  # nvJPEG rejected them: the CPU path decodes them (counted, reported once)
+            if self.cpu_fallbacks == 0:
+                import warnings
+
+                warnings.warn(f"nvJPEG could not decode {paths[next(j for j, x in zip(take, decoded) if x is None)]}; "
+                              "decoding such files on the CPU (reported once).", stacklevel=2)
+            self.cpu_fallbacks += len(take) - len(good)
+        out: list[torch.Tensor | None] = [None] * len(paths)
+        if good:
+            p = self.gpu_pipeline
+            u = p.draw(torch.zeros(len(good), dtype=torch.int64))  # eval steps draw nothing; the seed is irrelevant
+            batch = preprocess_on_device(p, [img for _, img in good], u, self.device)
+            for (j, _), img in zip(good, batch):
+                out[j] = img
+        return out
 
     def _load_cpu(self, path: str) -> torch.Tensor:
         from torchsprint.data.sources.folders import ImageFiles
@@ -181,18 +211,21 @@ class Predictor:
                 entries.append(("<tensor>", item))
             else:
                 entries += expand_inputs([item])
+        files: list[int] = []
         for i, (name, payload) in enumerate(entries):
             results.append({"input": name})
             if torch.is_tensor(payload):
-                img = self.pipeline.cpu(payload) if self.pipeline.cpu is not None else payload
-                ready.append((i, img))
+                img = self.pipeline.cpu(payload.cpu()) if self.pipeline.cpu is not None else payload
+                ready.append((i, img.to(self.device)))  # every image on one device: tensors and files batch together
             elif payload is not None:
                 results[i]["error"] = payload
             else:
-                try:
-                    ready.append((i, self._load(name)))
-                except Exception as e:  # noqa: BLE001 - every bad file becomes an error entry, others go on
-                    results[i]["error"] = str(e) or type(e).__name__
+                files.append(i)
+        for i, img in zip(files, self._load_many([entries[i][0] for i in files])):
+            if isinstance(img, str):
+                results[i]["error"] = img
+            else:
+                ready.append((i, img))
         by_shape: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
         for i, img in ready:
             by_shape.setdefault(tuple(img.shape), []).append((i, img))

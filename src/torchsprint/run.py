@@ -150,7 +150,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
     log(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
     model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
-                       example=lambda: next(iter(loaders.train))[0])
+                       example=lambda: next(iter(loaders.train))[0], accum_steps=cfg.optim.accum_steps,
+                       frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None)
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
     loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data

@@ -8,20 +8,31 @@ share of a batch decodes it, or where a resumed run restarts. Every step maps it
 parameters with the image's actual size, so the same draw means the same relative geometry on the
 CPU and the GPU.
 
-The steps themselves live in batch_ops.py (the BATCH_OPS registry). Steps run in two stages. The head (up to the step that makes every image the same size, e.g.
-random_resized_crop or center_crop) runs per image, because decoded images differ in size; the tail
-runs batched on one NCHW uint8 tensor with per-sample parameter tensors, e.g. a flip is
-`where(mask, x.flip(-1), x)`, never one coin for the whole batch.
+The steps themselves live in batch_ops.py (the BATCH_OPS registry). Steps run in two stages. The head
+(up to the step that makes every image the same size, e.g. random_resized_crop or center_crop) sees
+images of different sizes; the tail runs batched on one NCHW uint8 tensor with per-sample parameter
+tensors, e.g. a flip is `where(mask, x.flip(-1), x)`, never one coin for the whole batch. The usual
+heads (random_resized_crop; resize to a fixed size; center_crop; resize shorter side + center_crop)
+have a fused form, `HeadGeometry`: one crop window and output size per sample, applied to a padded
+batch in one pass by batch_ops.resample_batch. Other heads run image by image (apply_one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
-from torchsprint.data.batch_ops import BATCH_OPS, pair_size
+from torchsprint.data.batch_ops import (
+    BATCH_OPS,
+    CenterCrop,
+    RandomResizedCrop,
+    Resize,
+    pair_size,
+    resample_batch,
+)
 from torchsprint.data.core import as_int64, lsr64
 from torchsprint.errors import UsageError
 
@@ -37,6 +48,64 @@ def uniforms(seeds: torch.Tensor, k: int) -> torch.Tensor:
     return lsr64(z, 11).to(torch.float64) / float(1 << 53)
 
 
+class HeadGeometry:
+    """A head that is one crop-and-resize per sample, in resample_batch's terms.
+
+    Supported heads: [random_resized_crop], [resize to (h, w)], [center_crop] and [resize shorter side,
+    center_crop] (torchvision's rules for sizes and crop placement, vectorised). Built by `fused_head`.
+    """
+
+    def __init__(self, steps: list):
+        self.steps = steps
+        last = steps[-1]
+        self.out_size = pair_size(last.size)
+        self.antialias = getattr(steps[0], "antialias", True)
+        # Host-side lower bound of the resized length per axis (None: no scaling), for the number of taps.
+        if isinstance(steps[0], RandomResizedCrop):
+            self.min_resized = self.out_size
+        elif isinstance(steps[0], Resize):
+            self.min_resized = steps[0].min_resized()
+        else:
+            self.min_resized = None
+
+    def max_scale(self, height: int, width: int) -> tuple[float, float]:
+        """Upper bounds of input / resized length for inputs of at most height x width."""
+        if self.min_resized is None:
+            return 1.0, 1.0
+        return height / self.min_resized[0], width / self.min_resized[1]
+
+    def windows(self, params: list[dict], hs: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(4, B) int64 rows and columns (start, length, resized, offset) for images of sizes hs x ws."""
+        first = self.steps[0]
+        zero = torch.zeros_like(hs)
+        if isinstance(first, RandomResizedCrop):
+            rows, cols = first.geometry(params[0], hs, ws)
+        elif isinstance(first, Resize):
+            rh, rw = first.resized(hs, ws)
+            rows, cols = (zero, hs, rh, zero), (zero, ws, rw, zero)
+            if len(self.steps) == 2:
+                top, left = self.steps[1].offsets(rh, rw)
+                rows, cols = (zero, hs, rh, top), (zero, ws, rw, left)
+        else:  # center_crop alone: no scaling, an offset window
+            top, left = first.offsets(hs, ws)
+            rows, cols = (zero, hs, hs, top), (zero, ws, ws, left)
+        return torch.stack(rows), torch.stack(cols)
+
+    def apply(self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, max_scale: tuple[float, float]) -> torch.Tensor:
+        """Run the head on a padded uint8 batch `x` with windows(...) moved to x.device."""
+        return resample_batch(x, tuple(rows), tuple(cols), self.out_size, max_scale, self.antialias)
+
+
+def fused_head(steps: list) -> HeadGeometry | None:
+    """The HeadGeometry of these head steps, or None when they have no fused form."""
+    kinds = [type(op) for op in steps]
+    if kinds in ([RandomResizedCrop], [CenterCrop]) or (kinds == [Resize] and steps[0].fixes_size):
+        return HeadGeometry(steps)
+    if kinds == [Resize, CenterCrop] and not steps[0].fixes_size:
+        return HeadGeometry(steps)
+    return None
+
+
 @dataclass
 class BatchPipeline:
     """A spec compiled for batches: per-image head steps, batched tail steps, normalisation constants."""
@@ -47,6 +116,11 @@ class BatchPipeline:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     out_size: tuple[int, int] | None
+
+    @cached_property
+    def geometry(self) -> HeadGeometry | None:
+        """The fused form of the head (None: run it image by image)."""
+        return fused_head([op for _, op in self.steps[: self.head]]) if self.head else None
 
     def draw(self, seeds: torch.Tensor) -> torch.Tensor:
         """(B, k) uniforms for these sample seeds (CPU, cheap: ~1 us per sample)."""

@@ -5,6 +5,10 @@ heights, output widths) as CPU tensors; `fixes_size` (output size independent of
 `apply_one(img CHW, params, i)` for the per-image head; `apply_batch(x NCHW, params)` for the batched
 tail, with per-sample parameters (never one coin for the whole batch). augment.py compiles a spec
 into a pipeline of these steps and draws the uniforms.
+
+`resample_batch` crops and resizes a whole batch in one pass, each sample with its own window: the
+batched random_resized_crop (memory backend) and the fused head of the gpu backend (decoded JPEGs of
+different sizes, padded into one tensor) both use it instead of a torchvision call per image.
 """
 
 from __future__ import annotations
@@ -35,6 +39,93 @@ def _resized_crop(img, top, left, h, w, size, antialias: bool = True):
     # torchvision's own kernel (uint8 AVX path on CPU, float + round on CUDA): the cpu backend's
     # RandomResizedCrop calls this very function, so only the draws and the device differ.
     return F.resized_crop(img, int(top), int(left), int(h), int(w), list(size), antialias=antialias)
+
+
+# ---------------------------------------------------------------- batched crop + resize
+
+
+def axis_weights(start: torch.Tensor, length: torch.Tensor, resized: torch.Tensor, offset: torch.Tensor, out_len: int,
+                 in_len: int, taps: int, antialias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample bilinear resampling weights along one axis, as torch's (anti-aliased) interpolate computes them.
+
+    Sample b takes the window [start, start + length) of its input row, resizes it to `resized` pixels
+    and keeps output pixels [offset, offset + out_len) of that (a centre crop after a resize; positions
+    outside [0, resized) are zero, as torchvision pads a crop larger than the image).
+
+    The weights are those of aten's UpSampleKernel (`_compute_indices_min_size_weights_aa`, bilinear =
+    triangle filter): scale = length / resized, support = scale (1 when upsampling), the first tap at
+    trunc(center - support + 0.5) clamped to the window, each weight normalised by their sum. Without
+    antialias the support stays 1, which is exactly align_corners=False bilinear interpolation (edge
+    pixels clamp). Only +, -, *, / and trunc: IEEE-exact, so identical on every device.
+
+    Args:
+        start, length, resized, offset: (B,) int64 on the device of the result.
+        out_len: output pixels per sample; in_len: the (padded) input length, to clamp indices.
+        taps: weights per output pixel (>= floor(2 * max scale) + 1; extra taps get weight 0).
+    Returns:
+        index (B, out_len, taps) int64 into [0, in_len), weight (B, out_len, taps) float32.
+    """
+    f64 = torch.float64
+    scale = length.to(f64) / resized.to(f64)
+    one = torch.ones_like(scale)
+    support = torch.where(scale >= 1, scale, one) if antialias else one
+    invscale = torch.where(scale >= 1, 1 / scale, one) if antialias else one
+    i = torch.arange(out_len, dtype=f64, device=start.device)[None, :] + offset[:, None].to(f64)  # position in the resized row
+    center = scale[:, None] * (i + 0.5)
+    lo = torch.clamp(torch.trunc(center - support[:, None] + 0.5), min=0)
+    hi = torch.minimum(torch.trunc(center + support[:, None] + 0.5), length[:, None].to(f64))
+    pos = lo[..., None] + torch.arange(taps, dtype=f64, device=start.device)  # (B, out, taps) in the window
+    w = (1 - ((pos - center[..., None] + 0.5) * invscale[:, None, None]).abs()).clamp(min=0)
+    inside = (pos < hi[..., None]) & ((i >= 0) & (i < resized[:, None].to(f64)))[..., None]
+    w = torch.where(inside, w, 0.0)
+    total = w.sum(-1, keepdim=True)
+    w = torch.where(total > 0, w / total, 0.0)
+    index = (pos + start[:, None, None].to(f64)).clamp(0, in_len - 1).long()
+    return index, w.float()
+
+
+def taps_for(max_scale: float, antialias: bool) -> int:
+    """Taps per output pixel that cover the widest filter at `max_scale` (input / output length)."""
+    return int(math.floor(2 * max(max_scale, 1.0) if antialias else 2)) + 1
+
+
+def resample_batch(x: torch.Tensor, rows: tuple, cols: tuple, out_size: tuple[int, int], max_scale: tuple[float, float],
+                   antialias: bool = True) -> torch.Tensor:
+    """Crop and resize every sample of a uint8 NCHW batch with its own window, in one batched pass.
+
+    The hand-written part of torchsprint's GPU input path: torchvision resizes one image per call, and a
+    batch of decoded JPEGs has as many sizes as images. Here each axis is resampled separably with
+    per-sample weights (axis_weights): rows first (gather `taps` input rows per output row), then
+    columns, accumulating in fp32 with separate multiply and add kernels, so a sample's pixels do not
+    depend on the batch it is in, the padding around it, or the device (no fused multiply-add
+    contraction), then rounded to uint8 like torchvision's float path. Against torchvision's own
+    per-image uint8 kernel (which rounds between its two passes) pixels differ by at most 1 level
+    (tests/test_data_backends.py measures it).
+
+    Args:
+        x: (B, C, H, W) uint8; sample b's image occupies any region the windows point into (padding
+            elsewhere is never read with a non-zero weight).
+        rows, cols: (start, length, resized, offset) per axis, each (B,) int64 on x.device (axis_weights).
+        out_size: (height, width) of the output.
+        max_scale: host-side upper bounds of length / resized per axis (for the number of taps).
+        antialias: torchvision's antialias (a triangle filter as wide as the downscale factor).
+    """
+    b, c, h, w = x.shape
+    oh, ow = out_size
+    if b == 0:
+        return x.new_zeros(0, c, oh, ow)
+    iy, wy = axis_weights(*rows, oh, h, taps_for(max_scale[0], antialias), antialias)
+    ix, wx = axis_weights(*cols, ow, w, taps_for(max_scale[1], antialias), antialias)
+    acc = None
+    for k in range(iy.shape[-1]):
+        sel = x.gather(2, iy[:, None, :, k, None].expand(b, c, oh, w)).float()
+        term = torch.mul(sel, wy[:, None, :, k, None])
+        acc = term if acc is None else torch.add(acc, term)
+    out = None
+    for k in range(ix.shape[-1]):
+        term = torch.mul(acc.gather(3, ix[:, None, None, :, k].expand(b, c, oh, ow)), wx[:, None, None, :, k])
+        out = term if out is None else torch.add(out, term)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
 class RandomResizedCrop:
@@ -75,8 +166,18 @@ class RandomResizedCrop:
     def apply_one(self, img, p, i):
         return _resized_crop(img, p["top"][i], p["left"][i], p["h"][i], p["w"][i], self.size, self.antialias)
 
+    def geometry(self, p, hs, ws):
+        """Per-axis (start, length, resized, offset) windows for resample_batch."""
+        oh, ow = (torch.full_like(hs, s) for s in self.size)
+        zero = torch.zeros_like(hs)
+        return (p["top"], p["h"], oh, zero), (p["left"], p["w"], ow, zero)
+
     def apply_batch(self, x, p):
-        return torch.stack([self.apply_one(x[i], p, i) for i in range(len(x))])
+        # One batched pass, no per-sample host values (a Python int per sample synced with a CUDA device).
+        hs = torch.full((len(x),), x.shape[-2], device=x.device)
+        ws = torch.full((len(x),), x.shape[-1], device=x.device)
+        rows, cols = self.geometry(p, hs, ws)
+        return resample_batch(x, rows, cols, self.size, (x.shape[-2] / self.size[0], x.shape[-1] / self.size[1]), self.antialias)
 
 
 class Resize:
@@ -98,8 +199,7 @@ class Resize:
         return (s, int(s * w / h)) if h <= w else (int(s * h / w), s)
 
     def params(self, u, hs, ws):
-        out = [self._out(int(h), int(w)) for h, w in zip(hs, ws)]
-        return {}, torch.tensor([o[0] for o in out]), torch.tensor([o[1] for o in out])
+        return {}, *self.resized(hs, ws)
 
     def apply_one(self, img, p, i):
         from torchvision.transforms.v2 import functional as F
@@ -110,6 +210,23 @@ class Resize:
         from torchvision.transforms.v2 import functional as F
 
         return F.resize(x, list(self._out(x.shape[-2], x.shape[-1])), antialias=self.antialias)
+
+    def resized(self, hs, ws):
+        """Vectorised _out: output (heights, widths) for (B,) input sizes (same int() truncation)."""
+        if self.fixes_size:
+            h, w = pair_size(self.size)
+            return torch.full_like(hs, h), torch.full_like(ws, w)
+        s = self.size if isinstance(self.size, int) else self.size[0]
+        long_h = torch.trunc(s * hs.double() / ws.double()).long()  # int(s * h / w) for portrait images
+        long_w = torch.trunc(s * ws.double() / hs.double()).long()
+        return torch.where(hs <= ws, torch.full_like(hs, s), long_h), torch.where(hs <= ws, long_w, torch.full_like(ws, s))
+
+    def min_resized(self) -> tuple[int, int]:
+        """Host-side lower bounds of the output size (the shorter side is `size`, the longer one more)."""
+        if self.fixes_size:
+            return pair_size(self.size)
+        s = self.size if isinstance(self.size, int) else self.size[0]
+        return s, s
 
 
 class CenterCrop:
@@ -134,6 +251,16 @@ class CenterCrop:
         from torchvision.transforms.v2 import functional as F
 
         return F.center_crop(x, list(self.size))
+
+    def offsets(self, hs, ws):
+        """Top and left of the crop in (B,) images of these sizes, as torchvision's center_crop places it:
+        round((H - h) / 2) (round half to even, like Python's round), or minus the top padding when the
+        crop is larger than the image."""
+        def one(n, c):
+            inside = torch.round((n - c).double() / 2).long()
+            return torch.where(n >= c, inside, -torch.div(c - n, 2, rounding_mode="floor"))
+
+        return one(hs, self.size[0]), one(ws, self.size[1])
 
 
 class RandomCrop:

@@ -29,7 +29,7 @@ def _eval_paths(cfg, raw, n: int) -> dict:
     import torch
 
     from torchsprint.data.augment import compile_batch_spec
-    from torchsprint.data.backends.gpu import decode_on_device
+    from torchsprint.data.backends.gpu import decode_on_device, preprocess_on_device
     from torchsprint.data.core import LOADERS
     from torchsprint.data.decode import DECODERS, decode_bytes, read_bytes
     from torchsprint.data.transforms import compile_spec, decode_hint
@@ -48,14 +48,8 @@ def _eval_paths(cfg, raw, n: int) -> dict:
             scaled = [decode_bytes(b, decoder=dec, min_size_for=hint) for b in blobs]
             out[f"cpu: {dec} DCT-scaled decode + v2"] = torch.stack([cpu_p.cpu(x) if cpu_p.cpu else x for x in scaled])
 
-    def batched(imgs):
-        n_ = len(imgs)
-        seeds = torch.zeros(n_, dtype=torch.int64)
-        u = batch_p.draw(seeds)
-        hs, ws = torch.tensor([x.shape[1] for x in imgs]), torch.tensor([x.shape[2] for x in imgs])
-        heads = batch_p.run_head(imgs, batch_p.params(u, hs, ws, 0, batch_p.head), list(range(n_)))
-        x = torch.stack(heads)
-        return batch_p.run_tail(x, batch_p.params(u, torch.full((n_,), x.shape[2]), torch.full((n_,), x.shape[3]), batch_p.head))
+    def batched(imgs):  # what the gpu backend runs: the fused head when the spec has one
+        return preprocess_on_device(batch_p, imgs, batch_p.draw(torch.zeros(len(imgs), dtype=torch.int64)), imgs[0].device)
 
     out["gpu-backend ops on CPU (torchvision decode)"] = batched([decode_bytes(b) for b in blobs])
     notes = []
@@ -68,37 +62,31 @@ def _eval_paths(cfg, raw, n: int) -> dict:
         else:
             out["gpu: nvJPEG + batched ops"] = batched(imgs).cpu()
         if "dali" in LOADERS:
-            notes.append(_dali_compare(cfg, blobs, out))
+            notes.append(_dali_compare(cfg, raw, n, out))
     else:
         notes.append("GPU paths unavailable: this machine has no CUDA device (compared the CPU decoders and ops only)")
     return {"paths": out, "files": paths, "notes": [x for x in notes if x]}
 
 
-def _dali_compare(cfg, blobs, out) -> str:
-    import numpy as np
+def _dali_compare(cfg, raw, n: int, out) -> str:
+    """The eval spec through the dali backend's own loader (nvJPEG + DALI resize) on the first n samples."""
     import torch
-    from nvidia.dali import fn, pipeline_def, types
-    from nvidia.dali.plugin.pytorch import feed_ndarray
 
-    from torchsprint.data.backends.dali import build_graph
-    from torchsprint.data.transforms import parse_step
+    from torchsprint.data.augment import compile_batch_spec
+    from torchsprint.data.backends.dali import DaliLoader, check_dali_spec
+    from torchsprint.data.core import EpochSampler
+    from torchsprint.errors import UsageError
+    from torchsprint.runtime import Runtime
 
-    steps = [parse_step(s, "data.eval.transforms") for s in cfg.data.eval.transforms]
-
-    @pipeline_def(batch_size=len(blobs), num_threads=2, device_id=0, seed=0)
-    def pipe():
-        data = fn.external_source(name="bytes", dtype=types.UINT8)
-        return build_graph(fn, types, fn.decoders.image(data, device="mixed", output_type=types.RGB), steps, 0,
-                           "data.eval.transforms")
-
-    p = pipe()
-    p.build()
-    p.feed_input("bytes", [np.frombuffer(b, dtype=np.uint8) for b in blobs])
-    (o,) = p.run()
-    t = o.as_tensor()
-    x = torch.empty(t.shape(), dtype=torch.uint8, device="cuda")
-    feed_ndarray(t, x)
-    out["dali: nvJPEG + DALI ops"] = x.cpu()
+    p = compile_batch_spec(cfg.data.eval.transforms, "data.eval.transforms", 3, "dali")
+    try:
+        check_dali_spec(p, "data.eval.transforms")
+    except UsageError as e:
+        return f"dali: {e}"
+    loader = DaliLoader(raw, p, EpochSampler(min(n, len(raw)), seed=0, shuffle=False, pad=False), n, False,
+                        Runtime(torch.device("cuda")), lambda x: x, 2, 2, "error", cfg.data.max_image_pixels, raw.decoder)
+    loader.set_epoch(0)
+    out["dali: nvJPEG + DALI ops"] = torch.cat([x for x, _ in loader]).cpu()
     return ""
 
 

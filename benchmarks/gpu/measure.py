@@ -1,0 +1,600 @@
+"""Issue 12's GPU measurements M1-M6, written incrementally into one results JSON.
+
+    python benchmarks/gpu/measure.py --out results.json [--only M1,M5] [--deadline-s 540] [--quick]
+
+M1 model only (synthetic batches on the GPU, torchsprint's own train_step, wrap_model and Precision):
+   ResNet-18 and ResNet-50 at 224, images/s for fp32 -> amp_bf16 -> + channels_last -> + compile ->
+   + CUDA graphs. Goals: ResNet-18 best >= 25,000 images/s (stretch 35,000); anchors for ResNet-50:
+   2,470 images/s on an A100 with AMP (NVIDIA DeepLearningExamples), about 7,000 per H100 (MLPerf v3.0).
+M2 loader only on >= 20,000 generated 500x375 JPEGs at quality 90, RandomResizedCrop 224 + flip +
+   normalise: cpu backend with 16 workers (and per core), gpu backend (cpu_fraction 0 and auto), DALI.
+   Goal: gpu backend >= 8,000 images/s (stretch 20,000; anchor: batched nvJPEG 7,800 images/s, A100).
+   A torch.profiler table of the gpu backend's batches goes to the log.
+M3 end to end: ResNet-18 at 224 on those JPEGs with the fastest M2 backend and M1's best switches;
+   images/s, data-wait share, ratio to M1's figure with the same switches (goal >= 0.90).
+M4 memory backend on 50,000 CIFAR-sized (32x32) images, cifar_resnet18: seconds per epoch, and the
+   loader's share of the step time (goal <= 5%).
+M5 `torchsprint bench` on the default run and on a 224-pixel JPEG config.
+M6 predict throughput on CUDA (benchmarks/predict_throughput.py: torch, onnxruntime's CUDA provider if any).
+
+Every figure is timed with CUDA events or a host clock after torch.cuda.synchronize(), after warm-up
+steps (compilation, cuDNN autotuning, CUDA-graph capture excluded). A measurement that would not fit
+in the time left (--deadline-s) is recorded as skipped with that reason, so a partial run still
+leaves a valid JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+STARTED = time.time()
+LOGS = Path(".")  # set to the results file's folder in main()
+
+
+# ---------------------------------------------------------------- results file
+
+
+class Results:
+    """The results JSON, rewritten after every measurement (a killed run keeps what it finished)."""
+
+    def __init__(self, path: Path, command: str):
+        self.path = path
+        self.data = json.loads(path.read_text()) if path.is_file() else {}
+        self.data.update(environment())
+        self.data["command"] = command
+        self.data.setdefault("measurements", {})
+        self.save()
+
+    def put(self, key: str, value: dict) -> None:
+        self.data["measurements"][key] = value
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)
+
+
+def environment() -> dict:
+    """device, torch, cuda, date and what else a reader needs to compare runs."""
+    import torchvision
+
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        smi = None
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = None
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "torchvision": torchvision.__version__,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "python": platform.python_version(), "cpu_count": os.cpu_count(), "nvidia_smi": smi, "git_revision": rev,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def left(deadline: float) -> float:
+    return deadline - (time.time() - STARTED)
+
+
+def load_benchmark(name: str):
+    """A sibling script of benchmarks/ as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---------------------------------------------------------------- M1: model only
+
+
+def model_step_rate(model: str, overrides: list[str], batch: int, steps: int, warmup: int) -> dict:
+    """images/s of torchsprint's train_step on synthetic on-device batches of `batch` 224x224 images."""
+    from torch._dynamo.utils import counters
+
+    from torchsprint import config, runtime
+    from torchsprint.engine import train_step
+    from torchsprint.models import build_model
+    from torchsprint.optim import build_loss, build_optimizer
+    from torchsprint.parallel import wrap_model
+    from torchsprint.precision import Precision
+
+    cfg = config.load(None, [f"model.name={model}", *overrides])
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    fmt = torch.channels_last if cfg.speed.channels_last else torch.contiguous_format
+    g = torch.Generator(device=rt.device).manual_seed(0)
+    x = torch.randn(batch, 3, 224, 224, device=rt.device, generator=g).contiguous(memory_format=fmt)
+    y = torch.randint(0, 1000, (batch,), device=rt.device, generator=g)
+    prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
+    net = build_model(cfg.model, 1000, 3)
+    counters.clear()
+    net = wrap_model(net, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, example=lambda: x)
+    opt = build_optimizer(cfg.optim, net)
+    prec.attach(opt)
+    loss_fn = build_loss(cfg.loss).to(rt.device)
+    net.train()
+    t_warm = time.perf_counter()
+    for _ in range(warmup):
+        train_step(net, [(x, y)], loss_fn, opt, prec)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t_warm
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        train_step(net, [(x, y)], loss_fn, opt, prec)
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / steps
+    graphed = getattr(unwrap_graphed(net), "replays", None)
+    out = {"images_per_s": batch / ms * 1e3, "ms_per_step": ms, "batch": batch, "warmup_s": warm_s,
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "fused_optimizer": bool(opt.defaults.get("fused")),
+           "compiled_frames": dict(counters["frames"]), "graph_breaks": sum(counters["graph_break"].values()),
+           "cuda_graph_replays": graphed}
+    del net, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def unwrap_graphed(model):
+    """The CudaGraphed wrapper inside a wrapped model, if any (its replay count proves the graph ran)."""
+    from torchsprint.parallel import CudaGraphed
+
+    m = getattr(model, "_orig_mod", model)
+    while not isinstance(m, CudaGraphed) and hasattr(m, "module"):
+        m = m.module
+    return m if isinstance(m, CudaGraphed) else None
+
+
+M1_VARIANTS = {
+    "fp32": ["precision=fp32"],
+    "amp_bf16": ["precision=amp_bf16"],
+    "amp_bf16 + channels_last": ["precision=amp_bf16", "speed.channels_last=true"],
+    "amp_bf16 + channels_last + compile": ["precision=amp_bf16", "speed.channels_last=true", "speed.compile=true"],
+    "amp_bf16 + channels_last + cuda_graphs": ["precision=amp_bf16", "speed.channels_last=true", "speed.cuda_graphs=true"],
+    "amp_bf16 + channels_last + compile reduce-overhead": ["precision=amp_bf16", "speed.channels_last=true",
+                                                           "speed.compile=true", "speed.compile_mode=reduce-overhead"],
+}
+
+
+def m1(res: Results, deadline: float, quick: bool) -> None:
+    out: dict = {"note": "synthetic on-device batches, SGD (fused), torchsprint train_step; fp32 uses TF32 (speed.tf32=true)",
+                 "goal": {"resnet18_best": 25000, "stretch": 35000},
+                 "anchors": {"resnet50_amp_A100_DeepLearningExamples": 2470, "resnet50_H100_MLPerf_v3.0": 7000}}
+    # In priority order: a short deadline drops the last ones (the second compile of each model first).
+    plans = [("resnet18", "fp32"), ("resnet18", "amp_bf16"), ("resnet18", "amp_bf16 + channels_last"),
+             ("resnet18", "amp_bf16 + channels_last + cuda_graphs"), ("resnet50", "amp_bf16 + channels_last"),
+             ("resnet18", "amp_bf16 + channels_last + compile"), ("resnet50", "amp_bf16 + channels_last + cuda_graphs"),
+             ("resnet50", "amp_bf16 + channels_last + compile"),
+             ("resnet18", "amp_bf16 + channels_last + compile reduce-overhead")]
+    steps, warmup = (20, 5) if quick else (40, 10)
+    for model, name in plans:
+        out.setdefault(model, {})
+        if left(deadline) < 75:
+            out[model][name] = {"skipped": "time budget of this call"}
+            continue
+        try:
+            out[model][name] = model_step_rate(model, M1_VARIANTS[name], 256, steps, warmup)
+            print(f"M1 {model} {name}: {out[model][name]['images_per_s']:.0f} images/s", flush=True)
+        except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others
+            out[model][name] = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}
+            print(f"M1 {model} {name}: FAILED {e}", flush=True)
+        res.put("M1", out)
+    r18 = [v["images_per_s"] for v in out["resnet18"].values() if "images_per_s" in v]
+    out["resnet18_best_images_per_s"] = max(r18) if r18 else None
+    res.put("M1", out)
+
+
+# ---------------------------------------------------------------- data for M2/M3
+
+
+def _write_chunk(args) -> int:
+    root, start, count, classes, seed = args
+    import numpy as np
+    from PIL import Image
+
+    from torchsprint.data.sources.synthetic import render_synthetic
+
+    rng = np.random.default_rng(seed + start)
+    for i in range(start, start + count):
+        split = "val" if (i // classes) % 50 == 0 else "train"  # 2% validation, every class
+        cls = i % classes
+        d = Path(root) / split / f"class_{cls:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(render_synthetic(rng, cls, classes, 500, 375)).save(d / f"{i:06d}.jpg", quality=90)
+    return count
+
+
+def make_jpegs(root: Path, n: int, classes: int = 10) -> Path:
+    """n 500x375 quality-90 JPEGs (synthetic_jpeg's pictures) in an image-folder tree, in parallel; reused."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    done = root / "done.json"
+    if done.is_file() and json.loads(done.read_text()).get("n") == n:
+        return root
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)  # another size or a half-written set: start clean
+    chunk = 500
+    t = time.time()
+    with ProcessPoolExecutor(os.cpu_count()) as ex:
+        list(ex.map(_write_chunk, [(str(root), s, min(chunk, n - s), classes, 0) for s in range(0, n, chunk)]))
+    done.write_text(json.dumps({"n": n, "seconds": time.time() - t}))
+    return root
+
+
+def jpeg_cfg(root: Path, backend: str, *extra: str) -> list[str]:
+    workers = min(16, os.cpu_count() or 1)
+    return ["data.dataset=image_folder", f"data.root={root}", f"data.backend={backend}", "data.batch_size=256",
+            f"data.num_workers={workers}", "data.decoder=auto",
+            "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
+            "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]", *extra]
+
+
+# ---------------------------------------------------------------- M2: loader only
+
+
+def loader_rate(overrides: list[str], epochs: int) -> dict:
+    from torchsprint import config, runtime
+    from torchsprint.data import build_loaders
+
+    cfg = config.load(None, overrides)
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    tr = build_loaders(cfg.data, rt, seed=0).train
+    dt = load_benchmark("data_throughput")
+    rates = [dt.time_epoch(tr, e) for e in range(epochs)]
+    out = {"images_per_s": sorted(rates)[len(rates) // 2], "runs": rates}
+    for attr in ("cpu_fraction", "cpu_fallbacks"):
+        if hasattr(tr, attr):
+            out[attr] = getattr(tr, attr)
+    return out
+
+
+def profile_gpu_loader(overrides: list[str], batches: int = 12) -> str:
+    """torch.profiler over `batches` batches of the gpu backend: where the loader's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from torchsprint import config, runtime
+    from torchsprint.data import build_loaders
+
+    cfg = config.load(None, overrides)
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    tr = build_loaders(cfg.data, rt, seed=0).train
+    tr.set_epoch(0)
+    it = iter(tr)
+    for _ in range(3):
+        next(it)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(batches):
+            x, _ = next(it)
+            x.sum()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+    return table + "\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+
+
+def m2(res: Results, deadline: float, quick: bool, root: Path) -> None:
+    from torchsprint.data.backends.dali import dali_available
+
+    n = 4000 if quick else 20000
+    make_jpegs(root, n)
+    epochs = 2 if quick else 3
+    workers = min(16, os.cpu_count() or 1)
+    out: dict = {"images": n, "jpeg": "500x375 quality 90", "batch": 256, "workers": workers,
+                 "goal": {"gpu_backend": 8000, "stretch": 20000, "anchor_batched_nvjpeg_A100": 7800}, "images_per_s": {}}
+    variants = {f"cpu backend, {workers} workers": jpeg_cfg(root, "cpu"),
+                "gpu backend, cpu_fraction 0": jpeg_cfg(root, "gpu", "data.cpu_fraction=0.0"),
+                "gpu backend, cpu_fraction auto": jpeg_cfg(root, "gpu", "data.cpu_fraction=auto")}
+    if dali_available():
+        variants["dali backend"] = jpeg_cfg(root, "dali")
+    else:
+        out["images_per_s"]["dali backend"] = None
+        out["dali"] = ("not measured: NVIDIA DALI is not installed on the device; its CUDA 13 wheel "
+                       "(nvidia-dali-cuda130 2.4.0, 190 MiB) exceeds the 64 MiB that can be carried to it")
+    out["details"] = {}
+    for name, over in variants.items():
+        if left(deadline) < 45:
+            out["details"][name] = {"skipped": "time budget of this call"}
+            continue
+        try:
+            r = loader_rate(over, epochs)
+            out["images_per_s"][name] = r["images_per_s"]
+            out["details"][name] = r
+            print(f"M2 {name}: {r['images_per_s']:.0f} images/s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            out["details"][name] = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}
+            print(f"M2 {name}: FAILED {e}", flush=True)
+        res.put("M2", out)
+    dt = load_benchmark("data_throughput")
+    cpu_loader_cfg = variants[f"cpu backend, {workers} workers"]
+    try:
+        from torchsprint import config, runtime
+        from torchsprint.data import build_loaders
+
+        cfg = config.load(None, cpu_loader_cfg)
+        tr = build_loaders(cfg.data, runtime.setup(cfg.run, cfg.strategy, cfg.speed), seed=0).train
+        out["images_per_s"]["cpu backend per core (CPU time)"] = 1 / dt.cpu_seconds_per_image(tr, False)
+    except Exception as e:  # noqa: BLE001
+        out["details"]["cpu backend per core"] = {"error": str(e)[:300]}
+    if left(deadline) > 40:
+        try:
+            table = profile_gpu_loader(variants["gpu backend, cpu_fraction 0"])
+            (LOGS / "m2_profile.txt").write_text(table)
+            out["profile"] = "m2_profile.txt"
+        except Exception as e:  # noqa: BLE001
+            out["profile"] = f"failed: {e}"[:300]
+    res.put("M2", out)
+
+
+# ---------------------------------------------------------------- M3: end to end
+
+
+def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
+    """images/s and data-wait share of build_training + train_step on real JPEG batches."""
+    from torchsprint import config, runtime
+    from torchsprint.engine import train_step
+    from torchsprint.run import build_training
+
+    cfg = config.load(None, overrides)
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    b = build_training(cfg, rt, lambda msg: None)
+    b.model.train()
+    epoch, it = 0, None
+
+    def batch():
+        nonlocal epoch, it
+        while True:
+            if it is None:
+                b.loaders.train.set_epoch(epoch)
+                it = iter(b.loaders.train)
+            nxt = next(it, None)
+            if nxt is not None:
+                return nxt
+            epoch, it = epoch + 1, None
+
+    for _ in range(warmup):
+        train_step(b.model, [batch()], b.loss_fn, b.opt, b.prec)
+    torch.cuda.synchronize()
+    wait, images = 0.0, 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tw = time.perf_counter()
+        x, y = batch()
+        wait += time.perf_counter() - tw
+        train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+        images += x.shape[0]
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return {"images_per_s": images / seconds, "data_wait_share": wait / seconds, "steps": steps}
+
+
+def m3(res: Results, deadline: float, quick: bool, root: Path, previous: dict) -> None:
+    m = previous | res.data["measurements"]
+    m2r = (m.get("M2") or {}).get("images_per_s") or {}
+    best_backend = "gpu"
+    measured = {k: v for k, v in m2r.items() if v and "per core" not in k}
+    if measured:
+        best = max(measured, key=measured.get)
+        best_backend = "dali" if best.startswith("dali") else "gpu" if best.startswith("gpu") else "cpu"
+    r18 = ((m.get("M1") or {}).get("resnet18") or {})
+    switches = {"amp_bf16 + channels_last + compile": ["speed.compile=true"],
+                "amp_bf16 + channels_last + cuda_graphs": ["speed.cuda_graphs=true"],
+                "amp_bf16 + channels_last": []}
+    rated = {k: r18[k]["images_per_s"] for k in switches if "images_per_s" in (r18.get(k) or {})}
+    if not rated and left(deadline) > 240:  # no M1 figures from this or an earlier call: measure the reference here
+        for k in ("amp_bf16 + channels_last + cuda_graphs", "amp_bf16 + channels_last"):
+            try:
+                rated[k] = model_step_rate("resnet18", M1_VARIANTS[k], 256, 40, 10)["images_per_s"]
+            except Exception as e:  # noqa: BLE001
+                print(f"M3 reference {k}: FAILED {e}", flush=True)
+    chosen = max(rated, key=rated.get) if rated else "amp_bf16 + channels_last"
+    make_jpegs(root, 4000 if quick else 20000)
+    over = jpeg_cfg(root, best_backend, "model.name=resnet18", "precision=amp_bf16", "speed.channels_last=true",
+                    "log.tensorboard=false", *switches[chosen])
+    out = {"backend": best_backend, "switches": chosen, "goal_ratio": 0.90, "stretch_ratio": 0.95}
+    if left(deadline) < 90:
+        out["skipped"] = "time budget of this call"
+    else:
+        try:
+            r = end_to_end_rate(over, 40 if quick else 150, 10 if quick else 25)
+            out.update(r)
+            ref = rated.get(chosen)
+            out["m1_images_per_s"] = ref
+            out["ratio_to_m1"] = r["images_per_s"] / ref if ref else None
+            print(f"M3 {best_backend} + {chosen}: {r['images_per_s']:.0f} images/s, data wait {r['data_wait_share']:.1%}, "
+                  f"ratio to M1 {out['ratio_to_m1']}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            out["error"] = f"{type(e).__name__}: {e}"[:500]
+            out["trace"] = traceback.format_exc()[-2000:]
+    res.put("M3", out)
+
+
+# ---------------------------------------------------------------- M4: memory backend, CIFAR-sized
+
+
+def register_random_cifar(n: int = 50000) -> None:
+    """`random_cifar`: n random 32x32 RGB uint8 images, 10 classes, 1,000 for validation (shape and size of
+    CIFAR-10's training set; throughput does not depend on the pixels)."""
+    from torchsprint.data.core import DATASETS, Splits, TensorImages
+
+    if "random_cifar" in DATASETS:
+        return
+
+    @DATASETS.register("random_cifar")
+    def random_cifar(data_cfg):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 256, (n + 1000, 3, 32, 32), dtype=torch.uint8, generator=g)
+        y = torch.randint(0, 10, (n + 1000,), generator=g)
+        return Splits(TensorImages(x[:n], y[:n]), TensorImages(x[n:], y[n:]), [str(i) for i in range(10)], 3)
+
+
+def m4(res: Results, deadline: float, quick: bool) -> None:
+    from torchsprint import config, runtime
+    from torchsprint.engine import train_step
+    from torchsprint.run import build_training
+
+    register_random_cifar(10000 if quick else 50000)
+    over = ["data.dataset=random_cifar", "data.backend=memory", "data.batch_size=512", "model.name=cifar_resnet18",
+            "precision=amp_bf16", "speed.channels_last=true", "log.tensorboard=false",
+            "data.train.transforms=[{random_crop: {size: 32, padding: 4}}, hflip, {normalize: cifar10}]",
+            "data.eval.transforms=[{normalize: cifar10}]"]
+    out: dict = {"images": 10000 if quick else 50000, "model": "cifar_resnet18", "batch": 512,
+                 "switches": "amp_bf16 + channels_last", "goal_loader_share": 0.05}
+    if left(deadline) < 90:
+        out["skipped"] = "time budget of this call"
+        res.put("M4", out)
+        return
+    try:
+        cfg = config.load(None, over)
+        rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+        b = build_training(cfg, rt, lambda msg: None)
+        tr = b.loaders.train
+        tr.set_epoch(0)
+        for x, y in tr:  # warm-up epoch: cuDNN autotuning, allocator
+            train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+        torch.cuda.synchronize()
+        tr.set_epoch(1)
+        t = time.perf_counter()
+        for x, y in tr:
+            train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+        torch.cuda.synchronize()
+        epoch_s = time.perf_counter() - t
+        tr.set_epoch(2)
+        t = time.perf_counter()
+        for x, _ in tr:  # the loader alone: gather + batched crop/flip + normalise, same batches
+            x.sum()
+        torch.cuda.synchronize()
+        loader_s = time.perf_counter() - t
+        out.update({"seconds_per_epoch": epoch_s, "images_per_s": out["images"] / epoch_s, "loader_seconds_per_epoch": loader_s,
+                    "loader_share": loader_s / epoch_s})
+        print(f"M4: {epoch_s:.2f} s/epoch, loader {loader_s / epoch_s:.1%} of it", flush=True)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"[:500]
+        out["trace"] = traceback.format_exc()[-2000:]
+    res.put("M4", out)
+
+
+# ---------------------------------------------------------------- M5: torchsprint bench
+
+
+def run_bench(name: str, args: list[str], folder: Path, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "torchsprint", "bench", *args, "--out", str(folder), "--steps", "20", "--warmup", "5",
+           "--repeats", "2"]
+    t = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=folder.parent)
+    out = {"command": " ".join(cmd[1:]), "seconds": time.time() - t, "exit_code": p.returncode}
+    (LOGS / f"m5_{name}.log").write_text(p.stdout + "\n" + p.stderr)
+    if (folder / "bench.json").is_file():
+        rows = json.loads((folder / "bench.json").read_text())["rows"]
+        out["rows"] = rows
+        out["images_per_s"] = {r.get("variant"): r.get("images_per_s") for r in rows}
+    else:
+        out["error"] = (p.stderr or p.stdout)[-1500:]
+    return out
+
+
+def m5(res: Results, deadline: float, quick: bool, root: Path) -> None:
+    work = root.parent / "torchsprint-m5"  # bench folders stay off $OUT (few files may come back); logs go there
+    work.mkdir(parents=True, exist_ok=True)
+    out: dict = {}
+    make_jpegs(root, 4000 if quick else 20000)
+    jpeg_yaml = work / "jpeg224.yaml"
+    lines = ["model: {name: resnet18}", "log: {tensorboard: false}"]
+    jpeg_yaml.write_text("\n".join(lines) + "\n")
+    for name, args in (("default run", []),
+                       ("jpeg 224", ["-c", str(jpeg_yaml), *jpeg_cfg(root, "cpu")])):
+        budget = left(deadline) - 20
+        if budget < 120:
+            out[name] = {"skipped": "time budget of this call"}
+            continue
+        try:
+            out[name] = run_bench(name.replace(" ", "_"), args, work / name.replace(" ", "_"), budget)
+            print(f"M5 {name}: exit {out[name]['exit_code']} in {out[name]['seconds']:.0f} s", flush=True)
+        except subprocess.TimeoutExpired:
+            out[name] = {"error": f"did not finish in {budget:.0f} s"}
+        res.put("M5", out)
+    res.put("M5", out)
+
+
+# ---------------------------------------------------------------- M6: predict
+
+
+def m6(res: Results, deadline: float, quick: bool) -> None:
+    path = LOGS / "m6_predict.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "predict_throughput.py"), "--device", "cuda", "--images",
+           "256" if not quick else "64", "--repeats", "3", "--json", str(path)]
+    out: dict = {"command": " ".join(cmd[1:])}
+    try:
+        import onnxruntime as ort
+
+        out["onnxruntime_providers"] = ort.get_available_providers()
+    except ImportError:
+        out["onnxruntime_providers"] = "onnxruntime not installed"
+    if left(deadline) < 60:
+        out["skipped"] = "time budget of this call"
+    else:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30, left(deadline) - 10))
+        out["exit_code"] = p.returncode
+        out["table"] = p.stdout[-3000:]
+        if path.is_file():
+            rows = json.loads(path.read_text())["rows"]
+            out["rows"] = rows
+            out["images_per_s"] = {f"{r['case']} | {r['backend']}": r["end_to_end_images_per_s"] for r in rows}
+        else:
+            out["error"] = p.stderr[-1500:]
+    res.put("M6", out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results.json", help="the results JSON (updated in place after each measurement)")
+    ap.add_argument("--only", default="M1,M2,M3,M4,M5,M6", help="comma-separated measurements to run")
+    ap.add_argument("--deadline-s", type=float, default=540, help="stop starting measurements after this many seconds")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not figures to publish)")
+    ap.add_argument("--data", default="/tmp/torchsprint-m2", help="where the generated JPEGs live")
+    ap.add_argument("--previous", action="append", default=[], help="results JSON of an earlier call (M3 reads M1/M2 there)")
+    args = ap.parse_args()
+    global LOGS
+    LOGS = Path(args.out).resolve().parent
+    previous: dict = {}
+    for f in args.previous:
+        if Path(f).is_file():
+            previous |= json.loads(Path(f).read_text()).get("measurements", {})
+    if not torch.cuda.is_available():
+        sys.exit("measure.py needs a CUDA GPU")
+    res = Results(Path(args.out), " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
+    root = Path(args.data)
+    todo = [m.strip() for m in args.only.split(",") if m.strip()]
+    table = {"M1": lambda: m1(res, args.deadline_s, args.quick), "M2": lambda: m2(res, args.deadline_s, args.quick, root),
+             "M3": lambda: m3(res, args.deadline_s, args.quick, root, previous), "M4": lambda: m4(res, args.deadline_s, args.quick),
+             "M5": lambda: m5(res, args.deadline_s, args.quick, root), "M6": lambda: m6(res, args.deadline_s, args.quick)}
+    for key in todo:
+        print(f"== {key} ({left(args.deadline_s):.0f} s left)", flush=True)
+        try:
+            table[key]()
+        except Exception as e:  # noqa: BLE001 - record and go on to the next measurement
+            res.put(key, {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]})
+    print(json.dumps({k: v.get("images_per_s") if isinstance(v, dict) else v
+                      for k, v in res.data["measurements"].items()}, indent=1, default=str)[:4000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# The whole GPU job of issue 12 on a fresh device machine (Python 3.12, torch 2.11+cu130, torchvision 0.26,
+# no internet), in parts that each fit one 10-minute call of the device tool:
+#
+#   benchmarks/gpu/run_all.sh tests suite          # gpu/dali-marked tests (4 processes), then the rest (~6 min)
+#   benchmarks/gpu/run_all.sh bench M1,M4,M6       # model-only, memory backend, predict (~7 min)
+#   benchmarks/gpu/run_all.sh bench M2,M3,M5       # loaders, end to end, torchsprint bench (~8 min)
+#   benchmarks/gpu/run_all.sh all                  # everything in one go (a machine without the call limit)
+#
+# Each call first installs what the machine lacks from .whl/ (benchmarks/gpu/fetch_wheels.sh made it; carry
+# it with the call: carry [".whl"]) and the project itself (pip --no-deps on top of the machine's torch),
+# and prints versions and the GPU. Everything lands in $OUT (the device tool's output folder; ./gpu-out
+# elsewhere), at most 8 files: env.txt, run.log, results.json (this call's part of the results; merge the
+# parts with benchmarks/gpu/merge_results.py), tests_gpu.log, suite.log, figures.jsonl (numbers the tests
+# measured, for their tolerances), m2_profile.txt, m6_predict.json / m5_*.log.
+#
+# Environment: DEADLINE (seconds a bench call may start measurements, default 480), SUITE_MARKS (pytest -m
+# for the suite, default "not gpu and not dali": the gpu tests ran just before), QUICK=1 (small sizes),
+# PREVIOUS (an earlier call's results.json, read by M3), GPU_WORKERS (pytest-xdist processes for the gpu
+# tests, default 4), NO_INSTALL=1 (use PYTHONPATH=src only: a dry run on a machine whose Python must not
+# be changed).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+OUT=${OUT:-$REPO/gpu-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/run.log") 2>&1
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+T0=$(date +%s)
+
+setup() {
+  echo "== setup $(date -u +%FT%TZ)"
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || { echo "installing .whl/ failed"; exit 3; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "no .whl/ here: pydantic, simplejpeg and av must already be installed (benchmarks/gpu/fetch_wheels.sh)"
+  fi
+  if [ "${NO_INSTALL:-0}" != 1 ]; then
+    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
+      || echo "pip install -e . failed; using PYTHONPATH=src"
+  fi
+  export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
+  {
+    echo "date: $(date -u +%FT%TZ)"
+    echo "git: $(git rev-parse HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) changed files"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+    "$PY" - <<'PYEOF'
+import importlib.metadata as m, platform, torch, torchvision
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| cudnn", torch.backends.cudnn.version(), "| torchvision", torchvision.__version__)
+print("gpu:", torch.cuda.get_device_name() if torch.cuda.is_available() else "NONE",
+      "| capability", torch.cuda.get_device_capability() if torch.cuda.is_available() else "-")
+for p in ("torchsprint", "pydantic", "simplejpeg", "av", "onnxruntime", "onnxruntime-gpu", "timm", "triton",
+          "nvidia-dali-cuda130", "tensorrt", "pytest", "pytest-xdist"):
+    try:
+        print(f"  {p} {m.version(p)}")
+    except m.PackageNotFoundError:
+        print(f"  {p} not installed")
+import re, tomllib
+meta = tomllib.loads(open("pyproject.toml", "rb").read().decode())["project"]
+missing = []
+for req in meta["dependencies"] + meta["optional-dependencies"]["dev"]:
+    name = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0]
+    if ";" in req and "python_version < '3.11'" in req:
+        continue
+    try:
+        m.version(name)
+    except m.PackageNotFoundError:
+        missing.append(name)
+print("declared dependencies missing here:", missing or "none")
+import torchsprint.data.backends.dali as d
+print("DALI importable:", d.dali_available())
+PYEOF
+  } | tee "$OUT/env.txt"
+}
+
+summarise() {  # summarise <name> <junit xml>: counts and failures into results.json's "tests"
+  "$PY" - "$1" "$2" "$OUT/results.json" "$OUT/figures.jsonl" <<'PYEOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+name, xml, out, figs = sys.argv[1:]
+res = json.loads(Path(out).read_text()) if Path(out).is_file() else {}
+t = {"passed": 0, "failed": [], "skipped": [], "errors": []}
+if Path(xml).is_file():
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        nid = f"{case.get('classname')}::{case.get('name')}"
+        kinds = {c.tag for c in case}
+        if "failure" in kinds:
+            t["failed"].append({"test": nid, "message": (case.find("failure").get("message") or "")[:400]})
+        elif "error" in kinds:
+            t["errors"].append({"test": nid, "message": (case.find("error").get("message") or "")[:400]})
+        elif "skipped" in kinds:
+            t["skipped"].append({"test": nid, "reason": (case.find("skipped").get("message") or "")[:200]})
+        else:
+            t["passed"] += 1
+res.setdefault("tests", {})[name] = t
+if Path(figs).is_file():
+    res["figures"] = [json.loads(l) for l in Path(figs).read_text().splitlines() if l.strip()]
+Path(out).write_text(json.dumps(res, indent=1))
+print(f"{name}: {t['passed']} passed, {len(t['failed'])} failed, {len(t['errors'])} errors, {len(t['skipped'])} skipped")
+PYEOF
+}
+
+# A test that hangs must not eat the call: pytest-timeout (on the device image) stops it after 300 s.
+TIMEOUT_OPT=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=300")
+
+run_tests() {  # the gpu tests are small: GPU_WORKERS processes share the GPU (default 4)
+  echo "== gpu-marked tests $(date -u +%T)"
+  TORCHSPRINT_FIGURES=$OUT/figures.jsonl "$PY" -m pytest -m "gpu or dali" -n "${GPU_WORKERS:-4}" -v -rA -p no:cacheprovider \
+    --durations=25 $TIMEOUT_OPT --junitxml=/tmp/tests_gpu.xml tests 2>&1 | tee "$OUT/tests_gpu.log" | tail -60
+  summarise gpu /tmp/tests_gpu.xml
+}
+
+run_suite() {
+  echo "== suite ($SUITE_MARKS) $(date -u +%T)"
+  local n=$(( $(nproc) / 2 )); [ "$n" -gt 8 ] && n=8
+  "$PY" -m pytest -m "$SUITE_MARKS" -n "$n" -q -rfE -p no:cacheprovider --durations=15 $TIMEOUT_OPT \
+    --junitxml=/tmp/suite.xml tests 2>&1 | tee "$OUT/suite.log" | tail -40
+  summarise suite /tmp/suite.xml
+}
+
+run_bench() {
+  echo "== measurements $1 $(date -u +%T)"
+  local quick=""; [ "${QUICK:-0}" = 1 ] && quick="--quick"
+  "$PY" benchmarks/gpu/measure.py --out "$OUT/results.json" --only "$1" --deadline-s "${DEADLINE:-480}" $quick \
+    ${PREVIOUS:+--previous "$PREVIOUS"}
+}
+
+SUITE_MARKS=${SUITE_MARKS:-not gpu and not dali}
+[ $# -eq 0 ] && set -- all
+setup
+while [ $# -gt 0 ]; do
+  case "$1" in
+    tests) run_tests ;;
+    suite) run_suite ;;
+    bench)
+      list=M1,M2,M3,M4,M5,M6
+      if [ $# -gt 1 ] && [[ "$2" == M* ]]; then list=$2; shift; fi
+      run_bench "$list" ;;
+    all) run_tests; SUITE_MARKS="not gpu and not dali" run_suite; DEADLINE=${DEADLINE:-3600} run_bench M1,M2,M3,M4,M5,M6 ;;
+    *) echo "unknown part '$1': use tests, suite, bench [M1,...], all"; exit 2 ;;
+  esac
+  shift
+done
+echo "== done in $(( $(date +%s) - T0 )) s; outputs: $(ls "$OUT" | tr '\n' ' ')"

@@ -67,29 +67,31 @@ def test_saver_keeps_last_k_and_best_k_and_records_every_save(tmp_path, mode, ke
     for i, m in enumerate(metrics):
         saver.save(TrainState(epoch=0, step_in_epoch=i + 1, global_step=i + 1), *objs, metric=m)
     on_disk = {p.name for p in find_checkpoints(tmp_path)}
-    assert on_disk == {f"ckpt-e000-s{i + 1:07d}.pt" for i in kept}
+    assert on_disk == {f"ckpt-e001-s{i + 1:07d}.pt" for i in kept}
     status = json.loads((tmp_path / "checkpoints" / "status.json").read_text())
     assert {e["file"] for e in status["checkpoints"]} == on_disk
     for e in status["checkpoints"]:
         assert e["bytes"] == (tmp_path / "checkpoints" / e["file"]).stat().st_size
         assert e["metric"] == metrics[e["step"] - 1]
     assert [(e["step"], e["metric"]) for e in status["history"]] == [(i + 1, m) for i, m in enumerate(metrics)]
-    assert status["latest"] == "ckpt-e000-s0000006.pt"
-    assert status["best"] == ("ckpt-e000-s0000002.pt" if mode == "max" else "ckpt-e000-s0000004.pt")
+    assert status["latest"] == "ckpt-e001-s0000006.pt"
+    assert status["best"] == ("ckpt-e001-s0000002.pt" if mode == "max" else "ckpt-e001-s0000004.pt")
 
 
 def test_checkpoint_holds_everything_needed_to_continue(tmp_path):
     saver, (model, opt, sched, prec) = make_saver(tmp_path, "run.seed=3", "data.batch_size=32", "optim.accum_steps=2")
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
-    path = saver.save(TrainState(epoch=1, step_in_epoch=5, global_step=20, best_metric=0.5, best_epoch=0),
+    path = saver.save(TrainState(epoch=1, step_in_epoch=5, global_step=20, best_metric=0.5, best_epoch=1,
+                                 epoch_loss_sum=2.5, epoch_steps=5, epoch_correct=70, epoch_samples=160),
                       model, opt, sched, prec, metric=None)
     ck = load_checkpoint(path)
     assert torch.equal(ck["model"]["weight"], model.weight.detach())
     assert torch.equal(ck["optimizer"]["state"][0]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
     assert ck["scheduler"]["last_epoch"] == sched.last_epoch and "scaler" in ck
     assert ck["train_state"] == {"epoch": 1, "step_in_epoch": 5, "global_step": 20, "best_metric": 0.5,
-                                 "best_epoch": 0, "skipped_steps": 0}
+                                 "best_epoch": 1, "skipped_steps": 0, "epoch_loss_sum": 2.5, "epoch_steps": 5,
+                                 "epoch_correct": 70, "epoch_samples": 160}
     assert ck["sampler"] == {"epoch": 1, "batches_done": 10, "batch_size": 32, "accum_steps": 2, "world_size": 1, "seed": 3}
     assert set(ck["rng"][0]) == {"python", "numpy", "torch"}  # + "cuda" when training on a GPU
     assert ck["config"]["run"]["seed"] == 3 and ck["classes"] == ["a", "b"]
@@ -153,7 +155,7 @@ def test_saves_every_n_epochs_every_n_steps_and_at_the_end(tmp_path):
     fast_run(tmp_path, "run.epochs=3", "checkpoint.every_epochs=2", "checkpoint.every_steps=8", "checkpoint.keep_last=10")
     history = json.loads((tmp_path / "checkpoints" / "status.json").read_text())["history"]
     assert [(e["epoch"], e["step_in_epoch"], e["step"]) for e in history] == [
-        (0, 8, 8), (1, 5, 16), (2, 0, 22), (2, 2, 24), (2, 10, 32), (3, 0, 33)]
+        (1, 8, 8), (2, 5, 16), (2, 0, 22), (3, 2, 24), (3, 10, 32), (3, 0, 33)]  # 1-based epoch numbers
     assert [e["metric"] is None for e in history] == [True, True, False, True, True, False]
 
 
@@ -166,7 +168,7 @@ def test_resume_from_an_explicit_file_or_run_folder(tmp_path):
     # An explicit older file of the same folder: the newer one is another timeline now, set aside
     # so that a later `resume: auto` cannot pick it.
     assert fast_run(a, f"checkpoint.resume={s1}", "run.stop_after_steps=2", "checkpoint.every_steps=5")["global_step"] == 3
-    assert [p.name for p in find_checkpoints(a)] == ["ckpt-e000-s0000003.pt", s1.name]
+    assert [p.name for p in find_checkpoints(a)] == ["ckpt-e001-s0000003.pt", s1.name]
     assert [p.name for p in (a / "checkpoints").glob("superseded-*/*.pt")] == [s2.name]
 
 
@@ -205,7 +207,7 @@ assert "torchsprint" not in sys.modules
 
 
 def test_missing_checkpoint_path_is_a_usage_error(tmp_path, capsys):
-    missing = tmp_path / "nope" / "ckpt-e000-s0000001.pt"
+    missing = tmp_path / "nope" / "ckpt-e001-s0000001.pt"
     assert cli.main(["train", *FAST, f"run.dir={tmp_path / 'run'}", f"checkpoint.resume={missing}"]) == 2
     assert str(missing) in capsys.readouterr().err
     assert cli.main(["train", "--resume", str(tmp_path / "no-run")]) == 2
@@ -281,7 +283,7 @@ def test_full_disk_during_save_is_a_clear_error_and_loses_nothing(tmp_path, monk
         fast_run(tmp_path, "run.epochs=1", "checkpoint.every_steps=3", "checkpoint.keep_last=5")
     monkeypatch.undo()
     saved = find_checkpoints(tmp_path)
-    assert [p.name for p in saved] == ["ckpt-e000-s0000006.pt", "ckpt-e000-s0000003.pt"]
+    assert [p.name for p in saved] == ["ckpt-e001-s0000006.pt", "ckpt-e001-s0000003.pt"]
     for p in saved:
         load_checkpoint(p)
     status = json.loads((tmp_path / "checkpoints" / "status.json").read_text())
@@ -330,7 +332,7 @@ def test_two_ranks_rank0_writes_all_wait_and_a_failed_save_stops_every_rank(tmp_
     torch.multiprocessing.spawn(_two_rank_worker, args=(str(run_dir), str(results)), nprocs=2, join=True)
     r0, r1 = (json.loads((results / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["path"] == r1["path"] == r0["found"] == r1["found"]  # one file, chosen by rank 0, loaded by both
-    assert r1["files"] == ["ckpt-e000-s0000001.pt", "status.json"]  # rank 1 saw rank 0's finished save
+    assert r1["files"] == ["ckpt-e001-s0000001.pt", "status.json"]  # rank 1 saw rank 0's finished save
     assert r0["rng_ok"] and r1["rng_ok"] and r0["n_rng"] == 2  # each rank got its own stream back
     assert "No space left on device" in r0["error"] and r0["error"] == r1["error"]  # no rank left waiting
-    assert [p.name for p in find_checkpoints(run_dir)] == ["ckpt-e000-s0000001.pt"]
+    assert [p.name for p in find_checkpoints(run_dir)] == ["ckpt-e001-s0000001.pt"]

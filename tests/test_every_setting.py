@@ -22,7 +22,9 @@ from torchsprint import config, runtime
 from torchsprint.errors import UsageError
 from torchsprint.run import build_training, train
 
-BASE = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.epochs=1"]
+# data.backend=cpu: the probes of the cpu backend's own fields compare against it (the default, auto, picks
+# memory for digits; its probe is below and tests/test_backend_auto.py proves what it picks).
+BASE = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.epochs=1", "data.backend=cpu"]
 TESTS = Path(__file__).resolve().parent
 
 
@@ -285,7 +287,8 @@ PROBES = {
                                              "data.options={num_images: 10, val_images: 4}"])),
     "data.val_fraction": lambda t: differs(lambda c, b: len(b.loaders.val), "data.val_fraction=0.5"),
     "data.split_seed": lambda t: differs(lambda c, b: first_batch(b.loaders.val)[1].tolist(), "data.split_seed=1"),
-    "data.backend": lambda t: differs(lambda c, b: type(b.loaders.train).__name__, "data.backend=memory"),
+    "data.backend": lambda t: (differs(lambda c, b: type(b.loaders.train).__name__, "data.backend=memory"),
+                               differs(lambda c, b: type(b.loaders.train).__name__, "data.backend=auto")),
     "data.batch_size": lambda t: differs(lambda c, b: first_batch(b.loaders.train)[0].shape[0], "data.batch_size=16"),
     "data.eval_batch_size": lambda t: differs(lambda c, b: first_batch(b.loaders.val)[0].shape[0], "data.eval_batch_size=7"),
     "data.num_workers": lambda t: differs(lambda c, b: b.loaders.train.loader.num_workers, "data.num_workers=1"),
@@ -408,6 +411,7 @@ PROBES = {
                                           "mlflow.json").read_text())["experiment"] == "probe" or pytest.fail()),
     "eval.every_epochs": lambda t: _lines(t, "run.epochs=2", "eval.every_epochs=2", kind="eval") !=
         _lines(t, "run.epochs=2", kind="eval") or pytest.fail(),
+    "eval.test_at_end": lambda t: refused("eval.test_at_end=true", match="has no test split"),  # + test_folder_layouts
     "eval.topk": lambda t: "val/top3" in run(t, "eval.topk=3")[0]["final"] or pytest.fail(),
     "eval.per_class": lambda t: (run(t)[1] / "confusion_matrix.csv").exists() and
         not (run(t, "eval.per_class=false")[1] / "confusion_matrix.csv").exists() or pytest.fail(),

@@ -7,6 +7,7 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
   numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
   data         core (registries, sampler) < decode < transforms/normalize/batch_ops (the spec) < augment
                < sources/ (one file per dataset family) < backends/ (one file per loader backend)
+               < build (build_loaders, data.backend: auto)
   models       core (MODELS registry) < nets, init
   tasks        what a run learns (metrics, losses, artifacts per task)
   config       the schema (fills task defaults)
@@ -41,6 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data.augment", ["data.augment"]),
     ("data.sources", ["data.sources.*"]),
     ("data.backends", ["data.backends.*"]),
+    ("data.build", ["data.build"]),
     ("models.core", ["models.core"]),
     ("models", ["models.nets", "models.init"]),
     ("tasks", ["tasks"]),

@@ -114,7 +114,7 @@ def test_corrupt_newest_checkpoint_is_reported_and_skipped(reference, tmp_path, 
     ref_dir, ref = reference
     run(tmp_path, "run.stop_after_steps=6")  # checkpoints at steps 3, 6
     newest, previous = find_checkpoints(tmp_path)[:2]
-    assert newest.name == "ckpt-e000-s0000006.pt"
+    assert newest.name == "ckpt-e001-s0000006.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a torn file, as after a disk fault
     capsys.readouterr()
     done = train(config.load(None, [*BASE, f"run.dir={tmp_path}", "checkpoint.resume=auto"]), quiet=False)

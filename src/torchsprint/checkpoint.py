@@ -43,6 +43,12 @@ class TrainState:
     best_metric: float | None = None
     best_epoch: int | None = None
     skipped_steps: int = 0  # optimizer steps skipped for non-finite values
+    # This epoch's training loss and accuracy so far (summed at log steps and checkpoints, so a resumed epoch
+    # reports the same means): sum of step losses, steps summed, correct top-1 predictions, samples counted.
+    epoch_loss_sum: float = 0.0
+    epoch_steps: int = 0
+    epoch_correct: int = 0
+    epoch_samples: int = 0
 
 
 # ---------------------------------------------------------------- names
@@ -183,6 +189,13 @@ def data_geometry(cfg, world_size: int) -> dict[str, int]:
             "world_size": world_size, "seed": cfg.run.seed}
 
 
+def epoch_number(state: TrainState) -> int:
+    """The 1-based number of the epoch a state belongs to, as the console, metrics.jsonl and checkpoint names
+    count: the epoch in progress, or the one just finished (ckpt-e003-... is saved during or at the end of
+    epoch 3). TrainState.epoch itself counts finished epochs."""
+    return state.epoch if state.step_in_epoch == 0 and state.epoch > 0 else state.epoch + 1
+
+
 def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
     """(epoch, step) of a ckpt-e<epoch>-s<step>.pt file name, None for other names."""
     m = CKPT_RE.match(name)
@@ -303,7 +316,7 @@ class Saver:
         Raises UsageError (on every rank) when the checkpoint cannot be written, e.g. a full disk;
         the checkpoints saved before stay intact and listed.
         """
-        path = self.dir / f"ckpt-e{state.epoch:03d}-s{state.global_step:07d}.pt"
+        path = self.dir / f"ckpt-e{epoch_number(state):03d}-s{state.global_step:07d}.pt"
         key = (state.epoch, state.step_in_epoch, state.global_step, metric)
         if key == self._last_saved:  # the same on every rank, so all ranks skip together
             return path  # e.g. a pause right after a step checkpoint: nothing changed since
@@ -342,7 +355,7 @@ class Saver:
             **self.meta,
         }
         size = atomic_write(path, lambda f: torch.save(ckpt, f))
-        entry = {"file": path.name, "epoch": state.epoch, "step_in_epoch": state.step_in_epoch,
+        entry = {"file": path.name, "epoch": epoch_number(state), "step_in_epoch": state.step_in_epoch,
                  "step": state.global_step, "metric": metric, "bytes": size, "time": round(time.time(), 3)}
         self.status["history"].append(entry)
         entries = [e for e in self.status["checkpoints"] if e["file"] != path.name] + [entry]

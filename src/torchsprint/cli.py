@@ -39,9 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous address for several machines")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
-    p = sub.add_parser("eval", help="re-evaluate a run's saved weights", description="Re-evaluate saved weights on the validation set.")
+    p = sub.add_parser("eval", help="re-evaluate a run's saved weights", description="Re-evaluate saved weights on the validation (or test) split.")
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
     p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights to evaluate")
+    p.add_argument("--split", choices=["val", "test"], default="val",
+                   help="which split: val, or test (image_folder: the test/ folder beside train/)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.eval_batch_size=256")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -169,10 +171,11 @@ def cmd_eval(args) -> int:
     from torchsprint.run import evaluate_run
 
     import_modules(args.imports)
-    out = evaluate_run(args.run, args.weights, args.overrides)
+    out = evaluate_run(args.run, args.weights, args.overrides, split=args.split)
     if args.json:
         print(json.dumps(out))
     else:
+        print(f"{args.split} split, {args.weights} weights:")
         for k in ("top1", "top5", "loss", "count"):
             if k in out:
                 print(f"{k:>6}: {out[k]:.4f}" if isinstance(out[k], float) else f"{k:>6}: {out[k]}")

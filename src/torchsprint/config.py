@@ -59,7 +59,9 @@ class DataConfig(Section):
     options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the dataset builder.")
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share held out for validation when the dataset has no val split.")
     split_seed: int = Field(0, ge=0, description="Seed of the train/val split (fixed, independent of run.seed).")
-    backend: str = Field("cpu", description="Loader backend from the LOADERS registry (`torchsprint list loaders`).")
+    backend: str = Field("auto", description="Loader backend from the LOADERS registry (`torchsprint list loaders`), or "
+                         "'auto': memory when the decoded dataset fits (25% of RAM, 50% of the GPU) and the preprocessing "
+                         "runs batched, gpu for JPEG files on CUDA, else cpu; the run says which and why.")
     batch_size: int = Field(64, ge=1, description="Training batch size per process.")
     eval_batch_size: int | None = Field(None, ge=1, description="Evaluation batch size (defaults to 2 x batch_size).")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0 loads in the main process).")
@@ -216,6 +218,8 @@ class LogConfig(Section):
 class EvalConfig(Section):
     every_epochs: int = Field(1, ge=1, description="Evaluate on the validation set every N epochs (and at the end).")
     topk: int = Field(5, ge=2, description="Also report top-k accuracy when the dataset has more than k classes.")
+    test_at_end: bool = Field(False, description="After training, evaluate the best weights on the dataset's test split "
+                              "(image_folder: test/); the metrics go to summary.json under 'test'.")
     per_class: bool = Field(True, description="Per-class precision/recall/F1 and a confusion matrix (CSV and PNG).")
     threshold: float = Field(0.5, gt=0, lt=1, description="task=multilabel: a label is predicted when its probability is at "
                              "least this (F1 and `torchsprint predict`).")

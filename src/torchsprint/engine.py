@@ -22,10 +22,12 @@ from torchsprint.rng import rng_isolated
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
 
 
-def train_step(model, micro_batches, loss_fn, opt, prec, clip_grad_norm: float | None = None) -> torch.Tensor:
+def train_step(model, micro_batches, loss_fn, opt, prec, clip_grad_norm: float | None = None,
+               correct: list | None = None) -> torch.Tensor:
     """One optimizer step over `micro_batches` (gradient accumulation when there are several).
 
-    Returns the mean loss as a detached device tensor (no host sync here).
+    Returns the mean loss as a detached device tensor (no host sync here). With `correct` (a list), the
+    number of top-1 hits of each micro-batch is appended to it, as a device tensor (class-index targets).
     """
     n = len(micro_batches)
     losses = []
@@ -33,9 +35,12 @@ def train_step(model, micro_batches, loss_fn, opt, prec, clip_grad_norm: float |
         # DDP all-reduces gradients only on the last micro-step; no_sync is a null context elsewhere.
         with no_sync(model) if i < n - 1 else nullcontext():
             with prec.autocast():
-                loss = loss_fn(model(images), targets)
+                logits = model(images)
+                loss = loss_fn(logits, targets)
             prec.backward(loss / n if n > 1 else loss)
         losses.append(loss.detach())
+        if correct is not None:
+            correct.append((logits.detach().argmax(1) == targets).sum())
     if clip_grad_norm is not None:
         prec.unscale_(opt)
         # The optimizer's parameters: in fp16/bf16 modes these are the fp32 masters that hold the gradients.
@@ -66,6 +71,8 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
     logger.start_epoch(state.epoch, cfg.run.epochs, steps_per_epoch, state.step_in_epoch)
     device = next(unwrap(model).parameters()).device
     window: list[torch.Tensor] = []  # this log window's step losses, on the device; summed at log steps only
+    # Top-1 hits per micro-batch for the epoch's training accuracy (class-index targets only; device scalars).
+    totals = EpochTotals(track_accuracy(cfg))  # the epoch's training loss and accuracy, summed without per-step syncs
     images_seen = log_images = 0
     data_wait = 0.0
     t_start = t_log = time.perf_counter()
@@ -83,28 +90,32 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         data_wait += time.perf_counter() - t0
         if not micro:
             break
-        loss = train_step(model, micro, loss_fn, opt, prec, cfg.optim.clip_grad_norm)
+        loss = train_step(model, micro, loss_fn, opt, prec, cfg.optim.clip_grad_norm, totals.hits)
         if per_step_sched:
             sched.step()
         n_images = sum(b[0].shape[0] for b in micro)
         images_seen += n_images
         log_images += n_images
         window.append(loss)
+        totals.losses.append(loss)
+        totals.samples += n_images
         state.step_in_epoch += 1
         state.global_step += 1
         logger.advance()
         if state.global_step % cfg.log.every_steps == 0:
             mean_loss = torch.stack(window).float().mean().item()  # note: a CPU-GPU sync point, once per log step
             check_finite(prec, state, window, opt, math.isfinite(mean_loss))
+            totals.fold(state)
             now = time.perf_counter()
             stats = {"train/loss": mean_loss, "train/lr": opt.param_groups[0]["lr"], "train/skipped_steps": state.skipped_steps,
-                     "train/images_per_s": log_images / max(now - t_log, 1e-9), "epoch": state.epoch}
+                     "train/images_per_s": log_images / max(now - t_log, 1e-9), "epoch": state.epoch + 1}
             logger.scalars(state.global_step, stats, "train")
             logger.step_stats(f"loss {mean_loss:.4f}  lr {stats['train/lr']:.3g}  {stats['train/images_per_s']:.0f} img/s")
             window.clear()
             log_images = 0
             t_log = now
         if cfg.checkpoint.every_steps and state.global_step % cfg.checkpoint.every_steps == 0:
+            totals.fold(state)  # the checkpoint keeps this epoch's sums so far
             saver.save(state, model, opt, sched, prec, metric=None)
         if cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps:
             break
@@ -113,9 +124,60 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
     logger.end_epoch()
     # Count the steps since the last log step too (all ranks call it: it reduces). Note: a sync point.
     check_finite(prec, state, window, opt)
+    totals.fold(state)
     seconds = time.perf_counter() - t_start
     return {"images": images_seen, "seconds": seconds, "data_wait": data_wait,
             "finished_epoch": state.step_in_epoch >= steps_per_epoch}
+
+
+def track_accuracy(cfg) -> bool:
+    """Whether training accuracy is measured: tasks whose targets are class indices."""
+    from torchsprint.tasks import get_task
+
+    return get_task(cfg.task).targets == "class_index"
+
+
+class EpochTotals:
+    """Step losses, top-1 hits and sample counts not yet added to the epoch's sums in TrainState (device
+    scalars, so the step itself never syncs). `fold` adds them, summed over ranks, at log steps,
+    checkpoints and epoch ends: the state then holds global sums, and a resumed epoch reports the same
+    means as an uninterrupted one. Note: a host sync and, under DDP, one small all-reduce per fold."""
+
+    def __init__(self, accuracy: bool):
+        self.losses: list[torch.Tensor] = []
+        self.hits: list[torch.Tensor] | None = [] if accuracy else None
+        self.samples = 0
+
+    def fold(self, state: TrainState) -> None:
+        from torchsprint.parallel import all_reduce_sum
+
+        if not self.losses and not self.samples:
+            return
+        dev = self.losses[0].device if self.losses else torch.device("cpu")
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        t = torch.stack([torch.stack(self.losses).double().sum() if self.losses else zero,
+                         torch.tensor(float(len(self.losses)), dtype=torch.float64, device=dev),
+                         torch.stack(self.hits).double().sum() if self.hits else zero,
+                         torch.tensor(float(self.samples if self.hits is not None else 0), dtype=torch.float64, device=dev)])
+        loss_sum, steps, correct, samples = all_reduce_sum(t).tolist()
+        state.epoch_loss_sum += loss_sum
+        state.epoch_steps += int(steps)
+        state.epoch_correct += int(correct)
+        state.epoch_samples += int(samples)
+        self.losses.clear()
+        if self.hits is not None:
+            self.hits.clear()
+        self.samples = 0
+
+
+def epoch_means(state: TrainState) -> dict:
+    """This epoch's mean training loss (over steps, all ranks) and top-1 accuracy (over samples) so far."""
+    out = {}
+    if state.epoch_steps:
+        out["train/epoch_loss"] = state.epoch_loss_sum / state.epoch_steps
+    if state.epoch_samples:
+        out["train/epoch_top1"] = state.epoch_correct / state.epoch_samples
+    return out
 
 
 def check_finite(prec, state: TrainState, window: list, opt, loss_finite: bool | None = None) -> None:
@@ -190,7 +252,7 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
             raise RuntimeError("loader ended before the epoch did")  # a loader length bug, never expected
         if ep["finished_epoch"] and cfg.sched.interval == "epoch":
             sched.step()
-        report_epoch(logger, state, ep, loaders.train, cfg.data.backend)
+        report_epoch(logger, state, ep, loaders.train, loaders.info.backend or cfg.data.backend)
         if pausing and not ep["finished_epoch"]:  # mid-epoch: no evaluation here, an uninterrupted run has none
             saver.save(state, model, opt, sched, prec, metric=None)
             break
@@ -199,19 +261,20 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
         if (state.epoch + 1) % cfg.eval.every_epochs == 0 or last_epoch:
             last_eval = {f"val/{k}": v for k, v in evaluate(model, loaders.val, loss_fn, prec, make_metrics()).items()}
             logger.scalars(state.global_step, {k: v for k, v in last_eval.items() if not isinstance(v, list)} |
-                           {"epoch": state.epoch}, "eval")
+                           {"epoch": state.epoch + 1}, "eval")
             if monitor not in last_eval:
                 raise UsageError(f"checkpoint.monitor={monitor} is not a metric; available: {sorted(last_eval)}")
             metric = last_eval[monitor]
             logger.info(f"epoch {state.epoch + 1}/{epochs}  {task.summary(last_eval)}")
             if is_better(metric, state.best_metric, cfg.checkpoint.mode):
-                state.best_metric, state.best_epoch = metric, state.epoch
+                state.best_metric, state.best_epoch = metric, state.epoch + 1
                 if rt.is_main:
-                    save_weights(run_dir / "best.safetensors", model, weights_meta | {"epoch": str(state.epoch), monitor: str(metric)})
+                    save_weights(run_dir / "best.safetensors", model, weights_meta | {"epoch": str(state.epoch + 1), monitor: str(metric)})
                     task.write_artifacts(run_dir, last_eval, loaders.info)
         if ep["finished_epoch"]:
             state.epoch += 1
             state.step_in_epoch = 0
+            state.epoch_loss_sum, state.epoch_steps, state.epoch_correct, state.epoch_samples = 0.0, 0, 0, 0
         if (cfg.checkpoint.every_epochs and state.epoch % cfg.checkpoint.every_epochs == 0) or last_epoch or pausing:
             saver.save(state, model, opt, sched, prec, metric)
         if stopping or pausing:
@@ -236,11 +299,14 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
 
 
 def report_epoch(logger, state: TrainState, ep: dict, loader, backend: str) -> None:
-    """Per-epoch throughput, data-wait share, and skipped samples; flags input-bound runs."""
+    """Per-epoch training loss and accuracy, throughput, data-wait share, and skipped samples; flags input-bound runs."""
     share = ep["data_wait"] / max(ep["seconds"], 1e-9)
     ips = ep["images"] / max(ep["seconds"], 1e-9)
-    logger.scalars(state.global_step, {"train/epoch_images_per_s": ips, "train/data_wait_share": share, "epoch": state.epoch}, "epoch")
-    msg = f"epoch {state.epoch + 1}: {ips:.0f} img/s, data wait {share:.0%}"
+    means = epoch_means(state)
+    logger.scalars(state.global_step, means | {"train/epoch_images_per_s": ips, "train/data_wait_share": share,
+                                               "epoch": state.epoch + 1}, "epoch")
+    said = "".join(f"{k.split('_', 1)[1]} {v:.4f}, " for k, v in means.items())
+    msg = f"epoch {state.epoch + 1}: train {said}{ips:.0f} img/s, data wait {share:.0%}"
     if share > INPUT_BOUND_SHARE:
         msg += (f" [yellow]- input-bound: the loader ({backend}) is the bottleneck; try more data.num_workers or "
                 "another data.backend (memory for small datasets, gpu for JPEGs on CUDA); `torchsprint bench` "

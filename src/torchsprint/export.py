@@ -42,7 +42,7 @@ def sample_batch(trained, n: int = 8) -> torch.Tensor:
     cfg = trained.cfg.model_copy(deep=True)
     cfg.data.backend, cfg.data.num_workers = "cpu", 0  # the reference CPU path; its raw uint8 batches
     rt = runtime.Runtime(device=torch.device("cpu"))
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed)
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, allowed=("cpu", "gpu"))
     loaders.val.set_epoch(0)
     task = get_task(cfg.task)
     for batch in loaders.val.loader:

@@ -63,7 +63,7 @@ def predictions(trained, wrong: int) -> dict:
     cfg = trained.cfg.model_copy(deep=True)
     cfg.data.backend, cfg.data.num_workers = "cpu", 0
     cfg.data.cpu_fraction, cfg.data.fallback = 0.0, None
-    loaders = build_loaders(cfg.data, runtime.Runtime(torch.device("cpu")), seed=cfg.run.seed)
+    loaders = build_loaders(cfg.data, runtime.Runtime(torch.device("cpu")), seed=cfg.run.seed, allowed=("cpu",))
     norm = DeviceNormalize(loaders.info.mean, loaders.info.std, torch.device("cpu"))
     loaders.val.set_epoch(0)
     preds, targets, heap, n = [], [], [], 0
@@ -158,7 +158,7 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
         ("classes", f"{len(trained.classes)}: {', '.join(trained.classes[:12])}{' ...' if len(trained.classes) > 12 else ''}"),
         ("model", f"{cfg.model.name} {cfg.model.args or ''}"), ("optimizer", f"{cfg.optim.name}, lr {cfg.optim.lr}"),
         ("precision", cfg.precision.mode), ("device", env.get("device", "?")), ("epochs", cfg.run.epochs),
-        ("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary['best_epoch'] + 1})"
+        ("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary['best_epoch']})"
          if summary.get("best_metric") is not None else "-"),
         *(((k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in summary.get("final", {}).items())),
         ("train images/s", f"{summary['train_images_per_s']:.0f}" if summary.get("train_images_per_s") else "-"))]

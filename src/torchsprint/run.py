@@ -137,8 +137,12 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
     from torchsprint.tasks import check_data_task, get_task
 
-    get_task(cfg.task).check(cfg)
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last)
+    task = get_task(cfg.task)
+    task.check(cfg)
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last, allowed=task.backends)
+    if cfg.eval.test_at_end and loaders.info.facts.get("images", {}).get("test") is None:
+        raise UsageError(f"eval.test_at_end=true: data.dataset={cfg.data.dataset} (root={cfg.data.root}) has no test split "
+                         "(image_folder reads test/ beside train/). Add one, or set eval.test_at_end=false.")
     info = loaders.info
     check_data_task(cfg, info)
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
@@ -228,6 +232,11 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             (run_dir / "env.json").write_text(json.dumps(environment(rt, cfg.run.seed), indent=1))
         logger.info(f"run folder: {run_dir}  device: {rt.device}  world size: {rt.world_size}")
         info = b.loaders.info
+        decided = decisions(cfg, rt, b)
+        for line in describe_decisions(decided):
+            logger.info(line)
+        if rt.is_main:
+            (run_dir / "decisions.json").write_text(json.dumps(decided, indent=1))
         geometry = data_geometry(cfg, rt.world_size)
         state = TrainState()
         if ckpt is not None:
@@ -250,11 +259,14 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             if explained is None:
                 raise
             raise explained from e
+        if cfg.eval.test_at_end and not summary["paused"]:
+            summary["test"] = evaluate_test(cfg, rt, b, run_dir, task, logger)
         summary["run_dir"] = str(run_dir)
         if rt.is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary["final"].items()]
-            rows += [("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary['best_epoch'] + 1})"
+            rows += [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary.get("test", {}).items()]
+            rows += [("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary['best_epoch']})"
                       if summary["best_metric"] is not None else "-"),
                      ("train images/s", f"{summary['train_images_per_s']:.0f}"),
                      ("data-wait share", f"{summary['data_wait_share']:.0%}"),
@@ -269,6 +281,67 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         if lock is not None:
             lock.release()
         runtime.teardown(rt, clean)
+
+
+def decisions(cfg, rt, b: Built) -> dict:
+    """What torchsprint decided for this run, from the config and the data: printed at start, kept in decisions.json."""
+    info = b.loaders.info
+    facts = dict(info.facts)
+    return {
+        "dataset": cfg.data.dataset, "root": cfg.data.root, "task": cfg.task, **facts,
+        "backend": info.backend, "backend_why": info.backend_why,
+        "device": str(rt.device), "world_size": rt.world_size, "precision": cfg.precision.mode,
+        "batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
+        "effective_batch_size": cfg.data.batch_size * cfg.optim.accum_steps * rt.world_size,
+        "steps_per_epoch": -(-len(b.loaders.train) // cfg.optim.accum_steps), "epochs": cfg.run.epochs,
+    }
+
+
+def describe_decisions(d: dict) -> list[str]:
+    """The start-up summary, a few lines."""
+    names = ", ".join(d.get("class_names", []))
+    more = d.get("classes", 0) - len(d.get("class_names", []))
+    counts = ", ".join(f"{k} {v:,}" for k, v in d.get("images", {}).items())
+    lines = [f"data: {d['dataset']}{' at ' + str(d['root']) if d['root'] else ''}: {d.get('classes')} classes "
+             f"({names}{f', ... {more} more' if more > 0 else ''}); images: {counts}"]
+    if d.get("source"):
+        lines.append(f"  splits: {d['source']}")
+    cc, size = d.get("class_counts"), d.get("image_size")
+    extra = []
+    if cc:
+        extra.append(f"smallest class {cc['smallest'][0]} ({cc['smallest'][1]:,}), largest {cc['largest'][0]} "
+                     f"({cc['largest'][1]:,})")
+    if size:
+        lo, hi = size["min"], size["max"]
+        extra.append(f"image size {lo[1]}x{lo[0]}" + (f" to {hi[1]}x{hi[0]}" if lo != hi else "")
+                     + f" (w x h, {size['sampled']} sampled)")
+    if extra:
+        lines.append("  " + "; ".join(extra))
+    lines.append(f"loader: data.backend={d['backend']} ({d['backend_why']})"
+                 + (f", decoder {d['decoder']}" if d.get("decoder") else ""))
+    lines.append(f"device {d['device']} x {d['world_size']}, precision {d['precision']}, batch {d['batch_size']} x "
+                 f"accum {d['accum_steps']} x {d['world_size']} process(es) = effective batch {d['effective_batch_size']}, "
+                 f"{d['steps_per_epoch']} steps per epoch, {d['epochs']} epochs")
+    return lines
+
+
+def evaluate_test(cfg, rt, b: Built, run_dir: Path, task, logger) -> dict:
+    """eval.test_at_end: the best weights on the test split (every rank; rank 0 reads the file and shares it)."""
+    from safetensors.torch import load_file
+
+    from torchsprint.data import build_loaders
+    from torchsprint.engine import evaluate
+    from torchsprint.parallel import broadcast_object, unwrap
+
+    state = load_file(str(run_dir / "best.safetensors")) if rt.is_main else None
+    unwrap(b.model).load_state_dict(broadcast_object(state, rt))
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last, split="test",
+                            allowed=EVAL_BACKENDS)
+    out = evaluate(b.model, loaders.val, b.loss_fn, b.prec, task.make_metrics(loaders.info, cfg.eval, rt.device))
+    out = {f"test/{k}": v for k, v in out.items() if not isinstance(v, list)}
+    logger.scalars(0, out, "test")
+    logger.info(f"test split, best weights: {task.summary({k.replace('test/', 'val/'): v for k, v in out.items()})}")
+    return out
 
 
 # What PyTorch's pooling and convolution layers say when an input is smaller than they can take.
@@ -313,8 +386,8 @@ def load_run_config(run_dir: Path, overrides: list[str] = ()) -> config_mod.Conf
     return config_mod.load(path, overrides)
 
 
-def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str] = ()) -> dict:
-    """Re-evaluate a run's saved weights (best or last) on its validation set."""
+def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str] = (), split: str = "val") -> dict:
+    """Re-evaluate a run's saved weights (best or last) on its validation (or test) split."""
     from safetensors.torch import load_file
 
     from torchsprint import runtime
@@ -335,7 +408,8 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     task = get_task(cfg.task)
     task.check(cfg)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed)
+    # Evaluation streams one split: auto picks cpu or gpu (the memory backend would decode the training set too).
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, split=split, allowed=EVAL_BACKENDS)
     info = loaders.info
     check_data_task(cfg, info)
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
@@ -349,8 +423,11 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     metrics = task.make_metrics(info, cfg.eval, rt.device)
     loss_fn = build_loss(cfg.loss, task.targets, info.num_classes).to(rt.device)
     out = evaluate(model, loaders.val, loss_fn, Precision(cfg.precision.mode, rt.device), metrics)
-    out["weights"] = str(wpath)
+    out["weights"], out["split"] = str(wpath), split
     return out
+
+
+EVAL_BACKENDS = ("cpu", "gpu")  # what data.backend=auto may pick when only one split is read (eval, report, export)
 
 
 __all__ = ["train", "evaluate_run"]

@@ -63,7 +63,7 @@ class Task:
 
     def check(self, cfg) -> None:
         """Refuse config combinations this task cannot run correctly, naming them and what to do instead."""
-        if self.backends is not None and cfg.data.backend not in self.backends:
+        if self.backends is not None and cfg.data.backend not in (*self.backends, "auto"):
             raise UsageError(f"task={self.name} does not support data.backend={cfg.data.backend} (supported: "
                              f"{', '.join(self.backends)}). Set data.backend={self.backends[0]}.")
         if cfg.speed.channels_last and not self.channels_last:

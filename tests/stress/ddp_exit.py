@@ -22,6 +22,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=50)
     p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--keep", default=None, help="folder to keep the full stderr of failed runs in")
     args = p.parse_args()
     codes = collections.Counter()
     failures = []
@@ -35,6 +36,10 @@ def main() -> int:
             codes[r.returncode] += 1
             if r.returncode != 0:
                 failures.append((i, r.returncode, r.stderr.strip().splitlines()[-3:]))
+                if args.keep:
+                    os.makedirs(args.keep, exist_ok=True)
+                    with open(os.path.join(args.keep, f"run{i}.stderr"), "w") as f:
+                        f.write(r.stderr)
             print(f"run {i + 1}/{args.runs}: exit {r.returncode}", flush=True)
     print(f"\n{args.runs} runs in {time.time() - t0:.0f} s; exit codes: {dict(codes)}")
     for i, code, tail in failures:

@@ -1,6 +1,7 @@
 """Datasets, preprocessing and loader backends. Every loader yields on-device (images, targets).
 
-Where things are: `core.py` (the DATASETS and LOADERS registries, the sampler, `build_loaders`),
+Where things are: `core.py` (the DATASETS and LOADERS registries, the sampler), `build.py`
+(`build_loaders`, `data.backend: auto`),
 `sources/` (one file per dataset family), `decode.py` / `transforms.py` / `augment.py`
 (preprocessing), `backends/` (one file per loader backend), `tools.py` (`torchsprint data ...`).
 This file only re-exports; importing `sources` and `backends` registers every dataset and backend.
@@ -9,6 +10,7 @@ This file only re-exports; importing `sources` and `backends` registers every da
 from __future__ import annotations
 
 from torchsprint.data import backends, sources  # noqa: F401  (each module registers itself in core's registries)
-from torchsprint.data.core import DATASETS, LOADERS, DataInfo, Loaders, build_loaders
+from torchsprint.data.build import build_loaders
+from torchsprint.data.core import DATASETS, LOADERS, DataInfo, Loaders
 
 __all__ = ["DATASETS", "LOADERS", "DataInfo", "Loaders", "build_loaders"]

@@ -188,7 +188,7 @@ def sample_grid(splits, cfg, out: Path, per_class: int = 4) -> Path | None:
 
 def loader_check(cfg, batches: int) -> dict:
     """A few batches of each split through the configured backend: shapes, labels in range, finite, images/s."""
-    from torchsprint.data.core import build_loaders
+    from torchsprint.data.build import build_loaders
     from torchsprint.runtime import Runtime, resolve_device
 
     data_cfg = cfg.data.model_copy(update={"on_bad_sample": "skip"})  # the scan above already named every bad file

@@ -22,7 +22,8 @@ class Splits:
     """What a dataset builder returns: raw (undecoded or uint8) train/val datasets and their metadata.
 
     Each dataset item is (uint8 CHW tensor | None for an unreadable sample, target, source path or id).
-    `task` names the kind of targets (tasks.TASKS). `wrap` turns the backend's Loaders into what the
+    `test` is an optional held-out split (`torchsprint eval RUN --split test`, `eval.test_at_end`), and
+    `source` says in words where the splits come from. `task` names the kind of targets (tasks.TASKS). `wrap` turns the backend's Loaders into what the
     model sees, for datasets whose stored items differ from model inputs (paired images stacked
     along channels, clips collated frames-first); the identity for everything else. `label_changing`
     names preprocessing steps that would silently change what a label means for this data (a flip of a
@@ -36,6 +37,8 @@ class Splits:
     task: str = "classification"
     wrap: Callable[[Loaders], Loaders] = field(default=lambda loaders: loaders)
     label_changing: dict[str, str] = field(default_factory=dict)  # spec step -> why it would change a label's meaning
+    test: Any = None  # a held-out test split (image_folder's test/), evaluated on request only
+    source: str = ""  # where the splits come from, in words (the start-up summary prints it)
 
 
 class TensorImages(torch.utils.data.Dataset):
@@ -94,6 +97,9 @@ class DataInfo:
     std: tuple[float, ...]
     image_size: tuple[int, int] | None = None
     task: str = "classification"
+    backend: str = ""  # the loader backend that runs (data.backend, or what `auto` chose)
+    backend_why: str = ""  # why that backend (the start-up summary prints it)
+    facts: dict = field(default_factory=dict)  # what build.describe_data found (counts, sizes, source)
 
     @property
     def num_classes(self) -> int:
@@ -212,60 +218,3 @@ def prefetch_to_device(items, prepare, device: torch.device):
         nxt = cur
     if nxt is not None:
         yield nxt
-
-
-def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype: torch.dtype = torch.float32) -> Loaders:
-    """Build the dataset named in `data_cfg.dataset` and the backend named in `data_cfg.backend`.
-
-    Args:
-        data_cfg: the `data` section.
-        rt: the Runtime (device, rank, world size).
-        seed: run seed (data order and augmentation).
-        channels_last: deliver images in channels_last memory format.
-        dtype: floating dtype of the delivered images (fp32, or fp16/bf16 for half models).
-    """
-    check_data_fields(data_cfg)
-    splits = DATASETS.get(data_cfg.dataset)(data_cfg)
-    if data_cfg.decoder != "auto" and not hasattr(splits.train, "samples"):
-        raise UsageError(f"data.decoder={data_cfg.decoder}: data.dataset={data_cfg.dataset} is already decoded in memory, "
-                         "so no decoder runs; remove data.decoder.")
-    for where, spec in (("data.train.transforms", data_cfg.train.transforms), ("data.eval.transforms", data_cfg.eval.transforms)):
-        for step in spec:
-            name = step if isinstance(step, str) else next(iter(step), None) if isinstance(step, dict) else None
-            if name in splits.label_changing:
-                raise UsageError(f"{where}: {name} on data.dataset={data_cfg.dataset} {splits.label_changing[name]}; remove it.")
-    if len(splits.train) == 0:
-        raise UsageError(f"dataset '{data_cfg.dataset}' has no training samples (root={data_cfg.root}).")
-    kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
-    if data_cfg.backend not in LOADERS and data_cfg.backend in OPTIONAL_LOADERS:
-        return splits.wrap(missing_backend(data_cfg, splits, rt, kw))
-    backend = LOADERS.get(data_cfg.backend)
-    return splits.wrap(backend(data_cfg, splits, rt, **kw))
-
-
-def check_data_fields(data_cfg) -> None:
-    """Refuse backend-specific settings the chosen backend would ignore (non-default values only)."""
-    if data_cfg.cpu_fraction != 0.0 and data_cfg.backend != "gpu":
-        raise UsageError(f"data.cpu_fraction={data_cfg.cpu_fraction} splits a batch between CPU and GPU decoding in the "
-                         f"gpu backend; data.backend={data_cfg.backend} does not use it. Remove it, or set data.backend=gpu.")
-    if data_cfg.fallback is not None and data_cfg.backend not in OPTIONAL_LOADERS and data_cfg.backend != "gpu":
-        raise UsageError(f"data.fallback={data_cfg.fallback} replaces the gpu or dali backend where it cannot run; "
-                         f"data.backend={data_cfg.backend} always runs. Remove data.fallback.")
-    if data_cfg.num_workers == 0 and data_cfg.prefetch_factor != 2:
-        raise UsageError(f"data.prefetch_factor={data_cfg.prefetch_factor} is per worker process, and data.num_workers=0 "
-                         "loads in the main process. Set data.num_workers too, or remove data.prefetch_factor.")
-
-
-# Backends registered only when their library imports, and how to get them.
-OPTIONAL_LOADERS = {"dali": "NVIDIA DALI is not installed: `pip install 'torchsprint[dali]'` on a machine with a CUDA GPU"}
-
-
-def missing_backend(data_cfg, splits, rt, kw) -> Loaders:
-    """An optional backend that is not installed: use data.fallback (with a warning) or fail saying how to install it."""
-    import warnings
-
-    why = OPTIONAL_LOADERS[data_cfg.backend]
-    if data_cfg.fallback is None:
-        raise UsageError(f"data.backend={data_cfg.backend}: {why}. Or set data.fallback=cpu to use the cpu backend here.")
-    warnings.warn(f"data.backend={data_cfg.backend}: {why}; using data.fallback={data_cfg.fallback}.", stacklevel=2)
-    return LOADERS.get(data_cfg.fallback)(data_cfg, splits, rt, **kw)

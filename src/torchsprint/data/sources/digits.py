@@ -30,4 +30,6 @@ def digits(data_cfg) -> Splits:
         val=TensorImages(images[va], labels[va], [f"digits/{i}" for i in va]),
         classes=classes,
         in_channels=1,
+        source=f"scikit-learn's bundled digits, split {1 - data_cfg.val_fraction:.0%}/{data_cfg.val_fraction:.0%} into "
+               f"train/val (data.val_fraction, data.split_seed={data_cfg.split_seed})",
     )

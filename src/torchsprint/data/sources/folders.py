@@ -97,9 +97,80 @@ def scan_class_folders(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     return classes, samples
 
 
+# Split folder names image_folder recognises (case-insensitive), as the common dataset layouts spell them:
+# ImageNet/torchvision (train, val), Kaggle and Roboflow exports (train, valid, test), TFDS/Keras
+# (train, validation, test).
+SPLIT_NAMES = {"train": ("train", "training"), "val": ("val", "valid", "validation"), "test": ("test", "testing")}
+EXPECTED_LAYOUTS = ("<root>/train/<class>/*, optionally <root>/val|valid|validation/<class>/* and <root>/test/<class>/*; "
+                    "or <root>/<class>/* (split by data.val_fraction)")
+
+
+def _listing(root: Path, limit: int = 8) -> str:
+    """A one-line picture of what a folder holds: its subfolders with their image counts, and loose files."""
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    files = [p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")]
+    parts = []
+    for d in dirs[:limit]:
+        subdirs = sum(1 for q in d.iterdir() if q.is_dir())
+        parts.append(f"{d.name}/ ({subdirs} folders)" if subdirs else f"{d.name}/")
+    if len(dirs) > limit:
+        parts.append(f"... {len(dirs) - limit} more folders")
+    if files:
+        parts.append(f"{len(files)} loose file(s)")
+    return ", ".join(parts) or "nothing"
+
+
+def find_layout(root: Path) -> dict[str, Path | None]:
+    """Which folder of `root` holds each split: {'train': path | None (root is one folder of classes), 'val': ..., 'test': ...}.
+
+    Refuses (UsageError, showing what was found and what is expected) the layouts that would otherwise be
+    misread: split folders beside class folders, two folders for one split, a split folder without
+    train/, and one wrapper folder around a split layout (data.root one level too high).
+    """
+    dirs = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")}
+    found: dict[str, list[Path]] = {k: [dirs[n] for n in dirs if n.lower() in names] for k, names in SPLIT_NAMES.items()}
+    split_dirs = {p.name for ps in found.values() for p in ps}
+    where = f"data.root={root} holds: {_listing(root)}"
+    if not split_dirs:
+        if len(dirs) == 1:
+            (only,) = dirs.values()
+            inner = {p.name.lower() for p in only.iterdir() if p.is_dir()}
+            if inner & {n for names in SPLIT_NAMES.values() for n in names}:
+                raise UsageError(f"{where}; its one folder {only.name}/ holds split folders ({', '.join(sorted(inner)[:4])}), "
+                                 f"so set data.root={only}. Expected: {EXPECTED_LAYOUTS}.")
+        return {"train": None, "val": None, "test": None}
+    for k, ps in found.items():
+        if len(ps) > 1:
+            raise UsageError(f"{where}; {' and '.join(p.name + '/' for p in ps)} both look like the {k} split: keep one "
+                             f"(or rename the other). Expected: {EXPECTED_LAYOUTS}.")
+    if not found["train"]:
+        raise UsageError(f"{where}; there is {'/, '.join(sorted(split_dirs))}/ but no train/ folder. Expected: {EXPECTED_LAYOUTS}.")
+    others = sorted(set(dirs) - split_dirs)
+    if others:
+        raise UsageError(f"{where}; besides the split folders ({', '.join(sorted(split_dirs))}) it has other folders "
+                         f"({', '.join(others[:5])}) that would be left out: move them into a split folder, or out of "
+                         f"data.root. Expected: {EXPECTED_LAYOUTS}.")
+    return {k: (ps[0] if ps else None) for k, ps in found.items()}
+
+
+def describe_layout(layout: dict[str, Path | None], data_cfg, root: Path) -> str:
+    """Where each split comes from, for the start-up summary."""
+    if layout["train"] is None:
+        return (f"{root} is one folder of class folders: split {1 - data_cfg.val_fraction:.0%}/{data_cfg.val_fraction:.0%} "
+                f"into train/val (data.val_fraction={data_cfg.val_fraction}, data.split_seed={data_cfg.split_seed})")
+    parts = [f"train from {layout['train'].name}/"]
+    parts.append(f"val from {layout['val'].name}/" if layout["val"] else
+                 f"val: {data_cfg.val_fraction:.0%} of {layout['train'].name}/ (data.val_fraction, no val/ folder)")
+    if layout["test"]:
+        parts.append(f"test from {layout['test'].name}/")
+    return ", ".join(parts)
+
+
 @DATASETS.register("image_folder")
 def image_folder(data_cfg) -> Splits:
-    """Class-per-subfolder images: <root>/train/<class>/* and <root>/val/<class>/* (or <root>/<class>/* split by val_fraction)."""
+    """Class-per-subfolder images in one of the usual layouts (find_layout): train/ with val/ (or valid/,
+    validation/) and test/ split folders, train/ alone (val split off by val_fraction), or one folder of
+    class folders (split by val_fraction)."""
     check_options(data_cfg, MODE)
     if data_cfg.root is None:
         raise UsageError("data.dataset=image_folder needs data.root=<folder with train/ and val/ class subfolders>.")
@@ -107,19 +178,40 @@ def image_folder(data_cfg) -> Splits:
     if not root.is_dir():
         raise UsageError(f"data.root={root} does not exist or is not a folder.")
     mode = data_cfg.options.get("mode", "RGB")
-    if (root / "train").is_dir():
-        classes, train = scan_class_folders(root / "train")
-        if (root / "val").is_dir():
-            val_classes, val = scan_class_folders(root / "val")
-            if val_classes != classes:
-                raise UsageError(f"{root}: train/ and val/ have different class folders: {classes} vs {val_classes}.")
+    layout = find_layout(root)
+    test = None
+    if layout["train"] is not None:
+        classes, train = scan_class_folders(layout["train"])
+        if layout["val"] is not None:
+            val = _same_classes(layout["val"], classes, layout["train"])
         else:
             train, val = split_samples(train, data_cfg)
+        if layout["test"] is not None:
+            test = image_files(_same_classes(layout["test"], classes, layout["train"]), data_cfg, mode)
     else:
         classes, samples = scan_class_folders(root)
         train, val = split_samples(samples, data_cfg)
     return Splits(image_files(train, data_cfg, mode), image_files(val, data_cfg, mode), classes,
-                  in_channels=1 if mode == "GRAY" else 3)
+                  in_channels=1 if mode == "GRAY" else 3, test=test, source=describe_layout(layout, data_cfg, root))
+
+
+def _same_classes(folder: Path, classes: list[str], train: Path) -> list[tuple[str, int]]:
+    """Samples of a val/test split folder, which must have the training classes (a subset is fine: a class
+    with no validation images is common; a class training never saw is an error)."""
+    import warnings
+
+    names, samples = scan_class_folders(folder)
+    unknown = [c for c in names if c not in classes]
+    if unknown:
+        raise UsageError(f"{folder}: class folder(s) {unknown[:5]} are not in {train.name}/ ({len(classes)} classes: "
+                         f"{classes[:5]}{' ...' if len(classes) > 5 else ''}); the model can only learn classes it trains on. "
+                         "Add them to train/, or remove them here.")
+    missing = [c for c in classes if c not in names]
+    if missing:
+        warnings.warn(f"{folder}: no images of class(es) {missing[:5]}; they are trained but not measured on "
+                      f"{folder.name}/.", stacklevel=3)
+    index = {c: i for i, c in enumerate(classes)}
+    return [(p, index[names[ci]]) for p, ci in samples]
 
 
 # ---------------------------------------------------------------- file_list

@@ -1,0 +1,266 @@
+"""`build_loaders`: dataset + backend from the `data` section, `data.backend: auto`, and what was decided.
+
+The top of the data package: it knows every source and backend (they register themselves in
+core's registries), so the choice of backend (`auto`) and the description of the data printed at
+start-up live here, not in core.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+
+from torchsprint.data.core import DATASETS, LOADERS, Loaders, Splits
+from torchsprint.errors import UsageError
+
+# data.backend=auto: the memory backend when the decoded dataset fits this share of host RAM (CPU runs)
+# or of the device's memory (CUDA; the memory backend itself refuses more than half of what is free).
+MEMORY_SHARE_RAM = 0.25
+MEMORY_SHARE_GPU = 0.5
+# Files are decoded up front for the memory backend only up to this many (about a minute of decoding
+# on 2 CPU cores at ~500 images/s per core, measured in BENCHMARKS.md "Data loading"); more stream.
+MEMORY_MAX_FILES = 50_000
+HEADER_BYTES = 64 * 1024  # enough of a file for its size (the JPEG frame header follows EXIF/ICC segments)
+
+
+def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype: torch.dtype = torch.float32,
+                  allowed: tuple[str, ...] | None = None, split: str = "val", splits: Splits | None = None) -> Loaders:
+    """Build the dataset named in `data_cfg.dataset` and the backend named in `data_cfg.backend`.
+
+    Args:
+        data_cfg: the `data` section.
+        rt: the Runtime (device, rank, world size).
+        seed: run seed (data order and augmentation).
+        channels_last: deliver images in channels_last memory format.
+        dtype: floating dtype of the delivered images (fp32, or fp16/bf16 for half models).
+        allowed: the backends the task supports (tasks.Task.backends; None: any); `auto` picks among them.
+        split: what the evaluation loader (`Loaders.val`) reads: "val", or "test" (the dataset's test split).
+        splits: an already built dataset (else built from data_cfg).
+    The chosen backend and why, and the facts of the data, are in `Loaders.info` (backend, backend_why, facts).
+    """
+    check_data_fields(data_cfg)
+    splits = splits if splits is not None else DATASETS.get(data_cfg.dataset)(data_cfg)
+    if data_cfg.decoder != "auto" and not hasattr(splits.train, "samples"):
+        raise UsageError(f"data.decoder={data_cfg.decoder}: data.dataset={data_cfg.dataset} is already decoded in memory, "
+                         "so no decoder runs; remove data.decoder.")
+    for where, spec in (("data.train.transforms", data_cfg.train.transforms), ("data.eval.transforms", data_cfg.eval.transforms)):
+        for step in spec:
+            name = step if isinstance(step, str) else next(iter(step), None) if isinstance(step, dict) else None
+            if name in splits.label_changing:
+                raise UsageError(f"{where}: {name} on data.dataset={data_cfg.dataset} {splits.label_changing[name]}; remove it.")
+    if len(splits.train) == 0:
+        raise UsageError(f"dataset '{data_cfg.dataset}' has no training samples (root={data_cfg.root}).")
+    if split == "test":
+        if splits.test is None:
+            raise UsageError(f"data.dataset={data_cfg.dataset} (root={data_cfg.root}) has no test split; image_folder "
+                             "reads one from a test/ folder beside train/. Evaluate --split val, or add test/.")
+        splits = replace(splits, val=splits.test)
+    elif split != "val":
+        raise UsageError(f"--split {split}: choose val or test.")
+    kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
+    name, why = data_cfg.backend, "set in the config (data.backend)"
+    if name == "auto":
+        name, why = choose_backend(data_cfg, splits, rt.device, allowed)
+        data_cfg = data_cfg.model_copy(update={"backend": name})
+    if name not in LOADERS and name in OPTIONAL_LOADERS:
+        loaders = missing_backend(data_cfg, splits, rt, kw)
+        name, why = data_cfg.fallback, f"data.fallback: {OPTIONAL_LOADERS[data_cfg.backend]}"
+    else:
+        loaders = LOADERS.get(name)(data_cfg, splits, rt, **kw)
+    loaders.info.backend, loaders.info.backend_why = name, why
+    loaders.info.facts = describe_data(splits)
+    return splits.wrap(loaders)
+
+
+def check_data_fields(data_cfg) -> None:
+    """Refuse backend-specific settings the chosen backend would ignore (non-default values only)."""
+    if data_cfg.cpu_fraction != 0.0 and data_cfg.backend != "gpu":
+        raise UsageError(f"data.cpu_fraction={data_cfg.cpu_fraction} splits a batch between CPU and GPU decoding in the "
+                         f"gpu backend; data.backend={data_cfg.backend} does not use it. Remove it, or set data.backend=gpu.")
+    if data_cfg.fallback is not None and data_cfg.backend not in OPTIONAL_LOADERS and data_cfg.backend != "gpu":
+        raise UsageError(f"data.fallback={data_cfg.fallback} replaces the gpu or dali backend where it cannot run; "
+                         f"data.backend={data_cfg.backend} always runs. Remove data.fallback.")
+    if data_cfg.num_workers == 0 and data_cfg.prefetch_factor != 2:
+        raise UsageError(f"data.prefetch_factor={data_cfg.prefetch_factor} is per worker process, and data.num_workers=0 "
+                         "loads in the main process. Set data.num_workers too, or remove data.prefetch_factor.")
+
+
+OPTIONAL_LOADERS = {"dali": "NVIDIA DALI is not installed: `pip install 'torchsprint[dali]'` on a machine with a CUDA GPU"}
+
+
+def missing_backend(data_cfg, splits, rt, kw) -> Loaders:
+    """An optional backend that is not installed: use data.fallback (with a warning) or fail saying how to install it."""
+    import warnings
+
+    why = OPTIONAL_LOADERS[data_cfg.backend]
+    if data_cfg.fallback is None:
+        raise UsageError(f"data.backend={data_cfg.backend}: {why}. Or set data.fallback=cpu to use the cpu backend here.")
+    warnings.warn(f"data.backend={data_cfg.backend}: {why}; using data.fallback={data_cfg.fallback}.", stacklevel=2)
+    return LOADERS.get(data_cfg.fallback)(data_cfg, splits, rt, **kw)
+
+
+# ---------------------------------------------------------------- data.backend: auto
+
+
+def size_text(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def host_ram() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _memory_budget(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        # Total, not free memory: every rank must make the same choice (the memory backend still checks free memory).
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * MEMORY_SHARE_GPU), f"{MEMORY_SHARE_GPU:.0%} of {device}'s {total / 2**30:.0f} GiB"
+    ram = host_ram()
+    return int(ram * MEMORY_SHARE_RAM), f"{MEMORY_SHARE_RAM:.0%} of the {ram / 2**30:.0f} GiB of RAM"
+
+
+def _batched_spec_problem(data_cfg, channels: int, backend: str) -> str | None:
+    from torchsprint.data.augment import compile_batch_spec
+
+    try:
+        for where, split in (("data.train.transforms", data_cfg.train), ("data.eval.transforms", data_cfg.eval)):
+            compile_batch_spec(split.transforms, where, channels, backend)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def file_sizes(paths: list[str]) -> list[tuple[int, int] | None]:
+    """(height, width) of each file as decoded upright, from its header (first 64 KiB); None when unknown."""
+    from torchsprint.data.decode import BadImage, read_header
+
+    out = []
+    for p in paths:
+        try:
+            with open(p, "rb") as f:
+                h = read_header(f.read(HEADER_BYTES))
+        except (OSError, BadImage):
+            out.append(None)
+            continue
+        if h.height is None:
+            out.append(None)
+        else:
+            out.append((h.width, h.height) if h.orientation in (5, 6, 7, 8) else (h.height, h.width))
+    return out
+
+
+def choose_backend(data_cfg, splits: Splits, device: torch.device, allowed: tuple[str, ...] | None) -> tuple[str, str]:
+    """data.backend=auto: (backend, why). The fastest backend that fits, in this order:
+
+    1. memory, when the decoded dataset fits MEMORY_SHARE_RAM of RAM (MEMORY_SHARE_GPU of the GPU) and
+       the preprocessing runs in batched ops: a dataset already in memory (digits, CIFAR) as it is; a
+       folder of at most MEMORY_MAX_FILES images of one size, decoded once at start (measured on the
+       default run: 1.54x the cpu backend, BENCHMARKS.md);
+    2. gpu, for JPEG files on CUDA (nvJPEG decoding, augmentation on the GPU);
+    3. cpu otherwise (DataLoader workers decode and augment every epoch).
+    Only backends the task supports (`allowed`) are considered.
+    """
+    ok = [n for n in ("memory", "gpu", "cpu") if n in LOADERS and (allowed is None or n in allowed)]
+    if not ok:
+        raise UsageError(f"data.backend=auto: none of memory, gpu, cpu serves this task (it supports {allowed}); set data.backend.")
+    fallback = "cpu" if "cpu" in ok else ok[-1]
+    budget, budget_text = _memory_budget(device)
+    reasons = []
+    train, val = splits.train, splits.val
+    if "memory" in ok:
+        problem = _batched_spec_problem(data_cfg, splits.in_channels, "memory")
+        if problem is not None:
+            reasons.append(f"memory: the preprocessing has a step batched ops lack ({problem.split(':')[0]})")
+        elif hasattr(train, "images"):
+            nbytes = sum(int(d.images.numel()) * d.images.element_size() for d in (train, val) if hasattr(d, "images"))
+            if nbytes <= budget:
+                return "memory", (f"the dataset is decoded in memory already ({len(train) + len(val):,} images, "
+                                  f"{size_text(nbytes)} <= {budget_text}): batches are gathered and augmented in batches "
+                                  f"on {device.type}")
+            reasons.append(f"memory: {size_text(nbytes)} > {budget_text}")
+        elif _plain_image_files(train) and _plain_image_files(val):
+            n = len(train) + len(val)
+            if n > MEMORY_MAX_FILES:
+                reasons.append(f"memory: {n:,} files > {MEMORY_MAX_FILES:,} would take long to decode up front")
+            else:
+                sizes = file_sizes([s[0] for s in train.samples] + [s[0] for s in val.samples])
+                distinct = set(sizes)
+                if None in distinct or len(distinct) != 1:
+                    k = len(distinct - {None})
+                    reasons.append(f"memory: the images have {k} different sizes" if k > 1 else
+                                   "memory: some file sizes are unknown (not JPEG/PNG, or unreadable)")
+                else:
+                    (h, w), = distinct
+                    nbytes = n * h * w * splits.in_channels
+                    if nbytes <= budget:
+                        return "memory", (f"{n:,} files of one size ({w}x{h}) decode to {size_text(nbytes)} <= "
+                                          f"{budget_text}: decoded once at start, then batches come from memory with "
+                                          f"batched augmentation on {device.type}")
+                    reasons.append(f"memory: decoded {size_text(nbytes)} > {budget_text}")
+        else:
+            reasons.append("memory: this dataset type is not decoded up front")
+    if "gpu" in ok:
+        if device.type != "cuda":
+            reasons.append("gpu: no CUDA device")
+        elif not _plain_image_files(train):
+            reasons.append("gpu: not a dataset of image files")
+        elif (problem := _batched_spec_problem(data_cfg, splits.in_channels, "gpu")) is not None:
+            reasons.append(f"gpu: {problem.split(':')[0]}")
+        else:
+            paths = [s[0] for s in train.samples[:: max(1, len(train) // 64)]][:64]
+            jpeg = sum(p.lower().endswith((".jpg", ".jpeg")) for p in paths)
+            if jpeg * 2 >= len(paths):
+                return "gpu", f"JPEG files on CUDA ({jpeg} of {len(paths)} sampled): nvJPEG decodes and augments on the GPU"
+            reasons.append(f"gpu: only {jpeg} of {len(paths)} sampled files are JPEGs")
+    return fallback, "; ".join(reasons) or "the only backend for this task"
+
+
+def _plain_image_files(ds) -> bool:
+    from torchsprint.data.sources.folders import ImageFiles
+
+    return isinstance(ds, ImageFiles) and len(ds) > 0
+
+
+# ---------------------------------------------------------------- what the data is
+
+
+def describe_data(splits: Splits, sample: int = 32) -> dict:
+    """Facts for the start-up summary: where the splits come from, counts, class balance, image sizes."""
+    facts: dict = {"source": splits.source, "classes": len(splits.classes), "class_names": list(splits.classes[:8]),
+                   "images": {"train": len(splits.train), "val": len(splits.val)},
+                   "decoder": getattr(splits.train, "decoder", None)}  # None: stored decoded (digits, CIFAR)
+    if splits.test is not None:
+        facts["images"]["test"] = len(splits.test)
+    labels = _labels(splits.train)
+    if labels is not None and len(splits.classes) > 1:
+        counts = torch.bincount(labels, minlength=len(splits.classes)).tolist()
+        lo, hi = min(range(len(counts)), key=counts.__getitem__), max(range(len(counts)), key=counts.__getitem__)
+        facts["class_counts"] = {"smallest": [splits.classes[lo], counts[lo]], "largest": [splits.classes[hi], counts[hi]]}
+    if hasattr(splits.train, "images"):
+        facts["image_size"] = {"min": list(splits.train.images.shape[-2:]), "max": list(splits.train.images.shape[-2:]),
+                               "sampled": len(splits.train)}
+    elif _plain_image_files(splits.train):
+        idx = range(0, len(splits.train), max(1, len(splits.train) // sample))
+        sizes = [s for s in file_sizes([splits.train.samples[i][0] for i in idx][:sample]) if s is not None]
+        if sizes:
+            facts["image_size"] = {"min": [min(h for h, _ in sizes), min(w for _, w in sizes)],
+                                   "max": [max(h for h, _ in sizes), max(w for _, w in sizes)], "sampled": len(sizes)}
+    return facts
+
+
+def _labels(ds) -> torch.Tensor | None:
+    if hasattr(ds, "labels"):
+        t = torch.as_tensor(ds.labels)
+        return t.long() if t.ndim == 1 else None
+    samples = getattr(ds, "samples", None)
+    if samples and isinstance(samples[0][1], int):
+        return torch.tensor([s[1] for s in samples], dtype=torch.int64)
+    return None

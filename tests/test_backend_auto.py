@@ -1,0 +1,80 @@
+"""data.backend=auto (the default) picks the fastest backend that fits, and says which and why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from conftest import make_image_folder
+from torchsprint import cli, config
+from torchsprint.data import build, build_loaders
+from torchsprint.runtime import Runtime
+
+FAST = ["run.epochs=1", "model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false"]
+
+
+def loaders(*overrides, allowed=None):
+    import torch
+
+    cfg = config.load(None, list(overrides))
+    return build_loaders(cfg.data, Runtime(torch.device("cpu")), seed=0, allowed=allowed)
+
+
+def test_digits_go_to_memory_and_the_run_says_why(tmp_path, capsys):
+    assert config.load(None, []).data.backend == "auto"
+    assert cli.main(["train", *FAST, f"run.dir={tmp_path / 'r'}"]) == 0
+    out = capsys.readouterr().out
+    assert "loader: data.backend=memory (the dataset is decoded in memory already (1,797 images" in out
+    d = json.loads((tmp_path / "r" / "decisions.json").read_text())
+    assert d["backend"] == "memory" and "25% of the" in d["backend_why"]
+    assert d["images"] == {"train": 1437, "val": 360} and d["classes"] == 10 and d["effective_batch_size"] == 64
+
+
+def test_same_size_jpegs_are_decoded_once_into_memory(tmp_path):
+    root = make_image_folder(tmp_path, per_class=3)
+    info = loaders("data.dataset=image_folder", f"data.root={root}").info
+    assert info.backend == "memory" and "12 files of one size (24x20)" in info.backend_why
+
+
+def test_files_of_several_sizes_stream_through_the_cpu_backend(tmp_path):
+    root = make_image_folder(tmp_path, per_class=3)
+    Image.new("RGB", (30, 30)).save(root / "train" / "circle" / "big.jpg")
+    info = loaders("data.dataset=image_folder", f"data.root={root}", "data.train.transforms=[resize: [16, 16]]",
+                   "data.eval.transforms=[resize: [16, 16]]").info
+    assert info.backend == "cpu" and "memory: the images have 2 different sizes" in info.backend_why
+    assert "gpu: no CUDA device" in info.backend_why
+
+
+def test_a_step_the_batched_ops_lack_keeps_the_cpu_backend():
+    info = loaders("data.train.transforms=[random_rotation: 10]").info
+    assert info.backend == "cpu" and "memory: the preprocessing has a step batched ops lack" in info.backend_why
+
+
+def test_a_dataset_over_the_memory_budget_streams(monkeypatch):
+    monkeypatch.setattr(build, "MEMORY_SHARE_RAM", 1e-9)  # a budget of a few bytes: digits (115 KiB) no longer fits
+    info = loaders().info
+    assert info.backend == "cpu" and "memory: 112.3 KiB > 0% of the" in info.backend_why
+
+
+def test_only_backends_the_task_supports_are_considered():
+    info = loaders(allowed=("cpu",)).info
+    assert info.backend == "cpu"
+
+
+def test_an_explicit_backend_is_kept_and_said_so():
+    info = loaders("data.backend=cpu").info
+    assert (info.backend, info.backend_why) == ("cpu", "set in the config (data.backend)")
+
+
+@pytest.mark.parametrize("backend", ["memory", "cpu"])
+def test_auto_trains_what_the_backend_it_picks_trains(tmp_path, backend):
+    """auto is a choice, not a new pipeline: its run equals the run with the chosen backend named."""
+    a = cli.main(["train", *FAST, f"run.dir={tmp_path / 'a'}", *(["data.train.transforms=[random_rotation: 10]"]
+                                                                   if backend == "cpu" else [])])
+    b = cli.main(["train", *FAST, f"run.dir={tmp_path / 'b'}", f"data.backend={backend}",
+                  *(["data.train.transforms=[random_rotation: 10]"] if backend == "cpu" else [])])
+    assert a == b == 0
+    sa, sb = (json.loads((tmp_path / x / "summary.json").read_text()) for x in "ab")
+    assert sa["final"] == sb["final"]

@@ -1,0 +1,74 @@
+"""Per-epoch training loss and accuracy, and one 1-based epoch numbering everywhere.
+
+References: the mean of the per-step losses the same run logs at every step; the top-1 accuracy of
+the same weights computed by a plain loop; an uninterrupted run for a run paused mid-epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from safetensors.torch import load_file
+
+from torchsprint import config
+from torchsprint.resume import find_checkpoints
+from torchsprint.run import train
+
+FAST = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false",
+        "data.batch_size=128", "data.val_fraction=0.5"]  # 898 training images: 7 steps per epoch
+
+
+def run(tmp_path, name, *overrides):
+    summary = train(config.load(None, [*FAST, *overrides, f"run.dir={tmp_path / name}"]), quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+def test_epoch_loss_is_the_mean_of_the_step_losses_and_epochs_count_from_one(tmp_path):
+    summary, rows = run(tmp_path, "a", "run.epochs=2", "log.every_steps=1", "checkpoint.every_steps=3",
+                        "checkpoint.keep_last=10")
+    steps = [r for r in rows if r["kind"] == "train"]
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [1, 2]
+    assert [r["epoch"] for r in rows if r["kind"] == "eval"] == [1, 2]
+    assert sorted({r["epoch"] for r in steps}) == [1, 2] and len(steps) == 14
+    for e in epochs:
+        losses = [r["train/loss"] for r in steps if r["epoch"] == e["epoch"]]
+        # Both sum the same float32 step losses, in float64 here and there: measured difference 0.
+        assert math.isclose(e["train/epoch_loss"], sum(losses) / len(losses), rel_tol=1e-12)
+        assert 0.0 < e["train/epoch_top1"] <= 1.0
+    assert epochs[1]["train/epoch_loss"] < epochs[0]["train/epoch_loss"]  # it learns: means are per epoch, not cumulative
+    assert summary["best_epoch"] in (1, 2)
+    names = sorted(p.name for p in find_checkpoints(tmp_path / "a"))
+    # Steps 3 and 6 fall in epoch 1, 9 and 12 in epoch 2, the epoch ends at 7 and 14.
+    assert names == ["ckpt-e001-s0000003.pt", "ckpt-e001-s0000006.pt", "ckpt-e001-s0000007.pt",
+                     "ckpt-e002-s0000009.pt", "ckpt-e002-s0000012.pt", "ckpt-e002-s0000014.pt"]
+
+
+def test_epoch_accuracy_counts_the_hits_a_plain_loop_counts(tmp_path):
+    """With a learning rate of 1e-30 the weights never change (w - 1e-30 * g rounds to w in float32), so the
+    training accuracy of the epoch is the accuracy of the saved weights over the training set; a batch of
+    449 divides the 898 training images, so no image is dropped."""
+    _, rows = run(tmp_path, "a", "model.name=linear", "model.args={}", "optim.lr=1e-30", "optim.weight_decay=0",
+                  "data.batch_size=449", "run.epochs=1")
+    (epoch,) = [r for r in rows if r["kind"] == "epoch"]
+    from torchsprint.data import DATASETS
+
+    cfg = config.load(None, ["data.val_fraction=0.5"])
+    train_set = DATASETS.get("digits")(cfg.data).train
+    weights = load_file(str(tmp_path / "a" / "last.safetensors"))
+    x = train_set.images.float().div(255).flatten(1)  # no transforms: the data arrive as x / 255
+    logits = x @ weights["1.weight"].T + weights["1.bias"]
+    want = int((logits.argmax(1) == train_set.labels).sum()) / len(train_set.labels)
+    assert epoch["train/epoch_top1"] == want and 0.02 < want < 0.5  # an untrained model: near chance, not 0 or 1
+
+
+def test_a_run_paused_mid_epoch_reports_the_same_epoch_means(tmp_path):
+    _, ref = run(tmp_path, "ref", "run.epochs=2")
+    run(tmp_path, "b", "run.epochs=2", "run.stop_after_steps=3", "checkpoint.every_steps=3")
+    _, got = run(tmp_path, "b", "run.epochs=2", "checkpoint.resume=auto", "checkpoint.every_steps=3")
+    keys = ("epoch", "train/epoch_loss", "train/epoch_top1")
+    # Sums of a few float32 losses in float64 are exact whatever the grouping: equal, not close.
+    assert [[r[k] for k in keys] for r in got if r["kind"] == "epoch"][-2:] == \
+        [[r[k] for k in keys] for r in ref if r["kind"] == "epoch"]

@@ -308,9 +308,12 @@ def describe_decisions(d: dict) -> list[str]:
         lines.append(f"  splits: {d['source']}")
     cc, size = d.get("class_counts"), d.get("image_size")
     extra = []
-    if cc:
-        extra.append(f"smallest class {cc['smallest'][0]} ({cc['smallest'][1]:,}), largest {cc['largest'][0]} "
-                     f"({cc['largest'][1]:,})")
+    if cc and cc["smallest"][1] == cc["largest"][1]:
+        extra.append(f"balanced classes ({cc['smallest'][1]:,} training images each)")
+    elif cc:
+        lo, hi = cc["smallest"], cc["largest"]
+        extra.append(f"smallest class {lo[0]} ({lo[1]:,}), largest {hi[0]} ({hi[1]:,}): "
+                     f"{hi[1] / max(lo[1], 1):.1f}x imbalance")
     if size:
         lo, hi = size["min"], size["max"]
         extra.append(f"image size {lo[1]}x{lo[0]}" + (f" to {hi[1]}x{hi[0]}" if lo != hi else "")

@@ -198,6 +198,32 @@ class CheckpointConfig(Section):
     resume: str | None = Field(None, description="'auto' (newest valid checkpoint of run.dir), a checkpoint path, or None.")
 
 
+class EmaConfig(Section):
+    enabled: bool = Field(False, description="Keep an exponential moving average (EMA) of the weights (timm's ModelEmaV3 "
+                          "semantics); it is evaluated (ema/val/...), checkpointed and saved as ema.safetensors.")
+    decay: float = Field(0.9998, ge=0, lt=1, description="EMA decay per update: ema = decay * ema + (1 - decay) * weights "
+                         "(timm train.py's default 0.9998).")
+    warmup: bool = Field(False, description="Warm the decay up: decay_k = min(decay, 1 - (1 + k / warmup_gamma) ** "
+                         "-warmup_power) at update k (timm's use_warmup).")
+    warmup_gamma: float = Field(1.0, gt=0, description="Decay warm-up: inverse gamma (timm's warmup_gamma).")
+    warmup_power: float = Field(2 / 3, gt=0, description="Decay warm-up: power (timm's warmup_power; 3/4 for short runs).")
+    every_steps: int = Field(1, ge=1, description="Update the EMA every N optimizer steps (torchvision's --model-ema-steps); "
+                             "the decay applies per update.")
+    buffers: Literal["average", "copy"] = Field(
+        "average", description="BatchNorm running statistics: averaged like the weights (timm ModelEmaV3's default) or "
+        "copied from the model (timm's exclude_buffers=True).")
+    eval: bool = Field(True, description="Evaluate the EMA weights at every evaluation (metrics ema/val/...; "
+                       "checkpoint.monitor may name them).")
+    device: Literal["model", "cpu"] = Field("model", description="Where the EMA lives: on the model's device, or on the "
+                                            "CPU to save accelerator memory (then not evaluated during training).")
+
+
+class EarlyStopConfig(Section):
+    patience: int | None = Field(None, ge=1, description="Stop when checkpoint.monitor has not improved by more than "
+                                 "min_delta for this many evaluations (None: off).")
+    min_delta: float = Field(0.0, ge=0, description="Smallest change of checkpoint.monitor that counts as an improvement.")
+
+
 class LogConfig(Section):
     every_steps: int = Field(50, ge=1, description="Log loss, lr and throughput every N optimizer steps.")
     progress: bool = Field(True, description="Show a progress bar (rank 0, interactive terminals).")
@@ -240,6 +266,8 @@ class Config(Section):
     strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="Single device, DataParallel or DDP.")
     speed: SpeedConfig = Field(default_factory=SpeedConfig, description="Speed switches.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving, keeping and resuming.")
+    ema: EmaConfig = Field(default_factory=EmaConfig, description="Exponential moving average of the weights.")
+    early_stop: EarlyStopConfig = Field(default_factory=EarlyStopConfig, description="Stop when checkpoint.monitor stops improving.")
     log: LogConfig = Field(default_factory=LogConfig, description="Console, JSONL and TensorBoard logging.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation metrics.")
 

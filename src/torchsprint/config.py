@@ -94,6 +94,15 @@ class ModelConfig(Section):
     freeze_bn_stats: bool = Field(True, description="Keep BatchNorm layers whose parameters are all frozen in eval mode.")
 
 
+class ParamGroupRule(Section):
+    pattern: str = Field(description="Parameter-name pattern: a glob (`backbone.*`, `layer[12].*`) or a regex with a 're:' "
+                         "prefix, as model.freeze; the first rule that matches a parameter applies.")
+    lr_scale: float = Field(1.0, gt=0, description="This group's learning rate is optim.lr x lr_scale (the schedule "
+                            "scales it like every group's).")
+    weight_decay: float | None = Field(None, ge=0, description="This group's weight decay (None: optim.weight_decay); "
+                                       "biases and norm weights still get none with optim.no_decay_norm_bias.")
+
+
 class OptimConfig(Section):
     name: str = Field("sgd", description="Optimizer: sgd, adam, adamw, rmsprop, or any torch.optim class name.")
     lr: float = Field(0.1, gt=0, description="Peak learning rate.")
@@ -108,6 +117,13 @@ class OptimConfig(Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the optimizer class.")
     clip_grad_norm: float | None = Field(None, gt=0, description="Clip the global gradient norm to this value.")
     accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    param_groups: list[ParamGroupRule] = Field(
+        default_factory=list, description="Per-parameter-group settings, e.g. [{pattern: 'backbone.*', lr_scale: 0.1}]: "
+        "the first matching rule sets a parameter's lr scale and weight decay; unmatched parameters keep optim.lr.")
+    layer_decay: float | None = Field(
+        None, gt=0, le=1, description="Layer-wise lr decay (BEiT/timm): layer i of L gets lr x layer_decay ** (L-1-i), "
+        "the head the full rate. Layers: timm's group_matcher for timm models, blocks in module order for others "
+        "(docs: README 'Recipe switches').")
 
 
 class SchedConfig(Section):

@@ -161,6 +161,10 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
     loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
     opt = build_optimizer(cfg.optim, model)
+    if cfg.optim.param_groups or cfg.optim.layer_decay is not None:
+        scales = sorted({round(g["lr_scale"], 6) for g in opt.param_groups}, reverse=True)
+        log(f"optimizer: {len(opt.param_groups)} parameter groups, lr x {', '.join(f'{x:g}' for x in scales[:8])}"
+            f"{' ...' if len(scales) > 8 else ''} (optim.param_groups / optim.layer_decay)")
     prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
     steps_per_epoch = -(-len(loaders.train) // cfg.optim.accum_steps)
     epochs = cfg.run.epochs

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from pathlib import Path
 
 import torch
@@ -76,10 +74,9 @@ def load_pretrained(model: nn.Module, path: str | Path, strict: bool = False) ->
 
 
 def _matcher(pattern: str):
-    if pattern.startswith("re:"):
-        rx = re.compile(pattern[3:])
-        return lambda name: rx.search(name) is not None
-    return lambda name: fnmatch.fnmatchcase(name, pattern)
+    from torchsprint.optim import name_matcher
+
+    return name_matcher(pattern)
 
 
 def apply_freeze(model: nn.Module, freeze: list[str], train_only: list[str]) -> tuple[int, int]:

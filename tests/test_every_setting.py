@@ -310,7 +310,9 @@ PROBES = {
                                    base=["data.train.transforms=[resize: 12]"]),
     "model.name": lambda t: differs(n_params, "model.name=linear", "model.args={}"),
     "model.args": lambda t: differs(n_params, "model.args={width: 4}"),
-    "model.pretrained": probe_pretrained,
+    "model.pretrained": lambda t: (probe_pretrained(t),  # library weights (torchvision:/timm:) from their caches:
+                                   elsewhere("test_recipes_pretrained.py::test_torchvision_weights_from_the_torch_hub_cache"),
+                                   elsewhere("test_recipes_pretrained.py::test_timm_weights_from_the_hugging_face_cache")),
     "model.strict": probe_strict,
     "model.freeze": lambda t: differs(n_params, "model.freeze=['0.*']"),
     "model.train_only": lambda t: differs(n_params, "model.train_only=['7.*']"),

@@ -87,7 +87,10 @@ class DataConfig(Section):
 class ModelConfig(Section):
     name: str = Field("small_cnn", description="Model name from the MODELS registry (`torchsprint list models`).")
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the model builder.")
-    pretrained: str | None = Field(None, description="Weights file (.pt/.pth/.safetensors) loaded when not resuming.")
+    pretrained: str | None = Field(
+        None, description="Weights loaded when not resuming: a file (.pt/.pth/.safetensors), torchvision's "
+        "(torchvision:ResNet18_Weights.IMAGENET1K_V1, torchvision:DEFAULT) or timm's (timm:resnet18.a1_in1k) from "
+        "the library's local cache (never downloaded). A head for another class count is replaced, and the run says so.")
     strict: bool = Field(False, description="Any missing, unexpected or shape-mismatched key in `pretrained` is an error.")
     freeze: list[str] = Field(default_factory=list, description="Parameter-name patterns (glob, or regex with 're:' prefix) to freeze.")
     train_only: list[str] = Field(default_factory=list, description="Freeze everything except parameters matching these patterns.")

@@ -122,6 +122,7 @@ class Built:
     prec: object
     loss_fn: torch.nn.Module
     ema: object  # ema.ModelEma, or the no-op ema.NoEma
+    init: dict  # how the model was initialised (checkpoint | pretrained | random) and, from pretrained, what was loaded
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
@@ -146,9 +147,11 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     check_data_task(cfg, info)
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
     materialize_lazy(model, loaders.val)
-    how = init_model(model, cfg.model, ckpt, log)
+    init_record: dict = {}
+    how = init_model(model, cfg.model, ckpt, log, init_record, info.num_classes)
     log(f"model {cfg.model.name}: initialised from "
-        + {"checkpoint": f"checkpoint {resume_path}", "pretrained": f"pretrained weights {cfg.model.pretrained}",
+        + {"checkpoint": f"checkpoint {resume_path}", "pretrained": f"pretrained weights {cfg.model.pretrained}"
+           + (f" ({init_record.get('file')})" if init_record.get("file") != cfg.model.pretrained else ""),
            "random": "random initialisation"}[how])
     trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
     log(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
@@ -179,7 +182,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         raise UsageError(f"checkpoint.monitor={cfg.checkpoint.monitor} is a metric of the EMA weights, which this run does "
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
-    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema)
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record})
 
 
 def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:
@@ -271,6 +274,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
                 raise
             raise explained from e
         summary["run_dir"] = str(run_dir)
+        summary["init"] = b.init
         if rt.is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary["final"].items()]

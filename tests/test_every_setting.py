@@ -296,6 +296,8 @@ PROBES = {
                                        differs(lambda c, b: b.loaders.train.loader.prefetch_factor, "data.prefetch_factor=4",
                                                base=["data.num_workers=1"])),
     "data.drop_last": lambda t: differs(lambda c, b: len(b.loaders.train), "data.drop_last=false"),
+    "data.repeated_aug": lambda t: differs(lambda c, b: (len(b.loaders.train), b.loaders.train.sampler.indices()[:20]),
+                                           "data.repeated_aug=3"),
     "data.on_bad_sample": probe_bad_sample,
     "data.max_image_pixels": lambda t: _expect(UsageError, "data.max_image_pixels", run, t, *IMG,
                                                f"data.root={image_folder(t)}", "data.max_image_pixels=100"),

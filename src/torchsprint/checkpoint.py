@@ -185,7 +185,7 @@ def save_weights(path: Path, model: nn.Module, metadata: dict[str, str]) -> int:
 def data_geometry(cfg, world_size: int) -> dict[str, int]:
     """What fixes the meaning of a mid-epoch data position: batch size, accumulation, ranks, seed."""
     return {"batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
-            "world_size": world_size, "seed": cfg.run.seed}
+            "world_size": world_size, "seed": cfg.run.seed, "repeated_aug": cfg.data.repeated_aug}
 
 
 def parse_checkpoint_name(name: str) -> tuple[int, int] | None:

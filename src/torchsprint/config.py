@@ -67,6 +67,10 @@ class DataConfig(Section):
     persistent_workers: bool = Field(True, description="Keep workers alive between epochs (when num_workers > 0).")
     prefetch_factor: int = Field(2, ge=1, description="Batches prefetched per worker (when num_workers > 0).")
     drop_last: bool = Field(True, description="Drop the last incomplete training batch (keeps shapes static; never in eval).")
+    repeated_aug: int = Field(
+        1, ge=1, description="Repeated-augmentation sampling (DeiT's RASampler, timm's --aug-repeats): each chosen sample "
+        "appears this many times per epoch, differently augmented and spread over the DDP ranks; an epoch keeps the "
+        "length of one without repeats (timm's RepeatAugSampler). 1: off.")
     on_bad_sample: Literal["skip", "error"] = Field("error", description="Unreadable image: skip it (counted and logged) or stop.")
     max_image_pixels: int = Field(
         89_478_485, ge=1, description="Images with more pixels (width x height, read from the header) are bad samples; PIL's bomb limit."

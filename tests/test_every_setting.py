@@ -299,6 +299,8 @@ PROBES = {
                                        differs(lambda c, b: b.loaders.train.loader.prefetch_factor, "data.prefetch_factor=4",
                                                base=["data.num_workers=1"])),
     "data.drop_last": lambda t: differs(lambda c, b: len(b.loaders.train), "data.drop_last=false"),
+    "data.repeated_aug": lambda t: differs(lambda c, b: (len(b.loaders.train), b.loaders.train.sampler.indices()[:20]),
+                                           "data.repeated_aug=3"),
     "data.on_bad_sample": probe_bad_sample,
     "data.max_image_pixels": lambda t: _expect(UsageError, "data.max_image_pixels", run, t, *IMG,
                                                f"data.root={image_folder(t)}", "data.max_image_pixels=100"),
@@ -313,7 +315,9 @@ PROBES = {
                                    base=["data.train.transforms=[resize: 12]"]),
     "model.name": lambda t: differs(n_params, "model.name=linear", "model.args={}"),
     "model.args": lambda t: differs(n_params, "model.args={width: 4}"),
-    "model.pretrained": probe_pretrained,
+    "model.pretrained": lambda t: (probe_pretrained(t),  # library weights (torchvision:/timm:) from their caches:
+                                   elsewhere("test_recipes_pretrained.py::test_torchvision_weights_from_the_torch_hub_cache"),
+                                   elsewhere("test_recipes_pretrained.py::test_timm_weights_from_the_hugging_face_cache")),
     "model.strict": probe_strict,
     "model.freeze": lambda t: differs(n_params, "model.freeze=['0.*']"),
     "model.train_only": lambda t: differs(n_params, "model.train_only=['7.*']"),
@@ -335,6 +339,9 @@ PROBES = {
     "optim.args": lambda t: differs(group("dampening"), "optim.args={dampening: 0.1}", base=["optim.nesterov=false"]),
     "optim.clip_grad_norm": lambda t: trained_differently(t, "optim.clip_grad_norm=0.01"),
     "optim.accum_steps": lambda t: run(t, "optim.accum_steps=2")[0]["global_step"] * 2 == run(t)[0]["global_step"] or pytest.fail(),
+    "optim.param_groups": lambda t: (differs(group("lr"), "optim.param_groups=[{pattern: '0.*', lr_scale: 0.1}]"),
+                                     refused("optim.param_groups=[{pattern: 'nope.*'}]", match="'nope.\\*' matches no")),
+    "optim.layer_decay": lambda t: differs(group("lr"), "optim.layer_decay=0.5"),
     "sched.name": lambda t: differs(lrs(), "sched.name=exponential", "sched.interval=step", "sched.gamma=0.5"),
     "sched.interval": lambda t: differs(lrs(), "sched.interval=epoch"),
     "sched.warmup_epochs": lambda t: differs(lrs(), "sched.warmup_epochs=0.5"),
@@ -394,6 +401,26 @@ PROBES = {
     "checkpoint.mode": lambda t: run(t, "run.epochs=3", "checkpoint.mode=min")[0]["best_epoch"] !=
         run(t, "run.epochs=3")[0]["best_epoch"] or pytest.fail(),
     "checkpoint.resume": lambda t: _resume(t),
+    "ema.enabled": lambda t: (run(t, "ema.enabled=true")[1] / "ema.safetensors").is_file() and
+        not (run(t)[1] / "ema.safetensors").exists() or pytest.fail(),
+    "ema.decay": lambda t: (refused("ema.decay=0.5", match="no effect with ema.enabled=false"),
+                            _ema_differs(t, "ema.decay=0.5")),
+    "ema.warmup": lambda t: _ema_differs(t, "ema.warmup=true"),
+    "ema.warmup_gamma": lambda t: (refused("ema.enabled=true", "ema.warmup_gamma=5", match="warm-up, which is off"),
+                                   _ema_differs(t, "ema.warmup_gamma=5", base=["ema.warmup=true"])),
+    "ema.warmup_power": lambda t: (refused("ema.enabled=true", "ema.warmup_power=0.9", match="warm-up, which is off"),
+                                   _ema_differs(t, "ema.warmup_power=0.9", base=["ema.warmup=true"])),
+    "ema.every_steps": lambda t: _ema_differs(t, "ema.every_steps=3"),
+    "ema.buffers": lambda t: _ema_differs(t, "ema.buffers=copy", keys="running_mean"),
+    "ema.eval": lambda t: "ema/val/top1" in run(t, "ema.enabled=true")[0]["final"] and
+        "ema/val/top1" not in run(t, "ema.enabled=true", "ema.eval=false")[0]["final"] or pytest.fail(),
+    "ema.device": lambda t: (refused("ema.enabled=true", "ema.device=cpu", match="set ema.eval=false"),
+                             build("ema.enabled=true", "ema.device=cpu", "ema.eval=false"),
+                             elsewhere("test_recipes_ema.py::test_ema_on_cpu_beside_a_cuda_model")),
+    "early_stop.patience": lambda t: run(t, "run.epochs=3", "early_stop.patience=1", "early_stop.min_delta=0.99")[0]
+        ["global_step"] * 3 == run(t, "run.epochs=3")[0]["global_step"] * 2 or pytest.fail(),
+    "early_stop.min_delta": lambda t: (refused("early_stop.min_delta=0.5", match="no effect without early_stop.patience"),
+                                       elsewhere("test_recipes_early_stop.py::test_early_stop_stops_where_a_plain_loop_does")),
     "log.every_steps": lambda t: _lines(t, "log.every_steps=5") != _lines(t) or pytest.fail(),
     "log.progress": None,  # needs monkeypatch: see PROBES_WITH_MONKEYPATCH
     "log.tensorboard": lambda t: (run(t, "log.tensorboard=true")[1] / "tb").is_dir() and not (run(t)[1] / "tb").exists()
@@ -441,6 +468,14 @@ def _fallback(t):
     with pytest.warns(UserWarning, match="using data.fallback=cpu"):
         _, b = build(*base, "data.fallback=cpu")
     assert type(b.loaders.train).__name__ == "DeviceLoader"
+
+
+def _ema_differs(t, *over, base=(), keys=""):
+    """The EMA weights after a short run differ with `over` (on the entries whose names contain `keys`)."""
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(run(t, "ema.enabled=true", "ema.decay=0.9", *base, *o)[1] / "ema.safetensors")) for o in ((), over))
+    assert any(not torch.equal(a[k], b[k]) for k in a if keys in k), over
 
 
 def _history(t, *over):

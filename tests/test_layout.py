@@ -35,7 +35,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "registry", "version"]),
     ("machine", ["runtime", "rng", "parallel", "logging", "plots"]),
-    ("numerics", ["precision", "checkpoint", "resume", "rundir", "metrics", "optim"]),
+    ("numerics", ["precision", "ema", "checkpoint", "resume", "rundir", "metrics", "optim"]),
     ("data.core", ["data.core"]),
     ("data.decode", ["data.decode"]),
     ("data.spec", ["data.transforms", "data.normalize", "data.batch_ops"]),

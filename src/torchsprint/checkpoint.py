@@ -49,6 +49,11 @@ class TrainState:
     epoch_steps: int = 0
     epoch_correct: int = 0
     epoch_samples: int = 0
+    # early_stop: the best monitored value by at least min_delta, evaluations since it, and the epoch
+    # (0-based) whose evaluation stopped the run (None: not stopped).
+    stop_best: float | None = None
+    stop_wait: int = 0
+    stopped_epoch: int | None = None
 
 
 # ---------------------------------------------------------------- names
@@ -186,7 +191,7 @@ def save_weights(path: Path, model: nn.Module, metadata: dict[str, str]) -> int:
 def data_geometry(cfg, world_size: int) -> dict[str, int]:
     """What fixes the meaning of a mid-epoch data position: batch size, accumulation, ranks, seed."""
     return {"batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
-            "world_size": world_size, "seed": cfg.run.seed}
+            "world_size": world_size, "seed": cfg.run.seed, "repeated_aug": cfg.data.repeated_aug}
 
 
 def epoch_number(state: TrainState) -> int:
@@ -221,12 +226,14 @@ class Saver:
             and are moved into checkpoints/superseded-<time>/ so that a later `resume: auto` never
             picks them.
         log: callable for one-line messages.
+        ema: the run's ema.ModelEma, saved in every checkpoint (its state_dict), or None / the no-op NoEma.
     """
 
     def __init__(self, run_dir: Path, ckpt_cfg, rt, meta: dict[str, Any], *, geometry: dict[str, int],
-                 resumed_step: int | None = None, log=print):
+                 resumed_step: int | None = None, log=print, ema=None):
         self.dir = Path(run_dir) / "checkpoints"
         self.cfg, self.rt, self.meta, self.geometry, self.log = ckpt_cfg, rt, meta, geometry, log
+        self.ema = ema
         self.status_path = self.dir / "status.json"
         self.status: dict[str, Any] = {}
         self._last_saved: tuple | None = None
@@ -321,6 +328,8 @@ class Saver:
         if key == self._last_saved:  # the same on every rank, so all ranks skip together
             return path  # e.g. a pause right after a step checkpoint: nothing changed since
         rngs = gather_objects(rng_state(self.rt.device), self.rt)  # every rank's stream, restored per rank
+        if self.ema is not None:
+            self.ema.sync(self.rt)  # rank 0's EMA BatchNorm statistics everywhere, as after a resume
         error = None
         if self.rt.is_main:
             try:
@@ -352,6 +361,7 @@ class Saver:
                         **self.geometry},
             "rng": rngs,
             "metric": metric,
+            **({"ema": self.ema.state_dict()} if self.ema is not None and self.ema.enabled else {}),
             **self.meta,
         }
         size = atomic_write(path, lambda f: torch.save(ckpt, f))

@@ -12,6 +12,11 @@ import sys
 FAMILIES = ("models", "optimizers", "schedulers", "losses", "datasets", "loaders", "transforms", "tasks")
 
 
+WEIGHTS = ["best", "last", "ema"]
+WEIGHTS_HELP = ("which saved weights of the run: best (by checkpoint.monitor; the EMA's when it monitors an ema/ metric), "
+                "last (the model at the end), ema (the EMA at the end; runs with ema.enabled=true)")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", help="run config file (.yaml, .json or .toml); defaults: digits + small CNN")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=0.05 run.epochs=3")
@@ -41,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="re-evaluate a run's saved weights", description="Re-evaluate saved weights on the validation (or test) split.")
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
-    p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights to evaluate")
+    p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
     p.add_argument("--split", choices=["val", "test"], default="val",
                    help="which split: val, or test (image_folder: the test/ folder beside train/)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.eval_batch_size=256")
@@ -54,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Export weights with their preprocessing metadata and check parity.")
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
     p.add_argument("--format", choices=["onnx", "safetensors", "torchscript", "tensorrt"], default="onnx", help="output format")
-    p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights to export")
+    p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="PATH", help="output file (default: <run>/export/model.<ext>)")
     p.add_argument("--uint8-input", action="store_true", help="fold normalisation into the graph: input is uint8 NCHW")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset version")
@@ -75,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["torch", "onnx"], default="torch", help="inference engine")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda also decodes JPEGs on the GPU)")
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
-    p.add_argument("--weights", choices=["best", "last"], default="best", help="which saved weights of a run")
+    p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="FILE", help="write results to FILE (.jsonl or .csv)")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -115,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="one HTML page of a run: curves, confusion matrix, per-class scores, worst mistakes",
                        description="Write <run>/report/report.html (self-contained) and its plots as PNG files.")
     p.add_argument("run", metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
-    p.add_argument("--weights", choices=["best", "last"], default="best", help="weights for the validation pass")
+    p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: <run>/report)")
     p.add_argument("--wrong", type=int, default=24, help="how many confidently wrong validation images to show")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",

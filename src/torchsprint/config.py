@@ -69,6 +69,10 @@ class DataConfig(Section):
     persistent_workers: bool = Field(True, description="Keep workers alive between epochs (when num_workers > 0).")
     prefetch_factor: int = Field(2, ge=1, description="Batches prefetched per worker (when num_workers > 0).")
     drop_last: bool = Field(True, description="Drop the last incomplete training batch (keeps shapes static; never in eval).")
+    repeated_aug: int = Field(
+        1, ge=1, description="Repeated-augmentation sampling (DeiT's RASampler, timm's --aug-repeats): each chosen sample "
+        "appears this many times per epoch, differently augmented and spread over the DDP ranks; an epoch keeps the "
+        "length of one without repeats (timm's RepeatAugSampler). 1: off.")
     on_bad_sample: Literal["skip", "error"] = Field("error", description="Unreadable image: skip it (counted and logged) or stop.")
     max_image_pixels: int = Field(
         89_478_485, ge=1, description="Images with more pixels (width x height, read from the header) are bad samples; PIL's bomb limit."
@@ -89,11 +93,23 @@ class DataConfig(Section):
 class ModelConfig(Section):
     name: str = Field("small_cnn", description="Model name from the MODELS registry (`torchsprint list models`).")
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the model builder.")
-    pretrained: str | None = Field(None, description="Weights file (.pt/.pth/.safetensors) loaded when not resuming.")
+    pretrained: str | None = Field(
+        None, description="Weights loaded when not resuming: a file (.pt/.pth/.safetensors), torchvision's "
+        "(torchvision:ResNet18_Weights.IMAGENET1K_V1, torchvision:DEFAULT) or timm's (timm:resnet18.a1_in1k) from "
+        "the library's local cache (never downloaded). A head for another class count is replaced, and the run says so.")
     strict: bool = Field(False, description="Any missing, unexpected or shape-mismatched key in `pretrained` is an error.")
     freeze: list[str] = Field(default_factory=list, description="Parameter-name patterns (glob, or regex with 're:' prefix) to freeze.")
     train_only: list[str] = Field(default_factory=list, description="Freeze everything except parameters matching these patterns.")
     freeze_bn_stats: bool = Field(True, description="Keep BatchNorm layers whose parameters are all frozen in eval mode.")
+
+
+class ParamGroupRule(Section):
+    pattern: str = Field(description="Parameter-name pattern: a glob (`backbone.*`, `layer[12].*`) or a regex with a 're:' "
+                         "prefix, as model.freeze; the first rule that matches a parameter applies.")
+    lr_scale: float = Field(1.0, gt=0, description="This group's learning rate is optim.lr x lr_scale (the schedule "
+                            "scales it like every group's).")
+    weight_decay: float | None = Field(None, ge=0, description="This group's weight decay (None: optim.weight_decay); "
+                                       "biases and norm weights still get none with optim.no_decay_norm_bias.")
 
 
 class OptimConfig(Section):
@@ -110,6 +126,13 @@ class OptimConfig(Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the optimizer class.")
     clip_grad_norm: float | None = Field(None, gt=0, description="Clip the global gradient norm to this value.")
     accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    param_groups: list[ParamGroupRule] = Field(
+        default_factory=list, description="Per-parameter-group settings, e.g. [{pattern: 'backbone.*', lr_scale: 0.1}]: "
+        "the first matching rule sets a parameter's lr scale and weight decay; unmatched parameters keep optim.lr.")
+    layer_decay: float | None = Field(
+        None, gt=0, le=1, description="Layer-wise lr decay (BEiT/timm): layer i of L gets lr x layer_decay ** (L-1-i), "
+        "the head the full rate. Layers: timm's group_matcher for timm models, blocks in module order for others "
+        "(docs: README 'Recipe switches').")
 
 
 class SchedConfig(Section):
@@ -200,6 +223,32 @@ class CheckpointConfig(Section):
     resume: str | None = Field(None, description="'auto' (newest valid checkpoint of run.dir), a checkpoint path, or None.")
 
 
+class EmaConfig(Section):
+    enabled: bool = Field(False, description="Keep an exponential moving average (EMA) of the weights (timm's ModelEmaV3 "
+                          "semantics); it is evaluated (ema/val/...), checkpointed and saved as ema.safetensors.")
+    decay: float = Field(0.9998, ge=0, lt=1, description="EMA decay per update: ema = decay * ema + (1 - decay) * weights "
+                         "(timm train.py's default 0.9998).")
+    warmup: bool = Field(False, description="Warm the decay up: decay_k = min(decay, 1 - (1 + k / warmup_gamma) ** "
+                         "-warmup_power) at update k (timm's use_warmup).")
+    warmup_gamma: float = Field(1.0, gt=0, description="Decay warm-up: inverse gamma (timm's warmup_gamma).")
+    warmup_power: float = Field(2 / 3, gt=0, description="Decay warm-up: power (timm's warmup_power; 3/4 for short runs).")
+    every_steps: int = Field(1, ge=1, description="Update the EMA every N optimizer steps (torchvision's --model-ema-steps); "
+                             "the decay applies per update.")
+    buffers: Literal["average", "copy"] = Field(
+        "average", description="BatchNorm running statistics: averaged like the weights (timm ModelEmaV3's default) or "
+        "copied from the model (timm's exclude_buffers=True).")
+    eval: bool = Field(True, description="Evaluate the EMA weights at every evaluation (metrics ema/val/...; "
+                       "checkpoint.monitor may name them).")
+    device: Literal["model", "cpu"] = Field("model", description="Where the EMA lives: on the model's device, or on the "
+                                            "CPU to save accelerator memory (then not evaluated during training).")
+
+
+class EarlyStopConfig(Section):
+    patience: int | None = Field(None, ge=1, description="Stop when checkpoint.monitor has not improved by more than "
+                                 "min_delta for this many evaluations (None: off).")
+    min_delta: float = Field(0.0, ge=0, description="Smallest change of checkpoint.monitor that counts as an improvement.")
+
+
 class LogConfig(Section):
     every_steps: int = Field(50, ge=1, description="Log loss, lr and throughput every N optimizer steps.")
     progress: bool = Field(True, description="Show a progress bar (rank 0, interactive terminals).")
@@ -244,6 +293,8 @@ class Config(Section):
     strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="Single device, DataParallel or DDP.")
     speed: SpeedConfig = Field(default_factory=SpeedConfig, description="Speed switches.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving, keeping and resuming.")
+    ema: EmaConfig = Field(default_factory=EmaConfig, description="Exponential moving average of the weights.")
+    early_stop: EarlyStopConfig = Field(default_factory=EarlyStopConfig, description="Stop when checkpoint.monitor stops improving.")
     log: LogConfig = Field(default_factory=LogConfig, description="Console, JSONL and TensorBoard logging.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation metrics.")
 

@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from torchsprint.checkpoint import TrainState, save_weights
+from torchsprint.ema import NoEma
 from torchsprint.errors import UsageError
 from torchsprint.parallel import no_sync, unwrap
 from torchsprint.rng import rng_isolated
 
+NO_EMA = NoEma()
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
 
 
@@ -59,7 +61,7 @@ def set_train_mode(model: nn.Module, frozen_norms: list[nn.Module]) -> None:
 
 
 def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState, *, cfg, logger, saver,
-                    stop_at: int | None = None) -> dict:
+                    stop_at: int | None = None, ema=NO_EMA) -> dict:
     """Train until the end of `state.epoch` (or run.max_steps, or global step `stop_at`), resuming at state.step_in_epoch.
 
     Returns epoch statistics: images, seconds, data-wait seconds, mean loss.
@@ -101,6 +103,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         totals.samples += n_images
         state.step_in_epoch += 1
         state.global_step += 1
+        ema.update(state.global_step)  # a no-op object when ema.enabled=false
         logger.advance()
         if state.global_step % cfg.log.every_steps == 0:
             mean_loss = torch.stack(window).float().mean().item()  # note: a CPU-GPU sync point, once per log step
@@ -215,18 +218,38 @@ def evaluate(model, loader, loss_fn, prec, metrics) -> dict:
     return metrics.compute()
 
 
-def is_better(value: float, best: float | None, mode: str) -> bool:
-    return best is None or (value > best if mode == "max" else value < best)
+def is_better(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether `value` beats `best` by more than `min_delta` in direction `mode` (any value beats None)."""
+    return best is None or (value - min_delta > best if mode == "max" else value + min_delta < best)
+
+
+def early_stop_check(state: TrainState, metric: float, stop_cfg, mode: str) -> bool:
+    """Count an evaluation for early_stop (Keras/Lightning EarlyStopping semantics); True: stop now.
+
+    An improvement by more than min_delta resets the count and becomes the new reference; otherwise the
+    count grows, and reaching `patience` evaluations without one stops the run. State lives in TrainState
+    (checkpointed), so a resumed run stops where an uninterrupted one would.
+    """
+    if stop_cfg.patience is None:
+        return False
+    if is_better(metric, state.stop_best, mode, stop_cfg.min_delta):
+        state.stop_best, state.stop_wait = metric, 0
+    else:
+        state.stop_wait += 1
+    return state.stop_wait >= stop_cfg.patience
 
 
 def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt, run_dir: Path,
-        logger, saver, make_metrics, frozen_norms, weights_meta: dict, task=None) -> dict:
+        logger, saver, make_metrics, frozen_norms, weights_meta: dict, task=None, ema=NO_EMA) -> dict:
     """Train for cfg.run.epochs (or cfg.run.max_steps) from `state`, evaluating and checkpointing.
 
     run.stop_after_steps pauses after that many steps of this call (checkpoint saved, no extra
     evaluation, schedule untouched), so that a later resume continues exactly as if never stopped.
     `task` (tasks.Task; classification when None) formats the evaluation line and writes the extra
     artifacts that go with the best weights (the confusion matrix for classification).
+    `ema` (ema.ModelEma or the no-op NoEma): updated after every optimizer step, evaluated beside the
+    model (metrics ema/val/...), saved as ema.safetensors; best.safetensors holds the EMA weights when
+    checkpoint.monitor names an ema/ metric.
     Returns the summary: final and best validation metrics, time and throughput.
     """
     from torchsprint.tasks import get_task
@@ -242,7 +265,7 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
     while state.epoch < epochs:
         set_train_mode(model, frozen_norms)
         ep = train_one_epoch(model, loaders.train, loss_fn, opt, sched, prec, state, cfg=cfg, logger=logger, saver=saver,
-                             stop_at=pause_at)
+                             stop_at=pause_at, ema=ema)
         total_images += ep["images"]
         total_seconds += ep["seconds"]
         total_wait += ep["data_wait"]
@@ -260,31 +283,53 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
         metric = None
         if (state.epoch + 1) % cfg.eval.every_epochs == 0 or last_epoch:
             last_eval = {f"val/{k}": v for k, v in evaluate(model, loaders.val, loss_fn, prec, make_metrics()).items()}
+            if ema.evaluates:
+                ema.sync(rt)  # rank 0's BatchNorm statistics on every rank
+                last_eval |= {f"ema/val/{k}": v for k, v in evaluate(ema.module, loaders.val, loss_fn, prec, make_metrics()).items()}
             logger.scalars(state.global_step, {k: v for k, v in last_eval.items() if not isinstance(v, list)} |
                            {"epoch": state.epoch + 1}, "eval")
             if monitor not in last_eval:
                 raise UsageError(f"checkpoint.monitor={monitor} is not a metric; available: {sorted(last_eval)}")
             metric = last_eval[monitor]
-            logger.info(f"epoch {state.epoch + 1}/{epochs}  {task.summary(last_eval)}")
+            if early_stop_check(state, metric, cfg.early_stop, cfg.checkpoint.mode):
+                state.stopped_epoch = state.epoch
+                stopping = True
+            if cfg.early_stop.patience is not None:
+                logger.scalars(state.global_step, {"early_stop/wait": state.stop_wait, "early_stop/best": state.stop_best,
+                                                   "early_stop/stopped": state.stopped_epoch is not None,
+                                                   "epoch": state.epoch + 1}, "early_stop")
+            ema_eval = {k[4:]: v for k, v in last_eval.items() if k.startswith("ema/")}  # as val/... keys
+            logger.info(f"epoch {state.epoch + 1}/{epochs}  {task.summary(last_eval)}"
+                        + (f"  | EMA {task.summary(ema_eval)}" if ema_eval else ""))
             if is_better(metric, state.best_metric, cfg.checkpoint.mode):
                 state.best_metric, state.best_epoch = metric, state.epoch + 1
                 if rt.is_main:
-                    save_weights(run_dir / "best.safetensors", model, weights_meta | {"epoch": str(state.epoch + 1), monitor: str(metric)})
-                    task.write_artifacts(run_dir, last_eval, loaders.info)
+                    best, which = (ema.module, "ema") if monitor.startswith("ema/") else (model, "model")
+                    save_weights(run_dir / "best.safetensors", best, weights_meta | {"epoch": str(state.epoch + 1),
+                                                                                     monitor: str(metric), "weights": which})
+                    task.write_artifacts(run_dir, ema_eval if which == "ema" else last_eval, loaders.info)
         if ep["finished_epoch"]:
             state.epoch += 1
             state.step_in_epoch = 0
             state.epoch_loss_sum, state.epoch_steps, state.epoch_correct, state.epoch_samples = 0.0, 0, 0, 0
-        if (cfg.checkpoint.every_epochs and state.epoch % cfg.checkpoint.every_epochs == 0) or last_epoch or pausing:
+        if (cfg.checkpoint.every_epochs and state.epoch % cfg.checkpoint.every_epochs == 0) or last_epoch or pausing \
+                or stopping:
             saver.save(state, model, opt, sched, prec, metric)
         if stopping or pausing:
             break
-    paused = pausing and state.epoch < epochs
+    paused = pausing and state.epoch < epochs and state.stopped_epoch is None
+    if state.stopped_epoch is not None:
+        logger.info(f"early stop after epoch {state.stopped_epoch + 1}: {monitor} has not improved by more than "
+                    f"{cfg.early_stop.min_delta} for {cfg.early_stop.patience} evaluation(s) (best {state.stop_best:.4g})")
     if paused:
         logger.info(f"paused at step {state.global_step} (run.stop_after_steps); continue with checkpoint.resume=auto "
                     f"or `torchsprint train --resume {run_dir}`")
-    elif rt.is_main:
-        save_weights(run_dir / "last.safetensors", model, weights_meta | {"epoch": str(state.epoch)})
+    else:
+        ema.sync(rt)
+        if rt.is_main:
+            save_weights(run_dir / "last.safetensors", model, weights_meta | {"epoch": str(state.epoch)})
+            if ema.enabled:
+                save_weights(run_dir / "ema.safetensors", ema.module, weights_meta | {"epoch": str(state.epoch), "weights": "ema"})
     return {
         "final": {k: v for k, v in last_eval.items() if not isinstance(v, list)},
         "best_metric": state.best_metric,
@@ -295,6 +340,10 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
         "global_step": state.global_step,
         "skipped_steps": state.skipped_steps,
         "paused": paused,
+        "early_stop": None if cfg.early_stop.patience is None else {
+            "stopped_epoch": None if state.stopped_epoch is None else state.stopped_epoch + 1,  # 1-based, as printed
+            "best": state.stop_best, "wait": state.stop_wait, "patience": cfg.early_stop.patience,
+            "min_delta": cfg.early_stop.min_delta},
     }
 
 

@@ -51,9 +51,10 @@ def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
 
 
 def finished(ckpt: dict, run_cfg) -> bool:
-    """Whether a checkpoint's run already did everything `run_cfg` asks for (all epochs, or run.max_steps)."""
+    """Whether a checkpoint's run already did everything `run_cfg` asks for (all epochs, run.max_steps, or it
+    stopped early)."""
     ts = ckpt["train_state"]
-    return ts["epoch"] >= run_cfg.epochs or (run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps)
+    return ts.get("stopped_epoch") is not None or ts["epoch"] >= run_cfg.epochs or (run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps)
 
 
 def on_main(rt, fn):
@@ -120,6 +121,8 @@ class Built:
     sched: object
     prec: object
     loss_fn: torch.nn.Module
+    ema: object  # ema.ModelEma, or the no-op ema.NoEma
+    init: dict  # how the model was initialised (checkpoint | pretrained | random) and, from pretrained, what was loaded
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
@@ -128,10 +131,11 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     Shared by `train` and `bench` so that a benchmark measures exactly what training runs.
     """
     from torchsprint.data import build_loaders
+    from torchsprint.ema import build_ema
     from torchsprint.models import build_model
     from torchsprint.models.init import apply_freeze, frozen_norm_layers, init_model
     from torchsprint.optim import build_loss, build_optimizer, build_scheduler
-    from torchsprint.parallel import agree_on_data, wrap_model
+    from torchsprint.parallel import agree_on_data, unwrap, wrap_model
     from torchsprint.precision import Precision
 
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
@@ -147,19 +151,27 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     check_data_task(cfg, info)
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
     materialize_lazy(model, loaders.val)
-    how = init_model(model, cfg.model, ckpt, log)
+    init_record: dict = {}
+    how = init_model(model, cfg.model, ckpt, log, init_record, info.num_classes)
     log(f"model {cfg.model.name}: initialised from "
-        + {"checkpoint": f"checkpoint {resume_path}", "pretrained": f"pretrained weights {cfg.model.pretrained}",
+        + {"checkpoint": f"checkpoint {resume_path}", "pretrained": f"pretrained weights {cfg.model.pretrained}"
+           + (f" ({init_record.get('file')})" if init_record.get("file") != cfg.model.pretrained else ""),
            "random": "random initialisation"}[how])
     trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
     log(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
+    ema = build_ema(cfg.ema, model, rt.device, cfg.speed.channels_last)  # copied before wrap_model: plain and fp32
     model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
                        example=lambda: next(iter(loaders.train))[0], accum_steps=cfg.optim.accum_steps,
                        frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None)
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
+    ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
     loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
     opt = build_optimizer(cfg.optim, model)
+    if cfg.optim.param_groups or cfg.optim.layer_decay is not None:
+        scales = sorted({round(g["lr_scale"], 6) for g in opt.param_groups}, reverse=True)
+        log(f"optimizer: {len(opt.param_groups)} parameter groups, lr x {', '.join(f'{x:g}' for x in scales[:8])}"
+            f"{' ...' if len(scales) > 8 else ''} (optim.param_groups / optim.layer_decay)")
     prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
     steps_per_epoch = -(-len(loaders.train) // cfg.optim.accum_steps)
     epochs = cfg.run.epochs
@@ -167,7 +179,14 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
     sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
     loss_fn = build_loss(cfg.loss, get_task(cfg.task).targets, info.num_classes).to(rt.device)
-    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn)
+    if cfg.early_stop.patience is None and cfg.early_stop.min_delta != 0:
+        raise UsageError(f"early_stop.min_delta={cfg.early_stop.min_delta} has no effect without early_stop.patience; "
+                         "set early_stop.patience (evaluations without improvement before stopping), or remove it.")
+    if cfg.checkpoint.monitor.startswith("ema/") and not ema.evaluates:
+        raise UsageError(f"checkpoint.monitor={cfg.checkpoint.monitor} is a metric of the EMA weights, which this run does "
+                         "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
+                         f"{cfg.checkpoint.monitor[4:]}.")
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record})
 
 
 def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:
@@ -208,10 +227,13 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         resume_path, ckpt = find_resume(cfg.checkpoint.resume, run_dir, logger.info, rt)
         if ckpt is not None and finished(ckpt, cfg.run) and (run_dir / "summary.json").is_file():
             ts = ckpt["train_state"]
+            longer = (f"it stopped early after epoch {ts['stopped_epoch'] + 1} (early_stop); to train on, start a new run "
+                      f"from its weights with model.pretrained={run_dir / 'last.safetensors'}"
+                      if ts.get("stopped_epoch") is not None else
+                      f"to train it longer, resume with a larger run.epochs, e.g. `torchsprint train --resume {run_dir} "
+                      f"run.epochs={cfg.run.epochs + 10}`")
             logger.info(f"{run_dir} is a finished run (epoch {ts['epoch']} of {cfg.run.epochs}, step {ts['global_step']}): "
-                        "nothing to do, its files are left as they are (results: summary.json). To train it longer, "
-                        f"resume with a larger run.epochs, e.g. `torchsprint train --resume {run_dir} "
-                        f"run.epochs={cfg.run.epochs + 10}`.")
+                        f"nothing to do, its files are left as they are (results: summary.json); {longer}.")
             logger.close()
             clean = True
             return json.loads((run_dir / "summary.json").read_text()) | {"run_dir": str(run_dir), "already_finished": True}
@@ -241,17 +263,18 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         state = TrainState()
         if ckpt is not None:
             state = restore(ckpt, b.opt, b.sched, b.prec, rt, geometry, logger.info)
+            b.ema.load_state_dict(ckpt.get("ema"), logger.info)
             logger.info(f"resuming at epoch {state.epoch + 1}, step {state.global_step} "
                         f"({state.step_in_epoch} step(s) into the epoch) from {resume_path}")
         resolved = config_mod.to_dict(cfg)
         saver = Saver(run_dir, cfg.checkpoint, rt, {"classes": info.classes, "config": resolved}, geometry=geometry,
-                      resumed_step=state.global_step if ckpt is not None else None, log=logger.info)
+                      resumed_step=state.global_step if ckpt is not None else None, log=logger.info, ema=b.ema)
         weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name, "in_channels": str(info.in_channels),
                         "format": "torchsprint", "task": cfg.task, "config": json.dumps(resolved)}
         try:
             summary = fit(
                 b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir,
-                logger=logger, saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task,
+                logger=logger, saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task, ema=b.ema,
                 make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
             )
         except RuntimeError as e:
@@ -262,6 +285,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         if cfg.eval.test_at_end and not summary["paused"]:
             summary["test"] = evaluate_test(cfg, rt, b, run_dir, task, logger)
         summary["run_dir"] = str(run_dir)
+        summary["init"] = b.init
         if rt.is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary["final"].items()]
@@ -405,7 +429,7 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     import_modules(cfg.imports)
     wpath = run_dir / f"{weights}.safetensors"
     if not wpath.is_file():
-        raise UsageError(f"{wpath} not found: the run has not finished an evaluation yet. Use --weights last or best.")
+        raise UsageError(f"{wpath} not found: the run has not finished an evaluation yet. Use --weights last or best{', or train with ema.enabled=true for --weights ema' if weights == 'ema' else ''}.")
     from torchsprint.tasks import check_data_task, get_task
 
     task = get_task(cfg.task)

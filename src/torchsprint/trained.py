@@ -126,5 +126,5 @@ def load_run(run_dir: str | Path, weights: str = "best", device: str | torch.dev
         raise UsageError(f"{run_dir} is not a torchsprint run folder (no config.yaml). Pass the folder `train` printed.")
     wpath = run_dir / f"{weights}.safetensors"
     if not wpath.is_file():
-        raise UsageError(f"{wpath} not found: the run has not saved {weights} weights yet. Try --weights last or best.")
+        raise UsageError(f"{wpath} not found: the run has not saved {weights} weights yet. Try --weights last or best{' (ema.safetensors exists only for runs with ema.enabled=true)' if weights == 'ema' else ''}.")
     return load_weights_file(wpath, device, config_mod.load(cfg_path))

@@ -166,35 +166,71 @@ class EpochSampler(torch.utils.data.Sampler):
     every rank gets the same number of samples (DistributedSampler semantics). Eval mode
     (shuffle=False, pad=False): disjoint contiguous-stride shards with no sample counted twice.
     `start_batch` skips batches already consumed (exact mid-epoch resume) without loading them.
+    `repeats` > 1 (train mode): repeated-augmentation sampling (data.repeated_aug), see repeat_aug_positions.
     """
 
-    def __init__(self, n: int, *, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, pad: bool = True):
+    def __init__(self, n: int, *, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, pad: bool = True,
+                 repeats: int = 1):
         self.n, self.seed, self.shuffle, self.pad = n, seed, shuffle, pad
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.repeats = rank, world_size, repeats
         self.epoch = 0
         self.start = 0  # samples to skip at the start of this epoch (per rank)
 
     def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
         self.epoch, self.start = epoch, start_sample
 
-    def indices(self) -> list[int]:
+    def permutation(self) -> list[int]:
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
+            return torch.randperm(self.n, generator=g).tolist()
+        return list(range(self.n))
+
+    def keyed_indices(self) -> tuple[list[int], list[int]]:
+        """(this rank's sample indices of the epoch, each one's augmentation key). The key is the index itself,
+        or with repeated augmentation index x repeats + copy, so that every copy of a sample is augmented
+        differently (its own seed)."""
+        order = self.permutation()
+        if self.repeats > 1:
+            pos = repeat_aug_positions(self.n, self.repeats, self.rank, self.world_size)
+            return [order[i // self.repeats] for i in pos], [order[i // self.repeats] * self.repeats + i % self.repeats
+                                                             for i in pos]
         if self.pad and self.world_size > 1:
             total = math.ceil(self.n / self.world_size) * self.world_size
             order = (order * math.ceil(total / max(1, self.n)))[:total]
-        return order[self.rank :: self.world_size]
+        mine = order[self.rank :: self.world_size]
+        return mine, mine
+
+    def indices(self) -> list[int]:
+        return self.keyed_indices()[0]
 
     def __iter__(self):
-        order = self.indices()[self.start :]
+        order, keys = self.keyed_indices()
+        order, keys = order[self.start :], keys[self.start :]
         # Vectorised (sample_seeds is bit-identical to sample_seed): a Python sample_seed call per sample cost ~1 us, a tenth of a tiny model's step at batch 32.
-        return iter(zip(order, sample_seeds(self.seed, self.epoch, torch.tensor(order, dtype=torch.int64)).tolist()))
+        return iter(zip(order, sample_seeds(self.seed, self.epoch, torch.tensor(keys, dtype=torch.int64)).tolist()))
 
     def __len__(self) -> int:
         return len(self.indices()) - self.start
+
+
+def repeat_aug_positions(n: int, repeats: int, rank: int, world_size: int, selected_round: int = 256) -> list[int]:
+    """Positions (into the permutation repeated `repeats` times, copies side by side) that `rank` takes in an epoch.
+
+    DeiT's RASampler as timm's RepeatAugSampler (data/distributed_sampler.py) does it: each sample of the
+    permutation appears `repeats` times in a row, rank r takes every world_size-th position from r
+    (wrapping to pad), so the copies of a sample land on different ranks; and an epoch keeps the length
+    of one without repeats: floor(n // 256 * 256 / world_size) samples per rank (ceil(n / world_size) for
+    n < 256), so it sees about 1/repeats of the distinct samples, each `repeats` times. Position p is copy
+    p % repeats of permutation[p // repeats].
+    """
+    num_samples = math.ceil(n * repeats / world_size)
+    total = num_samples * world_size
+    if selected_round and n >= selected_round:
+        selected = n // selected_round * selected_round // world_size
+    else:
+        selected = math.ceil(n / world_size)
+    selected = min(selected, num_samples)
+    return [i % (n * repeats) for i in range(rank, total, world_size)[:selected]]
 
 
 def prefetch_to_device(items, prepare, device: torch.device):

@@ -99,7 +99,8 @@ class DeviceLoader:
 
 
 def make_loader(raw, pipeline, data_cfg, rt, *, seed, train: bool, channels_last, dtype) -> DeviceLoader:
-    sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train)
+    sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
+                           repeats=data_cfg.repeated_aug if train else 1)
     workers = data_cfg.num_workers
     loader = torch.utils.data.DataLoader(
         SeededTransform(raw, pipeline.cpu, data_cfg.on_bad_sample),

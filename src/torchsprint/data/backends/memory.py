@@ -69,8 +69,8 @@ class MemoryLoader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def __iter__(self):
-        order = torch.tensor(self.sampler.indices()[self.sampler.start :], dtype=torch.int64)
-        seeds = sample_seeds(self.sampler.seed, self.sampler.epoch, order)
+        order, keys = (torch.tensor(x[self.sampler.start :], dtype=torch.int64) for x in self.sampler.keyed_indices())
+        seeds = sample_seeds(self.sampler.seed, self.sampler.epoch, keys)  # keys: each repeated copy its own seed
         dev = self.images.device
         order_dev = order.to(dev, non_blocking=True)
         for b in range(len(self)):
@@ -104,7 +104,8 @@ def memory_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torc
         else:
             images, targets, skipped = decode_all(raw, data_cfg.on_bad_sample, data_cfg.num_workers)
         fits_on_device(images.numel(), rt.device)
-        sampler = EpochSampler(len(targets), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train)
+        sampler = EpochSampler(len(targets), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
+                               repeats=data_cfg.repeated_aug if train else 1)
         bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop = train and data_cfg.drop_last and len(sampler) >= bs
         loader = MemoryLoader(images.to(rt.device), targets.to(rt.device), pipe, sampler, bs, drop, norm)

@@ -95,12 +95,34 @@ def test_memory_refuses_unsupported_steps_by_name():
 
 
 def test_cpu_backend_cutout_and_memory_have_the_same_geometry():
+    """For every centre of a 10x7 image (odd and even sides, h != w), the CPU backend's Cutout (torch RNG)
+    zeroes exactly the pixels the memory backend's compiled batch pipeline zeroes for that centre."""
     from torchsprint.data.transforms import TRANSFORMS
 
-    torch.manual_seed(0)
-    out = TRANSFORMS.get("cutout")(size=4)(torch.full((3, 10, 10), 200, dtype=torch.uint8))
-    zeros = (out[0] == 0).sum()
-    assert 4 <= zeros <= 16 and bool((out == 0).all(0).eq(out[0] == 0).all())
+    h, w, size = 10, 7, 4
+    img = torch.full((3, h, w), 200, dtype=torch.uint8)
+    # memory backend: its compiled pipeline on a batch, each sample's centre read from its own uniforms
+    p = compile_batch_spec([{"cutout": {"size": size}}], "t", 3, "memory")
+    seeds = sample_seeds(3, 0, torch.arange(800))
+    out = p(img.expand(800, -1, -1, -1).contiguous(), seeds)
+    u = uniforms(seeds, p.k)
+    mem = {}
+    for i in range(800):
+        mem.setdefault((int(u[i, 0] * h), int(u[i, 1] * w)), out[i])
+    # CPU backend: the registered transform; its centre replayed from the same torch seed
+    cpu = TRANSFORMS.get("cutout")(size=size)
+    seen = {}
+    for s in range(800):
+        torch.manual_seed(s)
+        centre = (int(torch.randint(h, ())), int(torch.randint(w, ())))
+        torch.manual_seed(s)
+        seen.setdefault(centre, cpu(img))
+    assert set(mem) == set(seen) == {(y, x) for y in range(h) for x in range(w)}
+    for centre, a in seen.items():
+        assert torch.equal(a, mem[centre]), centre
+        zeros = (a[0] == 0).sum()
+        assert 4 <= zeros <= size * size and bool((a == 0).all(0).eq(a[0] == 0).all())
+    assert (seen[(5, 3)][0] == 0).sum() == size * size  # an inner centre zeroes the whole square
 
 
 def gpu_cfg(root, frac, *extra):

@@ -199,17 +199,23 @@ def test_dali_registered_only_when_it_imports():
 
 
 @pytest.mark.gpu
-def test_gpu_backend_on_cuda_matches_cpu_decode(tmp_path):
+def test_gpu_backend_on_cuda_matches_cpu_decode(tmp_path, figure):
     d = gpu_cfg(tmp_path, 0.0)
     splits = DATASETS.get("synthetic_jpeg")(d)
     cuda = build_gpu_loaders(d, splits, Runtime(torch.device("cuda")), seed=3).train
     host = build_gpu_loaders(d, splits, CPU, seed=3).train
     cuda.set_epoch(0)
     host.set_epoch(0)
+    diffs = []
     for (a, ya), (b, yb) in zip(cuda, host):
         assert torch.equal(ya.cpu(), yb)
-        # nvJPEG's IDCT/upsampling and float-vs-uint8 resize differ by a few levels; same crops and flips
-        assert float((a.cpu() - b).abs().mean()) < 0.1
+        diffs.append(((a.cpu() - b) * IMAGENET_STD_LEVELS).abs().flatten())
+    mean = float(torch.cat(diffs).mean())
+    figure("gpu_backend_cuda_vs_cpu_mean_levels", mean, "synthetic 40x30 JPEGs, random_resized_crop 16")
+    # nvJPEG's IDCT/upsampling and float-vs-uint8 resize differ by a few levels; same crops and flips.
+    # Provisional (no GPU in this session to measure it): the same bound as test_gpu.py's parity test, in
+    # grey levels; it was 0.1 normalised units, i.e. ~6 levels, which a wrong chroma upsampling passes.
+    assert mean < 2.0
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ case "$module" in
     ;;
   augment)
     src=src/torchsprint/data/augment.py
-    tests=(tests/test_augment.py tests/test_data_batch_ops.py)
+    tests=(tests/test_data_batch_ops.py tests/test_data_backends.py)
     ;;
   checkpoint)
     src=src/torchsprint/checkpoint.py

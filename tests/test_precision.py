@@ -319,7 +319,8 @@ def test_scaled_step_skips_overflow_backs_off_and_otherwise_equals_plain_sgd():
     for x, y in [good[0], bad, good[1], good[2]]:
         opt.zero_grad(set_to_none=True)
         prec.backward(nn.functional.cross_entropy(model(x), y))
-        prec.unscale_(opt)  # as before clipping; step() must not unscale a second time
+        if y[0] % 2:  # some steps unscale first, as before clipping (step() must not unscale twice); others not
+            prec.unscale_(opt)
         prec.step(opt)
     assert prec.scaler.get_scale() == 512.0  # backed off once, from 1024
     assert prec.pop_nonfinite(step=4) == 1 and prec.pop_nonfinite(step=4) == 0
@@ -346,7 +347,19 @@ def test_scaler_state_round_trips_and_a_bare_scaler_state_is_accepted():
     assert c.scaler.get_scale() == 256.0
     c.load_state_dict({})  # nothing saved: unchanged
     assert c.scaler.get_scale() == 256.0
+    c.load_state_dict({"scaler": scaled_cpu_precision(init_scale=64.0).scaler.state_dict()})  # no masters key
+    assert c.scaler.get_scale() == 64.0
     assert set(a.state_dict()) == {"scaler", "masters"}
+    plain = Precision("bf16", CPU)  # no scaler: a scaler state in the checkpoint is ignored
+    plain.prepare(nn.Linear(2, 2))
+    plain.load_state_dict({"scaler": a.scaler.state_dict(), "masters": [torch.ones(2, 2), torch.ones(2)]})
+    assert not plain.scaler.is_enabled() and torch.equal(plain.masters[0][0], torch.ones(2, 2, dtype=torch.bfloat16))
+    plain.load_state_dict({"masters": [torch.zeros(2, 2), torch.zeros(2)]})  # masters without a scaler entry
+    assert torch.equal(plain.masters[1][1], torch.zeros(2))
+    with pytest.raises(UsageError) as e:
+        plain.load_state_dict({"masters": [torch.zeros(2, 2)]})
+    assert str(e.value) == ("checkpoint has 1 fp32 master weights, this run 2: resume with the same model and "
+                            "precision.mode.")
 
 
 def test_diverged_message_names_what_where_and_what_to_try():
@@ -366,6 +379,8 @@ def test_diverged_message_names_what_where_and_what_to_try():
 
 
 def test_check_mode_messages_and_what_each_device_accepts():
+    with pytest.raises(UsageError, match="^precision=amp_fp16 needs a CUDA device"):
+        Precision("amp_fp16", CPU)
     with pytest.raises(UsageError) as e:
         Precision("fp16", CPU)
     assert str(e.value) == ("precision=fp16 needs a CUDA device (CPUs have no fast fp16 math); on CPU use "
@@ -381,6 +396,8 @@ def test_check_mode_messages_and_what_each_device_accepts():
         with pytest.raises(UsageError, match=r"^precision=bf16: this GPU has no bfloat16 support \(needs compute "
                                              r"capability 8.0\+, Ampere or newer\). Use precision=amp_fp16.$"):
             check_mode("bf16", cuda)
+        with pytest.raises(UsageError, match="^precision=amp_bf16: this GPU has no bfloat16 support"):
+            check_mode("amp_bf16", cuda)
 
 
 def test_precision_defaults_and_graph_safe_autocast():
@@ -426,11 +443,13 @@ def test_attach_rekeys_state_loaded_before_it_in_fp32_and_once():
     model = prec.prepare(nn.Linear(2, 2))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     w = model.module.weight
-    opt.state[w] = {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 2, dtype=torch.bfloat16)}
+    step = torch.tensor(3.0, dtype=torch.float64)  # kept as it is (device/dtype are the optimizer's business)
+    opt.state[w] = {"step": step, "exp_avg": torch.ones(2, 2, dtype=torch.bfloat16), "n": 4, "idx": torch.tensor([1])}
     prec.attach(opt)
     master = prec.masters[0][1]
     assert w not in opt.state and opt.state[master]["exp_avg"].dtype == torch.float32
-    assert opt.state[master]["step"] is not None and opt.state[master]["step"].dtype == torch.float32
+    assert opt.state[master]["step"] is step and opt.state[master]["n"] == 4
+    assert opt.state[master]["idx"].dtype == torch.int64
     groups = [list(g["params"]) for g in opt.param_groups]
     prec.attach(opt)  # a second call changes nothing
     assert [list(g["params"]) for g in opt.param_groups] == groups and groups[0][0] is master
@@ -462,3 +481,37 @@ def test_grad_max_abs_is_the_inf_norm_and_zero_without_gradients():
     assert float(grad_max_abs(opt)) == 5.0
     b.grad[0] = float("nan")
     assert not torch.isfinite(grad_max_abs(opt))
+
+
+def test_bf16_step_after_unscale_keeps_the_gradients_and_unused_parameters_are_fine():
+    """unscale_ (before clipping) moves the half gradients to the masters once; step() must not move them
+    again (they would be gone). A parameter without a gradient stays without one."""
+    results = []
+    for unscale_first in (False, True):
+        prec = Precision("bf16", CPU)
+        torch.manual_seed(0)
+        net = nn.ModuleDict({"used": nn.Linear(4, 3), "unused": nn.Linear(4, 3)})
+        model = prec.prepare(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        x = torch.randn(8, 4, dtype=torch.bfloat16)
+        prec.backward(net["used"](x).float().square().mean())
+        if unscale_first:
+            prec.unscale_(opt)
+        prec.step(opt)
+        results.append([m.clone() for _, m in prec.masters])
+        assert all(m.grad is None for _, m in prec.masters)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    torch.manual_seed(0)
+    assert not torch.equal(results[0][0], nn.Linear(4, 3).weight.float())  # the used layer moved
+
+
+def test_masked_step_runs_on_the_device_once_every_parameter_has_state():
+    from torchsprint.precision import masked_step
+
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([a, b], lr=0.5, momentum=0.9)
+    memo = {}
+    for _ in range(2):
+        a.grad, b.grad = torch.ones(2), torch.ones(3)
+        masked_step(opt, torch.tensor(False), memo)
+    assert len(memo["saved"]) == 4  # two parameters and their momentum buffers: the sync-free path ran

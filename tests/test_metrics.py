@@ -91,7 +91,7 @@ def test_multilabel_matches_sklearn_at_a_non_default_threshold():
 
 def test_restoration_psnr_is_the_mean_of_per_image_psnr_of_clamped_outputs():
     g = torch.Generator().manual_seed(0)
-    target = torch.rand(5, 3, 16, 16, generator=g)
+    target = 0.25 + 0.5 * torch.rand(5, 3, 16, 16, generator=g)  # not spanning [0, 1]: SSIM's data_range must be given
     output = target + 0.1 * torch.randn(5, 3, 16, 16, generator=g) * torch.arange(1, 6).view(5, 1, 1, 1)
     m = RestorationMetrics(CPU)
     m.update(output[:3].to(torch.bfloat16), target[:3], torch.tensor(1.0))
@@ -121,3 +121,14 @@ def test_confusion_and_per_class_csv(tmp_path):
     bare = {k.removeprefix("val/"): v for k, v in metrics.items() if k != "val/confusion"}  # no prefix, no confusion
     write_per_class(tmp_path / "bare.csv", bare, ["cat", "dog"])
     assert list(csv.reader(open(tmp_path / "bare.csv")))[1:] == [r[:4] + [""] for r in want[1:]]
+    write_per_class(tmp_path / "no_f1.csv", {k: v for k, v in bare.items() if k != "f1"}, ["cat", "dog"])
+    assert list(csv.reader(open(tmp_path / "no_f1.csv")))[1] == ["cat", "1.000000", "0.750000", "", ""]
+
+
+def test_one_sample_evaluation_loss_is_that_samples_loss():
+    m = ClassificationMetrics(3, topk=5, per_class=False, device=CPU)
+    m.update(torch.tensor([[0.0, 2.0, 1.0]]), torch.tensor([1]), torch.tensor(0.75))
+    assert m.compute() == {"top1": 1.0, "loss": 0.75, "count": 1}
+    r = RestorationMetrics(CPU)
+    r.update(torch.zeros(1, 3, 16, 16), torch.full((1, 3, 16, 16), 0.5), torch.tensor(0.25))
+    assert r.compute()["loss"] == 0.25

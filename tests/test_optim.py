@@ -178,3 +178,45 @@ def test_loss_refusals_name_the_setting():
         build_loss(loss_cfg("loss.terms=[{name: mse}, {name: cross_entropy}]"), "image")
     with pytest.raises(UsageError, match=r"^loss: bad arguments \{'bogus': 1\}"):
         build_loss(loss_cfg("loss.args={bogus: 1}"), "class_index")
+
+
+def test_every_other_torch_optimizer_by_lower_case_name_except_those_a_plain_loop_cannot_drive():
+    from torchsprint.optim import _torch_optim_provider
+
+    provided = _torch_optim_provider()  # called directly: the registry calls it once per process
+    want = {n.lower() for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+            and c is not torch.optim.Optimizer} - {"lbfgs", "muon", "sparseadam"}
+    assert set(provided) == want and {"adagrad", "nadam", "radam"} <= want
+    c = optim_cfg("optim.name=adagrad", "optim.lr=0.2", "optim.impl=foreach", "optim.args={lr_decay: 0.1}")
+    opt = provided["adagrad"](param_groups(net(), 0.0, True), c)
+    assert type(opt) is torch.optim.Adagrad and opt.defaults["lr"] == 0.2 and opt.defaults["foreach"] is True
+    assert opt.defaults["lr_decay"] == 0.1 and len(opt.param_groups[0]["params"]) == 8
+    assert provided["adagrad"].__doc__ == "torch.optim.Adagrad(lr=optim.lr, **optim.args)"
+
+
+def test_wrong_target_hints_and_user_losses_that_smooth_or_not():
+    from torchsprint.optim import LOSSES
+
+    with pytest.raises(UsageError, match=r"^loss: loss mse compares outputs with image targets, but this task's targets are "
+                                         r"multi_hot. Use bce_with_logits.$"):
+        build_loss(loss_cfg("loss.name=mse"), "multi_hot")
+    with pytest.raises(UsageError, match=r"^loss: loss cross_entropy compares outputs with class_index targets, but this "
+                                         r"task's targets are image. Use mse, l1 or smooth_l1.$"):
+        build_loss(loss_cfg("loss.name=cross_entropy"), "image")
+    with pytest.raises(UsageError, match=r"^loss: loss bce_with_logits compares outputs with class_index or multi_hot "
+                                         r"targets, but this task's targets are boxes. Use another loss.$"):
+        build_loss(loss_cfg("loss.name=bce_with_logits"), "boxes")
+    with pytest.raises(UsageError) as e:
+        build_loss(loss_cfg("loss.name=mse", "loss.label_smoothing=0.1"), "image")
+    assert str(e.value).endswith("(it applies to cross_entropy and bce_with_logits). Set loss.label_smoothing=0.")
+    with pytest.raises(UsageError) as e:
+        build_loss(loss_cfg("loss.args={weight: [1, 2]}"), "class_index", num_classes=3)
+    assert str(e.value).endswith("give one per class (in the order of the dataset's classes).")
+
+    LOSSES.register("test_smoothing_loss", override=True)(lambda label_smoothing=0.0: nn.CrossEntropyLoss(label_smoothing=label_smoothing))
+    LOSSES.register("test_plain_loss", override=True)(lambda: nn.MSELoss())
+    smooth = build_loss(loss_cfg("loss.name=test_smoothing_loss", "loss.label_smoothing=0.2"), "class_index")
+    assert smooth.label_smoothing == 0.2  # a user's loss that takes label_smoothing gets it
+    with pytest.raises(UsageError, match="^loss.label_smoothing=0.2: loss test_plain_loss has no class labels"):
+        build_loss(loss_cfg("loss.name=test_plain_loss", "loss.label_smoothing=0.2"), "class_index")
+    assert isinstance(build_loss(loss_cfg("loss.name=test_plain_loss"), "class_index"), nn.MSELoss)

@@ -2,10 +2,11 @@
 
 import csv
 import json
+import statistics
 
 import pytest
 
-from torchsprint.bench import COLUMNS, best_combination
+from torchsprint.bench import COLUMNS, INPUT_BOUND, Variant, best_combination, slug, summarize
 
 
 def test_bench_cli_writes_every_output(run_cli, tmp_path):
@@ -24,13 +25,23 @@ def test_bench_cli_writes_every_output(run_cli, tmp_path):
     assert base["status"] == "ok" and base["speedup"] == pytest.approx(1.0)
     gpu = by["+ gpu loader"]
     assert gpu["status"] == "skipped" and "GPU" in gpu["reason"]
+    raw_base = json.loads((out / "variants" / ".baseline__seeds.json").read_text())
     for name in ("+ tuned cpu loader", "+ memory loader", "+ amp_bf16", "your config"):
         row = by[name]
         assert row["status"] == "ok", row
-        # the speedup column is the ratio of the measured throughputs
-        assert row["speedup"] == pytest.approx(row["images_per_s"] / base["images_per_s"], rel=1e-9)
-        assert row["bottleneck"] in ("input-bound", "compute-bound")
-        assert row["images_per_s_min"] <= row["images_per_s"] <= row["images_per_s_max"]
+        # The table is the summary of what each variant's own process measured (its per-repeat results
+        # file): median, min, max, the median data-wait share's label, and the ratio of medians.
+        raw = json.loads((out / "variants" / f".{slug(name)}.json").read_text())
+        assert len(raw) == 2  # --repeats 2
+        ips = [r["images_per_s"] for r in raw]
+        assert (row["images_per_s"], row["images_per_s_min"], row["images_per_s_max"]) == (
+            statistics.median(ips), min(ips), max(ips))
+        assert row["speedup"] == statistics.median(ips) / statistics.median(r["images_per_s"] for r in raw_base)
+        share = statistics.median(r["data_wait_share"] for r in raw)
+        assert row["bottleneck"] == ("input-bound" if share > INPUT_BOUND else "compute-bound")
+        for r in raw:  # images/s and step time measure the same steps: their product is the batch (64 images)
+            assert r["images_per_s"] * r["step_ms"] / 1000 == pytest.approx(64, rel=1e-9)
+            assert 0 <= r["data_wait_share"] < 1
     assert "+ ddp x2" in by and by["+ ddp x2"]["status"] in ("ok", "skipped")
     meta = json.loads((out / "bench.json").read_text())["meta"]
     assert meta["device"] and meta["torch"] and meta["repeats"] == 2
@@ -48,3 +59,22 @@ def test_best_combination_picks_fastest_backend_and_winning_switches():
         {"variant": "+ compile", "status": "skipped", "overrides": ["speed.compile=true"], "speedup": None},
     ]
     assert best_combination(rows) == ["data.backend=memory", "precision.mode=amp_fp16"]
+
+
+def test_summarize_reports_median_min_max_ratio_and_bottleneck():
+    """Known per-repeat figures, chosen so median != mean and the two wait shares fall either side of the
+    input-bound threshold: each column must be the statistic it claims."""
+    def results(ips, shares):
+        return [{"images_per_s": i, "step_ms": 1000 * 128 / i, "data_wait_share": s, "peak_mem_mb": None}
+                for i, s in zip(ips, shares)]
+
+    lo, hi = INPUT_BOUND - 0.05, INPUT_BOUND + 0.05
+    v = Variant("+ memory loader", ["data.backend=memory"], "memory", results=results([100, 110, 400], [hi, lo, lo]))
+    row = summarize(v, baseline_ips=55.0)
+    assert (row["images_per_s"], row["images_per_s_min"], row["images_per_s_max"]) == (110, 100, 400)  # mean: 203
+    assert row["speedup"] == 2.0 and row["step_ms"] == 1000 * 128 / 110
+    assert row["data_wait_share"] == lo and row["bottleneck"] == "compute-bound"
+    v = Variant("baseline (seeds)", [], "seeds", results=results([50, 60, 55], [hi, hi, lo]))
+    row = summarize(v, baseline_ips=None)
+    assert row["bottleneck"] == "input-bound" and row["speedup"] is None and row["images_per_s"] == 55
+    assert summarize(Variant("+ gpu loader", [], "gpu", skip="needs a GPU"), 55.0)["status"] == "skipped"

@@ -95,12 +95,34 @@ def test_memory_refuses_unsupported_steps_by_name():
 
 
 def test_cpu_backend_cutout_and_memory_have_the_same_geometry():
+    """For every centre of a 10x7 image (odd and even sides, h != w), the CPU backend's Cutout (torch RNG)
+    zeroes exactly the pixels the memory backend's compiled batch pipeline zeroes for that centre."""
     from torchsprint.data.transforms import TRANSFORMS
 
-    torch.manual_seed(0)
-    out = TRANSFORMS.get("cutout")(size=4)(torch.full((3, 10, 10), 200, dtype=torch.uint8))
-    zeros = (out[0] == 0).sum()
-    assert 4 <= zeros <= 16 and bool((out == 0).all(0).eq(out[0] == 0).all())
+    h, w, size = 10, 7, 4
+    img = torch.full((3, h, w), 200, dtype=torch.uint8)
+    # memory backend: its compiled pipeline on a batch, each sample's centre read from its own uniforms
+    p = compile_batch_spec([{"cutout": {"size": size}}], "t", 3, "memory")
+    seeds = sample_seeds(3, 0, torch.arange(800))
+    out = p(img.expand(800, -1, -1, -1).contiguous(), seeds)
+    u = uniforms(seeds, p.k)
+    mem = {}
+    for i in range(800):
+        mem.setdefault((int(u[i, 0] * h), int(u[i, 1] * w)), out[i])
+    # CPU backend: the registered transform; its centre replayed from the same torch seed
+    cpu = TRANSFORMS.get("cutout")(size=size)
+    seen = {}
+    for s in range(800):
+        torch.manual_seed(s)
+        centre = (int(torch.randint(h, ())), int(torch.randint(w, ())))
+        torch.manual_seed(s)
+        seen.setdefault(centre, cpu(img))
+    assert set(mem) == set(seen) == {(y, x) for y in range(h) for x in range(w)}
+    for centre, a in seen.items():
+        assert torch.equal(a, mem[centre]), centre
+        zeros = (a[0] == 0).sum()
+        assert 4 <= zeros <= size * size and bool((a == 0).all(0).eq(a[0] == 0).all())
+    assert (seen[(5, 3)][0] == 0).sum() == size * size  # an inner centre zeroes the whole square
 
 
 def gpu_cfg(root, frac, *extra):
@@ -177,17 +199,23 @@ def test_dali_registered_only_when_it_imports():
 
 
 @pytest.mark.gpu
-def test_gpu_backend_on_cuda_matches_cpu_decode(tmp_path):
+def test_gpu_backend_on_cuda_matches_cpu_decode(tmp_path, figure):
     d = gpu_cfg(tmp_path, 0.0)
     splits = DATASETS.get("synthetic_jpeg")(d)
     cuda = build_gpu_loaders(d, splits, Runtime(torch.device("cuda")), seed=3).train
     host = build_gpu_loaders(d, splits, CPU, seed=3).train
     cuda.set_epoch(0)
     host.set_epoch(0)
+    diffs = []
     for (a, ya), (b, yb) in zip(cuda, host):
         assert torch.equal(ya.cpu(), yb)
-        # nvJPEG's IDCT/upsampling and float-vs-uint8 resize differ by a few levels; same crops and flips
-        assert float((a.cpu() - b).abs().mean()) < 0.1
+        diffs.append(((a.cpu() - b) * IMAGENET_STD_LEVELS).abs().flatten())
+    mean = float(torch.cat(diffs).mean())
+    figure("gpu_backend_cuda_vs_cpu_mean_levels", mean, "synthetic 40x30 JPEGs, random_resized_crop 16")
+    # nvJPEG's IDCT/upsampling and float-vs-uint8 resize differ by a few levels; same crops and flips.
+    # Provisional (no GPU in this session to measure it): the same bound as test_gpu.py's parity test, in
+    # grey levels; it was 0.1 normalised units, i.e. ~6 levels, which a wrong chroma upsampling passes.
+    assert mean < 2.0
 
 
 @pytest.mark.gpu
@@ -198,3 +226,26 @@ def test_memory_backend_on_cuda_equals_cpu():
     gpu.set_epoch(0)
     for a, b in zip(cpu, gpu):
         assert torch.equal(a[0], b[0].cpu())
+
+
+def test_uniforms_are_splitmix64_known_answers():
+    """Against a plain-Python splitmix64 (uint64 arithmetic), the reference the vectorised int64 version must
+    equal bit for bit: a changed constant, shift or counter moves every value (statistics would not notice)."""
+    M = (1 << 64) - 1
+
+    def ref(seed, k):
+        out = []
+        for i in range(1, k + 1):
+            z = (seed + i * 0x9E3779B97F4A7C15) & M
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+            z ^= z >> 31
+            out.append((z >> 11) / float(1 << 53))
+        return out
+
+    seeds = torch.tensor([0, 1, 42, -7, 2**62 + 12345], dtype=torch.int64)
+    u = uniforms(seeds, 3)
+    assert u.dtype == torch.float64 and u.shape == (5, 3)
+    assert u.tolist() == [ref(int(s) & M, 3) for s in seeds]
+    empty = uniforms(seeds, 0)
+    assert empty.shape == (5, 0) and empty.dtype == torch.float64

@@ -256,5 +256,10 @@ def test_dp_says_ddp_is_faster(tmp_path, capsys):
 @pytest.mark.parametrize("switch", [["precision=amp_fp16"], ["precision=amp_bf16"], ["speed.channels_last=true"],
                                     ["speed.compile=true"]])
 def test_speed_switches_train_on_gpu(tmp_path, switch):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     summary = train(config.load(None, [*switch, f"run.dir={tmp_path}", "log.tensorboard=false"]), quiet=True)
     assert summary["final"]["val/top1"] >= 0.98
+    if switch == ["speed.compile=true"]:
+        assert_ran_compiled(compiled_frames())  # not a silent eager fallback

@@ -295,3 +295,223 @@ def test_skip_mode_step_does_not_change_weights_on_nonfinite_gradients():
     train_step(model, [(torch.full((8, 4), float("inf")), torch.zeros(8, dtype=torch.long))], nn.CrossEntropyLoss(), opt, prec)
     assert torch.equal(w, model.weight) and torch.equal(buf, opt.state[model.weight]["momentum_buffer"])
     assert prec.pop_nonfinite(step=3) == 1
+
+
+# ---------------------------------------------------------------- unit checks (mutation testing, TESTING.md)
+
+
+def scaled_cpu_precision(on_nonfinite="skip", init_scale=1024.0):
+    """amp_fp16's loss-scaled path on the CPU: a real torch.amp.GradScaler('cpu') in a Precision whose
+    autocast is bf16 (fp16 modes are refused on CPU). Exercises step/unscale_/pop_nonfinite with a scaler."""
+    prec = Precision("amp_bf16", CPU, on_nonfinite=on_nonfinite)
+    prec.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
+    return prec
+
+
+def test_scaled_step_skips_overflow_backs_off_and_otherwise_equals_plain_sgd():
+    g = torch.Generator().manual_seed(2)
+    good = [(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    bad = (torch.full((8, 4), float("inf")), torch.zeros(8, dtype=torch.long))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    prec = scaled_cpu_precision()
+    for x, y in [good[0], bad, good[1], good[2]]:
+        opt.zero_grad(set_to_none=True)
+        prec.backward(nn.functional.cross_entropy(model(x), y))
+        if y[0] % 2:  # some steps unscale first, as before clipping (step() must not unscale twice); others not
+            prec.unscale_(opt)
+        prec.step(opt)
+    assert prec.scaler.get_scale() == 512.0  # backed off once, from 1024
+    assert prec.pop_nonfinite(step=4) == 1 and prec.pop_nonfinite(step=4) == 0
+    ref = fp32_reference_steps(good)  # the same steps without the overflowing batch, no scaling
+    # measured: bit-identical (scaling by a power of 2 and unscaling is exact)
+    assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
+    # on_nonfinite=stop with a scaler: skipped steps are the scaler finding its scale, not divergence...
+    stop = scaled_cpu_precision("stop")
+    stop._skipped += 3
+    assert stop.pop_nonfinite(step=5) == 3
+    # ...but a non-finite loss stops, suggesting bf16 (fp16's range is what overflowed)
+    with pytest.raises(FloatingPointError, match=r"\(fp16's range overflows where bf16's does not\)\; "):
+        stop.pop_nonfinite(step=6, loss_finite=False)
+    assert not scaled_cpu_precision().state_dict()["masters"]
+
+
+def test_scaler_state_round_trips_and_a_bare_scaler_state_is_accepted():
+    a = scaled_cpu_precision(init_scale=256.0)
+    b = scaled_cpu_precision(init_scale=8.0)
+    b.load_state_dict(a.state_dict())
+    assert b.scaler.get_scale() == 256.0
+    c = scaled_cpu_precision(init_scale=8.0)
+    c.load_state_dict(a.scaler.state_dict())  # older checkpoints: the GradScaler state alone
+    assert c.scaler.get_scale() == 256.0
+    c.load_state_dict({})  # nothing saved: unchanged
+    assert c.scaler.get_scale() == 256.0
+    c.load_state_dict({"scaler": scaled_cpu_precision(init_scale=64.0).scaler.state_dict()})  # no masters key
+    assert c.scaler.get_scale() == 64.0
+    assert set(a.state_dict()) == {"scaler", "masters"}
+    plain = Precision("bf16", CPU)  # no scaler: a scaler state in the checkpoint is ignored
+    plain.prepare(nn.Linear(2, 2))
+    plain.load_state_dict({"scaler": a.scaler.state_dict(), "masters": [torch.ones(2, 2), torch.ones(2)]})
+    assert not plain.scaler.is_enabled() and torch.equal(plain.masters[0][0], torch.ones(2, 2, dtype=torch.bfloat16))
+    plain.load_state_dict({"masters": [torch.zeros(2, 2), torch.zeros(2)]})  # masters without a scaler entry
+    assert torch.equal(plain.masters[1][1], torch.zeros(2))
+    with pytest.raises(UsageError) as e:
+        plain.load_state_dict({"masters": [torch.zeros(2, 2)]})
+    assert str(e.value) == ("checkpoint has 1 fp32 master weights, this run 2: resume with the same model and "
+                            "precision.mode.")
+
+
+def test_diverged_message_names_what_where_and_what_to_try():
+    prec = Precision("fp32", CPU, on_nonfinite="stop")
+    with pytest.raises(FloatingPointError) as e:
+        prec.pop_nonfinite(step=9, loss_finite=False, bad_step=7, lr=0.125)
+    assert str(e.value) == (
+        "training diverged: the loss became non-finite (inf/NaN) at step 7, with precision=fp32; stopped "
+        "(precision.on_nonfinite=stop). Try a lower optim.lr (now 0.125), optim.clip_grad_norm or "
+        "sched.warmup_epochs; precision.on_nonfinite=skip skips such steps instead.")
+    prec._skipped += 1  # non-finite gradients without a loss scaler also stop
+    with pytest.raises(FloatingPointError) as e:
+        prec.pop_nonfinite(step=9)
+    assert "the gradients became non-finite (inf/NaN) by step 9" in str(e.value)
+    assert "Try a lower optim.lr, optim.clip_grad_norm" in str(e.value)
+    assert Precision("fp32", CPU, on_nonfinite="skip").pop_nonfinite(step=1, loss_finite=False) == 0
+
+
+def test_check_mode_messages_and_what_each_device_accepts():
+    with pytest.raises(UsageError, match="^precision=amp_fp16 needs a CUDA device"):
+        Precision("amp_fp16", CPU)
+    with pytest.raises(UsageError) as e:
+        Precision("fp16", CPU)
+    assert str(e.value) == ("precision=fp16 needs a CUDA device (CPUs have no fast fp16 math); on CPU use "
+                            "precision=amp_bf16 (CPU autocast), bf16 or fp32.")
+    from torchsprint.precision import check_mode
+
+    cuda = torch.device("cuda")  # check_mode only reads the device type: no GPU needed
+    for mode in ("fp32", "amp_fp16", "fp16"):
+        check_mode(mode, cuda)
+    for mode in ("fp32", "amp_bf16", "bf16"):
+        check_mode(mode, CPU)
+    if not torch.cuda.is_available():  # no GPU: no bf16 support reported
+        with pytest.raises(UsageError, match=r"^precision=bf16: this GPU has no bfloat16 support \(needs compute "
+                                             r"capability 8.0\+, Ampere or newer\). Use precision=amp_fp16.$"):
+            check_mode("bf16", cuda)
+        with pytest.raises(UsageError, match="^precision=amp_bf16: this GPU has no bfloat16 support"):
+            check_mode("amp_bf16", cuda)
+
+
+def test_precision_defaults_and_graph_safe_autocast():
+    prec = Precision("amp_bf16", CPU)
+    assert prec.on_nonfinite == "skip" and not prec.graph_safe and not prec.scaler.is_enabled()
+    assert prec._skipped.dtype == torch.int64 and prec._skipped.device == CPU
+    assert prec.autocast().fast_dtype == torch.bfloat16 and prec.autocast()._cache_enabled
+    assert not Precision("amp_bf16", CPU, graph_safe=True).autocast()._cache_enabled  # CUDA graph capture
+    assert Precision("bf16", CPU).half == torch.bfloat16 and Precision("fp32", CPU).half is None
+
+
+def test_half_model_casts_only_floating_tensors_in_args_and_kwargs():
+    class Probe(nn.Module):
+        def forward(self, x, idx, *, scale):
+            self.seen = (x.dtype, idx.dtype, scale.dtype)
+            return x * scale, idx
+
+    m = HalfModel(Probe(), torch.bfloat16)
+    out, idx = m(torch.ones(2), torch.arange(2), scale=torch.full((2,), 2.0))
+    assert m.module.seen == (torch.bfloat16, torch.int64, torch.bfloat16)
+    assert out.dtype == torch.float32 and idx.dtype == torch.int64
+
+
+def test_prepare_casts_buffers_and_keeps_frozen_and_nested_batchnorm_out_of_masters():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(1, 2, 1)
+            self.block = nn.Sequential(nn.BatchNorm2d(2), nn.Conv2d(2, 2, 1))  # BN nested with a sibling conv
+            self.register_buffer("offset", torch.zeros(2))
+            self.conv.bias.requires_grad_(False)
+
+    prec = Precision("bf16", CPU)
+    model = prec.prepare(Net()).module
+    assert model.offset.dtype == torch.bfloat16 and model.block[1].weight.dtype == torch.bfloat16
+    assert model.block[0].weight.dtype == model.block[0].running_mean.dtype == torch.float32
+    assert model.conv.bias.dtype == torch.bfloat16  # frozen: cast, but no master (never stepped)
+    assert [p for p, _ in prec.masters] == [model.conv.weight, model.block[1].weight, model.block[1].bias]
+
+
+def test_attach_rekeys_state_loaded_before_it_in_fp32_and_once():
+    prec = Precision("bf16", CPU)
+    model = prec.prepare(nn.Linear(2, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    w = model.module.weight
+    step = torch.tensor(3.0, dtype=torch.float64)  # kept as it is (device/dtype are the optimizer's business)
+    opt.state[w] = {"step": step, "exp_avg": torch.ones(2, 2, dtype=torch.bfloat16), "n": 4, "idx": torch.tensor([1])}
+    prec.attach(opt)
+    master = prec.masters[0][1]
+    assert w not in opt.state and opt.state[master]["exp_avg"].dtype == torch.float32
+    assert opt.state[master]["step"] is step and opt.state[master]["n"] == 4
+    assert opt.state[master]["idx"].dtype == torch.int64
+    groups = [list(g["params"]) for g in opt.param_groups]
+    prec.attach(opt)  # a second call changes nothing
+    assert [list(g["params"]) for g in opt.param_groups] == groups and groups[0][0] is master
+    assert id(opt) in prec._attached
+
+
+def test_masked_step_on_a_stateless_optimizer_runs_sync_free_after_its_first_step():
+    from torchsprint.precision import masked_step
+
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    memo = {}
+    p.grad = torch.ones(3)
+    masked_step(opt, torch.tensor(False), memo)  # first step: on the host
+    assert memo == {"stepped": True} and torch.equal(p.detach(), torch.full((3,), 0.5))
+    masked_step(opt, torch.tensor(True), memo)  # then masked: buffers kept, skip undone on the device
+    assert len(memo["saved"]) == 1 and torch.equal(p.detach(), torch.full((3,), 0.5))
+    masked_step(opt, torch.tensor(False), memo)
+    assert torch.equal(p.detach(), torch.zeros(3))
+
+
+def test_grad_max_abs_is_the_inf_norm_and_zero_without_gradients():
+    from torchsprint.precision import grad_max_abs
+
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([a, b], lr=1)
+    assert float(grad_max_abs(opt)) == 0.0
+    a.grad, b.grad = torch.tensor([1.0, -5.0]), torch.tensor([2.0, 3.0, -4.0])
+    assert float(grad_max_abs(opt)) == 5.0
+    b.grad[0] = float("nan")
+    assert not torch.isfinite(grad_max_abs(opt))
+
+
+def test_bf16_step_after_unscale_keeps_the_gradients_and_unused_parameters_are_fine():
+    """unscale_ (before clipping) moves the half gradients to the masters once; step() must not move them
+    again (they would be gone). A parameter without a gradient stays without one."""
+    results = []
+    for unscale_first in (False, True):
+        prec = Precision("bf16", CPU)
+        torch.manual_seed(0)
+        net = nn.ModuleDict({"used": nn.Linear(4, 3), "unused": nn.Linear(4, 3)})
+        model = prec.prepare(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        x = torch.randn(8, 4, dtype=torch.bfloat16)
+        prec.backward(net["used"](x).float().square().mean())
+        if unscale_first:
+            prec.unscale_(opt)
+        prec.step(opt)
+        results.append([m.clone() for _, m in prec.masters])
+        assert all(m.grad is None for _, m in prec.masters)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    torch.manual_seed(0)
+    assert not torch.equal(results[0][0], nn.Linear(4, 3).weight.float())  # the used layer moved
+
+
+def test_masked_step_runs_on_the_device_once_every_parameter_has_state():
+    from torchsprint.precision import masked_step
+
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([a, b], lr=0.5, momentum=0.9)
+    memo = {}
+    for _ in range(2):
+        a.grad, b.grad = torch.ones(2), torch.ones(3)
+        masked_step(opt, torch.tensor(False), memo)
+    assert len(memo["saved"]) == 4  # two parameters and their momentum buffers: the sync-free path ran

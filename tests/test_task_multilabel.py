@@ -72,11 +72,16 @@ def test_predict_cli_prints_labels(ml_run, run_cli):
     assert "labels above threshold" in r.stdout and "disc" in r.stdout and "triangle" in r.stdout  # all labels at 0.01
 
 
-def test_memory_backend_trains_multilabel(tmp_path):
-    cfg = config.load(None, BASE + [f"data.root={tmp_path / 'data'}", f"run.dir={tmp_path / 'run'}", "run.epochs=1",
-                                    "data.backend=memory", "data.options={num_images: 32, val_images: 16, size: 16}"])
+def test_memory_backend_trains_multilabel(ml_run, tmp_path):
+    """The memory backend learns the labels too (images and their label vectors kept aligned): 3 epochs on
+    the fixture's data reach val/mAP 0.943 (measured), against a chance level of the labels' prevalence."""
+    _, _, data = ml_run
+    cfg = config.load(None, BASE + [f"data.root={data.parent}", f"run.dir={tmp_path / 'run'}", "run.epochs=3",
+                                    "data.backend=memory"])
     s = train(cfg, quiet=True)
-    assert s["final"]["val/count"] == 16 and 0 <= s["final"]["val/mAP"] <= 1
+    rows = list(csv.reader(open(data / "val.csv")))[1:]
+    chance = sum(sum(c in r[1].split(";") for r in rows) / len(rows) for c in ("disc", "square", "triangle")) / 3
+    assert s["final"]["val/count"] == 48 and s["final"]["val/mAP"] > chance + 0.3, (s["final"], chance)
 
 
 def test_multilabel_csv_rows(tmp_path):

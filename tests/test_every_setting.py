@@ -427,13 +427,13 @@ PROBES = {
         or pytest.fail(),
     "log.csv": lambda t: (run(t, "log.csv=true")[1] / "metrics_eval.csv").is_file() and
         not (run(t)[1] / "metrics_eval.csv").exists() or pytest.fail(),
-    "log.mlflow": lambda t: (run(t, "log.mlflow=true", f"run.out_dir={t}")[1] / "mlflow.json").is_file() or pytest.fail(),
-    "log.mlflow_uri": lambda t: (_expect(UsageError, "applies to log.mlflow", run, t, f"log.mlflow_uri={(t / 'm').as_uri()}"),
+    "log.mlflow": lambda t: pytest.importorskip("mlflow", reason="mlflow-skinny is optional; the dev extra installs it") and (run(t, "log.mlflow=true", f"run.out_dir={t}")[1] / "mlflow.json").is_file() or pytest.fail(),
+    "log.mlflow_uri": lambda t: pytest.importorskip("mlflow", reason="optional; the dev extra installs it") and (_expect(UsageError, "applies to log.mlflow", run, t, f"log.mlflow_uri={(t / 'm').as_uri()}"),
                                  run(t, "log.mlflow=true", f"log.mlflow_uri={(t / 'm').as_uri()}"),
                                  (t / "m").is_dir() or pytest.fail()),
     "log.wandb": None,  # needs monkeypatch (WANDB_SILENT): PROBES_WITH_MONKEYPATCH
     "log.wandb_mode": lambda t: _expect(UsageError, "applies to log.wandb", run, t, "log.wandb_mode=offline"),
-    "log.project": lambda t: (_expect(UsageError, "applies to log.mlflow and log.wandb", run, t, "log.project=x"),
+    "log.project": lambda t: pytest.importorskip("mlflow", reason="optional; the dev extra installs it") and (_expect(UsageError, "applies to log.mlflow and log.wandb", run, t, "log.project=x"),
                               json.loads((run(t, "log.mlflow=true", "log.project=probe", f"run.out_dir={t}")[1] /
                                           "mlflow.json").read_text())["experiment"] == "probe" or pytest.fail()),
     "eval.every_epochs": lambda t: _lines(t, "run.epochs=2", "eval.every_epochs=2", kind="eval") !=
@@ -445,6 +445,7 @@ PROBES = {
     "eval.threshold": lambda t: refused("eval.threshold=0.7", match="task=classification does not use it"),
 }
 def probe_wandb(tmp, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is optional; the dev extra installs it")
     monkeypatch.setenv("WANDB_SILENT", "true")
     assert not list(run(tmp)[1].glob("wandb/*"))
     assert list(run(tmp, "log.wandb=true", "log.wandb_mode=offline")[1].glob("wandb/offline-run-*"))

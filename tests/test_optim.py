@@ -220,3 +220,22 @@ def test_wrong_target_hints_and_user_losses_that_smooth_or_not():
     with pytest.raises(UsageError, match="^loss.label_smoothing=0.2: loss test_plain_loss has no class labels"):
         build_loss(loss_cfg("loss.name=test_plain_loss", "loss.label_smoothing=0.2"), "class_index")
     assert isinstance(build_loss(loss_cfg("loss.name=test_plain_loss"), "class_index"), nn.MSELoss)
+
+
+def test_timm_optimizers_by_name_step_like_timm():
+    """optim.name=timm/lamb builds timm's own Lamb: one step equals timm.optim.Lamb's on the same weights."""
+    timm_optim = pytest.importorskip("timm.optim")
+    torch.manual_seed(0)
+    a = torch.nn.Linear(4, 3)
+    b = torch.nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    cfg = config.load(None, ["optim.name=timm/lamb", "optim.lr=0.008", "optim.weight_decay=0.02",
+                             "optim.no_decay_norm_bias=false"]).optim
+    ours = build_optimizer(cfg, a)
+    ref = timm_optim.Lamb(b.parameters(), lr=0.008, weight_decay=0.02)
+    assert type(ours) is timm_optim.Lamb
+    x, before = torch.randn(8, 4), a.weight.detach().clone()
+    for m, o in ((a, ours), (b, ref)):
+        m(x).square().mean().backward()
+        o.step()
+    assert torch.equal(a.weight, b.weight) and not torch.equal(a.weight, before)

@@ -213,6 +213,33 @@ def _torch_optim_provider():
 
 OPTIMIZERS.add_provider(_torch_optim_provider)
 
+
+def _timm_optim_provider():
+    """timm's optimizers (LAMB, LARS, AdamP, Lion, ...) as timm/<class name, lower-cased>, when timm is installed:
+    recipes such as "ResNet strikes back" use LAMB, which torch.optim lacks. Each gets lr=optim.lr, the
+    parameter groups' weight decay, and optim.args."""
+    try:
+        import timm.optim as topt
+    except ImportError:
+        return {}
+
+    def make(cls):
+        def build(groups, c):
+            return cls(groups, lr=c.lr, **c.args)
+
+        build.__doc__ = f"timm.optim.{cls.__name__}(lr=optim.lr, **optim.args)"
+        return build
+
+    # Left out, as torch's LBFGS/Muon are: Lookahead wraps another optimizer, Muon takes only 2-D weights,
+    # AdaHessian needs backward(create_graph=True).
+    skip = {"Lookahead", "Muon", "Adahessian"}
+    return {f"timm/{name.lower()}": make(cls) for name, cls in vars(topt).items()
+            if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("timm.")
+            and name not in skip}
+
+
+OPTIMIZERS.add_provider(_timm_optim_provider)
+
 # The optim fields each built-in optimizer reads besides lr, weight decay and impl; another optimizer takes
 # its own arguments through optim.args. A non-default value of a field the chosen one does not read is
 # refused: it would otherwise be accepted and silently ignored.

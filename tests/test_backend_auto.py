@@ -43,7 +43,7 @@ def test_files_of_several_sizes_stream_through_the_cpu_backend(tmp_path):
     Image.new("RGB", (30, 30)).save(root / "train" / "circle" / "big.jpg")
     info = loaders("data.dataset=image_folder", f"data.root={root}", "data.train.transforms=[resize: [16, 16]]",
                    "data.eval.transforms=[resize: [16, 16]]").info
-    assert info.backend == "cpu" and "memory: the images have 2 different sizes" in info.backend_why
+    assert info.backend == "cpu" and "memory: the images have different sizes" in info.backend_why
     assert "gpu: no CUDA device" in info.backend_why
 
 
@@ -78,3 +78,17 @@ def test_auto_trains_what_the_backend_it_picks_trains(tmp_path, backend):
     assert a == b == 0
     sa, sb = (json.loads((tmp_path / x / "summary.json").read_text()) for x in "ab")
     assert sa["final"] == sb["final"]
+
+
+def test_a_frame_header_after_a_large_metadata_segment_is_found(tmp_path):
+    """auto reads 4 KiB of a file first; a JPEG whose frame header follows a 20 KB segment (a big EXIF
+    thumbnail or ICC profile) is read further rather than called unknown."""
+    import io
+
+    buf = io.BytesIO()
+    Image.new("RGB", (30, 20)).save(buf, "JPEG")
+    jpeg = buf.getvalue()
+    padded = jpeg[:2] + b"\xff\xe2" + (20_002).to_bytes(2, "big") + bytes(20_000) + jpeg[2:]
+    (tmp_path / "big.jpg").write_bytes(padded)
+    assert build.file_size(str(tmp_path / "big.jpg")) == (20, 30)
+    assert Image.open(tmp_path / "big.jpg").size == (30, 20)  # still a valid JPEG

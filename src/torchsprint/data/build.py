@@ -138,22 +138,36 @@ def _batched_spec_problem(data_cfg, channels: int, backend: str) -> str | None:
     return None
 
 
-def file_sizes(paths: list[str]) -> list[tuple[int, int] | None]:
-    """(height, width) of each file as decoded upright, from its header (first 64 KiB); None when unknown."""
+def file_size(path: str) -> tuple[int, int] | None:
+    """(height, width) of an image file as decoded upright, from its header; None when unknown. Reads the
+    first 4 KiB, and up to HEADER_BYTES only when a JPEG's frame header comes later (after a large EXIF
+    thumbnail or ICC profile)."""
     from torchsprint.data.decode import BadImage, read_header
 
-    out = []
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+            try:
+                h = read_header(head)
+            except BadImage:
+                h = read_header(head + f.read(HEADER_BYTES - len(head)))
+    except (OSError, BadImage):
+        return None
+    if h.height is None:
+        return None
+    return (h.width, h.height) if h.orientation in (5, 6, 7, 8) else (h.height, h.width)
+
+
+def file_sizes(paths: list[str], stop_at_distinct: int | None = None) -> list[tuple[int, int] | None]:
+    """file_size of each path; with `stop_at_distinct`, stops once that many distinct sizes (or one unknown)
+    were seen (enough to know a folder is not of one size)."""
+    out, seen = [], set()
     for p in paths:
-        try:
-            with open(p, "rb") as f:
-                h = read_header(f.read(HEADER_BYTES))
-        except (OSError, BadImage):
-            out.append(None)
-            continue
-        if h.height is None:
-            out.append(None)
-        else:
-            out.append((h.width, h.height) if h.orientation in (5, 6, 7, 8) else (h.height, h.width))
+        size = file_size(p)
+        out.append(size)
+        seen.add(size)
+        if stop_at_distinct is not None and (None in seen or len(seen) >= stop_at_distinct):
+            break
     return out
 
 
@@ -191,11 +205,10 @@ def choose_backend(data_cfg, splits: Splits, device: torch.device, allowed: tupl
             if n > MEMORY_MAX_FILES:
                 reasons.append(f"memory: {n:,} files > {MEMORY_MAX_FILES:,} would take long to decode up front")
             else:
-                sizes = file_sizes([s[0] for s in train.samples] + [s[0] for s in val.samples])
+                sizes = file_sizes([s[0] for s in train.samples] + [s[0] for s in val.samples], stop_at_distinct=2)
                 distinct = set(sizes)
                 if None in distinct or len(distinct) != 1:
-                    k = len(distinct - {None})
-                    reasons.append(f"memory: the images have {k} different sizes" if k > 1 else
+                    reasons.append("memory: the images have different sizes" if None not in distinct else
                                    "memory: some file sizes are unknown (not JPEG/PNG, or unreadable)")
                 else:
                     (h, w), = distinct

@@ -135,9 +135,12 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.precision import Precision
 
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
+    from torchsprint.data.mix import check_mix, wrap_mix
     from torchsprint.tasks import check_data_task, get_task
 
-    get_task(cfg.task).check(cfg)
+    task = get_task(cfg.task)
+    task.check(cfg)
+    mixing = check_mix(cfg.mix, cfg.task, task.targets, cfg.loss)
     loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last)
     info = loaders.info
     check_data_task(cfg, info)
@@ -154,6 +157,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                        frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None)
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
+    if mixing:  # after the loader, so every backend's batches are mixed the same way
+        loaders.train = wrap_mix(loaders.train, cfg.mix, info.num_classes, cfg.run.seed, rt.rank, rt.world_size)
     loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
     opt = build_optimizer(cfg.optim, model)
     prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
@@ -162,7 +167,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     if cfg.run.max_steps is not None:
         epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
     sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
-    loss_fn = build_loss(cfg.loss, get_task(cfg.task).targets, info.num_classes).to(rt.device)
+    loss_fn = build_loss(cfg.loss, task.targets, info.num_classes).to(rt.device)
     return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn)
 
 

@@ -362,6 +362,15 @@ PROBES = {
     "loss.args": lambda t: differs(lambda c, b: float(b.loss_fn(torch.randn(10, 10, generator=torch.Generator().manual_seed(0)),
                                                                 torch.arange(10))), "loss.args={weight: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}"),
     "loss.terms": lambda t: differs(lambda c, b: type(b.loss_fn).__name__, "loss.terms=[{name: cross_entropy, weight: 0.5}]"),
+    "mix.mixup_alpha": lambda t: differs(lambda c, b: tuple(first_batch(b.loaders.train)[1].shape), "mix.mixup_alpha=0.2"),
+    "mix.cutmix_alpha": lambda t: differs(lambda c, b: tuple(first_batch(b.loaders.train)[1].shape), "mix.cutmix_alpha=1.0"),
+    "mix.prob": lambda t: (refused("mix.prob=0.5", match="mixing is off"),
+                           differs(_epoch_images, "mix.prob=0.0", base=["mix.mixup_alpha=0.2"])),
+    "mix.switch_prob": lambda t: (refused("mix.cutmix_alpha=1", "mix.switch_prob=0.9", match="only CutMix is on"),
+                                  differs(_epoch_images, "mix.switch_prob=0.9", base=["mix.mixup_alpha=0.2", "mix.cutmix_alpha=1"])),
+    "mix.mode": lambda t: (refused("mix.mode=elem", match="mixing is off"),
+                           differs(lambda c, b: first_batch(b.loaders.train)[1].tolist(), "mix.mode=elem",
+                                   base=["mix.mixup_alpha=0.2"])),
     "precision.mode": lambda t: (differs(lambda c, b: b.prec.dtype, "precision=amp_bf16"),
                                  refused("precision=fp16", match="needs a CUDA device") if not torch.cuda.is_available() else None),
     "precision.on_nonfinite": lambda t: (_expect(FloatingPointError, "on_nonfinite=stop", run, t, "optim.lr=1e30"),
@@ -477,6 +486,12 @@ def _ema_differs(t, *over, base=(), keys=""):
 
     a, b = (load_file(str(run(t, "ema.enabled=true", "ema.decay=0.9", *base, *o)[1] / "ema.safetensors")) for o in ((), over))
     assert any(not torch.equal(a[k], b[k]) for k in a if keys in k), over
+
+
+def _epoch_images(cfg, b):
+    """A checksum per training batch of epoch 0 (what mixing did to each)."""
+    b.loaders.train.set_epoch(0)
+    return [round(float(x.double().sum()), 6) for x, _ in b.loaders.train]
 
 
 def _history(t, *over):

@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data.core", ["data.core"]),
     ("data.decode", ["data.decode"]),
     ("data.spec", ["data.transforms", "data.normalize", "data.batch_ops"]),
-    ("data.augment", ["data.augment"]),
+    ("data.augment", ["data.augment", "data.mix"]),
     ("data.sources", ["data.sources.*"]),
     ("data.backends", ["data.backends.*"]),
     ("data.build", ["data.build"]),

@@ -90,6 +90,21 @@ class DataConfig(Section):
     eval: SplitConfig = Field(default_factory=SplitConfig, description="Evaluation and inference preprocessing.")
 
 
+class MixConfig(Section):
+    """Mixup / CutMix on training batches (data/mix.py): torchvision v2 MixUp/CutMix arithmetic, timm's switches."""
+
+    mixup_alpha: float = Field(0.0, ge=0, description="Mixup: the mixing weight is drawn from Beta(alpha, alpha); 0 turns "
+                               "Mixup off (torchvision references --mixup-alpha, timm --mixup; 0.2 is usual for ImageNet).")
+    cutmix_alpha: float = Field(0.0, ge=0, description="CutMix: the pasted box's area share is drawn from Beta(alpha, "
+                                "alpha); 0 turns CutMix off (torchvision --cutmix-alpha, timm --cutmix; 1.0 is usual).")
+    prob: float = Field(1.0, ge=0, le=1, description="Probability that a batch (mode=batch) or a sample (mode=elem) is "
+                        "mixed at all (timm --mixup-prob).")
+    switch_prob: float = Field(0.5, ge=0, le=1, description="With both alphas > 0: probability of CutMix rather than "
+                               "Mixup (timm --mixup-switch-prob).")
+    mode: Literal["batch", "elem"] = Field("batch", description="batch: one draw (kind, weight, box) per batch, as "
+                                           "torchvision and timm's default; elem: one per sample (timm --mixup-mode elem).")
+
+
 class ModelConfig(Section):
     name: str = Field("small_cnn", description="Model name from the MODELS registry (`torchsprint list models`).")
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the model builder.")
@@ -289,6 +304,8 @@ class Config(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer, gradient clipping and accumulation.")
     sched: SchedConfig = Field(default_factory=SchedConfig, description="Learning-rate schedule.")
     loss: LossConfig = Field(default_factory=LossConfig, description="Loss function(s).")
+    mix: MixConfig = Field(default_factory=MixConfig, description="Mixup and CutMix on training batches (soft targets; "
+                           "loss.label_smoothing applies to them).")
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Numeric precision (AMP).")
     strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="Single device, DataParallel or DDP.")
     speed: SpeedConfig = Field(default_factory=SpeedConfig, description="Speed switches.")

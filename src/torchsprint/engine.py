@@ -42,7 +42,9 @@ def train_step(model, micro_batches, loss_fn, opt, prec, clip_grad_norm: float |
             prec.backward(loss / n if n > 1 else loss)
         losses.append(loss.detach())
         if correct is not None:
-            correct.append((logits.detach().argmax(1) == targets).sum())
+            # Mixed (soft) targets count against the class with the larger weight (Mixup/CutMix: data/mix.py).
+            hard = targets.argmax(1) if targets.ndim == 2 else targets
+            correct.append((logits.detach().argmax(1) == hard).sum())
     if clip_grad_norm is not None:
         prec.unscale_(opt)
         # The optimizer's parameters: in fp16/bf16 modes these are the fp32 masters that hold the gradients.

@@ -139,10 +139,12 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.precision import Precision
 
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
+    from torchsprint.data.mix import check_mix, wrap_mix
     from torchsprint.tasks import check_data_task, get_task
 
     task = get_task(cfg.task)
     task.check(cfg)
+    mixing = check_mix(cfg.mix, cfg.task, task.targets, cfg.loss)
     loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last, allowed=task.backends)
     if cfg.eval.test_at_end and loaders.info.facts.get("images", {}).get("test") is None:
         raise UsageError(f"eval.test_at_end=true: data.dataset={cfg.data.dataset} (root={cfg.data.root}) has no test split "
@@ -166,6 +168,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
+    if mixing:  # after the loader, so every backend's batches are mixed the same way
+        loaders.train = wrap_mix(loaders.train, cfg.mix, info.num_classes, cfg.run.seed, rt.rank, rt.world_size)
     loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
     opt = build_optimizer(cfg.optim, model)
     if cfg.optim.param_groups or cfg.optim.layer_decay is not None:

@@ -58,14 +58,14 @@ from torchsprint.data.core import DATASETS, MODE, Splits, check_options, sample_
 from torchsprint.errors import UsageError
 
 INDEX_NAME = "index.json"
-IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")  # folders.IMAGE_EXTENSIONS
 WEBDATASET_OPTIONS = {
     "train": "training shards: a path/URL with brace expansion, e.g. 'train-{000000..000127}.tar' or "
              "'pipe:aws s3 cp s3://bucket/train-{000000..000127}.tar -' (default: <root>/train-*.tar)",
     "val": "validation shards, the same way (default: <root>/val-*.tar; none: no validation)",
     "index": f"the index/class JSON (default: <root>/{INDEX_NAME})",
     "shuffle_buffer": "samples in the seeded shuffle buffer of each worker (default 1000; 0 or 1: shard order only)",
-    "image_key": "the member extension of the image (default: the first of jpg, jpeg, png, webp present)",
+    "image_key": "the member extension of the image (default: the first of jpg, jpeg, png, webp, bmp, gif, tif, tiff present)",
     "label_key": "the member extension of the class index (default: cls)",
     **MODE,
 }

@@ -49,7 +49,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("config", ["config"]),
     ("engine", ["engine"]),
     ("run", ["run"]),
-    ("commands", ["trained", "export", "predict", "bench", "report", "launch", "data.tools", "data.check"]),
+    ("commands", ["trained", "export", "predict", "bench", "report", "launch", "data.tools", "data.check", "data.shard"]),
     ("cli", ["cli", "__main__"]),
 ]
 

@@ -104,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--images", type=int, default=64, help="number of validation images to compare")
     s.add_argument("--run", metavar="RUN_DIR", default=None, help="also report top-1 agreement of this run's model")
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+    s = dsub.add_parser("shard", help="write an image folder or file list as shuffled WebDataset tar shards",
+                        description="Write SRC (an image folder, optionally with train/ and val/, or a `path,label` list) "
+                        "as shuffled tar shards plus index.json into OUT; resumable (finished shards are re-hashed and "
+                        "kept) and verified at the end (counts, keys, labels, checksums). Train on them with "
+                        "data.dataset=webdataset data.root=OUT.")
+    s.add_argument("src", metavar="SRC", help="image folder or file list")
+    s.add_argument("out", metavar="OUT", help="folder for the shards and index.json")
+    s.add_argument("--shard-size", default="1GB", metavar="SIZE", help="largest shard, e.g. 1GB, 500MB, 64MiB (default 1GB)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the sample shuffle (default 0)")
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("bench", help="measure which accelerations pay off on this model, data and machine",
                        description="Measure a matrix of speed variants of a config side by side.")
@@ -208,6 +218,10 @@ def cmd_data(args) -> int:
         from torchsprint.data.check import check_cli
 
         return check_cli(args)
+    if args.data_command == "shard":
+        from torchsprint.data.shard import shard_cli
+
+        return shard_cli(args)
     from torchsprint.data import tools
 
     return tools.compare_cli(args)

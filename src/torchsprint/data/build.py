@@ -42,7 +42,7 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     """
     check_data_fields(data_cfg)
     splits = splits if splits is not None else DATASETS.get(data_cfg.dataset)(data_cfg)
-    if data_cfg.decoder != "auto" and not hasattr(splits.train, "samples"):
+    if data_cfg.decoder != "auto" and not hasattr(splits.train, "samples") and not getattr(splits.train, "streaming", False):
         raise UsageError(f"data.decoder={data_cfg.decoder}: data.dataset={data_cfg.dataset} is already decoded in memory, "
                          "so no decoder runs; remove data.decoder.")
     for where, spec in (("data.train.transforms", data_cfg.train.transforms), ("data.eval.transforms", data_cfg.eval.transforms)):

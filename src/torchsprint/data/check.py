@@ -70,8 +70,25 @@ class ScanItems(torch.utils.data.Dataset):
         return out
 
 
+def scan_entry(i: int, data, label, source: str, raw) -> dict:
+    """ScanFiles' record of one sample read from a webdataset shard."""
+    out = {"i": i, "path": source, "label": label, "digest": None, "size": None, "error": None}
+    if isinstance(data, Exception):
+        out["error"] = str(data)
+        return out
+    out["digest"] = hashlib.blake2b(data, digest_size=16).hexdigest()
+    image, _, reason = raw.decode(data, label, source)
+    if image is None:
+        out["error"] = reason.split(": ", 1)[-1]
+    else:
+        out["size"] = (int(image.shape[1]), int(image.shape[2]))
+    return out
+
+
 def scan_split(raw, workers: int, label: str, progress) -> list[dict]:
     """Scan every sample of one split (files: read + decoded with the dataset's decoder)."""
+    if getattr(raw, "streaming", False):  # webdataset shards: one pass over the tar streams, in this process
+        return [scan_entry(i, data, label, source, raw) for i, data, label, source in raw.read_all()]
     ds = ScanFiles(raw.samples, raw.decoder, raw.channels, raw.max_pixels) if hasattr(raw, "samples") else ScanItems(raw)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, collate_fn=lambda x: x)
     task = progress.add_task(f"reading {label}", total=len(ds)) if progress else None
@@ -162,16 +179,26 @@ def sample_grid(splits, cfg, out: Path, per_class: int = 4) -> Path | None:
     train_p = compile_spec(cfg.data.train.transforms, "data.train.transforms", splits.in_channels)
     eval_p = compile_spec(cfg.data.eval.transforms, "data.eval.transforms", splits.in_channels)
     by_class: dict[int, list[int]] = defaultdict(list)
-    labels = ([lab for _, lab in splits.train.samples] if hasattr(splits.train, "samples")
-              else [int(splits.train[i][1]) for i in range(len(splits.train))])
-    for i, lab in enumerate(labels):
-        if len(by_class[lab]) < per_class:
-            by_class[lab].append(i)
+    raw = splits.train
+    if getattr(raw, "streaming", False):  # webdataset shards: the first images of each class, read in order
+        decoded = {}
+        for i, data, lab, source in raw.read_all():
+            if len(by_class[lab]) < per_class:
+                by_class[lab].append(i)
+                decoded[i] = raw.decode(data, lab, source)
+            if len(by_class) == len(splits.classes) and all(len(v) >= per_class for v in by_class.values()):
+                break
+        raw = decoded
+    else:
+        labels = ([lab for _, lab in raw.samples] if hasattr(raw, "samples") else [int(raw[i][1]) for i in range(len(raw))])
+        for i, lab in enumerate(labels):
+            if len(by_class[lab]) < per_class:
+                by_class[lab].append(i)
     rows, names = [], []
     for c in sorted(by_class)[:24]:  # a readable page: at most 24 classes
         tiles_train, tiles_eval = [], []
         for i in by_class[c]:
-            image = splits.train[i][0]
+            image = raw[i][0]
             if image is None:
                 continue
             g = torch.Generator().manual_seed(i)

@@ -25,7 +25,10 @@ class SeededTransform(torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         index, seed = key
-        image, target, source = self.raw[index]
+        return self.apply(*self.raw[index], seed)
+
+    def apply(self, image, target, source, seed: int):
+        """One decoded sample (image None: unreadable) -> (augmented image | None, target, None | reason)."""
         if image is None:
             if self.on_bad_sample == "error":
                 raise UsageError(f"unreadable sample {source}. Fix or remove it, or set data.on_bad_sample=skip.")
@@ -70,23 +73,37 @@ def collate(items):
     return images, targets, skipped
 
 
+class ShardBatch:
+    """Worker side of the cpu backend on webdataset shards: (id, seed, bytes, target, source) entries ->
+    decoded, augmented and collated like a batch of files (the same decode, transform and bad-sample policy)."""
+
+    def __init__(self, raw, transform: SeededTransform):
+        self.raw, self.transform = raw, transform
+
+    def __call__(self, entries) -> tuple:
+        return collate([self.transform.apply(*self.raw.decode(data, target, source), seed)
+                        for _, seed, data, target, source in entries])
+
+
 class DeviceLoader:
     """Wraps a DataLoader of uint8 batches: copies to the device and normalises there.
 
     On CUDA the copy and normalisation of batch i+1 run on a side stream while batch i
     computes (timm's PrefetchLoader idea); pinned memory makes the copy asynchronous.
+    `batches` is the epoch handle: a BatchSampler over the loader's EpochSampler (files), or the
+    ShardStream itself (webdataset shards): `batch_size`, `sampler.set_epoch(epoch, start_sample)`, `len`.
     """
 
-    def __init__(self, loader: torch.utils.data.DataLoader, sampler: EpochSampler, device, normalize: DeviceNormalize):
-        self.loader, self.sampler, self.device, self.normalize = loader, sampler, device, normalize
+    def __init__(self, loader: torch.utils.data.DataLoader, batches, device, normalize: DeviceNormalize):
+        self.loader, self.batches, self.sampler, self.device = loader, batches, batches.sampler, device
+        self.normalize = normalize
         self.skipped: list[str] = []
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.sampler.set_epoch(epoch, start_batch * self.loader.batch_size)
+        self.sampler.set_epoch(epoch, start_batch * self.batches.batch_size)
 
     def __len__(self) -> int:
-        n, bs = len(self.sampler), self.loader.batch_size
-        return n // bs if self.loader.drop_last else -(-n // bs)
+        return len(self.batches)
 
     def _to_device(self, batch):
         images, targets, skipped = batch
@@ -99,25 +116,37 @@ class DeviceLoader:
 
 
 def make_loader(raw, pipeline, data_cfg, rt, *, seed, train: bool, channels_last, dtype) -> DeviceLoader:
-    sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
-                           repeats=data_cfg.repeated_aug if train else 1)
     workers = data_cfg.num_workers
-    loader = torch.utils.data.DataLoader(
-        SeededTransform(raw, pipeline.cpu, data_cfg.on_bad_sample),
-        batch_size=data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size),
-        sampler=sampler,
+    bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
+    transform = SeededTransform(raw, pipeline.cpu, data_cfg.on_bad_sample)
+    common = dict(
         num_workers=workers,
-        collate_fn=collate,
         pin_memory=data_cfg.pin_memory and rt.device.type == "cuda",
-        drop_last=train and data_cfg.drop_last and len(sampler) >= data_cfg.batch_size,
         persistent_workers=data_cfg.persistent_workers and workers > 0,
         prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
         # Its own generator: a DataLoader without one draws worker base seeds from the global RNG, which
         # would shift the model's dropout stream between a resumed and an uninterrupted run.
         generator=torch.Generator().manual_seed(seed),
     )
+    if getattr(raw, "streaming", False):  # webdataset shards: workers make whole batches from their own shards
+        from torchsprint.data.sources.webdataset import ShardStream
+
+        if train and data_cfg.repeated_aug > 1:
+            raise UsageError(f"data.repeated_aug={data_cfg.repeated_aug} repeats sample indices of a map-style dataset; "
+                             "webdataset shards stream in shard order. Remove data.repeated_aug, or use image_folder.")
+
+        stream = ShardStream(raw, ShardBatch(raw, transform), seed=seed, train=train, batch_size=bs,
+                             drop_last=train and data_cfg.drop_last, rank=rt.rank, world_size=rt.world_size, workers=workers)
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, **common)
+        batches = stream
+    else:
+        sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
+                               repeats=data_cfg.repeated_aug if train else 1)
+        batches = torch.utils.data.BatchSampler(sampler, bs, train and data_cfg.drop_last and len(sampler) >= bs)
+        loader = torch.utils.data.DataLoader(transform, batch_size=bs, sampler=sampler, collate_fn=collate,
+                                             drop_last=batches.drop_last, **common)
     norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last, recycle=True)
-    return DeviceLoader(loader, sampler, rt.device, norm)
+    return DeviceLoader(loader, batches, rt.device, norm)
 
 
 @LOADERS.register("cpu")

@@ -226,6 +226,9 @@ def dali_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.
     if dali_device == "gpu" and rt.device.type != "cuda":
         return needs_cuda("dali", rt, data_cfg, splits, kw)
     for split in (splits.train, splits.val):
+        if getattr(split, "streaming", False):
+            raise UsageError(f"data.backend=dali reads image files by index; dataset '{data_cfg.dataset}' streams tar "
+                             "shards. Use data.backend=gpu (nvJPEG on the JPEG bytes from the tar) or cpu.")
         if not hasattr(split, "samples") or not hasattr(split, "read"):
             raise UsageError(f"data.backend=dali reads image files; dataset '{data_cfg.dataset}' is in memory. Use data.backend=memory.")
     if splits.in_channels != 3:

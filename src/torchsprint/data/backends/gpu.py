@@ -123,16 +123,24 @@ class BytesBatches(torch.utils.data.Dataset):
         return f"{source}: {reason}"
 
     def __getitem__(self, keys: list[tuple[int, int]]) -> dict:
+        return self(([index, seed, None, *self.raw.samples[index][::-1]]) for index, seed in keys)
+
+    def __call__(self, entries) -> dict:
+        """(index, seed, bytes | OSError | None to read them, target, path) entries -> one batch (see the class).
+        Webdataset shards (sources/webdataset.ShardStream) hand their JPEG bytes straight from the tar."""
+        entries = list(entries)
         p = self.pipeline
-        seeds = torch.tensor([s for _, s in keys], dtype=torch.int64)
+        seeds = torch.tensor([e[1] for e in entries], dtype=torch.int64)
         u = p.draw(seeds)
-        n_cpu = cpu_rows(len(keys), float(self.fraction[0]))
+        n_cpu = cpu_rows(len(entries), float(self.fraction[0]))
         blobs, gpu_rows, gpu_hw, gpu_paths, cpu_images, cpu_rows_, skipped, targets = [], [], [], [], [], [], [], []
-        for pos, (index, _) in enumerate(keys):
-            path, target = self.raw.samples[index]
+        for pos, (index, _, data, target, path) in enumerate(entries):
             targets.append(target)
             try:
-                data = self.raw.read(index)[0]
+                if data is None:
+                    data = self.raw.read(index)[0]
+                elif isinstance(data, Exception):
+                    raise data
                 header = read_header(data)
                 if pos >= n_cpu and nvjpeg_ok(header):
                     if header.height * header.width > self.max_pixels:
@@ -385,7 +393,7 @@ def needs_cuda(backend: str, rt, data_cfg, splits, build_kw, reason: str | None 
 def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32) -> Loaders:
     """The gpu backend on rt.device. On a CPU device the same code runs with CPU decoding (tests)."""
     for split in (splits.train, splits.val):
-        if not hasattr(split, "read"):
+        if not hasattr(split, "read") and not getattr(split, "streaming", False):
             raise UsageError(f"data.backend=gpu decodes image files, but dataset '{data_cfg.dataset}' is already decoded "
                              "in memory. Use data.backend=memory (or cpu) for it.")
     channels = splits.in_channels
@@ -406,9 +414,19 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
         drop = train and data_cfg.drop_last and len(sampler) >= bs
         workers = data_cfg.num_workers
         ds = BytesBatches(raw, pipe, fraction, channels, data_cfg.on_bad_sample, data_cfg.max_image_pixels, raw.decoder)
-        batches = torch.utils.data.BatchSampler(sampler, bs, drop)
+        if getattr(raw, "streaming", False):  # webdataset shards: workers batch their own shards' JPEG bytes
+            from torchsprint.data.sources.webdataset import ShardStream
+
+            if train and data_cfg.repeated_aug > 1:
+                raise UsageError(f"data.repeated_aug={data_cfg.repeated_aug} repeats sample indices of a map-style "
+                                 "dataset; webdataset shards stream in shard order. Remove data.repeated_aug.")
+
+            batches = ds = ShardStream(raw, ds, seed=seed, train=train, batch_size=bs, drop_last=train and data_cfg.drop_last,
+                                       rank=rt.rank, world_size=rt.world_size, workers=workers)
+        else:
+            batches = torch.utils.data.BatchSampler(sampler, bs, drop)
         loader = torch.utils.data.DataLoader(
-            ds, batch_size=None, sampler=batches, num_workers=workers,
+            ds, batch_size=None, sampler=None if ds is batches else batches, num_workers=workers,
             pin_memory=data_cfg.pin_memory and rt.device.type == "cuda",
             persistent_workers=data_cfg.persistent_workers and workers > 0,
             prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,

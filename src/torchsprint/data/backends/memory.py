@@ -25,7 +25,10 @@ def decode_all(raw, on_bad_sample: str, num_workers: int = 0) -> tuple[torch.Ten
     if hasattr(raw, "images") and hasattr(raw, "labels"):
         return raw.images, torch.as_tensor(raw.labels, dtype=torch.int64), []
     images, targets, skipped = [], [], []
-    loader = torch.utils.data.DataLoader(raw, batch_size=64, num_workers=num_workers, collate_fn=list)
+    if getattr(raw, "streaming", False):  # webdataset shards: read once, in order, in this process
+        loader = [[raw.decode(data, target, source) for _, data, target, source in raw.read_all()]]
+    else:
+        loader = torch.utils.data.DataLoader(raw, batch_size=64, num_workers=num_workers, collate_fn=list)
     for chunk in loader:
         for image, target, source in chunk:
             if image is None:

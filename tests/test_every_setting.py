@@ -548,3 +548,41 @@ def test_cuda_only_settings(tmp_path):
     assert type(b.model).__name__ == "CudaGraphed"
     _, b = build("run.device=cuda", "speed.compile=true", "speed.compile_mode=reduce-overhead")
     assert type(b.model).__name__ == "OptimizedModule"
+
+
+# ---------------------------------------------------------------- transform steps
+# Every registered preprocessing step changes images on the cpu backend, and on the batched backends
+# (memory, gpu) either changes them the same way or is refused naming data.backend=cpu. Arguments for
+# steps that need them (or whose defaults do nothing, like color_jitter's zeros):
+STEP_ARGS = {"resize": 12, "center_crop": 12, "random_crop": {"size": 16, "padding": 2}, "random_resized_crop": 16,
+             "random_rotation": 30, "random_affine": {"degrees": 30}, "color_jitter": {"brightness": 0.5}}
+
+
+def _step_names():
+    from torchsprint.data.transforms import TRANSFORMS
+
+    # normalize: the data.train/data.eval probes; clip steps (data/sources/video.py): tests/test_task_video.py
+    return [n for n in TRANSFORMS.names() if n != "normalize" and TRANSFORMS.get(n).__module__ == "torchsprint.data.transforms"]
+
+
+@pytest.mark.parametrize("name", _step_names())
+def test_every_transform_step_changes_images_or_is_refused(name):
+    from torchsprint.data.augment import compile_batch_spec
+    from torchsprint.data.batch_ops import BATCH_OPS
+    from torchsprint.data.core import sample_seeds
+    from torchsprint.data.transforms import compile_spec
+
+    step = {name: STEP_ARGS[name]} if name in STEP_ARGS else name
+    x = torch.randint(0, 256, (50, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    cpu = compile_spec([step]).cpu
+    outs = []
+    for i in range(len(x)):
+        torch.manual_seed(i)
+        outs.append(cpu(x[i]))
+    assert any(o.shape != x[i].shape or not torch.equal(o, x[i]) for i, o in enumerate(outs)), name
+    if name not in BATCH_OPS:
+        with pytest.raises(UsageError, match=f"'{name}' is not supported by data.backend=memory.*data.backend=cpu"):
+            compile_batch_spec([step], "data.train.transforms", 3, "memory")
+        return
+    got = compile_batch_spec([step], "data.train.transforms", 3, "memory")(x, sample_seeds(0, 0, torch.arange(len(x))))
+    assert got.shape != x.shape or not torch.equal(got, x), name

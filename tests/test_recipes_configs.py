@@ -39,6 +39,11 @@ DATA = {
                                          "model.pretrained=null",  # the cache lookup is tested in test_recipes_pretrained
                                          "data.train.transforms=[random_resized_crop: 64, hflip, normalize: imagenet]",
                                          "data.eval.transforms=[resize: 72, center_crop: 64, normalize: imagenet]"],
+    # ImageNet recipes: their own transforms and sizes, on a few small JPEGs; one process (they say ddp)
+    "torchvision_resnet50.yaml": lambda t: [f"data.root={image_root(t, (96, 80))}", "data.batch_size=2",
+                                            "data.num_workers=0", "strategy.name=single"],
+    "timm_resnet50_a3.yaml": lambda t: [f"data.root={image_root(t, (96, 80))}", "data.batch_size=2",
+                                        "data.num_workers=0", "strategy.name=single"],
 }
 
 
@@ -55,12 +60,14 @@ def test_recipe_names_its_source_and_reported_accuracy(name):
 
 @pytest.mark.parametrize("name", sorted(DATA))
 def test_recipe_trains_a_few_steps(tmp_path, name):
-    run_dir = tmp_path / "run"
-    assert cli.main(["train", "-c", str(RECIPES / name), *SHORT, *DATA[name](tmp_path), f"run.dir={run_dir}"]) == 0
+    run_dir, data = tmp_path / "run", DATA[name](tmp_path)
+    assert cli.main(["train", "-c", str(RECIPES / name), *SHORT, *data, f"run.dir={run_dir}"]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["global_step"] == 2
     saved = config.load(run_dir / "config.yaml", [])
     recipe = config.load(RECIPES / name, [])
     # the recipe's techniques really ran: the saved config keeps them
-    assert (saved.model.name, saved.optim, saved.loss, saved.precision) == (recipe.model.name, recipe.optim, recipe.loss,
-                                                                           recipe.precision)
+    assert (saved.model.name, saved.optim, saved.loss, saved.precision, saved.mix, saved.ema) == (
+        recipe.model.name, recipe.optim, recipe.loss, recipe.precision, recipe.mix, recipe.ema)
+    if not any(o.startswith("data.train.transforms") for o in data):
+        assert saved.data.train == recipe.data.train  # the recipe's own augmentation ran

@@ -48,6 +48,12 @@ def uniforms(seeds: torch.Tensor, k: int) -> torch.Tensor:
     return lsr64(z, 11).to(torch.float64) / float(1 << 53)
 
 
+def to_device(params: dict, device) -> dict:
+    """A step's parameter tensors on `device`; keys starting with "_" stay on the host (a step that
+    decides on them in Python, e.g. which samples an auto-augment op gathers, then needs no device sync)."""
+    return {k: v if k.startswith("_") else v.to(device, non_blocking=True) for k, v in params.items()}
+
+
 class HeadGeometry:
     """A head that is one crop-and-resize per sample, in resample_batch's terms.
 
@@ -151,7 +157,7 @@ class BatchPipeline:
         """Batched tail steps on uint8 NCHW `x` (any device) with `params` = self.params(..., start=self.head);
         the small parameter tensors move to x.device."""
         for (_, op), p in zip(self.steps[self.head :], params):
-            x = op.apply_batch(x, {k: v.to(x.device, non_blocking=True) for k, v in p.items()})
+            x = op.apply_batch(x, to_device(p, x.device))
         return x
 
     def __call__(self, x: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
@@ -161,7 +167,7 @@ class BatchPipeline:
         n, _, h, w = x.shape
         params = self.params(self.draw(seeds), torch.full((n,), h), torch.full((n,), w))
         for (_, op), p in zip(self.steps, params):
-            x = op.apply_batch(x, {k: v.to(x.device, non_blocking=True) for k, v in p.items()})
+            x = op.apply_batch(x, to_device(p, x.device))
         return x
 
 

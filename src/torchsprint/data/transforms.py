@@ -213,6 +213,51 @@ def random_erasing(p: float = 0.5, scale=(0.02, 0.33), ratio=(0.3, 3.3), value: 
     return _v2().RandomErasing(p, scale=tuple(scale), ratio=tuple(ratio), value=value)
 
 
+# Automatic augmentation: torchvision's own transforms (their defaults are torchvision's and the
+# papers'). They draw from torch's global RNG, which SeededTransform seeds per sample, so the cpu
+# backend gives the same image as torchvision under the same generator state. The memory and gpu
+# backends run rand_augment and trivial_augment_wide batched (batch_ops.AutoAugmentOps).
+
+
+def _interp(interpolation: str):
+    return _v2().InterpolationMode[interpolation.upper().replace("-", "_")]
+
+
+@TRANSFORMS.register("rand_augment")
+def rand_augment(num_ops: int = 2, magnitude: int = 9, num_magnitude_bins: int = 31, interpolation: str = "nearest",
+                 fill=None):
+    """RandAugment (Cubuk et al. 2020): num_ops ops drawn uniformly from 14, each at bin `magnitude` of
+    `num_magnitude_bins`, sign flipped with p=0.5 (torchvision v2.RandAugment; timm's rand-m9-n2 is alike)."""
+    if not 0 <= magnitude < num_magnitude_bins:
+        raise UsageError(f"rand_augment magnitude={magnitude} must be in [0, num_magnitude_bins={num_magnitude_bins}).")
+    return _v2().RandAugment(num_ops, magnitude, num_magnitude_bins, _interp(interpolation), fill)
+
+
+@TRANSFORMS.register("trivial_augment_wide")
+def trivial_augment_wide(num_magnitude_bins: int = 31, interpolation: str = "nearest", fill=None):
+    """TrivialAugment Wide (Mueller & Hutter 2021): one op of 14 and one magnitude bin, both uniform."""
+    return _v2().TrivialAugmentWide(num_magnitude_bins, _interp(interpolation), fill)
+
+
+AUTO_AUGMENT_POLICIES = ("imagenet", "cifar10", "svhn")
+
+
+@TRANSFORMS.register("auto_augment")
+def auto_augment(policy: str = "imagenet", interpolation: str = "nearest", fill=None):
+    """AutoAugment (Cubuk et al. 2019) with a learned policy: imagenet (default), cifar10 or svhn."""
+    if policy not in AUTO_AUGMENT_POLICIES:
+        raise UsageError(f"auto_augment policy={policy!r}: use one of {', '.join(AUTO_AUGMENT_POLICIES)}.")
+    return _v2().AutoAugment(_v2().AutoAugmentPolicy(policy), _interp(interpolation), fill)
+
+
+@TRANSFORMS.register("augmix")
+def augmix(severity: int = 3, mixture_width: int = 3, chain_depth: int = -1, alpha: float = 1.0, all_ops: bool = True,
+           interpolation: str = "bilinear", fill=None):
+    """AugMix (Hendrycks et al. 2020): a Dirichlet mix of `mixture_width` augmentation chains, blended with the
+    original by Beta(alpha, alpha). Only the augmentation itself (timm's JSD loss over splits is not offered)."""
+    return _v2().AugMix(severity, mixture_width, chain_depth, alpha, all_ops, _interp(interpolation), fill)
+
+
 class Cutout:
     """Zero a size x size square centred uniformly in the image, clipped at the borders (DeVries &
     Taylor 2017), with probability p. Draws from torch's global RNG, which SeededTransform seeds per

@@ -136,6 +136,21 @@ def test_torchrun_command_line():
 
     parsed = get_args_parser().parse_args(multi)
     assert parsed.module and parsed.training_script == "torchsprint" and parsed.node_rank == 1
+    # Elastic: restarts, and c10d rendezvous (ranks by arrival, one job id, joins bounded by strategy.timeout_s).
+    elastic = torchrun_argv(8, "2", 0, "h0:29400", 60, script, max_restarts=3, rdzv_backend="c10d", run_id="torchsprint-x")
+    assert {"--max-restarts=3", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", "--rdzv-id=torchsprint-x",
+            "--rdzv-conf=join_timeout=60,read_timeout=60,last_call_timeout=5,close_timeout=10"} <= set(elastic)
+    assert not any(a.startswith("--node-rank") for a in elastic)
+    parsed = get_args_parser().parse_args(elastic)
+    assert parsed.max_restarts == 3 and parsed.rdzv_backend == "c10d"
+
+
+def test_elastic_flags_need_the_launcher(run_cli):
+    """--max-restarts/--rdzv-backend without --nproc-per-node would be ignored: refused, one line, exit 2."""
+    proc = run_cli("train", "--max-restarts", "2", "run.max_steps=1")
+    assert proc.returncode == 2 and "add --nproc-per-node N" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli("train", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "run.max_steps=1")
+    assert proc.returncode == 2 and "--rdzv-backend c10d needs --rdzv-endpoint" in proc.stderr
 
 
 def test_launch_refuses_to_nest_inside_torchrun(monkeypatch, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 FAMILIES = ("models", "optimizers", "schedulers", "losses", "datasets", "loaders", "transforms", "tasks")
@@ -42,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", default=None, metavar="N", help="number of machines (torchrun --nnodes, e.g. 2 or 1:4)")
     p.add_argument("--node-rank", type=int, default=None, metavar="R", help="this machine's rank (torchrun --node-rank)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous address for several machines")
+    p.add_argument("--rdzv-backend", choices=["static", "c10d"], default=None,
+                   help="rendezvous: static (fixed --node-rank; default with --nnodes > 1) or c10d (elastic: ranks "
+                        "assigned on arrival, restarted nodes rejoin)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="when a worker dies, restart the worker group up to K times; each restart resumes from the "
+                        "newest valid checkpoint (save them often: checkpoint.every_steps)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
     p = sub.add_parser("eval", help="re-evaluate a run's saved weights", description="Re-evaluate saved weights on the validation (or test) split.")
@@ -172,10 +179,19 @@ def cmd_train(args) -> int:
                              "`torchsprint train` printed, or give its config with -c.")
         path = path or str(Path(args.resume) / "config.yaml")
         overrides += [f"run.dir={args.resume}", "checkpoint.resume=auto"]
+    if (args.max_restarts or args.rdzv_backend) and not (args.nproc_per_node or args.nnodes):
+        from torchsprint.errors import UsageError
+
+        raise UsageError("--max-restarts/--rdzv-backend configure torchrun's launcher: add --nproc-per-node N "
+                         "(and --nnodes for several machines).")
     if (args.nproc_per_node or args.nnodes) and not args.dry_run:
         from torchsprint.launch import launch
 
         return launch(args)
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        # torchrun restarted this worker group after a worker died (--max-restarts): continue from the newest
+        # valid checkpoint of the run folder, which every attempt shares (launch.py).
+        overrides += ["checkpoint.resume=auto"]
     cfg = config.load(path, overrides, imports=args.imports)
     train(cfg, overwrite=args.overwrite, dry_run=args.dry_run)
     return 0

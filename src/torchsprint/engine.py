@@ -19,6 +19,7 @@ from torchsprint.ema import NoEma
 from torchsprint.errors import UsageError
 from torchsprint.parallel import no_sync, unwrap
 from torchsprint.rng import rng_isolated
+from torchsprint.runtime import injected_fault
 
 NO_EMA = NoEma()
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
@@ -122,6 +123,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         if cfg.checkpoint.every_steps and state.global_step % cfg.checkpoint.every_steps == 0:
             totals.fold(state)  # the checkpoint keeps this epoch's sums so far
             saver.save(state, model, opt, sched, prec, metric=None)
+        injected_fault(state.global_step)  # tests only (TORCHSPRINT_TEST_KILL_AT); a no-op otherwise
         if cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps:
             break
         if stop_at is not None and state.global_step >= stop_at:

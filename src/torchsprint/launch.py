@@ -6,6 +6,15 @@ torch.distributed.run (the code behind `torchrun`), so a run launched here behav
 LOCAL_RANK, MASTER_ADDR/PORT), same failure handling (one failed worker stops its siblings).
 Machines: `--nnodes/--node-rank/--rdzv-endpoint`, or SLURM's variables when run under `srun`
 with one task per node.
+
+Surviving a lost worker (`--max-restarts K`): torchrun's elastic agent restarts the whole worker group
+(up to K times) when a worker dies, and a restarted worker (TORCHELASTIC_RESTART_COUNT > 0) resumes
+from the newest valid checkpoint of the run folder (`checkpoint.resume: auto`, set by cli.cmd_train).
+For that every attempt must use the same folder: without run.dir the launcher creates the run's
+timestamped folder once and passes it to the workers as run.dir. Rendezvous: `--rdzv-backend static`
+(a fixed --node-rank per machine; the default with --nnodes > 1) or `c10d` (torchrun's elastic
+rendezvous: ranks assigned on arrival, a restarted or replaced node rejoins). Either waits at most
+strategy.timeout_s for the machines; one that never comes (a dead host) fails the run with that said.
 """
 
 from __future__ import annotations
@@ -109,11 +118,22 @@ def worker_args(args) -> list[str]:
 
 
 def torchrun_argv(nproc: int, nnodes: str, node_rank: int, endpoint: str | None, timeout_s: float,
-                  script_args: list[str]) -> list[str]:
-    """torchrun's command line for these settings (without the leading `torchrun`)."""
-    argv = [f"--nproc-per-node={nproc}", "--max-restarts=0"]
+                  script_args: list[str], max_restarts: int = 0, rdzv_backend: str | None = None,
+                  run_id: str = "torchsprint") -> list[str]:
+    """torchrun's command line for these settings (without the leading `torchrun`).
+
+    rdzv_backend: None (static with --nnodes > 1, c10d on one machine), "static" or "c10d". With c10d
+    the node rank comes from the rendezvous, `run_id` names the job (every machine passes the same), and
+    the rendezvous waits at most `timeout_s` for all machines (join_timeout).
+    """
+    argv = [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
     if endpoint is None:
         argv.append("--standalone")  # one machine: c10d rendezvous on a free localhost port
+    elif rdzv_backend == "c10d":
+        # join_timeout: the wait for every machine; read_timeout: for the rendezvous store (on the endpoint's
+        # machine); last_call_timeout: for more machines once --nnodes MIN is reached (MIN:MAX only).
+        argv += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+                 f"--rdzv-conf=join_timeout={int(timeout_s)},read_timeout={int(timeout_s)},last_call_timeout=5,close_timeout=10"]
     elif nnodes != "1":
         host, _, port = endpoint.rpartition(":")
         if not host:
@@ -148,20 +168,46 @@ def launch(args) -> int:
     nnodes, node_rank, endpoint = node_settings(args, dict(os.environ))
     nproc = args.nproc_per_node or (gpus if device_type == "cuda" else 1)
     check_nproc(nproc, device_type, gpus)
+    restarts = getattr(args, "max_restarts", 0) or 0
+    backend = getattr(args, "rdzv_backend", None)
+    if restarts < 0:
+        raise UsageError(f"--max-restarts {restarts}: use 0 (a failed worker ends the run) or more restarts.")
+    if backend == "c10d" and endpoint is None:
+        raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the same on every machine).")
+    if backend == "static" and nnodes != "1" and args.node_rank is None and "SLURM_NODEID" not in os.environ:
+        raise UsageError("--rdzv-backend static needs --node-rank R on every machine (0 on the one at --rdzv-endpoint); "
+                         "or use --rdzv-backend c10d, which assigns ranks itself.")
+    extra = []
+    if restarts and not cfg.run.dir:
+        if nnodes != "1":
+            raise UsageError("--max-restarts with several machines needs run.dir=<a folder every machine shares>: "
+                             "the restarted workers resume from its newest checkpoint, whichever machine rank 0 is on.")
+        from torchsprint.rundir import create_unique, planned_path
+
+        extra = [f"run.dir={create_unique(planned_path(cfg.run)[0])}"]  # one folder for every attempt
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
-    argv = torchrun_argv(nproc, nnodes, node_rank, endpoint, cfg.strategy.timeout_s, worker_args(args))
-    where = "this machine" if nnodes == "1" else f"node {node_rank} of {nnodes} (rendezvous {endpoint})"
+    argv = torchrun_argv(nproc, nnodes, node_rank, endpoint, cfg.strategy.timeout_s, worker_args(args) + extra,
+                         restarts, backend, run_id=f"torchsprint-{cfg.run.name}")
+    where = "this machine" if nnodes == "1" else f"node {node_rank if backend != 'c10d' else '(rank by rendezvous)'} of {nnodes} (rendezvous {endpoint})"
     print(f"launching {nproc} DDP process(es) on {where} ({'NCCL' if device_type == 'cuda' else 'gloo'}): "
           f"torchrun {' '.join(argv)}", file=sys.stderr, flush=True)
     try:
         run(get_args_parser().parse_args(argv))
+    except RendezvousError as e:
+        detail = (str(e).strip().splitlines() or [""])[0][:200]
+        print(f"error: the rendezvous at {endpoint} did not complete ({type(e).__name__}{': ' + detail if detail else ''}): "
+              f"a machine of the {nnodes} did not join within strategy.timeout_s={cfg.strategy.timeout_s:g} s (dead or "
+              "unreachable host?). The workers here were stopped.", file=sys.stderr)
+        return 1
     except ChildFailedError as e:
         code = exit_code(e)
         rank, failure = e.get_first_failure()
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        print(f"error: DDP worker rank {rank} failed ({how}); the other workers were stopped.", file=sys.stderr)
+        tried = f" after {restarts} restart(s)" if restarts else ""
+        print(f"error: DDP worker rank {rank} failed ({how}){tried}; the other workers were stopped.", file=sys.stderr)
         return code
     return 0

@@ -147,6 +147,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def attempt_store(launch: LaunchEnv, timeout: timedelta):
+    """Under torchrun: the env:// store, its keys prefixed by the restart attempt; None (init_method) elsewhere.
+
+    torchrun's agent keeps serving one store when it restarts the worker group (--max-restarts), and the
+    process group's keys (each rank's gloo address) are the same names in every attempt: a restarted rank
+    could read a dead rank's address from the attempt before and fail to connect (seen with torch 2.14:
+    "connectFullMesh failed ... Connection refused" after a restart). A prefix per attempt keeps them apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if launch.source != "torchrun" or launch.init_method is not None or attempt is None:
+        return None
+    base, _, _ = next(torch.distributed.rendezvous("env://", launch.rank, launch.world_size, timeout=timeout))
+    return torch.distributed.PrefixStore(f"torchsprint/attempt_{attempt}", base)
+
+
 def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
     """Create the Runtime: read the launcher's environment, init the process group, seed, set backend flags.
 
@@ -173,7 +188,8 @@ def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
             # The timeout bounds every collective: a rank that died or hangs makes the others
             # fail after `timeout_s` instead of waiting forever (gloo raises; NCCL's watchdog aborts).
             torch.distributed.init_process_group(
-                backend=backend, init_method=launch.init_method, rank=launch.rank, world_size=launch.world_size,
+                backend=backend, init_method=launch.init_method,
+                store=attempt_store(launch, timeout), rank=launch.rank, world_size=launch.world_size,
                 timeout=timeout, device_id=device if backend == "nccl" else None,
             )
         if backend == "nccl":
@@ -209,3 +225,15 @@ def teardown(rt: Runtime, clean: bool = True) -> None:
         if clean:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def injected_fault(step: int) -> None:
+    """Test-only fault injection: with TORCHSPRINT_TEST_KILL_AT="RANK:STEP", the process of that RANK (torchrun's
+    variable) SIGKILLs itself right after
+    optimizer step STEP, on a torchrun group's first attempt only (TORCHELASTIC_RESTART_COUNT 0 or unset), so
+    tests can lose a worker mid-epoch exactly where they want and watch the restarted group finish."""
+    spec = os.environ.get("TORCHSPRINT_TEST_KILL_AT")
+    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and spec == f"{os.environ.get('RANK', '0')}:{step}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -57,8 +57,8 @@ class CsvSink:
             with open(path, newline="") as f:
                 self.rows[path.stem.removeprefix("metrics_")] = list(csv.DictReader(f))
 
-    def scalars(self, step: int, values: dict[str, Any], kind: str) -> None:
-        row = {"step": step, "time": round(time.time(), 3), **numeric(values)}
+    def scalars(self, step: int, values: dict[str, Any], kind: str, now: float | None = None) -> None:
+        row = {"step": step, "time": now if now is not None else round(time.time(), 3), **numeric(values)}
         rows = self.rows.setdefault(kind, [])
         header = list(dict.fromkeys(k for r in rows for k in r))
         rows.append(row)
@@ -105,11 +105,11 @@ class MlflowSink:
             state.write_text(json.dumps({"uri": uri, "run_id": self.run_id, "experiment": experiment}))
         self.client.update_run(self.run_id, status="RUNNING")
 
-    def scalars(self, step: int, values: dict[str, Any], kind: str) -> None:
+    def scalars(self, step: int, values: dict[str, Any], kind: str, now: float | None = None) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in numeric(values).items() if k != "epoch"]
+        ms = int((now if now is not None else time.time()) * 1000)
+        metrics = [Metric(k, v, ms, step) for k, v in numeric(values).items() if k != "epoch"]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 
@@ -130,7 +130,7 @@ class WandbSink:
         self.run = wandb.init(project=project, name=Path(run_dir).name, id=run_id, resume="allow", dir=str(run_dir),
                               mode=mode, config=params, reinit="create_new")
 
-    def scalars(self, step: int, values: dict[str, Any], kind: str) -> None:
+    def scalars(self, step: int, values: dict[str, Any], kind: str, now: float | None = None) -> None:
         data = numeric(values)
         if data:
             self.run.log(data, step=step)
@@ -205,13 +205,14 @@ class RunLogger:
         """One metrics.jsonl line and TensorBoard scalars for every numeric value."""
         if not self.enabled:
             return
+        now = round(time.time(), 3)  # one timestamp for every sink: the CSV row equals the jsonl record
         if self.jsonl:
-            self.jsonl.write(json.dumps({"kind": kind, "step": step, "time": round(time.time(), 3), **values}) + "\n")
+            self.jsonl.write(json.dumps({"kind": kind, "step": step, "time": now, **values}) + "\n")
         if self.tb:
             for k, v in numeric(values).items():
                 self.tb.add_scalar(k, v, step)
         for sink in self.sinks:
-            sink.scalars(step, values, kind)
+            sink.scalars(step, values, kind, now)
 
     # -- progress: one bar per epoch (interactive terminals), a line per log step otherwise
     def start_epoch(self, epoch: int, epochs: int, total: int, done: int = 0) -> None:

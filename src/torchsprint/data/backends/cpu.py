@@ -11,36 +11,99 @@ from torchsprint.errors import UsageError
 
 
 class SeededTransform(torch.utils.data.Dataset):
-    """Applies a uint8 CPU pipeline to each raw sample under a per-sample seed from the sampler.
+    """Applies each split's uint8 CPU pipeline to its raw samples under a per-sample seed from the sampler.
 
-    Items are requested as (index, seed) by EpochSampler. Bad samples come back as
-    (None, target, reason) and are filtered and counted by `collate`.
+    Items are requested as (split, index, seed) by SharedBatches (split: a position in `raws`). Bad
+    samples come back as (None, target, reason) and are filtered and counted by `collate`.
     """
 
-    def __init__(self, raw, transform, on_bad_sample: str):
-        self.raw, self.transform, self.on_bad_sample = raw, transform, on_bad_sample
+    def __init__(self, raws: list, transforms: list, on_bad_sample: str):
+        self.raws, self.transforms, self.on_bad_sample = raws, transforms, on_bad_sample
 
     def __len__(self) -> int:
-        return len(self.raw)
+        return sum(len(r) for r in self.raws)
 
     def __getitem__(self, key):
-        index, seed = key
-        image, target, source = self.raw[index]
+        split, index, seed = key
+        image, target, source = self.raws[split][index]
         if image is None:
             if self.on_bad_sample == "error":
                 raise UsageError(f"unreadable sample {source}. Fix or remove it, or set data.on_bad_sample=skip.")
             return None, target, source
-        if self.transform is not None:
+        transform = self.transforms[split]
+        if transform is not None:
             in_worker = torch.utils.data.get_worker_info() is not None
             state = None if in_worker else torch.get_rng_state()  # keep the main process's RNG stream intact
             # Only the CPU generator: the CPU transforms draw from nothing else. torch.manual_seed would
             # also queue a lazy CUDA seeding in a worker without CUDA, formatting a Python stack trace
             # each time: 0.13 ms per image, 5% of the whole per-image cost (BENCHMARKS.md, "Data loading").
             torch.default_generator.manual_seed(seed)
-            image = self.transform(image)
+            image = transform(image)
             if state is not None:
                 torch.set_rng_state(state)
         return image, target, None
+
+
+class SharedBatches(torch.utils.data.Sampler):
+    """The batch sampler of the one DataLoader that the train and the eval loader share: batches of
+    (split, index, seed) keys of whichever split `start` was last called for.
+
+    One DataLoader, so one set of worker processes: with separate train and eval DataLoaders and
+    persistent workers, the train workers sat idle beside the eval ones during every evaluation, and
+    each worker holds its own copy-on-write pages of the trainer: 5 processes at the peak instead of 3
+    (+0.9 GB of tree RSS for ResNet-18 at 112 px with 2 workers; BENCHMARKS.md, "Memory footprint").
+    """
+
+    def __init__(self):
+        self.active = None
+        self.generation = 0  # which iteration owns the workers; an older one must not resume
+
+    def start(self, split: int, sampler: EpochSampler, batch_size: int, drop_last: bool) -> int:
+        self.active = (split, sampler, batch_size, drop_last)
+        self.generation += 1
+        return self.generation
+
+    def __iter__(self):
+        split, sampler, batch_size, drop_last = self.active  # bound now: the DataLoader asks for batches ahead
+        return _batches(split, iter(sampler), batch_size, drop_last)
+
+    def __len__(self) -> int:
+        split, sampler, batch_size, drop_last = self.active
+        n = len(sampler)
+        return n // batch_size if drop_last else -(-n // batch_size)
+
+
+def _batches(split: int, keys, batch_size: int, drop_last: bool):
+    batch = []
+    for index, seed in keys:
+        batch.append((split, index, seed))
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch and not drop_last:
+        yield batch
+
+
+class SplitBatches:
+    """One split's uint8 batches (images, targets, skipped) from the shared DataLoader."""
+
+    def __init__(self, shared: torch.utils.data.DataLoader, split: int, sampler: EpochSampler, batch_size: int,
+                 drop_last: bool):
+        self.shared, self.split, self.sampler = shared, split, sampler
+        self.batch_size, self.drop_last = batch_size, drop_last
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self):
+        pool: SharedBatches = self.shared.batch_sampler
+        mine = pool.start(self.split, self.sampler, self.batch_size, self.drop_last)
+        for batch in self.shared:  # persistent workers: the same processes, reset to this split's keys
+            if pool.generation != mine:
+                raise RuntimeError("the train and eval loaders of the cpu backend share their worker processes: "
+                                   "iterate one at a time")
+            yield batch
 
 
 def collate(items):
@@ -71,13 +134,14 @@ def collate(items):
 
 
 class DeviceLoader:
-    """Wraps a DataLoader of uint8 batches: copies to the device and normalises there.
+    """Wraps one split's uint8 batches: copies to the device and normalises there.
 
     On CUDA the copy and normalisation of batch i+1 run on a side stream while batch i
     computes (timm's PrefetchLoader idea); pinned memory makes the copy asynchronous.
+    `loader` yields the uint8 (images, targets, skipped) batches themselves.
     """
 
-    def __init__(self, loader: torch.utils.data.DataLoader, sampler: EpochSampler, device, normalize: DeviceNormalize):
+    def __init__(self, loader: SplitBatches, sampler: EpochSampler, device, normalize: DeviceNormalize):
         self.loader, self.sampler, self.device, self.normalize = loader, sampler, device, normalize
         self.skipped: list[str] = []
 
@@ -85,8 +149,7 @@ class DeviceLoader:
         self.sampler.set_epoch(epoch, start_batch * self.loader.batch_size)
 
     def __len__(self) -> int:
-        n, bs = len(self.sampler), self.loader.batch_size
-        return n // bs if self.loader.drop_last else -(-n // bs)
+        return len(self.loader)
 
     def _to_device(self, batch):
         images, targets, skipped = batch
@@ -98,25 +161,30 @@ class DeviceLoader:
         return prefetch_to_device(self.loader, self._to_device, self.device)
 
 
-def make_loader(raw, pipeline, data_cfg, rt, *, seed, train: bool, channels_last, dtype) -> DeviceLoader:
-    sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train)
+def make_loaders(raws: list, pipelines: list, data_cfg, rt, *, seed, channels_last, dtype) -> list[DeviceLoader]:
+    """A DeviceLoader per split (the first one trains), all drawing from one DataLoader and its workers."""
     workers = data_cfg.num_workers
-    loader = torch.utils.data.DataLoader(
-        SeededTransform(raw, pipeline.cpu, data_cfg.on_bad_sample),
-        batch_size=data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size),
-        sampler=sampler,
+    shared = torch.utils.data.DataLoader(
+        SeededTransform(raws, [p.cpu for p in pipelines], data_cfg.on_bad_sample),
+        batch_sampler=SharedBatches(),
         num_workers=workers,
         collate_fn=collate,
         pin_memory=data_cfg.pin_memory and rt.device.type == "cuda",
-        drop_last=train and data_cfg.drop_last and len(sampler) >= data_cfg.batch_size,
         persistent_workers=data_cfg.persistent_workers and workers > 0,
         prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
         # Its own generator: a DataLoader without one draws worker base seeds from the global RNG, which
         # would shift the model's dropout stream between a resumed and an uninterrupted run.
         generator=torch.Generator().manual_seed(seed),
     )
-    norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last, recycle=True)
-    return DeviceLoader(loader, sampler, rt.device, norm)
+    out = []
+    for split, (raw, pipeline) in enumerate(zip(raws, pipelines)):
+        train = split == 0
+        sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train)
+        batch_size = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
+        drop_last = train and data_cfg.drop_last and len(sampler) >= data_cfg.batch_size
+        norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last, recycle=True)
+        out.append(DeviceLoader(SplitBatches(shared, split, sampler, batch_size, drop_last), sampler, rt.device, norm))
+    return out
 
 
 @LOADERS.register("cpu")
@@ -131,7 +199,6 @@ def cpu_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.f
     if hasattr(train_raw, "with_min_size"):  # image files: let JPEG decoders scale in the DCT when the spec shrinks 2x+
         train_raw = train_raw.with_min_size(decode_hint(data_cfg.train.transforms, "data.train.transforms"))
         val_raw = val_raw.with_min_size(decode_hint(data_cfg.eval.transforms, "data.eval.transforms"))
-    train = make_loader(train_raw, train_p, data_cfg, rt, train=True, **kw)
-    val = make_loader(val_raw, eval_p, data_cfg, rt, train=False, **kw)
+    train, val = make_loaders([train_raw, val_raw], [train_p, eval_p], data_cfg, rt, **kw)
     info = DataInfo(splits.classes, splits.in_channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=train, val=val, info=info)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, prefetch_to_device
+from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, TensorImages, prefetch_to_device
 from torchsprint.data.normalize import DeviceNormalize
 from torchsprint.data.transforms import compile_spec, decode_hint
 from torchsprint.errors import UsageError
@@ -42,6 +42,24 @@ class SeededTransform(torch.utils.data.Dataset):
             if state is not None:
                 torch.set_rng_state(state)
         return image, target, None
+
+    def __getitems__(self, keys):
+        """A batch of keys at once (DataLoader's batched fetch). Already-decoded images with no per-sample
+        transform and class-index labels are gathered with one index instead of a tensor index and a
+        Python call per sample: that per-sample path cost more than a linear model's whole step at batch
+        32 (~140 us per step, BENCHMARKS.md "torchsprint vs a plain loop"). Same values either way."""
+        split = keys[0][0]
+        raw = self.raws[split]
+        labels = getattr(raw, "labels", None)
+        if (self.transforms[split] is None and isinstance(raw, TensorImages) and torch.is_tensor(labels)
+                and labels.ndim == 1 and not labels.is_floating_point() and all(k[0] == split for k in keys)):
+            idx = torch.tensor([k[1] for k in keys], dtype=torch.int64)
+            return [Gathered((raw.images[idx].contiguous(), labels[idx].to(torch.int64)))]
+        return [self[k] for k in keys]
+
+
+class Gathered(tuple):
+    """A whole batch fetched by SeededTransform.__getitems__: (uint8 images, int64 targets)."""
 
 
 class SharedBatches(torch.utils.data.Sampler):
@@ -108,6 +126,9 @@ class SplitBatches:
 
 def collate(items):
     """Stack good samples into (uint8 NCHW, targets); return the reasons of bad ones alongside."""
+    if len(items) == 1 and isinstance(items[0], Gathered):
+        images, targets = items[0]
+        return images, targets, []
     good = [(x, t) for x, t, _ in items if x is not None]
     skipped = [r for x, _, r in items if x is None]
     if not good:

@@ -235,12 +235,13 @@ def test_cpu_backend_train_and_eval_share_two_workers_and_match_a_worker_free_ru
 def test_cpu_backend_gathers_decoded_batches_at_once_with_the_same_values():
     """Already-decoded images without per-sample transforms are fetched as one gather per batch
     (SeededTransform.__getitems__); the batches equal the per-sample path's, exactly."""
-    from torchsprint.data.backends.cpu import SeededTransform, collate
+    from torchsprint.data.backends.cpu import KeyBatch, SeededTransform, collate
 
     loaders = build_loaders(config.load(None, ["data.backend=cpu", "data.batch_size=32"]).data, CPU, seed=0)
     ds = loaders.train.loader.shared.dataset
     assert isinstance(ds, SeededTransform) and ds.transforms[0] is None  # digits' default spec: normalize only
-    keys = [(0, i, 1000 + i) for i in (7, 0, 500, 3, 1000)]
-    fast, slow = collate(ds.__getitems__(keys)), collate([ds[k] for k in keys])
+    indices = [7, 0, 500, 3, 1000]
+    fast = collate(ds.__getitems__(KeyBatch((0, indices, [1000 + i for i in indices]))))
+    slow = collate([ds[(0, i, 1000 + i)] for i in indices])
     assert torch.equal(fast[0], slow[0]) and fast[0].dtype == slow[0].dtype == torch.uint8
     assert torch.equal(fast[1], slow[1]) and fast[1].dtype == slow[1].dtype == torch.int64

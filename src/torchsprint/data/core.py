@@ -188,10 +188,14 @@ class EpochSampler(torch.utils.data.Sampler):
             order = (order * math.ceil(total / max(1, self.n)))[:total]
         return order[self.rank :: self.world_size]
 
-    def __iter__(self):
+    def keys(self) -> tuple[list[int], list[int]]:
+        """This epoch's sample indices from `start` on, and their augmentation seeds (two lists)."""
         order = self.indices()[self.start :]
         # Vectorised (sample_seeds is bit-identical to sample_seed): a Python sample_seed call per sample cost ~1 us, a tenth of a tiny model's step at batch 32.
-        return iter(zip(order, sample_seeds(self.seed, self.epoch, torch.tensor(order, dtype=torch.int64)).tolist()))
+        return order, sample_seeds(self.seed, self.epoch, torch.tensor(order, dtype=torch.int64)).tolist()
+
+    def __iter__(self):
+        return iter(zip(*self.keys()))
 
     def __len__(self) -> int:
         return len(self.indices()) - self.start

@@ -13,8 +13,9 @@ from torchsprint.errors import UsageError
 class SeededTransform(torch.utils.data.Dataset):
     """Applies each split's uint8 CPU pipeline to its raw samples under a per-sample seed from the sampler.
 
-    Items are requested as (split, index, seed) by SharedBatches (split: a position in `raws`). Bad
-    samples come back as (None, target, reason) and are filtered and counted by `collate`.
+    Batches are requested as KeyBatch(split, indices, seeds) by SharedBatches (split: a position in
+    `raws`); one item as (split, index, seed). Bad samples come back as (None, target, reason) and are
+    filtered and counted by `collate`.
     """
 
     def __init__(self, raws: list, transforms: list, on_bad_sample: str):
@@ -43,19 +44,24 @@ class SeededTransform(torch.utils.data.Dataset):
                 torch.set_rng_state(state)
         return image, target, None
 
-    def __getitems__(self, keys):
-        """A batch of keys at once (DataLoader's batched fetch). Already-decoded images with no per-sample
-        transform and class-index labels are gathered with one index instead of a tensor index and a
-        Python call per sample: that per-sample path cost more than a linear model's whole step at batch
-        32 (~140 us per step, BENCHMARKS.md "torchsprint vs a plain loop"). Same values either way."""
-        split = keys[0][0]
+    def __getitems__(self, keys: KeyBatch):
+        """A whole batch (DataLoader's batched fetch). Already-decoded images with no per-sample transform
+        and class-index labels are gathered with one index instead of a tensor index and a Python call
+        per sample: that per-sample path cost more than a linear model's whole step at batch 32
+        (BENCHMARKS.md, "torchsprint vs a plain loop"). Same values either way."""
+        split, indices, seeds = keys
         raw = self.raws[split]
         labels = getattr(raw, "labels", None)
         if (self.transforms[split] is None and isinstance(raw, TensorImages) and torch.is_tensor(labels)
-                and labels.ndim == 1 and not labels.is_floating_point() and all(k[0] == split for k in keys)):
-            idx = torch.tensor([k[1] for k in keys], dtype=torch.int64)
+                and labels.ndim == 1 and not labels.is_floating_point()):
+            idx = torch.tensor(indices, dtype=torch.int64)
             return [Gathered((raw.images[idx].contiguous(), labels[idx].to(torch.int64)))]
-        return [self[k] for k in keys]
+        return [self[(split, i, s)] for i, s in zip(indices, seeds)]
+
+
+class KeyBatch(tuple):
+    """One batch's keys: (split, sample indices, per-sample seeds); a tuple of two lists, not a tuple per
+    sample (building those cost ~1 us per sample in the main process)."""
 
 
 class Gathered(tuple):
@@ -83,7 +89,7 @@ class SharedBatches(torch.utils.data.Sampler):
 
     def __iter__(self):
         split, sampler, batch_size, drop_last = self.active  # bound now: the DataLoader asks for batches ahead
-        return _batches(split, iter(sampler), batch_size, drop_last)
+        return _batches(split, *sampler.keys(), batch_size, drop_last)
 
     def __len__(self) -> int:
         split, sampler, batch_size, drop_last = self.active
@@ -91,15 +97,11 @@ class SharedBatches(torch.utils.data.Sampler):
         return n // batch_size if drop_last else -(-n // batch_size)
 
 
-def _batches(split: int, keys, batch_size: int, drop_last: bool):
-    batch = []
-    for index, seed in keys:
-        batch.append((split, index, seed))
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch and not drop_last:
-        yield batch
+def _batches(split: int, order: list[int], seeds: list[int], batch_size: int, drop_last: bool):
+    for i in range(0, len(order), batch_size):
+        if drop_last and i + batch_size > len(order):
+            return
+        yield KeyBatch((split, order[i : i + batch_size], seeds[i : i + batch_size]))
 
 
 class SplitBatches:

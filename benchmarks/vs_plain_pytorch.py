@@ -1,16 +1,29 @@
-"""torchsprint's engine vs a plain hand-written PyTorch loop (seed 004's loop), same job, alternating runs.
+"""torchsprint's engine vs a plain hand-written PyTorch loop (seed 004's loop), same job, interleaved runs.
 
-For each case both sides train the same model on the same in-memory data with the same batch size and
-optimizer for one epoch; the sides alternate inside every repeat, in a rotating order, so machine load hits all alike, and
-the table reports median images/s and the median of the per-repeat ratios. "same settings" runs
-torchsprint's `cpu` backend (a DataLoader, like the plain loop); "own defaults" its `memory` backend.
+Engine cases: both sides train the same model on the same in-memory data with the same batch size,
+optimizer (SGD, Nesterov momentum, weight decay) and schedule (cosine, stepped per epoch) for enough
+epochs to make at least --steps optimizer steps; the sides alternate inside every repeat in a rotating
+order, so machine load hits all alike. "same settings" runs torchsprint's `cpu` backend (a DataLoader,
+like the plain loop), "memory" its memory backend. The table reports median images/s, the median of the
+per-repeat ratios, and the per-step overhead in microseconds (median over repeats of
+batch * (1/torchsprint - 1/plain)); a negative overhead means torchsprint's step is cheaper.
 
-    python benchmarks/vs_plain_pytorch.py [--repeats 5] [--cases linear32,linear128,small_cnn,resnet18]
+"digits_default": `torchsprint train` with its defaults (digits, small_cnn, batch 64, 10 epochs, cosine per
+step, data.backend auto = memory, an evaluation and a checkpoint every epoch) vs the same job in a plain
+loop (evaluated every epoch too); the ratio compares training images/s (evaluation and checkpoints are
+timed apart on both sides; torchsprint's from its summary.json, whole-run seconds shown beside).
+
+Threads: torch's default (all cores: two on a 2-core machine) unless --threads. Under machine load, wall
+times of the two-thread case are noisy; --threads 1 and more --repeats tighten them.
+
+    python benchmarks/vs_plain_pytorch.py [--repeats 5] [--steps 600] [--threads N]
+        [--cases digits,linear32,linear128,small_cnn,resnet18,digits_default]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
@@ -39,50 +52,110 @@ def make_data(n: int, shape: tuple[int, int, int], classes: int = 10):
     return x, y
 
 
+def digits_data():
+    sp = DATASETS.get("digits")(config.load(None, []).data)
+    return sp.train.images, torch.as_tensor(sp.train.labels), sp.val.images, torch.as_tensor(sp.val.labels)
+
+
 def register(x, y):
     @DATASETS.register("bench_tensors", override=True)
     def bench_tensors(data_cfg) -> Splits:
         return Splits(TensorImages(x, y), TensorImages(x[:256], y[:256]), [str(i) for i in range(10)], x.shape[1])
 
 
-def plain_epoch(model_name: str, x, y, batch_size: int, lr: float) -> float:
-    """Seed 004's loop: DataLoader over a TensorDataset, zero_grad / forward / loss / backward / step."""
+def sgd(model, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+
+
+def plain_run(model_name: str, x, y, batch_size: int, lr: float, epochs: int) -> float:
+    """Seed 004's loop: DataLoader over a TensorDataset, zero_grad / forward / loss / backward / step; cosine per epoch."""
     torch.manual_seed(0)
     model = build_model(config.load(None, [f"model.name={model_name}"]).model, 10, x.shape[1])
     model(x[:2].float())  # materialise lazy layers, as torchsprint does
     data = torch.utils.data.TensorDataset(x.float() * (1 / 255.0), y)  # preprocessing done once, up front
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=0, drop_last=True)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    opt = sgd(model, lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
     criterion = nn.CrossEntropyLoss()
     model.train()
     t = time.perf_counter()
-    for img, labels in loader:
-        opt.zero_grad()
-        loss = criterion(model(img), labels)
-        loss.backward()
-        opt.step()
-    return len(loader) * batch_size / (time.perf_counter() - t)
+    for _ in range(epochs):
+        for img, labels in loader:
+            opt.zero_grad()
+            loss = criterion(model(img), labels)
+            loss.backward()
+            opt.step()
+        sched.step()
+    return epochs * len(loader) * batch_size / (time.perf_counter() - t)
 
 
-def torchsprint_epoch(model_name: str, batch_size: int, lr: float, backend: str, log_dir: Path) -> float:
-    """One epoch of the real engine (train_one_epoch: logging, progress, counters) on torchsprint's loader."""
+def torchsprint_run(model_name: str, dataset: str, batch_size: int, lr: float, backend: str, epochs: int,
+                    log_dir: Path) -> float:
+    """`epochs` epochs of the real engine (train_one_epoch: logging, counters, accuracy) on torchsprint's loader."""
     cfg = config.load(None, [
-        f"model.name={model_name}", "data.dataset=bench_tensors", f"data.backend={backend}", "data.num_workers=0",
-        f"data.batch_size={batch_size}", f"optim.lr={lr}", "optim.no_decay_norm_bias=false", "sched.name=constant",
-        "log.tensorboard=false", "log.progress=false", "checkpoint.every_epochs=null", "run.device=cpu",
+        f"model.name={model_name}", f"data.dataset={dataset}", f"data.backend={backend}", "data.num_workers=0",
+        f"data.batch_size={batch_size}", f"optim.lr={lr}", "optim.no_decay_norm_bias=false", "sched.name=cosine",
+        "sched.interval=epoch", f"run.epochs={epochs}", "log.tensorboard=false", "log.progress=false",
+        "checkpoint.every_epochs=null", "run.device=cpu",
     ])
     rt = runtime.Runtime(device=torch.device("cpu"))
     torch.manual_seed(0)
     b = build_training(cfg, rt, log=lambda *_: None)
     logger = RunLogger(log_dir, cfg.log, enabled=True, console=False)
     set_train_mode(b.model, b.frozen_norms)
-    ep = train_one_epoch(b.model, b.loaders.train, b.loss_fn, b.opt, b.sched, b.prec, TrainState(), cfg=cfg,
-                         logger=logger, saver=None)
+    state, images, seconds = TrainState(), 0, 0.0
+    for epoch in range(epochs):
+        state.epoch, state.step_in_epoch = epoch, 0
+        ep = train_one_epoch(b.model, b.loaders.train, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg,
+                             logger=logger, saver=None)
+        b.sched.step()
+        images += ep["images"]
+        seconds += ep["seconds"]
     logger.close()
-    return ep["images"] / ep["seconds"]
+    return images / seconds
 
 
-CASES = {  # name: (model, samples, batch size, lr)
+def plain_default_run(x, y, xv, yv) -> tuple[float, float]:
+    """The default digits job in a plain loop: small_cnn, batch 64, SGD, cosine per step, 10 epochs, evaluated
+    every epoch. Returns (training images/s, whole-run seconds)."""
+    cfg = config.load(None, [])
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model, 10, x.shape[1])
+    mean, std = 0.5, 0.5  # any fixed normalisation: done once, up front
+    data = torch.utils.data.TensorDataset((x.float() / 255 - mean) / std, y)
+    loader = torch.utils.data.DataLoader(data, batch_size=64, shuffle=True, drop_last=True)
+    xv = (xv.float() / 255 - mean) / std
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.run.epochs * len(loader))
+    criterion = nn.CrossEntropyLoss()
+    train_s, t_all = 0.0, time.perf_counter()
+    for _ in range(cfg.run.epochs):
+        model.train()
+        t = time.perf_counter()
+        for img, labels in loader:
+            opt.zero_grad()
+            criterion(model(img), labels).backward()
+            opt.step()
+            sched.step()
+        train_s += time.perf_counter() - t
+        model.eval()
+        with torch.inference_mode():
+            (model(xv).argmax(1) == yv).float().mean().item()
+    return cfg.run.epochs * len(loader) * 64 / train_s, time.perf_counter() - t_all
+
+
+def torchsprint_default_run(work: Path) -> tuple[float, float]:
+    """`torchsprint train` with its defaults (console quiet, files written). Returns (train images/s, seconds)."""
+    from torchsprint.run import train
+
+    run_dir = Path(tempfile.mkdtemp(dir=work))
+    t = time.perf_counter()
+    summary = train(config.load(None, [f"run.dir={run_dir}"]), quiet=True)
+    return summary["train_images_per_s"], time.perf_counter() - t
+
+
+CASES = {  # name: (model, data, batch size, lr)
+    "digits": ("small_cnn", "digits", 64, 0.1),
     "linear32": ("linear", 10_000, 32, 0.05),
     "linear128": ("linear", 10_000, 128, 0.05),
     "small_cnn": ("small_cnn", 4_000, 64, 0.05),
@@ -90,31 +163,75 @@ CASES = {  # name: (model, samples, batch size, lr)
 }
 
 
+def overhead_us(ts: float, plain: float, batch_size: int) -> float:
+    return batch_size * (1 / ts - 1 / plain) * 1e6
+
+
+def engine_case(name: str, args, log_dir: Path) -> None:
+    model, data, bs, lr = CASES[name]
+    if data == "digits":
+        x, y, _, _ = digits_data()
+        dataset = "digits"
+    else:
+        x, y = make_data(data, SHAPES[model])
+        register(x, y)
+        dataset = "bench_tensors"
+    epochs = max(1, math.ceil(args.steps / (len(x) // bs)))
+    plain = partial(plain_run, model, x, y, bs, lr, epochs)
+    plain_run(model, x, y, bs, lr, 1)  # warm-up: allocator, first-call kernels
+    torchsprint_run(model, dataset, bs, lr, "cpu", 1, log_dir)
+    p, s, m = [], [], []
+    sides = [(p, plain), (s, partial(torchsprint_run, model, dataset, bs, lr, "cpu", epochs, log_dir)),
+             (m, partial(torchsprint_run, model, dataset, bs, lr, "memory", epochs, log_dir))]
+    for r in range(args.repeats):
+        for out, fn in sides[r % 3:] + sides[: r % 3]:  # rotate the order: no side always runs first
+            out.append(fn())
+    cols = []
+    for side in (s, m):
+        cols.append(f"{statistics.median(side):.0f} | {statistics.median(a / b for a, b in zip(side, p)):.2f}x | "
+                    f"{statistics.median(overhead_us(a, b, bs) for a, b in zip(side, p)):+.0f}")
+    print(f"| {name} (n={len(x)}, bs={bs}, {epochs} ep) | {statistics.median(p):.0f} | {cols[0]} | {cols[1]} |", flush=True)
+
+
+def default_case(args, work: Path) -> None:
+    x, y, xv, yv = digits_data()
+    torchsprint_default_run(work)  # warm-up
+    p, s = [], []
+    for r in range(args.repeats):
+        sides = [(p, lambda: plain_default_run(x, y, xv, yv)), (s, lambda: torchsprint_default_run(work))]
+        for out, fn in sides[r % 2:] + sides[: r % 2]:
+            out.append(fn())
+    ratio = statistics.median(a[0] / b[0] for a, b in zip(s, p))
+    over = statistics.median(overhead_us(a[0], b[0], 64) for a, b in zip(s, p))
+    print(f"\ndigits default run ({args.repeats} interleaved pairs): plain loop {statistics.median(a for a, _ in p):.0f} "
+          f"train img/s ({statistics.median(b for _, b in p):.2f} s whole run), torchsprint train defaults "
+          f"{statistics.median(a for a, _ in s):.0f} train img/s ({statistics.median(b for _, b in s):.2f} s whole run, "
+          f"evaluation, checkpoints and files included): {ratio:.2f}x, {over:+.0f} us/step", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--steps", type=int, default=600, help="at least this many optimizer steps per measurement")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
+    ap.add_argument("--cases", default="digits,linear32,linear128,small_cnn,resnet18,digits_default")
     args = ap.parse_args()
-    log_dir = Path(tempfile.mkdtemp(prefix="vs-plain-"))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, one epoch each")
-    print("| case | plain loop img/s | torchsprint same settings img/s | ratio | torchsprint own defaults (memory) img/s | ratio |")
-    print("|---|---|---|---|---|---|")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import os
+
+    work = Path(tempfile.mkdtemp(prefix="vs-plain-"))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats, "
+          f">= {args.steps} steps each, load average {os.getloadavg()[0]:.2f} at start")
+    print("| case | plain loop img/s | torchsprint cpu backend img/s | ratio | overhead us/step "
+          "| torchsprint memory backend img/s | ratio | overhead us/step |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.cases.split(","):
-        model, n, bs, lr = CASES[name]
-        x, y = make_data(n, SHAPES[model])
-        register(x, y)
-        plain_epoch(model, x, y, bs, lr)  # warm-up: allocator, first-call kernels
-        torchsprint_epoch(model, bs, lr, "cpu", log_dir)
-        p, s, m = [], [], []
-        sides = [(p, partial(plain_epoch, model, x, y, bs, lr)), (s, partial(torchsprint_epoch, model, bs, lr, "cpu", log_dir)),
-                 (m, partial(torchsprint_epoch, model, bs, lr, "memory", log_dir))]
-        for r in range(args.repeats):
-            for out, fn in sides[r % 3:] + sides[: r % 3]:  # rotate the order: no side always runs first
-                out.append(fn())
-        rs = statistics.median(a / b for a, b in zip(s, p))
-        rm = statistics.median(a / b for a, b in zip(m, p))
-        print(f"| {name} (n={n}, bs={bs}) | {statistics.median(p):.0f} | {statistics.median(s):.0f} | {rs:.2f}x | "
-              f"{statistics.median(m):.0f} | {rm:.2f}x |", flush=True)
+        if name == "digits_default":
+            default_case(args, work)
+        else:
+            engine_case(name, args, work)
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
 
 
 if __name__ == "__main__":

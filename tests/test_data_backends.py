@@ -249,3 +249,50 @@ def test_uniforms_are_splitmix64_known_answers():
     assert u.tolist() == [ref(int(s) & M, 3) for s in seeds]
     empty = uniforms(seeds, 0)
     assert empty.shape == (5, 0) and empty.dtype == torch.float64
+
+
+def test_cpu_backend_train_and_eval_share_two_workers_and_match_a_worker_free_run():
+    """One DataLoader (one set of persistent workers) serves both splits; batches equal those of a
+    num_workers=0 run, an evaluation between epochs changes nothing, and an interrupted iteration refuses
+    to resume once the other split took the workers."""
+    import os
+
+    def cfg(workers):
+        return config.load(None, ["data.backend=cpu", "data.batch_size=64", f"data.num_workers={workers}",
+                                  "data.train.transforms=[{random_crop: {size: 8, padding: 2}}, hflip, {normalize: half}]",
+                                  "data.eval.transforms=[{normalize: half}]"]).data
+
+    ref, shared = build_loaders(cfg(0), CPU, seed=3), build_loaders(cfg(2), CPU, seed=3)
+    assert shared.train.loader.shared is shared.val.loader.shared
+    want = []
+    for loaders, out in ((ref, want), (shared, got := [])):
+        for epoch in (0, 1):
+            loaders.train.set_epoch(epoch)
+            out += list(loaders.train)
+            loaders.val.set_epoch(0)
+            out += list(loaders.val)
+    assert len(got) == len(want) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+    workers = shared.train.loader.shared._iterator._workers
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)  # persistent: the same two, for both splits
+    assert {w.pid for w in workers} <= {int(p) for p in os.listdir("/proc") if p.isdigit()}
+    shared.train.set_epoch(2)
+    it = iter(shared.train)
+    next(it)
+    next(iter(shared.val))
+    with pytest.raises(RuntimeError, match="share their worker processes"):
+        next(it)
+
+
+def test_cpu_backend_gathers_decoded_batches_at_once_with_the_same_values():
+    """Already-decoded images without per-sample transforms are fetched as one gather per batch
+    (SeededTransform.__getitems__); the batches equal the per-sample path's, exactly."""
+    from torchsprint.data.backends.cpu import KeyBatch, SeededTransform, collate
+
+    loaders = build_loaders(config.load(None, ["data.backend=cpu", "data.batch_size=32"]).data, CPU, seed=0)
+    ds = loaders.train.loader.shared.dataset
+    assert isinstance(ds, SeededTransform) and ds.transforms[0] is None  # digits' default spec: normalize only
+    indices = [7, 0, 500, 3, 1000]
+    fast = collate(ds.__getitems__(KeyBatch((0, indices, [1000 + i for i in indices]))))
+    slow = collate([ds[(0, i, 1000 + i)] for i in indices])
+    assert torch.equal(fast[0], slow[0]) and fast[0].dtype == slow[0].dtype == torch.uint8
+    assert torch.equal(fast[1], slow[1]) and fast[1].dtype == slow[1].dtype == torch.int64

@@ -430,7 +430,7 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
             pin_memory=data_cfg.pin_memory and rt.device.type == "cuda",
             persistent_workers=data_cfg.persistent_workers and workers > 0,
             prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
-            generator=torch.Generator().manual_seed(seed),  # not the global RNG (see cpu.make_loader)
+            generator=torch.Generator().manual_seed(seed),  # not the global RNG (see cpu.make_loaders)
         )
         out.append(GpuLoader(loader, batches, pipe, rt.device, norm, fraction, tuner if train else None, data_cfg.on_bad_sample,
                              channels, raw.decoder, data_cfg.max_image_pixels))

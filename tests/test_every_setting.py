@@ -387,6 +387,14 @@ PROBES = {
     "strategy.static_graph": lambda t: ddp_wrapped("strategy.static_graph=true").static_graph or pytest.fail(),
     "strategy.bucket_cap_mb": lambda t: ddp_wrapped("strategy.bucket_cap_mb=1").bucket_bytes_cap == 2**20 or pytest.fail(),
     "strategy.timeout_s": lambda t: elsewhere("test_ddp.py::test_failed_rank_makes_the_other_exit_within_timeout"),
+    "strategy.comm_hook": lambda t: (ddp_wrapped("strategy.comm_hook=bf16")._comm_hooks[0][0].__name__ == "bf16_compress_hook"
+                                     or pytest.fail(), elsewhere("test_comm_hooks.py::test_comm_hooks_two_processes")),
+    "strategy.powersgd_rank": lambda t: (ddp_wrapped("strategy.comm_hook=powersgd", "strategy.powersgd_rank=3")
+                                         ._comm_hooks[0][1].matrix_approximation_rank == 3 or pytest.fail(),
+                                         refused("strategy.powersgd_rank=3", match="applies to strategy.comm_hook=powersgd")),
+    "strategy.powersgd_start_step": lambda t: (ddp_wrapped("strategy.comm_hook=powersgd", "strategy.powersgd_start_step=7")
+                                               ._comm_hooks[0][1].start_powerSGD_iter == 7 or pytest.fail(),
+                                               refused("strategy.powersgd_start_step=7", match="applies to strategy.comm_hook")),
     "speed.channels_last": probe_channels_last,
     "speed.compile": lambda t: differs(lambda c, b: type(b.model).__name__, "speed.compile=true"),
     "speed.compile_mode": lambda t: _expect(UsageError, "compile_mode", cfg_of, "speed.compile_mode=fastest") or

@@ -212,6 +212,13 @@ class StrategyConfig(Section):
     find_unused_parameters: bool = Field(False, description="DDP: look for parameters that got no gradient.")
     static_graph: bool = Field(False, description="DDP: the graph is the same every step.")
     bucket_cap_mb: float = Field(25, gt=0, description="DDP: gradient bucket size in MiB.")
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none", description="DDP gradient all-reduce: none (as computed), fp16/bf16 (compressed to half precision: "
+        "half the bytes), powersgd (PowerSGD low-rank compression with error feedback; see docs/cluster.md).")
+    powersgd_rank: int = Field(1, ge=1, description="comm_hook=powersgd: rank of the low-rank gradient approximation "
+                               "(higher: closer to the exact gradient, more bytes).")
+    powersgd_start_step: int = Field(1000, ge=2, description="comm_hook=powersgd: plain all-reduce for this many steps first "
+                                     "(PyTorch suggests about 10% of training), then PowerSGD.")
     timeout_s: float = Field(300, gt=0, description="Seconds a rank waits for the others before failing (no hangs).")
     _short = _shorthand("name")
 

@@ -286,11 +286,14 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
             "(GIL-bound), replicates the model and scatters inputs every step, and gathers outputs on GPU 0. "
             "DDP runs one process per GPU and overlaps the gradient all-reduce with backward: "
             "use strategy=ddp with `torchsprint train --nproc-per-node N`.")
+    check_comm_hook(strategy_cfg)
     if strategy_cfg.sync_bn:
         if rt.distributed:
             model = convert_sync_batchnorm(model, rt.device)
         else:
             log("strategy.sync_bn: one process, nothing to synchronise (BatchNorm left as is)")
+    if strategy_cfg.comm_hook != "none" and not rt.distributed:
+        log(f"strategy.comm_hook={strategy_cfg.comm_hook}: one process, no gradient all-reduce to compress")
     if prec is not None:
         model = prec.prepare(model)
     if speed_cfg is not None and speed_cfg.cuda_graphs:
@@ -307,11 +310,45 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
             static_graph=strategy_cfg.static_graph,
             bucket_cap_mb=strategy_cfg.bucket_cap_mb,
         )
+        register_comm_hook(model, strategy_cfg, log)
         if prec is not None:
             prec.broadcast_masters()  # DDP broadcast rank 0's parameters; fp32 masters must follow
     if speed_cfg is not None and speed_cfg.compile:
         model = _compile(model, speed_cfg)
     return model
+
+
+def check_comm_hook(strategy_cfg) -> None:
+    """Refuse PowerSGD settings without comm_hook=powersgd (they would be ignored)."""
+    if strategy_cfg.comm_hook != "powersgd":
+        for name, default in (("powersgd_rank", 1), ("powersgd_start_step", 1000)):
+            if getattr(strategy_cfg, name) != default:
+                raise UsageError(f"strategy.{name} applies to strategy.comm_hook=powersgd, but comm_hook is "
+                                 f"{strategy_cfg.comm_hook}. Set strategy.comm_hook=powersgd, or remove strategy.{name}.")
+
+
+def register_comm_hook(ddp: nn.parallel.DistributedDataParallel, strategy_cfg, log) -> None:
+    """strategy.comm_hook -> one of PyTorch's DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks).
+
+    fp16/bf16 halve the bytes of every gradient all-reduce (the sum is taken in half precision and divided
+    by the world size before it, so it cannot overflow); PowerSGD (Vogels et al., NeurIPS 2019) sends two
+    rank-r factors per gradient matrix instead of the matrix, with error feedback and warm start, after
+    `powersgd_start_step` steps of plain all-reduce.
+    """
+    name = strategy_cfg.comm_hook
+    if name == "none":
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=strategy_cfg.powersgd_rank,
+                                            start_powerSGD_iter=strategy_cfg.powersgd_start_step)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    else:
+        ddp.register_comm_hook(None, {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[name])
+    log(f"strategy.comm_hook={name}: DDP gradients are all-reduced "
+        + ("in half precision" if name != "powersgd" else f"as rank-{strategy_cfg.powersgd_rank} PowerSGD factors from "
+           f"step {strategy_cfg.powersgd_start_step}"))
 
 
 def no_sync(model: nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import re
@@ -159,7 +160,12 @@ def attempt_store(launch: LaunchEnv, timeout: timedelta):
     if launch.source != "torchrun" or launch.init_method is not None or attempt is None:
         return None
     base, _, _ = next(torch.distributed.rendezvous("env://", launch.rank, launch.world_size, timeout=timeout))
-    return torch.distributed.PrefixStore(f"torchsprint/attempt_{attempt}", base)
+    # Also one prefix per group this process creates (several runs in one worker, as the Python API and
+    # tests do): every rank creates its groups in the same order, so the counters agree.
+    return torch.distributed.PrefixStore(f"torchsprint/attempt_{attempt}/group_{next(_GROUPS_MADE)}", base)
+
+
+_GROUPS_MADE = itertools.count()  # process groups this process initialised through attempt_store
 
 
 def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:

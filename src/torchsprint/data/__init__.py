@@ -1,9 +1,9 @@
 """Datasets, preprocessing and loader backends. Every loader yields on-device (images, targets).
 
 Where things are: `core.py` (the DATASETS and LOADERS registries, the sampler), `build.py`
-(`build_loaders`, `data.backend: auto`),
-`sources/` (one file per dataset family), `decode.py` / `transforms.py` / `augment.py`
-(preprocessing), `backends/` (one file per loader backend), `tools.py` (`torchsprint data ...`).
+(`build_loaders`, `data.backend: auto`), `sources/` (one file per dataset family; `webdataset.py` for tar
+shards), `decode.py` / `transforms.py` / `augment.py` (preprocessing), `backends/` (one file per loader
+backend), `check.py`, `tools.py` and `shard.py` (`torchsprint data check / compare / shard`).
 This file only re-exports; importing `sources` and `backends` registers every dataset and backend.
 """
 

@@ -20,7 +20,9 @@ usual fix, resampling with `with_epoch`, repeats and drops samples). Here, per e
    the last (when one rank holds one sample fewer and its last batch would be empty, its last two
    batches are B-1 and 1). No sample is repeated or dropped. With data.drop_last, every rank runs
    S = floor(floor(N/R) / B) full batches and the rest of its range (fewer than B + 1 samples per rank)
-   is dropped, as the folder datasets drop their last partial batch.
+   is dropped, as the folder datasets drop their last partial batch. Evaluation keeps the listed
+   shard order, no sample shuffle, and plain batches per rank (ranks may differ by a batch; the
+   evaluation counts uneven ranks, as for folders).
 3. Workers: batch j of a rank is made by worker j % W (the DataLoader's round-robin order), and each
    worker's batches take a contiguous stretch of the rank's range. So each worker reads whole shards,
    except where a stretch boundary falls inside a shard: that shard is read by the streams on both
@@ -81,10 +83,17 @@ def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int
     return np.random.default_rng([seed, epoch, 0x5A4D]).permutation(n_shards).tolist()
 
 
-def rank_batches(total: int, rank: int, world_size: int, batch_size: int, drop_last: bool) -> tuple[int, list[int]]:
-    """(first position of this rank's range in the epoch sequence, its batch sizes); see the module docstring, 2."""
+def rank_batches(total: int, rank: int, world_size: int, batch_size: int, drop_last: bool,
+                 equal_steps: bool = True) -> tuple[int, list[int]]:
+    """(first position of this rank's range in the epoch sequence, its batch sizes); see the module docstring, 2.
+
+    equal_steps=False (evaluation, which counts uneven ranks itself, as for folders): batches of
+    batch_size and one shorter last batch; an empty range gives no batches.
+    """
     start, end = total * rank // world_size, total * (rank + 1) // world_size
     n = end - start
+    if not equal_steps:
+        return start, [min(batch_size, n - b) for b in range(0, n, batch_size)]
     smallest = total // world_size
     if smallest == 0:
         raise UsageError(f"webdataset: {total} samples cannot give each of {world_size} processes one; use fewer processes.")
@@ -154,7 +163,7 @@ def stream_plan(counts: list[int], *, seed: int, epoch: int, shuffle: bool, buff
     """The plan of worker `stream` (of `workers`) of `rank` for `epoch`; see the module docstring."""
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     order = shard_order(len(counts), seed, epoch, shuffle)
-    start, sizes = rank_batches(int(offsets[-1]), rank, world_size, batch_size, drop_last)
+    start, sizes = rank_batches(int(offsets[-1]), rank, world_size, batch_size, drop_last, equal_steps=shuffle)
     before, mine = worker_stretch(sizes, workers, stream)
     parts = pieces(counts, order, start + before, sum(mine))
     ids = np.concatenate([np.arange(offsets[s] + a, offsets[s] + b) for s, a, b in parts]) if parts else np.zeros(0, np.int64)
@@ -304,8 +313,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         return int(self.state[0])
 
     def steps(self) -> int:
-        """Batches per epoch of this rank (the same on every rank)."""
-        return len(rank_batches(len(self.raw), self.rank, self.world_size, self.batch_size, self.drop_last)[1])
+        """Batches per epoch of this rank (the same on every rank in training)."""
+        return len(rank_batches(len(self.raw), self.rank, self.world_size, self.batch_size, self.drop_last, self.train)[1])
 
     def __len__(self) -> int:
         return self.steps() - int(self.state[1])

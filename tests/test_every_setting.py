@@ -291,19 +291,19 @@ PROBES = {
                                differs(lambda c, b: type(b.loaders.train).__name__, "data.backend=auto")),
     "data.batch_size": lambda t: differs(lambda c, b: first_batch(b.loaders.train)[0].shape[0], "data.batch_size=16"),
     "data.eval_batch_size": lambda t: differs(lambda c, b: first_batch(b.loaders.val)[0].shape[0], "data.eval_batch_size=7"),
-    "data.num_workers": lambda t: differs(lambda c, b: b.loaders.train.loader.num_workers, "data.num_workers=1"),
+    "data.num_workers": lambda t: differs(lambda c, b: b.loaders.train.loader.shared.num_workers, "data.num_workers=1"),
     "data.pin_memory": lambda t: elsewhere("test_every_setting.py::test_cuda_only_settings"),
-    "data.persistent_workers": lambda t: differs(lambda c, b: b.loaders.train.loader.persistent_workers,
+    "data.persistent_workers": lambda t: differs(lambda c, b: b.loaders.train.loader.shared.persistent_workers,
                                                  "data.persistent_workers=false", base=["data.num_workers=1"]),
     "data.prefetch_factor": lambda t: (refused("data.prefetch_factor=4", match="per worker process"),
-                                       differs(lambda c, b: b.loaders.train.loader.prefetch_factor, "data.prefetch_factor=4",
+                                       differs(lambda c, b: b.loaders.train.loader.shared.prefetch_factor, "data.prefetch_factor=4",
                                                base=["data.num_workers=1"])),
     "data.drop_last": lambda t: differs(lambda c, b: len(b.loaders.train), "data.drop_last=false"),
     "data.on_bad_sample": probe_bad_sample,
     "data.max_image_pixels": lambda t: _expect(UsageError, "data.max_image_pixels", run, t, *IMG,
                                                f"data.root={image_folder(t)}", "data.max_image_pixels=100"),
     "data.decoder": lambda t: (refused("data.decoder=pil", match="already decoded in memory"),
-                               differs(lambda c, b: b.loaders.train.loader.dataset.raw.decoder, "data.decoder=pil",
+                               differs(lambda c, b: b.loaders.train.loader.shared.dataset.raws[0].decoder, "data.decoder=pil",
                                        base=[*IMG, f"data.root={image_folder(t)}"])),
     "data.cpu_fraction": lambda t: refused("data.cpu_fraction=0.5", match="data.backend=cpu does not use it"),
     "data.fallback": lambda t: (refused("data.fallback=cpu", match="always runs"), _fallback(t)),
@@ -485,9 +485,9 @@ def test_field_changes_behaviour_or_is_refused(field, tmp_path, monkeypatch):
 def test_cuda_only_settings(tmp_path):
     """data.pin_memory, speed.cudnn_benchmark, speed.tf32, speed.compile_mode and speed.cuda_graphs act on CUDA."""
     _, b = build("run.device=cuda", "data.num_workers=1")
-    assert b.loaders.train.loader.pin_memory
+    assert b.loaders.train.loader.shared.pin_memory
     _, b = build("run.device=cuda", "data.num_workers=1", "data.pin_memory=false")
-    assert not b.loaders.train.loader.pin_memory
+    assert not b.loaders.train.loader.shared.pin_memory
     for flag in (True, False):
         build("run.device=cuda", f"speed.cudnn_benchmark={flag}")
         assert torch.backends.cudnn.benchmark is flag

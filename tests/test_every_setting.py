@@ -544,9 +544,9 @@ def test_field_changes_behaviour_or_is_refused(field, tmp_path, monkeypatch):
 def test_cuda_only_settings(tmp_path):
     """data.pin_memory, speed.cudnn_benchmark, speed.tf32, speed.compile_mode and speed.cuda_graphs act on CUDA."""
     _, b = build("run.device=cuda", "data.num_workers=1")
-    assert b.loaders.train.loader.pin_memory
+    assert b.loaders.train.loader.shared.pin_memory
     _, b = build("run.device=cuda", "data.num_workers=1", "data.pin_memory=false")
-    assert not b.loaders.train.loader.pin_memory
+    assert not b.loaders.train.loader.shared.pin_memory
     for flag in (True, False):
         build("run.device=cuda", f"speed.cudnn_benchmark={flag}")
         assert torch.backends.cudnn.benchmark is flag

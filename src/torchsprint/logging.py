@@ -129,13 +129,27 @@ class WandbSink:
         state.write_text(json.dumps({"id": run_id, "project": project}))
         self.run = wandb.init(project=project, name=Path(run_dir).name, id=run_id, resume="allow", dir=str(run_dir),
                               mode=mode, config=params, reinit="create_new")
+        self.pending: dict[str, Any] = {}
+        self.pending_step: int | None = None
 
     def scalars(self, step: int, values: dict[str, Any], kind: str, now: float | None = None) -> None:
+        # One committed W&B row per step: the records of a step (train, epoch, eval) are merged and sent when
+        # a later step arrives or the run closes. W&B's history needs non-decreasing steps.
         data = numeric(values)
-        if data:
-            self.run.log(data, step=step)
+        if not data:
+            return
+        if self.pending_step is not None and step != self.pending_step:
+            self.flush()
+        self.pending_step = step if self.pending_step is None else self.pending_step
+        self.pending.update(data)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.run.log(self.pending, step=self.pending_step, commit=True)
+        self.pending, self.pending_step = {}, None
 
     def close(self, finished: bool) -> None:
+        self.flush()
         self.run.finish(exit_code=0 if finished else 1)
 
 

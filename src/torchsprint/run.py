@@ -287,7 +287,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
                 raise
             raise explained from e
         if cfg.eval.test_at_end and not summary["paused"]:
-            summary["test"] = evaluate_test(cfg, rt, b, run_dir, task, logger)
+            summary["test"] = evaluate_test(cfg, rt, b, run_dir, task, logger, summary["global_step"])
         summary["run_dir"] = str(run_dir)
         summary["init"] = b.init
         if rt.is_main:
@@ -356,7 +356,7 @@ def describe_decisions(d: dict) -> list[str]:
     return lines
 
 
-def evaluate_test(cfg, rt, b: Built, run_dir: Path, task, logger) -> dict:
+def evaluate_test(cfg, rt, b: Built, run_dir: Path, task, logger, step: int) -> dict:
     """eval.test_at_end: the best weights on the test split (every rank; rank 0 reads the file and shares it)."""
     from safetensors.torch import load_file
 
@@ -370,7 +370,7 @@ def evaluate_test(cfg, rt, b: Built, run_dir: Path, task, logger) -> dict:
                             allowed=EVAL_BACKENDS)
     out = evaluate(b.model, loaders.val, b.loss_fn, b.prec, task.make_metrics(loaders.info, cfg.eval, rt.device))
     out = {f"test/{k}": v for k, v in out.items() if not isinstance(v, list)}
-    logger.scalars(0, out, "test")
+    logger.scalars(step, out, "test")  # at the last step: every sink's steps stay in order
     logger.info(f"test split, best weights: {task.summary({k.replace('test/', 'val/'): v for k, v in out.items()})}")
     return out
 

@@ -20,3 +20,6 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     for name, extra in HOOKS.items():
         train(config.load(None, [*RUN, *extra, f"run.dir={out / name}"]), quiet=True)
+    from torchsprint.runtime import exit_process
+
+    exit_process(0)  # as torchsprint's own workers do: no interpreter shutdown after the process group

@@ -92,3 +92,6 @@ def main(out: Path, part: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
+    from torchsprint.runtime import exit_process
+
+    exit_process(0)  # as torchsprint's own workers do: no interpreter shutdown after the process group

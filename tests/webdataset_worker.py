@@ -43,3 +43,6 @@ def main(shards: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    from torchsprint.runtime import exit_process
+
+    exit_process(0)  # as torchsprint's own workers do: no interpreter shutdown after the process group

@@ -320,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"error: {one_line(e)}", file=sys.stderr)
             return 2
+        if not args.debug and "LOCAL_RANK" in os.environ:  # a DDP worker whose peer died or hung: say so in one line
+            from torchsprint.runtime import lost_peer
+
+            line = lost_peer(e)
+            if line:
+                print(f"error: {line}", file=sys.stderr, flush=True)
+                return 1
         raise
 
 

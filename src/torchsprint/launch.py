@@ -117,6 +117,17 @@ def worker_args(args) -> list[str]:
     return out + list(args.overrides) + ["strategy.name=ddp"]
 
 
+def join_timeout(timeout_s: float) -> int:
+    """Seconds the rendezvous waits for every machine: strategy.timeout_s less a reserve of up to 10 s.
+
+    After a machine dies, a survivor's collective fails within seconds (its peer's sockets close), its
+    agent restarts the group and waits join_timeout for the machines, then stops. Measured on localhost
+    (tests/test_elastic.py): ~3 s until the failure is seen plus ~1 s to stop, so the reserve keeps that
+    whole sequence inside strategy.timeout_s, as docs/cluster.md promises.
+    """
+    return max(1, int(timeout_s - min(10.0, timeout_s / 2)))
+
+
 def torchrun_argv(nproc: int, nnodes: str, node_rank: int, endpoint: str | None, timeout_s: float,
                   script_args: list[str], max_restarts: int = 0, rdzv_backend: str | None = None,
                   run_id: str = "torchsprint") -> list[str]:
@@ -124,8 +135,9 @@ def torchrun_argv(nproc: int, nnodes: str, node_rank: int, endpoint: str | None,
 
     rdzv_backend: None (static with --nnodes > 1, c10d on one machine), "static" or "c10d". With c10d
     the node rank comes from the rendezvous, `run_id` names the job (every machine passes the same), and
-    the rendezvous waits at most `timeout_s` for all machines (join_timeout).
+    the rendezvous waits at most `join_timeout(timeout_s)` for all machines.
     """
+    wait = join_timeout(timeout_s)
     argv = [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
     if endpoint is None:
         argv.append("--standalone")  # one machine: c10d rendezvous on a free localhost port
@@ -133,23 +145,37 @@ def torchrun_argv(nproc: int, nnodes: str, node_rank: int, endpoint: str | None,
         # join_timeout: the wait for every machine; read_timeout: for the rendezvous store (on the endpoint's
         # machine); last_call_timeout: for more machines once --nnodes MIN is reached (MIN:MAX only).
         argv += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-                 f"--rdzv-conf=join_timeout={int(timeout_s)},read_timeout={int(timeout_s)},last_call_timeout=5,close_timeout=10"]
+                 f"--rdzv-conf=join_timeout={wait},read_timeout={wait},last_call_timeout=5,close_timeout=10"]
     elif nnodes != "1":
         host, _, port = endpoint.rpartition(":")
         if not host:
             host, port = endpoint, str(DEFAULT_PORT)
         # With a fixed --node-rank, static rendezvous (rank = node rank); the join timeout is the
-        # strategy timeout, so a machine that never arrives fails the run instead of hanging it.
+        # strategy timeout less the reserve, so a machine that never arrives fails the run instead of hanging it.
         argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
-                 f"--rdzv-endpoint={host}:{port}", f"--rdzv-conf=timeout={int(timeout_s)}"]
+                 f"--rdzv-endpoint={host}:{port}", f"--rdzv-conf=timeout={wait}"]
     else:
         argv += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
     return argv + ["-m", "torchsprint", *script_args]
 
 
+def root_failure(err) -> tuple[int, object]:
+    """(rank, failure) that most likely caused torchrun's ChildFailedError.
+
+    A worker killed by a signal comes first: its peers then fail with "lost contact with the group" (exit
+    code 1) and may be seen first, since the agent records a killed worker's time when it notices the death
+    but a failed worker's when it wrote its error file. Otherwise the earliest failure (torchrun's own pick).
+    """
+    signalled = [(f.timestamp, rank, f) for rank, f in err.failures.items() if f.exitcode < 0]
+    if signalled:
+        _, rank, failure = min(signalled, key=lambda t: (t[0], t[1]))
+        return rank, failure
+    return err.get_first_failure()
+
+
 def exit_code(err) -> int:
-    """A shell exit status for torchrun's ChildFailedError: the first failed worker's code (128+N for signal N)."""
-    _, failure = err.get_first_failure()
+    """A shell exit status for torchrun's ChildFailedError: the root failure's code (128+N for signal N)."""
+    _, failure = root_failure(err)
     code = failure.exitcode
     return 128 - code if code < 0 else (code or 1)
 
@@ -205,7 +231,7 @@ def launch(args) -> int:
         return 1
     except ChildFailedError as e:
         code = exit_code(e)
-        rank, failure = e.get_first_failure()
+        rank, failure = root_failure(e)
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         tried = f" after {restarts} restart(s)" if restarts else ""
         print(f"error: DDP worker rank {rank} failed ({how}){tried}; the other workers were stopped.", file=sys.stderr)

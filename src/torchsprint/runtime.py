@@ -233,6 +233,32 @@ def teardown(rt: Runtime, clean: bool = True) -> None:
         torch.distributed.destroy_process_group()
 
 
+def lost_peer(error: BaseException) -> str | None:
+    """One line for a collective that failed because another rank died or hung, else None.
+
+    Under DDP the survivors of a dead worker or machine see gloo's "Connection closed by peer" or
+    "Connection reset by peer", or a timeout after strategy.timeout_s, from deep inside a backward pass
+    or an all_reduce; that traceback says nothing a user can act on. The CLI prints this line instead
+    (the traceback with --debug).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # the group itself is torn down by the time the CLI sees this
+    if world < 2 or not torch.distributed.is_available():
+        return None
+    msg = str(error)
+    dist_error = isinstance(error, getattr(torch.distributed, "DistError", ()))
+    closed = any(k in msg for k in ("closed by peer", "reset by peer", "Broken pipe", "Connection refused"))
+    timed_out = "imed out" in msg or "timeout" in msg.lower()
+    if not (dist_error or ((closed or timed_out) and isinstance(error, RuntimeError))):
+        return None
+    rank = os.environ.get("RANK", "?")
+    why = ("another rank's connection closed: a worker or its machine died" if closed else
+           "another rank did not answer within strategy.timeout_s: a worker or machine hung or died" if timed_out else
+           "a collective operation failed")
+    first = (msg.strip().splitlines() or [""])[0][:160]
+    return (f"DDP rank {rank} of {world} lost contact with the group ({why}; {type(error).__name__}: {first}). "
+            "With --max-restarts K the group restarts from the newest checkpoint; --debug shows the traceback.")
+
+
 def injected_fault(step: int) -> None:
     """Test-only fault injection: with TORCHSPRINT_TEST_KILL_AT="RANK:STEP", the process of that RANK (torchrun's
     variable) SIGKILLs itself right after

@@ -4,7 +4,8 @@ Engine cases: both sides train the same model on the same in-memory data with th
 optimizer (SGD, Nesterov momentum, weight decay) and schedule (cosine, stepped per epoch) for enough
 epochs to make at least --steps optimizer steps; the sides alternate inside every repeat in a rotating
 order, so machine load hits all alike. "same settings" runs torchsprint's `cpu` backend (a DataLoader,
-like the plain loop), "memory" its memory backend. The table reports median images/s, the median of the
+like the plain loop) with speed.channels_last=false (NCHW, like the plain loop); "own defaults" runs its
+memory backend with speed.channels_last=auto (the default: a model with 2-D convolutions in NHWC). The table reports median images/s, the median of the
 per-repeat ratios, and the per-step overhead in microseconds (median over repeats of
 batch * (1/torchsprint - 1/plain)); a negative overhead means torchsprint's step is cheaper.
 
@@ -91,13 +92,13 @@ def plain_run(model_name: str, x, y, batch_size: int, lr: float, epochs: int) ->
 
 
 def torchsprint_run(model_name: str, dataset: str, batch_size: int, lr: float, backend: str, epochs: int,
-                    log_dir: Path) -> float:
+                    log_dir: Path, channels_last: str = "auto") -> float:
     """`epochs` epochs of the real engine (train_one_epoch: logging, counters, accuracy) on torchsprint's loader."""
     cfg = config.load(None, [
         f"model.name={model_name}", f"data.dataset={dataset}", f"data.backend={backend}", "data.num_workers=0",
         f"data.batch_size={batch_size}", f"optim.lr={lr}", "optim.no_decay_norm_bias=false", "sched.name=cosine",
         "sched.interval=epoch", f"run.epochs={epochs}", "log.tensorboard=false", "log.progress=false",
-        "checkpoint.every_epochs=null", "run.device=cpu",
+        "checkpoint.every_epochs=null", "run.device=cpu", f"speed.channels_last={channels_last}",
     ])
     rt = runtime.Runtime(device=torch.device("cpu"))
     torch.manual_seed(0)
@@ -181,9 +182,10 @@ def engine_case(name: str, args, log_dir: Path) -> None:
     epochs = max(1, math.ceil(args.steps / (len(x) // bs)))
     plain = partial(plain_run, model, x, y, bs, lr, epochs)
     plain_run(model, x, y, bs, lr, 1)  # warm-up: allocator, first-call kernels
-    torchsprint_run(model, dataset, bs, lr, "cpu", 1, log_dir)
+    torchsprint_run(model, dataset, bs, lr, "cpu", 1, log_dir, "false")
+    torchsprint_run(model, dataset, bs, lr, "memory", 1, log_dir)
     p, s, m = [], [], []
-    sides = [(p, plain), (s, partial(torchsprint_run, model, dataset, bs, lr, "cpu", epochs, log_dir)),
+    sides = [(p, plain), (s, partial(torchsprint_run, model, dataset, bs, lr, "cpu", epochs, log_dir, "false")),
              (m, partial(torchsprint_run, model, dataset, bs, lr, "memory", epochs, log_dir))]
     for r in range(args.repeats):
         for out, fn in sides[r % 3:] + sides[: r % 3]:  # rotate the order: no side always runs first
@@ -230,8 +232,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vs-plain-"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, {args.repeats} interleaved repeats, "
           f">= {args.steps} steps each, load average {os.getloadavg()[0]:.2f} at start")
-    print("| case | plain loop img/s | torchsprint cpu backend img/s | ratio | overhead us/step "
-          "| torchsprint memory backend img/s | ratio | overhead us/step |")
+    print("| case | plain loop img/s | torchsprint, same settings (cpu backend, NCHW) img/s | ratio | overhead us/step "
+          "| torchsprint, own defaults (memory backend, channels_last auto) img/s | ratio | overhead us/step |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.cases.split(","):
         if name == "digits_default":

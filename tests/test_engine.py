@@ -51,7 +51,7 @@ def test_train_matches_plain_pytorch_loop(tmp_path, accum):
     cfg = config.load(None, [
         f"run.dir={tmp_path}", f"run.max_steps={steps}", "model.args={width: 8}", f"data.batch_size={bs}",
         f"optim.lr={lr}", "optim.no_decay_norm_bias=false", "sched.name=constant", f"optim.accum_steps={accum}",
-        "log.tensorboard=false", "eval.per_class=false",
+        "log.tensorboard=false", "eval.per_class=false", "speed.channels_last=false",  # NCHW, like the plain loop
     ])
     train(cfg, quiet=True)
     got = load_file(str(tmp_path / "last.safetensors"))

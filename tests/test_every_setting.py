@@ -130,7 +130,7 @@ def probe_pretrained(tmp):
     from safetensors.torch import save_file
 
     cfg, b = build()
-    state = {k: torch.full_like(v, 0.5) if v.is_floating_point() else v for k, v in b.model.state_dict().items()}
+    state = {k: torch.full_like(v, 0.5).contiguous() if v.is_floating_point() else v for k, v in b.model.state_dict().items()}
     save_file(state, str(tmp / "w.safetensors"))
     _, b2 = build(f"model.pretrained={tmp / 'w.safetensors'}")
     assert all(torch.equal(v, state[k]) for k, v in b2.model.state_dict().items())
@@ -140,7 +140,7 @@ def probe_strict(tmp):
     from safetensors.torch import save_file
 
     _, b = build()
-    state = dict(b.model.state_dict())
+    state = {k: v.contiguous() for k, v in b.model.state_dict().items()}  # safetensors stores dense tensors only
     state["extra.weight"] = torch.zeros(2)
     save_file(state, str(tmp / "w.safetensors"))
     build(f"model.pretrained={tmp / 'w.safetensors'}")  # loads what matches
@@ -243,9 +243,18 @@ def probe_channels_last(tmp):
     conv = [m for m in b.model.modules() if isinstance(m, nn.Conv2d)][1]  # 8 input channels: the layouts differ
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert x.stride()[1] == 1  # NHWC batch (1 channel: is_contiguous cannot tell the formats apart)
-    _, b = build()
+    _, b = build("speed.channels_last=false")
     assert not [m for m in b.model.modules() if isinstance(m, nn.Conv2d)][1].weight.is_contiguous(
         memory_format=torch.channels_last)
+    # auto (the default): a convolutional model goes NHWC, its batches stay NCHW; a model without convolutions stays
+    _, b = build()
+    assert [m for m in b.model.modules() if isinstance(m, nn.Conv2d)][1].weight.is_contiguous(memory_format=torch.channels_last)
+    x = first_batch(b.loaders.train)[0]
+    assert x.is_contiguous() and (x.shape[1] == 1 or x.stride()[1] != 1)
+    from torchsprint.parallel import channels_last_on
+
+    _, b = build("model.name=linear", "model.args={}")
+    assert not channels_last_on("auto", b.model) and channels_last_on(True, b.model)
 
 
 def probe_imports(tmp, monkeypatch):

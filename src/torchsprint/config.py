@@ -224,7 +224,9 @@ class StrategyConfig(Section):
 
 
 class SpeedConfig(Section):
-    channels_last: bool = Field(False, description="Use channels_last memory format for model and inputs.")
+    channels_last: bool | Literal["auto"] = Field(
+        "auto", description="channels_last (NHWC) memory format. true: model and input batches; auto: the model when it has "
+        "2-D convolutions (oneDNN and cuDNN run them in NHWC; the first convolution reorders the NCHW batch), else off; false: off.")
     compile: bool = Field(False, description="torch.compile the model.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = Field(
         None, description="torch.compile mode (None: torch's default). reduce-overhead adds CUDA graphs (GPU).")

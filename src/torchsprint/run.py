@@ -135,7 +135,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.models import build_model
     from torchsprint.models.init import apply_freeze, frozen_norm_layers, init_model
     from torchsprint.optim import build_loss, build_optimizer, build_scheduler
-    from torchsprint.parallel import agree_on_data, unwrap, wrap_model
+    from torchsprint.parallel import agree_on_data, channels_last_on, unwrap, wrap_model
     from torchsprint.precision import Precision
 
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
@@ -145,7 +145,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     task = get_task(cfg.task)
     task.check(cfg)
     mixing = check_mix(cfg.mix, cfg.task, task.targets, cfg.loss)
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last, allowed=task.backends)
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True,
+                            allowed=task.backends)
     if cfg.eval.test_at_end and loaders.info.facts.get("images", {}).get("test") is None:
         raise UsageError(f"eval.test_at_end=true: data.dataset={cfg.data.dataset} (root={cfg.data.root}) has no test split "
                          "(image_folder reads test/ beside train/). Add one, or set eval.test_at_end=false.")
@@ -161,7 +162,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
            "random": "random initialisation"}[how])
     trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
     log(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
-    ema = build_ema(cfg.ema, model, rt.device, cfg.speed.channels_last)  # copied before wrap_model: plain and fp32
+    channels_last = channels_last_on(cfg.speed.channels_last, model)
+    ema = build_ema(cfg.ema, model, rt.device, channels_last)  # copied before wrap_model: plain and fp32
     model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
                        example=lambda: next(iter(loaders.train))[0], accum_steps=cfg.optim.accum_steps,
                        frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None)
@@ -313,12 +315,18 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
 
 def decisions(cfg, rt, b: Built) -> dict:
     """What torchsprint decided for this run, from the config and the data: printed at start, kept in decisions.json."""
+    from torchsprint.parallel import channels_last_on, unwrap
+
     info = b.loaders.info
     facts = dict(info.facts)
     return {
         "dataset": cfg.data.dataset, "root": cfg.data.root, "task": cfg.task, **facts,
         "backend": info.backend, "backend_why": info.backend_why,
         "device": str(rt.device), "world_size": rt.world_size, "precision": cfg.precision.mode,
+        "channels_last": channels_last_on(cfg.speed.channels_last, unwrap(b.model)),
+        "channels_last_why": ("speed.channels_last=auto: " + ("the model has 2-D convolutions" if any(
+            isinstance(m, torch.nn.Conv2d) for m in unwrap(b.model).modules()) else "no 2-D convolutions"))
+        if cfg.speed.channels_last == "auto" else f"speed.channels_last={str(cfg.speed.channels_last).lower()}",
         "batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
         "effective_batch_size": cfg.data.batch_size * cfg.optim.accum_steps * rt.world_size,
         "steps_per_epoch": -(-len(b.loaders.train) // cfg.optim.accum_steps), "epochs": cfg.run.epochs,
@@ -350,7 +358,8 @@ def describe_decisions(d: dict) -> list[str]:
         lines.append("  " + "; ".join(extra))
     lines.append(f"loader: data.backend={d['backend']} ({d['backend_why']})"
                  + (f", decoder {d['decoder']}" if d.get("decoder") else ""))
-    lines.append(f"device {d['device']} x {d['world_size']}, precision {d['precision']}, batch {d['batch_size']} x "
+    lines.append(f"device {d['device']} x {d['world_size']}, precision {d['precision']}, channels_last "
+                 f"{'on' if d.get('channels_last') else 'off'} ({d.get('channels_last_why', '')}), batch {d['batch_size']} x "
                  f"accum {d['accum_steps']} x {d['world_size']} process(es) = effective batch {d['effective_batch_size']}, "
                  f"{d['steps_per_epoch']} steps per epoch, {d['epochs']} epochs")
     return lines
@@ -366,7 +375,7 @@ def evaluate_test(cfg, rt, b: Built, run_dir: Path, task, logger, step: int) -> 
 
     state = load_file(str(run_dir / "best.safetensors")) if rt.is_main else None
     unwrap(b.model).load_state_dict(broadcast_object(state, rt))
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last, split="test",
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True, split="test",
                             allowed=EVAL_BACKENDS)
     out = evaluate(b.model, loaders.val, b.loss_fn, b.prec, task.make_metrics(loaders.info, cfg.eval, rt.device))
     out = {f"test/{k}": v for k, v in out.items() if not isinstance(v, list)}

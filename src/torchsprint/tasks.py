@@ -66,7 +66,7 @@ class Task:
         if self.backends is not None and cfg.data.backend not in (*self.backends, "auto"):
             raise UsageError(f"task={self.name} does not support data.backend={cfg.data.backend} (supported: "
                              f"{', '.join(self.backends)}). Set data.backend={self.backends[0]}.")
-        if cfg.speed.channels_last and not self.channels_last:
+        if cfg.speed.channels_last is True and not self.channels_last:
             raise UsageError(f"task={self.name}: speed.channels_last applies to 4-D image batches only; set speed.channels_last=false.")
         for key in ("topk", "per_class", "threshold"):
             value = getattr(cfg.eval, key)

@@ -5,6 +5,7 @@
 #   benchmarks/gpu/run_all.sh tests suite          # gpu/dali-marked tests (4 processes), then the rest (~6 min)
 #   benchmarks/gpu/run_all.sh bench M1,M4,M6       # model-only, memory backend, predict (~7 min)
 #   benchmarks/gpu/run_all.sh bench M2,M3,M5       # loaders, end to end, torchsprint bench (~8 min)
+#   benchmarks/gpu/run_all.sh recipes              # issue 14's switch costs on the memory and gpu backends (~5 min)
 #   benchmarks/gpu/run_all.sh all                  # everything in one go (a machine without the call limit)
 #
 # Each call first installs what the machine lacks from .whl/ (benchmarks/gpu/fetch_wheels.sh made it; carry
@@ -129,6 +130,14 @@ run_bench() {
     ${PREVIOUS:+--previous "$PREVIOUS"}
 }
 
+run_recipes() {  # issue 14: what each recipe switch costs per backend on the GPU (the CPU figures are in BENCHMARKS.md)
+  echo "== recipe switch costs $(date -u +%T)"
+  timeout 280 "$PY" benchmarks/recipe_costs.py --backends memory,gpu --repeats 3 --steps 100 --root /tmp/recipe-costs \
+    2>&1 | tee "$OUT/recipes_gpu.log" | tail -12
+  timeout 280 "$PY" benchmarks/aug_cost.py --backends memory,gpu --repeats 3 --steps 50 --warmup 5 --root /tmp/aug-bench \
+    2>&1 | tee -a "$OUT/recipes_gpu.log" | tail -12
+}
+
 SUITE_MARKS=${SUITE_MARKS:-not gpu and not dali}
 [ $# -eq 0 ] && set -- all
 setup
@@ -140,8 +149,10 @@ while [ $# -gt 0 ]; do
       list=M1,M2,M3,M4,M5,M6
       if [ $# -gt 1 ] && [[ "$2" == M* ]]; then list=$2; shift; fi
       run_bench "$list" ;;
-    all) run_tests; SUITE_MARKS="not gpu and not dali" run_suite; DEADLINE=${DEADLINE:-3600} run_bench M1,M2,M3,M4,M5,M6 ;;
-    *) echo "unknown part '$1': use tests, suite, bench [M1,...], all"; exit 2 ;;
+    recipes) run_recipes ;;
+    all) run_tests; SUITE_MARKS="not gpu and not dali" run_suite; DEADLINE=${DEADLINE:-3600} run_bench M1,M2,M3,M4,M5,M6
+         run_recipes ;;
+    *) echo "unknown part '$1': use tests, suite, bench [M1,...], recipes, all"; exit 2 ;;
   esac
   shift
 done

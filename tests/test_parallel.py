@@ -282,3 +282,23 @@ def test_speed_switches_train_on_gpu(tmp_path, switch):
     assert summary["final"]["val/top1"] >= 0.98
     if switch == ["speed.compile=true"]:
         assert_ran_compiled(compiled_frames())  # not a silent eager fallback
+
+
+def test_lost_peer_line_only_for_communication_failures(monkeypatch):
+    """A DDP worker whose peer died prints one line naming it; other errors keep their traceback."""
+    import torch.distributed as dist
+
+    from torchsprint.runtime import lost_peer
+
+    gloo_reset = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:27843: "
+                              "Connection reset by peer. This is typically caused by a remote worker hanging")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    line = lost_peer(gloo_reset)
+    assert line.startswith("DDP rank 1 of 2 lost contact with the group (another rank's connection closed") and "\n" not in line
+    hung = lost_peer(dist.DistBackendError("[Rank 1] Watchdog caught collective operation timeout"))
+    assert "did not answer within strategy.timeout_s" in hung
+    assert lost_peer(RuntimeError("DataLoader worker (pid 12) timed out after 5 seconds")) is None  # not a peer
+    assert lost_peer(ValueError("bad value")) is None
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert lost_peer(gloo_reset) is None  # one process: there is no group to lose

@@ -248,7 +248,10 @@ def lost_peer(error: BaseException) -> str | None:
     dist_error = isinstance(error, getattr(torch.distributed, "DistError", ()))
     closed = any(k in msg for k in ("closed by peer", "reset by peer", "Broken pipe", "Connection refused"))
     timed_out = "imed out" in msg or "timeout" in msg.lower()
-    if not (dist_error or ((closed or timed_out) and isinstance(error, RuntimeError))):
+    # A plain RuntimeError counts only when it comes from the communication library (a DataLoader's own
+    # "timed out" is not a lost peer).
+    from_backend = any(k in msg.lower() for k in ("gloo", "nccl", "processgroup", "c10d"))
+    if not (dist_error or ((closed or timed_out) and from_backend and isinstance(error, RuntimeError))):
         return None
     rank = os.environ.get("RANK", "?")
     why = ("another rank's connection closed: a worker or its machine died" if closed else

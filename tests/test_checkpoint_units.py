@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import resource
 import time
 import zipfile
 from pathlib import Path
@@ -210,6 +211,21 @@ class _FailingFile:
         self.f.flush()
 
 
+def test_out_of_file_descriptors_is_reported_as_such(tmp_path):
+    # open() fails before the temp file exists: the cleanup must not replace EMFILE with "no such file".
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.open(os.devnull, os.O_RDONLY)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # every descriptor below the limit is taken
+    try:
+        with pytest.raises(OSError) as info:
+            atomic_write(tmp_path / "f.bin", lambda f: f.write(b"x"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert info.value.errno == errno.EMFILE, info.value
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_atomic_write_into_a_missing_folder_raises_the_open_error(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         atomic_write(tmp_path / "missing" / "f.bin", lambda f: f.write(b"x"))
@@ -231,6 +247,41 @@ def test_load_checkpoint_returns_the_saved_dict(tmp_path):
     got = load_checkpoint(str(tmp_path / "c.pt"))
     assert got.keys() == saved.keys() and torch.equal(got["model"]["w"], saved["model"]["w"])
     assert got["model"]["w"].device.type == "cpu" and got["metric"] == 0.5
+
+
+def test_a_checkpoint_saved_on_a_gpu_loads_on_a_cpu_only_machine(tmp_path):
+    # torch.save records each storage's device; rewrite "cpu" to "cuda:0" in a real file, as a GPU run saves it.
+    buf = io.BytesIO()
+    torch.save(full_checkpoint(), buf)
+    path = tmp_path / "gpu.pt"
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(path, "w") as zout:
+        for n in zin.namelist():
+            data = zin.read(n)
+            if n.endswith("/data.pkl"):
+                assert data.count(b"X\x03\x00\x00\x00cpu") == 1  # the one storage's location, a pickled str
+                data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+            zout.writestr(n, data)
+    with pytest.raises(RuntimeError, match="CUDA"):  # the file really names a CUDA device (no GPU visible here)
+        torch.load(path, weights_only=True)
+    w = load_checkpoint(path)["model"]["w"]
+    assert w.device.type == "cpu" and torch.equal(w, torch.ones(2))
+
+
+def test_loading_never_runs_code_even_when_torch_is_told_to_allow_it(tmp_path, monkeypatch):
+    # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (a common workaround for old pickles) turns weights_only off wherever
+    # torch.load is called without it: load_checkpoint must pass weights_only=True itself.
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    path = tmp_path / "evil.pt"
+    torch.save(full_checkpoint(model=Payload()), path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(UsageError, match="not a readable checkpoint"):
+        load_checkpoint(path)
+    assert not marker.exists()
 
 
 def test_load_checkpoint_refusals_name_the_file_and_the_reason(tmp_path):
@@ -465,6 +516,23 @@ def test_keep_last_and_best_with_ties_going_to_the_first(tmp_path, mode, best):
     assert [e["file"] for e in read_status(tmp_path)["checkpoints"]] == [name(2), name(4), name(6)]
     assert read_status(tmp_path)["best"] == name(2)
     assert sorted(p.name for p in saver.dir.glob("ckpt-*.pt")) == [name(2), name(4), name(6)]
+
+
+def test_a_checkpoint_deleted_by_hand_during_the_run_does_not_stop_the_next_save(tmp_path):
+    saver, objs = make_saver(tmp_path, "checkpoint.keep_last=1", "checkpoint.keep_best=0")
+    saver.save(state(1), *objs, metric=None)
+    (saver.dir / name(1)).unlink()  # e.g. to free disk space; the saver still lists it
+    saver.save(state(2), *objs, metric=None)  # drops step 1 from the list: deleting it again is not an error
+    assert [e["file"] for e in read_status(tmp_path)["checkpoints"]] == [name(2)]
+    assert sorted(p.name for p in saver.dir.glob("ckpt-*.pt")) == [name(2)]
+
+
+def test_status_times_are_in_milliseconds(tmp_path):
+    saver, objs = make_saver(tmp_path, "checkpoint.keep_last=8")
+    for s in range(1, 9):
+        saver.save(state(s), *objs, metric=None)
+    times = [e["time"] for e in read_status(tmp_path)["history"]]
+    assert times == sorted(times) and all(t == round(t, 3) for t in times)  # 8 saves: a 4th decimal shows up
 
 
 def test_keep_best_zero_keeps_only_the_last(tmp_path):

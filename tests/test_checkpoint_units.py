@@ -601,20 +601,36 @@ def test_reopening_sorts_unlisted_files_by_step_then_epoch(tmp_path):
     assert reopened.status["history"] == []
 
 
-@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"checkpoints": {"a": 1}}', '{"history": []}'])
+@pytest.mark.parametrize("text", [
+    "{not json", "[1, 2]", '{"checkpoints": {"a": 1}}', '{"history": []}',
+    # Valid JSON of the wrong shape (edited by hand): entries that are not entries, a history that is not a list.
+    '{"checkpoints": [1]}', '{"checkpoints": [{"file": "ckpt-e001-s0000001.pt"}]}',
+    '{"checkpoints": [{"file": "ckpt-e001-s0000001.pt", "step": 1}]}', '{"checkpoints": [], "history": {}}',
+])
 def test_an_unreadable_status_file_is_rebuilt_from_the_files(tmp_path, text):
-    saver, objs = make_saver(tmp_path)
+    saver, objs = make_saver(tmp_path, "checkpoint.keep_last=3")
     saver.save(state(1), *objs, metric=0.5)
     (saver.dir / "status.json").write_text(text)
     logs = []
-    reopened, _ = make_saver(tmp_path, log=logs.append, resumed_step=1)
+    reopened, objs = make_saver(tmp_path, "checkpoint.keep_last=3", log=logs.append, resumed_step=1)
     assert [e["file"] for e in reopened.status["checkpoints"]] == [name(1)]
     assert reopened.status["checkpoints"][0]["metric"] == 0.5 and reopened.status["history"] == []
     assert len(logs) == 1
     assert logs[0].startswith(f"[yellow]ignoring unreadable {saver.dir / 'status.json'}[/] (")
     assert logs[0].endswith("); rebuilding it from the files")
-    if text.startswith("[") or text.startswith('{"'):
+    if not text.startswith("{not"):
         assert "(unexpected layout)" in logs[0]
+    reopened.save(state(2), *objs, metric=None)  # and the run goes on saving
+    assert [e["file"] for e in read_status(tmp_path)["checkpoints"]] == [name(1), name(2)]
+
+
+def test_a_status_without_history_is_not_a_layout_error(tmp_path):
+    saver, objs = make_saver(tmp_path)
+    saver.save(state(1), *objs, metric=None)
+    (saver.dir / "status.json").write_text(json.dumps({"checkpoints": read_status(tmp_path)["checkpoints"]}))
+    logs = []
+    reopened, _ = make_saver(tmp_path, log=logs.append, resumed_step=1)
+    assert logs == [] and reopened.status["history"] == [] and [e["file"] for e in reopened.status["checkpoints"]] == [name(1)]
 
 
 def test_an_unreadable_status_path_is_rebuilt_too(tmp_path):

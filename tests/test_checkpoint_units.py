@@ -624,13 +624,17 @@ def test_an_unreadable_status_file_is_rebuilt_from_the_files(tmp_path, text):
     assert [e["file"] for e in read_status(tmp_path)["checkpoints"]] == [name(1), name(2)]
 
 
-def test_a_status_without_history_is_not_a_layout_error(tmp_path):
+def test_a_status_without_history_or_with_minimal_entries_is_not_a_layout_error(tmp_path):
     saver, objs = make_saver(tmp_path)
     saver.save(state(1), *objs, metric=None)
-    (saver.dir / "status.json").write_text(json.dumps({"checkpoints": read_status(tmp_path)["checkpoints"]}))
-    logs = []
-    reopened, _ = make_saver(tmp_path, log=logs.append, resumed_step=1)
-    assert logs == [] and reopened.status["history"] == [] and [e["file"] for e in reopened.status["checkpoints"]] == [name(1)]
+    entry = {"file": name(1), "epoch": 1, "step": 1}  # the keys the saver needs, and no other
+    for status in ({"checkpoints": read_status(tmp_path)["checkpoints"]}, {"checkpoints": [entry], "history": []}):
+        (saver.dir / "status.json").write_text(json.dumps(status))
+        logs = []
+        reopened, _ = make_saver(tmp_path, log=logs.append, resumed_step=1)
+        assert logs == [] and reopened.status["history"] == []
+        assert [e["file"] for e in reopened.status["checkpoints"]] == [name(1)]
+    assert reopened.status["checkpoints"] == [entry]  # kept as listed, not rebuilt from the file
 
 
 def test_an_unreadable_status_path_is_rebuilt_too(tmp_path):

@@ -37,7 +37,7 @@ case "$module" in
     ;;
   checkpoint)
     src=src/torchsprint/checkpoint.py
-    tests=(tests/test_checkpoint.py -k "not two_ranks")
+    tests=(tests/test_checkpoint_units.py tests/test_checkpoint.py -k "not two_ranks")
     ;;
   engine)
     src=src/torchsprint/engine.py

@@ -253,8 +253,10 @@ class Saver:
     def _read_status(self) -> dict[str, Any]:
         try:
             status = json.loads(self.status_path.read_text())
-            if not isinstance(status, dict) or not isinstance(status.get("checkpoints"), list):
-                raise ValueError("unexpected layout")
+            if not isinstance(status, dict) or not isinstance(status.get("checkpoints"), list) \
+                    or not isinstance(status.get("history", []), list) \
+                    or not all(isinstance(e, dict) and {"file", "epoch", "step"} <= e.keys() for e in status["checkpoints"]):
+                raise ValueError("unexpected layout")  # e.g. edited by hand: rebuilt, not a crash at the first save
         except FileNotFoundError:
             status = {}
         except (ValueError, OSError) as e:

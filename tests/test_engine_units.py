@@ -597,6 +597,8 @@ def test_fit_trains_evaluates_every_n_epochs_and_saves_the_best_and_last_weights
     assert (tmp_path / "confusion_matrix.csv").is_file()  # the task's artifacts go with the best weights
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
     assert "ckpt-e003-s0000015.pt" in ckpts and "ckpt-e002-s0000010.pt" in ckpts  # keep_last=2 (+ best)
+    for name, ev in (("ckpt-e002-s0000010.pt", evals[0]), ("ckpt-e003-s0000015.pt", evals[1])):  # saved with its metric
+        assert torch.load(tmp_path / "checkpoints" / name, weights_only=False)["metric"] == ev["val/top1"]
     out = capsys.readouterr().out
     task = get_task("classification")
     assert f"epoch 2/3  {task.summary(evals[0])}\n" in out and f"epoch 3/3  {task.summary(evals[1])}\n" in out
@@ -661,7 +663,7 @@ def test_fit_pauses_mid_epoch_without_evaluating_and_continues_like_an_uninterru
 
 
 def test_fit_pausing_at_an_epoch_end_evaluates_and_finishes_the_epoch(tmp_path):
-    r = setup(tmp_path, "run.epochs=3", "run.stop_after_steps=5")
+    r = setup(tmp_path, "run.epochs=3", "run.stop_after_steps=5", "checkpoint.every_epochs=null")  # the pause saves
     summary = run_fit(r)
     assert summary["paused"] is True and summary["global_step"] == 5
     assert [x["epoch"] for x in r.rows("eval")] == [1] and summary["best_epoch"] == 1
@@ -674,15 +676,17 @@ def test_fit_pausing_at_an_epoch_end_evaluates_and_finishes_the_epoch(tmp_path):
 
 def test_fit_stops_early_when_the_monitor_stops_improving(tmp_path, capsys):
     r = setup(tmp_path, "run.epochs=6", "early_stop.patience=2", "early_stop.min_delta=0.5", "checkpoint.keep_last=1",
-              "checkpoint.keep_best=0")
+              "checkpoint.keep_best=0", "checkpoint.every_epochs=null")  # the stop itself saves a checkpoint
     summary = run_fit(r, pass_task=False)  # top1 never improves by 0.5 after the first evaluation: stops after epoch 3
     evals = [x["val/top1"] for x in r.rows("eval")]
     assert len(evals) == 3
     assert summary["early_stop"] == {"stopped_epoch": 3, "best": evals[0], "wait": 2, "patience": 2, "min_delta": 0.5}
     assert summary["global_step"] == 15 and summary["paused"] is False
     rows = r.rows("early_stop")
-    assert [(x["early_stop/wait"], x["early_stop/stopped"], x["epoch"]) for x in rows] == \
-        [(0, False, 1), (1, False, 2), (2, True, 3)]
+    assert [(x["early_stop/wait"], x["early_stop/stopped"], x["epoch"], x["step"]) for x in rows] == \
+        [(0, False, 1, 5), (1, False, 2, 10), (2, True, 3, 15)]
+    # measured top1: 0.25, 0.333, 0.333: the best is the first of the two equal maxima, not the last evaluation
+    assert summary["best_epoch"] == 1 + evals.index(max(evals)) == 2
     assert all(x["early_stop/best"] == evals[0] for x in rows)
     assert r.state.stopped_epoch == 2 and r.state.epoch == 3
     assert [p.name for p in (tmp_path / "checkpoints").glob("*.pt")] == ["ckpt-e003-s0000015.pt"]
@@ -694,7 +698,8 @@ def test_fit_stops_early_when_the_monitor_stops_improving(tmp_path, capsys):
 
 
 def test_fit_evaluates_and_saves_the_ema(tmp_path, capsys):
-    r = setup(tmp_path, "run.epochs=2", "ema.enabled=true", "ema.decay=0.5", "checkpoint.monitor=ema/val/top1", ema=True)
+    r = setup(tmp_path, "run.epochs=2", "ema.enabled=true", "ema.decay=0.5", "checkpoint.monitor=ema/val/top1",
+              "eval.per_class=true", ema=True, lr=0.5)
     summary = run_fit(r)
     val = batches(r.loaders.val, 0)
     evals = r.rows("eval")
@@ -714,30 +719,81 @@ def test_fit_evaluates_and_saves_the_ema(tmp_path, capsys):
     if summary["best_epoch"] == 2:
         assert torch.equal(best["1.weight"], r.ema.module[1].weight)
     assert not torch.equal(r.ema.module[1].weight, r.model[1].weight)
+    # The confusion matrix written with the best weights is the EMA's (measured: EMA top1 0.625, model 0.667)
+    best_model = tiny_model()
+    best_model[1].weight.data, best_model[1].bias.data = best["1.weight"], best["1.bias"]
+
+    def confusion(m):
+        x, y = torch.cat([b[0] for b in val]), torch.cat([b[1] for b in val])
+        with torch.no_grad():
+            pred = m(x).argmax(1)
+        return [[int(((y == t) & (pred == q)).sum()) for q in range(K)] for t in range(K)]
+
+    csv_rows = [line.split(",")[1:] for line in (tmp_path / "confusion_matrix.csv").read_text().splitlines()[1:]]
+    assert [[int(v) for v in row] for row in csv_rows] == confusion(best_model)
+    if summary["best_epoch"] == 2:
+        assert confusion(best_model) != confusion(r.model)
     assert r.ema.updates == 10  # fit passes the EMA to every epoch: updated after each of the 10 steps
     task = get_task("classification")
     ema_row = {k[4:]: v for k, v in evals[-1].items() if k.startswith("ema/")}
     assert f"epoch 2/2  {task.summary(evals[-1])}  | EMA {task.summary(ema_row)}\n" in capsys.readouterr().out
 
 
-class ShortLoader:
-    """A loader whose length promises one batch more than it yields (the loader-length bug fit refuses)."""
+class WrappedLoader:
+    """A real loader, wrapped to act out what fit must handle: a length that promises more batches than it yields
+    (a loader-length bug), or a slow loader (an input-bound run)."""
 
-    def __init__(self, inner):
-        self.inner, self.skipped = inner, []
+    def __init__(self, inner, extra_len: int = 0, sleep_s: float = 0.0):
+        self.inner, self.extra_len, self.sleep_s = inner, extra_len, sleep_s
+        self.skipped: list[str] = []
 
     def set_epoch(self, epoch, start_batch=0):
         self.inner.set_epoch(epoch, start_batch)
 
     def __len__(self):
-        return len(self.inner) + 1
+        return len(self.inner) + self.extra_len
 
     def __iter__(self):
-        return iter(self.inner)
+        import time
+
+        for b in self.inner:
+            time.sleep(self.sleep_s)
+            yield b
 
 
 def test_fit_refuses_a_loader_that_ends_before_the_epoch(tmp_path):
     r = setup(tmp_path, "run.epochs=1")
-    r.loaders.train = ShortLoader(r.loaders.train)
-    with pytest.raises(RuntimeError, match="loader ended before the epoch did"):
+    r.loaders.train = WrappedLoader(r.loaders.train, extra_len=1)
+    with pytest.raises(RuntimeError, match="^loader ended before the epoch did$"):
         run_fit(r)
+
+
+def test_fit_reports_skipped_samples_and_input_bound_epochs(tmp_path, capsys):
+    r = setup(tmp_path, "run.epochs=1")
+    # 20 ms per batch against steps of well under a millisecond: data wait near 100% (flagged above 20%)
+    r.loaders.train = WrappedLoader(r.loaders.train, sleep_s=0.02)
+    r.loaders.train.skipped.append("bad.jpg")  # what a cpu loader records for an unreadable file
+    r.loaders.info.backend = ""  # a loader that does not say which backend it is: the config's name is shown
+    run_fit(r)
+    out = capsys.readouterr().out
+    assert "input-bound: the loader (memory) is the bottleneck" in out
+    assert "1 unreadable sample(s) skipped this epoch, e.g. ['bad.jpg']" in out
+    (row,) = r.rows("data")
+    assert row["data/skipped_paths"] == ["bad.jpg"] and r.loaders.train.skipped == []
+    assert r.rows("epoch")[0]["train/data_wait_share"] > 0.2
+
+
+@pytest.mark.parametrize(("mode", "monitor"), [("max", "val/top1"), ("min", "val/loss")])
+def test_fit_early_stop_follows_the_checkpoint_mode(tmp_path, mode, monitor):
+    r = setup(tmp_path, "run.epochs=6", "early_stop.patience=1", f"checkpoint.monitor={monitor}", f"checkpoint.mode={mode}",
+              lr=0.5)
+    summary = run_fit(r)
+    values = [x[monitor] for x in r.rows("eval")]
+    want = plain_early_stop(values, 1, 0.0, mode)
+    stopped = [i for i, (*_, stop) in enumerate(want, 1) if stop]
+    assert summary["early_stop"]["stopped_epoch"] == (stopped[0] if stopped else None)
+    assert len(values) == (stopped[0] if stopped else 6)
+    # the same values read in the other direction stop elsewhere: the mode is what decides
+    other = [i for i, (*_, stop) in enumerate(plain_early_stop(values, 1, 0.0, "min" if mode == "max" else "max"), 1)
+             if stop]
+    assert other[:1] != stopped[:1]

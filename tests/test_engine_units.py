@@ -458,6 +458,35 @@ def test_train_one_epoch_resumes_mid_epoch_at_the_next_step(tmp_path):
     assert r.opt.param_groups[0]["lr"] == 0.1  # interval=epoch: the engine's epoch loop steps it, not train_one_epoch
 
 
+def test_train_one_epoch_draws_the_progress_bar_on_a_terminal(tmp_path, monkeypatch):
+    """log.progress on an interactive terminal (a real pseudo-terminal here): the bar names the epoch and counts
+    the epoch's steps, starting from the steps a resumed epoch already did."""
+    import os
+    import re
+    import select
+    import sys
+
+    master, slave = os.openpty()
+    with os.fdopen(slave, "w") as term:
+        monkeypatch.setattr(sys, "stdout", term)
+        r = setup(tmp_path, "optim.accum_steps=2", "log.every_steps=100", "log.progress=true", "run.epochs=4")
+        r.state = TrainState(epoch=1, step_in_epoch=1, global_step=4)  # 1 of epoch 2's 3 steps done
+        one_epoch(r)
+        term.flush()
+    out = b""
+    while select.select([master], [], [], 0.2)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode(errors="replace"))
+    assert re.search(r"epoch 2/4 .*3/3", text), text[-500:]
+
+
 @pytest.mark.parametrize("how", ["max_steps", "stop_at"])
 def test_train_one_epoch_stops_at_max_steps_or_stop_at(tmp_path, how):
     # 5 batches, 2 per step: 3 steps per epoch (the last of one batch); stopped after 2 of them
@@ -491,6 +520,30 @@ def test_train_one_epoch_checkpoints_every_n_steps_with_the_epoch_sums_so_far(tm
         ts = torch.load(tmp_path / "checkpoints" / name, weights_only=False)["train_state"]
         assert (ts["global_step"], ts["epoch_steps"], ts["epoch_samples"]) == (steps, steps, 8 * steps)
         assert math.isclose(ts["epoch_loss_sum"], sum(want[:steps]), rel_tol=1e-15)  # float64 sums
+
+
+def test_train_one_epoch_calls_the_fault_injection_hook_after_each_step(tmp_path):
+    """TORCHSPRINT_TEST_KILL_AT=RANK:STEP (the elastic tests' hook) kills the process right after step STEP and its
+    checkpoint: run in a forked child, which must die by SIGKILL with the checkpoints of steps 1-3 only."""
+    import multiprocessing
+    import os
+    import signal
+
+    def child():
+        os.environ["TORCHSPRINT_TEST_KILL_AT"] = "0:3"
+        os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)
+        os.environ.pop("RANK", None)
+        one_epoch(setup(tmp_path, "checkpoint.every_steps=1", "checkpoint.keep_last=10", "log.every_steps=100"))
+
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join(30)
+    if p.is_alive():  # a hang (a broken loop): never leave the child running
+        p.kill()
+        p.join()
+    assert p.exitcode == -signal.SIGKILL
+    assert sorted(x.name for x in (tmp_path / "checkpoints").glob("*.pt")) == \
+        [f"ckpt-e001-s000000{i}.pt" for i in (1, 2, 3)]
 
 
 def test_train_one_epoch_counts_skipped_non_finite_steps(tmp_path):

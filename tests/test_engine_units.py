@@ -544,6 +544,9 @@ def test_train_one_epoch_calls_the_fault_injection_hook_after_each_step(tmp_path
     assert p.exitcode == -signal.SIGKILL
     assert sorted(x.name for x in (tmp_path / "checkpoints").glob("*.pt")) == \
         [f"ckpt-e001-s000000{i}.pt" for i in (1, 2, 3)]
+    # Without the variable (here, in this process; mutmut also sees which engine functions the test calls):
+    r = setup(tmp_path / "plain", "log.every_steps=100")
+    assert one_epoch(r)["finished_epoch"] and r.state.global_step == 5
 
 
 def test_train_one_epoch_counts_skipped_non_finite_steps(tmp_path):

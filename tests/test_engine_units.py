@@ -549,6 +549,8 @@ def test_train_one_epoch_calls_the_fault_injection_hook_after_each_step(tmp_path
     assert one_epoch(r)["finished_epoch"] and r.state.global_step == 5
 
 
+# Every step is skipped, so the per-step scheduler steps without an optimizer step: torch warns, as expected here.
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 def test_train_one_epoch_counts_skipped_non_finite_steps(tmp_path):
     model = tiny_model()
     with torch.no_grad():

@@ -41,7 +41,9 @@ case "$module" in
     ;;
   engine)
     src=src/torchsprint/engine.py
-    tests=(tests/test_engine.py)
+    # test_engine_units.py: every engine function on a tiny model and 40 in-memory images (~6 s in all);
+    # test_engine.py: three short real runs against a plain loop.
+    tests=(tests/test_engine_units.py tests/test_engine.py)
     ;;
   *)
     echo "mutation.sh: unknown module '$module'; use precision, optim, metrics, augment, checkpoint or engine." >&2

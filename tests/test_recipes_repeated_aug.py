@@ -90,6 +90,6 @@ def test_ddp_repeated_aug_copies_differ_and_ema_follows_the_unwrapped_model(tmp_
     a, b = load_file(str(tmp_path / "ddp" / "ema_run" / "ema.safetensors")), load_file(str(tmp_path / "ref" / "ema.safetensors"))
     diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
     print(f"max |ema_ddp - ema_single| = {diff:.2e}")
-    assert diff < 1e-7, diff  # gradients summed over 2 ranks vs one batch: float order only (measured 3.0e-08)
+    assert diff < 9e-8, diff  # gradients summed over 2 ranks vs one batch: float order only (measured 3.0e-08)
     assert res["ema_buffers_differ_before_sync"] and res["ema_equal_after_sync"]
     assert ref["final"]["ema/val/count"] == json.loads((tmp_path / "ddp" / "ema_val_count.json").read_text())

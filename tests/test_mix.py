@@ -188,9 +188,11 @@ def run(d: Path, *extra):
 @pytest.mark.parametrize("backend", ["cpu", "memory"])
 def test_pause_and_resume_with_mixing_is_bit_identical(tmp_path, backend):
     ref = run(tmp_path / "ref", f"data.backend={backend}")
-    first = run(tmp_path / "b", f"data.backend={backend}", "run.stop_after_steps=5")
+    first = run(tmp_path / "b", f"data.backend={backend}", "run.stop_after_steps=5", "log.every_steps=1")
     assert first["paused"]
-    done = run(tmp_path / "b", f"data.backend={backend}", "checkpoint.resume=auto")
+    done = run(tmp_path / "b", f"data.backend={backend}", "checkpoint.resume=auto", "log.every_steps=1")
+    lines = [json.loads(x) for x in ((tmp_path / "b") / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, ref["global_step"] + 1))  # resumed, not started over
     a, b = load_file(str(tmp_path / "ref" / "last.safetensors")), load_file(str(tmp_path / "b" / "last.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert done["final"] == ref["final"]

@@ -62,13 +62,15 @@ def run(d: Path, *over: str) -> dict:
 
 def test_ema_resumes_bit_exactly(tmp_path):
     """Paused mid-epoch (and the EMA's warm-up counting) then resumed == uninterrupted: EMA weights bit-identical."""
-    over = ["run.epochs=2", "ema.warmup=true", "ema.every_steps=2", "checkpoint.every_steps=3"]
+    over = ["run.epochs=2", "ema.warmup=true", "ema.every_steps=2", "checkpoint.every_steps=3", "log.every_steps=1"]
     full = run(tmp_path / "full", *over)
     paused = run(tmp_path / "resumed", *over, "run.stop_after_steps=5")
     assert paused["paused"]
     ckpt = torch.load(sorted((tmp_path / "resumed" / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
     assert ckpt["ema"]["updates"] == 2  # steps 2 and 4 updated it
     resumed = run(tmp_path / "resumed", *over, "checkpoint.resume=auto")
+    lines = [json.loads(x) for x in ((tmp_path / "resumed") / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, full["global_step"] + 1))  # resumed, not started over
     for name in ("ema", "last"):
         a, b = load_file(str(tmp_path / "full" / f"{name}.safetensors")), load_file(str(tmp_path / "resumed" / f"{name}.safetensors"))
         assert all(torch.equal(a[k], b[k]) for k in a), name

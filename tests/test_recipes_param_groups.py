@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -111,10 +112,12 @@ def test_a_run_trains_with_groups_and_resumes(tmp_path):
     from torchsprint.run import train
 
     over = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.epochs=2", "eval.per_class=false",
-            "optim.layer_decay=0.7", "optim.param_groups=[{pattern: '0.*', lr_scale: 0.5, weight_decay: 0}]"]
+            "optim.layer_decay=0.7", "optim.param_groups=[{pattern: '0.*', lr_scale: 0.5, weight_decay: 0}]", "log.every_steps=1"]
     full = train(config.load(None, [*over, f"run.dir={tmp_path / 'a'}"]), quiet=True)
     train(config.load(None, [*over, f"run.dir={tmp_path / 'b'}", "run.stop_after_steps=30"]), quiet=True)
     resumed = train(config.load(None, [*over, f"run.dir={tmp_path / 'b'}", "checkpoint.resume=auto"]), quiet=True)
     assert resumed["final"] == full["final"]
+    lines = [json.loads(x) for x in ((tmp_path / "b") / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, full["global_step"] + 1))  # resumed, not started over
     ck = torch.load(sorted((tmp_path / "b" / "checkpoints").glob("*.pt"))[-1], weights_only=True)
     assert len({g["lr_scale"] for g in ck["optimizer"]["param_groups"]}) > 2

@@ -117,10 +117,16 @@ def test_batched_backends_refuse_what_they_cannot_run_naming_cpu():
 
 @pytest.mark.parametrize("backend", ["cpu", "memory"])
 def test_training_with_auto_augmentation_runs_on_digits(tmp_path, backend):
+    from safetensors.torch import load_file
+
     from torchsprint import config
     from torchsprint.run import train
 
-    cfg = config.load(None, ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.max_steps=3",
-                             f"data.backend={backend}", "data.train.transforms=[trivial_augment_wide, rand_augment]",
-                             f"run.dir={tmp_path / 'r'}"])
+    common = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.max_steps=3",
+              f"data.backend={backend}"]
+    cfg = config.load(None, [*common, "data.train.transforms=[trivial_augment_wide, rand_augment]", f"run.dir={tmp_path / 'r'}"])
     assert train(cfg, quiet=True)["global_step"] == 3
+    # and the steps were applied: the same run without them trains other weights
+    train(config.load(None, [*common, f"run.dir={tmp_path / 'plain'}"]), quiet=True)
+    a, b = load_file(str(tmp_path / "r" / "last.safetensors")), load_file(str(tmp_path / "plain" / "last.safetensors"))
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)

@@ -44,6 +44,15 @@ def shard_set(out: Path) -> set[tuple[str, str, str]]:
     return set(got)
 
 
+def shard_order(out: Path, split: str) -> list[tuple[str, str]]:
+    """(class, digest) of every sample of `split`, in shard order then tar order."""
+    import webdataset as wds
+
+    classes = json.loads((out / "index.json").read_text())["classes"]
+    return [(classes[int(s["cls"])], hashlib.blake2b(s["jpg"], digest_size=16).hexdigest())
+            for tar in sorted(out.glob(f"{split}-*.tar")) for s in wds.WebDataset(str(tar), shardshuffle=False, empty_check=False)]
+
+
 def test_killed_midway_then_rerun_is_complete_and_identical(tmp_path):
     src = make_image_folder(tmp_path / "src", classes=("a", "b", "c"), per_class=12)
     ref = shard(str(src), str(tmp_path / "ref"), "12KB", seed=3, progress=False)
@@ -92,6 +101,13 @@ def test_shards_train_and_a_damaged_shard_is_rewritten(tmp_path):
     again = shard(str(src), str(out), "11KB", progress=False)
     assert again["written"] == 1 and again["kept"] == first["shards"] - 1
     assert shard_set(out) == source_set(src)
+    # Shuffled, by the seed: the 10 circles and 10 squares of train/ are not in folder order, and seed 1
+    # gives another order of the same samples (a plan that ignored the seed passed everything above).
+    order = shard_order(out, "train")
+    assert [c for c, _ in order] != sorted(c for c, _ in order)
+    shard(str(src), str(tmp_path / "seed1"), "11KB", seed=1, progress=False)
+    other = shard_order(tmp_path / "seed1", "train")
+    assert sorted(other) == sorted(order) and other != order
     # A different plan into the same OUT is refused; so is a nonsense size.
     with pytest.raises(UsageError, match="different plan"):
         shard(str(src), str(out), "11KB", seed=1, progress=False)

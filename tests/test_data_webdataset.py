@@ -265,9 +265,12 @@ def test_train_paused_and_resumed_on_shards_matches_uninterrupted(tmp_path):
     common = ["data.dataset=webdataset", f"data.root={root}", "data.num_workers=2", "data.batch_size=3",
               "data.options.shuffle_buffer=5", "data.train.transforms=[hflip, normalize]", "data.eval.transforms=[normalize]",
               "model.args={width: 4}", "run.epochs=2", "log.tensorboard=false", "log.progress=false",
-              "checkpoint.every_epochs=null", "data.drop_last=false"]
-    train(config.load(None, [*common, f"run.dir={tmp_path / 'full'}"]), quiet=True)
+              "checkpoint.every_epochs=null", "data.drop_last=false", "log.every_steps=1"]
+    full = train(config.load(None, [*common, f"run.dir={tmp_path / 'full'}"]), quiet=True)
     train(config.load(None, [*common, f"run.dir={tmp_path / 'paused'}", "run.stop_after_steps=5"]), quiet=True)
     train(config.load(None, [*common, f"run.dir={tmp_path / 'paused'}", "checkpoint.resume=auto"]), quiet=True)
     a, b = load_file(str(tmp_path / "full" / "last.safetensors")), load_file(str(tmp_path / "paused" / "last.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # exact: same batches, same augmentation
+    # resumed at step 5, not started over (which would train the same weights): every step logged once
+    lines = [json.loads(x) for x in (tmp_path / "paused" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, full["global_step"] + 1))

@@ -77,14 +77,17 @@ def test_test_split_end_to_end(tmp_path, capsys):
     """eval.test_at_end evaluates the best weights on test/, and `eval --split test` gives the same numbers."""
     root = make_image_folder(tmp_path / "img", per_class=4, splits=("train", "val", "test"))
     run_dir = tmp_path / "run"
-    assert cli.main(["train", *FAST, f"data.root={root}", "eval.test_at_end=true", f"run.dir={run_dir}"]) == 0
+    # 2 epochs, "best" = the highest val loss: epoch 1, so the best weights are not the last ones
+    assert cli.main(["train", *FAST, f"data.root={root}", "eval.test_at_end=true", f"run.dir={run_dir}", "run.epochs=2",
+                     "checkpoint.monitor=val/loss", "checkpoint.mode=max"]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["test"]["test/count"] == 8
+    assert summary["test"]["test/count"] == 8 and summary["best_epoch"] == 1
     capsys.readouterr()
     assert cli.main(["eval", "-r", str(run_dir), "--split", "test", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["split"] == "test" and out["count"] == 8
-    assert out["top1"] == summary["test"]["test/top1"] and abs(out["loss"] - summary["test"]["test/loss"]) < 1e-6
+    # the same weights and images: measured loss difference 6.0e-08 (float32; 0.0 when best = last)
+    assert out["top1"] == summary["test"]["test/top1"] and abs(out["loss"] - summary["test"]["test/loss"]) < 1.8e-7
     decided = json.loads((run_dir / "decisions.json").read_text())
     assert decided["images"] == {"train": 8, "val": 8, "test": 8}
 

@@ -148,19 +148,29 @@ def test_elem_mode_equals_a_per_sample_loop():
     m = Mixer(0.4, 1.0, 0.8, 0.5, "elem", C)
     p = m.draw(11, 16, 10, 12)
     got_x, got_y = m.apply(x, y, p)
-    partner = x.roll(1, 0)
+    partner, partner_y = x.roll(1, 0), y.roll(1, 0)
+    worst = 0.0
     for i in range(16):
+        lam = 1.0  # the sample's own share of its target
         if not p.use[i]:
             ref = x[i]
         elif p.cut[i]:
             x1, y1, x2, y2 = p.box[i].tolist()
             ref = x[i].clone()
             ref[:, y1:y2, x1:x2] = partner[i, :, y1:y2, x1:x2]
+            lam = 1.0 - (x2 - x1) * (y2 - y1) / (10 * 12)  # the share of its pixels it keeps
+            assert float(p.lam[i]) == pytest.approx(lam, abs=1e-12), i
         else:
             lam = float(p.lam[i])
             ref = partner[i] * (1.0 - lam) + x[i] * lam
         assert torch.equal(got_x[i], ref), i
-    assert torch.allclose(got_y.sum(1), torch.ones(16))
+        ref_y = torch.zeros(C, dtype=torch.float64)
+        ref_y[y[i]] += lam
+        ref_y[partner_y[i]] += 1.0 - lam
+        worst = max(worst, float((got_y[i].double() - ref_y).abs().max()))
+    assert p.use.any() and (p.use & p.cut).any() and (p.use & ~p.cut).any()  # all three kinds of sample occur
+    print(f"max |target - per-sample target| = {worst:.2e}")
+    assert worst < 8e-8, worst  # float32 rounding of lam and 1 - lam: measured 2.8e-08
 
 
 # ---------------------------------------------------------------- in training
@@ -178,9 +188,11 @@ def run(d: Path, *extra):
 @pytest.mark.parametrize("backend", ["cpu", "memory"])
 def test_pause_and_resume_with_mixing_is_bit_identical(tmp_path, backend):
     ref = run(tmp_path / "ref", f"data.backend={backend}")
-    first = run(tmp_path / "b", f"data.backend={backend}", "run.stop_after_steps=5")
+    first = run(tmp_path / "b", f"data.backend={backend}", "run.stop_after_steps=5", "log.every_steps=1")
     assert first["paused"]
-    done = run(tmp_path / "b", f"data.backend={backend}", "checkpoint.resume=auto")
+    done = run(tmp_path / "b", f"data.backend={backend}", "checkpoint.resume=auto", "log.every_steps=1")
+    lines = [json.loads(x) for x in ((tmp_path / "b") / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, ref["global_step"] + 1))  # resumed, not started over
     a, b = load_file(str(tmp_path / "ref" / "last.safetensors")), load_file(str(tmp_path / "b" / "last.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert done["final"] == ref["final"]
@@ -198,6 +210,27 @@ def test_amp_bf16_trains_with_mixing(tmp_path):
 
 
 def test_bce_loss_takes_the_soft_targets(tmp_path):
+    """The run's own loss on the run's own mixed batch equals BCE written out on the smoothed soft targets
+    (Keras' binary smoothing t(1 - eps) + eps / 2), then a run finishes."""
+    from torchsprint import runtime
+    from torchsprint.run import build_training
+
+    cfg = config.load(None, [*BASE, "loss.name=bce_with_logits", f"run.dir={tmp_path / 'b'}"])
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    try:
+        b = build_training(cfg, rt, lambda m: None)
+        b.loaders.train.set_epoch(0)
+        x, soft = next(iter(b.loaders.train))
+        logits = torch.randn(len(x), 10, generator=torch.Generator().manual_seed(0))
+        got = float(b.loss_fn(logits, soft))
+    finally:
+        runtime.teardown(rt)
+    assert soft.shape == (len(x), 10) and (soft.max(1).values < 1).any()  # mixed: some targets are not one-hot
+    t = soft.double() * 0.9 + 0.05
+    z = logits.double()
+    want = float(-(t * torch.nn.functional.logsigmoid(z) + (1 - t) * torch.nn.functional.logsigmoid(-z)).mean())
+    print(f"|bce - written-out bce| = {abs(got - want):.2e}")
+    assert abs(got - want) < 1.2e-7, (got, want)  # float32 loss vs float64: measured 4.0e-08
     s = run(tmp_path / "bce", "loss.name=bce_with_logits", "run.epochs=1")
     assert np.isfinite(s["final"]["val/loss"])
 

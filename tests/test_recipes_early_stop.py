@@ -59,10 +59,12 @@ def test_early_stop_resumes_across_the_patience_count(tmp_path):
     full = run(tmp_path / "full")
     stop = full["early_stop"]["stopped_epoch"]
     pause_step = 7 * (stop - 1) + 3  # inside the epoch after the first non-improving evaluation
-    paused = run(tmp_path / "r", f"run.stop_after_steps={pause_step}")
+    paused = run(tmp_path / "r", f"run.stop_after_steps={pause_step}", "log.every_steps=1")
     assert paused["paused"] and paused["early_stop"]["wait"] == 1 and paused["early_stop"]["stopped_epoch"] is None
-    resumed = run(tmp_path / "r", "checkpoint.resume=auto")
+    resumed = run(tmp_path / "r", "checkpoint.resume=auto", "log.every_steps=1")
     assert resumed["early_stop"] == full["early_stop"] and resumed["global_step"] == full["global_step"]
+    lines = [json.loads(x) for x in ((tmp_path / "r") / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, full["global_step"] + 1))  # resumed, not started over
     assert resumed["final"] == full["final"]
 
 

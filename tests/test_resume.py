@@ -58,6 +58,12 @@ def train_lines(run_dir: Path) -> dict[int, dict]:
     return {x["step"]: x for x in lines if x["kind"] == "train"}
 
 
+def raw_train_steps(run_dir: Path) -> list[int]:
+    """The step of every training log line, in the order written (a redone step appears twice)."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [x["step"] for x in lines if x["kind"] == "train"]
+
+
 def assert_same_run(ref_dir: Path, ref: dict, got_dir: Path, got: dict) -> None:
     """Bit-identical weights, optimizer state, metrics and per-step loss/lr."""
     a, b = weights(ref_dir), weights(got_dir)
@@ -107,6 +113,9 @@ def test_stop_and_resume_is_bit_identical(reference, tmp_path, stops, extra):
         assert ckpt["sampler"]["epoch"] * STEPS_PER_EPOCH + ckpt["sampler"]["batches_done"] == step
     done = run(tmp_path, *extra, "checkpoint.resume=auto")
     assert not done["paused"]
+    # Every step logged once over all the invocations: a resume that silently started over (and so
+    # trained the same weights) would log steps 1..k again.
+    assert raw_train_steps(tmp_path) == list(range(1, ref["global_step"] + 1))
     assert_same_run(ref_dir, ref, tmp_path, done)
 
 
@@ -208,8 +217,8 @@ def test_sigkill_at_random_moments_then_resume_completes_exactly(reference, tmp_
             assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
         output = log_path.read_text()
         assert "skipping unreadable checkpoint" not in output, output
-        if expected_resume is not None and "resuming at" in output:
-            assert f"from {expected_resume}" in output, output
+        if expected_resume is not None:  # killed only after a new step was logged, so after this line was printed
+            assert "resuming at" in output and f"from {expected_resume}" in output, output
         if proc.returncode == 0:
             break
         ckpts = find_checkpoints(run_dir)

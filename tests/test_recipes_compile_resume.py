@@ -5,6 +5,7 @@ an uninterrupted one."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,12 @@ def test_pause_and_resume_with_auto_augmentation_is_bit_identical(tmp_path, back
     """Paused after step 5 (a mid-epoch checkpoint) and resumed: the augmentation and mixing draws of steps
     6-8 continue where they were, so the weights, the EMA and the final metrics equal the uninterrupted run's."""
     ref = run(tmp_path / "ref", backend)
-    first = run(tmp_path / "b", backend, "run.stop_after_steps=5")
+    first = run(tmp_path / "b", backend, "run.stop_after_steps=5", "log.every_steps=1")
     assert first["paused"]
-    done = run(tmp_path / "b", backend, "checkpoint.resume=auto")
+    done = run(tmp_path / "b", backend, "checkpoint.resume=auto", "log.every_steps=1")
+    # resumed, not started over (a fresh start would also end with the reference's weights): each step logged once
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, ref["global_step"] + 1))
     for name in ("last.safetensors", "ema.safetensors"):
         a, b = weights(tmp_path / "ref", name), weights(tmp_path / "b", name)
         assert all(torch.equal(a[k], b[k]) for k in a), name

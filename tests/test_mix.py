@@ -207,6 +207,13 @@ def test_amp_bf16_trains_with_mixing(tmp_path):
             "run.epochs=1", "optim.lr=0.1")
     # 28 steps: above chance (0.1) already; measured 0.266 (fp32: 0.268), val loss 2.198 (fp32: 2.198)
     assert s["global_step"] == 28 and np.isfinite(s["final"]["val/loss"]) and s["final"]["val/top1"] > 0.18
+    # both switches acted: the same run in fp32, and in bf16 without mixing, end with other weights
+    same = ["model.args={width: 8}", "data.batch_size=32", "run.epochs=1", "optim.lr=0.1"]
+    run(tmp_path / "fp32", "mix.mode=elem", *same)
+    run(tmp_path / "nomix", "precision=amp_bf16", *same, "mix.mixup_alpha=0", "mix.cutmix_alpha=0")
+    w = {n: load_file(str(tmp_path / n / "last.safetensors")) for n in ("bf16", "fp32", "nomix")}
+    for other in ("fp32", "nomix"):
+        assert any(not torch.equal(w["bf16"][k], w[other][k]) for k in w["bf16"]), other
 
 
 def test_bce_loss_takes_the_soft_targets(tmp_path):

@@ -121,3 +121,6 @@ def test_a_run_trains_with_groups_and_resumes(tmp_path):
     assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, full["global_step"] + 1))  # resumed, not started over
     ck = torch.load(sorted((tmp_path / "b" / "checkpoints").glob("*.pt"))[-1], weights_only=True)
     assert len({g["lr_scale"] for g in ck["optimizer"]["param_groups"]}) > 2
+    # the pattern's weight_decay: 0 reached the optimizer the run stepped, beside the default decay of the rest
+    decays = {g["weight_decay"] for g in ck["optimizer"]["param_groups"]}
+    assert 0 in decays and config.load(None, []).optim.weight_decay in decays

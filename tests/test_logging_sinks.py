@@ -98,6 +98,12 @@ def test_wandb_offline_run_holds_every_metric(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "r"
     train(config.load(None, [*BASE, "log.wandb=true", "log.wandb_mode=offline", f"run.dir={run}"]), quiet=True)
+    # run.finish() returns before the wandb-core service has flushed the run's transaction log: under load (a CI
+    # run with -n 2) the file was read with no history rows in it yet, and held all of them a minute later.
+    # teardown waits for the service to exit, as the atexit hook does when a CLI process ends.
+    import wandb
+
+    wandb.teardown()
     files = list(run.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1
     rows = read_wandb_history(files[0])

@@ -257,10 +257,10 @@ def _compile(model: nn.Module, speed_cfg) -> nn.Module:
 def channels_last_on(setting: bool | str, model: nn.Module) -> bool:
     """speed.channels_last resolved for this model: true/false as set; auto: on when it has 2-D convolutions.
 
-    Why auto is on for convolutional models: small_cnn on digits (the default run) trains 1.17x (two threads)
+    Why auto is on for convolutional models: small_cnn on digits (the default run) trains 1.15-1.19x (two threads)
     and 1.22x (one thread) faster on CPU in NHWC, and NHWC is the layout cuDNN's tensor-core convolutions
     use under AMP; the figures, and the model where it is slower (torchvision resnet18 at 32 px on CPU,
-    0.97x), are in BENCHMARKS.md ("channels_last by default"). A model without Conv2d (linear, MLPs, most
+    0.95-1.00x), are in BENCHMARKS.md ("channels_last by default"). A model without Conv2d (linear, MLPs, most
     transformers' bodies) gains nothing from it, so auto leaves it alone.
     """
     if setting == "auto":

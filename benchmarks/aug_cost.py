@@ -77,7 +77,15 @@ def main() -> None:
     from torchsprint import config
     from torchsprint.bench import measure
 
-    runs = [(b, name) for b in args.backends.split(",") for name in SWITCHES if b == "cpu" or name in BATCHED]
+    backends = args.backends.split(",")
+    for b in list(backends):  # a backend this machine cannot run (gpu without CUDA): say so, measure the others
+        try:
+            measure(config.load(None, overrides(args.root, b, [], args.batch_size, args.workers)), 2, 1)
+        except Exception as e:
+            print(f"backend {b}: {type(e).__name__}: {str(e).splitlines()[0][:200]}; left out", flush=True)
+            backends.remove(b)
+    args.backends = ",".join(backends)
+    runs = [(b, name) for b in backends for name in SWITCHES if b == "cpu" or name in BATCHED]
     results: dict = {r: [] for r in runs}
     for _ in range(args.repeats):
         for backend, name in runs:

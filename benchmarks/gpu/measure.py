@@ -118,7 +118,7 @@ def model_step_rate(model: str, overrides: list[str], batch: int, steps: int, wa
 
     cfg = config.load(None, [f"model.name={model}", *overrides])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
-    fmt = torch.channels_last if cfg.speed.channels_last else torch.contiguous_format
+    fmt = torch.channels_last if cfg.speed.channels_last is True else torch.contiguous_format
     g = torch.Generator(device=rt.device).manual_seed(0)
     x = torch.randn(batch, 3, 224, 224, device=rt.device, generator=g).contiguous(memory_format=fmt)
     y = torch.randint(0, 1000, (batch,), device=rt.device, generator=g)
@@ -164,8 +164,8 @@ def unwrap_graphed(model):
 
 
 M1_VARIANTS = {
-    "fp32": ["precision=fp32"],
-    "amp_bf16": ["precision=amp_bf16"],
+    "fp32": ["precision=fp32", "speed.channels_last=false"],  # NCHW: channels_last's gain is its own variant
+    "amp_bf16": ["precision=amp_bf16", "speed.channels_last=false"],
     "amp_bf16 + channels_last": ["precision=amp_bf16", "speed.channels_last=true"],
     "amp_bf16 + channels_last + compile": ["precision=amp_bf16", "speed.channels_last=true", "speed.compile=true"],
     "amp_bf16 + channels_last + cuda_graphs": ["precision=amp_bf16", "speed.channels_last=true", "speed.cuda_graphs=true"],

@@ -4,8 +4,9 @@ Lightning is not a dependency: `pip install lightning` first (the script says so
 Both sides train the same model on the same in-memory uint8 data with the same batch size and optimizer
 (SGD, Nesterov momentum, constant LR) for one epoch; Lightning gets its fastest honest settings
 (no logger, no checkpointing, no progress bar, no model summary, no sanity check) and the same
-DataLoader the plain loop uses. torchsprint runs with its own defaults for such data (`memory` backend)
-and also with a DataLoader (`cpu` backend). Reported: median images/s and the median per-repeat ratio.
+DataLoader the plain loop uses. torchsprint runs with its own defaults for such data (`memory` backend,
+`speed.channels_last: auto`) and also with a DataLoader (`cpu` backend, NCHW like Lightning's side).
+Reported: median images/s and the median per-repeat ratio.
 
     python benchmarks/vs_lightning.py [--repeats 5] [--cases linear32,linear128,small_cnn,resnet18]
 """
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_plain_pytorch import CASES, SHAPES, make_data, register, torchsprint_epoch  # noqa: E402
+from vs_plain_pytorch import CASES, SHAPES, make_data, register, torchsprint_run  # noqa: E402
 
 from torchsprint import config  # noqa: E402
 from torchsprint.models import build_model  # noqa: E402
@@ -71,7 +72,7 @@ def lightning_epoch(model_name: str, x, y, batch_size: int, lr: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default="linear32,linear128,small_cnn,resnet18", help="cases of vs_plain_pytorch.CASES on generated data")
     args = ap.parse_args()
     try:
         import lightning
@@ -90,11 +91,11 @@ def main() -> None:
         x, y = make_data(n, SHAPES[model])
         register(x, y)
         lightning_epoch(model, x, y, bs, lr)  # warm-up
-        torchsprint_epoch(model, bs, lr, "memory", log_dir)
+        torchsprint_run(model, "bench_tensors", bs, lr, "memory", 1, log_dir)
         lt, sc, sm = [], [], []
         sides = [(lt, partial(lightning_epoch, model, x, y, bs, lr)),
-                 (sc, partial(torchsprint_epoch, model, bs, lr, "cpu", log_dir)),
-                 (sm, partial(torchsprint_epoch, model, bs, lr, "memory", log_dir))]
+                 (sc, partial(torchsprint_run, model, "bench_tensors", bs, lr, "cpu", 1, log_dir, "false")),
+                 (sm, partial(torchsprint_run, model, "bench_tensors", bs, lr, "memory", 1, log_dir))]
         for r in range(args.repeats):
             for out, fn in sides[r % 3:] + sides[: r % 3]:  # rotate the order: no side always runs first
                 out.append(fn())

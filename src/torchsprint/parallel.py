@@ -263,9 +263,11 @@ def channels_last_on(setting: bool | str, model: nn.Module) -> bool:
     0.95-1.00x), are in BENCHMARKS.md ("channels_last by default"). A model without Conv2d (linear, MLPs, most
     transformers' bodies) gains nothing from it, so auto leaves it alone.
     """
-    if setting == "auto":
-        return any(isinstance(m, nn.Conv2d) for m in model.modules())
-    return bool(setting)
+    return has_conv2d(model) if setting == "auto" else bool(setting)
+
+
+def has_conv2d(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
 def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,

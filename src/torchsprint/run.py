@@ -315,18 +315,18 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
 
 def decisions(cfg, rt, b: Built) -> dict:
     """What torchsprint decided for this run, from the config and the data: printed at start, kept in decisions.json."""
-    from torchsprint.parallel import channels_last_on, unwrap
+    from torchsprint.parallel import channels_last_on, has_conv2d, unwrap
 
-    info = b.loaders.info
+    info, model = b.loaders.info, unwrap(b.model)
     facts = dict(info.facts)
     return {
         "dataset": cfg.data.dataset, "root": cfg.data.root, "task": cfg.task, **facts,
         "backend": info.backend, "backend_why": info.backend_why,
         "device": str(rt.device), "world_size": rt.world_size, "precision": cfg.precision.mode,
-        "channels_last": channels_last_on(cfg.speed.channels_last, unwrap(b.model)),
-        "channels_last_why": ("speed.channels_last=auto: " + ("the model has 2-D convolutions" if any(
-            isinstance(m, torch.nn.Conv2d) for m in unwrap(b.model).modules()) else "no 2-D convolutions"))
-        if cfg.speed.channels_last == "auto" else f"speed.channels_last={str(cfg.speed.channels_last).lower()}",
+        "channels_last": channels_last_on(cfg.speed.channels_last, model),
+        "channels_last_why": f"speed.channels_last={str(cfg.speed.channels_last).lower()}" + (
+            (": the model has 2-D convolutions" if has_conv2d(model) else ": no 2-D convolutions")
+            if cfg.speed.channels_last == "auto" else ""),
         "batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
         "effective_batch_size": cfg.data.batch_size * cfg.optim.accum_steps * rt.world_size,
         "steps_per_epoch": -(-len(b.loaders.train) // cfg.optim.accum_steps), "epochs": cfg.run.epochs,

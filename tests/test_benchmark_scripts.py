@@ -3,7 +3,11 @@ benchmarks/vs_lightning.py (it imported a function vs_plain_pytorch.py no longer
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,3 +34,80 @@ def test_script_imports_and_prints_help(path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main()
     assert e.value.code == 0 and "usage" in capsys.readouterr().out.lower()
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_merge_results_adds_a_later_calls_dali_figures_to_m2_and_m3():
+    """run_all.sh dali runs in a later device call than M2/M3 (DALI arrives in parts): its figures must join
+    the earlier ones, not replace M2 or M3, and its `None`s must not erase measured figures."""
+    merge = load(BENCH / "gpu" / "merge_results.py").merge
+    env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"}
+    full = env | {"date": "2026-12-01T10:00", "command": "measure.py --only M2,M3", "measurements": {
+        "M2": {"images_per_s": {"gpu backend, cpu_fraction 0": 9000.0, "dali backend": None}, "workers": 16,
+               "dali": "not measured", "details": {"gpu backend, cpu_fraction 0": {"epochs": 3}}},
+        "M3": {"backend": "gpu", "images_per_s": 20000.0, "by_backend": {"gpu": {"images_per_s": 20000.0}}}}}
+    dali = env | {"date": "2026-12-01T10:20", "command": "measure.py --only M2,M3 --backends dali", "measurements": {
+        "M2": {"images_per_s": {"dali backend": 11000.0}, "workers": 16, "dali": "measured",
+               "details": {"dali backend": {"epochs": 3}}},
+        "M3": {"by_backend": {"dali": {"images_per_s": 21000.0}}}}}
+    m = merge([full, dali])["measurements"]
+    assert m["M2"]["images_per_s"] == {"gpu backend, cpu_fraction 0": 9000.0, "dali backend": 11000.0}
+    assert set(m["M2"]["details"]) == {"gpu backend, cpu_fraction 0", "dali backend"} and m["M2"]["dali"] == "measured"
+    assert m["M3"]["backend"] == "gpu" and m["M3"]["images_per_s"] == 20000.0
+    assert m["M3"]["by_backend"] == {"gpu": {"images_per_s": 20000.0}, "dali": {"images_per_s": 21000.0}}
+    again = merge([dali, full])["measurements"]  # the full run second: its None leaves DALI's figure alone
+    assert again["M2"]["images_per_s"]["dali backend"] == 11000.0
+    assert full["measurements"]["M2"]["images_per_s"]["dali backend"] is None  # the inputs are not modified
+
+
+def test_merge_results_refuses_two_devices():
+    merge = load(BENCH / "gpu" / "merge_results.py").merge
+    with pytest.raises(SystemExit, match="different devices"):
+        merge([{"device": "H100", "torch": "2.11", "date": "d"}, {"device": "H200", "torch": "2.11", "date": "d"}])
+
+
+@pytest.mark.skipif(not shutil.which("xz"), reason="needs xz (run_all.sh unpacks DALI's parts with it)")
+def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
+    """The DALI install of benchmarks/gpu/run_all.sh (parts made the way fetch_wheels.sh --dali makes them, a
+    stand-in package instead of DALI's 170 MiB): it waits for missing parts, refuses parts from two packings
+    and unpacks a complete set once."""
+    site = tmp_path / "pkg"
+    (site / "dalistandin").mkdir(parents=True)
+    (site / "dalistandin" / "__init__.py").write_text("VALUE = 42\n")
+    archive = tmp_path / "a.tar.xz"
+    subprocess.run(f"tar -C {site} -cf - . | xz -1 > {archive}", shell=True, check=True)
+    blob = archive.read_bytes()
+    parts_root = tmp_path / "repo"
+    chunks = [blob[: len(blob) // 2], blob[len(blob) // 2:]]
+    manifest = f'PARTS=2\nSHA256={hashlib.sha256(blob).hexdigest()}\nPYVER=3.12\nPACKAGES="dalistandin"\n'
+    for k, chunk in enumerate(chunks, 1):
+        (parts_root / f".dali-{k}").mkdir(parents=True)
+        (parts_root / f".dali-{k}" / "part").write_bytes(chunk)
+        (parts_root / f".dali-{k}" / "manifest").write_text(manifest)
+
+    def setup() -> str:
+        env = os.environ | {"OUT": str(tmp_path / "out"), "NO_INSTALL": "1", "PY": sys.executable,
+                            "DALI_PARTS": str(parts_root), "DALI_SITE": str(tmp_path / "site-dali")}
+        p = subprocess.run(["bash", str(BENCH / "gpu" / "run_all.sh"), "setup"], env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        return p.stdout
+
+    shutil.move(parts_root / ".dali-2", tmp_path / "aside")
+    assert "DALI: 1 of 2 parts here; carry .dali-2 in the next calls" in setup()
+    assert not (tmp_path / "site-dali").exists()
+    (tmp_path / "aside" / "part").write_bytes(chunks[1][:-1] + b"x")  # a part from another packing
+    shutil.move(tmp_path / "aside", parts_root / ".dali-2")
+    assert "do not match their manifest's sha256" in setup()
+    assert not (tmp_path / "site-dali").exists()
+    (parts_root / ".dali-2" / "part").write_bytes(chunks[1])
+    out = setup()
+    assert "DALI: unpacked 2 parts (dalistandin)" in out
+    assert (tmp_path / "site-dali" / "dalistandin" / "__init__.py").read_text() == "VALUE = 42\n"
+    assert "DALI: unpacked" not in setup()  # unpacked once: a later call on the same machine reuses it

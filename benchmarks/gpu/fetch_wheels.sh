@@ -3,18 +3,29 @@
 # repository's .whl/ (ignored by git; the device tool carries it with `carry: [".whl"]`).
 #
 #   benchmarks/gpu/fetch_wheels.sh [DEST]        # DEST defaults to <repository root>/.whl
+#   benchmarks/gpu/fetch_wheels.sh --dali        # also DALI, in parts .dali-1/ ... .dali-N/ (below)
 #
 # The device (see /work/.library/device/KINDS.md) has Python 3.12, torch 2.11+cu130, torchvision 0.26 and
 # most of torchsprint's dependencies; it lacks pydantic (and its parts), simplejpeg, PyAV and webdataset
 # (fetched with its small dependency braceexpand); pydantic
-# needs typing-extensions >= 4.16, newer than the device may have (the copy in .whl shadows it). DALI is not
-# fetched: its CUDA 13 wheel (nvidia-dali-cuda130 2.4.0) is 190 MiB, over the 64 MiB a call can carry.
+# needs typing-extensions >= 4.16, newer than the device may have (the copy in .whl shadows it).
+# DALI's CUDA 13 wheel (nvidia-dali-cuda130 2.4.0) is 190 MiB and needs nvImageCodec, nvCOMP and nvJPEG (256 MiB
+# of wheels), over the 64 MiB one call can carry. With --dali they are installed here for the device's Python
+# and platform (pip --target), packed into one tar.xz (170 MiB) and split into parts of PART_MIB (default 58):
+# carry one part per call after the first (which carries .whl); the device keeps ignored paths between calls while
+# it stays warm, and run_all.sh installs DALI once every part is there (the manifest's sha256 checks them).
 # Versions are those of the Python that runs the tests here (VENV_PY), so the device runs what CI runs.
 set -euo pipefail
+WITH_DALI=0
+if [ "${1:-}" = --dali ]; then WITH_DALI=1; shift; fi
 ROOT=$(git rev-parse --show-toplevel)
 DEST=${1:-$ROOT/.whl}
 VENV_PY=${VENV_PY:-/work/main/.venv/bin/python}
 PKGS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions simplejpeg av webdataset braceexpand)
+
+PYVER=${PYVER:-3.12}  # the device's Python (KINDS.md); another only to rehearse the DALI install here
+PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+           --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 
 version() { "$VENV_PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
 
@@ -23,9 +34,41 @@ mkdir -p "$DEST"
 rm -f "$DEST"/*.whl
 for pkg in "${PKGS[@]}"; do
   v=$(version "$pkg")
-  "$VENV_PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" "$pkg==$v"
+  "$VENV_PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
+    "${PLATFORMS[@]}" -d "$DEST" "$pkg==$v"
 done
 ls -la "$DEST"
 du -ch "$DEST"/*.whl | tail -1
+[ "$WITH_DALI" = 1 ] || exit 0
+
+# DALI 2.4.0 for CUDA 13 and what it requires that the device image lacks (its METADATA's Requires-Dist,
+# checked against KINDS.md's package list; nvJPEG 13.0 matches the device's CUDA 13.0 driver), pinned.
+DALI_PKGS=(nvidia-dali-cuda130==2.4.0 nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-libnvcomp-cu13==5.3.0.16
+           nvidia-nvjpeg==13.0.4.44 nvidia-nvjpeg2k-cu13==0.11.0.51 nvidia-nvtiff-cu13==0.8.0.82
+           astunparse==1.6.3 gast==0.7.0 optree==0.20.0 nvtx==0.2.17 makefun==1.16.0 libcst==1.9.0 six==1.17.0)
+PART_MIB=${PART_MIB:-58}
+STAGE=$(mktemp -d)
+trap 'rm -rf "$STAGE"' EXIT
+"$VENV_PY" -m pip install -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
+  "${PLATFORMS[@]}" --target "$STAGE/site" "${DALI_PKGS[@]}"
+# An empty nvidia/__init__.py (from the nvJPEG2000 wheel) would make `nvidia` a regular package that hides the
+# device's own nvidia/* namespace (torch's CUDA libraries); without it the two directories merge.
+rm -f "$STAGE/site/nvidia/__init__.py"
+rm -rf "$STAGE/site/bin"  # console scripts with this machine's interpreter path
+XZ_LEVEL=${XZ_LEVEL:--9e}  # -9e: 170 MiB in 3.5 min on 2 cores; -1 (rehearsals): larger, seconds
+echo "packing DALI ($(du -sh "$STAGE/site" | cut -f1) installed) with xz $XZ_LEVEL"
+tar -C "$STAGE/site" -cf - . | xz -T0 "$XZ_LEVEL" >"$STAGE/dali.tar.xz"
+SHA=$(sha256sum "$STAGE/dali.tar.xz" | cut -d' ' -f1)
+rm -rf "$ROOT"/.dali-*
+split -b "${PART_MIB}M" -d -a 2 "$STAGE/dali.tar.xz" "$STAGE/part."
+n=0
+for f in "$STAGE"/part.*; do
+  n=$((n + 1))
+  mkdir -p "$ROOT/.dali-$n"
+  mv "$f" "$ROOT/.dali-$n/part"
+done
+for k in $(seq 1 "$n"); do
+  printf 'PARTS=%s\nSHA256=%s\nPYVER=%s\nPACKAGES="%s"\n' "$n" "$SHA" "$PYVER" "${DALI_PKGS[*]}" >"$ROOT/.dali-$k/manifest"
+done
+du -sh "$ROOT"/.dali-*
+echo "DALI in $n parts: the first call carries .whl, the next ones .dali-1 ... .dali-$n, one each (64 MiB a call)"

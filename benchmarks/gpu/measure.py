@@ -240,6 +240,9 @@ def make_jpegs(root: Path, n: int, classes: int = 10) -> Path:
     return root
 
 
+ALL_BACKENDS = ("cpu", "gpu", "dali")  # M2's loaders (M3 picks the fastest)
+
+
 def jpeg_cfg(root: Path, backend: str, *extra: str) -> list[str]:
     workers = min(16, os.cpu_count() or 1)
     return ["data.dataset=image_folder", f"data.root={root}", f"data.backend={backend}", "data.batch_size=256",
@@ -291,7 +294,7 @@ def profile_gpu_loader(overrides: list[str], batches: int = 12) -> str:
     return table + "\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
 
 
-def m2(res: Results, deadline: float, quick: bool, root: Path) -> None:
+def m2(res: Results, deadline: float, quick: bool, root: Path, backends: set[str]) -> None:
     from torchsprint.data.backends.dali import dali_available
 
     n = 4000 if quick else 20000
@@ -303,12 +306,15 @@ def m2(res: Results, deadline: float, quick: bool, root: Path) -> None:
     variants = {f"cpu backend, {workers} workers": jpeg_cfg(root, "cpu"),
                 "gpu backend, cpu_fraction 0": jpeg_cfg(root, "gpu", "data.cpu_fraction=0.0"),
                 "gpu backend, cpu_fraction auto": jpeg_cfg(root, "gpu", "data.cpu_fraction=auto")}
-    if dali_available():
+    if dali_available() and "dali" in backends:
         variants["dali backend"] = jpeg_cfg(root, "dali")
-    else:
+        out["dali"] = "measured"
+    elif "dali" in backends:
         out["images_per_s"]["dali backend"] = None
-        out["dali"] = ("not measured: NVIDIA DALI is not installed on the device; its CUDA 13 wheel "
-                       "(nvidia-dali-cuda130 2.4.0, 190 MiB) exceeds the 64 MiB that can be carried to it")
+        out["dali"] = ("not measured: NVIDIA DALI is not installed on the device; its CUDA 13 wheel and what it "
+                       "needs (170 MiB packed) travel in parts: benchmarks/gpu/fetch_wheels.sh --dali, run_all.sh dali")
+    # --backends dali (run_all.sh dali, a later call): only DALI here; merge_results.py merges M2 key by key
+    variants = {k: v for k, v in variants.items() if k.split()[0] in backends}
     out["details"] = {}
     for name, over in variants.items():
         if left(deadline) < 45:
@@ -323,6 +329,8 @@ def m2(res: Results, deadline: float, quick: bool, root: Path) -> None:
             out["details"][name] = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}
             print(f"M2 {name}: FAILED {e}", flush=True)
         res.put("M2", out)
+    if "cpu" not in backends:
+        return
     dt = load_benchmark("data_throughput")
     cpu_loader_cfg = variants[f"cpu backend, {workers} workers"]
     try:
@@ -334,7 +342,7 @@ def m2(res: Results, deadline: float, quick: bool, root: Path) -> None:
         out["images_per_s"]["cpu backend per core (CPU time)"] = 1 / dt.cpu_seconds_per_image(tr, False)
     except Exception as e:  # noqa: BLE001
         out["details"]["cpu backend per core"] = {"error": str(e)[:300]}
-    if left(deadline) > 40:
+    if left(deadline) > 40 and "gpu" in backends:
         try:
             table = profile_gpu_loader(variants["gpu backend, cpu_fraction 0"])
             (LOGS / "m2_profile.txt").write_text(table)
@@ -386,11 +394,13 @@ def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
     return {"images_per_s": images / seconds, "data_wait_share": wait / seconds, "steps": steps}
 
 
-def m3(res: Results, deadline: float, quick: bool, root: Path, previous: dict) -> None:
+def m3(res: Results, deadline: float, quick: bool, root: Path, previous: dict, backends: set[str]) -> None:
+    """End to end with the fastest M2 backend among `backends`; the figures also go under by_backend[name], so
+    a later call's run with another backend (run_all.sh dali) merges beside them."""
     m = previous | res.data["measurements"]
     m2r = (m.get("M2") or {}).get("images_per_s") or {}
-    best_backend = "gpu"
-    measured = {k: v for k, v in m2r.items() if v and "per core" not in k}
+    best_backend = "gpu" if "gpu" in backends else sorted(backends)[0]
+    measured = {k: v for k, v in m2r.items() if v and "per core" not in k and k.split()[0] in backends}
     if measured:
         best = max(measured, key=measured.get)
         best_backend = "dali" if best.startswith("dali") else "gpu" if best.startswith("gpu") else "cpu"
@@ -424,7 +434,10 @@ def m3(res: Results, deadline: float, quick: bool, root: Path, previous: dict) -
         except Exception as e:  # noqa: BLE001
             out["error"] = f"{type(e).__name__}: {e}"[:500]
             out["trace"] = traceback.format_exc()[-2000:]
-    res.put("M3", out)
+    if backends == set(ALL_BACKENDS):
+        res.put("M3", out | {"by_backend": {best_backend: dict(out)}})
+    else:  # a call for some backends only: the figures under by_backend, the headline left to the full run
+        res.put("M3", {"by_backend": {best_backend: out}})
 
 
 # ---------------------------------------------------------------- M4: memory backend, CIFAR-sized
@@ -570,6 +583,8 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting measurements after this many seconds")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not figures to publish)")
     ap.add_argument("--data", default="/tmp/torchsprint-m2", help="where the generated JPEGs live")
+    ap.add_argument("--backends", default=",".join(ALL_BACKENDS),
+                    help="M2/M3: the loaders to measure (run_all.sh dali passes dali alone, in a later call)")
     ap.add_argument("--previous", action="append", default=[], help="results JSON of an earlier call (M3 reads M1/M2 there)")
     args = ap.parse_args()
     global LOGS
@@ -583,8 +598,12 @@ def main() -> None:
     res = Results(Path(args.out), " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     root = Path(args.data)
     todo = [m.strip() for m in args.only.split(",") if m.strip()]
-    table = {"M1": lambda: m1(res, args.deadline_s, args.quick), "M2": lambda: m2(res, args.deadline_s, args.quick, root),
-             "M3": lambda: m3(res, args.deadline_s, args.quick, root, previous), "M4": lambda: m4(res, args.deadline_s, args.quick),
+    backends = {b.strip() for b in args.backends.split(",") if b.strip()}
+    if not backends <= set(ALL_BACKENDS):
+        sys.exit(f"--backends: {sorted(backends - set(ALL_BACKENDS))} unknown; use some of {ALL_BACKENDS}")
+    table = {"M1": lambda: m1(res, args.deadline_s, args.quick),
+             "M2": lambda: m2(res, args.deadline_s, args.quick, root, backends),
+             "M3": lambda: m3(res, args.deadline_s, args.quick, root, previous, backends), "M4": lambda: m4(res, args.deadline_s, args.quick),
              "M5": lambda: m5(res, args.deadline_s, args.quick, root), "M6": lambda: m6(res, args.deadline_s, args.quick)}
     for key in todo:
         print(f"== {key} ({left(args.deadline_s):.0f} s left)", flush=True)

@@ -4,8 +4,10 @@
         -o benchmarks/results/2026-11-24-h100.json
 
 device, torch, cuda and the other environment fields come from the first file (all calls must report the
-same device and torch, else it stops); measurements, tests and figures are merged, later calls winning;
-`command` lists every call's command.
+same device and torch, else it stops); measurements are merged key by key at every depth (run_all.sh dali
+adds M2's DALI figure and M3's by_backend.dali to an earlier call's M2 and M3), later calls winning except
+that a missing figure (None) never replaces a measured one; tests and figures are merged; `command` lists
+every call's command.
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ from pathlib import Path
 ENV = ("device", "torch", "cuda", "torchvision", "cudnn", "python", "cpu_count", "nvidia_smi", "git_revision")
 
 
+def deep_merge(into: dict, new: dict) -> dict:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            deep_merge(into[k], v)
+        elif v is not None or into.get(k) is None:
+            into[k] = v
+    return into
+
+
 def merge(parts: list[dict]) -> dict:
     out = {k: parts[0].get(k) for k in ENV if k in parts[0]}
     for p in parts[1:]:
@@ -28,7 +39,7 @@ def merge(parts: list[dict]) -> dict:
     out["command"] = [p["command"] for p in parts if p.get("command")]
     out["measurements"], out["tests"], out["figures"] = {}, {}, []
     for p in parts:
-        out["measurements"].update(p.get("measurements", {}))
+        deep_merge(out["measurements"], json.loads(json.dumps(p.get("measurements", {}))))
         out["tests"].update(p.get("tests", {}))
         out["figures"] += p.get("figures", [])
     return out

@@ -6,20 +6,28 @@
 #   benchmarks/gpu/run_all.sh bench M1,M4,M6       # model-only, memory backend, predict (~7 min)
 #   benchmarks/gpu/run_all.sh bench M2,M3,M5       # loaders, end to end, torchsprint bench (~8 min)
 #   benchmarks/gpu/run_all.sh recipes              # issue 14's switch costs on the memory and gpu backends (~5 min)
+#   benchmarks/gpu/run_all.sh dali                 # DALI's tests, loader rate and end to end (~4 min), once the
+#                                                  # .dali-* parts (fetch_wheels.sh --dali) have all been carried
 #   benchmarks/gpu/run_all.sh all                  # everything in one go (a machine without the call limit)
+#
+# DALI does not fit one call (170 MiB packed): fetch_wheels.sh --dali splits it into .dali-1 ... .dali-N; carry one
+# part per call after the first, back to back (the machine keeps ignored paths between calls while warm, and
+# goes back after 30 s idle); each call's setup installs DALI once all parts are there and says which are missing.
 #
 # Each call first installs what the machine lacks from .whl/ (benchmarks/gpu/fetch_wheels.sh made it; carry
 # it with the call: carry [".whl"]) and the project itself (pip --no-deps on top of the machine's torch),
 # and prints versions and the GPU. Everything lands in $OUT (the device tool's output folder; ./gpu-out
 # elsewhere), at most 8 files: env.txt, run.log, results.json (this call's part of the results; merge the
 # parts with benchmarks/gpu/merge_results.py), tests_gpu.log, suite.log, figures.jsonl (numbers the tests
-# measured, for their tolerances), m2_profile.txt, m6_predict.json / m5_*.log.
+# measured, for their tolerances), m2_profile.txt, m6_predict.json / m5_*.log, tests_dali.log.
 #
 # Environment: DEADLINE (seconds a bench call may start measurements, default 480), SUITE_MARKS (pytest -m
 # for the suite, default "not gpu and not dali": the gpu tests ran just before), QUICK=1 (small sizes),
-# PREVIOUS (an earlier call's results.json, read by M3), GPU_WORKERS (pytest-xdist processes for the gpu
-# tests, default 4), NO_INSTALL=1 (use PYTHONPATH=src only: a dry run on a machine whose Python must not
-# be changed).
+# PREVIOUS (an earlier call's results.json, read by M3; the results of earlier calls on the same warm machine
+# are kept in gpu-out/previous/ and read without it), GPU_WORKERS (pytest-xdist processes for the gpu tests,
+# default 4), DALI_PARTS / DALI_SITE (where the .dali-* parts are, default the repository root, and where DALI
+# is unpacked, default /tmp/site-dali), NO_INSTALL=1 (use PYTHONPATH=src only: a dry run on a machine whose
+# Python must not be changed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -43,6 +51,7 @@ setup() {
     "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
       || echo "pip install -e . failed; using PYTHONPATH=src"
   fi
+  install_dali
   export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
   {
     echo "date: $(date -u +%FT%TZ)"
@@ -76,6 +85,34 @@ import torchsprint.data.backends.dali as d
 print("DALI importable:", d.dali_available())
 PYEOF
   } | tee "$OUT/env.txt"
+}
+
+install_dali() {  # the .dali-K/part files (fetch_wheels.sh --dali), once all are here, into $DALI_SITE
+  local parts=${DALI_PARTS:-$REPO} site=${DALI_SITE:-/tmp/site-dali} manifest
+  manifest=$(ls "$parts"/.dali-*/manifest 2>/dev/null | head -1)
+  [ -n "$manifest" ] || { echo "DALI: no .dali-* parts here (benchmarks/gpu/fetch_wheels.sh --dali)"; return 0; }
+  local PARTS SHA256 PYVER PACKAGES k missing="" files=()
+  . "$manifest"
+  for k in $(seq 1 "$PARTS"); do
+    if [ -f "$parts/.dali-$k/part" ]; then files+=("$parts/.dali-$k/part"); else missing="$missing .dali-$k"; fi
+  done
+  if [ -n "$missing" ]; then
+    echo "DALI: ${#files[@]} of $PARTS parts here; carry$missing in the next calls (not installed yet)"
+    return 0
+  fi
+  if [ "$(cat "$site/.sha256" 2>/dev/null)" != "$SHA256" ]; then
+    if [ "$(cat "${files[@]}" | sha256sum | cut -d' ' -f1)" != "$SHA256" ]; then
+      echo "DALI: the parts do not match their manifest's sha256 (from two runs of fetch_wheels.sh?); not installed"
+      return 0
+    fi
+    rm -rf "$site" && mkdir -p "$site"
+    cat "${files[@]}" | xz -d -T0 | tar -x -C "$site" || { echo "DALI: unpacking failed"; return 0; }
+    echo "$SHA256" >"$site/.sha256"
+    echo "DALI: unpacked $PARTS parts ($PACKAGES) into $site"
+  fi
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site
+  # nvImageCodec's nvJPEG (nvidia-nvjpeg 13.0) and nvCOMP, wherever DALI's loader looks for them
+  export LD_LIBRARY_PATH=$site/nvidia/cu13/lib:$site/nvidia/libnvcomp/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 }
 
 summarise() {  # summarise <name> <junit xml>: counts and failures into results.json's "tests"
@@ -123,11 +160,21 @@ run_suite() {
   summarise suite /tmp/suite.xml
 }
 
+# Results of earlier calls on this machine: the repository's ignored paths stay between calls while it is warm,
+# so M3 finds M1's figures from the call before without a PREVIOUS (or measures its own reference, 4 minutes).
+HISTORY=$REPO/gpu-out/previous
+
+measure() {  # measure <measure.py arguments>: this call's results plus every earlier call's as --previous
+  local prev=() f
+  for f in "$HISTORY"/*.json ${PREVIOUS:-}; do [ -f "$f" ] && prev+=(--previous "$f"); done
+  "$PY" benchmarks/gpu/measure.py --out "$OUT/results.json" "${prev[@]}" "$@"
+  mkdir -p "$HISTORY" && [ -f "$OUT/results.json" ] && cp "$OUT/results.json" "$HISTORY/$(date +%s%N).json"
+}
+
 run_bench() {
   echo "== measurements $1 $(date -u +%T)"
   local quick=""; [ "${QUICK:-0}" = 1 ] && quick="--quick"
-  "$PY" benchmarks/gpu/measure.py --out "$OUT/results.json" --only "$1" --deadline-s "${DEADLINE:-480}" $quick \
-    ${PREVIOUS:+--previous "$PREVIOUS"}
+  measure --only "$1" --deadline-s "${DEADLINE:-480}" $quick
 }
 
 run_recipes() {  # issue 14: what each recipe switch costs per backend on the GPU (the CPU figures are in BENCHMARKS.md)
@@ -136,6 +183,18 @@ run_recipes() {  # issue 14: what each recipe switch costs per backend on the GP
     2>&1 | tee "$OUT/recipes_gpu.log" | tail -12
   timeout 280 "$PY" benchmarks/aug_cost.py --backends memory,gpu --repeats 3 --steps 50 --warmup 5 --root /tmp/aug-bench \
     2>&1 | tee -a "$OUT/recipes_gpu.log" | tail -12
+}
+
+run_dali() {  # DALI's own tests (the CPU-graph ones skip where DALI is missing, so they run here too) and figures
+  echo "== DALI $(date -u +%T)"
+  if ! "$PY" -c "import nvidia.dali as d; print('DALI', d.__version__)"; then
+    echo "DALI does not import: carry every .dali-K part (see setup above), or see the error"
+    return 0
+  fi
+  TORCHSPRINT_FIGURES=$OUT/figures.jsonl "$PY" -m pytest -n 2 -v -rA -p no:cacheprovider $TIMEOUT_OPT \
+    --junitxml=/tmp/tests_dali.xml tests -k dali 2>&1 | tee "$OUT/tests_dali.log" | tail -40
+  summarise dali /tmp/tests_dali.xml
+  measure --only M2,M3 --backends dali --deadline-s "${DEADLINE:-420}"
 }
 
 SUITE_MARKS=${SUITE_MARKS:-not gpu and not dali}
@@ -150,9 +209,11 @@ while [ $# -gt 0 ]; do
       if [ $# -gt 1 ] && [[ "$2" == M* ]]; then list=$2; shift; fi
       run_bench "$list" ;;
     recipes) run_recipes ;;
+    dali) run_dali ;;
+    setup) ;;  # only the install and the versions (setup ran above)
     all) run_tests; SUITE_MARKS="not gpu and not dali" run_suite; DEADLINE=${DEADLINE:-3600} run_bench M1,M2,M3,M4,M5,M6
-         run_recipes ;;
-    *) echo "unknown part '$1': use tests, suite, bench [M1,...], recipes, all"; exit 2 ;;
+         run_recipes; run_dali ;;
+    *) echo "unknown part '$1': use setup, tests, suite, bench [M1,...], recipes, dali, all"; exit 2 ;;
   esac
   shift
 done

@@ -142,7 +142,8 @@ def gpu_main(args) -> None:
     for r in range(args.repeats):
         for name in variants:
             results[name].append(time_epoch(loaders[name], r))
-    cpu_loader = loaders[f"cpu backend, {args.workers} workers"]
+    # per core: the same cpu backend's per-image work in this process, normalising on the CPU
+    cpu_loader = torchsprint_loader(args.root, "cpu", "auto", args.batch_size, 0, args.images)
     per_core = 1 / statistics.median(cpu_seconds_per_image(cpu_loader, False) for _ in range(args.repeats))
     gpu_name = torch.cuda.get_device_name() if torch.cuda.is_available() else dev
     print(f"{args.images} JPEGs 500x375 q90, batch {args.batch_size}, {args.workers} workers, {os.cpu_count()} cores, "
@@ -166,21 +167,35 @@ def gpu_main(args) -> None:
             "dali": "measured" if dali_available() else "not installed"}, indent=1))
 
 
+def cpu_backend_parts(loader):
+    """(dataset, collate_fn, split) behind a cpu-backend loader: train and eval share one DataLoader and its
+    workers (data/backends/cpu.py SharedBatches); its dataset takes (split, index, seed) keys."""
+    batches = loader.loader
+    return batches.shared.dataset, batches.shared.collate_fn, batches.split
+
+
 def cpu_seconds_per_image(loader, naive: bool, n: int = 256, batch: int = 64) -> float:
     """CPU seconds per image of the whole per-image path (decode, augment, collate, normalize) in this
     process on one thread. Unlike wall-clock images/s this barely moves when other processes load the
     machine, so it is the per-core figure to trust on a shared box."""
     import torch
 
-    ds = loader.dataset if naive else loader.loader.dataset
-    collate = None if naive else loader.loader.collate_fn
+    if naive:
+        ds = loader.dataset
+    else:
+        ds, collate, split = cpu_backend_parts(loader)
+        if loader.device.type != "cpu":
+            raise ValueError("cpu_seconds_per_image: build the loader on a CPU Runtime (it normalizes in this process)")
+    n = min(n, len(ds) if naive else len(ds.raws[split]))  # a smoke run's folder can be smaller than n
+    batch = min(batch, n)
+    n -= n % batch
     t0 = time.process_time()
     for start in range(0, n, batch):
         if naive:
             xs = [ds[i][0] for i in range(start, start + batch)]
             torch.stack(xs).sum()
         else:
-            items = [ds[(i, 1000 + i)] for i in range(start, start + batch)]
+            items = [ds[(split, i, 1000 + i)] for i in range(start, start + batch)]
             images, _, _ = collate(items)
             loader.normalize(images).sum()
     return (time.process_time() - t0) / n
@@ -353,7 +368,8 @@ def main() -> None:
         if v is None:
             continue
         loaders[name] = torchsprint_loader(args.root, v[0], v[1], args.batch_size, args.workers, args.images)
-    samples = loaders["cpu backend, decoder=auto"].loader.dataset.raw.samples
+    ds, _, split = cpu_backend_parts(loaders["cpu backend, decoder=auto"])
+    samples = ds.raws[split].samples
     loaders["naive: PIL + torchvision transforms (float in workers)"] = naive_loader(samples, args.batch_size, args.workers)
     results: dict[str, list[float]] = {name: [] for name in variants}
     load_before = os.getloadavg()

@@ -1,6 +1,6 @@
 """Shared fixtures: tiny CPU configs and a real JPEG image folder generated on the fly.
 
-Unmarked tests run on the CPU on every machine (`cpu_only_unless_gpu_marked`): on a GPU machine
+Unmarked tests run on the CPU on every machine (`pytest_runtest_protocol` below): on a GPU machine
 run.device=auto would otherwise put them on CUDA (the DDP tests would ask for cuda:1 on a one-GPU
 machine, the bit-exact tests would compare CUDA with CPU references). GPU behaviour lives in tests
 marked `gpu` (and `dali`), which see the GPU as it is.
@@ -21,6 +21,11 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The harness's own test (test_test_harness.py) runs a pytest inside a pytest on a CPU machine with this set, to
+# check that the GPU is hidden before any fixture of an unmarked test runs: torch then claims a GPU.
+if os.environ.get("TORCHSPRINT_TEST_PRETEND_CUDA") == "1":
+    torch.cuda.is_available = lambda: True
+
 # Read once, before any test hides the GPU: the CUDA driver enumerates devices (and reads
 # CUDA_VISIBLE_DEVICES) when it first initialises, so setting the variable later changes children only.
 HAS_CUDA = torch.cuda.is_available()
@@ -30,8 +35,7 @@ def needs_gpu(item) -> bool:
     return item.get_closest_marker("gpu") is not None or item.get_closest_marker("dali") is not None
 
 
-@pytest.fixture(autouse=True)
-def cpu_only_unless_gpu_marked(request, monkeypatch):
+def hide_gpu(mp: pytest.MonkeyPatch) -> None:
     """Unmarked tests see a machine without CUDA, in this process and in every process they start.
 
     In process: torch.cuda.is_available() and device_count() say no GPU, so run.device=auto resolves
@@ -39,12 +43,9 @@ def cpu_only_unless_gpu_marked(request, monkeypatch):
     torchrun's DDP workers) get CUDA_VISIBLE_DEVICES="" whether they inherit os.environ or are given
     their own env. What users get from run.device=auto is unchanged: only the test harness hides it.
     """
-    if not HAS_CUDA or needs_gpu(request.node):
-        yield
-        return
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    mp.setenv("CUDA_VISIBLE_DEVICES", "")
+    mp.setattr(torch.cuda, "is_available", lambda: False)
+    mp.setattr(torch.cuda, "device_count", lambda: 0)
     popen_init = subprocess.Popen.__init__
 
     def init_without_gpu(self, *args, env=None, **kwargs):
@@ -52,8 +53,23 @@ def cpu_only_unless_gpu_marked(request, monkeypatch):
             env = {**env, "CUDA_VISIBLE_DEVICES": ""}
         popen_init(self, *args, env=env, **kwargs)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", init_without_gpu)
-    yield
+    mp.setattr(subprocess.Popen, "__init__", init_without_gpu)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Hide the GPU around an unmarked test's whole protocol: setup, call and teardown. An autouse fixture
+    would be too late: module-scoped fixtures (a reference run shared by a module's tests) are set up before
+    function-scoped ones, and would have trained on CUDA."""
+    if not HAS_CUDA or needs_gpu(item):
+        yield
+        return
+    mp = pytest.MonkeyPatch()
+    hide_gpu(mp)
+    try:
+        yield
+    finally:
+        mp.undo()
 
 
 def pytest_collection_modifyitems(config, items):

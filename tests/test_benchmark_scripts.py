@@ -93,7 +93,8 @@ def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
 
     def setup() -> str:
         env = os.environ | {"OUT": str(tmp_path / "out"), "NO_INSTALL": "1", "PY": sys.executable,
-                            "DALI_PARTS": str(parts_root), "DALI_SITE": str(tmp_path / "site-dali")}
+                            "DALI_PARTS": str(parts_root), "DALI_SITE": str(tmp_path / "site-dali"),
+                            "WHEELS": str(tmp_path / "no-wheels")}  # not the repository's .whl/ (the device's Python)
         p = subprocess.run(["bash", str(BENCH / "gpu" / "run_all.sh"), "setup"], env=env, capture_output=True,
                            text=True, timeout=120)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -111,3 +112,18 @@ def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
     assert "DALI: unpacked 2 parts (dalistandin)" in out
     assert (tmp_path / "site-dali" / "dalistandin" / "__init__.py").read_text() == "VALUE = 42\n"
     assert "DALI: unpacked" not in setup()  # unpacked once: a later call on the same machine reuses it
+
+
+def test_data_throughput_runs_its_cpu_tables(tmp_path):
+    """benchmarks/data_throughput.py end to end on 64 JPEGs: it reaches into the cpu backend's dataset and
+    collate (the per-core CPU figure, also M2's on the GPU machine), which a refactor of the backend broke
+    unnoticed (AttributeError) while --help still worked."""
+    p = subprocess.run([sys.executable, str(BENCH / "data_throughput.py"), "--images", "64", "--workers", "1",
+                        "--repeats", "1", "--batch-size", "16", "--root", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in p.stdout.splitlines() if line.startswith("| ")}
+    for name in ("cpu backend, decoder=auto", "cpu backend, decoder=torchvision", "cpu backend, decoder=pil"):
+        per_core = float(rows[name][4])  # images/s per core from CPU seconds per image
+        assert per_core > 0 and float(rows[name][0]) > 0
+    assert "torchvision.io.decode_jpeg" in rows

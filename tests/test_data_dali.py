@@ -96,8 +96,11 @@ def test_dali_refuses_steps_it_cannot_run(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.dali
-def test_dali_on_gpu_matches_the_gpu_backend(tmp_path):
-    """nvJPEG through DALI against nvJPEG through torchvision + resample_batch: same labels, same crops."""
+def test_dali_on_gpu_matches_the_gpu_backend(tmp_path, figure):
+    """nvJPEG through DALI against nvJPEG through torchvision + resample_batch: same labels, same crops.
+    Skips until DALI is installed: run_all.sh's `tests` call comes before DALI's parts have all arrived, its
+    `dali` call runs this."""
+    pytest.importorskip("nvidia.dali")
     from torchsprint.data.backends.dali import dali_loader
 
     d = cfg(tmp_path)
@@ -106,7 +109,11 @@ def test_dali_on_gpu_matches_the_gpu_backend(tmp_path):
     dali, ref = dali_loader(d, splits, cuda, seed=3), build_gpu_loaders(d, splits, cuda, seed=3)
     dali.train.set_epoch(0)
     ref.train.set_epoch(0)
+    worst, batches = 0.0, 0
     for (xa, ya), (xb, yb) in zip(dali.train, ref.train):
         assert torch.equal(ya, yb)
-        print("dali vs gpu backend, mean |levels|:", float(((xa - xb).cpu() * LEVELS).abs().mean()))
-        assert ((xa - xb).cpu() * LEVELS).abs().mean() < 1.0  # provisional: DALI's filter and nvJPEG agree closely
+        worst = max(worst, float(((xa - xb).cpu() * LEVELS).abs().mean()))
+        batches += 1
+    assert batches == len(ref.train) > 0
+    figure("dali_vs_gpu_backend_mean_levels", worst, "worst batch's mean |difference| in uint8 levels")
+    assert worst < 1.0  # provisional: DALI's filter and nvJPEG agree closely (CPU graph: 0.14-0.19); 3x the figure

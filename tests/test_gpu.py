@@ -99,8 +99,11 @@ def test_decode_never_writes_memory_the_callers_stream_still_reads(figure):
 
     plain = corrupted(lambda: decode_jpeg(data, mode=ImageReadMode.RGB, device="cuda"))
     ours = corrupted(lambda: decode_on_device(data, torch.device("cuda")))
-    figure("decode_jpeg_corrupted_iterations", plain, "of 40, torchvision's call as is (the hazard, not asserted)")
+    figure("decode_jpeg_corrupted_iterations", plain, "of 40, torchvision's call as is")
     assert ours == 0
+    if plain == 0:  # then this machine cannot tell the fix from no fix: say so instead of passing
+        pytest.skip("torchvision's decode_jpeg showed no corruption in 40 iterations here (pytorch/vision#9606 did "
+                    "not reproduce): decode_on_device was clean, but the harness is not shown to be sensitive")
 
 
 def test_gpu_loader_batches_equal_a_synchronous_decode_over_many_batches(tmp_path):

@@ -183,7 +183,8 @@ def m1(res: Results, deadline: float, quick: bool) -> None:
              ("resnet18", "amp_bf16 + channels_last + cuda_graphs"), ("resnet50", "amp_bf16 + channels_last"),
              ("resnet18", "amp_bf16 + channels_last + compile"), ("resnet50", "amp_bf16 + channels_last + cuda_graphs"),
              ("resnet50", "amp_bf16 + channels_last + compile"),
-             ("resnet18", "amp_bf16 + channels_last + compile reduce-overhead")]
+             ("resnet18", "amp_bf16 + channels_last + compile reduce-overhead"), ("resnet50", "amp_bf16"),
+             ("resnet50", "fp32")]
     steps, warmup = (20, 5) if quick else (40, 10)
     for model, name in plans:
         out.setdefault(model, {})
@@ -206,7 +207,7 @@ def m1(res: Results, deadline: float, quick: bool) -> None:
 
 
 def _write_chunk(args) -> int:
-    root, start, count, classes, seed = args
+    root, start, count, classes, seed, n_train = args
     import numpy as np
     from PIL import Image
 
@@ -214,7 +215,7 @@ def _write_chunk(args) -> int:
 
     rng = np.random.default_rng(seed + start)
     for i in range(start, start + count):
-        split = "val" if (i // classes) % 50 == 0 else "train"  # 2% validation, every class
+        split = "train" if i < n_train else "val"
         cls = i % classes
         d = Path(root) / split / f"class_{cls:02d}"
         d.mkdir(parents=True, exist_ok=True)
@@ -223,11 +224,13 @@ def _write_chunk(args) -> int:
 
 
 def make_jpegs(root: Path, n: int, classes: int = 10) -> Path:
-    """n 500x375 quality-90 JPEGs (synthetic_jpeg's pictures) in an image-folder tree, in parallel; reused."""
+    """n training JPEGs of 500x375 at quality 90 (synthetic_jpeg's pictures) and 2% more for validation, in an
+    image-folder tree, in parallel; reused."""
     from concurrent.futures import ProcessPoolExecutor
 
     done = root / "done.json"
-    if done.is_file() and json.loads(done.read_text()).get("n") == n:
+    total = n + max(classes, n // 50)
+    if done.is_file() and json.loads(done.read_text()).get("train") == n:
         return root
     import shutil
 
@@ -235,8 +238,8 @@ def make_jpegs(root: Path, n: int, classes: int = 10) -> Path:
     chunk = 500
     t = time.time()
     with ProcessPoolExecutor(os.cpu_count()) as ex:
-        list(ex.map(_write_chunk, [(str(root), s, min(chunk, n - s), classes, 0) for s in range(0, n, chunk)]))
-    done.write_text(json.dumps({"n": n, "seconds": time.time() - t}))
+        list(ex.map(_write_chunk, [(str(root), s, min(chunk, total - s), classes, 0, n) for s in range(0, total, chunk)]))
+    done.write_text(json.dumps({"train": n, "val": total - n, "seconds": time.time() - t}))
     return root
 
 
@@ -301,7 +304,7 @@ def m2(res: Results, deadline: float, quick: bool, root: Path, backends: set[str
     make_jpegs(root, n)
     epochs = 2 if quick else 3
     workers = min(16, os.cpu_count() or 1)
-    out: dict = {"images": n, "jpeg": "500x375 quality 90", "batch": 256, "workers": workers,
+    out: dict = {"train_images": n, "jpeg": "500x375 quality 90", "batch": 256, "workers": workers,
                  "goal": {"gpu_backend": 8000, "stretch": 20000, "anchor_batched_nvjpeg_A100": 7800}, "images_per_s": {}}
     variants = {f"cpu backend, {workers} workers": jpeg_cfg(root, "cpu"),
                 "gpu backend, cpu_fraction 0": jpeg_cfg(root, "gpu", "data.cpu_fraction=0.0"),
@@ -337,7 +340,7 @@ def m2(res: Results, deadline: float, quick: bool, root: Path, backends: set[str
         from torchsprint import config, runtime
         from torchsprint.data import build_loaders
 
-        cfg = config.load(None, cpu_loader_cfg)
+        cfg = config.load(None, [*cpu_loader_cfg, "run.device=cpu", "data.num_workers=0"])  # normalises on the CPU
         tr = build_loaders(cfg.data, runtime.setup(cfg.run, cfg.strategy, cfg.speed), seed=0).train
         out["images_per_s"]["cpu backend per core (CPU time)"] = 1 / dt.cpu_seconds_per_image(tr, False)
     except Exception as e:  # noqa: BLE001
@@ -407,6 +410,8 @@ def m3(res: Results, deadline: float, quick: bool, root: Path, previous: dict, b
     r18 = ((m.get("M1") or {}).get("resnet18") or {})
     switches = {"amp_bf16 + channels_last + compile": ["speed.compile=true"],
                 "amp_bf16 + channels_last + cuda_graphs": ["speed.cuda_graphs=true"],
+                "amp_bf16 + channels_last + compile reduce-overhead": ["speed.compile=true",
+                                                                       "speed.compile_mode=reduce-overhead"],
                 "amp_bf16 + channels_last": []}
     rated = {k: r18[k]["images_per_s"] for k in switches if "images_per_s" in (r18.get(k) or {})}
     if not rated and left(deadline) > 240:  # no M1 figures from this or an earlier call: measure the reference here

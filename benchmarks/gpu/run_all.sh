@@ -25,9 +25,9 @@
 # for the suite, default "not gpu and not dali": the gpu tests ran just before), QUICK=1 (small sizes),
 # PREVIOUS (an earlier call's results.json, read by M3; the results of earlier calls on the same warm machine
 # are kept in gpu-out/previous/ and read without it), GPU_WORKERS (pytest-xdist processes for the gpu tests,
-# default 4), DALI_PARTS / DALI_SITE (where the .dali-* parts are, default the repository root, and where DALI
-# is unpacked, default /tmp/site-dali), NO_INSTALL=1 (use PYTHONPATH=src only: a dry run on a machine whose
-# Python must not be changed).
+# default 4), WHEELS (the wheels to install, default .whl/), DALI_PARTS / DALI_SITE (where the .dali-* parts
+# are, default the repository root, and where DALI is unpacked, default /tmp/site-dali), NO_INSTALL=1 (use
+# PYTHONPATH=src only: a dry run on a machine whose Python must not be changed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -40,8 +40,9 @@ T0=$(date +%s)
 
 setup() {
   echo "== setup $(date -u +%FT%TZ)"
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  local wheels=${WHEELS:-$REPO/.whl}
+  if ls "$wheels"/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl \
       || { echo "installing .whl/ failed"; exit 3; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   else

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -76,7 +77,7 @@ def test_merge_results_refuses_two_devices():
 def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
     """The DALI install of benchmarks/gpu/run_all.sh (parts made the way fetch_wheels.sh --dali makes them, a
     stand-in package instead of DALI's 170 MiB): it waits for missing parts, refuses parts from two packings
-    and unpacks a complete set once."""
+    or for another Python, and unpacks a complete set once."""
     site = tmp_path / "pkg"
     (site / "dalistandin").mkdir(parents=True)
     (site / "dalistandin" / "__init__.py").write_text("VALUE = 42\n")
@@ -85,7 +86,8 @@ def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
     blob = archive.read_bytes()
     parts_root = tmp_path / "repo"
     chunks = [blob[: len(blob) // 2], blob[len(blob) // 2:]]
-    manifest = f'PARTS=2\nSHA256={hashlib.sha256(blob).hexdigest()}\nPYVER=3.12\nPACKAGES="dalistandin"\n'
+    pyver = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    manifest = f'PARTS=2\nSHA256={hashlib.sha256(blob).hexdigest()}\nPYVER={pyver}\nPACKAGES="dalistandin"\n'
     for k, chunk in enumerate(chunks, 1):
         (parts_root / f".dali-{k}").mkdir(parents=True)
         (parts_root / f".dali-{k}" / "part").write_bytes(chunk)
@@ -108,8 +110,14 @@ def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
     assert "do not match their manifest's sha256" in setup()
     assert not (tmp_path / "site-dali").exists()
     (parts_root / ".dali-2" / "part").write_bytes(chunks[1])
+    for k in (1, 2):  # packed for another Python (binary wheels: cp312 libraries do not load in 3.11)
+        (parts_root / f".dali-{k}" / "manifest").write_text(manifest.replace(f"PYVER={pyver}", "PYVER=2.7"))
+    assert f"packed for Python 2.7, this is {pyver}" in setup()
+    assert not (tmp_path / "site-dali").exists()
+    for k in (1, 2):
+        (parts_root / f".dali-{k}" / "manifest").write_text(manifest)
     out = setup()
-    assert "DALI: unpacked 2 parts (dalistandin)" in out
+    assert "DALI: unpacked 2 parts (dalistandin)" in out and "DALI: ready in" in out
     assert (tmp_path / "site-dali" / "dalistandin" / "__init__.py").read_text() == "VALUE = 42\n"
     assert "DALI: unpacked" not in setup()  # unpacked once: a later call on the same machine reuses it
 
@@ -127,3 +135,46 @@ def test_data_throughput_runs_its_cpu_tables(tmp_path):
         per_core = float(rows[name][4])  # images/s per core from CPU seconds per image
         assert per_core > 0 and float(rows[name][0]) > 0
     assert "torchvision.io.decode_jpeg" in rows
+
+
+def errors_in(node, path=""):
+    """(path, message) of every "error" entry in a results JSON."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "error":
+                yield path, str(v)
+            else:
+                yield from errors_in(v, f"{path}/{k}")
+
+
+@pytest.mark.slow
+def test_gpu_measurements_run_end_to_end_on_the_cpu(tmp_path):
+    """benchmarks/gpu/measure.py --smoke-cpu: M1-M6's code with tiny sizes on the CPU (about a minute), the
+    rehearsal of the GPU session's 30 minutes. Every measurement must produce figures under the keys the issue
+    names; the only errors allowed are the gpu backend's refusal without CUDA. A script that would crash on the
+    GPU machine (an attribute a refactor renamed, a wrong key) fails here first."""
+    out = tmp_path / "results.json"
+    p = subprocess.run([sys.executable, str(BENCH / "gpu" / "measure.py"), "--smoke-cpu", "--out", str(out),
+                        "--data", str(tmp_path / "jpegs")], capture_output=True, text=True, timeout=900,
+                       env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {"device", "torch", "cuda", "date", "command"} <= set(res) and res["device"] == "cpu"
+    m = res["measurements"]
+    assert sorted(m) == ["M1", "M2", "M3", "M4", "M5", "M6"]
+    bad = [(path, msg) for path, msg in errors_in(m) if "needs a CUDA GPU" not in msg]
+    assert not bad, bad
+    assert {"resnet18 | fp32", "resnet18 | amp_bf16", "resnet18 | amp_bf16 + channels_last",
+            "resnet50 | amp_bf16 + channels_last"} <= set(m["M1"]["images_per_s"])
+    assert all(v > 0 for v in m["M1"]["images_per_s"].values())
+    assert m["M2"]["images_per_s"]["cpu backend, 1 workers"] > 0
+    assert m["M2"]["images_per_s"]["cpu backend per core (CPU time)"] > 0
+    assert [k for k, _ in errors_in(m["M2"])] == ["/details/gpu backend, cpu_fraction 0",
+                                                  "/details/gpu backend, cpu_fraction auto"]
+    assert m["M3"]["images_per_s"] > 0 and m["M3"]["ratio_to_m1"] > 0 and 0 <= m["M3"]["data_wait_share"] < 1
+    assert m["M3"]["by_backend"]["cpu"]["images_per_s"] == m["M3"]["images_per_s"]
+    assert m["M4"]["seconds_per_epoch"] > 0 and 0 < m["M4"]["loader_share"] < 1
+    assert set(m["M5"]["images_per_s"]) == {"default run | baseline (seeds)", "default run | + channels_last",
+                                            "jpeg 224 | baseline (seeds)", "jpeg 224 | + channels_last"}
+    assert all(v > 0 for v in m["M5"]["images_per_s"].values())
+    assert m["M6"]["exit_code"] == 0 and any(v > 0 for v in m["M6"]["images_per_s"].values())

@@ -1,6 +1,12 @@
 """Issue 12's GPU measurements M1-M6, written incrementally into one results JSON.
 
     python benchmarks/gpu/measure.py --out results.json [--only M1,M5] [--deadline-s 540] [--quick]
+    python benchmarks/gpu/measure.py --smoke-cpu --out /tmp/r.json   # every code path on the CPU, tiny sizes
+
+--smoke-cpu is the rehearsal a machine without a GPU can run (tests/test_benchmark_scripts.py does): each
+measurement's code on the CPU with a few images and steps, so a script that would crash on the GPU machine
+crashes here first. Its figures mean nothing; compile and CUDA-graph variants are left out (CPU compile
+takes minutes, CUDA graphs are refused without CUDA).
 
 M1 model only (synthetic batches on the GPU, torchsprint's own train_step, wrap_model and Precision):
    ResNet-18 and ResNet-50 at 224, images/s for fp32 -> amp_bf16 -> + channels_last -> + compile ->
@@ -42,6 +48,29 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 STARTED = time.time()
 LOGS = Path(".")  # set to the results file's folder in main()
+
+# Sizes per mode (main() picks one): full figures, --quick (a short GPU run), --smoke (CPU rehearsal).
+SIZES = {
+    "full": dict(device="cuda", m1_batch=256, m1_steps=(40, 10), jpegs=20000, m2_epochs=3, jpeg_batch=256,
+                 workers=min(16, os.cpu_count() or 1), m3_steps=(150, 25), cifar=50000, cifar_batch=512,
+                 bench=("20", "5", "2"), bench_variants=None, predict_images="256"),
+    "quick": dict(device="cuda", m1_batch=256, m1_steps=(20, 5), jpegs=4000, m2_epochs=2, jpeg_batch=256,
+                  workers=min(16, os.cpu_count() or 1), m3_steps=(40, 10), cifar=10000, cifar_batch=512,
+                  bench=("20", "5", "2"), bench_variants=None, predict_images="64"),
+    "smoke": dict(device="cpu", m1_batch=2, m1_steps=(2, 1), jpegs=48, m2_epochs=1, jpeg_batch=8, workers=1,
+                  m3_steps=(2, 1), cifar=256, cifar_batch=64, bench=("2", "1", "1"),
+                  bench_variants="baseline (seeds),+ channels_last", predict_images="16"),
+}
+SIZE = SIZES["full"]
+
+
+def cuda() -> bool:
+    return SIZE["device"] == "cuda"
+
+
+def sync() -> None:
+    if cuda():
+        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------- results file
@@ -116,7 +145,7 @@ def model_step_rate(model: str, overrides: list[str], batch: int, steps: int, wa
     from torchsprint.parallel import wrap_model
     from torchsprint.precision import Precision
 
-    cfg = config.load(None, [f"model.name={model}", *overrides])
+    cfg = config.load(None, [f"model.name={model}", f"run.device={SIZE['device']}", *overrides])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     fmt = torch.channels_last if cfg.speed.channels_last is True else torch.contiguous_format
     g = torch.Generator(device=rt.device).manual_seed(0)
@@ -133,23 +162,29 @@ def model_step_rate(model: str, overrides: list[str], batch: int, steps: int, wa
     t_warm = time.perf_counter()
     for _ in range(warmup):
         train_step(net, [(x, y)], loss_fn, opt, prec)
-    torch.cuda.synchronize()
+    sync()
     warm_s = time.perf_counter() - t_warm
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    if cuda():
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
     for _ in range(steps):
         train_step(net, [(x, y)], loss_fn, opt, prec)
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / steps
+    if cuda():
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / steps
+    else:
+        ms = (time.perf_counter() - t0) * 1e3 / steps
     graphed = getattr(unwrap_graphed(net), "replays", None)
     out = {"images_per_s": batch / ms * 1e3, "ms_per_step": ms, "batch": batch, "warmup_s": warm_s,
-           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "fused_optimizer": bool(opt.defaults.get("fused")),
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda() else None, "fused_optimizer": bool(opt.defaults.get("fused")),
            "compiled_frames": dict(counters["frames"]), "graph_breaks": sum(counters["graph_break"].values()),
            "cuda_graph_replays": graphed}
     del net, opt
-    torch.cuda.empty_cache()
+    if cuda():
+        torch.cuda.empty_cache()
     return out
 
 
@@ -174,7 +209,7 @@ M1_VARIANTS = {
 }
 
 
-def m1(res: Results, deadline: float, quick: bool) -> None:
+def m1(res: Results, deadline: float) -> None:
     out: dict = {"note": "synthetic on-device batches, SGD (fused), torchsprint train_step; fp32 uses TF32 (speed.tf32=true)",
                  "goal": {"resnet18_best": 25000, "stretch": 35000},
                  "anchors": {"resnet50_amp_A100_DeepLearningExamples": 2470, "resnet50_H100_MLPerf_v3.0": 7000}}
@@ -185,14 +220,17 @@ def m1(res: Results, deadline: float, quick: bool) -> None:
              ("resnet50", "amp_bf16 + channels_last + compile"),
              ("resnet18", "amp_bf16 + channels_last + compile reduce-overhead"), ("resnet50", "amp_bf16"),
              ("resnet50", "fp32")]
-    steps, warmup = (20, 5) if quick else (40, 10)
+    steps, warmup = SIZE["m1_steps"]
     for model, name in plans:
         out.setdefault(model, {})
         if left(deadline) < 75:
             out[model][name] = {"skipped": "time budget of this call"}
             continue
+        if not cuda() and ("compile" in name or "cuda_graphs" in name):
+            out[model][name] = {"skipped": "smoke run on the CPU"}
+            continue
         try:
-            out[model][name] = model_step_rate(model, M1_VARIANTS[name], 256, steps, warmup)
+            out[model][name] = model_step_rate(model, M1_VARIANTS[name], SIZE["m1_batch"], steps, warmup)
             print(f"M1 {model} {name}: {out[model][name]['images_per_s']:.0f} images/s", flush=True)
         except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others
             out[model][name] = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}
@@ -200,6 +238,8 @@ def m1(res: Results, deadline: float, quick: bool) -> None:
         res.put("M1", out)
     r18 = [v["images_per_s"] for v in out["resnet18"].values() if "images_per_s" in v]
     out["resnet18_best_images_per_s"] = max(r18) if r18 else None
+    out["images_per_s"] = {f"{model} | {name}": v["images_per_s"] for model in ("resnet18", "resnet50")
+                           for name, v in out.get(model, {}).items() if "images_per_s" in v}
     res.put("M1", out)
 
 
@@ -247,8 +287,9 @@ ALL_BACKENDS = ("cpu", "gpu", "dali")  # M2's loaders (M3 picks the fastest)
 
 
 def jpeg_cfg(root: Path, backend: str, *extra: str) -> list[str]:
-    workers = min(16, os.cpu_count() or 1)
-    return ["data.dataset=image_folder", f"data.root={root}", f"data.backend={backend}", "data.batch_size=256",
+    workers = SIZE["workers"]
+    return ["data.dataset=image_folder", f"data.root={root}", f"data.backend={backend}", f"data.batch_size={SIZE['jpeg_batch']}",
+            f"run.device={SIZE['device']}",
             f"data.num_workers={workers}", "data.decoder=auto",
             "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
             "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]", *extra]
@@ -285,26 +326,29 @@ def profile_gpu_loader(overrides: list[str], batches: int = 12) -> str:
     tr = build_loaders(cfg.data, rt, seed=0).train
     tr.set_epoch(0)
     it = iter(tr)
+    batches = min(batches, len(tr) - 3)
     for _ in range(3):
         next(it)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda() else [])]) as prof:
         for _ in range(batches):
             x, _ = next(it)
             x.sum()
-        torch.cuda.synchronize()
+        sync()
     table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+    if not cuda():
+        return table
     return table + "\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
 
 
-def m2(res: Results, deadline: float, quick: bool, root: Path, backends: set[str]) -> None:
+def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
     from torchsprint.data.backends.dali import dali_available
 
-    n = 4000 if quick else 20000
+    n = SIZE["jpegs"]
     make_jpegs(root, n)
-    epochs = 2 if quick else 3
-    workers = min(16, os.cpu_count() or 1)
-    out: dict = {"train_images": n, "jpeg": "500x375 quality 90", "batch": 256, "workers": workers,
+    epochs = SIZE["m2_epochs"]
+    workers = SIZE["workers"]
+    out: dict = {"train_images": n, "jpeg": "500x375 quality 90", "batch": SIZE["jpeg_batch"], "workers": workers,
                  "goal": {"gpu_backend": 8000, "stretch": 20000, "anchor_batched_nvjpeg_A100": 7800}, "images_per_s": {}}
     variants = {f"cpu backend, {workers} workers": jpeg_cfg(root, "cpu"),
                 "gpu backend, cpu_fraction 0": jpeg_cfg(root, "gpu", "data.cpu_fraction=0.0"),
@@ -383,7 +427,7 @@ def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
 
     for _ in range(warmup):
         train_step(b.model, [batch()], b.loss_fn, b.opt, b.prec)
-    torch.cuda.synchronize()
+    sync()
     wait, images = 0.0, 0
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -392,17 +436,17 @@ def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
         wait += time.perf_counter() - tw
         train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
         images += x.shape[0]
-    torch.cuda.synchronize()
+    sync()
     seconds = time.perf_counter() - t0
     return {"images_per_s": images / seconds, "data_wait_share": wait / seconds, "steps": steps}
 
 
-def m3(res: Results, deadline: float, quick: bool, root: Path, previous: dict, backends: set[str]) -> None:
+def m3(res: Results, deadline: float, root: Path, previous: dict, backends: set[str]) -> None:
     """End to end with the fastest M2 backend among `backends`; the figures also go under by_backend[name], so
     a later call's run with another backend (run_all.sh dali) merges beside them."""
     m = previous | res.data["measurements"]
     m2r = (m.get("M2") or {}).get("images_per_s") or {}
-    best_backend = "gpu" if "gpu" in backends else sorted(backends)[0]
+    best_backend = "gpu" if "gpu" in backends and cuda() else "cpu" if "cpu" in backends else sorted(backends)[0]
     measured = {k: v for k, v in m2r.items() if v and "per core" not in k and k.split()[0] in backends}
     if measured:
         best = max(measured, key=measured.get)
@@ -417,11 +461,11 @@ def m3(res: Results, deadline: float, quick: bool, root: Path, previous: dict, b
     if not rated and left(deadline) > 240:  # no M1 figures from this or an earlier call: measure the reference here
         for k in ("amp_bf16 + channels_last + cuda_graphs", "amp_bf16 + channels_last"):
             try:
-                rated[k] = model_step_rate("resnet18", M1_VARIANTS[k], 256, 40, 10)["images_per_s"]
+                rated[k] = model_step_rate("resnet18", M1_VARIANTS[k], SIZE["m1_batch"], *SIZE["m1_steps"])["images_per_s"]
             except Exception as e:  # noqa: BLE001
                 print(f"M3 reference {k}: FAILED {e}", flush=True)
     chosen = max(rated, key=rated.get) if rated else "amp_bf16 + channels_last"
-    make_jpegs(root, 4000 if quick else 20000)
+    make_jpegs(root, SIZE["jpegs"])
     over = jpeg_cfg(root, best_backend, "model.name=resnet18", "precision=amp_bf16", "speed.channels_last=true",
                     "log.tensorboard=false", *switches[chosen])
     out = {"backend": best_backend, "switches": chosen, "goal_ratio": 0.90, "stretch_ratio": 0.95}
@@ -429,7 +473,7 @@ def m3(res: Results, deadline: float, quick: bool, root: Path, previous: dict, b
         out["skipped"] = "time budget of this call"
     else:
         try:
-            r = end_to_end_rate(over, 40 if quick else 150, 10 if quick else 25)
+            r = end_to_end_rate(over, *SIZE["m3_steps"])
             out.update(r)
             ref = rated.get(chosen)
             out["m1_images_per_s"] = ref
@@ -464,17 +508,18 @@ def register_random_cifar(n: int = 50000) -> None:
         return Splits(TensorImages(x[:n], y[:n]), TensorImages(x[n:], y[n:]), [str(i) for i in range(10)], 3)
 
 
-def m4(res: Results, deadline: float, quick: bool) -> None:
+def m4(res: Results, deadline: float) -> None:
     from torchsprint import config, runtime
     from torchsprint.engine import train_step
     from torchsprint.run import build_training
 
-    register_random_cifar(10000 if quick else 50000)
-    over = ["data.dataset=random_cifar", "data.backend=memory", "data.batch_size=512", "model.name=cifar_resnet18",
+    register_random_cifar(SIZE["cifar"])
+    over = ["data.dataset=random_cifar", "data.backend=memory", f"data.batch_size={SIZE['cifar_batch']}",
+            "model.name=cifar_resnet18", f"run.device={SIZE['device']}",
             "precision=amp_bf16", "speed.channels_last=true", "log.tensorboard=false",
             "data.train.transforms=[{random_crop: {size: 32, padding: 4}}, hflip, {normalize: cifar10}]",
             "data.eval.transforms=[{normalize: cifar10}]"]
-    out: dict = {"images": 10000 if quick else 50000, "model": "cifar_resnet18", "batch": 512,
+    out: dict = {"images": SIZE["cifar"], "model": "cifar_resnet18", "batch": SIZE["cifar_batch"],
                  "switches": "amp_bf16 + channels_last", "goal_loader_share": 0.05}
     if left(deadline) < 90:
         out["skipped"] = "time budget of this call"
@@ -488,18 +533,18 @@ def m4(res: Results, deadline: float, quick: bool) -> None:
         tr.set_epoch(0)
         for x, y in tr:  # warm-up epoch: cuDNN autotuning, allocator
             train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
-        torch.cuda.synchronize()
+        sync()
         tr.set_epoch(1)
         t = time.perf_counter()
         for x, y in tr:
             train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
-        torch.cuda.synchronize()
+        sync()
         epoch_s = time.perf_counter() - t
         tr.set_epoch(2)
         t = time.perf_counter()
         for x, _ in tr:  # the loader alone: gather + batched crop/flip + normalise, same batches
             x.sum()
-        torch.cuda.synchronize()
+        sync()
         loader_s = time.perf_counter() - t
         out.update({"seconds_per_epoch": epoch_s, "images_per_s": out["images"] / epoch_s, "loader_seconds_per_epoch": loader_s,
                     "loader_share": loader_s / epoch_s})
@@ -514,8 +559,9 @@ def m4(res: Results, deadline: float, quick: bool) -> None:
 
 
 def run_bench(name: str, args: list[str], folder: Path, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "torchsprint", "bench", *args, "--out", str(folder), "--steps", "20", "--warmup", "5",
-           "--repeats", "2"]
+    steps, warmup, repeats = SIZE["bench"]
+    cmd = [sys.executable, "-m", "torchsprint", "bench", *args, "--out", str(folder), "--steps", steps, "--warmup", warmup,
+           "--repeats", repeats, *(["--variants", SIZE["bench_variants"]] if SIZE["bench_variants"] else [])]
     t = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=folder.parent)
     out = {"command": " ".join(cmd[1:]), "seconds": time.time() - t, "exit_code": p.returncode}
@@ -529,18 +575,18 @@ def run_bench(name: str, args: list[str], folder: Path, timeout: float) -> dict:
     return out
 
 
-def m5(res: Results, deadline: float, quick: bool, root: Path) -> None:
+def m5(res: Results, deadline: float, root: Path) -> None:
     work = root.parent / "torchsprint-m5"  # bench folders stay off $OUT (few files may come back); logs go there
     work.mkdir(parents=True, exist_ok=True)
     out: dict = {}
-    make_jpegs(root, 4000 if quick else 20000)
+    make_jpegs(root, SIZE["jpegs"])
     jpeg_yaml = work / "jpeg224.yaml"
     lines = ["model: {name: resnet18}", "log: {tensorboard: false}"]
     jpeg_yaml.write_text("\n".join(lines) + "\n")
     for name, args in (("default run", []),
                        ("jpeg 224", ["-c", str(jpeg_yaml), *jpeg_cfg(root, "cpu")])):
         budget = left(deadline) - 20
-        if budget < 120:
+        if budget < (120 if cuda() else 30):
             out[name] = {"skipped": "time budget of this call"}
             continue
         try:
@@ -548,6 +594,8 @@ def m5(res: Results, deadline: float, quick: bool, root: Path) -> None:
             print(f"M5 {name}: exit {out[name]['exit_code']} in {out[name]['seconds']:.0f} s", flush=True)
         except subprocess.TimeoutExpired:
             out[name] = {"error": f"did not finish in {budget:.0f} s"}
+        out["images_per_s"] = {f"{config} | {variant}": v for config in ("default run", "jpeg 224")
+                               for variant, v in (out.get(config, {}).get("images_per_s") or {}).items()}
         res.put("M5", out)
     res.put("M5", out)
 
@@ -555,10 +603,10 @@ def m5(res: Results, deadline: float, quick: bool, root: Path) -> None:
 # ---------------------------------------------------------------- M6: predict
 
 
-def m6(res: Results, deadline: float, quick: bool) -> None:
+def m6(res: Results, deadline: float) -> None:
     path = LOGS / "m6_predict.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "predict_throughput.py"), "--device", "cuda", "--images",
-           "256" if not quick else "64", "--repeats", "3", "--json", str(path)]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "predict_throughput.py"), "--device", SIZE["device"], "--images",
+           SIZE["predict_images"], "--repeats", "3" if cuda() else "1", "--json", str(path)]
     out: dict = {"command": " ".join(cmd[1:])}
     try:
         import onnxruntime as ort
@@ -586,7 +634,9 @@ def main() -> None:
     ap.add_argument("--out", default="results.json", help="the results JSON (updated in place after each measurement)")
     ap.add_argument("--only", default="M1,M2,M3,M4,M5,M6", help="comma-separated measurements to run")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting measurements after this many seconds")
-    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not figures to publish)")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a short GPU run, not figures to publish)")
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="every measurement's code on the CPU with tiny sizes: a rehearsal without a GPU, no figures")
     ap.add_argument("--data", default="/tmp/torchsprint-m2", help="where the generated JPEGs live")
     ap.add_argument("--backends", default=",".join(ALL_BACKENDS),
                     help="M2/M3: the loaders to measure (run_all.sh dali passes dali alone, in a later call)")
@@ -598,18 +648,20 @@ def main() -> None:
     for f in args.previous:
         if Path(f).is_file():
             previous |= json.loads(Path(f).read_text()).get("measurements", {})
-    if not torch.cuda.is_available():
-        sys.exit("measure.py needs a CUDA GPU")
+    global SIZE
+    SIZE = SIZES["smoke" if args.smoke_cpu else "quick" if args.quick else "full"]
+    if cuda() and not torch.cuda.is_available():
+        sys.exit("measure.py needs a CUDA GPU (--smoke-cpu rehearses its code on the CPU)")
     res = Results(Path(args.out), " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     root = Path(args.data)
     todo = [m.strip() for m in args.only.split(",") if m.strip()]
     backends = {b.strip() for b in args.backends.split(",") if b.strip()}
     if not backends <= set(ALL_BACKENDS):
         sys.exit(f"--backends: {sorted(backends - set(ALL_BACKENDS))} unknown; use some of {ALL_BACKENDS}")
-    table = {"M1": lambda: m1(res, args.deadline_s, args.quick),
-             "M2": lambda: m2(res, args.deadline_s, args.quick, root, backends),
-             "M3": lambda: m3(res, args.deadline_s, args.quick, root, previous, backends), "M4": lambda: m4(res, args.deadline_s, args.quick),
-             "M5": lambda: m5(res, args.deadline_s, args.quick, root), "M6": lambda: m6(res, args.deadline_s, args.quick)}
+    table = {"M1": lambda: m1(res, args.deadline_s),
+             "M2": lambda: m2(res, args.deadline_s, root, backends),
+             "M3": lambda: m3(res, args.deadline_s, root, previous, backends), "M4": lambda: m4(res, args.deadline_s),
+             "M5": lambda: m5(res, args.deadline_s, root), "M6": lambda: m6(res, args.deadline_s)}
     for key in todo:
         print(f"== {key} ({left(args.deadline_s):.0f} s left)", flush=True)
         try:

@@ -23,6 +23,7 @@
 #
 # Environment: DEADLINE (seconds a bench call may start measurements, default 480), SUITE_MARKS (pytest -m
 # for the suite, default "not gpu and not dali": the gpu tests ran just before), QUICK=1 (small sizes),
+# SMOKE=1 (measure.py --smoke-cpu: the bench parts' code on the CPU, tiny sizes; a rehearsal without a GPU),
 # PREVIOUS (an earlier call's results.json, read by M3; the results of earlier calls on the same warm machine
 # are kept in gpu-out/previous/ and read without it), GPU_WORKERS (pytest-xdist processes for the gpu tests,
 # default 4), WHEELS (the wheels to install, default .whl/), DALI_PARTS / DALI_SITE (where the .dali-* parts
@@ -88,12 +89,18 @@ PYEOF
   } | tee "$OUT/env.txt"
 }
 
+DALI_READY=""
 install_dali() {  # the .dali-K/part files (fetch_wheels.sh --dali), once all are here, into $DALI_SITE
-  local parts=${DALI_PARTS:-$REPO} site=${DALI_SITE:-/tmp/site-dali} manifest
+  local parts=${DALI_PARTS:-$REPO} site=${DALI_SITE:-/tmp/site-dali} manifest here
   manifest=$(ls "$parts"/.dali-*/manifest 2>/dev/null | head -1)
   [ -n "$manifest" ] || { echo "DALI: no .dali-* parts here (benchmarks/gpu/fetch_wheels.sh --dali)"; return 0; }
   local PARTS SHA256 PYVER PACKAGES k missing="" files=()
   . "$manifest"
+  here=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  if [ "$PYVER" != "$here" ]; then
+    echo "DALI: the parts were packed for Python $PYVER, this is $here (PYVER=$here fetch_wheels.sh --dali); not installed"
+    return 0
+  fi
   for k in $(seq 1 "$PARTS"); do
     if [ -f "$parts/.dali-$k/part" ]; then files+=("$parts/.dali-$k/part"); else missing="$missing .dali-$k"; fi
   done
@@ -111,9 +118,8 @@ install_dali() {  # the .dali-K/part files (fetch_wheels.sh --dali), once all ar
     echo "$SHA256" >"$site/.sha256"
     echo "DALI: unpacked $PARTS parts ($PACKAGES) into $site"
   fi
-  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site
-  # nvImageCodec's nvJPEG (nvidia-nvjpeg 13.0) and nvCOMP, wherever DALI's loader looks for them
-  export LD_LIBRARY_PATH=$site/nvidia/cu13/lib:$site/nvidia/libnvcomp/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  DALI_READY=$site
+  echo "DALI: ready in $site (on the path of the dali part only: its packages, optree for one, stay out of the rest)"
 }
 
 summarise() {  # summarise <name> <junit xml>: counts and failures into results.json's "tests"
@@ -174,7 +180,7 @@ measure() {  # measure <measure.py arguments>: this call's results plus every ea
 
 run_bench() {
   echo "== measurements $1 $(date -u +%T)"
-  local quick=""; [ "${QUICK:-0}" = 1 ] && quick="--quick"
+  local quick=""; [ "${QUICK:-0}" = 1 ] && quick="--quick"; [ "${SMOKE:-0}" = 1 ] && quick="--smoke-cpu"
   measure --only "$1" --deadline-s "${DEADLINE:-480}" $quick
 }
 
@@ -186,8 +192,13 @@ run_recipes() {  # issue 14: what each recipe switch costs per backend on the GP
     2>&1 | tee -a "$OUT/recipes_gpu.log" | tail -12
 }
 
-run_dali() {  # DALI's own tests (the CPU-graph ones skip where DALI is missing, so they run here too) and figures
+run_dali() (  # DALI's own tests (the CPU-graph ones skip where DALI is missing, so they run here too) and figures
   echo "== DALI $(date -u +%T)"
+  if [ -n "$DALI_READY" ]; then  # a subshell: the path changes end with this part
+    export PYTHONPATH=$PYTHONPATH:$DALI_READY
+    # nvImageCodec's nvJPEG (nvidia-nvjpeg 13.0) and nvCOMP, wherever DALI's loader looks for them
+    export LD_LIBRARY_PATH=$DALI_READY/nvidia/cu13/lib:$DALI_READY/nvidia/libnvcomp/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
   if ! "$PY" -c "import nvidia.dali as d; print('DALI', d.__version__)"; then
     echo "DALI does not import: carry every .dali-K part (see setup above), or see the error"
     return 0
@@ -196,7 +207,7 @@ run_dali() {  # DALI's own tests (the CPU-graph ones skip where DALI is missing,
     --junitxml=/tmp/tests_dali.xml tests -k dali 2>&1 | tee "$OUT/tests_dali.log" | tail -40
   summarise dali /tmp/tests_dali.xml
   measure --only M2,M3 --backends dali --deadline-s "${DEADLINE:-420}"
-}
+)
 
 SUITE_MARKS=${SUITE_MARKS:-not gpu and not dali}
 [ $# -eq 0 ] && set -- all

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import torchsprint  # noqa: F401  (sets CUBLAS_WORKSPACE_CONFIG before any test runs a CUDA matrix product)
+
 # Two cores on CI: keep each test process to one intra-op thread so xdist workers don't oversubscribe.
 torch.set_num_threads(1)
 
@@ -70,6 +72,22 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_flags():
+    """Process-wide switches a run sets (runtime.setup) go back after each test: a test whose run failed
+    midway must not leave deterministic mode, cuDNN autotuning or TF32 on for the next tests in the process."""
+    import torch.utils.deterministic
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, matmul.allow_tf32,
+             torch.utils.deterministic.fill_uninitialized_memory)
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, matmul.allow_tf32 = saved[2:6]
+    torch.utils.deterministic.fill_uninitialized_memory = saved[6]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -137,6 +137,46 @@ def test_tensorrt_says_what_is_missing(digits_run, tmp_path):
         export(digits_run, "tensorrt", out=tmp_path / "m.engine")
 
 
+def test_tensorrt_parity_tolerates_near_ties_only(digits_run, monkeypatch):
+    """The engine check's logic (TensorRT itself does not run here; tensorrt_logits stands in for the engine's
+    output): a swap of two classes within 1% of the image's logit range passes, a swap of a clear top-1 fails,
+    TF32-sized noise passes."""
+    import torchsprint.export as ex
+    from torchsprint.trained import load_run
+
+    trained = load_run(digits_run, "best")
+    model = trained.model
+
+    def with_near_tie(x):  # image 0's runner-up 0.1% of its logit range below its top-1
+        y = model(x).clone()
+        top, other = int(y[0].argmax()), int(y[0].argmin())
+        y[0, other] = y[0, top] - 1e-3 * (y[0].max() - y[0].min())
+        return y
+
+    monkeypatch.setattr(trained, "model", with_near_tie)
+    example = ex.sample_batch(trained)
+    with torch.no_grad():
+        ref = with_near_tie(ex.normalize(example, trained.pipeline))
+    top2 = ref.topk(2, dim=-1)
+    margin = (top2.values[:, 0] - top2.values[:, 1]) / (ref.max(-1).values - ref.min(-1).values)
+    clear = int(margin[1:].argmax()) + 1
+    assert margin[0] < 0.01 < margin[clear]
+
+    def swapped(i):  # the engine's logits with image i's top-1 and runner-up exchanged
+        got = ref.clone()
+        a, b = top2.indices[i]
+        got[i, a], got[i, b] = ref[i, b], ref[i, a]
+        return got
+
+    monkeypatch.setattr(ex, "tensorrt_logits", lambda path, x: swapped(0))
+    assert ex.parity("tensorrt", Path("m.engine"), trained, example, False) > 0
+    monkeypatch.setattr(ex, "tensorrt_logits", lambda path, x: swapped(clear))
+    with pytest.raises(UsageError, match="top-1 class differs from PyTorch's on 1 of"):
+        ex.parity("tensorrt", Path("m.engine"), trained, example, False)
+    monkeypatch.setattr(ex, "tensorrt_logits", lambda path, x: ref + 1e-4)
+    assert ex.parity("tensorrt", Path("m.engine"), trained, example, False) == pytest.approx(1e-4, rel=1e-2)
+
+
 def test_parity_failure_fails_the_export(digits_run, tmp_path):
     with pytest.raises(UsageError, match="parity check failed"):
         export(digits_run, "onnx", out=tmp_path / "m.onnx", tolerance=-1.0)

@@ -12,6 +12,9 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +58,8 @@ def det_cnn(num_classes: int, in_channels: int = 3, width: int = 8) -> nn.Module
     return Net()
 
 
-def jpeg_data(root, *extra, n=120, size="[64, 48]", classes=4):
-    return ["data.dataset=synthetic_jpeg", f"data.root={root}", f"data.options={{num_images: {n}, val_images: 40, "
+def jpeg_data(root, *extra, n=120, size="[64, 48]", classes=4, val=40):
+    return ["data.dataset=synthetic_jpeg", f"data.root={root}", f"data.options={{num_images: {n}, val_images: {val}, "
             f"size: {size}, classes: {classes}}}", "data.batch_size=16", "data.num_workers=2",
             "data.train.transforms=[{random_resized_crop: {size: 32}}, hflip, {normalize: imagenet}]",
             "data.eval.transforms=[{resize: 36}, {center_crop: 32}, {normalize: imagenet}]", *extra]
@@ -106,6 +109,37 @@ def test_decode_never_writes_memory_the_callers_stream_still_reads(figure):
                     "not reproduce): decode_on_device was clean, but the harness is not shown to be sensitive")
 
 
+def test_the_decode_stream_is_never_a_prefetch_stream():
+    """torch.cuda.Stream() hands out 32 pooled streams per priority in turn; the prefetcher takes one per
+    loader pass, so a decode stream from the same pool was the prefetch stream of one pass in 32, and the
+    decode's ordering (wait_stream, record_stream on itself) did nothing there."""
+    from torchsprint.data.backends.gpu import decode_stream
+
+    dev = torch.device("cuda")
+    ours = decode_stream(dev)
+    assert all(torch.cuda.Stream(dev) != ours for _ in range(70))  # two full turns of the default pool
+    with torch.cuda.stream(ours), pytest.raises(RuntimeError, match="decode stream as the current stream"):
+        decode_on_device([torch.zeros(4, dtype=torch.uint8)], dev)
+
+
+def test_a_deterministic_run_after_other_cuda_work_in_one_process(tmp_path):
+    """PyTorch reads CUBLAS_WORKSPACE_CONFIG once, at the process's first cuBLAS call: set only when a
+    deterministic run starts, it came too late after any earlier matrix product, and the run raised
+    "Deterministic behavior was enabled ... CUBLAS_WORKSPACE_CONFIG". A fresh process, as a user's script."""
+    overrides = [*jpeg_data(tmp_path / "d", n=64), "model.name=linear", "run.deterministic=true", "run.epochs=1",
+                 f"run.dir={tmp_path / 'run'}", *QUIET]
+    script = ("import torch, torchsprint\n"
+              "a = torch.randn(64, 64, device='cuda', requires_grad=True)\n"
+              "(a @ a).sum().backward()\n"  # cuBLAS, non-deterministic mode
+              "from torchsprint import config\n"
+              "from torchsprint.run import train\n"
+              f"s = train(config.load(None, {overrides!r}), quiet=True)\n"
+              "print('ok', s['final']['val/top1'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+
+
 def test_gpu_loader_batches_equal_a_synchronous_decode_over_many_batches(tmp_path):
     """The pipelined loader (decode + crop of batch i+1 on a side stream while the main stream is busy)
     against the same items assembled one at a time with the device idle: bit for bit, 30 batches."""
@@ -121,11 +155,18 @@ def test_gpu_loader_batches_equal_a_synchronous_decode_over_many_batches(tmp_pat
         x, y = tr._assemble(ds[k])
         torch.cuda.synchronize()
         ref.append((x.cpu(), y.cpu()))
+    assemble = tr._assemble
+
+    def slow_assemble(item):  # runs on the prefetch stream: ~10 ms of queued work before its kernels, so a
+        torch.cuda._sleep(20_000_000)  # consumer that did not wait_stream would read batches not yet written
+        return assemble(item)
+
+    tr._assemble = slow_assemble
     tr.set_epoch(0)
     got = []
     for x, y in tr:
-        torch.cuda._sleep(20_000_000)  # the "training step": keeps the main stream busy while i+1 is prepared
-        got.append((x.clone(), y.clone()))
+        got.append((x.clone(), y.clone()))  # read at once, as a training step's first kernel would
+        torch.cuda._sleep(20_000_000)  # then the "training step", while batch i+1 is prepared
     assert len(got) == len(ref) == 30
     for (a, ya), (b, yb) in zip(got, ref):
         assert torch.equal(a.cpu(), b) and torch.equal(ya.cpu(), yb)
@@ -259,10 +300,15 @@ def test_every_file_a_decoder_reads_is_trained_on(tmp_path, monkeypatch, figure,
     tr.set_epoch(0)
     n = sum(len(x) for x, _ in tr)
     figure(f"nvjpeg_cpu_fallbacks_{'forced' if force_nvjpeg else 'routed'}", tr.cpu_fallbacks, "files nvJPEG rejected")
-    assert n == 6 and [s.split(":")[0].split("/")[-1] for s in tr.skipped] == ["12bit.jpg"]
+    skipped = [s.split(":")[0].split("/")[-1] for s in tr.skipped]
+    if force_nvjpeg:  # nvJPEG may read the 12-bit file that no CPU decoder here reads: then nothing is skipped
+        figure("nvjpeg_reads_12bit", int(not skipped), "1: CUDA's nvJPEG decoded 12bit.jpg")
+        assert n + len(skipped) == 7 and skipped in ([], ["12bit.jpg"])
+    else:
+        assert n == 6 and skipped == ["12bit.jpg"]
 
 
-def test_predict_on_cuda_reads_every_variant_and_mixes_tensors_with_files(tmp_path):
+def test_predict_on_cuda_reads_every_variant_and_mixes_tensors_with_files(tmp_path, monkeypatch):
     """Predict on CUDA: tensors and files in one call (they failed to stack across devices), every
     readable variant predicted, the 12-bit one an error entry; the tensors (same CPU preprocessing on
     both) get the CPU predictor's top-1 class."""
@@ -274,6 +320,9 @@ def test_predict_on_cuda_reads_every_variant_and_mixes_tensors_with_files(tmp_pa
     files = sorted(str(p) for p in variant_folder(tmp_path / "v").rglob("train/a/*.jpg"))
     tensor = torch.randint(0, 255, (3, 40, 30), dtype=torch.uint8)
     inputs = [tensor, *files, tensor]
+    # cuDNN convolutions default to TF32, which can swap a near tie of this one-epoch model on a noise image;
+    # this test is about mixing tensors and files, so both sides compute in full fp32
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     gpu = Predictor.from_run(run, device="cuda").predict(inputs, topk=1)
     cpu = Predictor.from_run(run, device="cpu").predict(inputs, topk=1)
     errors = [r["input"].split("/")[-1] for r in gpu if "error" in r]
@@ -300,7 +349,7 @@ def test_onnx_export_and_predict_on_cuda(tmp_path):
     torch_pred = Predictor.from_run(run, device="cpu").predict(files, topk=1)  # the same CPU decoding as the onnx path
     agree = np.mean([a["top"][0]["class"] == b["top"][0]["class"] for a, b in zip(onnx_pred, torch_pred)])
     print("onnxruntime providers here:", ort.get_available_providers())
-    assert r["max_abs_diff"] <= 1e-3 and agree >= 0.97  # same pixels; float differences may flip a near-tie
+    assert r["max_abs_diff"] <= 1e-3 and agree >= 30 / 32  # same pixels; float differences may swap a near tie
 
 
 def test_tensorrt_export_builds_and_checks_an_engine_or_says_why_not(tmp_path):
@@ -359,7 +408,7 @@ def test_amp_reaches_fp32_accuracy(tmp_path, figure):
     """amp_fp16 (with its loss scaler) and amp_bf16 against fp32 on the same small job."""
     acc = {}
     for mode in ("fp32", "amp_fp16", "amp_bf16"):
-        s = train(config.load(None, [*jpeg_data(tmp_path / "d", n=800, classes=4), "data.backend=gpu", f"precision={mode}",
+        s = train(config.load(None, [*jpeg_data(tmp_path / "d", n=800, classes=4, val=200), "data.backend=gpu", f"precision={mode}",
                                      f"run.dir={tmp_path / mode}", "run.epochs=6", *QUIET]), quiet=True)
         acc[mode] = s["final"]["val/top1"]
     for mode in ("amp_fp16", "amp_bf16"):

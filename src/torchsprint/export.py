@@ -183,10 +183,17 @@ def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bo
             got = torch.jit.load(str(path))(x)
     elif fmt == "tensorrt":
         got = tensorrt_logits(path, x)
-        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        if agree < 1.0:  # the check for an engine: TensorRT picks its own kernels (TF32 by default), so logits move
-            raise UsageError(f"TensorRT engine {path}: its top-1 class agrees with PyTorch's on {agree:.0%} of "
-                             f"{len(x)} validation images (max |logits difference| {(ref - got).abs().max():.3g}).")
+        # The check for an engine: the same top-1 class as PyTorch on every image whose top-1 is not a near
+        # tie. TensorRT picks its own kernels, TF32 by default (10-bit mantissa, ~1e-3 relative), so a class
+        # within 1% of the image's logit range of the top one may swap. 1% is 10x TF32's rounding, not a
+        # measured figure: TensorRT has not run in this project's tests yet (issue 12's GPU session).
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.01 * (ref.max(-1).values - ref.min(-1).values)
+        wrong = (got.argmax(-1) != ref.argmax(-1)) & clear
+        if wrong.any():
+            raise UsageError(f"TensorRT engine {path}: its top-1 class differs from PyTorch's on {int(wrong.sum())} of "
+                             f"{int(clear.sum())} validation images whose top-1 is clear (max |logits difference| "
+                             f"{(ref - got).abs().max():.3g}); the engine is wrong. Export --format onnx instead.")
     elif fmt == "safetensors":
         from torchsprint.trained import load_weights_file
 

@@ -176,25 +176,38 @@ _DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def decode_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream that JPEG decodes on `device` run on, and nothing else (see decode_on_device)."""
+    """The stream that JPEG decodes on `device` run on, and nothing else (see decode_on_device).
+
+    High priority, for a pool of its own: torch.cuda.Stream() hands out the next of 32 pooled streams per
+    priority, round robin, so a default-priority decode stream would be the very stream of one prefetch pass
+    in 32 (prefetch_to_device takes one per pass), and the ordering below would silently be a no-op."""
     if device not in _DECODE_STREAMS:
-        _DECODE_STREAMS[device] = torch.cuda.Stream(device)
+        _DECODE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
     return _DECODE_STREAMS[device]
 
 
 def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    import torch.utils.deterministic
     from torchvision.io import ImageReadMode, decode_jpeg
 
+    # Under torch.use_deterministic_algorithms, empty() outputs are filled on the current stream, while
+    # nvJPEG writes them from its own: the fill could land after the pixels. The decoder writes every
+    # output byte, so there is nothing to fill.
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
     try:
-        return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
-    except RuntimeError:  # one file the decoder rejects fails the whole batch call: find it
-        out = []
-        for d in data:
-            try:
-                out.append(decode_jpeg(d, mode=ImageReadMode.RGB, device=device))
-            except RuntimeError:
-                out.append(None)
-        return out
+        try:
+            return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError:  # one file the decoder rejects fails the whole batch call: find it
+            out = []
+            for d in data:
+                try:
+                    out.append(decode_jpeg(d, mode=ImageReadMode.RGB, device=device))
+                except RuntimeError:
+                    out.append(None)
+            return out
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def decode_on_device(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
@@ -218,6 +231,8 @@ def decode_on_device(data: list[torch.Tensor], device: torch.device) -> list[tor
         return _decode_jpegs(data, device)
     consumer = torch.cuda.current_stream(device)
     stream = decode_stream(device)
+    if stream == consumer:  # the caller made the decode stream current: the ordering below would do nothing
+        raise RuntimeError("decode_on_device: called with the decode stream as the current stream")
     with torch.cuda.stream(stream):
         out = _decode_jpegs(data, device)
     consumer.wait_stream(stream)

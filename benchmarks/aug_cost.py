@@ -39,6 +39,8 @@ def loader_images_per_s(cfg, steps: int, warmup: int) -> float:
     """The training loader alone (the mix wrapper included): images/s of `steps` batches after `warmup`."""
     import time
 
+    import torch
+
     from torchsprint import runtime
     from torchsprint.run import build_training
 
@@ -52,12 +54,18 @@ def loader_images_per_s(cfg, steps: int, warmup: int) -> float:
                 yield from b.loaders.train
                 epoch += 1
 
+        def sync():  # the device backends queue their work: the clock must wait for it, not for its launch
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)
+
         it = batches()
         for _ in range(warmup):
             next(it)
+        sync()
         t0, n = time.perf_counter(), 0
         for _ in range(steps):
             n += next(it)[0].shape[0]
+        sync()
         return n / (time.perf_counter() - t0)
     finally:
         runtime.teardown(rt)

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import statistics
 
 import pytest
@@ -59,6 +60,61 @@ def test_best_combination_picks_fastest_backend_and_winning_switches():
         {"variant": "+ compile", "status": "skipped", "overrides": ["speed.compile=true"], "speedup": None},
     ]
     assert best_combination(rows) == ["data.backend=memory", "precision.mode=amp_fp16"]
+
+
+def test_best_combination_captures_the_model_one_way_only():
+    """torch.compile and a CUDA graph of the step are refused together (parallel.check_speed): the faster
+    one goes in, whichever it is."""
+    def rows(compile_speedup, graphs_speedup):
+        return [{"variant": "baseline (seeds)", "status": "ok", "overrides": [], "speedup": 1.0},
+                {"variant": "+ compile", "status": "ok", "overrides": ["speed.compile=true"], "speedup": compile_speedup},
+                {"variant": "+ cuda graphs", "status": "ok", "overrides": ["speed.cuda_graphs=true"], "speedup": graphs_speedup},
+                {"variant": "+ amp_bf16", "status": "ok", "overrides": ["precision.mode=amp_bf16"], "speedup": 1.5}]
+
+    assert best_combination(rows(1.3, 1.6)) == ["speed.cuda_graphs=true", "precision.mode=amp_bf16"]
+    assert best_combination(rows(1.7, 1.6)) == ["speed.compile=true", "precision.mode=amp_bf16"]
+
+
+def test_a_crashing_variant_says_why_in_its_row(tmp_path, monkeypatch):
+    """A variant's process that crashes (not a usage error) is a skipped row whose reason holds the exception's
+    last line: the log beside it may not travel with bench.json (the GPU job keeps only the JSON)."""
+    from torchsprint.bench import measure_variant
+
+    (tmp_path / "boom_model.py").write_text(
+        "from torch import nn\nfrom torchsprint.models.core import MODELS\n\n"
+        "@MODELS.register('boom')\ndef boom(num_classes, in_channels=3):\n"
+        "    class Boom(nn.Linear):\n"
+        "        def forward(self, x):\n"
+        "            raise RuntimeError('boom in forward')\n"
+        "    return Boom(1, num_classes)\n")
+    cfg = tmp_path / "v.yaml"
+    cfg.write_text("imports: [boom_model]\nmodel: {name: boom}\nlog: {tensorboard: false}\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with pytest.raises(RuntimeError, match=r"exit code 1: RuntimeError: boom in forward \(full log: "):
+        measure_variant(cfg, steps=1, warmup=0, repeats=1, processes=1, out=tmp_path / ".v.json")
+
+
+def test_bench_json_keeps_the_variants_measured_before_a_stop(tmp_path, monkeypatch):
+    """bench.json is rewritten after every variant: a bench stopped midway (the GPU job's time limit kills it)
+    still holds the rows it measured."""
+    import torchsprint.bench as bench_mod
+
+    real = bench_mod.measure
+    calls = []
+
+    def measure_then_stop(cfg, steps, warmup):
+        calls.append(cfg.speed.channels_last)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # the second variant: stopped from outside
+        return real(cfg, steps, warmup)
+
+    monkeypatch.setattr(bench_mod, "measure", measure_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        bench_mod.bench(None, [], steps=2, warmup=1, repeats=1, only=["+ channels_last"], out=tmp_path / "b",
+                        isolate=False)
+    saved = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert saved["meta"]["partial"] is True
+    assert [r["variant"] for r in saved["rows"]] == ["baseline (seeds)"] and saved["rows"][0]["images_per_s"] > 0
 
 
 def test_summarize_reports_median_min_max_ratio_and_bottleneck():

@@ -85,10 +85,14 @@ def variants(cfg, decodes: bool = True) -> list[Variant]:
                                        f"data.num_workers={cores}"],
                 "fastest installed decoder, persistent workers, one worker per core" if decodes else
                 "persistent workers, one worker per core"),
-        Variant("+ gpu loader", ["data.backend=gpu"], "nvJPEG decode + GPU augmentation", None if cuda else no_gpu),
+        Variant("+ gpu loader", ["data.backend=gpu"], "nvJPEG decode + GPU augmentation",
+                None if cuda and decodes else no_gpu if not cuda else "decodes image files; this dataset is in memory"),
         Variant("+ memory loader", ["data.backend=memory"], "decoded dataset on the device, batched augmentation"),
         Variant("+ dali", ["data.backend=dali"], "NVIDIA DALI pipeline",
                 None if cuda and _has("nvidia.dali") else ("needs NVIDIA DALI (pip install torchsprint[dali]) and a GPU")),
+        Variant("+ tf32 + cudnn autotune", ["speed.tf32=true", "speed.cudnn_benchmark=true"],
+                "TF32 matrix products and convolutions, cuDNN algorithm search (torchsprint's defaults on CUDA)",
+                None if cuda else "CUDA-only switches"),
         Variant("+ channels_last", ["speed.channels_last=true"], "NHWC memory format"),
         Variant("+ amp_bf16", ["precision.mode=amp_bf16"], "bfloat16 autocast"),
         Variant("+ amp_fp16", ["precision.mode=amp_fp16"], "float16 autocast + loss scaling",
@@ -275,8 +279,11 @@ def measure_variant(config_path: Path, steps: int, warmup: int, repeats: int, pr
     out.with_suffix(".log").write_text(err)  # the variant's own output, kept beside its config
     if proc.returncode != 0 or not out.is_file():
         lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
-        raise RuntimeError(lines[-1].removeprefix("error: ") if lines else
-                           f"exit code {proc.returncode}; see {out.with_suffix('.log')}")
+        if lines:  # a UsageError: its one-line message
+            raise RuntimeError(lines[-1].removeprefix("error: "))
+        last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), "")
+        # A crash: its last line in the row too, so the reason travels with bench.json (the log may not).
+        raise RuntimeError(f"exit code {proc.returncode}: {last[:300]} (full log: {out.with_suffix('.log')})")
     results = json.loads(out.read_text())
     for r in results:
         r["peak_tree_mb"] = rss.peak_mb
@@ -450,10 +457,17 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
             v.skip = f"could not run here: {str(e).splitlines()[0][:200]}"
             v.results.clear()
 
-    for v in all_variants:
+    meta = {"config": config_path or "defaults (digits + small_cnn)", "overrides": list(overrides), "steps": steps,
+            "warmup": warmup, "repeats": repeats, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "device": device_name(), "cpu_threads": torch.get_num_threads()}
+    base = next(v for v in all_variants if v.name == "baseline (seeds)")
+    for i, v in enumerate(all_variants):
         if not v.skip:
             run_variant(v, v.overrides)
-    base = next(v for v in all_variants if v.name == "baseline (seeds)")
+        # bench.json after every variant: a bench stopped midway (a caller's time limit) keeps what it measured
+        ips = statistics.median(r["images_per_s"] for r in base.results) if base.results else None
+        (out / "bench.json").write_text(json.dumps({"meta": meta | {"partial": True},
+                                                    "rows": [summarize(x, ips) for x in all_variants[: i + 1]]}, indent=1))
     base_ips = statistics.median(r["images_per_s"] for r in base.results) if base.results else None
     rows = [summarize(v, base_ips) for v in all_variants]
     if base_ips and (not only or "best" in only):
@@ -473,9 +487,6 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
         except (UsageError, RuntimeError, subprocess.TimeoutExpired) as e:
             v.skip = f"could not run here: {str(e).splitlines()[0][:200]}"
         rows.append(summarize(v, base_ips))
-    meta = {"config": config_path or "defaults (digits + small_cnn)", "overrides": list(overrides), "steps": steps,
-            "warmup": warmup, "repeats": repeats, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
-            "device": device_name(), "cpu_threads": torch.get_num_threads()}
     write_outputs(rows, out, meta)
     print_table(rows, meta)
     print(f"wrote {out}/bench.md, bench.csv, bench.json, bench.png")
@@ -508,9 +519,13 @@ def best_combination(rows: list[dict]) -> list[str]:
         if top["speedup"] > 1.03:
             chosen += top["overrides"]
     precisions = [r for r in other if any(o.startswith("precision.") for o in r["overrides"])]
+    # torch.compile and a CUDA graph both capture the model: refused together (parallel.check_speed)
+    captures = [r for r in other if {"speed.compile=true", "speed.cuda_graphs=true"} & set(r["overrides"])]
     for r in other:
         if r in precisions and r is not max(precisions, key=lambda r: r["speedup"]):
             continue  # one precision mode only
+        if r in captures and r is not max(captures, key=lambda r: r["speedup"]):
+            continue  # one way of capturing the model only
         chosen += r["overrides"]
     return chosen
 

@@ -100,6 +100,8 @@ def main() -> None:
             cfg = config.load(None, overrides(args.root, backend, SWITCHES[name], args.batch_size, args.workers))
             train = measure(cfg, args.steps, args.warmup)["images_per_s"]
             results[(backend, name)].append((train, loader_images_per_s(cfg, args.steps, args.warmup)))
+            print(f"{backend} {name}: training {train:.0f} images/s, loader alone {results[(backend, name)][-1][1]:.0f}",
+                  flush=True)  # each figure as it is measured: a run stopped at its time limit keeps them
     print("| backend | switch | training images/s (min-max) | vs baseline | loader alone images/s | loader ms per 1000 images |")
     print("|---|---|---|---|---|---|")
     for backend in args.backends.split(","):

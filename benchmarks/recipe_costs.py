@@ -63,6 +63,7 @@ def main() -> None:
     for r in range(args.repeats):
         for k in keys[r % len(keys):] + keys[: r % len(keys)]:
             ips[k].append(measure(cfgs[k], args.steps, args.warmup)["images_per_s"])
+            print(f"repeat {r + 1}: {k[0]} {k[1]}: {ips[k][-1]:.0f} images/s", flush=True)  # kept if stopped
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {args.repeats} repeats x {args.steps} steps, median images/s "
           "(ratio: median of per-repeat ratios to 'plain' on the same backend)")
     print("| switch | " + " | ".join(f"{be} images/s | {be} ratio" for be in args.backends.split(",")) + " |")

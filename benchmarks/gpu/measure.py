@@ -273,8 +273,6 @@ def make_jpegs(root: Path, n: int, classes: int = 10) -> Path:
     total = n + max(classes, n // 50)
     if done.is_file() and json.loads(done.read_text()).get("train") == n:
         return root
-    import shutil
-
     shutil.rmtree(root, ignore_errors=True)  # another size or a half-written set: start clean
     chunk = 500
     t = time.time()

@@ -465,10 +465,10 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
         if not v.skip:
             run_variant(v, v.overrides)
         # bench.json after every variant: a bench stopped midway (a caller's time limit) keeps what it measured
-        ips = statistics.median(r["images_per_s"] for r in base.results) if base.results else None
+        base_ips = statistics.median(r["images_per_s"] for r in base.results) if base.results else None
         (out / "bench.json").write_text(json.dumps({"meta": meta | {"partial": True},
-                                                    "rows": [summarize(x, ips) for x in all_variants[: i + 1]]}, indent=1))
-    base_ips = statistics.median(r["images_per_s"] for r in base.results) if base.results else None
+                                                    "rows": [summarize(x, base_ips) for x in all_variants[: i + 1]]},
+                                                   indent=1))
     rows = [summarize(v, base_ips) for v in all_variants]
     if base_ips and (not only or "best" in only):
         best = best_combination(rows)

@@ -206,9 +206,8 @@ def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
     # Strict: an operation without a deterministic implementation raises (run.train names it), where
     # warn_only would print a warning and run it anyway, breaking the promise of bit-exact reruns.
     torch.use_deterministic_algorithms(run_cfg.deterministic)
-    if run_cfg.deterministic:
+    if run_cfg.deterministic:  # cuBLAS's deterministic workspace: set when torchsprint is imported (__init__.py)
         torch.backends.cudnn.benchmark = False
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     elif speed_cfg is not None and device.type == "cuda":
         torch.backends.cudnn.benchmark = speed_cfg.cudnn_benchmark
     if speed_cfg is not None and device.type == "cuda":

@@ -36,7 +36,15 @@ class ClassificationMetrics:
             m["recall"] = MulticlassRecall(num_classes, average=None)
             m["f1"] = MulticlassF1Score(num_classes, average=None)
             m["confusion"] = MulticlassConfusionMatrix(num_classes)
-        self.metrics = MetricCollection(m).to(device)
+        # Compute groups named, never inferred: torchmetrics' default (compute_groups=True) merges metrics
+        # whose states are equal after the first update, and top-k's per-class counts equal precision's
+        # whenever no image of the first batch has its class in the top k but not at top 1 (a batch of one
+        # class, or all correct). Top-k was then computed from top-1's counts for the rest of the
+        # evaluation (issue 30: top-5 printed 67.2% = top-1, true 98.6%). Precision, recall and F1 share
+        # one stat-scores state by construction (same class, num_classes and average).
+        groups = [["precision", "recall", "f1"]] if per_class else []
+        groups += [[k] for k in m if k not in ("precision", "recall", "f1")]
+        self.metrics = MetricCollection(m, compute_groups=groups).to(device)
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         self.count = torch.zeros((), device=device, dtype=torch.int64)
 
@@ -47,16 +55,7 @@ class ClassificationMetrics:
 
     def compute(self) -> dict:
         """{'top1': float, 'loss': float, 'count': int, 'precision': [..], ..., 'confusion': [[..]]} over all ranks."""
-        from torchsprint.parallel import all_reduce_sum
-
-        out = {}
-        for k, v in self.metrics.compute().items():  # note: a CPU-GPU sync point, once per evaluation
-            out[k] = v.item() if v.ndim == 0 else v.cpu().tolist()
-        loss_count = torch.stack([self.loss_sum, self.count.double()])
-        all_reduce_sum(loss_count)
-        out["loss"] = (loss_count[0] / loss_count[1].clamp(min=1)).item()
-        out["count"] = int(loss_count[1].item())
-        return out
+        return _compute(self.metrics, self.loss_sum, self.count)
 
 
 def _compute(metrics, loss_sum: torch.Tensor, count: torch.Tensor) -> dict:
@@ -82,32 +81,41 @@ class MultilabelMetrics:
 
     def __init__(self, num_labels: int, threshold: float, device: torch.device):
         from torchmetrics import MetricCollection
-        from torchmetrics.classification import (
-            MultilabelAveragePrecision,
-            MultilabelF1Score,
-            MultilabelPrecision,
-            MultilabelRecall,
-        )
+        from torchmetrics import classification as tm
 
-        kw = dict(num_labels=num_labels, threshold=threshold)
-        self.metrics = MetricCollection({
-            "mAP": MultilabelAveragePrecision(num_labels, average="macro"),
-            "f1_macro": MultilabelF1Score(average="macro", **kw),
-            "f1": MultilabelF1Score(average=None, **kw),
-            "precision": MultilabelPrecision(average=None, **kw),
-            "recall": MultilabelRecall(average=None, **kw),
-        }).to(device)
+        # One label is a binary problem: torchmetrics' Multilabel* refuse num_labels=1, its Binary* take it.
+        self.single = num_labels == 1
+        if self.single:
+            kw = dict(threshold=threshold)
+            m = {"mAP": tm.BinaryAveragePrecision(), "f1": tm.BinaryF1Score(**kw),
+                 "precision": tm.BinaryPrecision(**kw), "recall": tm.BinaryRecall(**kw)}
+        else:
+            kw = dict(num_labels=num_labels, threshold=threshold)
+            m = {"mAP": tm.MultilabelAveragePrecision(num_labels, average="macro"),
+                 "f1_macro": tm.MultilabelF1Score(average="macro", **kw), "f1": tm.MultilabelF1Score(average=None, **kw),
+                 "precision": tm.MultilabelPrecision(average=None, **kw), "recall": tm.MultilabelRecall(average=None, **kw)}
+        groups = [["mAP"], [k for k in m if k != "mAP"]]  # named, never inferred: see ClassificationMetrics
+        self.metrics = MetricCollection(m, compute_groups=groups).to(device)
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         self.count = torch.zeros((), device=device, dtype=torch.int64)
 
     def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
-        # torchmetrics applies the sigmoid itself when the inputs are outside [0, 1] (logits).
-        self.metrics.update(logits.float(), target.int())
+        # The sigmoid here, not torchmetrics': it decides per batch whether inputs are logits (any value
+        # outside [0, 1]) or probabilities, so a batch whose logits all fall in [0, 1] went unsquashed.
+        probs = torch.sigmoid(logits.float())
+        if self.single:
+            probs, target = probs.flatten(), target.flatten()
+        self.metrics.update(probs, target.int())
         self.loss_sum += loss.double() * target.shape[0]
         self.count += target.shape[0]
 
     def compute(self) -> dict:
-        return _compute(self.metrics, self.loss_sum, self.count)
+        out = _compute(self.metrics, self.loss_sum, self.count)
+        if self.single:  # the same keys and shapes as for several labels
+            out["f1_macro"] = out["f1"]
+            for k in ("f1", "precision", "recall"):
+                out[k] = [out[k]]
+        return out
 
 
 class RestorationMetrics:
@@ -124,7 +132,7 @@ class RestorationMetrics:
         self.metrics = MetricCollection({
             "psnr": PeakSignalNoiseRatio(data_range=1.0, reduction="elementwise_mean", dim=(1, 2, 3)),
             "ssim": StructuralSimilarityIndexMeasure(data_range=1.0),
-        }).to(device)
+        }, compute_groups=False).to(device)  # never inferred: see ClassificationMetrics
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         self.count = torch.zeros((), device=device, dtype=torch.int64)
 

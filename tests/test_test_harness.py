@@ -43,6 +43,9 @@ import pytest
 import torch
 
 SEEN = {}
+# As this inner pytest started: unset on a CPU machine; "" on a GPU machine, where the outer test is unmarked
+# and so starts this process with the GPU hidden (the first GPU run failed on asserting None there).
+AT_START = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def test_unmarked_first(reference_run):
 
 @pytest.mark.gpu
 def test_marked_between():
-    assert torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES") is None
+    assert torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES") == AT_START
 
 
 def test_unmarked_after(reference_run):
@@ -68,7 +71,7 @@ def test_the_gpu_is_hidden_before_module_scoped_fixtures_of_unmarked_tests(tmp_p
     """A pytest run inside this one, with the harness's conftest.py and a torch that claims a GPU: a
     module-scoped fixture of an unmarked test is built with the GPU already hidden (an autouse fixture was
     too late: module-scoped fixtures come first, and test_resume.py's reference ran on CUDA), and a
-    gpu-marked test between two unmarked ones sees the GPU."""
+    gpu-marked test between two unmarked ones sees the GPU (and the environment as the process started)."""
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_inner.py").write_text(INNER)
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"TORCHSPRINT_TEST_PRETEND_CUDA": "1"}

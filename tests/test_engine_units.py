@@ -736,8 +736,12 @@ def test_fit_best_weights_follow_the_monitor_in_min_mode(tmp_path):
 
 def test_fit_refuses_a_monitor_that_is_not_a_metric(tmp_path):
     r = setup(tmp_path, "run.epochs=1", "checkpoint.monitor=val/nope")
-    with pytest.raises(UsageError, match=r"checkpoint.monitor=val/nope is not a metric; available: \['val/count', "
-                                         r"'val/loss', 'val/top1'\]"):
+    with pytest.raises(UsageError, match=r"checkpoint.monitor=val/nope is not a metric; available: \['val/balanced_acc', "
+                                         r"'val/class_imbalance', 'val/count', 'val/f1_macro', 'val/loss', 'val/min_recall', "
+                                         r"'val/top1'\]"):
+        run_fit(r)
+    r = setup(tmp_path / "name", "run.epochs=1", "checkpoint.monitor=val/min_recall_class")  # a class name, not a number
+    with pytest.raises(UsageError, match=r"checkpoint.monitor=val/min_recall_class is not a metric"):
         run_fit(r)
 
 

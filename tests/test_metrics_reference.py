@@ -100,7 +100,37 @@ def check_classification(out: dict, logits: torch.Tensor, y: torch.Tensor, num_c
     np.testing.assert_allclose(out["recall"], r, atol=TOL)
     np.testing.assert_allclose(out["f1"], f, atol=TOL)
     assert out["confusion"] == skm.confusion_matrix(yy, pred, labels=labels).tolist()
+    check_balanced(out, yy, pred)
     assert out["loss"] == pytest.approx(F.cross_entropy(logits.double(), y).item(), rel=LOSS_REL, abs=TOL)
+
+
+def check_balanced(out: dict, yy: np.ndarray, pred: np.ndarray) -> None:
+    """The class-balanced figures against scikit-learn (its default labels: classes in targets or predictions)."""
+    with warnings.catch_warnings():  # "y_pred contains classes not in y_true": sklearn leaves those out, as we do
+        warnings.simplefilter("ignore")
+        assert out["balanced_acc"] == pytest.approx(skm.balanced_accuracy_score(yy, pred), abs=TOL)
+    assert out["f1_macro"] == pytest.approx(skm.f1_score(yy, pred, average="macro", zero_division=0), abs=TOL)
+    present = np.unique(yy)
+    recalls = skm.recall_score(yy, pred, labels=present, average=None, zero_division=0)
+    assert out["min_recall"] == pytest.approx(recalls.min(), abs=TOL)
+    assert out["min_recall_class"] == f"c{present[recalls.argmin()]}"
+    support = np.bincount(yy)[present]
+    assert out["class_imbalance"] == pytest.approx(support.max() / support.min())
+
+
+def test_majority_class_model_is_exposed_beside_top1():
+    """Issue 31: 57% of val in one class, a model that always answers it. top-1 says 0.57; the epoch line
+    must show what exposes it."""
+    y = torch.tensor([0] * 57 + [1] * 30 + [2] * 10 + [3] * 3)
+    logits = torch.zeros(100, 4)
+    logits[:, 0] = 1.0
+    out = run_evaluator("classification", [(logits[i:i + 32], y[i:i + 32]) for i in range(0, 100, 32)], 4)
+    assert out["top1"] == pytest.approx(0.57) and out["balanced_acc"] == pytest.approx(0.25)
+    assert out["min_recall"] == 0.0 and out["class_imbalance"] == pytest.approx(19.0)
+    line = get_task("classification").summary({f"val/{k}": v for k, v in out.items()})
+    assert "balanced acc 0.2500" in line and "recall 0.0000" in line and "macro-F1 0.1815" in line  # 2*57/(57+100)/4
+    balanced = {**{f"val/{k}": v for k, v in out.items()}, "val/class_imbalance": 1.2}
+    assert "balanced acc" not in get_task("classification").summary(balanced)  # nearly balanced: the short line
 
 
 def test_topk_is_right_when_the_first_batch_is_one_class_all_correct():
@@ -136,7 +166,9 @@ def test_top_k_without_per_class_matches_sklearn(seed, n, sizes, first):
     logits, y = classification_case(seed, 7, n, first)
     out = run_evaluator("classification", [(logits[s], y[s]) for s in split(n, sizes)], 7, topk=3, per_class=False)
     lg = logits.double().numpy()
-    assert set(out) == {"top1", "top3", "loss", "count"}
+    assert set(out) == {"top1", "top3", "loss", "count", "balanced_acc", "f1_macro", "min_recall", "min_recall_class",
+                        "class_imbalance"}
+    check_balanced(out, y.numpy(), lg.argmax(1))
     assert out["top1"] == pytest.approx(skm.accuracy_score(y.numpy(), lg.argmax(1)), abs=TOL)
     assert out["top3"] == pytest.approx(skm.top_k_accuracy_score(y.numpy(), lg, k=3, labels=range(7)), abs=TOL)
 

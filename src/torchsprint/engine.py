@@ -301,8 +301,9 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
                 last_eval |= {f"ema/val/{k}": v for k, v in evaluate(ema.module, loaders.val, loss_fn, prec, make_metrics()).items()}
             logger.scalars(state.global_step, {k: v for k, v in last_eval.items() if not isinstance(v, list)} |
                            {"epoch": state.epoch + 1}, "eval")
-            if monitor not in last_eval:
-                raise UsageError(f"checkpoint.monitor={monitor} is not a metric; available: {sorted(last_eval)}")
+            if not isinstance(last_eval.get(monitor), int | float):  # a number to compare (not a list or a class name)
+                numbers = sorted(k for k, v in last_eval.items() if isinstance(v, int | float))
+                raise UsageError(f"checkpoint.monitor={monitor} is not a metric; available: {numbers}")
             metric = last_eval[monitor]
             if early_stop_check(state, metric, cfg.early_stop, cfg.checkpoint.mode):
                 state.stopped_epoch = state.epoch

@@ -14,11 +14,20 @@ class ClassificationMetrics:
     Args:
         num_classes: number of classes.
         topk: also report top-k accuracy when num_classes > k.
-        per_class: also compute per-class precision/recall/F1 and the confusion matrix.
+        per_class: also report per-class precision/recall/F1 and the confusion matrix.
         device: where the metric states live.
+        classes: class names, for naming the weakest class (indices when not given).
+
+    Always reported beside top-1, from the confusion matrix (kept on the device whatever per_class says):
+    balanced_acc (the mean recall over the classes present in the targets, scikit-learn's
+    balanced_accuracy_score), f1_macro (the mean F1 over the classes present in targets or predictions,
+    scikit-learn's f1_score(average="macro")), min_recall and min_recall_class (the weakest class present),
+    and class_imbalance (largest / smallest class count among the targets). On imbalanced data top-1 hides a
+    model that answers the majority class; these do not (issue 31: 65% top-1, two classes never predicted).
     """
 
-    def __init__(self, num_classes: int, topk: int, per_class: bool, device: torch.device):
+    def __init__(self, num_classes: int, topk: int, per_class: bool, device: torch.device,
+                 classes: list[str] | None = None):
         from torchmetrics import MetricCollection
         from torchmetrics.classification import (
             MulticlassAccuracy,
@@ -35,7 +44,8 @@ class ClassificationMetrics:
             m["precision"] = MulticlassPrecision(num_classes, average=None)
             m["recall"] = MulticlassRecall(num_classes, average=None)
             m["f1"] = MulticlassF1Score(num_classes, average=None)
-            m["confusion"] = MulticlassConfusionMatrix(num_classes)
+        m["confusion"] = MulticlassConfusionMatrix(num_classes)
+        self.per_class, self.classes = per_class, classes or [str(i) for i in range(num_classes)]
         # Compute groups named, never inferred: torchmetrics' default (compute_groups=True) merges metrics
         # whose states are equal after the first update, and top-k's per-class counts equal precision's
         # whenever no image of the first batch has its class in the top k but not at top 1 (a batch of one
@@ -54,8 +64,27 @@ class ClassificationMetrics:
         self.count += target.shape[0]
 
     def compute(self) -> dict:
-        """{'top1': float, 'loss': float, 'count': int, 'precision': [..], ..., 'confusion': [[..]]} over all ranks."""
-        return _compute(self.metrics, self.loss_sum, self.count)
+        """{'top1': float, 'loss': float, 'count': int, 'balanced_acc': float, ..., 'precision': [..], ...,
+        'confusion': [[..]]} over all ranks."""
+        out = _compute(self.metrics, self.loss_sum, self.count)
+        out.update(balanced_figures(torch.tensor(out["confusion"], dtype=torch.float64), self.classes))
+        if not self.per_class:
+            del out["confusion"]
+        return out
+
+
+def balanced_figures(confusion: torch.Tensor, classes: list[str]) -> dict:
+    """Class-balanced figures from a (true, predicted) confusion matrix of counts: see ClassificationMetrics."""
+    support, predicted, hits = confusion.sum(1), confusion.sum(0), confusion.diagonal()
+    present = support > 0
+    if not present.any():
+        return {}
+    recall = hits[present] / support[present]
+    used = present | (predicted > 0)
+    f1 = 2 * hits[used] / (support[used] + predicted[used])  # = 2PR / (P + R); 0 where a class is never right
+    weakest = int(torch.nonzero(present).flatten()[recall.argmin()])
+    return {"balanced_acc": recall.mean().item(), "f1_macro": f1.mean().item(), "min_recall": recall.min().item(),
+            "min_recall_class": classes[weakest], "class_imbalance": (support[present].max() / support[present].min()).item()}
 
 
 def _compute(metrics, loss_sum: torch.Tensor, count: torch.Tensor) -> dict:

@@ -16,6 +16,7 @@ import torch
 from torchsprint import config as config_mod
 from torchsprint.config import import_modules
 from torchsprint.errors import UsageError
+from torchsprint.tasks import IMBALANCED
 
 
 def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
@@ -348,8 +349,10 @@ def describe_decisions(d: dict) -> list[str]:
         extra.append(f"balanced classes ({cc['smallest'][1]:,} training images each)")
     elif cc:
         lo, hi = cc["smallest"], cc["largest"]
-        extra.append(f"smallest class {lo[0]} ({lo[1]:,}), largest {hi[0]} ({hi[1]:,}): "
-                     f"{hi[1] / max(lo[1], 1):.1f}x imbalance")
+        ratio = hi[1] / max(lo[1], 1)
+        extra.append(f"smallest class {lo[0]} ({lo[1]:,}), largest {hi[0]} ({hi[1]:,}): {ratio:.1f}x imbalance"
+                     + (" (validation reports balanced accuracy and the weakest class's recall beside top-1; to weight "
+                        "classes, loss.args.weight: one value per class)" if ratio >= IMBALANCED else ""))
     if size:
         lo, hi = size["min"], size["max"]
         extra.append(f"image size {lo[1]}x{lo[0]}" + (f" to {hi[1]}x{hi[0]}" if lo != hi else "")

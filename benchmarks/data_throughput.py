@@ -253,9 +253,9 @@ def stage_breakdown(paths: list[Path], repeats: int, n: int = 192, batch: int = 
     from PIL import Image
     from torchvision.transforms import v2
 
-    from torchsprint.data.decode import decode_bytes
-    from torchsprint.data.normalize import DeviceNormalize
-    from torchsprint.data.transforms import compile_spec
+    from torchsprint.data.preprocess.decode import decode_bytes
+    from torchsprint.data.preprocess.normalize import DeviceNormalize
+    from torchsprint.data.preprocess.transforms import compile_spec
 
     torch.set_num_threads(1)
     paths = paths[:n]

@@ -32,7 +32,7 @@ case "$module" in
     tests=(tests/test_metrics.py)
     ;;
   augment)
-    src=src/torchsprint/data/augment.py
+    src=src/torchsprint/data/preprocess/augment.py
     tests=(tests/test_data_batch_ops.py tests/test_data_backends.py)
     ;;
   checkpoint)

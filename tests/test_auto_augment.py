@@ -8,10 +8,10 @@ import torch
 from scipy import stats
 from torchvision.transforms import v2
 
-from torchsprint.data.augment import compile_batch_spec, uniforms
-from torchsprint.data.batch_ops import apply_aug_op
 from torchsprint.data.core import sample_seeds
-from torchsprint.data.transforms import compile_spec
+from torchsprint.data.preprocess.augment import compile_batch_spec, uniforms
+from torchsprint.data.preprocess.batch_ops import apply_aug_op
+from torchsprint.data.preprocess.transforms import compile_spec
 from torchsprint.errors import UsageError
 
 TA, RA = v2.TrivialAugmentWide(), v2.RandAugment()

@@ -8,9 +8,9 @@ import torch
 
 from torchsprint import config
 from torchsprint.data import DATASETS, LOADERS, build_loaders
-from torchsprint.data.augment import compile_batch_spec, uniforms
 from torchsprint.data.backends.gpu import FractionTuner, build_gpu_loaders, cpu_rows
 from torchsprint.data.core import sample_seed, sample_seeds
+from torchsprint.data.preprocess.augment import compile_batch_spec, uniforms
 from torchsprint.errors import UsageError
 from torchsprint.runtime import Runtime
 
@@ -97,7 +97,7 @@ def test_memory_refuses_unsupported_steps_by_name():
 def test_cpu_backend_cutout_and_memory_have_the_same_geometry():
     """For every centre of a 10x7 image (odd and even sides, h != w), the CPU backend's Cutout (torch RNG)
     zeroes exactly the pixels the memory backend's compiled batch pipeline zeroes for that centre."""
-    from torchsprint.data.transforms import TRANSFORMS
+    from torchsprint.data.preprocess.transforms import TRANSFORMS
 
     h, w, size = 10, 7, 4
     img = torch.full((3, h, w), 200, dtype=torch.uint8)

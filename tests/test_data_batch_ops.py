@@ -5,9 +5,9 @@ import pytest
 import torch
 from torchvision.transforms.v2 import functional as F
 
-from torchsprint.data.augment import compile_batch_spec
-from torchsprint.data.batch_ops import RandomResizedCrop, resample_batch
 from torchsprint.data.core import sample_seeds
+from torchsprint.data.preprocess.augment import compile_batch_spec
+from torchsprint.data.preprocess.batch_ops import RandomResizedCrop, resample_batch
 
 
 def one(v):
@@ -87,7 +87,7 @@ def test_batched_random_resized_crop_matches_the_per_image_path():
     per-image torchvision call it replaced, same draws: within one level (measured share above)."""
     op = RandomResizedCrop(24)
     x = torch.randint(0, 256, (64, 3, 32, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    from torchsprint.data.augment import uniforms
+    from torchsprint.data.preprocess.augment import uniforms
 
     p, _, _ = op.params(uniforms(sample_seeds(0, 0, torch.arange(64)), op.k), torch.full((64,), 32), torch.full((64,), 40))
     batched = op.apply_batch(x, p)
@@ -141,7 +141,7 @@ def test_vectorised_resize_sizes_follow_torchvisions_rule():
     """Resize.resized (used for whole batches) against torchvision's own output-size rule, image by image."""
     from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
 
-    from torchsprint.data.batch_ops import Resize
+    from torchsprint.data.preprocess.batch_ops import Resize
 
     g = torch.Generator().manual_seed(4)
     hs, ws = torch.randint(5, 900, (2000,), generator=g), torch.randint(5, 900, (2000,), generator=g)

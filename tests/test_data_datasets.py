@@ -13,8 +13,8 @@ from PIL import Image
 
 from torchsprint import config
 from torchsprint.data import DATASETS
-from torchsprint.data.decode import DECODERS, decode_bytes, read_header
-from torchsprint.data.transforms import decode_hint
+from torchsprint.data.preprocess.decode import DECODERS, decode_bytes, read_header
+from torchsprint.data.preprocess.transforms import decode_hint
 from torchsprint.errors import UsageError
 
 

@@ -10,8 +10,8 @@ from torchvision.transforms import v2
 
 from torchsprint import config
 from torchsprint.data import build_loaders
-from torchsprint.data.normalize import DeviceNormalize
-from torchsprint.data.transforms import compile_spec
+from torchsprint.data.preprocess.normalize import DeviceNormalize
+from torchsprint.data.preprocess.transforms import compile_spec
 from torchsprint.runtime import Runtime
 
 

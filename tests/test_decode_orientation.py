@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from torchsprint.data.decode import DECODERS, apply_orientation, decode_bytes, read_header
+from torchsprint.data.preprocess.decode import DECODERS, apply_orientation, decode_bytes, read_header
 
 RNG = np.random.default_rng(0)
 PICTURE = Image.fromarray((RNG.random((30, 40, 3)) * 255).astype(np.uint8))  # not square: turns are visible
@@ -134,8 +134,8 @@ def test_colour_modes_become_the_same_rgb_uint8_from_every_decoder(case):
 def test_training_eval_predict_and_compare_see_the_same_upright_image(tmp_path):
     """The paths a file takes in training/evaluation (ImageFiles), predict and `data compare`."""
     from torchsprint import config
+    from torchsprint.data.commands.compare import _eval_paths
     from torchsprint.data.sources.folders import ImageFiles
-    from torchsprint.data.tools import _eval_paths
     from torchsprint.predict import Predictor
 
     (tmp_path / "val" / "a").mkdir(parents=True)

@@ -576,18 +576,18 @@ STEP_ARGS = {"resize": 12, "center_crop": 12, "random_crop": {"size": 16, "paddi
 
 
 def _step_names():
-    from torchsprint.data.transforms import TRANSFORMS
+    from torchsprint.data.preprocess.transforms import TRANSFORMS
 
     # normalize: the data.train/data.eval probes; clip steps (data/sources/video.py): tests/test_task_video.py
-    return [n for n in TRANSFORMS.names() if n != "normalize" and TRANSFORMS.get(n).__module__ == "torchsprint.data.transforms"]
+    return [n for n in TRANSFORMS.names() if n != "normalize" and TRANSFORMS.get(n).__module__ == "torchsprint.data.preprocess.transforms"]
 
 
 @pytest.mark.parametrize("name", _step_names())
 def test_every_transform_step_changes_images_or_is_refused(name):
-    from torchsprint.data.augment import compile_batch_spec
-    from torchsprint.data.batch_ops import BATCH_OPS
     from torchsprint.data.core import sample_seeds
-    from torchsprint.data.transforms import compile_spec
+    from torchsprint.data.preprocess.augment import compile_batch_spec
+    from torchsprint.data.preprocess.batch_ops import BATCH_OPS
+    from torchsprint.data.preprocess.transforms import compile_spec
 
     step = {name: STEP_ARGS[name]} if name in STEP_ARGS else name
     x = torch.randint(0, 256, (50, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))

@@ -5,15 +5,15 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
   foundation   errors, registry, version: no torchsprint imports beyond these
   machine      runtime (process group, seeds), rng, parallel (wrappers, collectives), logging, plots
   numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
-  data         core (registries, sampler) < decode < transforms/normalize/batch_ops (the spec) < augment
-               < sources/ (one file per dataset family) < backends/ (one file per loader backend)
-               < build (build_loaders, data.backend: auto)
+  data         core (registries, sampler) < preprocess/: decode < transforms/normalize/batch_ops (the spec)
+               < augment/mix; < sources/ (one file per dataset family) < backends/ (one file per loader
+               backend) < build (build_loaders, data.backend: auto)
   models       core (MODELS registry) < nets, init
   tasks        what a run learns (metrics, losses, artifacts per task)
   config       the schema (fills task defaults)
   engine       the only loop
   run          the flow of one run
-  commands     trained, export, predict, bench, report, launch, data/tools
+  commands     trained, export, predict, bench, report, launch, data/commands/ (check, compare, shard)
   cli          the `torchsprint` command
 
 A module may import from its own layer or below. A package's __init__.py is its face for users: it
@@ -37,9 +37,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("machine", ["runtime", "rng", "parallel", "logging", "plots"]),
     ("numerics", ["precision", "ema", "checkpoint", "resume", "rundir", "metrics", "optim"]),
     ("data.core", ["data.core"]),
-    ("data.decode", ["data.decode"]),
-    ("data.spec", ["data.transforms", "data.normalize", "data.batch_ops"]),
-    ("data.augment", ["data.augment", "data.mix"]),
+    ("data.decode", ["data.preprocess.decode"]),
+    ("data.spec", ["data.preprocess.transforms", "data.preprocess.normalize", "data.preprocess.batch_ops"]),
+    ("data.augment", ["data.preprocess.augment", "data.preprocess.mix"]),
     ("data.sources", ["data.sources.*"]),
     ("data.backends", ["data.backends.*"]),
     ("data.build", ["data.build"]),
@@ -49,7 +49,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("config", ["config"]),
     ("engine", ["engine"]),
     ("run", ["run"]),
-    ("commands", ["trained", "export", "predict", "bench", "report", "launch", "data.tools", "data.check", "data.shard"]),
+    ("commands", ["trained", "export", "predict", "bench", "report", "launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),
 ]
 
@@ -150,7 +150,8 @@ def test_the_checker_flags_an_upward_import_and_a_face_import(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["torchsprint.data", "torchsprint.models", "torchsprint.data.sources",
-                                    "torchsprint.data.backends"])
+                                    "torchsprint.data.backends", "torchsprint.data.preprocess",
+                                    "torchsprint.data.commands"])
 def test_package_faces_only_reexport(module):
     """An __init__.py holds imports and __all__, no definitions (registries live beside their code)."""
     mods = modules()

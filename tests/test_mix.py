@@ -1,4 +1,4 @@
-"""Mixup and CutMix (data/mix.py) against torchvision v2 MixUp/CutMix and timm's targets, their
+"""Mixup and CutMix (data/preprocess/mix.py) against torchvision v2 MixUp/CutMix and timm's targets, their
 distributions, exact resume, DDP, bf16 and the refusals."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from scipy import stats
 from torchvision.transforms import v2
 
 from torchsprint import config
-from torchsprint.data.mix import Mixer, MixParams, cutmix_box
+from torchsprint.data.preprocess.mix import Mixer, MixParams, cutmix_box
 from torchsprint.errors import UsageError
 from torchsprint.run import train
 
@@ -253,7 +253,7 @@ def test_ddp_two_processes_with_mixing(tmp_path, run_cli):
     summary = json.loads((d / "summary.json").read_text())
     # 28 steps of global batch 32: above chance (0.1); measured top-1 0.279 (one process, batch 32: 0.266)
     assert summary["global_step"] == 28 and summary["final"]["val/top1"] > 0.18
-    from torchsprint.data.mix import MixLoader
+    from torchsprint.data.preprocess.mix import MixLoader
 
     r0, r1 = MixLoader([], None, 0, 0, 2), MixLoader([], None, 0, 1, 2)
     assert len({r0.batch_seed(0), r1.batch_seed(0), r0.batch_seed(1)}) == 3

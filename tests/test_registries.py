@@ -8,7 +8,7 @@ from torch import nn
 
 from torchsprint import config
 from torchsprint.data import DATASETS, LOADERS
-from torchsprint.data.transforms import TRANSFORMS
+from torchsprint.data.preprocess.transforms import TRANSFORMS
 from torchsprint.errors import UsageError
 from torchsprint.models import MODELS, build_model
 from torchsprint.models.nets import small_cnn

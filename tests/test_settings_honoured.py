@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from torchsprint import cli, config
-from torchsprint.data.augment import compile_batch_spec
+from torchsprint.data.preprocess.augment import compile_batch_spec
 from torchsprint.errors import UsageError
 from torchsprint.optim import build_loss
 

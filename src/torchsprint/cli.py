@@ -1,4 +1,5 @@
-"""The `torchsprint` command: train | eval | config | list. Each subcommand calls one function.
+"""The `torchsprint` command: train | eval | export | predict | data (check, compare, shard) | bench | report |
+config (show, schema) | list. Each subcommand calls one function.
 
 torch is imported lazily so that `torchsprint --help` answers in well under a second.
 """
@@ -231,16 +232,16 @@ def cmd_predict(args) -> int:
 
 def cmd_data(args) -> int:
     if args.data_command == "check":
-        from torchsprint.data.check import check_cli
+        from torchsprint.data.commands.check import check_cli
 
         return check_cli(args)
     if args.data_command == "shard":
-        from torchsprint.data.shard import shard_cli
+        from torchsprint.data.commands.shard import shard_cli
 
         return shard_cli(args)
-    from torchsprint.data import tools
+    from torchsprint.data.commands.compare import compare_cli
 
-    return tools.compare_cli(args)
+    return compare_cli(args)
 
 
 def cmd_bench(args) -> int:
@@ -275,7 +276,7 @@ def registry_for(family: str):
 
         reg = DATASETS if family == "datasets" else LOADERS
     elif family == "transforms":
-        from torchsprint.data.transforms import TRANSFORMS as reg
+        from torchsprint.data.preprocess.transforms import TRANSFORMS as reg
     elif family == "tasks":
         from torchsprint.tasks import TASKS as reg
     else:

@@ -91,7 +91,7 @@ class DataConfig(Section):
 
 
 class MixConfig(Section):
-    """Mixup / CutMix on training batches (data/mix.py): torchvision v2 MixUp/CutMix arithmetic, timm's switches."""
+    """Mixup / CutMix on training batches (data/preprocess/mix.py): torchvision v2 MixUp/CutMix arithmetic, timm's switches."""
 
     mixup_alpha: float = Field(0.0, ge=0, description="Mixup: the mixing weight is drawn from Beta(alpha, alpha); 0 turns "
                                "Mixup off (torchvision references --mixup-alpha, timm --mixup; 0.2 is usual for ImageNet).")

@@ -178,7 +178,7 @@ class EpochTotals:
 
 def hits_sum(hits: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Top-1 hits in (predictions, targets) pairs, as a float64 device scalar."""
-    def hard(t):  # Mixed (soft) targets count against the class with the larger weight (Mixup/CutMix: data/mix.py)
+    def hard(t):  # Mixed (soft) targets count against the class with the larger weight (Mixup/CutMix: data/preprocess/mix.py)
         return t.argmax(1) if t.ndim == 2 else t.reshape(-1)
 
     preds = torch.cat([p for p, _ in hits]) if len(hits) > 1 else hits[0][0]

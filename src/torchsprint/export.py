@@ -51,7 +51,7 @@ def sample_batch(trained, n: int = 8) -> torch.Tensor:
 
 
 def normalize(x_uint8: torch.Tensor, pipeline) -> torch.Tensor:
-    from torchsprint.data.normalize import DeviceNormalize
+    from torchsprint.data.preprocess.normalize import DeviceNormalize
 
     return DeviceNormalize(pipeline.mean, pipeline.std, x_uint8.device)(x_uint8)
 

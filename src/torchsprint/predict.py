@@ -41,8 +41,8 @@ class Predictor:
     def __init__(self, forward, classes: list[str], in_channels: int, eval_transforms: list, data_cfg,
                  device: torch.device, batch_size: int = 64, uint8_input: bool = False, task: str = "classification",
                  threshold: float = 0.5):
-        from torchsprint.data.normalize import DeviceNormalize
-        from torchsprint.data.transforms import compile_spec
+        from torchsprint.data.preprocess.normalize import DeviceNormalize
+        from torchsprint.data.preprocess.transforms import compile_spec
         from torchsprint.tasks import get_task
 
         self.forward, self.classes, self.in_channels = forward, classes, in_channels
@@ -56,7 +56,7 @@ class Predictor:
         # own code, so predict matches what that backend evaluates); other files take the CPU path.
         self.gpu_pipeline = None
         if device.type == "cuda" and in_channels == 3 and self.task.name == "classification":
-            from torchsprint.data.augment import compile_batch_spec
+            from torchsprint.data.preprocess.augment import compile_batch_spec
 
             try:
                 self.gpu_pipeline = compile_batch_spec(eval_transforms, "data.eval.transforms", in_channels, "gpu")
@@ -148,7 +148,7 @@ class Predictor:
     def _load_gpu(self, paths: list[str]) -> list[torch.Tensor | None]:
         """nvJPEG decode + the eval spec on the GPU for the files it takes; None for the others."""
         from torchsprint.data.backends.gpu import decode_on_device, nvjpeg_ok, preprocess_on_device
-        from torchsprint.data.decode import BadImage, read_bytes, read_header
+        from torchsprint.data.preprocess.decode import BadImage, read_bytes, read_header
 
         take, data = [], []
         for j, path in enumerate(paths):

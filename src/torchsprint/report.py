@@ -58,7 +58,7 @@ def predictions(trained, wrong: int) -> dict:
     classes, and the `wrong` most confident mistakes with the uint8 images the model saw."""
     from torchsprint import runtime
     from torchsprint.data import build_loaders
-    from torchsprint.data.normalize import DeviceNormalize
+    from torchsprint.data.preprocess.normalize import DeviceNormalize
 
     cfg = trained.cfg.model_copy(deep=True)
     cfg.data.backend, cfg.data.num_workers = "cpu", 0

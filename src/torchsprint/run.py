@@ -140,7 +140,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.precision import Precision
 
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
-    from torchsprint.data.mix import check_mix, wrap_mix
+    from torchsprint.data.preprocess.mix import check_mix, wrap_mix
     from torchsprint.tasks import check_data_task, get_task
 
     task = get_task(cfg.task)

@@ -27,7 +27,7 @@ class Trained:
     @property
     def pipeline(self):
         """The compiled eval spec (CPU uint8 part + normalisation constants + output size)."""
-        from torchsprint.data.transforms import compile_spec
+        from torchsprint.data.preprocess.transforms import compile_spec
 
         return compile_spec(self.cfg.data.eval.transforms, "data.eval.transforms", self.in_channels)
 

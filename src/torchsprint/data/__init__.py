@@ -2,8 +2,8 @@
 
 Where things are: `core.py` (the DATASETS and LOADERS registries, the sampler), `build.py`
 (`build_loaders`, `data.backend: auto`), `sources/` (one file per dataset family; `webdataset.py` for tar
-shards), `decode.py` / `transforms.py` / `augment.py` (preprocessing), `backends/` (one file per loader
-backend), `check.py`, `tools.py` and `shard.py` (`torchsprint data check / compare / shard`).
+shards), `preprocess/` (decode, the transforms spec, its batched ops and normalisation, augmentation, mix),
+`backends/` (one file per loader backend), `commands/` (`torchsprint data check / compare / shard`).
 This file only re-exports; importing `sources` and `backends` registers every dataset and backend.
 """
 

@@ -128,7 +128,7 @@ def _memory_budget(device: torch.device) -> tuple[int, str]:
 
 
 def _batched_spec_problem(data_cfg, channels: int, backend: str) -> str | None:
-    from torchsprint.data.augment import compile_batch_spec
+    from torchsprint.data.preprocess.augment import compile_batch_spec
 
     try:
         for where, split in (("data.train.transforms", data_cfg.train), ("data.eval.transforms", data_cfg.eval)):
@@ -142,7 +142,7 @@ def file_size(path: str) -> tuple[int, int] | None:
     """(height, width) of an image file as decoded upright, from its header; None when unknown. Reads the
     first 4 KiB, and up to HEADER_BYTES only when a JPEG's frame header comes later (after a large EXIF
     thumbnail or ICC profile)."""
-    from torchsprint.data.decode import BadImage, read_header
+    from torchsprint.data.preprocess.decode import BadImage, read_header
 
     try:
         with open(path, "rb") as f:

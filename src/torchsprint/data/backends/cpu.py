@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, TensorImages, prefetch_to_device
-from torchsprint.data.normalize import DeviceNormalize
-from torchsprint.data.transforms import compile_spec, decode_hint
+from torchsprint.data.preprocess.normalize import DeviceNormalize
+from torchsprint.data.preprocess.transforms import compile_spec, decode_hint
 from torchsprint.errors import UsageError
 
 

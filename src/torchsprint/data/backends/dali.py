@@ -24,11 +24,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torchsprint.data.augment import BatchPipeline, compile_batch_spec
-from torchsprint.data.batch_ops import Flip
 from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders
-from torchsprint.data.decode import BadImage, check_size, decode_bytes, read_header
-from torchsprint.data.normalize import DeviceNormalize
+from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
+from torchsprint.data.preprocess.batch_ops import Flip
+from torchsprint.data.preprocess.decode import BadImage, check_size, decode_bytes, read_header
+from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.errors import UsageError
 
 

@@ -29,10 +29,10 @@ import warnings
 
 import torch
 
-from torchsprint.data.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, prefetch_to_device
-from torchsprint.data.decode import BadImage, decode_bytes, read_header
-from torchsprint.data.normalize import DeviceNormalize
+from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
+from torchsprint.data.preprocess.decode import BadImage, decode_bytes, read_header
+from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.errors import UsageError
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from torchsprint.data.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, sample_seeds
-from torchsprint.data.normalize import DeviceNormalize
+from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
+from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.errors import UsageError
 
 

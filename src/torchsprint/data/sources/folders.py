@@ -12,13 +12,6 @@ from torchsprint.errors import UsageError
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 
-def decode_image_file(path: str, mode: str = "RGB") -> torch.Tensor:
-    """Decode a JPEG/PNG/... file into a uint8 CHW tensor (RGB or GRAY); raises BadImage for bad files."""
-    from torchsprint.data.decode import decode_bytes, read_bytes
-
-    return decode_bytes(read_bytes(path), channels=1 if mode == "GRAY" else 3)
-
-
 class ImageFiles(torch.utils.data.Dataset):
     """A list of (path, label) decoded on access; an unreadable file yields (None, label, "path: reason").
 
@@ -33,7 +26,7 @@ class ImageFiles(torch.utils.data.Dataset):
 
     def __init__(self, samples: list[tuple[str, int]], mode: str = "RGB", *, decoder: str = "auto",
                  max_pixels: int = 89_478_485, min_size_for=None):
-        from torchsprint.data.decode import resolve_decoder
+        from torchsprint.data.preprocess.decode import resolve_decoder
 
         self.samples, self.mode = samples, mode
         self.decoder, self.max_pixels, self.min_size_for = resolve_decoder(decoder), max_pixels, min_size_for
@@ -51,13 +44,13 @@ class ImageFiles(torch.utils.data.Dataset):
 
     def read(self, i: int) -> tuple[bytes, int, str]:
         """The raw bytes of sample i (for backends that decode elsewhere, e.g. on the GPU)."""
-        from torchsprint.data.decode import read_bytes
+        from torchsprint.data.preprocess.decode import read_bytes
 
         path, label = self.samples[i]
         return read_bytes(path), label, path
 
     def __getitem__(self, i: int):
-        from torchsprint.data.decode import BadImage, decode_bytes, read_bytes
+        from torchsprint.data.preprocess.decode import BadImage, decode_bytes, read_bytes
 
         path, label = self.samples[i]
         try:

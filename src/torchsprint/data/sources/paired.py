@@ -89,7 +89,7 @@ def paired_wrap(channels: int):
 
 def check_paired_spec(data_cfg) -> None:
     """Only geometric steps, and no normalisation other than [0, 1] scaling (outputs must map back to pixels)."""
-    from torchsprint.data.transforms import NORMALIZE_PRESETS, parse_step
+    from torchsprint.data.preprocess.transforms import NORMALIZE_PRESETS, parse_step
 
     for where, spec in (("data.train.transforms", data_cfg.train.transforms), ("data.eval.transforms", data_cfg.eval.transforms)):
         for i, step in enumerate(spec):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from torchsprint.data.core import DATASETS, MODE, Splits, check_options
-from torchsprint.data.transforms import TRANSFORMS, parse_step
+from torchsprint.data.preprocess.transforms import TRANSFORMS, parse_step
 from torchsprint.errors import UsageError
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".m4v")

@@ -194,7 +194,7 @@ class ShardSet:
     def __init__(self, urls: list[str], counts: list[int], mode: str = "RGB", *, decoder: str = "auto",
                  max_pixels: int = 89_478_485, min_size_for=None, shuffle_buffer: int = 1000,
                  image_key: str | None = None, label_key: str = "cls"):
-        from torchsprint.data.decode import resolve_decoder
+        from torchsprint.data.preprocess.decode import resolve_decoder
 
         self.urls, self.counts, self.mode = list(urls), list(counts), mode
         self.decoder, self.max_pixels, self.min_size_for = resolve_decoder(decoder), max_pixels, min_size_for
@@ -275,7 +275,7 @@ class ShardSet:
 
     def decode(self, data, target, source):
         """(uint8 CHW | None, target, source or "source: reason"), as folders.ImageFiles.__getitem__."""
-        from torchsprint.data.decode import BadImage, decode_bytes
+        from torchsprint.data.preprocess.decode import BadImage, decode_bytes
 
         if isinstance(data, Exception):
             return None, target, f"{source}: {data}"

@@ -35,7 +35,7 @@ class ScanFiles(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int) -> dict:
-        from torchsprint.data.decode import BadImage, decode_bytes, read_bytes
+        from torchsprint.data.preprocess.decode import BadImage, decode_bytes, read_bytes
 
         path, label = self.samples[i]
         out = {"i": i, "path": str(path), "label": label, "digest": None, "size": None, "error": None}
@@ -171,7 +171,7 @@ def analyse(scans: dict[str, list[dict]], classes: list[str], task: str) -> dict
 def sample_grid(splits, cfg, out: Path, per_class: int = 4) -> Path | None:
     """samples.png: per class, `per_class` training images after the train preprocessing, then the same images
     after the eval preprocessing (the cpu backend's reference pipeline, seeded per image)."""
-    from torchsprint.data.transforms import compile_spec
+    from torchsprint.data.preprocess.transforms import compile_spec
     from torchsprint.plots import tile_grid
 
     if splits.task != "classification":

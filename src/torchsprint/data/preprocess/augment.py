@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from torchsprint.data.batch_ops import (
+from torchsprint.data.core import as_int64, lsr64
+from torchsprint.data.preprocess.batch_ops import (
     BATCH_OPS,
     CenterCrop,
     RandomResizedCrop,
@@ -33,7 +34,6 @@ from torchsprint.data.batch_ops import (
     pair_size,
     resample_batch,
 )
-from torchsprint.data.core import as_int64, lsr64
 from torchsprint.errors import UsageError
 
 
@@ -173,7 +173,7 @@ class BatchPipeline:
 
 def compile_batch_spec(spec: list, where: str, channels: int, backend: str) -> BatchPipeline:
     """Compile a spec for the batched backends; steps they cannot run are refused by name."""
-    from torchsprint.data.transforms import TRANSFORMS, call_with, normalize, parse_step
+    from torchsprint.data.preprocess.transforms import TRANSFORMS, call_with, normalize, parse_step
 
     steps, mean, std = [], None, None
     parsed = [parse_step(s, where) for s in spec]

@@ -1,5 +1,5 @@
 """`torchsprint data compare`: the eval preprocessing through every decoder and backend, pixel by pixel
-(`data check` is in data/check.py).
+(`data check` is in data/commands/check.py).
 
 torch is imported inside the functions so that `torchsprint --help` stays fast.
 """
@@ -7,15 +7,6 @@ torch is imported inside the functions so that `torchsprint --help` stays fast.
 from __future__ import annotations
 
 from pathlib import Path
-
-
-def _runtime(cfg):
-    import torch
-
-    from torchsprint.runtime import Runtime, resolve_device
-
-    return Runtime(torch.device(resolve_device(cfg.run.device)))
-
 
 # ---------------------------------------------------------------- compare
 
@@ -28,11 +19,11 @@ def _eval_paths(cfg, raw, n: int) -> dict:
     """
     import torch
 
-    from torchsprint.data.augment import compile_batch_spec
     from torchsprint.data.backends.gpu import decode_on_device, preprocess_on_device
     from torchsprint.data.core import LOADERS
-    from torchsprint.data.decode import DECODERS, decode_bytes, read_bytes
-    from torchsprint.data.transforms import compile_spec, decode_hint
+    from torchsprint.data.preprocess.augment import compile_batch_spec
+    from torchsprint.data.preprocess.decode import DECODERS, decode_bytes, read_bytes
+    from torchsprint.data.preprocess.transforms import compile_spec, decode_hint
 
     spec = cfg.data.eval.transforms
     cpu_p = compile_spec(spec, "data.eval.transforms", 3)
@@ -72,9 +63,9 @@ def _dali_compare(cfg, raw, n: int, out) -> str:
     """The eval spec through the dali backend's own loader (nvJPEG + DALI resize) on the first n samples."""
     import torch
 
-    from torchsprint.data.augment import compile_batch_spec
     from torchsprint.data.backends.dali import DaliLoader, check_dali_spec
     from torchsprint.data.core import EpochSampler
+    from torchsprint.data.preprocess.augment import compile_batch_spec
     from torchsprint.errors import UsageError
     from torchsprint.runtime import Runtime
 
@@ -96,8 +87,8 @@ def compare(cfg, images: int = 64, run: str | None = None) -> dict:
     import torch
 
     from torchsprint.data.core import DATASETS
-    from torchsprint.data.normalize import DeviceNormalize
-    from torchsprint.data.transforms import compile_spec
+    from torchsprint.data.preprocess.normalize import DeviceNormalize
+    from torchsprint.data.preprocess.transforms import compile_spec
     from torchsprint.errors import UsageError
 
     splits = DATASETS.get(cfg.data.dataset)(cfg.data)

@@ -1,7 +1,7 @@
 """On-device normalisation of uint8 batches, shared by every loader backend, predict and data tools.
 
 The loaders move uint8 across the bus (a quarter of fp32's bytes) and normalise on the device, as one
-fused multiply-add with the constants of the spec's `normalize` step (data/transforms.py).
+fused multiply-add with the constants of the spec's `normalize` step (data/preprocess/transforms.py).
 """
 
 from __future__ import annotations

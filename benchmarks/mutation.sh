@@ -24,7 +24,7 @@ case "$module" in
     tests=(tests/test_precision.py -k "not 98_percent and not cpu_is_refused")
     ;;
   optim)
-    src=src/torchsprint/optim.py
+    src="src/torchsprint/optim/*"  # the package: mutmut only_mutate takes glob patterns
     tests=(tests/test_optim.py)
     ;;
   metrics)

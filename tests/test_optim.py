@@ -1,4 +1,4 @@
-"""optim.py against torch's own classes (independent references): parameter groups, optimizers, every
+"""optim/ against torch's own classes (independent references): parameter groups, optimizers, every
 schedule with and without warm-up, losses; and the refusals of settings an optimizer or schedule ignores."""
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def test_loss_refusals_name_the_setting():
 
 
 def test_every_other_torch_optimizer_by_lower_case_name_except_those_a_plain_loop_cannot_drive():
-    from torchsprint.optim import _torch_optim_provider
+    from torchsprint.optim.optimizers import _torch_optim_provider
 
     provided = _torch_optim_provider()  # called directly: the registry calls it once per process
     want = {n.lower() for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)

@@ -148,7 +148,7 @@ class ModelEma:
 def check_ema(ema_cfg) -> None:
     """Refuse EMA settings that cannot apply (non-default values only)."""
     if not ema_cfg.enabled:
-        from torchsprint.optim import default_of
+        from torchsprint.settings import default_of
 
         changed = [f for f in type(ema_cfg).model_fields if f != "enabled" and getattr(ema_cfg, f) != default_of(ema_cfg, f)]
         if changed:
@@ -156,7 +156,7 @@ def check_ema(ema_cfg) -> None:
                              "ema.enabled=true, or remove it.")
         return
     if not ema_cfg.warmup:
-        from torchsprint.optim import default_of
+        from torchsprint.settings import default_of
 
         for f in ("warmup_gamma", "warmup_power"):
             if getattr(ema_cfg, f) != default_of(ema_cfg, f):

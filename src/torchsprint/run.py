@@ -135,7 +135,9 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.ema import build_ema
     from torchsprint.models import build_model
     from torchsprint.models.init import apply_freeze, frozen_norm_layers, init_model
-    from torchsprint.optim import build_loss, build_optimizer, build_scheduler
+    from torchsprint.optim.losses import build_loss
+    from torchsprint.optim.optimizers import build_optimizer
+    from torchsprint.optim.schedulers import build_scheduler
     from torchsprint.parallel import agree_on_data, channels_last_on, unwrap, wrap_model
     from torchsprint.precision import Precision
 
@@ -437,7 +439,7 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     from torchsprint.data import build_loaders
     from torchsprint.engine import evaluate
     from torchsprint.models import build_model
-    from torchsprint.optim import build_loss
+    from torchsprint.optim.losses import build_loss
     from torchsprint.precision import Precision
 
     run_dir = Path(run_dir)

@@ -171,7 +171,7 @@ def load_pretrained(model: nn.Module, path: str | Path, strict: bool = False) ->
 
 
 def _matcher(pattern: str):
-    from torchsprint.optim import name_matcher
+    from torchsprint.optim.groups import name_matcher
 
     return name_matcher(pattern)
 

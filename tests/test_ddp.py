@@ -188,7 +188,7 @@ def test_failed_rank_makes_the_other_exit_within_timeout(tmp_path, how):
 
 def test_training_step_count_is_equal_on_ranks_with_one_process_unchanged():
     """agree_on_data is a no-op object in one process: the loader itself, no collective."""
-    from torchsprint.parallel import agree_on_data
+    from torchsprint.collectives import agree_on_data
     from torchsprint.runtime import Runtime
 
     loader = worker.ListLoader([1, 2], claimed=2)

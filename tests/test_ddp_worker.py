@@ -103,9 +103,10 @@ def uneven_and_no_sync() -> dict:
 
     from torchsprint import config, runtime
     from torchsprint.checkpoint import TrainState
+    from torchsprint.collectives import agree_on_data
     from torchsprint.engine import train_one_epoch, train_step
     from torchsprint.logging import RunLogger
-    from torchsprint.parallel import agree_on_data, wrap_model
+    from torchsprint.parallel import wrap_model
     from torchsprint.precision import Precision
 
     cfg = config.load(None, ["strategy=ddp", "log.every_steps=1000", "log.tensorboard=false", "checkpoint.every_steps=null"])

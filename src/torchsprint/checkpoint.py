@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchsprint.collectives import broadcast_object, gather_objects
 from torchsprint.errors import UsageError
-from torchsprint.parallel import broadcast_object, gather_objects
 from torchsprint.rng import rng_state
 
 FORMAT = "torchsprint-checkpoint"

@@ -155,7 +155,7 @@ class EpochTotals:
         self.samples = 0
 
     def fold(self, state: TrainState) -> None:
-        from torchsprint.parallel import all_reduce_sum
+        from torchsprint.collectives import all_reduce_sum
 
         if not self.losses and not self.samples:
             return

@@ -89,7 +89,7 @@ def balanced_figures(confusion: torch.Tensor, classes: list[str]) -> dict:
 
 def _compute(metrics, loss_sum: torch.Tensor, count: torch.Tensor) -> dict:
     """metrics.compute() as floats/lists plus the mean loss and sample count, all reduced over DDP ranks."""
-    from torchsprint.parallel import all_reduce_sum
+    from torchsprint.collectives import all_reduce_sum
 
     out = {}
     for k, v in metrics.compute().items():  # note: a CPU-GPU sync point, once per evaluation

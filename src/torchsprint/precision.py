@@ -174,8 +174,8 @@ class Precision:
         first step whose loss was not finite, and `lr`, the learning rate, make the message precise.
         Note: a CPU-GPU sync point; the engine calls it at log steps and epoch ends only.
         """
+        from torchsprint.collectives import all_reduce_max
         from torchsprint.errors import Diverged
-        from torchsprint.parallel import all_reduce_max
 
         bad = torch.tensor(0 if loss_finite else 1, dtype=torch.int64, device=self.device)
         counts = all_reduce_max(torch.stack([bad, self._skipped]))

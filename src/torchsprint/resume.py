@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from torchsprint.checkpoint import CKPT_RE, TrainState, load_checkpoint, parse_checkpoint_name
+from torchsprint.collectives import broadcast_object
 from torchsprint.errors import UsageError
-from torchsprint.parallel import broadcast_object
 from torchsprint.rng import set_rng_state
 
 

@@ -60,7 +60,7 @@ def finished(ckpt: dict, run_cfg) -> bool:
 
 def on_main(rt, fn):
     """fn() on rank 0; its result (or its UsageError, raised on every rank) shared with every rank."""
-    from torchsprint.parallel import broadcast_object
+    from torchsprint.collectives import broadcast_object
 
     result, error = None, None
     if rt.is_main:
@@ -131,6 +131,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
 
     Shared by `train` and `bench` so that a benchmark measures exactly what training runs.
     """
+    from torchsprint.collectives import agree_on_data
     from torchsprint.data import build_loaders
     from torchsprint.ema import build_ema
     from torchsprint.models import build_model
@@ -138,7 +139,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.optim.losses import build_loss
     from torchsprint.optim.optimizers import build_optimizer
     from torchsprint.optim.schedulers import build_scheduler
-    from torchsprint.parallel import agree_on_data, channels_last_on, unwrap, wrap_model
+    from torchsprint.parallel import channels_last_on, unwrap, wrap_model
     from torchsprint.precision import Precision
 
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
@@ -374,9 +375,10 @@ def evaluate_test(cfg, rt, b: Built, run_dir: Path, task, logger, step: int) -> 
     """eval.test_at_end: the best weights on the test split (every rank; rank 0 reads the file and shares it)."""
     from safetensors.torch import load_file
 
+    from torchsprint.collectives import broadcast_object
     from torchsprint.data import build_loaders
     from torchsprint.engine import evaluate
-    from torchsprint.parallel import broadcast_object, unwrap
+    from torchsprint.parallel import unwrap
 
     state = load_file(str(run_dir / "best.safetensors")) if rt.is_main else None
     unwrap(b.model).load_state_dict(broadcast_object(state, rt))

@@ -321,7 +321,9 @@ def decisions(cfg, rt, b: Built) -> dict:
     facts = dict(info.facts)
     return {
         "dataset": cfg.data.dataset, "root": cfg.data.root, "task": cfg.task, **facts,
-        "backend": info.backend, "backend_why": info.backend_why,
+        # The backend that ran (after `auto` and any data.fallback), as build_loaders recorded it; and what was asked.
+        "backend": info.backend, "backend_why": info.backend_why, "backend_config": info.backend_config,
+        "backend_fallback": info.fallback or None,
         "device": str(rt.device), "world_size": rt.world_size, "precision": cfg.precision.mode,
         "channels_last": channels_last_on(cfg.speed.channels_last, model),
         "channels_last_why": f"speed.channels_last={str(cfg.speed.channels_last).lower()}" + (
@@ -356,6 +358,7 @@ def describe_decisions(d: dict) -> list[str]:
                      + f" (w x h, {size['sampled']} sampled)")
     if extra:
         lines.append("  " + "; ".join(extra))
+    # The backend that runs (a fallback's why names the configured one), as decisions.json has it.
     lines.append(f"loader: data.backend={d['backend']} ({d['backend_why']})"
                  + (f", decoder {d['decoder']}" if d.get("decoder") else ""))
     lines.append(f"device {d['device']} x {d['world_size']}, precision {d['precision']}, channels_last "

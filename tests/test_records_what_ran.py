@@ -82,3 +82,72 @@ def test_data_check_after_a_fallback_names_the_backend_that_ran(tmp_path, capsys
     assert "loader (cpu) train: 1/" in out and "loader (gpu)" not in out
     report = json.loads((tmp_path / "out" / "check.json").read_text())
     assert (report["backend"], report["backend_config"]) == ("cpu", "gpu") and "no CUDA device" in report["backend_why"]
+
+
+def reference_evaluation(weights_path, width: int) -> tuple[list[list[int]], list[tuple]]:
+    """The confusion matrix and per-class (precision, recall, F1, support) of a weights file on the digits
+    validation split, computed without torchsprint's evaluator: the model in plain torch, the split and the
+    scores from scikit-learn (the split as the digits source documents it: stratified 20%, seed 0)."""
+    import numpy as np
+    from safetensors.torch import load_file
+    from sklearn.datasets import load_digits
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+    from sklearn.model_selection import train_test_split
+
+    from torchsprint.models.nets import small_cnn
+
+    d = load_digits()
+    _, va = train_test_split(np.arange(len(d.target)), test_size=0.2, random_state=0, stratify=d.target)
+    va = np.sort(va)
+    x = torch.from_numpy(np.rint(d.images[va] * (255.0 / 16.0)).astype(np.uint8)).unsqueeze(1).float() * (1 / 255.0)
+    model = small_cnn(num_classes=10, in_channels=1, width=width)
+    model.load_state_dict(load_file(str(weights_path)))
+    with torch.no_grad():
+        pred = model.eval()(x).argmax(1).numpy()
+    y = d.target[va]
+    prf = precision_recall_fscore_support(y, pred, labels=range(10), zero_division=0)
+    return confusion_matrix(y, pred, labels=range(10)).tolist(), list(zip(*prf))
+
+
+def read_csv(path):
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def test_per_class_and_confusion_files_name_the_weights_they_describe(tmp_path, capsys):
+    """Best and last weights differ (the monitor picks the worst-accuracy epoch on purpose: checkpoint.mode=min);
+    per_class.csv / confusion_matrix.* describe best.safetensors and per_class_last.csv / confusion_matrix_last.*
+    last.safetensors, each file says which, summary.json maps every file to its weights, and `eval` names them."""
+    width = 4
+    run_dir = tmp_path / "run"
+    cfg = config.load(None, [f"run.dir={run_dir}", "run.epochs=2", f"model.args={{width: {width}}}", "checkpoint.mode=min",
+                             "log.tensorboard=false", "log.progress=false", "speed.channels_last=false"])
+    summary = train(cfg, quiet=True)
+    assert summary["best_epoch"] == 1  # the lower top-1 of two epochs: the first
+    steps_per_epoch = summary["global_step"] // 2
+    files = {"best": ("per_class.csv", "confusion_matrix"), "last": ("per_class_last.csv", "confusion_matrix_last")}
+    at = {"best": (1, steps_per_epoch), "last": (2, 2 * steps_per_epoch)}
+    seen = {}
+    for which, (per_class, matrix) in files.items():
+        confusion, prf = reference_evaluation(run_dir / f"{which}.safetensors", width)
+        seen[which] = confusion
+        rows = read_csv(run_dir / f"{matrix}.csv")
+        assert [[int(v) for v in r[1:]] for r in rows[1:]] == confusion, which
+        assert (run_dir / f"{matrix}.png").stat().st_size > 1000
+        rows = read_csv(run_dir / per_class)
+        assert rows[0] == ["class", "precision", "recall", "f1", "support", "weights", "epoch"]
+        for row, want in zip(rows[1:], prf):
+            # The file keeps 6 decimals; the evaluator's float32 counts give the same ratios to ~1e-7.
+            assert [float(v) for v in row[1:4]] == pytest.approx(want[:3], abs=2e-6), (which, row)
+            assert (int(row[4]), row[5], int(row[6])) == (want[3], f"{which}.safetensors", at[which][0])
+        for name in (per_class, f"{matrix}.csv", f"{matrix}.png"):
+            assert summary["artifacts"][name] == {"weights": which, "file": f"{which}.safetensors",
+                                                  "epoch": at[which][0], "step": at[which][1]}, name
+    assert seen["best"] != seen["last"]  # two epochs of training apart: the files must differ to tell them apart
+    assert json.loads((run_dir / "summary.json").read_text())["artifacts"] == summary["artifacts"]
+    for which in ("best", "last"):
+        assert main(["eval", "-r", str(run_dir), "--weights", which]) == 0
+        epoch, step = at[which]
+        assert f"val split, {which} weights ({which}.safetensors, epoch {epoch}, step {step}):" in capsys.readouterr().out

@@ -700,13 +700,15 @@ def test_fit_trains_evaluates_every_n_epochs_and_saves_the_best_and_last_weights
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "last.safetensors"), "pt") as f:
-        assert f.metadata() == {"model": "tiny", "epoch": "3"}
+        assert f.metadata() == {"model": "tiny", "epoch": "3", "step": "15"}
     with safe_open(str(tmp_path / "best.safetensors"), "pt") as f:
         meta = f.metadata()
-    assert meta == {"model": "tiny", "epoch": str(best_epoch), "val/top1": meta["val/top1"], "weights": "model"}
+    assert meta == {"model": "tiny", "epoch": str(best_epoch), "step": str(5 * best_epoch), "val/top1": meta["val/top1"],
+                    "weights": "model"}
     assert float(meta["val/top1"]) == summary["best_metric"]
     assert not (tmp_path / "ema.safetensors").exists()
     assert (tmp_path / "confusion_matrix.csv").is_file()  # the task's artifacts go with the best weights
+    assert (tmp_path / "confusion_matrix_last.csv").is_file()  # and with the last ones
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
     assert "ckpt-e003-s0000015.pt" in ckpts and "ckpt-e002-s0000010.pt" in ckpts  # keep_last=2 (+ best)
     for name, ev in (("ckpt-e002-s0000010.pt", evals[0]), ("ckpt-e003-s0000015.pt", evals[1])):  # saved with its metric

@@ -42,6 +42,7 @@ class TrainState:
     global_step: int = 0  # optimizer steps done in total
     best_metric: float | None = None
     best_epoch: int | None = None
+    best_step: int | None = None  # global step of the best weights (their per-class files and summary.json name it)
     skipped_steps: int = 0  # optimizer steps skipped for non-finite values
     # This epoch's training loss and accuracy so far (summed at log steps and checkpoints, so a resumed epoch
     # reports the same means): sum of step losses, steps summed, correct top-1 predictions, samples counted.

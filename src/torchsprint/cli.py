@@ -207,7 +207,8 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"{args.split} split, {args.weights} weights:")
+        saved = ", ".join(f"{k} {out[k]}" for k in ("epoch", "step") if out.get(k) is not None)
+        print(f"{args.split} split, {args.weights} weights ({os.path.basename(out['weights'])}{', ' + saved if saved else ''}):")
         for k in ("top1", "top5", "loss", "count"):
             if k in out:
                 print(f"{k:>6}: {out[k]:.4f}" if isinstance(out[k], float) else f"{k:>6}: {out[k]}")

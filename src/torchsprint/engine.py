@@ -263,7 +263,8 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
     `ema` (ema.ModelEma or the no-op NoEma): updated after every optimizer step, evaluated beside the
     model (metrics ema/val/...), saved as ema.safetensors; best.safetensors holds the EMA weights when
     checkpoint.monitor names an ema/ metric.
-    Returns the summary: final and best validation metrics, time and throughput.
+    Returns the summary: final and best validation metrics, time and throughput, and `artifacts`: which
+    weights each per-class file and figure describes (file name -> {weights, file, epoch, step}).
     """
     from torchsprint.tasks import get_task
 
@@ -271,6 +272,7 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
 
     epochs, monitor = cfg.run.epochs, cfg.checkpoint.monitor
     last_eval: dict = {}
+    last_at = None  # (epoch 1-based, global step) of last_eval: the weights the final metrics describe
     total_images, total_seconds, total_wait = 0, 0.0, 0.0
     t_fit = time.perf_counter()
     pause_at = None if cfg.run.stop_after_steps is None else state.global_step + cfg.run.stop_after_steps
@@ -299,6 +301,7 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
             if ema.evaluates:
                 ema.sync(rt)  # rank 0's BatchNorm statistics on every rank
                 last_eval |= {f"ema/val/{k}": v for k, v in evaluate(ema.module, loaders.val, loss_fn, prec, make_metrics()).items()}
+            last_at = (state.epoch + 1, state.global_step)
             logger.scalars(state.global_step, {k: v for k, v in last_eval.items() if not isinstance(v, list)} |
                            {"epoch": state.epoch + 1}, "eval")
             if not isinstance(last_eval.get(monitor), int | float):  # a number to compare (not a list or a class name)
@@ -316,12 +319,14 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
             logger.info(f"epoch {state.epoch + 1}/{epochs}  {task.summary(last_eval)}"
                         + (f"  | EMA {task.summary(ema_eval)}" if ema_eval else ""))
             if is_better(metric, state.best_metric, cfg.checkpoint.mode):
-                state.best_metric, state.best_epoch = metric, state.epoch + 1
+                state.best_metric, state.best_epoch, state.best_step = metric, state.epoch + 1, state.global_step
                 if rt.is_main:
                     best, which = (ema.module, "ema") if monitor.startswith("ema/") else (model, "model")
                     save_weights(run_dir / "best.safetensors", best, weights_meta | {"epoch": str(state.epoch + 1),
+                                                                                     "step": str(state.global_step),
                                                                                      monitor: str(metric), "weights": which})
-                    task.write_artifacts(run_dir, ema_eval if which == "ema" else last_eval, loaders.info)
+                    task.write_artifacts(run_dir, ema_eval if which == "ema" else last_eval, loaders.info,
+                                         weights_tag("best", state.best_epoch, state.best_step))
         if ep["finished_epoch"]:
             state.epoch += 1
             state.step_in_epoch = 0
@@ -341,9 +346,18 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
     else:
         ema.sync(rt)
         if rt.is_main:
-            save_weights(run_dir / "last.safetensors", model, weights_meta | {"epoch": str(state.epoch)})
+            save_weights(run_dir / "last.safetensors", model, weights_meta | {"epoch": str(state.epoch),
+                                                                              "step": str(state.global_step)})
             if ema.enabled:
                 save_weights(run_dir / "ema.safetensors", ema.module, weights_meta | {"epoch": str(state.epoch), "weights": "ema"})
+            if last_at is not None:  # the last evaluation saw these weights (the loop ends right after one)
+                # The model's own metrics (val/...), as last.safetensors holds the model's weights, not the EMA's.
+                task.write_artifacts(run_dir, last_eval, loaders.info, weights_tag("last", *last_at))
+    artifacts = {}
+    tags = [weights_tag("best", state.best_epoch, state.best_step)] + ([weights_tag("last", *last_at)]
+                                                                       if last_at is not None and not paused else [])
+    for tag in tags:
+        artifacts |= {name: tag for name in task.artifacts(tag["weights"]) if (run_dir / name).is_file()}
     return {
         "final": {k: v for k, v in last_eval.items() if not isinstance(v, list)},
         "best_metric": state.best_metric,
@@ -353,12 +367,18 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
         "data_wait_share": total_wait / max(total_seconds, 1e-9),
         "global_step": state.global_step,
         "skipped_steps": state.skipped_steps,
+        "artifacts": artifacts,
         "paused": paused,
         "early_stop": None if cfg.early_stop.patience is None else {
             "stopped_epoch": None if state.stopped_epoch is None else state.stopped_epoch + 1,  # 1-based, as printed
             "best": state.stop_best, "wait": state.stop_wait, "patience": cfg.early_stop.patience,
             "min_delta": cfg.early_stop.min_delta},
     }
+
+
+def weights_tag(weights: str, epoch: int | None, step: int | None) -> dict:
+    """Which saved weights a file or figure describes: best or last, their file, epoch (1-based) and global step."""
+    return {"weights": weights, "file": f"{weights}.safetensors", "epoch": epoch, "step": step}
 
 
 def report_epoch(logger, state: TrainState, ep: dict, loader, backend: str) -> None:

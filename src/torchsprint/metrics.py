@@ -174,8 +174,17 @@ class RestorationMetrics:
         return _compute(self.metrics, self.loss_sum, self.count)
 
 
-def write_confusion(path_stem: Path, confusion: list[list[int]], classes: list[str]) -> None:
-    """Write the confusion matrix as CSV (rows: true class, columns: predicted) and as a PNG (plots.confusion)."""
+def weights_text(weights: dict | None) -> str:
+    """Which weights a file describes, in words: 'best.safetensors, epoch 6 (step 60)'."""
+    if not weights:
+        return ""
+    return f"{weights['file']}, epoch {weights['epoch']} (step {weights['step']})"
+
+
+def write_confusion(path_stem: Path, confusion: list[list[int]], classes: list[str], weights: dict | None = None) -> None:
+    """Write the confusion matrix as CSV (rows: true class, columns: predicted) and as a PNG (plots.confusion).
+
+    `weights` (tasks.Task.write_artifacts): which weights it describes, named in the PNG's title."""
     from torchsprint.plots import confusion as plot_confusion
 
     with open(path_stem.with_suffix(".csv"), "w", newline="") as f:
@@ -183,16 +192,20 @@ def write_confusion(path_stem: Path, confusion: list[list[int]], classes: list[s
         w.writerow(["true\\pred", *classes])
         for c, row in zip(classes, confusion):
             w.writerow([c, *row])
-    plot_confusion(confusion, classes, path_stem.with_suffix(".png"), title=f"Confusion matrix: {path_stem.parent.name}")
+    which = f", {weights_text(weights)}" if weights else ""
+    plot_confusion(confusion, classes, path_stem.with_suffix(".png"), title=f"Confusion matrix: {path_stem.parent.name}{which}")
 
 
-def write_per_class(path: Path, metrics: dict, classes: list[str]) -> None:
+def write_per_class(path: Path, metrics: dict, classes: list[str], weights: dict | None = None) -> None:
     """per_class.csv: class name, precision, recall, F1 and support (true images) from an evaluation's metrics
-    (keys precision/recall/f1/confusion, with or without a 'val/' prefix)."""
+    (keys precision/recall/f1/confusion, with or without a 'val/' prefix). With `weights`
+    (tasks.Task.write_artifacts), two more columns name them on every row: weights (the file) and epoch."""
     get = lambda k: metrics.get(k, metrics.get(f"val/{k}"))  # noqa: E731
     support = [sum(row) for row in get("confusion")] if get("confusion") else [None] * len(classes)
+    named = [weights["file"], weights["epoch"]] if weights else []
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["class", "precision", "recall", "f1", "support"])
+        w.writerow(["class", "precision", "recall", "f1", "support", *(["weights", "epoch"] if weights else [])])
         for i, c in enumerate(classes):
-            w.writerow([c, *(f"{get(k)[i]:.6f}" if get(k) else "" for k in ("precision", "recall", "f1")), support[i]])
+            w.writerow([c, *(f"{get(k)[i]:.6f}" if get(k) else "" for k in ("precision", "recall", "f1")), support[i],
+                        *named])

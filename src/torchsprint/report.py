@@ -171,11 +171,16 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
         except UsageError as e:
             sections.append(f'<h2>Validation pass</h2><p class="note">Not available: {html.escape(str(e))}</p>')
         else:
+            from torchsprint.trained import read_safetensors_metadata
+
             matrix, rows = per_class(pred["preds"], pred["targets"], trained.classes)
+            saved = read_safetensors_metadata(trained.weights_path).get("epoch")
+            which = f"{trained.weights_path.name}{f', epoch {saved}' if saved else ''}"  # the weights both describe
             png = plots.confusion(matrix, trained.classes, out / "confusion_matrix.png",
-                                  title=f"Confusion matrix ({weights} weights)")
-            sections.append(f"<h2>Confusion matrix</h2>{_img(png, 'confusion matrix')}")
-            sections.append("<h2>Per class</h2>" + _table(rows, ["class", "precision", "recall", "f1", "support"]))
+                                  title=f"Confusion matrix ({weights} weights: {which})")
+            note = f'<p class="note">The {html.escape(weights)} weights: {html.escape(which)}.</p>'
+            sections.append(f"<h2>Confusion matrix</h2>{note}{_img(png, 'confusion matrix')}")
+            sections.append("<h2>Per class</h2>" + note + _table(rows, ["class", "precision", "recall", "f1", "support"]))
             if pred["wrong"]:
                 cols = 6
                 tiles = [(img, f"true {trained.classes[t]}\npred {trained.classes[p]} ({c:.0%})")

@@ -325,7 +325,9 @@ def decisions(cfg, rt, b: Built) -> dict:
     facts = dict(info.facts)
     return {
         "dataset": cfg.data.dataset, "root": cfg.data.root, "task": cfg.task, **facts,
-        "backend": info.backend, "backend_why": info.backend_why,
+        # The backend that ran (after `auto` and any data.fallback), as build_loaders recorded it; and what was asked.
+        "backend": info.backend, "backend_why": info.backend_why, "backend_config": info.backend_config,
+        "backend_fallback": info.fallback or None,
         "device": str(rt.device), "world_size": rt.world_size, "precision": cfg.precision.mode,
         "channels_last": channels_last_on(cfg.speed.channels_last, model),
         "channels_last_why": f"speed.channels_last={str(cfg.speed.channels_last).lower()}" + (
@@ -362,6 +364,7 @@ def describe_decisions(d: dict) -> list[str]:
                      + f" (w x h, {size['sampled']} sampled)")
     if extra:
         lines.append("  " + "; ".join(extra))
+    # The backend that runs (a fallback's why names the configured one), as decisions.json has it.
     lines.append(f"loader: data.backend={d['backend']} ({d['backend_why']})"
                  + (f", decoder {d['decoder']}" if d.get("decoder") else ""))
     lines.append(f"device {d['device']} x {d['world_size']}, precision {d['precision']}, channels_last "
@@ -470,7 +473,12 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     metrics = task.make_metrics(info, cfg.eval, rt.device)
     loss_fn = build_loss(cfg.loss, task.targets, info.num_classes).to(rt.device)
     out = evaluate(model, loaders.val, loss_fn, Precision(cfg.precision.mode, rt.device), metrics)
+    from torchsprint.trained import read_safetensors_metadata
+
+    meta = read_safetensors_metadata(wpath)  # which weights these are: the epoch and step they were saved at
     out["weights"], out["split"] = str(wpath), split
+    out["epoch"] = int(meta["epoch"]) if meta.get("epoch", "").isdigit() else None
+    out["step"] = int(meta["step"]) if meta.get("step", "").isdigit() else None
     return out
 
 

@@ -32,7 +32,10 @@ class Task:
         monitor, mode: default `checkpoint.monitor` / `checkpoint.mode`.
         make_metrics: (DataInfo, eval config section, device) -> metrics object.
         summary: validation metrics dict (keys 'val/...') -> one log line.
-        write_artifacts: (run_dir, validation metrics, DataInfo) -> None, called on rank 0 with the best weights.
+        write_artifacts: (run_dir, validation metrics, DataInfo, weights) -> the names of the files written, called on
+            rank 0 for the best weights (when they improve) and for the last ones (at the end). `weights` says
+            which weights the metrics come from ({"weights": "best" | "last", "file", "epoch", "step"}); every
+            file and figure names them (artifact_name, and inside where the format has room).
         postprocess: (model outputs float32 CPU, classes, options dict) -> one result dict per sample.
         backends: loader backends that deliver this task's batches correctly; None: any (plain image
             batches with class targets, which every backend, a user's own included, delivers).
@@ -60,6 +63,11 @@ class Task:
     min_classes: int = 2  # one class is nothing to tell apart (torchmetrics refuses it too)
     targets: str = "class_index"  # what the loss compares outputs with: class_index, multi_hot or image (optim.loss)
     eval_fields: tuple[str, ...] = ("topk", "per_class")  # the `eval` settings its metrics read (besides every_epochs)
+    artifact_files: tuple[str, ...] = ()  # what write_artifacts may write for the best weights (artifact_name: the last's)
+
+    def artifacts(self, weights: str) -> list[str]:
+        """The file names write_artifacts uses for the `weights` ("best" or "last") weights."""
+        return [artifact_name(n, weights) for n in self.artifact_files]
 
     def check(self, cfg) -> None:
         """Refuse config combinations this task cannot run correctly, naming them and what to do instead."""
@@ -134,12 +142,27 @@ def _classification_summary(ev: dict) -> str:
     return line
 
 
-def _write_confusion(run_dir: Path, ev: dict, info) -> None:
+def artifact_name(name: str, weights: str) -> str:
+    """The file name of an artifact of the `weights` ("best" or "last") weights: per_class.csv for the best
+    ones (the name it always had), per_class_last.csv for the last ones."""
+    if weights == "best":
+        return name
+    stem, dot, ext = name.partition(".")
+    return f"{stem}_{weights}{dot}{ext}"
+
+
+CONFUSION_FILES = ("confusion_matrix.csv", "confusion_matrix.png", "per_class.csv")
+
+
+def _write_confusion(run_dir: Path, ev: dict, info, weights: dict) -> list[str]:
     from torchsprint.metrics import write_confusion, write_per_class
 
-    if "val/confusion" in ev:
-        write_confusion(run_dir / "confusion_matrix", ev["val/confusion"], info.classes)
-        write_per_class(run_dir / "per_class.csv", ev, info.classes)
+    if "val/confusion" not in ev:
+        return []
+    matrix, png, per_class = (artifact_name(n, weights["weights"]) for n in CONFUSION_FILES)
+    write_confusion(run_dir / matrix.removesuffix(".csv"), ev["val/confusion"], info.classes, weights=weights)
+    write_per_class(run_dir / per_class, ev, info.classes, weights=weights)
+    return [matrix, png, per_class]
 
 
 def _topk(outputs: torch.Tensor, classes: list[str], options: dict) -> list[dict]:
@@ -152,7 +175,7 @@ def _topk(outputs: torch.Tensor, classes: list[str], options: dict) -> list[dict
 def classification() -> Task:
     """One class per image: cross-entropy, top-1/top-k, per-class P/R/F1 and a confusion matrix."""
     return Task("classification", "cross_entropy", "val/top1", "max", _classification_metrics, _classification_summary,
-                _write_confusion, _topk)
+                _write_confusion, _topk, artifact_files=CONFUSION_FILES)
 
 
 # ---------------------------------------------------------------- multilabel
@@ -177,8 +200,9 @@ def _above_threshold(outputs: torch.Tensor, classes: list[str], options: dict) -
     return out
 
 
-def _nothing(*_args) -> None:
+def _nothing(*_args) -> list[str]:
     """No extra artifacts (off is a no-op, not a branch)."""
+    return []
 
 
 @TASKS.register("multilabel")
@@ -250,6 +274,7 @@ def video() -> Task:
     """
     return Task("video", "cross_entropy", "val/top1", "max", _classification_metrics, _classification_summary,
                 _write_confusion, _topk, backends=("cpu",), export_formats=("onnx", "safetensors"), channels_last=False,
+                artifact_files=CONFUSION_FILES,
                 example=_first_clip,
                 unsupported={"predict": "predict decodes image files; evaluate clips with `torchsprint eval` instead."})
 

@@ -60,16 +60,19 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     elif split != "val":
         raise UsageError(f"--split {split}: choose val or test.")
     kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
-    name, why = data_cfg.backend, "set in the config (data.backend)"
+    configured = data_cfg.backend
+    name, why = configured, "set in the config (data.backend)"
     if name == "auto":
         name, why = choose_backend(data_cfg, splits, rt.device, allowed)
         data_cfg = data_cfg.model_copy(update={"backend": name})
     if name not in LOADERS and name in OPTIONAL_LOADERS:
         loaders = missing_backend(data_cfg, splits, rt, kw)
-        name, why = data_cfg.fallback, f"data.fallback: {OPTIONAL_LOADERS[data_cfg.backend]}"
     else:
         loaders = LOADERS.get(name)(data_cfg, splits, rt, **kw)
-    loaders.info.backend, loaders.info.backend_why = name, why
+    info = loaders.info
+    if info.fallback:  # the backend could not run here (missing_backend, gpu.needs_cuda): data.fallback ran instead
+        name, why = data_cfg.fallback, f"data.fallback={data_cfg.fallback}: data.backend={name} cannot run here ({info.fallback})"
+    info.backend, info.backend_why, info.backend_config = name, why, configured
     loaders.info.facts = describe_data(splits)
     return splits.wrap(loaders)
 
@@ -98,7 +101,9 @@ def missing_backend(data_cfg, splits, rt, kw) -> Loaders:
     if data_cfg.fallback is None:
         raise UsageError(f"data.backend={data_cfg.backend}: {why}. Or set data.fallback=cpu to use the cpu backend here.")
     warnings.warn(f"data.backend={data_cfg.backend}: {why}; using data.fallback={data_cfg.fallback}.", stacklevel=2)
-    return LOADERS.get(data_cfg.fallback)(data_cfg, splits, rt, **kw)
+    loaders = LOADERS.get(data_cfg.fallback)(data_cfg, splits, rt, **kw)
+    loaders.info.fallback = why  # build_loaders records data.fallback as the backend that runs
+    return loaders
 
 
 # ---------------------------------------------------------------- data.backend: auto

@@ -97,8 +97,12 @@ class DataInfo:
     std: tuple[float, ...]
     image_size: tuple[int, int] | None = None
     task: str = "classification"
-    backend: str = ""  # the loader backend that runs (data.backend, or what `auto` chose)
+    # Which backend ran, decided once in build_loaders; decisions.json, the start-up summary, the engine's
+    # input-bound hint and `data check` all read it from here, never from the config.
+    backend: str = ""  # the loader backend that runs (data.backend, what `auto` chose, or data.fallback)
     backend_why: str = ""  # why that backend (the start-up summary prints it)
+    backend_config: str = ""  # data.backend as configured (auto, gpu, ...)
+    fallback: str = ""  # why the configured backend could not run here ("" when it runs); then data.fallback ran
     facts: dict = field(default_factory=dict)  # what build.describe_data found (counts, sizes, source)
 
     @property

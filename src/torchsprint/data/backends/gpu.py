@@ -402,7 +402,9 @@ def needs_cuda(backend: str, rt, data_cfg, splits, build_kw, reason: str | None 
         raise UsageError(f"data.backend={backend} needs a CUDA GPU, but {why}. Set data.backend=cpu, "
                          f"or data.fallback=cpu to use the cpu backend wherever {backend} cannot run.")
     warnings.warn(f"data.backend={backend} cannot run ({why}); using data.fallback={data_cfg.fallback}.", stacklevel=2)
-    return LOADERS.get(data_cfg.fallback)(data_cfg, splits, rt, **build_kw)
+    loaders = LOADERS.get(data_cfg.fallback)(data_cfg, splits, rt, **build_kw)
+    loaders.info.fallback = why  # build_loaders records data.fallback as the backend that runs, and why
+    return loaders
 
 
 def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32) -> Loaders:

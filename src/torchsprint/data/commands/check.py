@@ -221,7 +221,8 @@ def loader_check(cfg, batches: int) -> dict:
     data_cfg = cfg.data.model_copy(update={"on_bad_sample": "skip"})  # the scan above already named every bad file
     loaders = build_loaders(data_cfg, Runtime(torch.device(resolve_device(cfg.run.device))), seed=cfg.run.seed)
     k = loaders.info.num_classes
-    out = {"problems": []}
+    # The backend that ran (what `auto` chose, or data.fallback), as build_loaders recorded it.
+    out = {"problems": [], "backend": loaders.info.backend, "backend_why": loaders.info.backend_why}
     for name, loader in (("train", loaders.train), ("val", loaders.val)):
         loader.set_epoch(0)
         shapes, n, t0 = set(), 0, time.perf_counter()
@@ -264,9 +265,10 @@ def check(cfg, batches: int = 10, out: Path | None = None, progress: bool = True
         if bar:
             bar.stop()
     report = analyse(scans, splits.classes, splits.task)
-    report |= {"dataset": cfg.data.dataset, "root": cfg.data.root, "backend": cfg.data.backend, "classes": splits.classes}
+    report |= {"dataset": cfg.data.dataset, "root": cfg.data.root, "classes": splits.classes}
     loading = loader_check(cfg, batches)
-    report["loader"] = {k: v for k, v in loading.items() if k != "problems"}
+    report["loader"] = {k: v for k, v in loading.items() if k not in ("problems", "backend", "backend_why")}
+    report |= {"backend": loading["backend"], "backend_why": loading["backend_why"], "backend_config": cfg.data.backend}
     report["problems"] += loading["problems"]
     grid = sample_grid(splits, cfg, out)
     if grid is not None:
@@ -296,6 +298,7 @@ def check_cli(args) -> int:
         print(f"in more than one split: {' = '.join(group)}")
     for group in r["duplicates"]:
         print(f"identical files: {' = '.join(group)}")
+    print(f"loader: data.backend={r['backend']} ({r['backend_why']})")
     for name in ("train", "val"):
         s = r["loader"][name]
         print(f"loader ({r['backend']}) {name}: {s['batches']}/{s['of']} batches, shape {s['shapes']}, "

@@ -390,3 +390,11 @@ class Saver:
         ranked = sorted(scored, key=lambda e: (sign * e["metric"], e["step"]))
         keep |= {e["file"] for e in ranked[: self.cfg.keep_best]}
         return keep
+
+
+def read_safetensors_metadata(path) -> dict[str, str]:
+    """The text metadata of a .safetensors file (what save_weights wrote: epoch, step, classes, config...)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}

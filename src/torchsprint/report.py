@@ -171,7 +171,7 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
         except UsageError as e:
             sections.append(f'<h2>Validation pass</h2><p class="note">Not available: {html.escape(str(e))}</p>')
         else:
-            from torchsprint.trained import read_safetensors_metadata
+            from torchsprint.checkpoint import read_safetensors_metadata
 
             matrix, rows = per_class(pred["preds"], pred["targets"], trained.classes)
             saved = read_safetensors_metadata(trained.weights_path).get("epoch")

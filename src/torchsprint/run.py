@@ -473,7 +473,7 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     metrics = task.make_metrics(info, cfg.eval, rt.device)
     loss_fn = build_loss(cfg.loss, task.targets, info.num_classes).to(rt.device)
     out = evaluate(model, loaders.val, loss_fn, Precision(cfg.precision.mode, rt.device), metrics)
-    from torchsprint.trained import read_safetensors_metadata
+    from torchsprint.checkpoint import read_safetensors_metadata
 
     meta = read_safetensors_metadata(wpath)  # which weights these are: the epoch and step they were saved at
     out["weights"], out["split"] = str(wpath), split

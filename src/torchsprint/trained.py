@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from torchsprint import config as config_mod
+from torchsprint.checkpoint import read_safetensors_metadata
 from torchsprint.errors import UsageError
 
 
@@ -45,13 +46,6 @@ class Trained:
             "model": self.cfg.model.name,
             "config": json.dumps(config_mod.to_dict(self.cfg)),
         }
-
-
-def read_safetensors_metadata(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata() or {}
 
 
 def file_config(raw: dict, source: str | Path) -> config_mod.Config:

@@ -44,7 +44,7 @@ def test_files_of_several_sizes_stream_through_the_cpu_backend(tmp_path):
     info = loaders("data.dataset=image_folder", f"data.root={root}", "data.train.transforms=[resize: [16, 16]]",
                    "data.eval.transforms=[resize: [16, 16]]").info
     assert info.backend == "cpu" and "memory: the images have different sizes" in info.backend_why
-    assert "gpu: no CUDA device" in info.backend_why
+    assert "gpu: needs a CUDA GPU: this machine has no CUDA device" in info.backend_why
 
 
 def test_a_step_the_batched_ops_lack_keeps_the_cpu_backend():

@@ -192,10 +192,15 @@ def test_gpu_backends_without_cuda_fail_clearly_or_fall_back(tmp_path, backend):
     assert x.shape == (5, 3, 16, 16)
 
 
-def test_dali_registered_only_when_it_imports():
-    from torchsprint.data.backends.dali import dali_available
+def test_dali_is_registered_and_says_why_it_cannot_run():
+    """dali is always a known name; where DALI does not import, cannot_run says so (build_loaders then refuses or
+    falls back, as for gpu without CUDA)."""
+    from torchsprint.data.backends.dali import NOT_INSTALLED, dali_available
+    from torchsprint.data.core import as_backend
 
-    assert ("dali" in LOADERS) == dali_available()
+    why_not = as_backend(LOADERS.get("dali")).cannot_run(CPU)
+    assert "dali" in LOADERS and why_not == (NOT_INSTALLED if not dali_available() else
+                                            "needs a CUDA GPU: this machine has no CUDA device")
 
 
 @pytest.mark.gpu

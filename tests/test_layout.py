@@ -159,3 +159,27 @@ def test_package_faces_only_reexport(module):
     defs = [type(n).__name__ for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef | ast.Assign)
             and not (isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["__all__"])]
     assert defs == []
+
+
+def backend_problems(src: Path = SRC) -> list[str]:
+    """A backend importing a sibling backend, or looking a backend up in LOADERS (falling back by itself)."""
+    problems = []
+    for f in sorted((src / "torchsprint" / "data" / "backends").glob("*.py")):
+        if f.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchsprint.data.backends"):
+                problems.append(f"{f.name}:{node.lineno} imports {node.module}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "LOADERS"):
+                problems.append(f"{f.name}:{node.lineno} calls LOADERS.get")
+    return problems
+
+
+def test_no_backend_imports_a_sibling_or_calls_back_into_the_registry(tmp_path):
+    """Choosing, falling back and recording the backend happen in data/build.py alone (issue 26)."""
+    assert backend_problems() == []
+    bad = tmp_path / "torchsprint" / "data" / "backends"
+    bad.mkdir(parents=True)
+    (bad / "dali.py").write_text("from torchsprint.data.backends.gpu import x\n\ndef f():\n    return LOADERS.get('cpu')\n")
+    assert backend_problems(tmp_path) == ["dali.py:1 imports torchsprint.data.backends.gpu", "dali.py:4 calls LOADERS.get"]

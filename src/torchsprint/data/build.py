@@ -8,11 +8,12 @@ start-up live here, not in core.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import replace
 
 import torch
 
-from torchsprint.data.core import DATASETS, LOADERS, Loaders, Splits
+from torchsprint.data.core import DATASETS, LOADERS, Loaders, Splits, as_backend, runs_anywhere
 from torchsprint.errors import UsageError
 
 # data.backend=auto: the memory backend when the decoded dataset fits this share of host RAM (CPU runs)
@@ -63,16 +64,24 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     configured = data_cfg.backend
     name, why = configured, "set in the config (data.backend)"
     if name == "auto":
-        name, why = choose_backend(data_cfg, splits, rt.device, allowed)
-        data_cfg = data_cfg.model_copy(update={"backend": name})
-    if name not in LOADERS and name in OPTIONAL_LOADERS:
-        loaders = missing_backend(data_cfg, splits, rt, kw)
-    else:
-        loaders = LOADERS.get(name)(data_cfg, splits, rt, **kw)
+        name, why = choose_backend(data_cfg, splits, rt, allowed)
+    backend, fallback = as_backend(LOADERS.get(name)), None
+    why_not = backend.cannot_run(rt)
+    if why_not is not None:  # the one place a backend falls back (or is refused), whatever the backend
+        if data_cfg.fallback is None:
+            raise UsageError(f"data.backend={name} cannot run here ({why_not}). Set data.backend=cpu, or "
+                             f"data.fallback=cpu to use the cpu backend wherever {name} cannot run.")
+        warnings.warn(f"data.backend={name} cannot run ({why_not}); using data.fallback={data_cfg.fallback}.", stacklevel=2)
+        fallback = why_not
+        why = f"data.fallback={data_cfg.fallback}: data.backend={name} cannot run here ({why_not})"
+        name = data_cfg.fallback
+        backend = as_backend(LOADERS.get(name))
+        if (also := backend.cannot_run(rt)) is not None:
+            raise UsageError(f"data.fallback={name} cannot run here either ({also}). Set data.fallback=cpu.")
+    loaders = backend(data_cfg.model_copy(update={"backend": name}), splits, rt, **kw)
     info = loaders.info
-    if info.fallback:  # the backend could not run here (missing_backend, gpu.needs_cuda): data.fallback ran instead
-        name, why = data_cfg.fallback, f"data.fallback={data_cfg.fallback}: data.backend={name} cannot run here ({info.fallback})"
-    info.backend, info.backend_why, info.backend_config = name, why, configured
+    # Recorded once, here: every writer (decisions.json, the start-up summary, data check, the engine's hint) reads it.
+    info.backend, info.backend_why, info.backend_config, info.fallback = name, why, configured, fallback or ""
     loaders.info.facts = describe_data(splits)
     return splits.wrap(loaders)
 
@@ -82,28 +91,13 @@ def check_data_fields(data_cfg) -> None:
     if data_cfg.cpu_fraction != 0.0 and data_cfg.backend != "gpu":
         raise UsageError(f"data.cpu_fraction={data_cfg.cpu_fraction} splits a batch between CPU and GPU decoding in the "
                          f"gpu backend; data.backend={data_cfg.backend} does not use it. Remove it, or set data.backend=gpu.")
-    if data_cfg.fallback is not None and data_cfg.backend not in OPTIONAL_LOADERS and data_cfg.backend != "gpu":
-        raise UsageError(f"data.fallback={data_cfg.fallback} replaces the gpu or dali backend where it cannot run; "
-                         f"data.backend={data_cfg.backend} always runs. Remove data.fallback.")
+    if data_cfg.fallback is not None and (data_cfg.backend == "auto"
+                                          or as_backend(LOADERS.get(data_cfg.backend)).cannot_run is runs_anywhere):
+        raise UsageError(f"data.fallback={data_cfg.fallback} replaces a backend where it cannot run (gpu and dali need "
+                         f"CUDA); data.backend={data_cfg.backend} always runs. Remove data.fallback.")
     if data_cfg.num_workers == 0 and data_cfg.prefetch_factor != 2:
         raise UsageError(f"data.prefetch_factor={data_cfg.prefetch_factor} is per worker process, and data.num_workers=0 "
                          "loads in the main process. Set data.num_workers too, or remove data.prefetch_factor.")
-
-
-OPTIONAL_LOADERS = {"dali": "NVIDIA DALI is not installed: `pip install 'torchsprint[dali]'` on a machine with a CUDA GPU"}
-
-
-def missing_backend(data_cfg, splits, rt, kw) -> Loaders:
-    """An optional backend that is not installed: use data.fallback (with a warning) or fail saying how to install it."""
-    import warnings
-
-    why = OPTIONAL_LOADERS[data_cfg.backend]
-    if data_cfg.fallback is None:
-        raise UsageError(f"data.backend={data_cfg.backend}: {why}. Or set data.fallback=cpu to use the cpu backend here.")
-    warnings.warn(f"data.backend={data_cfg.backend}: {why}; using data.fallback={data_cfg.fallback}.", stacklevel=2)
-    loaders = LOADERS.get(data_cfg.fallback)(data_cfg, splits, rt, **kw)
-    loaders.info.fallback = why  # build_loaders records data.fallback as the backend that runs
-    return loaders
 
 
 # ---------------------------------------------------------------- data.backend: auto
@@ -176,7 +170,12 @@ def file_sizes(paths: list[str], stop_at_distinct: int | None = None) -> list[tu
     return out
 
 
-def choose_backend(data_cfg, splits: Splits, device: torch.device, allowed: tuple[str, ...] | None) -> tuple[str, str]:
+# data.backend=auto's order of preference among the backends registered with auto=True (fastest first, as
+# measured in BENCHMARKS.md); a backend registered later with auto=True is considered after these.
+AUTO_ORDER = ("memory", "gpu", "cpu")
+
+
+def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None) -> tuple[str, str]:
     """data.backend=auto: (backend, why). The fastest backend that fits, in this order:
 
     1. memory, when the decoded dataset fits MEMORY_SHARE_RAM of RAM (MEMORY_SHARE_GPU of the GPU) and
@@ -185,11 +184,15 @@ def choose_backend(data_cfg, splits: Splits, device: torch.device, allowed: tupl
        default run: 1.54x the cpu backend, BENCHMARKS.md);
     2. gpu, for JPEG files on CUDA (nvJPEG decoding, augmentation on the GPU);
     3. cpu otherwise (DataLoader workers decode and augment every epoch).
-    Only backends the task supports (`allowed`) are considered.
+    Only backends registered with auto=True that the task supports (`allowed`) and that can run here are considered.
     """
-    ok = [n for n in ("memory", "gpu", "cpu") if n in LOADERS and (allowed is None or n in allowed)]
+    device = rt.device
+    candidates = [n for n in AUTO_ORDER if n in LOADERS and as_backend(LOADERS.get(n)).auto]
+    candidates += [n for n in LOADERS.names() if n not in candidates and as_backend(LOADERS.get(n)).auto]
+    ok = [n for n in candidates if allowed is None or n in allowed]
     if not ok:
-        raise UsageError(f"data.backend=auto: none of memory, gpu, cpu serves this task (it supports {allowed}); set data.backend.")
+        raise UsageError(f"data.backend=auto: none of {', '.join(candidates)} serves this task (it supports {allowed}); "
+                         "set data.backend.")
     fallback = "cpu" if "cpu" in ok else ok[-1]
     budget, budget_text = _memory_budget(device)
     reasons = []
@@ -226,8 +229,8 @@ def choose_backend(data_cfg, splits: Splits, device: torch.device, allowed: tupl
         else:
             reasons.append("memory: this dataset type is not decoded up front")
     if "gpu" in ok:
-        if device.type != "cuda":
-            reasons.append("gpu: no CUDA device")
+        if (why_not := as_backend(LOADERS.get("gpu")).cannot_run(rt)) is not None:
+            reasons.append(f"gpu: {why_not}")
         elif not _plain_image_files(train):
             reasons.append("gpu: not a dataset of image files")
         elif (problem := _batched_spec_problem(data_cfg, splits.in_channels, "gpu")) is not None:

@@ -126,6 +126,45 @@ class Loaders:
     skipped: list[str] = field(default_factory=list)
 
 
+def runs_anywhere(rt) -> str | None:
+    """Backend.cannot_run of a backend that runs on any device."""
+    return None
+
+
+def cuda_missing(rt) -> str | None:
+    """Backend.cannot_run of a backend that needs a CUDA device: why it cannot run on `rt`, or None."""
+    if rt.device.type == "cuda":
+        return None
+    return "needs a CUDA GPU: " + ("this machine has no CUDA device" if not torch.cuda.is_available()
+                                  else f"run.device is {rt.device}")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A loader backend as LOADERS holds it: how to build it, whether it can run here, whether `auto` may pick it.
+
+    Args:
+        build: (data_cfg, splits, rt, *, seed, channels_last, dtype) -> Loaders.
+        cannot_run: rt -> why the backend cannot run on this machine and device (None: it can). data/build.py
+            asks before building and falls back to data.fallback, or refuses, in one place; a backend never
+            falls back by itself.
+        auto: whether data.backend=auto considers it (build.choose_backend says when each one suits).
+    A user's backend may be registered as a plain build function: it runs anywhere and auto never picks it.
+    """
+
+    build: Callable[..., Loaders]
+    cannot_run: Callable[[Any], str | None] = runs_anywhere
+    auto: bool = False
+
+    def __call__(self, data_cfg, splits, rt, **kw) -> Loaders:
+        return self.build(data_cfg, splits, rt, **kw)
+
+
+def as_backend(entry) -> Backend:
+    """A LOADERS entry as a Backend (a plain function registered by a user: runs anywhere, never auto)."""
+    return entry if isinstance(entry, Backend) else Backend(entry)
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """A per-sample augmentation seed that depends only on (run seed, epoch, sample index).
 

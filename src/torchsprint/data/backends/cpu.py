@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, TensorImages, prefetch_to_device
+from torchsprint.data.core import (
+    LOADERS,
+    Backend,
+    DataInfo,
+    EpochSampler,
+    Loaders,
+    TensorImages,
+    prefetch_to_device,
+)
 from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.data.preprocess.transforms import compile_spec, decode_hint
 from torchsprint.errors import UsageError
@@ -251,7 +259,6 @@ def make_stream_loader(raw, pipeline, data_cfg, rt, *, seed, train: bool, channe
     return DeviceLoader(loader, stream, rt.device, norm)
 
 
-@LOADERS.register("cpu")
 def cpu_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32) -> Loaders:
     """DataLoader workers decode + augment uint8 on the CPU; the device normalises."""
     train_p = compile_spec(data_cfg.train.transforms, "data.train.transforms", splits.in_channels)
@@ -270,3 +277,6 @@ def cpu_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.f
         train, val = make_loaders([train_raw, val_raw], [train_p, eval_p], data_cfg, rt, **kw)
     info = DataInfo(splits.classes, splits.in_channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=train, val=val, info=info)
+
+
+LOADERS.register("cpu")(Backend(cpu_loader, auto=True))  # runs on any device

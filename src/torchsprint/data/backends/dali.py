@@ -1,4 +1,4 @@
-"""The `dali` backend: an NVIDIA DALI pipeline decodes (nvJPEG, "mixed") and resamples on the GPU; registered
+"""The `dali` backend: an NVIDIA DALI pipeline decodes (nvJPEG, "mixed") and resamples on the GPU; it runs
 only when DALI imports (`pip install 'torchsprint[dali]'`, the CUDA 13 build nvidia-dali-cuda130 that
 matches PyTorch's CUDA 13 wheels).
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders
+from torchsprint.data.core import LOADERS, Backend, DataInfo, EpochSampler, Loaders, cuda_missing
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.preprocess.batch_ops import Flip
 from torchsprint.data.preprocess.decode import BadImage, check_size, decode_bytes, read_header
@@ -220,11 +220,6 @@ class DaliLoader:
 
 def dali_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32, dali_device: str = "gpu") -> Loaders:
     """NVIDIA DALI decode (nvJPEG) and resampling, fed by our sampler with our per-sample draws."""
-    from torchsprint.data.backends.gpu import needs_cuda
-
-    kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
-    if dali_device == "gpu" and rt.device.type != "cuda":
-        return needs_cuda("dali", rt, data_cfg, splits, kw)
     for split in (splits.train, splits.val):
         if getattr(split, "streaming", False):
             raise UsageError(f"data.backend=dali reads image files by index; dataset '{data_cfg.dataset}' streams tar "
@@ -252,10 +247,14 @@ def dali_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.
     return Loaders(train=out[0], val=out[1], info=info)
 
 
-def register_dali() -> None:
-    """Register the `dali` loader when nvidia.dali imports (pip install torchsprint[dali])."""
-    if dali_available() and "dali" not in LOADERS:
-        LOADERS.register("dali")(dali_loader)
+NOT_INSTALLED = "NVIDIA DALI is not installed: `pip install 'torchsprint[dali]'` on a machine with a CUDA GPU"
 
 
-register_dali()
+def dali_cannot_run(rt) -> str | None:
+    """Backend.cannot_run: DALI must import, and its GPU pipeline needs a CUDA device."""
+    return NOT_INSTALLED if not dali_available() else cuda_missing(rt)
+
+
+# Registered whether or not DALI imports, so that `data.backend: dali` on a machine without it says why and
+# honours data.fallback like any backend that cannot run here. Not considered by `auto` until measured (issue 27).
+LOADERS.register("dali")(Backend(dali_loader, cannot_run=dali_cannot_run))

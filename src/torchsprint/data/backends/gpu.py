@@ -29,7 +29,15 @@ import warnings
 
 import torch
 
-from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, prefetch_to_device
+from torchsprint.data.core import (
+    LOADERS,
+    Backend,
+    DataInfo,
+    EpochSampler,
+    Loaders,
+    cuda_missing,
+    prefetch_to_device,
+)
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.preprocess.decode import BadImage, decode_bytes, read_header
 from torchsprint.data.preprocess.normalize import DeviceNormalize
@@ -395,18 +403,6 @@ def parse_cpu_fraction(value) -> tuple[float, FractionTuner | None]:
     return f, None
 
 
-def needs_cuda(backend: str, rt, data_cfg, splits, build_kw, reason: str | None = None):
-    """A backend that cannot run here: fall back to data.fallback (logged) or fail, saying what to do."""
-    why = reason or ("this machine has no CUDA device" if not torch.cuda.is_available() else f"run.device is {rt.device}")
-    if data_cfg.fallback is None:
-        raise UsageError(f"data.backend={backend} needs a CUDA GPU, but {why}. Set data.backend=cpu, "
-                         f"or data.fallback=cpu to use the cpu backend wherever {backend} cannot run.")
-    warnings.warn(f"data.backend={backend} cannot run ({why}); using data.fallback={data_cfg.fallback}.", stacklevel=2)
-    loaders = LOADERS.get(data_cfg.fallback)(data_cfg, splits, rt, **build_kw)
-    loaders.info.fallback = why  # build_loaders records data.fallback as the backend that runs, and why
-    return loaders
-
-
 def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32) -> Loaders:
     """The gpu backend on rt.device. On a CPU device the same code runs with CPU decoding (tests)."""
     for split in (splits.train, splits.val):
@@ -455,10 +451,5 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
     return Loaders(train=out[0], val=out[1], info=info)
 
 
-@LOADERS.register("gpu")
-def gpu_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32) -> Loaders:
-    """File bytes from workers, nvJPEG batch decode and per-sample augmentation on the GPU, CPU/GPU split."""
-    kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
-    if rt.device.type != "cuda":
-        return needs_cuda("gpu", rt, data_cfg, splits, kw)
-    return build_gpu_loaders(data_cfg, splits, rt, **kw)
+# Building it on a CPU device runs the same code with CPU decoding (the tests do); a run asks cannot_run first.
+LOADERS.register("gpu")(Backend(build_gpu_loaders, cannot_run=cuda_missing, auto=True))

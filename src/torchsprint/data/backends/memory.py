@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from torchsprint.data.core import LOADERS, DataInfo, EpochSampler, Loaders, sample_seeds
+from torchsprint.data.core import LOADERS, Backend, DataInfo, EpochSampler, Loaders, sample_seeds
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.errors import UsageError
@@ -92,7 +92,6 @@ def fits_on_device(nbytes: int, device: torch.device) -> None:
                              f"of the {free / 2**30:.1f} GiB free on {device}. Use data.backend=gpu or cpu.")
 
 
-@LOADERS.register("memory")
 def memory_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32) -> Loaders:
     """Whole dataset decoded once into device memory; batched per-sample augmentation there."""
     train_p = compile_batch_spec(data_cfg.train.transforms, "data.train.transforms", splits.in_channels, "memory")
@@ -116,3 +115,6 @@ def memory_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torc
         loaders.append(loader)
     info = DataInfo(splits.classes, splits.in_channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=loaders[0], val=loaders[1], info=info)
+
+
+LOADERS.register("memory")(Backend(memory_loader, auto=True))  # any device (it checks the size itself)

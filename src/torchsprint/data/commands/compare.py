@@ -20,10 +20,11 @@ def _eval_paths(cfg, raw, n: int) -> dict:
     import torch
 
     from torchsprint.data.backends.gpu import decode_on_device, preprocess_on_device
-    from torchsprint.data.core import LOADERS
+    from torchsprint.data.core import LOADERS, as_backend
     from torchsprint.data.preprocess.augment import compile_batch_spec
     from torchsprint.data.preprocess.decode import DECODERS, decode_bytes, read_bytes
     from torchsprint.data.preprocess.transforms import compile_spec, decode_hint
+    from torchsprint.runtime import Runtime
 
     spec = cfg.data.eval.transforms
     cpu_p = compile_spec(spec, "data.eval.transforms", 3)
@@ -52,8 +53,10 @@ def _eval_paths(cfg, raw, n: int) -> dict:
             notes.append("some files could not be decoded by nvJPEG")
         else:
             out["gpu: nvJPEG + batched ops"] = batched(imgs).cpu()
-        if "dali" in LOADERS:
+        if (why_not := as_backend(LOADERS.get("dali")).cannot_run(Runtime(dev))) is None:
             notes.append(_dali_compare(cfg, raw, n, out))
+        else:
+            notes.append(f"dali: {why_not}")
     else:
         notes.append("GPU paths unavailable: this machine has no CUDA device (compared the CPU decoders and ops only)")
     return {"paths": out, "files": paths, "notes": [x for x in notes if x]}

@@ -127,3 +127,31 @@ def test_a_missing_sink_library_is_refused_before_anything_is_created(tmp_path, 
     assert cli.main(["train", *BASE, "log.mlflow=true", f"run.dir={tmp_path / 'r'}"]) == 2
     assert "pip install 'torchsprint[mlflow]'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_resume_cuts_metrics_back_to_the_checkpoint_step(tmp_path):
+    """What a crash leaves in metrics.jsonl / metrics_<kind>.csv, cut back for a resume from the checkpoint of step 3:
+    later steps, a line cut off mid-write and a junk line go; the test record of step 3 goes too (it follows the
+    last checkpoint, and a finishing resumed run writes its own); the rest stays, byte for byte, in order."""
+    from torchsprint.logging import CsvSink, cut_back_jsonl
+
+    keep = [{"kind": "train", "step": 1, "train/loss": 2.0}, {"kind": "train", "step": 3, "train/loss": 1.5},
+            {"kind": "eval", "step": 3, "val/top1": 0.5}]
+    drop = [{"kind": "test", "step": 3, "test/top1": 0.4}, {"kind": "train", "step": 4, "train/loss": 1.4}]
+    lines = [json.dumps(r) + "\n" for r in keep[:2]] + ["not json\n", json.dumps(keep[2]) + "\n"]
+    lines += [json.dumps(r) + "\n" for r in drop] + ['{"kind": "train", "step": 5, "train/lo']
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(lines))
+    assert cut_back_jsonl(path, 3) == (3, 4)
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in keep)
+    assert cut_back_jsonl(path, 3) == (3, 0)  # nothing left to cut: the file is not rewritten
+    assert cut_back_jsonl(tmp_path / "missing.jsonl", 3) == (0, 0)
+
+    (tmp_path / "metrics_train.csv").write_text("step,time,train/loss\r\n1,10.0,2.0\r\n3,11.0,1.5\r\n4,12.0,1.4\r\n5,13")
+    (tmp_path / "metrics_test.csv").write_text("step,time,test/top1\r\n3,14.0,0.4\r\n")
+    sink = CsvSink(tmp_path, resumed_step=3)
+    sink.scalars(4, {"train/loss": 1.3}, "train", now=15.0)
+    with open(tmp_path / "metrics_train.csv", newline="") as f:
+        assert [(r["step"], r["train/loss"]) for r in csv.DictReader(f)] == [("1", "2.0"), ("3", "1.5"), ("4", "1.3")]
+    with open(tmp_path / "metrics_test.csv", newline="") as f:
+        assert list(csv.DictReader(f)) == []

@@ -6,6 +6,7 @@ run.max_steps, which would shorten the learning-rate schedule and so train a dif
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import random
@@ -235,3 +236,51 @@ def test_sigkill_at_random_moments_then_resume_completes_exactly(reference, tmp_
         losses.setdefault(step, set()).add(loss)
     assert all(len(v) == 1 for v in losses.values()), "a redone step gave another loss"
     assert_same_run(ref_dir, ref, run_dir, json.loads((run_dir / "summary.json").read_text()))
+
+
+def _records(run_dir: Path) -> list[dict]:
+    """Every line of metrics.jsonl as a record (json.loads raises on a line that is not one)."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    assert text.endswith("\n")
+    return [json.loads(x) for x in text.splitlines()]
+
+
+def test_sigkill_after_a_log_line_then_resume_records_each_step_once(reference, tmp_path, capsys):
+    """A real SIGKILL right after step 5 was logged (checkpoint at step 3), a crash that also cut the last line of
+    metrics.jsonl in half, then a real `--resume`: metrics.jsonl, the CSV files and TensorBoard each hold every
+    step once, in order, with the uninterrupted run's values (metrics.jsonl once held steps 4-5 twice and a
+    glued line)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from torchsprint import cli
+
+    ref_dir, ref = reference
+    run_dir = tmp_path / "crash"
+    sinks = ["log.tensorboard=true", "log.csv=true"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHSPRINT_TEST_KILL_AT="0:5")
+    cmd = [sys.executable, "-m", "torchsprint", "train"]
+    first = subprocess.run([*cmd, *BASE, *sinks, f"run.dir={run_dir}"], env=env, capture_output=True, text=True,
+                           cwd=tmp_path, timeout=300)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    assert [p.name for p in find_checkpoints(run_dir)] == ["ckpt-e001-s0000003.pt"]
+    assert raw_train_steps(run_dir) == [1, 2, 3, 4, 5]  # step 5's line written, then killed
+    with open(run_dir / "metrics.jsonl", "ab") as f:
+        f.write(b'{"kind": "train", "step": 6, "train/lo')  # a line the crash cut off mid-write
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(run_dir)]) == 0  # in this process: one start-up less
+    out = capsys.readouterr().out
+    got, want = _records(run_dir), _records(ref_dir)
+    assert [(r["kind"], r["step"]) for r in got] == [(r["kind"], r["step"]) for r in want]
+    assert "3 record(s) after the checkpoint of step 3 (or cut off by the crash) removed; 3 kept" in out, out[-2000:]
+    for a, b in zip(got, want):  # the resumed steps are bit-identical to the uninterrupted run's
+        assert {k: v for k, v in a.items() if "loss" in k or "top1" in k or k == "train/lr"} == \
+            {k: v for k, v in b.items() if "loss" in k or "top1" in k or k == "train/lr"}, a["step"]
+    for kind in ("train", "epoch", "eval"):
+        with open(run_dir / f"metrics_{kind}.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert [int(r["step"]) for r in rows] == [r["step"] for r in want if r["kind"] == kind], kind
+    tb = EventAccumulator(str(run_dir / "tb"))  # TensorBoard's own reader, as its UI reads the two event files
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("train/loss")] == list(range(1, ref["global_step"] + 1))
+    assert [e.value for e in tb.Scalars("train/loss")] == pytest.approx(
+        [r["train/loss"] for r in want if r["kind"] == "train"], rel=1e-6)  # float32 in the event file: ~6e-8 relative

@@ -133,3 +133,76 @@ def test_missing_data_root_leaves_no_folder_behind(tmp_path, capsys):
                      f"data.root={tmp_path / 'nowhere'}"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_resume_of_results_without_checkpoints_refuses_and_overwrite_sets_them_aside(tmp_path, capsys):
+    """A finished run whose checkpoints/ is gone: --resume once trained from scratch over its weights and
+    summary.json without a word. It refuses (exit 2, one line, nothing touched) and names --overwrite, which
+    moves the old files aside before starting over."""
+    import shutil
+
+    run = tmp_path / "run"
+    assert cli.main(["train", *FAST, "run.max_steps=2", f"run.dir={run}"]) == 0
+    shutil.rmtree(run / "checkpoints")
+    before = snapshot(run)
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no checkpoint" in err and "--overwrite" in err, err
+    assert snapshot(run) == before
+    assert cli.main(["train", "--resume", str(run), "--overwrite"]) == 0
+    moved = list(run.glob("replaced-*"))
+    assert len(moved) == 1 and snapshot(moved[0]) == before  # the old results, intact
+    assert json.loads((run / "summary.json").read_text())["global_step"] == 2
+
+
+def test_resume_of_a_run_that_saved_nothing_starts_over_with_a_fresh_metrics_file(tmp_path, capsys):
+    """A run killed before its first checkpoint (config.yaml and metrics rows only): --resume starts over, and its
+    metrics.jsonl holds each step once (the old rows are moved aside, not appended to)."""
+    import shutil
+
+    run = tmp_path / "run"
+    assert cli.main(["train", *FAST, "run.max_steps=2", "log.every_steps=1", f"run.dir={run}"]) == 0
+    shutil.rmtree(run / "checkpoints")
+    for name in ("summary.json", "best.safetensors", "last.safetensors"):
+        (run / name).unlink()
+    assert cli.main(["train", "--resume", str(run)]) == 0
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert steps == [1, 2]
+    assert len(list(run.glob("replaced-*/metrics.jsonl"))) == 1
+
+
+def test_a_run_stopped_by_max_steps_is_told_to_raise_max_steps(tmp_path, capsys):
+    """The finished-run message names the limit that ended the run: run.max_steps here (it said run.epochs, which
+    changes nothing), and its advice works."""
+    from torchsprint.run import how_to_continue
+
+    run = tmp_path / "run"
+    assert cli.main(["train", *FAST, "run.max_steps=3", f"run.dir={run}"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(run)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "is a finished run" in out and "run.max_steps=6" in out and "larger run.epochs" not in out, out
+    assert cli.main(["train", "--resume", str(run), "run.max_steps=6"]) == 0  # the advice, followed
+    assert json.loads((run / "summary.json").read_text())["global_step"] == 6
+
+    class Run:
+        epochs, max_steps = 2, 100
+
+    assert "larger run.epochs" in how_to_continue({"epoch": 2, "global_step": 50}, Run, run)
+    both = how_to_continue({"epoch": 2, "global_step": 100}, Run, run)
+    assert "run.epochs=12" in both and "run.max_steps=null" in both
+    assert "early_stop" in how_to_continue({"epoch": 1, "global_step": 9, "stopped_epoch": 0}, Run, run)
+
+
+@pytest.mark.parametrize("name", ["../../escape", "sub/name", "a\\b", "..", ".", "", "ABSOLUTE"])
+def test_run_name_is_a_plain_name(tmp_path, capsys, name):
+    """run.name=../../etc put the run folder outside run.out_dir, an absolute name ignored it: refused in one line
+    that points to run.dir, before anything is created."""
+    if name == "ABSOLUTE":
+        name = str(tmp_path / "elsewhere")
+    out_dir = tmp_path / "a" / "b" / "runs"
+    assert cli.main(["train", *FAST, "run.max_steps=1", f"run.out_dir={out_dir}", f"run.name={name}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "run.name" in err and "run.dir" in err, err
+    assert [p for p in tmp_path.rglob("*")] == []  # nothing created, inside out_dir or out of it

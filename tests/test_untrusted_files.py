@@ -103,6 +103,60 @@ def test_model_file_metadata_never_imports_code(tmp_path, run_cli, trained_run):
     assert marker.exists()
 
 
+def test_run_folder_config_never_imports_code(tmp_path, trained_run, monkeypatch, capsys, run_cli):
+    """A run folder whose config.yaml lists `imports:` (someone else's run) is as safe to open as their model file:
+    eval, predict, export, report and train --resume never import the module (a real file in the working folder
+    that would create the marker); a run that needs it is refused in one line naming --import MODULE."""
+    import shutil
+    import sys
+
+    import yaml
+
+    from torchsprint import cli
+
+    name = "run_folder_payload"  # a name no other test imports into this process
+    marker = tmp_path / "pwned"
+    (tmp_path / f"{name}.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
+        "from torchsprint.models.core import MODELS\nfrom torchsprint.models.nets import small_cnn\n"
+        "MODELS.register('payload_net')(small_cnn)\n")
+    monkeypatch.chdir(tmp_path)  # where config.import_modules would look for it
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    image = tmp_path / "img.png"
+    from PIL import Image
+
+    Image.new("L", (8, 8), 128).save(image)
+
+    def copy_run(dest: str, **changes) -> Path:
+        run = tmp_path / dest
+        shutil.copytree(trained_run, run)
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        cfg["imports"] = [name]
+        cfg["model"].update(changes)
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+        return run
+
+    harmless, needs = copy_run("harmless"), copy_run("needs", name="payload_net")
+    commands = [["eval", "-r"], ["predict", str(image), "-r"], ["export", "--format", "safetensors", "-r"], ["report"]]
+    for cmd in commands:
+        if cmd[0] in ("eval", "predict"):  # a built-in model: opens without the module (not refused for listing it)
+            capsys.readouterr()
+            assert cli.main([*cmd, str(harmless)]) == 0, (cmd, capsys.readouterr().err)
+        capsys.readouterr()
+        assert cli.main([*cmd, str(needs)]) == 2, cmd
+        err = capsys.readouterr().err
+        assert f"--import {name}" in err and len(err.strip().splitlines()) == 1, (cmd, err)
+    # train --resume would import what the saved config lists when it starts: it asks for the flag first
+    assert cli.main(["train", "--resume", str(harmless)]) == 2
+    err = capsys.readouterr().err
+    assert f"--import {name}" in err and len(err.strip().splitlines()) == 1, err
+    assert not marker.exists() and name not in sys.modules
+    # the user trusts it and says so (a fresh process: nothing stays registered in this one)
+    r = run_cli("eval", "--import", name, "-r", str(needs), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert marker.exists()
+
+
 def test_onnx_metadata_never_imports_code(tmp_path, run_cli, trained_run):
     import onnx
 

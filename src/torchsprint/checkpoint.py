@@ -228,13 +228,16 @@ class Saver:
             picks them.
         log: callable for one-line messages.
         ema: the run's ema.ModelEma, saved in every checkpoint (its state_dict), or None / the no-op NoEma.
+        flush_logs: called on rank 0 before each checkpoint is written (RunLogger.flush): the records logged up
+            to its step reach the disk first, so a resume from it finds them all (it cuts only later ones).
     """
 
     def __init__(self, run_dir: Path, ckpt_cfg, rt, meta: dict[str, Any], *, geometry: dict[str, int],
-                 resumed_step: int | None = None, log=print, ema=None):
+                 resumed_step: int | None = None, log=print, ema=None, flush_logs=None):
         self.dir = Path(run_dir) / "checkpoints"
         self.cfg, self.rt, self.meta, self.geometry, self.log = ckpt_cfg, rt, meta, geometry, log
         self.ema = ema
+        self.flush_logs = flush_logs
         self.status_path = self.dir / "status.json"
         self.status: dict[str, Any] = {}
         self._last_saved: tuple | None = None
@@ -336,6 +339,8 @@ class Saver:
         error = None
         if self.rt.is_main:
             try:
+                if self.flush_logs is not None:
+                    self.flush_logs()
                 self._write(path, state, model, opt, sched, prec, metric, rngs)
             except OSError as e:
                 name = errno.errorcode.get(e.errno, "") if e.errno else ""

@@ -193,7 +193,12 @@ def cmd_train(args) -> int:
         # torchrun restarted this worker group after a worker died (--max-restarts): continue from the newest
         # valid checkpoint of the run folder, which every attempt shares (launch.py).
         overrides += ["checkpoint.resume=auto"]
-    cfg = config.load(path, overrides, imports=args.imports)
+    if args.resume and args.config is None:  # the run folder's own config: its `imports:` are not trusted
+        from torchsprint.run import resumed_run_config
+
+        cfg = resumed_run_config(args.resume, overrides, args.imports)
+    else:
+        cfg = config.load(path, overrides, imports=args.imports)
     train(cfg, overwrite=args.overwrite, dry_run=args.dry_run)
     return 0
 

@@ -45,6 +45,16 @@ class RunConfig(Section):
     deterministic: bool = Field(False, description="Use deterministic algorithms only (slower on GPU; bit-exact reruns); "
                                 "an operation without a deterministic implementation stops the run, naming it.")
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        # The name is one folder level under out_dir: '../..', an absolute path or a separator would put the run
+        # (and --overwrite's moves) outside out_dir. Choosing a path is what run.dir is for.
+        if v in ("", ".", "..") or any(c in v for c in "/\\\0"):
+            raise ValueError("must be a plain folder name (no / or \\, not '.', '..' or empty); to choose the run "
+                             "folder's path, set run.dir instead")
+        return v
+
 
 class SplitConfig(Section):
     transforms: list[TransformSpec] = Field(

@@ -213,6 +213,7 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
 
     Returns {"path", "format", "max_abs_diff"}; raises UsageError when the difference exceeds `tolerance`.
     """
+    from torchsprint.run import naming_imports
     from torchsprint.tasks import get_task
     from torchsprint.trained import load_run
 
@@ -222,7 +223,8 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
 
     out = Path(out) if out else Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{EXTENSIONS[fmt]}"
     writable_file(out, "--out")  # before the (slow) export, not after it
-    example = sample_batch(trained)
+    with naming_imports(trained.cfg.imports, run_dir):  # the run's dataset may come from a module it lists
+        example = sample_batch(trained)
     try:
         path = EXPORTERS.get(fmt)(trained, out, uint8_input=uint8_input, opset=opset, example=example)
     except OSError as e:  # the disk filled up or the folder changed under us

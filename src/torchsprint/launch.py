@@ -89,7 +89,12 @@ def preflight(args):
     from torchsprint.runtime import resolve_backend, resolve_device
 
     path, overrides = config_source(args)
-    cfg = config.load(path, overrides, imports=args.imports)
+    if args.resume and args.config is None:  # the run folder's own config: its `imports:` are not trusted
+        from torchsprint.run import resumed_run_config
+
+        cfg = resumed_run_config(args.resume, overrides, args.imports)
+    else:
+        cfg = config.load(path, overrides, imports=args.imports)
     device = resolve_device(cfg.run.device)
     if device.type == "cuda" and cfg.run.device not in ("auto", "cuda"):
         raise UsageError(f"run.device={cfg.run.device} pins every DDP process to one GPU. Use run.device=auto (or cuda): "

@@ -7,6 +7,7 @@ metrics.jsonl: kind 'train' at log steps, 'epoch' at epoch ends, 'eval' after ev
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import secrets
@@ -46,16 +47,80 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `data` to a temp file beside `path`, fsync, rename over it: a crash leaves the old or the new file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def still_valid(step: int, kind: str, resumed_step: int) -> bool:
+    """Whether a record logged before a crash stays when the run resumes from the checkpoint of `resumed_step`.
+
+    Every record up to a checkpoint's step is written before that checkpoint (engine.fit logs, then saves), so
+    they stay; later steps are trained, and logged, again. The test-split record is the exception: it follows
+    the last checkpoint, and a resumed run that finishes writes its own.
+    """
+    return step < resumed_step or (step == resumed_step and kind != "test")
+
+
+def cut_back_jsonl(path: Path, resumed_step: int) -> tuple[int, int]:
+    """Cut a metrics.jsonl back to what the checkpoint of `resumed_step` covers, before a resumed run appends.
+
+    Without this a step logged between that checkpoint and a crash is in the file twice after the resume, and a
+    line the crash cut off gets the first new record glued onto it. Keeps, in their order, the complete
+    records that `still_valid` keeps; drops later steps, a cut-off last line and lines that are not a JSON
+    record. The file is replaced atomically (a crash now leaves the old or the new file). Returns (kept, dropped).
+    """
+    if not path.is_file():
+        return 0, 0
+    kept: list[bytes] = []
+    dropped = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                row = json.loads(raw)
+                ok = raw.endswith(b"\n") and still_valid(int(row["step"]), str(row.get("kind")), resumed_step)
+            except (ValueError, TypeError, KeyError, UnicodeDecodeError):  # junk, a cut line, a record without a step
+                ok = not raw.strip()  # blank lines are dropped silently
+                dropped += not ok
+                continue
+            if ok:
+                kept.append(raw)
+            else:
+                dropped += 1
+    if dropped:
+        replace_file(path, b"".join(kept))
+    return len(kept), dropped
+
+
 class CsvSink:
     """metrics_<kind>.csv in the run folder: one row per record, a column per value (appended; the file is
-    rewritten only when a new column appears). Cheap enough to leave on."""
+    rewritten only when a new column appears). Cheap enough to leave on.
 
-    def __init__(self, run_dir: Path):
+    `resumed_step`: the step of the checkpoint a resumed run continues from: rows after it (and a row cut off
+    by the crash) are removed, as from metrics.jsonl (see still_valid)."""
+
+    def __init__(self, run_dir: Path, resumed_step: int | None = None):
         self.dir = Path(run_dir)
         self.rows: dict[str, list[dict]] = {}
         for path in self.dir.glob("metrics_*.csv"):  # a resumed run continues its files
-            with open(path, newline="") as f:
-                self.rows[path.stem.removeprefix("metrics_")] = list(csv.DictReader(f))
+            kind = path.stem.removeprefix("metrics_")
+            text = path.read_text(encoding="utf-8", errors="replace")
+            rows = list(csv.DictReader(text[: text.rfind("\n") + 1].splitlines()))  # without a row the crash cut off
+            if resumed_step is not None:
+                keep = [r for r in rows if _csv_step(r) is not None and still_valid(_csv_step(r), kind, resumed_step)]
+                if len(keep) != len(rows) or not text.endswith("\n"):
+                    rows = keep
+                    self._rewrite(path, rows)
+            self.rows[kind] = rows
 
     def scalars(self, step: int, values: dict[str, Any], kind: str, now: float | None = None) -> None:
         row = {"step": step, "time": now if now is not None else round(time.time(), 3), **numeric(values)}
@@ -67,14 +132,26 @@ class CsvSink:
             with open(path, "a", newline="") as f:
                 csv.DictWriter(f, header).writerow(row)
             return
-        header = list(dict.fromkeys([*header, *row]))
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, header)
-            w.writeheader()
-            w.writerows(rows)
+        self._rewrite(path, rows)
+
+    @staticmethod
+    def _rewrite(path: Path, rows: list[dict]) -> None:
+        header = list(dict.fromkeys(k for r in rows for k in r))
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, header)
+        w.writeheader()
+        w.writerows(rows)
+        replace_file(path, buf.getvalue().encode())
 
     def close(self, finished: bool) -> None:
         pass
+
+
+def _csv_step(row: dict) -> int | None:
+    try:
+        return int(float(row.get("step")))
+    except (TypeError, ValueError):
+        return None
 
 
 class MlflowSink:
@@ -191,19 +268,32 @@ class RunLogger:
         if run_dir is not None:
             self.open_files(run_dir)
 
-    def open_files(self, run_dir: Path, params: dict | None = None, out_dir: str | Path = "runs") -> None:
+    def open_files(self, run_dir: Path, params: dict | None = None, out_dir: str | Path = "runs",
+                   resumed_step: int | None = None) -> None:
         """Start writing metrics.jsonl (appended to, so a resumed run continues it), TensorBoard and the optional
         sinks into run_dir. `params`: the resolved config (MLflow parameters, W&B config); `out_dir`: where
-        the default local MLflow store goes (<out_dir>/mlruns)."""
+        the default local MLflow store goes (<out_dir>/mlruns); `resumed_step`: the step of the checkpoint a
+        resumed run continues from (None: a fresh start): what was logged after it is cut from metrics.jsonl,
+        the CSV files and TensorBoard, so each step is recorded once (MLflow and W&B cannot delete; see
+        docs/checkpoints.md)."""
         if not self.enabled or self.jsonl is not None:
             return
-        self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
+        path = Path(run_dir) / "metrics.jsonl"
+        if resumed_step is not None:
+            kept, dropped = cut_back_jsonl(path, resumed_step)
+            if dropped:
+                self.info(f"metrics.jsonl: {dropped} record(s) after the checkpoint of step {resumed_step} (or cut off by "
+                          f"the crash) removed; {kept} kept. The resumed run logs those steps again.")
+        self.jsonl = open(path, "a", buffering=1)
         if self.cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            # purge_step: TensorBoard hides the events of earlier files at steps >= it (the steps logged after the
+            # checkpoint), which this run writes again.
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"),
+                                    purge_step=None if resumed_step is None else resumed_step + 1)
         if self.cfg.csv:
-            self.sinks.append(CsvSink(run_dir))
+            self.sinks.append(CsvSink(run_dir, resumed_step))
         if self.cfg.mlflow:
             uri = self.cfg.mlflow_uri or (Path(out_dir) / "mlruns").resolve().as_uri()
             self.sinks.append(MlflowSink(run_dir, uri, self.cfg.project, flatten(params or {})))
@@ -274,6 +364,14 @@ class RunLogger:
         for k, v in rows:
             table.add_row(k, v)
         self.console.print(table)
+
+    def flush(self) -> None:
+        """Put every record logged so far on disk: TensorBoard's writer otherwise holds events for up to
+        flush_secs (120 s), and a crash loses them (Saver calls this before each checkpoint)."""
+        if self.jsonl:
+            self.jsonl.flush()
+        if self.tb:
+            self.tb.flush()
 
     def close(self, finished: bool = True) -> None:
         """Flush and close everything; `finished`: the run ended normally (MLflow/W&B mark it so)."""

@@ -141,6 +141,7 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
         wrong: how many confidently wrong validation images to show.
     """
     from torchsprint import plots
+    from torchsprint.run import naming_imports
     from torchsprint.rundir import writable_file
     from torchsprint.trained import load_run
 
@@ -167,7 +168,8 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
     sections.append("<h2>Curves</h2>" + _img(png, "training curves"))
     if cfg.task == "classification":
         try:
-            pred = predictions(trained, wrong)
+            with naming_imports(cfg.imports, run_dir):  # the run's dataset may come from a module it lists
+                pred = predictions(trained, wrong)
         except UsageError as e:
             sections.append(f'<h2>Validation pass</h2><p class="note">Not available: {html.escape(str(e))}</p>')
         else:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,22 +28,34 @@ def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
     its files are moved into replaced-<time>/. A new folder is created later, after the whole run has
     been built (so a config error leaves nothing behind), exclusively (see rundir.create_unique).
     """
+    from torchsprint.resume import find_checkpoints
     from torchsprint.rundir import RunLock, holds_results, holds_run, planned_path, set_aside
 
     path, explicit = planned_path(cfg.run)
     if not (explicit and holds_run(path)):
         return path, False, None
-    if dry_run:  # the same refusal, without locking or moving anything
+    # resume=auto in a folder whose results (weights, summary) outlived its checkpoints would train from scratch
+    # over them: refused, like a fresh run there. A folder with neither is a run that failed before its first
+    # save; its files (metrics.jsonl rows of the lost steps...) are moved aside, so the new start never appends
+    # to them.
+    resume_auto = cfg.checkpoint.resume == "auto"
+    orphaned = resume_auto and not overwrite and bool(results_of(path)) and not find_checkpoints(path)
+    if dry_run:  # the same refusals, without locking or moving anything
+        if orphaned:
+            raise UsageError(no_checkpoint_left(path))
         if holds_results(path) and cfg.checkpoint.resume is None and not overwrite:
             raise UsageError(f"{path} already holds a run: add --resume or --overwrite, or choose another run.dir.")
         return path, True, None
     lock = RunLock(path)
-    if not holds_results(path) and cfg.checkpoint.resume is None:  # a run that failed before saving anything
+    if not holds_results(path) and (cfg.checkpoint.resume is None or resume_auto):  # failed before saving anything
         log(f"{path} holds only the start of a run that saved nothing (no checkpoint, weights or summary): its "
             f"files are moved into {set_aside(path)}")
     elif overwrite:
         moved = set_aside(path)
         log(f"--overwrite: moved the files of the run that was in {path} into {moved}")
+    elif orphaned:
+        lock.release()
+        raise UsageError(no_checkpoint_left(path))
     elif cfg.checkpoint.resume is None:
         lock.release()
         raise UsageError(f"{path} already holds a run (config.yaml, weights, checkpoints). To continue it: "
@@ -51,11 +64,46 @@ def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
     return path, True, lock
 
 
+def results_of(path: Path) -> list[str]:
+    """The result files (summary, weights) a run folder holds."""
+    return [n for n in ("summary.json", "best.safetensors", "last.safetensors", "ema.safetensors") if (path / n).is_file()]
+
+
+def no_checkpoint_left(path: Path) -> str:
+    """The refusal for resuming a run folder that holds results but no checkpoint to continue from."""
+    return (f"cannot resume {path}: it holds a run's results ({', '.join(results_of(path))}) but no checkpoint (checkpoints/ckpt-*.pt is "
+            f"missing), so resuming would train from scratch over them. To start over there, add --overwrite (its "
+            f"files are moved into {path}/replaced-<time>/, nothing is deleted); or train into another run.dir.")
+
+
 def finished(ckpt: dict, run_cfg) -> bool:
     """Whether a checkpoint's run already did everything `run_cfg` asks for (all epochs, run.max_steps, or it
     stopped early)."""
     ts = ckpt["train_state"]
     return ts.get("stopped_epoch") is not None or ts["epoch"] >= run_cfg.epochs or (run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps)
+
+
+def how_to_continue(ts: dict, run_cfg, run_dir: Path) -> str:
+    """What to change to train a finished run further, named after the limit that ended it (early_stop,
+    run.max_steps, run.epochs or both): raising run.epochs does nothing for a run that run.max_steps stopped.
+
+    Args:
+        ts: the checkpoint's train_state; run_cfg: the `run` section it was resumed with; run_dir: its folder.
+    """
+    if ts.get("stopped_epoch") is not None:
+        return (f"it stopped early after epoch {ts['stopped_epoch'] + 1} (early_stop); to train on, start a new run "
+                f"from its weights with model.pretrained={run_dir / 'last.safetensors'}")
+    by_steps = run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps
+    by_epochs = ts["epoch"] >= run_cfg.epochs
+    resume = f"`torchsprint train --resume {run_dir}"
+    if by_steps and by_epochs:
+        return (f"it reached both run.epochs={run_cfg.epochs} and run.max_steps={run_cfg.max_steps}; to train it longer, "
+                f"raise both (or remove the step limit), e.g. {resume} run.epochs={run_cfg.epochs + 10} run.max_steps=null`")
+    if by_steps:
+        return (f"it stopped at run.max_steps={run_cfg.max_steps}; to train it longer, resume with a larger run.max_steps, "
+                f"e.g. {resume} run.max_steps={2 * run_cfg.max_steps}`, or remove the limit with run.max_steps=null "
+                f"(then it trains to run.epochs={run_cfg.epochs})")
+    return (f"to train it longer, resume with a larger run.epochs, e.g. {resume} run.epochs={run_cfg.epochs + 10}`")
 
 
 def on_main(rt, fn):
@@ -237,13 +285,10 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         resume_path, ckpt = find_resume(cfg.checkpoint.resume, run_dir, logger.info, rt)
         if ckpt is not None and finished(ckpt, cfg.run) and (run_dir / "summary.json").is_file():
             ts = ckpt["train_state"]
-            longer = (f"it stopped early after epoch {ts['stopped_epoch'] + 1} (early_stop); to train on, start a new run "
-                      f"from its weights with model.pretrained={run_dir / 'last.safetensors'}"
-                      if ts.get("stopped_epoch") is not None else
-                      f"to train it longer, resume with a larger run.epochs, e.g. `torchsprint train --resume {run_dir} "
-                      f"run.epochs={cfg.run.epochs + 10}`")
-            logger.info(f"{run_dir} is a finished run (epoch {ts['epoch']} of {cfg.run.epochs}, step {ts['global_step']}): "
-                        f"nothing to do, its files are left as they are (results: summary.json); {longer}.")
+            steps = f" of run.max_steps={cfg.run.max_steps}" if cfg.run.max_steps is not None else ""
+            logger.info(f"{run_dir} is a finished run (epoch {ts['epoch']} of {cfg.run.epochs}, step {ts['global_step']}"
+                        f"{steps}): nothing to do, its files are left as they are (results: summary.json); "
+                        f"{how_to_continue(ts, cfg.run, run_dir)}.")
             logger.close()
             clean = True
             return json.loads((run_dir / "summary.json").read_text()) | {"run_dir": str(run_dir), "already_finished": True}
@@ -258,7 +303,8 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             if rt.is_main:
                 lock = RunLock(run_dir)
         rt.barrier()
-        logger.open_files(run_dir, params=config_mod.to_dict(cfg), out_dir=cfg.run.out_dir)
+        logger.open_files(run_dir, params=config_mod.to_dict(cfg), out_dir=cfg.run.out_dir,
+                          resumed_step=None if ckpt is None else ckpt["train_state"]["global_step"])
         if rt.is_main:
             (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
             (run_dir / "env.json").write_text(json.dumps(environment(rt, cfg.run.seed), indent=1))
@@ -278,7 +324,8 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
                         f"({state.step_in_epoch} step(s) into the epoch) from {resume_path}")
         resolved = config_mod.to_dict(cfg)
         saver = Saver(run_dir, cfg.checkpoint, rt, {"classes": info.classes, "config": resolved}, geometry=geometry,
-                      resumed_step=state.global_step if ckpt is not None else None, log=logger.info, ema=b.ema)
+                      resumed_step=state.global_step if ckpt is not None else None, log=logger.info, ema=b.ema,
+                      flush_logs=logger.flush)
         weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name, "in_channels": str(info.in_channels),
                         "format": "torchsprint", "task": cfg.task, "config": json.dumps(resolved)}
         try:
@@ -428,12 +475,73 @@ def not_deterministic(error: RuntimeError, cfg) -> UsageError | None:
                       "or change the model or settings that use it.")
 
 
+# ---------------------------------------------------------------- opening a run folder or model file runs no code
+#
+# A run folder or model file may come from someone else. The `imports:` its config lists would import whatever
+# module of that name lies in the working folder (config.import_modules searches it), so opening one never
+# imports them: the user names the modules they trust with --import, and an error that a missing module
+# explains (an unknown model, dataset, task...) says which flag to pass.
+
+
+def untrusted_imports(listed) -> list[str]:
+    """The modules a saved config lists that this process has not imported (through --import or otherwise)."""
+    return [m for m in (listed if isinstance(listed, list) else []) if isinstance(m, str) and m not in sys.modules]
+
+
+def needs_imports(source, missing: list[str]) -> str:
+    """The hint appended to an error of a run folder or model file whose config lists `missing` modules."""
+    if not missing:
+        return ""
+    flags = " ".join(f"--import {m}" for m in missing)
+    return (f" {source} was trained with `imports: {missing}`; a run folder or model file never imports code by "
+            f"itself: if you trust these modules, pass {flags}.")
+
+
+@contextmanager
+def naming_imports(listed, source):
+    """Append `needs_imports` to a UsageError raised inside, when the saved config lists unimported modules."""
+    try:
+        yield
+    except UsageError as e:
+        missing = untrusted_imports(listed)
+        if not missing or needs_imports(source, missing) in str(e):
+            raise
+        raise UsageError(f"{e}{needs_imports(source, missing)}") from None
+
+
+def file_config(raw: dict, source: str | Path) -> config_mod.Config:
+    """A config saved in a run folder or a model file's metadata, validated WITHOUT importing the modules it lists."""
+    with naming_imports(raw.get("imports") if isinstance(raw, dict) else None, source):
+        return config_mod.validate(raw, str(source))
+
+
 def load_run_config(run_dir: Path, overrides: list[str] = ()) -> config_mod.Config:
-    """The resolved config saved in a run folder, with overrides."""
+    """The resolved config saved in a run folder, with overrides; its `imports:` are not imported (see above)."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise UsageError(f"{run_dir} is not a torchsprint run folder (no config.yaml). Pass the folder `train` printed.")
-    return config_mod.load(path, overrides)
+    data = config_mod.read_with_extends(path)
+    for item in overrides:
+        data = config_mod.apply_override(data, item)
+    return file_config(data, path)
+
+
+def resumed_run_config(run_dir: str | Path, overrides: list[str], imports: list[str]) -> config_mod.Config:
+    """The config of `train --resume RUN_DIR` without -c: the run folder's saved config plus `overrides`.
+
+    Only `imports` (the user's --import) are imported; a module the saved config lists and the user did not
+    name is refused, naming the flag to pass (the run would import it when it starts training).
+    """
+    import_modules(imports)
+    cfg = load_run_config(Path(run_dir), overrides)
+    missing = untrusted_imports(cfg.imports)
+    if missing:
+        flags = " ".join(f"--import {m}" for m in missing)
+        raise UsageError(f"--resume {run_dir}: its config.yaml lists `imports: {missing}`, and a run folder never imports "
+                         f"code by itself: if you trust these modules, pass {flags} (or give the config with -c).")
+    if imports:  # as config.load does: the flags' modules join the run's list (the config.yaml written next)
+        cfg.imports = [*cfg.imports, *[m for m in imports if m not in cfg.imports]]
+    return cfg
 
 
 def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str] = (), split: str = "val") -> dict:
@@ -449,21 +557,21 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir, list(overrides) + ["strategy.name=single"])
-    import_modules(cfg.imports)
     wpath = run_dir / f"{weights}.safetensors"
     if not wpath.is_file():
         raise UsageError(f"{wpath} not found: the run has not finished an evaluation yet. Use --weights last or best{', or train with ema.enabled=true for --weights ema' if weights == 'ema' else ''}.")
     from torchsprint.tasks import check_data_task, get_task
 
-    task = get_task(cfg.task)
-    task.check(cfg)
-    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
-    # Evaluation streams one split: auto picks cpu or gpu (the memory backend would decode the training set too).
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, split=split, allowed=EVAL_BACKENDS)
-    info = loaders.info
-    check_data_task(cfg, info)
-    model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
-    materialize_lazy(model, loaders.val)
+    with naming_imports(cfg.imports, run_dir):  # a name the run's unimported module registers: say which --import
+        task = get_task(cfg.task)
+        task.check(cfg)
+        rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+        # Evaluation streams one split: auto picks cpu or gpu (the memory backend would decode the training set too).
+        loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, split=split, allowed=EVAL_BACKENDS)
+        info = loaders.info
+        check_data_task(cfg, info)
+        model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
+        materialize_lazy(model, loaders.val)
     try:
         model.load_state_dict(load_file(str(wpath), device=str(rt.device)))
     except Exception as e:  # a truncated or corrupt file, or weights of another model
@@ -471,7 +579,8 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
                          f"{str(e).splitlines()[0][:200]}). The file is corrupt or from another model; evaluate "
                          "--weights last/best, or re-train.") from None
     metrics = task.make_metrics(info, cfg.eval, rt.device)
-    loss_fn = build_loss(cfg.loss, task.targets, info.num_classes).to(rt.device)
+    with naming_imports(cfg.imports, run_dir):
+        loss_fn = build_loss(cfg.loss, task.targets, info.num_classes).to(rt.device)
     out = evaluate(model, loaders.val, loss_fn, Precision(cfg.precision.mode, rt.device), metrics)
     from torchsprint.checkpoint import read_safetensors_metadata
 

@@ -18,7 +18,7 @@ from torchsprint.errors import UsageError
 
 # What a finished or running torchsprint run leaves in its folder (checkpoints/ is a folder).
 RUN_FILES = ("config.yaml", "env.json", "decisions.json", "metrics.jsonl", "summary.json", "best.safetensors", "last.safetensors",
-             "checkpoints", "tb", "confusion_matrix.csv", "confusion_matrix.png", "per_class.csv",
+             "ema.safetensors", "checkpoints", "tb", "confusion_matrix.csv", "confusion_matrix.png", "per_class.csv",
              "confusion_matrix_last.csv", "confusion_matrix_last.png", "per_class_last.csv",
              "metrics_train.csv", "metrics_epoch.csv", "metrics_eval.csv", "mlflow.json", "wandb.json", "wandb", "report")
 LOCK_NAME = ".lock"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +12,9 @@ from torch import nn
 from torchsprint import config as config_mod
 from torchsprint.checkpoint import read_safetensors_metadata
 from torchsprint.errors import UsageError
+from torchsprint.run import file_config, load_run_config, naming_imports
+
+__all__ = ["Trained", "file_config", "load_run", "load_weights_file"]
 
 
 @dataclass
@@ -48,26 +50,6 @@ class Trained:
         }
 
 
-def file_config(raw: dict, source: str | Path) -> config_mod.Config:
-    """The config stored in a model file's metadata, validated WITHOUT importing the modules it lists.
-
-    A model file may come from someone else: opening it must never run code (its `imports` would import
-    whatever module of that name lies in the working folder). The user names modules with --import; when
-    the file needs them, the error says which.
-    """
-    missing = [m for m in raw.get("imports") or [] if isinstance(m, str) and m not in sys.modules]
-    try:
-        return config_mod.validate(raw, str(source))
-    except UsageError as e:
-        raise UsageError(f"{e}{needs_imports(source, missing)}") from None
-
-
-def needs_imports(source, missing: list[str]) -> str:
-    if not missing:
-        return ""
-    flags = " ".join(f"--import {m}" for m in missing)
-    return (f" {source} was trained with `imports: {missing}`; a model file never imports code by itself: "
-            f"if you trust these modules, pass {flags}.")
 
 
 def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg: config_mod.Config | None = None) -> Trained:
@@ -97,11 +79,8 @@ def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg:
         raw = json.loads(meta["config"])
         cfg = file_config(raw, path)
     classes, in_channels = json.loads(meta["classes"]), int(meta["in_channels"])
-    try:
+    with naming_imports(cfg.imports, path):
         model = build_model(cfg.model, len(classes), in_channels)
-    except UsageError as e:
-        missing = [m for m in (cfg.imports or []) if m not in sys.modules]
-        raise UsageError(f"{e}{needs_imports(path, missing)}") from None
     try:
         state = load_file(str(path))
         model.load_state_dict(state)
@@ -113,12 +92,11 @@ def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg:
 
 
 def load_run(run_dir: str | Path, weights: str = "best", device: str | torch.device = "cpu") -> Trained:
-    """The best or last weights of a run folder, with the run's resolved config."""
+    """The best or last weights of a run folder, with the run's resolved config (its `imports:` not imported:
+    run.load_run_config)."""
     run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.yaml"
-    if not cfg_path.is_file():
-        raise UsageError(f"{run_dir} is not a torchsprint run folder (no config.yaml). Pass the folder `train` printed.")
+    cfg = load_run_config(run_dir)
     wpath = run_dir / f"{weights}.safetensors"
     if not wpath.is_file():
         raise UsageError(f"{wpath} not found: the run has not saved {weights} weights yet. Try --weights last or best{' (ema.safetensors exists only for runs with ema.enabled=true)' if weights == 'ema' else ''}.")
-    return load_weights_file(wpath, device, config_mod.load(cfg_path))
+    return load_weights_file(wpath, device, cfg)

@@ -113,18 +113,17 @@ def compare(cfg, images: int = 64, run: str | None = None) -> dict:
     if run is not None:
         from safetensors.torch import load_file
 
-        from torchsprint import config as config_mod
         from torchsprint.models import build_model
+        from torchsprint.run import load_run_config, naming_imports
 
-        if not (Path(run) / "config.yaml").is_file():
-            raise UsageError(f"{run} is not a torchsprint run folder (no config.yaml). Pass the folder `train` printed.")
-        rcfg = config_mod.load(Path(run) / "config.yaml")
+        rcfg = load_run_config(Path(run))  # never imports the modules the run's config lists
         wpath = Path(run) / "best.safetensors"
         if not wpath.is_file():
             wpath = Path(run) / "last.safetensors"
         if not wpath.is_file():
             raise UsageError(f"{run} has no best.safetensors or last.safetensors; train it first.")
-        model = build_model(rcfg.model, len(splits.classes), splits.in_channels)
+        with naming_imports(rcfg.imports, run):
+            model = build_model(rcfg.model, len(splits.classes), splits.in_channels)
         p = compile_spec(cfg.data.eval.transforms, "data.eval.transforms", splits.in_channels)
         norm = DeviceNormalize(p.mean, p.std, torch.device("cpu"))
         with torch.no_grad():

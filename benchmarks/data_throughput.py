@@ -69,15 +69,25 @@ def torchsprint_loader(root: str, backend: str, decoder: str, batch_size: int, w
     return loaders.train
 
 
-def time_epoch(loader, epoch: int, warmup: int = 2) -> float:
+def time_epoch(loader, epoch: int, warmup: int = 2, stats: dict | None = None) -> float:
     """Images/s over one epoch after `warmup` batches (workers started, queues filled); on CUDA the clock
-    stops after the device has finished the last batch."""
+    stops after the device has finished the last batch. `stats` (a dict) receives
+    `thread_cpu_ms_per_batch`: the consuming thread's own CPU time (time.thread_time) inside each next() of
+    the loader after the warm-up, per batch: the host work a training step waits on (issue 27: the gpu
+    backend's assembly ran there, 29 ms a batch of 256 on an H200's host; its producer thread now)."""
     import torch
 
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
-    n, t0, x = 0, None, None
-    for i, (x, _) in enumerate(loader):
+    n, t0, x, i, cpu = 0, None, None, 0, []
+    it = iter(loader)
+    while True:
+        c0 = time.thread_time()
+        batch = next(it, None)
+        spent = time.thread_time() - c0
+        if batch is None:
+            break
+        x = batch[0]
         x.sum()  # touch the batch, as a training step would
         if i == warmup - 1:
             if x.is_cuda:
@@ -85,8 +95,12 @@ def time_epoch(loader, epoch: int, warmup: int = 2) -> float:
             t0 = time.perf_counter()
         elif i >= warmup:
             n += x.shape[0]
+            cpu.append(spent)
+        i += 1
     if x is not None and x.is_cuda:
         torch.cuda.synchronize()
+    if stats is not None:
+        stats["thread_cpu_ms_per_batch"] = 1e3 * sum(cpu) / len(cpu) if cpu else None
     return n / (time.perf_counter() - t0)
 
 
@@ -139,22 +153,28 @@ def gpu_main(args) -> None:
     loaders = {name: torchsprint_loader(args.root, backend, "auto", args.batch_size, args.workers, args.images, dev, extra)
                for name, (backend, extra) in variants.items()}
     results: dict[str, list[float]] = {name: [] for name in variants}
+    thread_cpu: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.repeats):
         for name in variants:
-            results[name].append(time_epoch(loaders[name], r))
+            stats: dict = {}
+            results[name].append(time_epoch(loaders[name], r, stats=stats))
+            if stats["thread_cpu_ms_per_batch"] is not None:
+                thread_cpu[name].append(stats["thread_cpu_ms_per_batch"])
+    thread_ms = {name: statistics.median(xs) if xs else None for name, xs in thread_cpu.items()}
     # per core: the same cpu backend's per-image work in this process, normalising on the CPU
     cpu_loader = torchsprint_loader(args.root, "cpu", "auto", args.batch_size, 0, args.images)
     per_core = 1 / statistics.median(cpu_seconds_per_image(cpu_loader, False) for _ in range(args.repeats))
     gpu_name = torch.cuda.get_device_name() if torch.cuda.is_available() else dev
     print(f"{args.images} JPEGs 500x375 q90, batch {args.batch_size}, {args.workers} workers, {os.cpu_count()} cores, "
           f"{gpu_name}, torch {torch.__version__} ({time.strftime('%Y-%m-%d %H:%M')})")
-    print("| loader | images/s (median) | min-max |")
-    print("|---|---|---|")
+    print("| loader | images/s (median) | min-max | training thread's CPU ms per batch (median) |")
+    print("|---|---|---|---|")
     rows = {}
     for name, xs in results.items():
         rows[name] = statistics.median(xs)
-        print(f"| {name} | {rows[name]:.0f} | {min(xs):.0f}-{max(xs):.0f} |")
-    print(f"| cpu backend per core (CPU time, one thread) | {per_core:.0f} | |")
+        ms = "" if thread_ms[name] is None else f"{thread_ms[name]:.2f}"
+        print(f"| {name} | {rows[name]:.0f} | {min(xs):.0f}-{max(xs):.0f} | {ms} |")
+    print(f"| cpu backend per core (CPU time, one thread) | {per_core:.0f} | | |")
     fallbacks = {name: getattr(loaders[name], "cpu_fallbacks", None) for name in variants}
     final_fraction = {name: getattr(loaders[name], "cpu_fraction", None) for name in variants}
     if not dali_available():
@@ -163,7 +183,7 @@ def gpu_main(args) -> None:
         Path(args.json).write_text(json.dumps({
             "device": gpu_name, "torch": torch.__version__, "images": args.images, "batch_size": args.batch_size,
             "workers": args.workers, "images_per_s": rows, "cpu_backend_per_core": per_core, "runs": results,
-            "gpu_cpu_fallbacks": fallbacks, "final_cpu_fraction": final_fraction,
+            "gpu_cpu_fallbacks": fallbacks, "final_cpu_fraction": final_fraction, "thread_cpu_ms_per_batch": thread_ms,
             "dali": "measured" if dali_available() else "not installed"}, indent=1))
 
 

@@ -170,12 +170,16 @@ def test_cpu_share_split_rounding():
 
 
 def test_auto_fraction_moves_toward_balance():
+    """The tuner's two moves at a steady batch rate (one batch per clock tick; its rule on whole pipelines is in
+    tests/test_data_gpu_host.py): up while the workers keep up, down while they make the producer wait."""
     t = FractionTuner(start=0.2, step=0.05, window=4)
+    clock = iter(range(100))
+    t.update(0.0, next(clock))  # the first batch starts the clock
     for _ in range(8):
-        t.update(0.0)  # workers always ready: give them more
+        t.update(0.0, next(clock))  # workers always ready: give them more
     assert t.fraction == pytest.approx(0.3)
     for _ in range(12):
-        t.update(0.01)  # 10 ms waits: the CPU is the bottleneck
+        t.update(0.01, next(clock))  # 10 ms waits: the CPU is the bottleneck
     assert t.fraction == pytest.approx(0.15)
 
 

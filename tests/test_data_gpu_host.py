@@ -23,7 +23,7 @@ from torchsprint.errors import UsageError
 from torchsprint.runtime import Runtime
 
 CPU = Runtime(torch.device("cpu"))
-PRODUCER = "torchsprint-gpu-loader"  # the producer thread's name
+PRODUCER = "torchsprint-loader"  # the producer thread's name
 
 
 def producers() -> list[threading.Thread]:

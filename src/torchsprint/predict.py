@@ -147,8 +147,8 @@ class Predictor:
 
     def _load_gpu(self, paths: list[str]) -> list[torch.Tensor | None]:
         """nvJPEG decode + the eval spec on the GPU for the files it takes; None for the others."""
-        from torchsprint.data.backends.gpu import decode_on_device, nvjpeg_ok, preprocess_on_device
         from torchsprint.data.preprocess.decode import BadImage, read_bytes, read_header
+        from torchsprint.data.preprocess.on_device import decode_on_device, nvjpeg_ok, preprocess_on_device
 
         take, data = [], []
         for j, path in enumerate(paths):

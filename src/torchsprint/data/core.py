@@ -278,26 +278,3 @@ def repeat_aug_positions(n: int, repeats: int, rank: int, world_size: int, selec
         selected = math.ceil(n / world_size)
     selected = min(selected, num_samples)
     return [i % (n * repeats) for i in range(rank, total, world_size)[:selected]]
-
-
-def prefetch_to_device(items, prepare, device: torch.device):
-    """Yield `prepare(item)` for each item; on CUDA, batch i+1 is prepared (copied, decoded, normalised)
-    on a side stream while batch i computes (timm's PrefetchLoader idea), with the stream
-    synchronisation and `record_stream` that make handing tensors across streams safe."""
-    if device.type != "cuda":
-        for item in items:
-            yield prepare(item)
-        return
-    stream = torch.cuda.Stream(device)
-    nxt = None
-    for item in items:
-        with torch.cuda.stream(stream):
-            cur = prepare(item)
-        if nxt is not None:
-            yield nxt
-        torch.cuda.current_stream(device).wait_stream(stream)
-        for t in cur:
-            t.record_stream(torch.cuda.current_stream(device))
-        nxt = cur
-    if nxt is not None:
-        yield nxt

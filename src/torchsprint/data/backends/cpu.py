@@ -11,8 +11,8 @@ from torchsprint.data.core import (
     EpochSampler,
     Loaders,
     TensorImages,
-    prefetch_to_device,
 )
+from torchsprint.data.prefetch import prefetch_to_device
 from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.data.preprocess.transforms import compile_spec, decode_hint
 from torchsprint.errors import UsageError

@@ -51,10 +51,6 @@ rank keeps the same step count.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import queue
-import threading
 import time
 import warnings
 import weakref
@@ -68,11 +64,19 @@ from torchsprint.data.core import (
     EpochSampler,
     Loaders,
     cuda_missing,
-    prefetch_to_device,
 )
+from torchsprint.data.prefetch import AheadIterator, prefetch_to_device, stage, stage_params  # noqa: F401  (stage: tests)
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.preprocess.decode import BadImage, decode_bytes, read_header
 from torchsprint.data.preprocess.normalize import DeviceNormalize
+from torchsprint.data.preprocess.on_device import (  # noqa: F401  (decode_stream, pad_batch: tests and callers)
+    decode_on_device,
+    decode_stream,
+    nvjpeg_ok,
+    pad_batch,
+    preprocess_on_device,
+    run_head_on_device,
+)
 from torchsprint.errors import UsageError
 
 
@@ -130,20 +134,6 @@ class FractionTuner:
         elif mean < 2e-4:
             self.fraction = max(self.fraction, round(min(self.ceiling, self.fraction + self.step), 6))
         return self.fraction
-
-
-# Huffman-coded 8-bit frames: baseline (SOF0), extended (SOF1), progressive (SOF2). nvJPEG has no
-# lossless (SOF3) or arithmetic-coded (SOF9-11) decoding and no 12-bit output to uint8.
-NVJPEG_FRAMES = (0xC0, 0xC1, 0xC2)
-
-
-def nvjpeg_ok(header) -> bool:
-    """Whether nvJPEG (torchvision's decode_jpeg on CUDA) takes the file: a 3-component (YCbCr) 8-bit
-    Huffman-coded JPEG stored upright. Gray and CMYK files decode on the CPU too, with torchvision's colour
-    conversion; so do files with an EXIF orientation (decode.apply_orientation turns them upright there,
-    the one orientation policy of every decoder)."""
-    return (header.format == "jpeg" and header.components == 3 and header.sof in NVJPEG_FRAMES and header.bits == 8
-            and header.orientation == 1)
 
 
 def shared_bytes(total: int) -> torch.Tensor:
@@ -233,167 +223,6 @@ class BytesBatches(torch.utils.data.Dataset):
                 "gpu_rows": rows, "gpu_paths": gpu_paths, "windows": windows,
                 "cpu_images": torch.stack(cpu_images) if cpu_images else None,
                 "cpu_rows": torch.tensor(cpu_rows_, dtype=torch.int64), "skipped": skipped}
-
-
-# ---------------------------------------------------------------- decoding on the device
-
-_DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-# torch.utils.deterministic.fill_uninitialized_memory is process-wide and _decode_jpegs saves and restores it:
-# two producers (a train and a val iterator alive at once) must not interleave that. torchvision's CUDA decoder
-# takes one process-wide mutex for the whole call anyway, so this lock costs no parallelism there.
-_DECODE_LOCK = threading.Lock()
-
-
-def decode_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream that JPEG decodes on `device` run on, and nothing else (see decode_on_device).
-
-    High priority, for a pool of its own: torch.cuda.Stream() hands out the next of 32 pooled streams per
-    priority, round robin, so a default-priority decode stream would be the very stream of one prefetch pass
-    in 32 (prefetch_to_device takes one per pass), and the ordering below would silently be a no-op."""
-    if device not in _DECODE_STREAMS:
-        _DECODE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-    return _DECODE_STREAMS[device]
-
-
-def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-    import torch.utils.deterministic
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    # Under torch.use_deterministic_algorithms, empty() outputs are filled on the current stream, while
-    # nvJPEG writes them from its own: the fill could land after the pixels. The decoder writes every
-    # output byte, so there is nothing to fill.
-    with _DECODE_LOCK:
-        fill = torch.utils.deterministic.fill_uninitialized_memory
-        torch.utils.deterministic.fill_uninitialized_memory = False
-        try:
-            return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
-        except RuntimeError:  # one file the decoder rejects fails the whole batch call: find it
-            out = []
-            for d in data:
-                try:
-                    out.append(decode_jpeg(d, mode=ImageReadMode.RGB, device=device))
-                except RuntimeError:
-                    out.append(None)
-            return out
-        finally:
-            torch.utils.deterministic.fill_uninitialized_memory = fill
-
-
-def decode_on_device(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-    """Batch-decode JPEG bytes (CPU uint8 tensors) into uint8 CHW RGB images on `device`; files the
-    decoder rejects come back as None (the caller decodes them on the CPU or counts them bad).
-
-    On CUDA the decode is ordered explicitly. torchvision's nvJPEG wrapper allocates its outputs on the
-    caller's current stream and decodes on a private one; nvJPEG's hardware engine writes its outputs
-    when the call is made, whatever is still queued (pytorch/vision#9606, meta-pytorch/torchcodec#1634:
-    reproduced on H100s, CUDA 12.3-13.2). The caching allocator hands a block freed on a stream to the
-    next allocation on that stream at once, so a decode on the stream that crops the previous batch
-    could overwrite images that crop has not read yet. Here decodes run with a stream of their own as
-    the current one: only earlier decode outputs can be recycled for their outputs, and each output is
-    `record_stream`-ed on the consuming stream, so its block is reused only once the work queued there
-    before it was freed has finished (an event the allocator polls; no host wait). The consumer waits
-    for the decode stream before it reads.
-    """
-    if not data:
-        return []
-    if device.type != "cuda":
-        return _decode_jpegs(data, device)
-    consumer = torch.cuda.current_stream(device)
-    stream = decode_stream(device)
-    if stream == consumer:  # the caller made the decode stream current: the ordering below would do nothing
-        raise RuntimeError("decode_on_device: called with the decode stream as the current stream")
-    with torch.cuda.stream(stream):
-        out = _decode_jpegs(data, device)
-    consumer.wait_stream(stream)
-    for img in out:
-        if img is not None:
-            img.record_stream(consumer)
-    return out
-
-
-def pad_batch(images: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Images of different sizes -> one (N, C, Hmax, Wmax) uint8 tensor, each in its top-left corner.
-
-    The rest is left uninitialised: resample_batch never gives it a non-zero weight. One fused call for
-    the N copies (the same copy kernels, without a Python dispatch per image).
-    """
-    h = max(x.shape[1] for x in images)
-    w = max(x.shape[2] for x in images)
-    out = torch.empty(len(images), images[0].shape[0], h, w, dtype=torch.uint8, device=device)
-    torch._foreach_copy_([o[:, : x.shape[1], : x.shape[2]] for o, x in zip(out.unbind(0), images)], images,
-                         non_blocking=True)
-    return out
-
-
-def run_head_on_device(p: BatchPipeline, images: list[torch.Tensor], windows: torch.Tensor | None, u: torch.Tensor,
-                       device: torch.device) -> torch.Tensor:
-    """The head on decoded images of different sizes: one fused pass (padded batch + resample_batch) when
-    the head has a fused form, else image by image. `windows`: the fused head's (2, 4, N) windows, on the
-    host or already on `device` (None: computed here from `u`). Returns (N, C, h, w) uint8."""
-    if p.geometry is not None:
-        if windows is None:
-            hs = torch.tensor([x.shape[1] for x in images])
-            ws = torch.tensor([x.shape[2] for x in images])
-            windows = torch.stack(p.geometry.windows(p.params(u, hs, ws, 0, p.head), hs, ws))
-        w = windows.to(device, non_blocking=True)
-        scale = p.geometry.max_scale(max(x.shape[1] for x in images), max(x.shape[2] for x in images))
-        return p.geometry.apply(pad_batch(images, device), w[0], w[1], scale)
-    if not p.head:
-        return torch.stack(images)
-    hs = torch.tensor([x.shape[1] for x in images])
-    ws = torch.tensor([x.shape[2] for x in images])
-    heads = p.run_head(images, p.params(u, hs, ws, 0, p.head), list(range(len(images))))
-    shapes = {tuple(x.shape) for x in heads}
-    if len(shapes) > 1:
-        raise UsageError(f"images in one batch have different shapes {sorted(shapes)[:3]}: add a resize/center_crop or "
-                         "random_resized_crop step to the transforms.")
-    return torch.stack(heads)
-
-
-def preprocess_on_device(p: BatchPipeline, images: list[torch.Tensor], u: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Decoded images of any sizes -> the spec's uint8 output batch on `device` (predict, data compare)."""
-    if not images:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    x = run_head_on_device(p, images, None, u, device)
-    n = len(x)
-    return p.run_tail(x, p.params(u, torch.full((n,), x.shape[2]), torch.full((n,), x.shape[3]), p.head, None))
-
-
-STAGE_ALIGN = 16  # bytes: every tensor starts where a view as any dtype (up to complex128) is allowed
-
-
-def stage(tensors: list[torch.Tensor], device: torch.device, pack: bool | None = None) -> list[torch.Tensor]:
-    """Small host tensors -> the same tensors on `device`, through one pinned buffer and one copy.
-
-    Each tensor's bytes go to a 16-byte aligned place in one uint8 buffer (pinned on CUDA), the buffer
-    crosses in one non_blocking copy, and views of it as each dtype and shape come back: one transfer
-    per batch instead of one per tensor. On a CPU device they come back as they are; `pack=True` packs
-    anyway (tests check the byte arithmetic on the CPU)."""
-    if not (device.type != "cpu" if pack is None else pack):
-        return list(tensors)
-    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    starts, pieces, total = [], [], 0
-    for b in flat:
-        starts.append(total)
-        pad = -len(b) % STAGE_ALIGN
-        pieces += [b, torch.zeros(pad, dtype=torch.uint8)] if pad else [b]
-        total += len(b) + pad
-    buf = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    if pieces:
-        torch.cat(pieces, out=buf)
-    moved = buf.to(device, non_blocking=True)  # pinned: the host allocator keeps buf until the copy is done
-    return [moved[s : s + len(b)].view(t.dtype).view(t.shape) for t, s, b in zip(tensors, starts, flat)]
-
-
-def stage_params(params: list[dict], extra: list[torch.Tensor], device: torch.device) -> tuple[list[dict], list[torch.Tensor]]:
-    """The tail's parameter dicts and `extra` tensors on `device` in one `stage` (keys starting with "_" stay on
-    the host, as augment.to_device leaves them; run_tail's .to(device) is then a no-op)."""
-    keys = [(i, k) for i, d in enumerate(params) for k, v in d.items() if not k.startswith("_") and torch.is_tensor(v)]
-    moved = stage([*extra, *(params[i][k] for i, k in keys)], device)
-    out = [dict(d) for d in params]
-    for (i, k), v in zip(keys, moved[len(extra) :]):
-        out[i][k] = v
-    return out, moved[: len(extra)]
 
 
 class GpuLoader:
@@ -532,141 +361,9 @@ class GpuLoader:
         self._close_active()
         if self.ahead == 0:
             return prefetch_to_device(self._items(), self._assemble, self.device)
-        it = AheadIterator(self, self.ahead)
+        it = AheadIterator(lambda: self._items(iter(self.loader)), self._assemble, self.device, self.ahead)
         self._active = weakref.ref(it)
         return it
-
-
-class _Failed:
-    """A producer's exception, handed to the training thread to raise there."""
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-_END = object()  # the producer's last item: the epoch is complete
-
-
-def _put(q: queue.Queue, obj, stop: threading.Event) -> bool:
-    """Put `obj` unless the consumer stopped (checked every 50 ms while the queue is full); False: stopped."""
-    while not stop.is_set():
-        try:
-            q.put(obj, timeout=0.05)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
-def _produce(items, assemble, q: queue.Queue, stop: threading.Event, device: torch.device) -> None:
-    """The producer thread: assemble each item, on CUDA on a stream of its own with an event recorded after
-    each batch. Holds no reference to the AheadIterator, so dropping that closes it (its __del__)."""
-    end = _END
-    try:
-        try:
-            with contextlib.ExitStack() as ctx:
-                ctx.enter_context(torch.no_grad())  # grad mode is per thread: tensors built here never need a graph
-                stream = None
-                if device.type == "cuda":
-                    ctx.enter_context(torch.cuda.device(device))
-                    # Default priority: decode_stream's pool is the high-priority one, so never that stream.
-                    stream = torch.cuda.Stream(device)
-                    ctx.enter_context(torch.cuda.stream(stream))
-                for item in items:
-                    if stop.is_set():
-                        return
-                    batch = assemble(item)
-                    event = None
-                    if stream is not None:
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                    if not _put(q, (batch, event), stop):
-                        return
-        finally:
-            items.close()  # the DataLoader iterator goes with it (non-persistent workers shut down)
-    except BaseException as e:  # noqa: BLE001 - handed to the training thread, raised there
-        end = _Failed(e)
-    _put(q, end, stop)
-
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # iterators whose producer may still run
-
-
-@atexit.register
-def _close_live() -> None:
-    """Stop every producer before the interpreter finalises: a daemon thread it kills inside a torch call
-    would abort the process ("terminate called without an active exception")."""
-    for it in list(_LIVE):
-        it.close()
-
-
-class AheadIterator:
-    """The training thread's side of the gpu backend: batches assembled ahead by one producer thread.
-
-    The first `next` makes the DataLoader's iterator here (its worker processes fork from the training
-    thread, never from the producer while this thread runs) and starts the producer; each `next` then only
-    takes an item from a queue of `depth` batches and, on CUDA, makes the current stream wait on the
-    item's event and record_streams its tensors: no host sync, no tensor work, no per-sample Python.
-    """
-
-    def __init__(self, owner: GpuLoader, depth: int):
-        self._owner, self._device = owner, owner.device
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._done = False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._done:
-            raise StopIteration
-        if self._thread is None:
-            items = self._owner._items(iter(self._owner.loader))
-            self._thread = threading.Thread(target=_produce, name="torchsprint-gpu-loader", daemon=True,
-                                            args=(items, self._owner._assemble, self._queue, self._stop, self._device))
-            self._thread.start()
-            _LIVE.add(self)
-        while True:
-            try:
-                got = self._queue.get(timeout=1.0)
-                break
-            except queue.Empty:  # the producer always ends with an item; a thread gone without one is a bug
-                if not self._thread.is_alive() and self._queue.empty():
-                    self.close()
-                    raise RuntimeError("the gpu loader's producer thread ended without a batch or an error") from None
-        if got is _END or isinstance(got, _Failed):
-            self.close()
-            if got is _END:
-                raise StopIteration
-            raise got.error  # the producer's exception, same type and message (a UsageError stays one line)
-        batch, event = got
-        if event is not None:
-            current = torch.cuda.current_stream(self._device)
-            current.wait_event(event)  # the device waits for the batch; the host does not
-            for t in batch:
-                t.record_stream(current)  # allocated on the producer's stream, used on this one
-        return batch
-
-    def close(self) -> None:
-        """Stop the producer and wait for it (it finishes at most the batch in hand); idempotent."""
-        self._done = True
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._stop.set()
-        while thread.is_alive():
-            with contextlib.suppress(queue.Empty):
-                self._queue.get_nowait()  # unblock a put; batches nobody takes are dropped
-            thread.join(0.05)
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self._queue.get_nowait()
-
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 def parse_cpu_fraction(value) -> tuple[float, FractionTuner | None]:

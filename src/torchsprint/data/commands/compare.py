@@ -19,10 +19,10 @@ def _eval_paths(cfg, raw, n: int) -> dict:
     """
     import torch
 
-    from torchsprint.data.backends.gpu import decode_on_device, preprocess_on_device
     from torchsprint.data.core import LOADERS, as_backend
     from torchsprint.data.preprocess.augment import compile_batch_spec
     from torchsprint.data.preprocess.decode import DECODERS, decode_bytes, read_bytes
+    from torchsprint.data.preprocess.on_device import decode_on_device, preprocess_on_device
     from torchsprint.data.preprocess.transforms import compile_spec, decode_hint
     from torchsprint.runtime import Runtime
 

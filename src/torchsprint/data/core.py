@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,6 +58,21 @@ class TensorImages(torch.utils.data.Dataset):
 
 
 MODE = {"mode": "RGB (3 channels, default) or GRAY (1 channel)"}
+
+
+def need_root(data_cfg, what: str) -> Path:
+    """data.root as a Path (user-expanded), or a UsageError saying what the dataset wants there: `what` describes
+    the folder or file, e.g. "folder with train/ and val/ class subfolders"."""
+    if data_cfg.root is None:
+        raise UsageError(f"data.dataset={data_cfg.dataset} needs data.root=<{what}>.")
+    return Path(data_cfg.root).expanduser()
+
+
+def existing_folder(root: Path) -> Path:
+    """`root` when it is a folder; a UsageError naming it otherwise."""
+    if not root.is_dir():
+        raise UsageError(f"data.root={root} does not exist or is not a folder.")
+    return root
 
 
 def check_options(data_cfg, allowed: dict[str, str]) -> None:

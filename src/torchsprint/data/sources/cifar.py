@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data.core import DATASETS, Splits, TensorImages, check_options
+from torchsprint.data.core import DATASETS, Splits, TensorImages, check_options, need_root
 from torchsprint.errors import UsageError
 
 # The layouts of the python versions of CIFAR (https://www.cs.toronto.edu/~kriz/cifar.html):
@@ -99,9 +99,7 @@ def load_cifar(root: Path, name: str) -> Splits:
 def _cifar(name):
     def build(data_cfg) -> Splits:
         check_options(data_cfg, {})
-        if data_cfg.root is None:
-            raise UsageError(f"data.dataset={name} needs data.root=<folder with the {CIFAR_LAYOUTS[name]['folder']} batches>.")
-        return load_cifar(Path(data_cfg.root).expanduser(), name)
+        return load_cifar(need_root(data_cfg, f"folder with the {CIFAR_LAYOUTS[name]['folder']} batches"), name)
 
     build.__doc__ = f"{name.upper()} from the official python pickles in data.root (train: 50,000, val: the 10,000 test images)."
     return build

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import torch
 
-from torchsprint.data.core import DATASETS, MODE, Splits, check_options, split_samples
+from torchsprint.data.core import (
+    DATASETS,
+    MODE,
+    Splits,
+    check_options,
+    existing_folder,
+    need_root,
+    split_samples,
+)
 from torchsprint.errors import UsageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
@@ -165,11 +173,7 @@ def image_folder(data_cfg) -> Splits:
     validation/) and test/ split folders, train/ alone (val split off by val_fraction), or one folder of
     class folders (split by val_fraction)."""
     check_options(data_cfg, MODE)
-    if data_cfg.root is None:
-        raise UsageError("data.dataset=image_folder needs data.root=<folder with train/ and val/ class subfolders>.")
-    root = Path(data_cfg.root).expanduser()
-    if not root.is_dir():
-        raise UsageError(f"data.root={root} does not exist or is not a folder.")
+    root = existing_folder(need_root(data_cfg, "folder with train/ and val/ class subfolders"))
     mode = data_cfg.options.get("mode", "RGB")
     layout = find_layout(root)
     test = None

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data.core import DATASETS, MODE, Splits, check_options
+from torchsprint.data.core import DATASETS, MODE, Splits, check_options, need_root
 from torchsprint.errors import UsageError
 
 LABEL_SEPARATOR = ";"
@@ -93,9 +93,7 @@ def multilabel_csv(data_cfg) -> Splits:
     classes (label names and their order; default: every label seen, sorted), mode (RGB or GRAY).
     """
     check_options(data_cfg, {"classes": "label names and their order (default: every label seen, sorted)", **MODE})
-    if data_cfg.root is None:
-        raise UsageError("data.dataset=multilabel_csv needs data.root=<list.csv or a folder with train.csv/val.csv>.")
-    root = Path(data_cfg.root).expanduser()
+    root = need_root(data_cfg, "list.csv or a folder with train.csv/val.csv")
     if root.is_dir():
         if not (root / "train.csv").is_file():
             raise UsageError(f"{root}: no train.csv in this folder (rows `path,label1;label2`).")
@@ -166,11 +164,8 @@ def synthetic_multilabel(data_cfg) -> Splits:
 
     data.options: num_images (train, 200), val_images (60), size (32 px square), seed (0), quality (92).
     """
-    if data_cfg.root is None:
-        raise UsageError("data.dataset=synthetic_multilabel needs data.root=<folder to generate the images into>.")
-    unknown = sorted(set(data_cfg.options) - set(MULTILABEL_DEFAULTS))
-    if unknown:
-        raise UsageError(f"synthetic_multilabel: unknown data.options {unknown}; valid: {sorted(MULTILABEL_DEFAULTS)}.")
+    need_root(data_cfg, "folder to generate the images into")
+    check_options(data_cfg, {k: f"default {v}" for k, v in MULTILABEL_DEFAULTS.items()})
     p = MULTILABEL_DEFAULTS | data_cfg.options
     folder = Path(data_cfg.root).expanduser() / (
         f"synthetic_multilabel-n{p['num_images']}-v{p['val_images']}-{p['size']}px-s{p['seed']}-q{p['quality']}")

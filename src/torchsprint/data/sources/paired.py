@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data.core import DATASETS, MODE, Loaders, Splits, check_options
+from torchsprint.data.core import DATASETS, MODE, Loaders, Splits, check_options, existing_folder, need_root
 from torchsprint.errors import UsageError
 
 # Steps that move pixels without changing their values the same way on every channel: safe for a
@@ -163,11 +163,7 @@ def paired_folder(data_cfg) -> Splits:
     without its partner is an error naming it. data.options: mode (RGB or GRAY).
     """
     check_options(data_cfg, MODE)
-    if data_cfg.root is None:
-        raise UsageError("data.dataset=paired_folder needs data.root=<folder with train/input, train/target (and val/...)>.")
-    root = Path(data_cfg.root).expanduser()
-    if not root.is_dir():
-        raise UsageError(f"data.root={root} does not exist or is not a folder.")
+    root = existing_folder(need_root(data_cfg, "folder with train/input, train/target (and val/...)"))
     return paired_splits(root, data_cfg)
 
 
@@ -240,11 +236,8 @@ def synthetic_blur(data_cfg) -> Splits:
     data.options: num_images (64), val_images (16), size (32 px square), sigma (1.0 px, the known
     kernel), seed (0). Made once under data.root, in a paired_folder layout.
     """
-    if data_cfg.root is None:
-        raise UsageError("data.dataset=synthetic_blur needs data.root=<folder to generate the image pairs into>.")
-    unknown = sorted(set(data_cfg.options) - set(BLUR_DEFAULTS))
-    if unknown:
-        raise UsageError(f"synthetic_blur: unknown data.options {unknown}; valid: {sorted(BLUR_DEFAULTS)}.")
+    need_root(data_cfg, "folder to generate the image pairs into")
+    check_options(data_cfg, {k: f"default {v}" for k, v in BLUR_DEFAULTS.items()})
     p = BLUR_DEFAULTS | data_cfg.options
     folder = Path(data_cfg.root).expanduser() / (
         f"synthetic_blur-n{p['num_images']}-v{p['val_images']}-{p['size']}px-sigma{p['sigma']}-s{p['seed']}")

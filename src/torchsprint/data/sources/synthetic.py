@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from torchsprint.data.core import DATASETS, Splits
+from torchsprint.data.core import DATASETS, MODE, Splits, check_options, need_root
 from torchsprint.data.sources.folders import image_files, scan_class_folders
-from torchsprint.errors import UsageError
 
 SYNTHETIC_DEFAULTS = {"num_images": 1000, "val_images": 200, "size": [500, 375], "classes": 10, "quality": 90, "seed": 0}
 _SHAPES = ("disc", "square", "triangle", "stripes", "ring")
@@ -101,11 +100,8 @@ def synthetic_jpeg(data_cfg) -> Splits:
     ImageNet's typical photo), classes (10), quality (90), seed (0). Each parameter set gets its own
     subfolder, so changing them never mixes datasets.
     """
-    if data_cfg.root is None:
-        raise UsageError("data.dataset=synthetic_jpeg needs data.root=<folder to generate the JPEG files into>.")
-    unknown = sorted(set(data_cfg.options) - set(SYNTHETIC_DEFAULTS) - {"mode"})
-    if unknown:
-        raise UsageError(f"synthetic_jpeg: unknown data.options {unknown}; valid: {sorted(SYNTHETIC_DEFAULTS)}.")
+    need_root(data_cfg, "folder to generate the JPEG files into")
+    check_options(data_cfg, {**{k: f"default {v}" for k, v in SYNTHETIC_DEFAULTS.items()}, **MODE})
     p = SYNTHETIC_DEFAULTS | {k: v for k, v in data_cfg.options.items() if k != "mode"}
     w, h = p["size"]
     folder = Path(data_cfg.root).expanduser() / (

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchsprint.data.core import DATASETS, MODE, Splits, check_options
+from torchsprint.data.core import DATASETS, MODE, Splits, check_options, existing_folder, need_root
 from torchsprint.data.preprocess.transforms import TRANSFORMS, parse_step
 from torchsprint.errors import UsageError
 
@@ -200,11 +200,7 @@ def video_folder(data_cfg) -> Splits:
     Clips come from the spec's first step: random_clip (train) / center_clip or multi_clip (eval). data.options: mode (RGB or GRAY).
     """
     check_options(data_cfg, MODE)
-    if data_cfg.root is None:
-        raise UsageError("data.dataset=video_folder needs data.root=<folder with train/ and val/ class subfolders of videos>.")
-    root = Path(data_cfg.root).expanduser()
-    if not root.is_dir():
-        raise UsageError(f"data.root={root} does not exist or is not a folder.")
+    root = existing_folder(need_root(data_cfg, "folder with train/ and val/ class subfolders of videos"))
     return video_splits(root, data_cfg)
 
 
@@ -277,11 +273,8 @@ def synthetic_video(data_cfg) -> Splits:
 
     data.options: per_class (12 train videos), val_per_class (4), size (24 px), frames (12), seed (0).
     """
-    if data_cfg.root is None:
-        raise UsageError("data.dataset=synthetic_video needs data.root=<folder to generate the videos into>.")
-    unknown = sorted(set(data_cfg.options) - set(VIDEO_DEFAULTS))
-    if unknown:
-        raise UsageError(f"synthetic_video: unknown data.options {unknown}; valid: {sorted(VIDEO_DEFAULTS)}.")
+    need_root(data_cfg, "folder to generate the videos into")
+    check_options(data_cfg, {k: f"default {v}" for k, v in VIDEO_DEFAULTS.items()})
     p = VIDEO_DEFAULTS | data_cfg.options
     folder = Path(data_cfg.root).expanduser() / (
         f"synthetic_video-n{p['per_class']}-v{p['val_per_class']}-{p['size']}px-f{p['frames']}-s{p['seed']}")

@@ -26,7 +26,13 @@ LOCK_NAME = ".lock"
 def planned_path(run_cfg) -> tuple[Path, bool]:
     """(the folder this run asks for, whether the user named it): run.dir, or <out_dir>/<name>/<timestamp>."""
     if run_cfg.dir:
-        return Path(run_cfg.dir), True
+        path = Path(run_cfg.dir)
+        try:
+            path.exists()  # raises for a name the filesystem cannot hold (over 255 bytes) or a parent we may not search
+        except OSError as e:
+            raise UsageError(f"cannot use the run folder {path}: {e.strerror}. Set run.dir to a writable folder with "
+                             "shorter names.") from None
+        return path, True
     return Path(run_cfg.out_dir) / run_cfg.name / time.strftime("%Y%m%d-%H%M%S"), False
 
 

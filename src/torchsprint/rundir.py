@@ -80,10 +80,12 @@ def make_folder(path: Path) -> Path:
 class RunLock:
     """An exclusive lock on a run folder for as long as this object lives (or until release()).
 
-    Raises UsageError at once when another process holds it, naming that process (PID and host).
+    Raises UsageError at once when another process holds it, naming that process (PID, host and what it
+    does). Also locks other folders one process must own while writing (`data shard`'s OUT): `role` says
+    what the holder does, `hint` what the refused user can do instead.
     """
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, role: str = "a run", hint: str = "Wait for it to end, or use another run.dir."):
         self.path = Path(run_dir) / LOCK_NAME
         self.fd: int | None = None
         try:
@@ -99,10 +101,9 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown process"
             os.close(fd)
-            raise UsageError(f"{run_dir} is in use by another torchsprint process ({holder}). Wait for it to end, "
-                             "or use another run.dir.") from None
+            raise UsageError(f"{run_dir} is in use by another torchsprint process ({holder}). {hint}") from None
         os.ftruncate(fd, 0)
-        os.write(fd, f"PID {os.getpid()} on {socket.gethostname()}".encode())
+        os.write(fd, f"PID {os.getpid()} on {socket.gethostname()}: {role}".encode())
         self.fd = fd
 
     def release(self) -> None:

@@ -280,8 +280,9 @@ class Saver:
                 raise ValueError("unexpected layout")  # e.g. edited by hand: rebuilt, not a crash at the first save
         except FileNotFoundError:
             status = {}
-        except (ValueError, OSError) as e:
-            self.log(f"[yellow]ignoring unreadable {self.status_path}[/] ({e}); rebuilding it from the files")
+        except (ValueError, OSError, RecursionError) as e:  # RecursionError: JSON nested past Python's limit
+            self.log(f"[yellow]ignoring unreadable {self.status_path}[/] ({type(e).__name__}: {str(e)[:100]}); "
+                     "rebuilding it from the files")
             status = {}
         status.setdefault("checkpoints", [])
         status.setdefault("history", [])

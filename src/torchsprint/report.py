@@ -43,7 +43,7 @@ def read_records(run_dir: Path) -> tuple[list[dict], list[str]]:
             continue
         try:
             row = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
             if n == len(lines):  # no newline after it: the write was cut off
                 notes.append(f"{path}: line {n} is cut off (the run stopped while writing it); skipped.")
                 continue
@@ -62,7 +62,7 @@ def read_json_object(path: Path) -> dict:
         return {}
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested past Python's limit
         raise UsageError(f"{path} is damaged ({type(e).__name__}: {str(e)[:80]}). Restore it, or delete it to "
                          "report without it.") from None
     if not isinstance(data, dict):

@@ -9,7 +9,7 @@ from PIL import Image
 
 from conftest import make_image_folder
 from torchsprint import cli, config
-from torchsprint.data import build, build_loaders
+from torchsprint.data import build, build_loaders, core
 from torchsprint.runtime import Runtime
 
 FAST = ["run.epochs=1", "model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false"]
@@ -53,9 +53,18 @@ def test_a_step_the_batched_ops_lack_keeps_the_cpu_backend():
 
 
 def test_a_dataset_over_the_memory_budget_streams(monkeypatch):
-    monkeypatch.setattr(build, "MEMORY_SHARE_RAM", 1e-9)  # a budget of a few bytes: digits (115 KiB) no longer fits
+    monkeypatch.setattr(core, "MEMORY_SHARE_RAM", 1e-9)  # a budget of a few bytes: digits (115 KiB) no longer fits
     info = loaders().info
     assert info.backend == "cpu" and "memory: 112.3 KiB > 0% of the" in info.backend_why
+
+
+def test_data_memory_budget_gib_sets_the_budget():
+    """digits decode to 112.3 KiB: a budget just under it streams, just over it keeps the memory backend."""
+    under, over = 112 / 2**20, 113 / 2**20  # GiB
+    info = loaders(f"data.memory_budget_gib={under}").info
+    assert info.backend == "cpu" and f"memory: 112.3 KiB > data.memory_budget_gib={under:g}" in info.backend_why
+    info = loaders(f"data.memory_budget_gib={over}").info
+    assert info.backend == "memory" and f"112.3 KiB <= data.memory_budget_gib={over:g})" in info.backend_why
 
 
 def test_only_backends_the_task_supports_are_considered():

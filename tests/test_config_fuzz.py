@@ -107,3 +107,33 @@ def test_config_show_with_malformed_files(capsys, tmp_path_factory, text, suffix
     path.write_text(text, encoding="utf-8", errors="surrogateescape")
     argv = ["config", "show", "-c", str(path)]
     assert_clean(*run_main(capsys, argv), argv)
+
+
+def _deep(n: int, kind: str) -> str:
+    return {"flow": "run: " + "[" * n + "]" * n, "json": '{"a": ' + "[" * n + "]" * n + "}",
+            "block": "".join("  " * i + f"k{i}:\n" for i in range(n)), "toml": "x = " + "[" * n + "]" * n}[kind]
+
+
+raw_documents = st.one_of(
+    st.binary(max_size=200),  # junk: not UTF-8, NUL bytes, a cut multi-byte sequence
+    st.builds(lambda d, enc: __import__("yaml").safe_dump(d, allow_unicode=True).encode(enc, errors="replace"),
+              st.dictionaries(st.sampled_from(TOP + ["x"]), value, max_size=4), st.sampled_from(["latin-1", "utf-16", "cp1252"])),
+    st.builds(lambda n, kind: _deep(n, kind).encode(), st.sampled_from([50, 101, 400, 1200, 5000]),
+              st.sampled_from(["flow", "json", "block", "toml"])),
+    st.builds(lambda k, a, b: f"{k}: {render(a)}\n{k}: {render(b)}\n".encode(), st.sampled_from(TOP), value, value),  # a key twice
+    st.builds(lambda v: f"extends: {render(v)}\n".encode(), value),  # extends of every type
+    st.builds(lambda t, cut: t[:cut], st.sampled_from([b"run:\n  name: caf\xc3\xa9\n", b'{"optim": {"lr": 0.1}}']),
+              st.integers(0, 24)),  # cut anywhere, also inside a UTF-8 sequence
+)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(raw=raw_documents, suffix=st.sampled_from([".yaml", ".json", ".toml"]))
+def test_config_show_with_damaged_bytes(capsys, tmp_path_factory, raw, suffix):
+    """Bytes as a damaged or foreign file holds them (the test above writes only valid UTF-8): not UTF-8,
+    nested past Python's recursion limit, a key written twice, `extends` of any type, cut anywhere."""
+    path = tmp_path_factory.mktemp("cfg") / f"c{suffix}"
+    path.write_bytes(raw)
+    argv = ["config", "show", "-c", str(path)]
+    assert_clean(*run_main(capsys, argv), argv)

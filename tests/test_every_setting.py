@@ -298,6 +298,8 @@ PROBES = {
     "data.split_seed": lambda t: differs(lambda c, b: first_batch(b.loaders.val)[1].tolist(), "data.split_seed=1"),
     "data.backend": lambda t: (differs(lambda c, b: type(b.loaders.train).__name__, "data.backend=memory"),
                                differs(lambda c, b: type(b.loaders.train).__name__, "data.backend=auto")),
+    "data.memory_budget_gib": lambda t: (refused("data.backend=memory", "data.memory_budget_gib=0.0001", match="over the 104.9 KiB"),
+                                         elsewhere("test_backend_auto.py::test_data_memory_budget_gib_sets_the_budget")),
     "data.batch_size": lambda t: differs(lambda c, b: first_batch(b.loaders.train)[0].shape[0], "data.batch_size=16"),
     "data.eval_batch_size": lambda t: differs(lambda c, b: first_batch(b.loaders.val)[0].shape[0], "data.eval_batch_size=7"),
     "data.num_workers": lambda t: differs(lambda c, b: b.loaders.train.loader.shared.num_workers, "data.num_workers=1"),

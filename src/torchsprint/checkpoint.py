@@ -5,11 +5,13 @@ Resume discovery and restore are in resume.py; the RNG states a checkpoint carri
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -108,34 +110,53 @@ class _GuardedFile:
         self.f.flush()
 
 
-def atomic_write(path: Path, write) -> int:
-    """Write via `write(file)` into a temp file in the same folder, fsync, then rename over `path`.
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temp file name in `path`'s folder (unique to this process) to write; on a clean exit the temp
+    file is fsync-ed and renamed over `path`, on any error removed and the error re-raised.
 
-    A crash at any moment leaves either the old file or the complete new one under `path`, never
-    a torn file (rename is atomic within one filesystem; fsync before it makes the data durable
-    first). On any error the temp file is removed and the error re-raised (a failed write as its
-    OSError). Returns the size in bytes.
+    A crash at any moment leaves either the old file or the complete new one under `path`, never a torn
+    file (rename is atomic within one filesystem; fsync before it makes the data durable first), and two
+    processes writing the same `path` each rename a whole file of their own. For writers that take a file
+    name (torch.jit.save, the ONNX exporter); atomic_write is the same for a write(file) callable.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    guarded = None
     try:
-        with open(tmp, "wb") as f:
-            guarded = _GuardedFile(f, float(os.environ.get(SLOW_WRITE_ENV, "0") or 0))
-            write(guarded)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
-    except BaseException as e:
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        if guarded is not None and guarded.error is not None and e is not guarded.error:
-            raise guarded.error from e
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def atomic_write(path: Path, write) -> int:
+    """Write via `write(file)` into a temp file in the same folder, fsync, then rename over `path` (atomic_path).
+
+    On any error the temp file is removed and the error re-raised (a failed write as its OSError).
+    Returns the size in bytes.
+    """
+    path = Path(path)
+    guarded = None
+    try:
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            guarded = _GuardedFile(f, float(os.environ.get(SLOW_WRITE_ENV, "0") or 0))
+            write(guarded)
+            f.flush()
+    except BaseException as e:
+        if guarded is not None and guarded.error is not None and e is not guarded.error:
+            raise guarded.error from e
+        raise
     return path.stat().st_size
 
 
@@ -263,8 +284,9 @@ class Saver:
                 raise ValueError("unexpected layout")  # e.g. edited by hand: rebuilt, not a crash at the first save
         except FileNotFoundError:
             status = {}
-        except (ValueError, OSError) as e:
-            self.log(f"[yellow]ignoring unreadable {self.status_path}[/] ({e}); rebuilding it from the files")
+        except (ValueError, OSError, RecursionError) as e:  # RecursionError: JSON nested past Python's limit
+            self.log(f"[yellow]ignoring unreadable {self.status_path}[/] ({type(e).__name__}: {str(e)[:100]}); "
+                     "rebuilding it from the files")
             status = {}
         status.setdefault("checkpoints", [])
         status.setdefault("history", [])

@@ -72,6 +72,10 @@ class DataConfig(Section):
     backend: str = Field("auto", description="Loader backend from the LOADERS registry (`torchsprint list loaders`), or "
                          "'auto': memory when the decoded dataset fits (25% of RAM, 50% of the GPU) and the preprocessing "
                          "runs batched, gpu for JPEG files on CUDA, else cpu; the run says which and why.")
+    memory_budget_gib: float | None = Field(
+        None, gt=0, description="The most memory (GiB) the memory backend may hold the decoded dataset in: auto picks "
+        "memory only under it, and data.backend=memory refuses a dataset over it. null: 25% of RAM on CPU, 50% of "
+        "the GPU's memory on CUDA.")
     batch_size: int = Field(64, ge=1, description="Training batch size per process.")
     eval_batch_size: int | None = Field(None, ge=1, description="Evaluation batch size (defaults to 2 x batch_size).")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0 loads in the main process).")
@@ -346,22 +350,94 @@ class Config(Section):
 # ---------------------------------------------------------------- loading
 
 
+# Deeper than any real config (the schema nests 3 levels; options dicts a few more), shallow enough that
+# merging, validation and `config show`'s dump never reach Python's recursion limit (1000 frames).
+MAX_DEPTH = 100
+
+
+class _DuplicateKey(Exception):
+    """A key written twice in one mapping: (key, line of the repeat or None, line of the first or None)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key written twice in one mapping (PyYAML keeps the last one silently).
+
+    Keys brought in by a `<<: *anchor` merge may be overridden: that is what a merge key is for.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue  # merges are resolved by flatten_mapping; a non-scalar key is refused by PyYAML itself
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise _DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: a dict, refusing a key written twice (json.loads keeps the last silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k, None, None)
+        out[k] = v
+    return out
+
+
+def _too_deep(data: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether dicts/lists nest deeper than `limit` (iterative, so a cyclic YAML alias ends at the limit too)."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
 def read_file(path: str | Path) -> dict[str, Any]:
-    """Parse one YAML/JSON/TOML file into a dict; syntax errors name the file and line."""
+    """Parse one YAML/JSON/TOML file into a dict; syntax errors name the file and line.
+
+    Refused, each in one line: a file that is not UTF-8, a key written twice in one mapping (YAML and JSON
+    keep the last one silently; TOML refuses it itself), nesting deeper than MAX_DEPTH.
+    """
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"config file not found: {path}. Pass an existing .yaml, .json or .toml file with -c.")
-    text = path.read_text(encoding="utf-8")
+    try:
+        if not path.is_file():
+            raise UsageError(f"config file not found: {path}. Pass an existing .yaml, .json or .toml file with -c.")
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read the config file {path}: {e.strerror or e}.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise UsageError(f"{path}: line {line}: byte 0x{raw[e.start]:02x} is not UTF-8; config files are read as UTF-8 "
+                         "(re-save it as UTF-8, e.g. iconv -f latin1 -t utf-8).") from None
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
         elif suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_json_pairs)
         elif suffix == ".toml":
             data = tomllib.loads(text)
         else:
             raise UsageError(f"{path}: unsupported config format '{suffix}'. Use .yaml, .yml, .json or .toml.")
+    except _DuplicateKey as e:
+        key, line, first = e.args
+        where = f" line {line}:" if line else ""
+        also = f" (first on line {first})" if first else ""
+        raise UsageError(f"{path}:{where} key {key!r} is written twice in one mapping{also}; only one value can "
+                         "hold. Remove the other.") from None
+    except RecursionError:
+        raise UsageError(f"{path}: nested too deeply to read (hundreds of levels of lists/mappings; a config nests a "
+                         "few).") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -374,6 +450,9 @@ def read_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise UsageError(f"{path}: the top level must be a mapping of sections (run:, data:, ...), not {type(data).__name__}.")
+    if _too_deep(data):
+        raise UsageError(f"{path}: nested too deeply (over {MAX_DEPTH} levels of lists/mappings); a config nests a "
+                         "few levels.")
     return data
 
 
@@ -395,8 +474,13 @@ def read_with_extends(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[s
     parents = data.pop("extends", None)
     if parents is None:
         return data
+    if isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(p, str) and p for p in parents):
+        raise UsageError(f"{path}: `extends` must be a file name or a list of file names (relative to this file), "
+                         f"not {parents!r}.")
     merged: dict[str, Any] = {}
-    for parent in [parents] if isinstance(parents, str) else parents:
+    for parent in parents:
         merged = deep_merge(merged, read_with_extends(path.parent / parent, (*_chain, path)))
     return deep_merge(merged, data)
 

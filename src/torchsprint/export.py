@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from torchsprint.checkpoint import atomic_path
 from torchsprint.errors import UsageError
 from torchsprint.registry import Registry
 
@@ -120,15 +121,24 @@ def export_tensorrt(trained, out: Path, *, uint8_input: bool, opset, example) ->
     if not torch.cuda.is_available():
         raise UsageError("--format tensorrt builds an engine for the GPU it runs on, and this machine has no CUDA GPU. "
                          "Export --format onnx here and build the engine on the target GPU (trtexec --onnx=...).")
-    onnx_path = out.with_suffix(".onnx")
+    # The ONNX the engine is built from, beside the engine (`out` is export()'s temp name of it; removed with it).
+    onnx_path = out.with_name(out.name + ".onnx")
     export_onnx(trained, onnx_path, uint8_input=uint8_input, opset=opset, example=example)
+    try:
+        return _build_engine(trt, onnx_path, out, example)
+    finally:
+        onnx_path.unlink(missing_ok=True)
+
+
+def _build_engine(trt, onnx_path: Path, out: Path, example: torch.Tensor) -> Path:
+    """TensorRT's builder and ONNX parser: `onnx_path` -> a serialized engine in `out`."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(0)  # explicit batch: the only mode of TensorRT 10
     parser = trt.OnnxParser(network, logger)
     if not parser.parse(onnx_path.read_bytes()):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise UsageError(f"TensorRT cannot parse {onnx_path}: {errors[:500]}. Export --format onnx instead.")
+        raise UsageError(f"TensorRT cannot parse this run's ONNX export: {errors[:500]}. Export --format onnx instead.")
     config = builder.create_builder_config()
     profile = builder.create_optimization_profile()
     name, shape = network.get_input(0).name, tuple(example.shape[1:])
@@ -136,7 +146,7 @@ def export_tensorrt(trained, out: Path, *, uint8_input: bool, opset, example) ->
     config.add_optimization_profile(profile)
     engine = builder.build_serialized_network(network, config)
     if engine is None:
-        raise UsageError(f"TensorRT could not build an engine from {onnx_path} (its log above says why). "
+        raise UsageError("TensorRT could not build an engine from this run's ONNX export (its log above says why). "
                          "Export --format onnx instead.")
     out.write_bytes(bytes(engine))
     return out
@@ -225,16 +235,21 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
     writable_file(out, "--out")  # before the (slow) export, not after it
     with naming_imports(trained.cfg.imports, run_dir):  # the run's dataset may come from a module it lists
         example = sample_batch(trained)
+    # Every format is written under a temp name of this process, checked, and only then renamed over `out`:
+    # two exports of one run at once each check their own whole file (one of them wins the name), a crash
+    # never leaves a torn file, and a file under the final name has passed its parity check.
     try:
-        path = EXPORTERS.get(fmt)(trained, out, uint8_input=uint8_input, opset=opset, example=example)
+        with atomic_path(out) as tmp:
+            EXPORTERS.get(fmt)(trained, tmp, uint8_input=uint8_input, opset=opset, example=example)
+            diff = parity(fmt, tmp, trained, example, uint8_input)
+            # A TensorRT engine is held to top-1 agreement (parity raises otherwise); its logits difference is reported.
+            if fmt != "tensorrt" and diff is not None and not diff <= tolerance:
+                raise UsageError(f"export parity check failed: max |logits difference| = {diff:.3g} > tolerance "
+                                 f"{tolerance} between PyTorch and {fmt} on {len(example)} validation images; {out} "
+                                 "was not written.")
     except OSError as e:  # the disk filled up or the folder changed under us
         raise UsageError(f"could not write {out}: {e.strerror or e}. Free disk space or choose another --out.") from None
-    diff = parity(fmt, path, trained, example, uint8_input)
-    # A TensorRT engine is held to top-1 agreement (parity raises otherwise); its logits difference is reported.
-    if fmt != "tensorrt" and diff is not None and not diff <= tolerance:
-        raise UsageError(f"export parity check failed: max |logits difference| = {diff:.3g} > tolerance {tolerance} "
-                         f"between PyTorch and {fmt} on {len(example)} validation images ({path}).")
-    return {"path": str(path), "format": fmt, "max_abs_diff": diff, "images_checked": len(example)}
+    return {"path": str(out), "format": fmt, "max_abs_diff": diff, "images_checked": len(example)}
 
 
 def export_cli(args) -> int:

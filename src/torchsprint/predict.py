@@ -245,6 +245,8 @@ def write_images(results: list[dict], folder: Path) -> None:
     """
     from PIL import Image
 
+    if not any("image" in r for r in results):
+        return  # nothing to save (a classifier): no empty ./predictions folder left behind
     folder.mkdir(parents=True, exist_ok=True)
     used: set[str] = set()
     for i, r in enumerate(results):

@@ -13,6 +13,7 @@ import base64
 import heapq
 import html
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -21,21 +22,64 @@ import torch
 from torchsprint.errors import UsageError
 
 
-def read_records(run_dir: Path) -> list[dict]:
+def read_records(run_dir: Path) -> tuple[list[dict], list[str]]:
+    """The rows of <run>/metrics.jsonl and the notes on what was skipped.
+
+    A last line without its newline that does not parse is a row cut off by a run killed while writing
+    it: skipped, with a note naming it. Any other line that is not a JSON object (junk, a damaged file)
+    is a UsageError naming the file and line.
+    """
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UsageError(f"{run_dir} has no metrics.jsonl: not a torchsprint run folder, or it never trained a step.")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}.") from None
+    lines = raw.split(b"\n")
+    records, notes = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+            if n == len(lines):  # no newline after it: the write was cut off
+                notes.append(f"{path}: line {n} is cut off (the run stopped while writing it); skipped.")
+                continue
+            raise UsageError(f"{path}: line {n} is not a JSON row ({type(e).__name__}: {str(e)[:80]}); the file is "
+                             "damaged. Remove or repair that line.") from None
+        if not isinstance(row, dict):
+            raise UsageError(f"{path}: line {n} is a JSON {type(row).__name__}, not a row of metrics; the file is "
+                             "damaged. Remove or repair that line.")
+        records.append(row)
+    return records, notes
+
+
+def read_json_object(path: Path) -> dict:
+    """A run's summary.json / env.json as a dict ({} when absent); a damaged one is a UsageError naming it."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested past Python's limit
+        raise UsageError(f"{path} is damaged ({type(e).__name__}: {str(e)[:80]}). Restore it, or delete it to "
+                         "report without it.") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path} is damaged (a JSON {type(data).__name__}, not an object). Restore it, or delete it "
+                         "to report without it.")
+    return data
 
 
 def series(records: list[dict], kind: str, key: str) -> tuple[list, list]:
-    rows = [(r["step"], r[key]) for r in records if r["kind"] == kind and isinstance(r.get(key), int | float)]
+    rows = [(r["step"], r[key]) for r in records if r.get("kind") == kind and isinstance(r.get(key), int | float)
+            and isinstance(r.get("step"), int | float)]
     return [s for s, _ in rows], [v for _, v in rows]
 
 
 def curve_panels(records: list[dict], monitor: str) -> list[dict]:
     """The four panels: loss, validation metrics, learning rate, throughput with the data-wait share."""
-    val_keys = sorted({k for r in records if r["kind"] == "eval" for k, v in r.items()
+    val_keys = sorted({k for r in records if r.get("kind") == "eval" for k, v in r.items()
                        if k.startswith("val/") and k not in ("val/loss", "val/count") and isinstance(v, int | float)})
     metric_series = [(k, *series(records, "eval", k), "o-") for k in val_keys]
     for key in ("train/epoch_top1",):
@@ -148,21 +192,24 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
     run_dir = Path(run_dir)
     out = Path(out) if out else run_dir / "report"
     writable_file(out / "report.html", "--out")
-    records = read_records(run_dir)
+    records, notes = read_records(run_dir)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     trained = load_run(run_dir, weights)
     cfg = trained.cfg
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-    env = json.loads((run_dir / "env.json").read_text()) if (run_dir / "env.json").is_file() else {}
-    sections = []
+    summary, env = read_json_object(run_dir / "summary.json"), read_json_object(run_dir / "env.json")
+    sections = [f'<p class="note">{html.escape(n)}</p>' for n in notes]
+    final = summary.get("final") if isinstance(summary.get("final"), dict) else {}
     facts = [{"": k, "value": v} for k, v in (
         ("run folder", str(run_dir)), ("task", cfg.task), ("dataset", f"{cfg.data.dataset} {cfg.data.root or ''}"),
         ("classes", f"{len(trained.classes)}: {', '.join(trained.classes[:12])}{' ...' if len(trained.classes) > 12 else ''}"),
         ("model", f"{cfg.model.name} {cfg.model.args or ''}"), ("optimizer", f"{cfg.optim.name}, lr {cfg.optim.lr}"),
         ("precision", cfg.precision.mode), ("device", env.get("device", "?")), ("epochs", cfg.run.epochs),
-        ("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary['best_epoch']})"
-         if summary.get("best_metric") is not None else "-"),
-        *(((k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in summary.get("final", {}).items())),
-        ("train images/s", f"{summary['train_images_per_s']:.0f}" if summary.get("train_images_per_s") else "-"))]
+        ("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary.get('best_epoch')})"
+         if isinstance(summary.get("best_metric"), int | float) else "-"),
+        *(((k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in final.items())),
+        ("train images/s", f"{summary['train_images_per_s']:.0f}"
+         if isinstance(summary.get("train_images_per_s"), int | float) else "-"))]
     sections.append("<h2>Run</h2>" + _table(facts, ["", "value"]))
     png = plots.curves(curve_panels(records, cfg.checkpoint.monitor), f"training curves: {run_dir.name}", out / "curves.png")
     sections.append("<h2>Curves</h2>" + _img(png, "training curves"))

@@ -289,9 +289,16 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             logger.info(f"{run_dir} is a finished run (epoch {ts['epoch']} of {cfg.run.epochs}, step {ts['global_step']}"
                         f"{steps}): nothing to do, its files are left as they are (results: summary.json); "
                         f"{how_to_continue(ts, cfg.run, run_dir)}.")
+            try:
+                summary = json.loads((run_dir / "summary.json").read_bytes().decode("utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError is a ValueError
+                summary = None
+            if not isinstance(summary, dict):  # a damaged results file is said, not a traceback; nothing is rewritten
+                logger.info(f"note: {run_dir / 'summary.json'} is damaged (not a JSON object); left as it is.")
+                summary = {}
             logger.close()
             clean = True
-            return json.loads((run_dir / "summary.json").read_text()) | {"run_dir": str(run_dir), "already_finished": True}
+            return summary | {"run_dir": str(run_dir), "already_finished": True}
         b = build_training(cfg, rt, logger.info, ckpt, resume_path)
         if dry_run:
             logger.info(f"dry run: everything checked; would train in {run_dir}{' (resuming)' if ckpt else ''}; "

@@ -27,7 +27,13 @@ LOCK_NAME = ".lock"
 def planned_path(run_cfg) -> tuple[Path, bool]:
     """(the folder this run asks for, whether the user named it): run.dir, or <out_dir>/<name>/<timestamp>."""
     if run_cfg.dir:
-        return Path(run_cfg.dir), True
+        path = Path(run_cfg.dir)
+        try:
+            path.exists()  # raises for a name the filesystem cannot hold (over 255 bytes) or a parent we may not search
+        except OSError as e:
+            raise UsageError(f"cannot use the run folder {path}: {e.strerror}. Set run.dir to a writable folder with "
+                             "shorter names.") from None
+        return path, True
     return Path(run_cfg.out_dir) / run_cfg.name / time.strftime("%Y%m%d-%H%M%S"), False
 
 
@@ -75,10 +81,12 @@ def make_folder(path: Path) -> Path:
 class RunLock:
     """An exclusive lock on a run folder for as long as this object lives (or until release()).
 
-    Raises UsageError at once when another process holds it, naming that process (PID and host).
+    Raises UsageError at once when another process holds it, naming that process (PID, host and what it
+    does). Also locks other folders one process must own while writing (`data shard`'s OUT): `role` says
+    what the holder does, `hint` what the refused user can do instead.
     """
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, role: str = "a run", hint: str = "Wait for it to end, or use another run.dir."):
         self.path = Path(run_dir) / LOCK_NAME
         self.fd: int | None = None
         try:
@@ -94,10 +102,9 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown process"
             os.close(fd)
-            raise UsageError(f"{run_dir} is in use by another torchsprint process ({holder}). Wait for it to end, "
-                             "or use another run.dir.") from None
+            raise UsageError(f"{run_dir} is in use by another torchsprint process ({holder}). {hint}") from None
         os.ftruncate(fd, 0)
-        os.write(fd, f"PID {os.getpid()} on {socket.gethostname()}".encode())
+        os.write(fd, f"PID {os.getpid()} on {socket.gethostname()}: {role}".encode())
         self.fd = fd
 
     def release(self) -> None:

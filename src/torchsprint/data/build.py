@@ -7,19 +7,23 @@ start-up live here, not in core.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import replace
 
 import torch
 
-from torchsprint.data.core import DATASETS, LOADERS, Loaders, Splits, as_backend, runs_anywhere
+from torchsprint.data.core import (
+    DATASETS,
+    LOADERS,
+    Loaders,
+    Splits,
+    as_backend,
+    memory_budget,
+    runs_anywhere,
+    size_text,
+)
 from torchsprint.errors import UsageError
 
-# data.backend=auto: the memory backend when the decoded dataset fits this share of host RAM (CPU runs)
-# or of the device's memory (CUDA; the memory backend itself refuses more than half of what is free).
-MEMORY_SHARE_RAM = 0.25
-MEMORY_SHARE_GPU = 0.5
 # Files are decoded up front for the memory backend only up to this many (about a minute of decoding
 # on 2 CPU cores at ~500 images/s per core, measured in BENCHMARKS.md "Data loading"); more stream.
 MEMORY_MAX_FILES = 50_000
@@ -65,6 +69,8 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     name, why = configured, "set in the config (data.backend)"
     if name == "auto":
         name, why = choose_backend(data_cfg, splits, rt, allowed)
+    elif name == "memory":
+        check_memory_size(data_cfg, splits, rt.device)  # auto checked it already
     backend, fallback = as_backend(LOADERS.get(name)), None
     why_not = backend.cannot_run(rt)
     if why_not is not None:  # the one place a backend falls back (or is refused), whatever the backend
@@ -101,29 +107,6 @@ def check_data_fields(data_cfg) -> None:
 
 
 # ---------------------------------------------------------------- data.backend: auto
-
-
-def size_text(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} bytes"
-
-
-def host_ram() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _memory_budget(device: torch.device) -> tuple[int, str]:
-    if device.type == "cuda":
-        # Total, not free memory: every rank must make the same choice (the memory backend still checks free memory).
-        total = torch.cuda.get_device_properties(device).total_memory
-        return int(total * MEMORY_SHARE_GPU), f"{MEMORY_SHARE_GPU:.0%} of {device}'s {total / 2**30:.0f} GiB"
-    ram = host_ram()
-    return int(ram * MEMORY_SHARE_RAM), f"{MEMORY_SHARE_RAM:.0%} of the {ram / 2**30:.0f} GiB of RAM"
 
 
 def _batched_spec_problem(data_cfg, channels: int, backend: str) -> str | None:
@@ -170,6 +153,48 @@ def file_sizes(paths: list[str], stop_at_distinct: int | None = None) -> list[tu
     return out
 
 
+def decoded_size(splits: Splits) -> tuple[int | None, str]:
+    """(bytes of the train and val splits decoded, in words what they are), or (None, why it is not known
+    up front). A dataset held decoded (digits, CIFAR) is measured; a folder of at most MEMORY_MAX_FILES
+    images of one size is estimated from the file headers; other datasets are not known before decoding."""
+    train, val = splits.train, splits.val
+    if hasattr(train, "images"):
+        nbytes = sum(int(d.images.numel()) * d.images.element_size() for d in (train, val) if hasattr(d, "images"))
+        return nbytes, f"the dataset is decoded in memory already ({len(train) + len(val):,} images,"
+    if not (_plain_image_files(train) and _plain_image_files(val)):
+        return None, "this dataset type is not decoded up front"
+    n = len(train) + len(val)
+    if n > MEMORY_MAX_FILES:
+        return None, f"{n:,} files > {MEMORY_MAX_FILES:,} would take long to decode up front"
+    sizes = file_sizes([s[0] for s in train.samples] + [s[0] for s in val.samples], stop_at_distinct=2)
+    distinct = set(sizes)
+    if None in distinct:
+        return None, "some file sizes are unknown (not JPEG/PNG, or unreadable)"
+    if len(distinct) != 1:
+        return None, "the images have different sizes"
+    (h, w), = distinct
+    return n * h * w * splits.in_channels, f"{n:,} files of one size ({w}x{h}) decode to"
+
+
+def check_memory_size(data_cfg, splits: Splits, device: torch.device) -> None:
+    """data.backend=memory: refuse, before decoding anything, a dataset whose decoded size is known to exceed
+    the memory budget (auto's limit). Sizes not known up front are guarded while decoding (backends/memory.py)."""
+    train = splits.train
+    if hasattr(train, "images"):
+        nbytes, _ = decoded_size(splits)
+    elif _plain_image_files(train) and _plain_image_files(splits.val):
+        # The first file's size: the memory backend keeps images of one size only, so this is the size it needs.
+        first = next((s for s in file_sizes([train.samples[0][0]]) if s is not None), None)
+        nbytes = None if first is None else (len(train) + len(splits.val)) * first[0] * first[1] * splits.in_channels
+    else:
+        nbytes = None
+    budget, budget_text = memory_budget(device, data_cfg.memory_budget_gib)
+    if nbytes is not None and nbytes > budget:
+        raise UsageError(f"data.backend=memory: the decoded dataset would take about {size_text(nbytes)}, over the "
+                         f"{size_text(budget)} it may use ({budget_text}). Use data.backend=cpu (it loads batch by "
+                         "batch), or raise data.memory_budget_gib.")
+
+
 # data.backend=auto's order of preference among the backends registered with auto=True (fastest first, as
 # measured in BENCHMARKS.md); a backend registered later with auto=True is considered after these.
 AUTO_ORDER = ("memory", "gpu", "cpu")
@@ -178,7 +203,8 @@ AUTO_ORDER = ("memory", "gpu", "cpu")
 def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None) -> tuple[str, str]:
     """data.backend=auto: (backend, why). The fastest backend that fits, in this order:
 
-    1. memory, when the decoded dataset fits MEMORY_SHARE_RAM of RAM (MEMORY_SHARE_GPU of the GPU) and
+    1. memory, when the decoded dataset fits core.memory_budget (data.memory_budget_gib, else
+       MEMORY_SHARE_RAM of RAM or MEMORY_SHARE_GPU of the GPU) and
        the preprocessing runs in batched ops: a dataset already in memory (digits, CIFAR) as it is; a
        folder of at most MEMORY_MAX_FILES images of one size, decoded once at start (measured on the
        default run: 1.54x the cpu backend, BENCHMARKS.md);
@@ -194,40 +220,23 @@ def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None
         raise UsageError(f"data.backend=auto: none of {', '.join(candidates)} serves this task (it supports {allowed}); "
                          "set data.backend.")
     fallback = "cpu" if "cpu" in ok else ok[-1]
-    budget, budget_text = _memory_budget(device)
+    budget, budget_text = memory_budget(device, data_cfg.memory_budget_gib)
     reasons = []
-    train, val = splits.train, splits.val
+    train = splits.train
     if "memory" in ok:
         problem = _batched_spec_problem(data_cfg, splits.in_channels, "memory")
+        nbytes, what = (None, None) if problem is not None else decoded_size(splits)
         if problem is not None:
             reasons.append(f"memory: the preprocessing has a step batched ops lack ({problem.split(':')[0]})")
-        elif hasattr(train, "images"):
-            nbytes = sum(int(d.images.numel()) * d.images.element_size() for d in (train, val) if hasattr(d, "images"))
-            if nbytes <= budget:
-                return "memory", (f"the dataset is decoded in memory already ({len(train) + len(val):,} images, "
-                                  f"{size_text(nbytes)} <= {budget_text}): batches are gathered and augmented in batches "
-                                  f"on {device.type}")
-            reasons.append(f"memory: {size_text(nbytes)} > {budget_text}")
-        elif _plain_image_files(train) and _plain_image_files(val):
-            n = len(train) + len(val)
-            if n > MEMORY_MAX_FILES:
-                reasons.append(f"memory: {n:,} files > {MEMORY_MAX_FILES:,} would take long to decode up front")
-            else:
-                sizes = file_sizes([s[0] for s in train.samples] + [s[0] for s in val.samples], stop_at_distinct=2)
-                distinct = set(sizes)
-                if None in distinct or len(distinct) != 1:
-                    reasons.append("memory: the images have different sizes" if None not in distinct else
-                                   "memory: some file sizes are unknown (not JPEG/PNG, or unreadable)")
-                else:
-                    (h, w), = distinct
-                    nbytes = n * h * w * splits.in_channels
-                    if nbytes <= budget:
-                        return "memory", (f"{n:,} files of one size ({w}x{h}) decode to {size_text(nbytes)} <= "
-                                          f"{budget_text}: decoded once at start, then batches come from memory with "
-                                          f"batched augmentation on {device.type}")
-                    reasons.append(f"memory: decoded {size_text(nbytes)} > {budget_text}")
+        elif nbytes is None:
+            reasons.append(f"memory: {what}")
+        elif nbytes <= budget:
+            how = ("batches are gathered and augmented in batches" if hasattr(train, "images") else
+                   "decoded once at start, then batches come from memory with batched augmentation")
+            close = ")" if hasattr(train, "images") else ""  # closes decoded_size's "(N images," of a held dataset
+            return "memory", f"{what} {size_text(nbytes)} <= {budget_text}{close}: {how} on {device.type}"
         else:
-            reasons.append("memory: this dataset type is not decoded up front")
+            reasons.append(f"memory: {'decoded ' if not hasattr(train, 'images') else ''}{size_text(nbytes)} > {budget_text}")
     if "gpu" in ok:
         if (why_not := as_backend(LOADERS.get("gpu")).cannot_run(rt)) is not None:
             reasons.append(f"gpu: {why_not}")

@@ -57,6 +57,42 @@ class TensorImages(torch.utils.data.Dataset):
         return self.images[i], self._targets[i], self.ids[i] if self.ids else str(i)
 
 
+# The memory the memory backend may hold, unless data.memory_budget_gib sets it: this share of host RAM
+# (CPU runs) or of the device's memory (CUDA; the memory backend also refuses more than half of what is
+# free). data.backend=auto picks memory only under it; data.backend=memory refuses a dataset over it.
+MEMORY_SHARE_RAM = 0.25
+MEMORY_SHARE_GPU = 0.5
+
+
+def size_text(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def host_ram() -> int:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def memory_budget(device: torch.device, budget_gib: float | None = None) -> tuple[int, str]:
+    """(bytes the memory backend may hold on `device`, the same in words): data.memory_budget_gib when set,
+    else MEMORY_SHARE_GPU of a CUDA device's total memory or MEMORY_SHARE_RAM of the host's RAM."""
+    if budget_gib is not None:
+        return int(budget_gib * 2**30), f"data.memory_budget_gib={budget_gib:g}"
+    if device.type == "cuda":
+        # Total, not free memory: every rank must make the same choice (the memory backend still checks free memory).
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * MEMORY_SHARE_GPU), f"{MEMORY_SHARE_GPU:.0%} of {device}'s {total / 2**30:.0f} GiB"
+    ram = host_ram()
+    return int(ram * MEMORY_SHARE_RAM), f"{MEMORY_SHARE_RAM:.0%} of the {ram / 2**30:.0f} GiB of RAM"
+
+
 MODE = {"mode": "RGB (3 channels, default) or GRAY (1 channel)"}
 
 

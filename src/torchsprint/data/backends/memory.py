@@ -9,20 +9,42 @@ from __future__ import annotations
 
 import torch
 
-from torchsprint.data.core import LOADERS, Backend, DataInfo, EpochSampler, Loaders, sample_seeds
+from torchsprint.data.core import (
+    LOADERS,
+    Backend,
+    DataInfo,
+    EpochSampler,
+    Loaders,
+    memory_budget,
+    sample_seeds,
+    size_text,
+)
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.errors import UsageError
 
 
-def decode_all(raw, on_bad_sample: str, num_workers: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def decode_all(raw, on_bad_sample: str, num_workers: int = 0, budget: tuple[int, str] | None = None,
+               held: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Decode every sample of `raw` into (uint8 N x C x H x W, int64 or stacked tensor targets, skipped reasons).
 
     Already-decoded datasets (TensorImages) are taken as they are. Unreadable samples are skipped
     (counted, with their paths) or raise, per `on_bad_sample`; all ranks decode the same dataset, so
-    they all drop the same samples and keep equal step counts.
+    they all drop the same samples and keep equal step counts. `budget` (bytes, in words): decoding stops
+    with a UsageError as soon as the images exceed it, before the process runs out of memory (a dataset
+    whose size build_loaders could not know up front: streamed shards, files of unknown size); `held`
+    bytes (an earlier split) count against it.
     """
+    limit, limit_text = budget if budget is not None else (None, "")
+
+    def refuse(nbytes: int, done: str):
+        raise UsageError(f"data.backend=memory: the decoded dataset takes {size_text(nbytes)}{done}, over the "
+                         f"{size_text(limit)} it may use ({limit_text}). Use data.backend=cpu (it loads batch by "
+                         "batch), or raise data.memory_budget_gib.")
+
     if hasattr(raw, "images") and hasattr(raw, "labels"):
+        if limit is not None and held + raw.images.numel() > limit:
+            refuse(held + raw.images.numel(), "")
         return raw.images, torch.as_tensor(raw.labels, dtype=torch.int64), []
     images, targets, skipped = [], [], []
     if getattr(raw, "streaming", False):  # webdataset shards: read once, in order, in this process
@@ -38,6 +60,9 @@ def decode_all(raw, on_bad_sample: str, num_workers: int = 0) -> tuple[torch.Ten
                 continue
             images.append(image)
             targets.append(target)
+            held += image.numel()  # uint8: one byte per element
+            if limit is not None and held > limit:
+                refuse(held, f" after {len(images):,} of {len(raw):,} images")
     if not images:
         raise UsageError(f"no readable images (e.g. {skipped[:1]}).")
     shapes = sorted({tuple(x.shape) for x in images})
@@ -100,11 +125,14 @@ def memory_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torc
         raise UsageError("data.train.transforms and data.eval.transforms must normalize with the same mean and std.")
     norm = DeviceNormalize(train_p.mean, train_p.std, rt.device, dtype=dtype, channels_last=channels_last)
     loaders = []
+    budget, held = memory_budget(rt.device, data_cfg.memory_budget_gib), 0
     for raw, pipe, train in ((splits.train, train_p, True), (splits.val, eval_p, False)):
         if len(raw) == 0:
             images, targets, skipped = torch.zeros(0, splits.in_channels, 1, 1, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64), []
         else:
-            images, targets, skipped = decode_all(raw, data_cfg.on_bad_sample, data_cfg.num_workers)
+            # The budget covers both splits: the training images count while validation decodes.
+            images, targets, skipped = decode_all(raw, data_cfg.on_bad_sample, data_cfg.num_workers, budget, held)
+            held += images.numel()
         fits_on_device(images.numel(), rt.device)
         sampler = EpochSampler(len(targets), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
                                repeats=data_cfg.repeated_aug if train else 1)

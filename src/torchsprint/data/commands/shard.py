@@ -14,6 +14,7 @@ How it stays correct when interrupted:
 - At the end every shard is read back with webdataset's reader: sample count, keys, labels and every
   image's digest are compared with the plan and the source files' digests, and the file hashes with
   the records. index.json is written last, so an OUT with index.json has been verified.
+- One job writes an OUT at a time: OUT/.lock (rundir.RunLock, the run folders' lock) refuses a second one.
 Tar members have a fixed mtime (0), so the same source, seed and shard size give byte-identical shards.
 """
 
@@ -27,7 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+from torchsprint.checkpoint import atomic_write
 from torchsprint.errors import UsageError
+from torchsprint.rundir import RunLock
 
 FORMAT = "torchsprint-shards/1"
 BLOCK, RECORD = 512, 10240  # tar: 512-byte blocks; Python's tarfile pads an archive to 20-block records
@@ -121,13 +124,9 @@ def digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_text(path: Path, text: str) -> None:
+    """`text` into `path` atomically (checkpoint.atomic_write: a temp file of this process, fsync, rename)."""
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def write_shard(out: Path, shard: dict, rec_file: Path) -> dict:
@@ -153,7 +152,7 @@ def write_shard(out: Path, shard: dict, rec_file: Path) -> dict:
         f.flush()
         os.fsync(f.fileno())
     rec = {"count": len(shard["samples"]), "bytes": tmp.stat().st_size, "sha256": file_sha256(tmp), "digests": digests}
-    atomic_write(rec_file, json.dumps(rec))
+    write_text(rec_file, json.dumps(rec))
     os.replace(tmp, final)
     return rec
 
@@ -184,14 +183,31 @@ def verify(out: Path, plan: dict, records: dict[str, dict], progress=None) -> li
 
 def shard(src: str, out: str, shard_size: str = "1GB", seed: int = 0, progress: bool = True) -> dict:
     """Write SRC as shuffled shards into OUT (see the module docstring); returns the summary."""
-    from torchsprint.data.sources.webdataset import INDEX_NAME, require_webdataset
+    from torchsprint.data.sources.webdataset import require_webdataset
 
     require_webdataset()
     src_p, out_p = Path(src).expanduser(), Path(out).expanduser()
     size = parse_size(shard_size)
     classes, splits = list_source(src_p)
     plan = make_plan(classes, splits, size, seed)
-    out_p.mkdir(parents=True, exist_ok=True)
+    try:
+        out_p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create the OUT folder {out_p}: {e.strerror}. Choose a writable folder.") from None
+    # One writer per OUT: two jobs would rename each other's temp files away and race for index.json.
+    lock = RunLock(out_p, role="data shard", hint="Another `torchsprint data shard` job is writing this OUT folder; "
+                   "wait for it to end (rerun then to check it), or choose another OUT folder.")
+    try:
+        return _shard_locked(src_p, out_p, classes, splits, plan, size, seed, progress)
+    finally:
+        lock.release()
+
+
+def _shard_locked(src_p: Path, out_p: Path, classes: list[str], splits: dict, plan: dict, size: int, seed: int,
+                  progress: bool) -> dict:
+    """shard()'s work, with the OUT folder locked."""
+    from torchsprint.data.sources.webdataset import INDEX_NAME
+
     (out_p / ".records").mkdir(exist_ok=True)
     plan_file = out_p / "plan.json"
     text = json.dumps(plan)
@@ -201,7 +217,7 @@ def shard(src: str, out: str, shard_size: str = "1GB", seed: int = 0, progress: 
     if not plan_file.is_file():
         if any(out_p.glob("*.tar")):
             raise UsageError(f"{out_p} already holds .tar files that `data shard` did not plan. Use an empty OUT folder.")
-        atomic_write(plan_file, text)
+        write_text(plan_file, text)
     bar = None
     if progress and sys.stderr.isatty():
         from rich.progress import Progress
@@ -234,7 +250,7 @@ def shard(src: str, out: str, shard_size: str = "1GB", seed: int = 0, progress: 
     index = {"format": FORMAT, "classes": classes, "source": str(src_p), "seed": seed, "shard_size": size,
              "shards": {s["name"]: {k: records[s["name"]][k] for k in ("count", "bytes", "sha256")} | {"split": s["split"]}
                         for s in plan["shards"]}}
-    atomic_write(out_p / INDEX_NAME, json.dumps(index, indent=1))
+    write_text(out_p / INDEX_NAME, json.dumps(index, indent=1))
     counts = {split: sum(len(s["samples"]) for s in plan["shards"] if s["split"] == split) for split in splits}
     return {"out": str(out_p), "shards": len(plan["shards"]), "kept": kept, "written": written, "samples": counts,
             "bytes": sum(r["bytes"] for r in records.values())}

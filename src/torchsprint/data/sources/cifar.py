@@ -85,6 +85,11 @@ def load_cifar(root: Path, name: str) -> Splits:
                 raise UsageError(f"{root / f}: CIFAR data must be N x 3072 uint8 values with N integer labels ({e}).") from None
             if len(x) != len(y):
                 raise UsageError(f"{root / f}: {len(x)} images but {len(y)} labels.")
+            bad = np.flatnonzero((y < 0) | (y >= len(classes)))
+            if len(bad):  # a wrong label would index past the class list (or silently train on a wrong class)
+                raise UsageError(f"{root / f}: label {int(y[bad[0]])} (sample {int(bad[0])}, {len(bad)} such) is outside "
+                                 f"0..{len(classes) - 1}, the {len(classes)} classes of {root / lay['meta']}. The batch "
+                                 "is damaged or from another dataset; re-download and unpack it.")
             xs.append(x)
             ys.append(y)
         return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -12,12 +11,16 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from torchsprint.config_files import (  # noqa: F401  (MAX_DEPTH, deep_merge, read_file: re-exported)
+    MAX_DEPTH,
+    _field_names,
+    _sub_model,
+    deep_merge,
+    read_file,
+    read_with_extends,
+)
+from torchsprint.config_files import apply_override as _apply_override
 from torchsprint.errors import UsageError, did_you_mean
-
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 
 class Section(BaseModel):
@@ -348,190 +351,13 @@ class Config(Section):
 
 
 # ---------------------------------------------------------------- loading
-
-
-# Deeper than any real config (the schema nests 3 levels; options dicts a few more), shallow enough that
-# merging, validation and `config show`'s dump never reach Python's recursion limit (1000 frames).
-MAX_DEPTH = 100
-
-
-class _DuplicateKey(Exception):
-    """A key written twice in one mapping: (key, line of the repeat or None, line of the first or None)."""
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key written twice in one mapping (PyYAML keeps the last one silently).
-
-    Keys brought in by a `<<: *anchor` merge may be overridden: that is what a merge key is for.
-    """
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
-                    continue  # merges are resolved by flatten_mapping; a non-scalar key is refused by PyYAML itself
-                key = self.construct_object(key_node)
-                if key in seen:
-                    raise _DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
-                seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
-def _unique_json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json's object_pairs_hook: a dict, refusing a key written twice (json.loads keeps the last silently)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k, None, None)
-        out[k] = v
-    return out
-
-
-def _too_deep(data: Any, limit: int = MAX_DEPTH) -> bool:
-    """Whether dicts/lists nest deeper than `limit` (iterative, so a cyclic YAML alias ends at the limit too)."""
-    stack = [(data, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict | list):
-            if depth > limit:
-                return True
-            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
-    return False
-
-
-def read_file(path: str | Path) -> dict[str, Any]:
-    """Parse one YAML/JSON/TOML file into a dict; syntax errors name the file and line.
-
-    Refused, each in one line: a file that is not UTF-8, a key written twice in one mapping (YAML and JSON
-    keep the last one silently; TOML refuses it itself), nesting deeper than MAX_DEPTH.
-    """
-    path = Path(path)
-    try:
-        if not path.is_file():
-            raise UsageError(f"config file not found: {path}. Pass an existing .yaml, .json or .toml file with -c.")
-        raw = path.read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read the config file {path}: {e.strerror or e}.") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise UsageError(f"{path}: line {line}: byte 0x{raw[e.start]:02x} is not UTF-8; config files are read as UTF-8 "
-                         "(re-save it as UTF-8, e.g. iconv -f latin1 -t utf-8).") from None
-    suffix = path.suffix.lower()
-    try:
-        if suffix in (".yaml", ".yml"):
-            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-        elif suffix == ".json":
-            data = json.loads(text, object_pairs_hook=_unique_json_pairs)
-        elif suffix == ".toml":
-            data = tomllib.loads(text)
-        else:
-            raise UsageError(f"{path}: unsupported config format '{suffix}'. Use .yaml, .yml, .json or .toml.")
-    except _DuplicateKey as e:
-        key, line, first = e.args
-        where = f" line {line}:" if line else ""
-        also = f" (first on line {first})" if first else ""
-        raise UsageError(f"{path}:{where} key {key!r} is written twice in one mapping{also}; only one value can "
-                         "hold. Remove the other.") from None
-    except RecursionError:
-        raise UsageError(f"{path}: nested too deeply to read (hundreds of levels of lists/mappings; a config nests a "
-                         "few).") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UsageError(f"{path}:{where}: YAML syntax error: {getattr(e, 'problem', e)}") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{path}: line {e.lineno}, column {e.colno}: JSON syntax error: {e.msg}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"{path}: TOML syntax error: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UsageError(f"{path}: the top level must be a mapping of sections (run:, data:, ...), not {type(data).__name__}.")
-    if _too_deep(data):
-        raise UsageError(f"{path}: nested too deeply (over {MAX_DEPTH} levels of lists/mappings); a config nests a "
-                         "few levels.")
-    return data
-
-
-def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """`top` over `base`, recursing into nested dicts (lists and scalars are replaced)."""
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def read_with_extends(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read a config and the files it `extends` (relative to itself), the child's keys winning."""
-    path = Path(path).resolve()
-    if path in _chain:
-        cycle = " -> ".join(str(p) for p in (*_chain, path))
-        raise UsageError(f"`extends` cycle: {cycle}. Remove one of these `extends` keys.")
-    data = read_file(path)
-    parents = data.pop("extends", None)
-    if parents is None:
-        return data
-    if isinstance(parents, str):
-        parents = [parents]
-    if not isinstance(parents, list) or not all(isinstance(p, str) and p for p in parents):
-        raise UsageError(f"{path}: `extends` must be a file name or a list of file names (relative to this file), "
-                         f"not {parents!r}.")
-    merged: dict[str, Any] = {}
-    for parent in parents:
-        merged = deep_merge(merged, read_with_extends(path.parent / parent, (*_chain, path)))
-    return deep_merge(merged, data)
-
-
-def _field_names(model: type[BaseModel]) -> list[str]:
-    return list(model.model_fields)
-
-
-def _sub_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
-    """The section model behind `model.key`, or None when the field is free-form (dict, scalar)."""
-    ann = model.model_fields[key].annotation
-    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+# Reading files (YAML/JSON/TOML, extends, duplicate keys, depth) and dotted overrides live in config_files.py;
+# read_file, read_with_extends, deep_merge and MAX_DEPTH are re-exported here, where callers have always found them.
 
 
 def apply_override(data: dict[str, Any], item: str) -> dict[str, Any]:
-    """Apply one `a.b.c=value` to the raw dict; the key must exist in the schema."""
-    if "=" not in item:
-        raise UsageError(f"override '{item}' must look like key=value, e.g. optim.lr=0.05")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    model: type[BaseModel] | None = Config
-    node = data
-    for i, part in enumerate(parts):
-        if model is not None:
-            names = _field_names(model)
-            if part not in names:
-                prefix = ".".join(parts[:i])
-                full = [f"{prefix}.{n}" if prefix else n for n in names]
-                raise UsageError(f"override '{key}': unknown key.{did_you_mean(key, full)}")
-        if i == len(parts) - 1:
-            break
-        sub = node.get(part)
-        if not isinstance(sub, dict | str | None):
-            where = ".".join(parts[: i + 1])
-            raise UsageError(f"override '{item}': {where} is a section, but it was set to {sub!r}. Set its keys "
-                             f"({where}.<key>=value) instead of the whole section.")
-        if not isinstance(sub, dict):
-            sub = {} if sub is None or isinstance(sub, str) else sub
-            if isinstance(node.get(part), str) and model is not None:
-                # `precision: amp_bf16` shorthand followed by `precision.on_nonfinite=stop`.
-                first = next(iter(_sub_model(model, part).model_fields))
-                sub = {first: node[part]}
-            node[part] = sub
-        node = sub
-        model = _sub_model(model, part) if model is not None else None
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    node[parts[-1]] = value
-    return data
+    """Apply one `a.b.c=value` to the raw dict; the key must exist in the schema (Config)."""
+    return _apply_override(data, item, Config)
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("models.core", ["models.core"]),
     ("models", ["models.nets", "models.init"]),
     ("tasks", ["tasks"]),
-    ("config", ["config_files", "config"]),
+    ("config", ["config_files", "config", "saved_config"]),
     ("engine", ["engine"]),
     ("run", ["run"]),
     ("commands", ["trained", "export", "predict", "bench", "report", "launch", "data.commands.*"]),

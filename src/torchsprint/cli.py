@@ -194,7 +194,7 @@ def cmd_train(args) -> int:
         # valid checkpoint of the run folder, which every attempt shares (launch.py).
         overrides += ["checkpoint.resume=auto"]
     if args.resume and args.config is None:  # the run folder's own config: its `imports:` are not trusted
-        from torchsprint.run import resumed_run_config
+        from torchsprint.saved_config import resumed_run_config
 
         cfg = resumed_run_config(args.resume, overrides, args.imports)
     else:

@@ -223,7 +223,7 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
 
     Returns {"path", "format", "max_abs_diff"}; raises UsageError when the difference exceeds `tolerance`.
     """
-    from torchsprint.run import naming_imports
+    from torchsprint.saved_config import naming_imports
     from torchsprint.tasks import get_task
     from torchsprint.trained import load_run
 

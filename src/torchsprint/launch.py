@@ -90,7 +90,7 @@ def preflight(args):
 
     path, overrides = config_source(args)
     if args.resume and args.config is None:  # the run folder's own config: its `imports:` are not trusted
-        from torchsprint.run import resumed_run_config
+        from torchsprint.saved_config import resumed_run_config
 
         cfg = resumed_run_config(args.resume, overrides, args.imports)
     else:

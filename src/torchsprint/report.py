@@ -185,8 +185,8 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
         wrong: how many confidently wrong validation images to show.
     """
     from torchsprint import plots
-    from torchsprint.run import naming_imports
     from torchsprint.rundir import writable_file
+    from torchsprint.saved_config import naming_imports
     from torchsprint.trained import load_run
 
     run_dir = Path(run_dir)

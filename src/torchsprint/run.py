@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,93 +16,9 @@ import torch
 from torchsprint import config as config_mod
 from torchsprint.config import import_modules
 from torchsprint.errors import UsageError
+from torchsprint.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
+from torchsprint.saved_config import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
 from torchsprint.tasks import IMBALANCED
-
-
-def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
-    """Decide the run folder and refuse to clobber another run (rank 0). Returns (path, exists, lock or None).
-
-    A folder that already holds a run is locked at once (another process training there is refused)
-    and used only to resume it (checkpoint.resume / --resume) or, with --overwrite, to start over after
-    its files are moved into replaced-<time>/. A new folder is created later, after the whole run has
-    been built (so a config error leaves nothing behind), exclusively (see rundir.create_unique).
-    """
-    from torchsprint.resume import find_checkpoints
-    from torchsprint.rundir import RunLock, holds_results, holds_run, planned_path, set_aside
-
-    path, explicit = planned_path(cfg.run)
-    if not (explicit and holds_run(path)):
-        return path, False, None
-    # resume=auto in a folder whose results (weights, summary) outlived its checkpoints would train from scratch
-    # over them: refused, like a fresh run there. A folder with neither is a run that failed before its first
-    # save; its files (metrics.jsonl rows of the lost steps...) are moved aside, so the new start never appends
-    # to them.
-    resume_auto = cfg.checkpoint.resume == "auto"
-    orphaned = resume_auto and not overwrite and bool(results_of(path)) and not find_checkpoints(path)
-    if dry_run:  # the same refusals, without locking or moving anything
-        if orphaned:
-            raise UsageError(no_checkpoint_left(path))
-        if holds_results(path) and cfg.checkpoint.resume is None and not overwrite:
-            raise UsageError(f"{path} already holds a run: add --resume or --overwrite, or choose another run.dir.")
-        return path, True, None
-    lock = RunLock(path)
-    if not holds_results(path) and (cfg.checkpoint.resume is None or resume_auto):  # failed before saving anything
-        log(f"{path} holds only the start of a run that saved nothing (no checkpoint, weights or summary): its "
-            f"files are moved into {set_aside(path)}")
-    elif overwrite:
-        moved = set_aside(path)
-        log(f"--overwrite: moved the files of the run that was in {path} into {moved}")
-    elif orphaned:
-        lock.release()
-        raise UsageError(no_checkpoint_left(path))
-    elif cfg.checkpoint.resume is None:
-        lock.release()
-        raise UsageError(f"{path} already holds a run (config.yaml, weights, checkpoints). To continue it: "
-                         f"`torchsprint train --resume {path}`; to start over there (its files are moved into "
-                         f"{path}/replaced-<time>/): add --overwrite; or choose another run.dir.")
-    return path, True, lock
-
-
-def results_of(path: Path) -> list[str]:
-    """The result files (summary, weights) a run folder holds."""
-    return [n for n in ("summary.json", "best.safetensors", "last.safetensors", "ema.safetensors") if (path / n).is_file()]
-
-
-def no_checkpoint_left(path: Path) -> str:
-    """The refusal for resuming a run folder that holds results but no checkpoint to continue from."""
-    return (f"cannot resume {path}: it holds a run's results ({', '.join(results_of(path))}) but no checkpoint (checkpoints/ckpt-*.pt is "
-            f"missing), so resuming would train from scratch over them. To start over there, add --overwrite (its "
-            f"files are moved into {path}/replaced-<time>/, nothing is deleted); or train into another run.dir.")
-
-
-def finished(ckpt: dict, run_cfg) -> bool:
-    """Whether a checkpoint's run already did everything `run_cfg` asks for (all epochs, run.max_steps, or it
-    stopped early)."""
-    ts = ckpt["train_state"]
-    return ts.get("stopped_epoch") is not None or ts["epoch"] >= run_cfg.epochs or (run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps)
-
-
-def how_to_continue(ts: dict, run_cfg, run_dir: Path) -> str:
-    """What to change to train a finished run further, named after the limit that ended it (early_stop,
-    run.max_steps, run.epochs or both): raising run.epochs does nothing for a run that run.max_steps stopped.
-
-    Args:
-        ts: the checkpoint's train_state; run_cfg: the `run` section it was resumed with; run_dir: its folder.
-    """
-    if ts.get("stopped_epoch") is not None:
-        return (f"it stopped early after epoch {ts['stopped_epoch'] + 1} (early_stop); to train on, start a new run "
-                f"from its weights with model.pretrained={run_dir / 'last.safetensors'}")
-    by_steps = run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps
-    by_epochs = ts["epoch"] >= run_cfg.epochs
-    resume = f"`torchsprint train --resume {run_dir}"
-    if by_steps and by_epochs:
-        return (f"it reached both run.epochs={run_cfg.epochs} and run.max_steps={run_cfg.max_steps}; to train it longer, "
-                f"raise both (or remove the step limit), e.g. {resume} run.epochs={run_cfg.epochs + 10} run.max_steps=null`")
-    if by_steps:
-        return (f"it stopped at run.max_steps={run_cfg.max_steps}; to train it longer, resume with a larger run.max_steps, "
-                f"e.g. {resume} run.max_steps={2 * run_cfg.max_steps}`, or remove the limit with run.max_steps=null "
-                f"(then it trains to run.epochs={run_cfg.epochs})")
-    return (f"to train it longer, resume with a larger run.epochs, e.g. {resume} run.epochs={run_cfg.epochs + 10}`")
 
 
 def on_main(rt, fn):
@@ -480,75 +395,6 @@ def not_deterministic(error: RuntimeError, cfg) -> UsageError | None:
     return UsageError(f"run.deterministic=true: {op} has no deterministic implementation on {cfg.run.device} "
                       "(torch.use_deterministic_algorithms), so this run cannot be bit-exact. Set run.deterministic=false, "
                       "or change the model or settings that use it.")
-
-
-# ---------------------------------------------------------------- opening a run folder or model file runs no code
-#
-# A run folder or model file may come from someone else. The `imports:` its config lists would import whatever
-# module of that name lies in the working folder (config.import_modules searches it), so opening one never
-# imports them: the user names the modules they trust with --import, and an error that a missing module
-# explains (an unknown model, dataset, task...) says which flag to pass.
-
-
-def untrusted_imports(listed) -> list[str]:
-    """The modules a saved config lists that this process has not imported (through --import or otherwise)."""
-    return [m for m in (listed if isinstance(listed, list) else []) if isinstance(m, str) and m not in sys.modules]
-
-
-def needs_imports(source, missing: list[str]) -> str:
-    """The hint appended to an error of a run folder or model file whose config lists `missing` modules."""
-    if not missing:
-        return ""
-    flags = " ".join(f"--import {m}" for m in missing)
-    return (f" {source} was trained with `imports: {missing}`; a run folder or model file never imports code by "
-            f"itself: if you trust these modules, pass {flags}.")
-
-
-@contextmanager
-def naming_imports(listed, source):
-    """Append `needs_imports` to a UsageError raised inside, when the saved config lists unimported modules."""
-    try:
-        yield
-    except UsageError as e:
-        missing = untrusted_imports(listed)
-        if not missing or needs_imports(source, missing) in str(e):
-            raise
-        raise UsageError(f"{e}{needs_imports(source, missing)}") from None
-
-
-def file_config(raw: dict, source: str | Path) -> config_mod.Config:
-    """A config saved in a run folder or a model file's metadata, validated WITHOUT importing the modules it lists."""
-    with naming_imports(raw.get("imports") if isinstance(raw, dict) else None, source):
-        return config_mod.validate(raw, str(source))
-
-
-def load_run_config(run_dir: Path, overrides: list[str] = ()) -> config_mod.Config:
-    """The resolved config saved in a run folder, with overrides; its `imports:` are not imported (see above)."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise UsageError(f"{run_dir} is not a torchsprint run folder (no config.yaml). Pass the folder `train` printed.")
-    data = config_mod.read_with_extends(path)
-    for item in overrides:
-        data = config_mod.apply_override(data, item)
-    return file_config(data, path)
-
-
-def resumed_run_config(run_dir: str | Path, overrides: list[str], imports: list[str]) -> config_mod.Config:
-    """The config of `train --resume RUN_DIR` without -c: the run folder's saved config plus `overrides`.
-
-    Only `imports` (the user's --import) are imported; a module the saved config lists and the user did not
-    name is refused, naming the flag to pass (the run would import it when it starts training).
-    """
-    import_modules(imports)
-    cfg = load_run_config(Path(run_dir), overrides)
-    missing = untrusted_imports(cfg.imports)
-    if missing:
-        flags = " ".join(f"--import {m}" for m in missing)
-        raise UsageError(f"--resume {run_dir}: its config.yaml lists `imports: {missing}`, and a run folder never imports "
-                         f"code by itself: if you trust these modules, pass {flags} (or give the config with -c).")
-    if imports:  # as config.load does: the flags' modules join the run's list (the config.yaml written next)
-        cfg.imports = [*cfg.imports, *[m for m in imports if m not in cfg.imports]]
-    return cfg
 
 
 def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str] = (), split: str = "val") -> dict:

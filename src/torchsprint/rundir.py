@@ -142,3 +142,91 @@ def writable_file(path: str | Path, option: str) -> Path:
     except OSError as e:
         raise UsageError(f"{option} {path}: cannot write there ({e.strerror or e}). Choose a writable folder.") from None
     return path
+
+
+# ---------------------------------------------------------------- claiming a run folder for a run
+
+
+def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
+    """Decide the run folder and refuse to clobber another run (rank 0). Returns (path, exists, lock or None).
+
+    A folder that already holds a run is locked at once (another process training there is refused)
+    and used only to resume it (checkpoint.resume / --resume) or, with --overwrite, to start over after
+    its files are moved into replaced-<time>/. A new folder is created later, after the whole run has
+    been built (so a config error leaves nothing behind), exclusively (see rundir.create_unique).
+    """
+    from torchsprint.resume import find_checkpoints
+
+    path, explicit = planned_path(cfg.run)
+    if not (explicit and holds_run(path)):
+        return path, False, None
+    # resume=auto in a folder whose results (weights, summary) outlived its checkpoints would train from scratch
+    # over them: refused, like a fresh run there. A folder with neither is a run that failed before its first
+    # save; its files (metrics.jsonl rows of the lost steps...) are moved aside, so the new start never appends
+    # to them.
+    resume_auto = cfg.checkpoint.resume == "auto"
+    orphaned = resume_auto and not overwrite and bool(results_of(path)) and not find_checkpoints(path)
+    if dry_run:  # the same refusals, without locking or moving anything
+        if orphaned:
+            raise UsageError(no_checkpoint_left(path))
+        if holds_results(path) and cfg.checkpoint.resume is None and not overwrite:
+            raise UsageError(f"{path} already holds a run: add --resume or --overwrite, or choose another run.dir.")
+        return path, True, None
+    lock = RunLock(path)
+    if not holds_results(path) and (cfg.checkpoint.resume is None or resume_auto):  # failed before saving anything
+        log(f"{path} holds only the start of a run that saved nothing (no checkpoint, weights or summary): its "
+            f"files are moved into {set_aside(path)}")
+    elif overwrite:
+        moved = set_aside(path)
+        log(f"--overwrite: moved the files of the run that was in {path} into {moved}")
+    elif orphaned:
+        lock.release()
+        raise UsageError(no_checkpoint_left(path))
+    elif cfg.checkpoint.resume is None:
+        lock.release()
+        raise UsageError(f"{path} already holds a run (config.yaml, weights, checkpoints). To continue it: "
+                         f"`torchsprint train --resume {path}`; to start over there (its files are moved into "
+                         f"{path}/replaced-<time>/): add --overwrite; or choose another run.dir.")
+    return path, True, lock
+
+
+def results_of(path: Path) -> list[str]:
+    """The result files (summary, weights) a run folder holds."""
+    return [n for n in ("summary.json", "best.safetensors", "last.safetensors", "ema.safetensors") if (path / n).is_file()]
+
+
+def no_checkpoint_left(path: Path) -> str:
+    """The refusal for resuming a run folder that holds results but no checkpoint to continue from."""
+    return (f"cannot resume {path}: it holds a run's results ({', '.join(results_of(path))}) but no checkpoint (checkpoints/ckpt-*.pt is "
+            f"missing), so resuming would train from scratch over them. To start over there, add --overwrite (its "
+            f"files are moved into {path}/replaced-<time>/, nothing is deleted); or train into another run.dir.")
+
+
+def finished(ckpt: dict, run_cfg) -> bool:
+    """Whether a checkpoint's run already did everything `run_cfg` asks for (all epochs, run.max_steps, or it
+    stopped early)."""
+    ts = ckpt["train_state"]
+    return ts.get("stopped_epoch") is not None or ts["epoch"] >= run_cfg.epochs or (run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps)
+
+
+def how_to_continue(ts: dict, run_cfg, run_dir: Path) -> str:
+    """What to change to train a finished run further, named after the limit that ended it (early_stop,
+    run.max_steps, run.epochs or both): raising run.epochs does nothing for a run that run.max_steps stopped.
+
+    Args:
+        ts: the checkpoint's train_state; run_cfg: the `run` section it was resumed with; run_dir: its folder.
+    """
+    if ts.get("stopped_epoch") is not None:
+        return (f"it stopped early after epoch {ts['stopped_epoch'] + 1} (early_stop); to train on, start a new run "
+                f"from its weights with model.pretrained={run_dir / 'last.safetensors'}")
+    by_steps = run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps
+    by_epochs = ts["epoch"] >= run_cfg.epochs
+    resume = f"`torchsprint train --resume {run_dir}"
+    if by_steps and by_epochs:
+        return (f"it reached both run.epochs={run_cfg.epochs} and run.max_steps={run_cfg.max_steps}; to train it longer, "
+                f"raise both (or remove the step limit), e.g. {resume} run.epochs={run_cfg.epochs + 10} run.max_steps=null`")
+    if by_steps:
+        return (f"it stopped at run.max_steps={run_cfg.max_steps}; to train it longer, resume with a larger run.max_steps, "
+                f"e.g. {resume} run.max_steps={2 * run_cfg.max_steps}`, or remove the limit with run.max_steps=null "
+                f"(then it trains to run.epochs={run_cfg.epochs})")
+    return (f"to train it longer, resume with a larger run.epochs, e.g. {resume} run.epochs={run_cfg.epochs + 10}`")

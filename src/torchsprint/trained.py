@@ -12,7 +12,7 @@ from torch import nn
 from torchsprint import config as config_mod
 from torchsprint.checkpoint import read_safetensors_metadata
 from torchsprint.errors import UsageError
-from torchsprint.run import file_config, load_run_config, naming_imports
+from torchsprint.saved_config import file_config, load_run_config, naming_imports
 
 __all__ = ["Trained", "file_config", "load_run", "load_weights_file"]
 

@@ -114,7 +114,7 @@ def compare(cfg, images: int = 64, run: str | None = None) -> dict:
         from safetensors.torch import load_file
 
         from torchsprint.models import build_model
-        from torchsprint.run import load_run_config, naming_imports
+        from torchsprint.saved_config import load_run_config, naming_imports
 
         rcfg = load_run_config(Path(run))  # never imports the modules the run's config lists
         wpath = Path(run) / "best.safetensors"

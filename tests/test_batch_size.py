@@ -15,7 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from torchsprint import config
-from torchsprint.batch_size import binsearch, check_batch_settings, cpu_bound, power_of_two_floor, step_peak_bytes
+from torchsprint.batch_size import (
+    binsearch,
+    check_batch_settings,
+    cpu_bound,
+    power_of_two_floor,
+    step_peak_bytes,
+)
 from torchsprint.checkpoint import load_checkpoint
 from torchsprint.errors import UsageError
 from torchsprint.resume import find_checkpoints

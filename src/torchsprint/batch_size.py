@@ -19,7 +19,6 @@ CUDA) back as they were. A run with `auto` is the run with the number it found w
 from __future__ import annotations
 
 import gc
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -371,8 +370,7 @@ def _search(cfg, rt) -> tuple[int, dict]:
         raise UsageError(f"data.batch_size=auto: even a batch of 1 runs out of memory on {device} with model "
                          f"{cfg.model.name} and precision {cfg.precision.mode}. Use smaller images, a smaller model or "
                          "precision=amp_bf16 (amp_fp16), or free the device.")
-    del model, opt, prec, ema, loss_fn, probe, train, images, targets
-    return found, record
+    return found, record  # the throwaway objects go with this frame (search_batch_size then empties the CUDA cache)
 
 
 def oom_message(error: BaseException, cfg, rt, step: int, run_dir: Path, evaluating: bool) -> str:

@@ -92,12 +92,12 @@ def decisions(run_dir: Path) -> dict:
 # ---------------------------------------------------------------- the search itself
 
 
-@pytest.mark.parametrize("limit", [1, 2, 3, 37, 64, 100, 511, 512, 1000])
-@pytest.mark.parametrize("start, cap, good", [(2, 512, 0), (512, 512, 8), (1, 700, 0)])
+@pytest.mark.parametrize("limit, start, cap, good", [
+    (limit, start, cap, good) for limit in (1, 2, 3, 37, 64, 100, 511, 512, 1000)
+    for start, cap, good in ((2, 512, 0), (512, 512, 8), (1, 700, 0)) if good <= limit  # `good` is known to fit
+])
 def test_binsearch_finds_the_largest_size_that_fits(limit, start, cap, good):
     """Against brute force over every size, in at most 2 x log2(cap) + 2 trials; never tries above cap."""
-    if good > limit:
-        pytest.skip("`good` is a size known to fit")
     found, trials = binsearch(lambda n: n <= limit, start, cap, good=good)
     assert found == max(n for n in range(0, cap + 1) if n <= limit)
     assert all(1 <= n <= cap for n, _ in trials)

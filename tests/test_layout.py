@@ -11,7 +11,7 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
   models       core (MODELS registry) < nets, init
   tasks        what a run learns (metrics, losses, artifacts per task)
   config       the schema (fills task defaults)
-  engine       the only loop
+  engine       the only loop; batch_size (data.batch_size: auto, with real train steps)
   run          the flow of one run
   commands     trained, export, predict, bench, report, launch, data/commands/ (check, compare, shard)
   cli          the `torchsprint` command
@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("models", ["models.nets", "models.init"]),
     ("tasks", ["tasks"]),
     ("config", ["config_files", "config", "saved_config"]),
-    ("engine", ["engine"]),
+    ("engine", ["engine", "batch_size"]),
     ("run", ["run"]),
     ("commands", ["trained", "export", "predict", "bench", "report", "launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),

@@ -149,6 +149,7 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     try:
         t_build = time.perf_counter()
         b = build_training(cfg, rt, log=lambda *_: None)
+        cfg = b.cfg  # data.batch_size=auto / effective_batch_size resolved
         build_s = time.perf_counter() - t_build
         set_train_mode(b.model, b.frozen_norms)
         epoch = [0]

@@ -79,8 +79,26 @@ class DataConfig(Section):
         None, gt=0, description="The most memory (GiB) the memory backend may hold the decoded dataset in: auto picks "
         "memory only under it, and data.backend=memory refuses a dataset over it. null: 25% of RAM on CPU, 50% of "
         "the GPU's memory on CUDA.")
-    batch_size: int = Field(64, ge=1, description="Training batch size per process.")
+    batch_size: int | Literal["auto"] = Field(
+        64, description="Training batch size per process, or 'auto': the largest that trains here, found at start-up with "
+        "real steps of the run's model, precision and optimizer (CUDA: doubling, then bisecting on out-of-memory; CPU: "
+        "50% of the free memory over the measured memory of a step, a power of two, confirmed by a step); at most the "
+        "training images per process and 4096. The run says what it found (start-up, decisions.json) and resuming keeps it.")
+    effective_batch_size: int | None = Field(
+        None, ge=1, description="Images per optimizer step over all processes (batch_size x optim.accum_steps x "
+        "processes): optim.accum_steps is derived from it, so with batch_size=auto the effective batch stays the same on "
+        "any device (the batch found is lowered to a divisor). None: batch_size x optim.accum_steps x processes.")
     eval_batch_size: int | None = Field(None, ge=1, description="Evaluation batch size (defaults to 2 x batch_size).")
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _batch_size(cls, v):
+        # One clear message for every bad value (pydantic would list one failure per member of the union).
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        if isinstance(v, str) and v.strip().isdigit() and int(v) >= 1:
+            return int(v)
+        raise ValueError("must be a whole number of images >= 1 per process, or 'auto' (the largest that trains here)")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0 loads in the main process).")
     pin_memory: bool = Field(True, description="Pin host memory for faster, asynchronous copies to CUDA (ignored on CPU).")
     persistent_workers: bool = Field(True, description="Keep workers alive between epochs (when num_workers > 0).")
@@ -157,7 +175,8 @@ class OptimConfig(Section):
         "auto", description="Kernel implementation of the update (auto: fused for sgd/adam/adamw on CUDA, PyTorch's choice elsewhere).")
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the optimizer class.")
     clip_grad_norm: float | None = Field(None, gt=0, description="Clip the global gradient norm to this value.")
-    accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step (derived from "
+                             "data.effective_batch_size when that is set).")
     param_groups: list[ParamGroupRule] = Field(
         default_factory=list, description="Per-parameter-group settings, e.g. [{pattern: 'backbone.*', lr_scale: 0.1}]: "
         "the first matching rule sets a parameter's lr scale and weight decay; unmatched parameters keep optim.lr.")

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,13 +88,17 @@ class Built:
     loss_fn: torch.nn.Module
     ema: object  # ema.ModelEma, or the no-op ema.NoEma
     init: dict  # how the model was initialised (checkpoint | pretrained | random) and, from pretrained, what was loaded
+    cfg: object  # the config with data.batch_size and optim.accum_steps resolved (batch_size.choose_batch): read this one
+    batch: object  # batch_size.BatchChoice: the batch size, accumulation and why
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
     """loaders -> model -> init (checkpoint > pretrained > random) -> freeze -> wrap -> optimizer -> scheduler -> loss.
 
-    Shared by `train` and `bench` so that a benchmark measures exactly what training runs.
+    Shared by `train` and `bench` so that a benchmark measures exactly what training runs. data.batch_size=auto and
+    data.effective_batch_size are resolved first (batch_size.choose_batch); everything after reads `Built.cfg`.
     """
+    from torchsprint.batch_size import choose_batch, resolved_config
     from torchsprint.collectives import agree_on_data
     from torchsprint.data import build_loaders
     from torchsprint.ema import build_ema
@@ -112,8 +117,11 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     task = get_task(cfg.task)
     task.check(cfg)
     mixing = check_mix(cfg.mix, cfg.task, task.targets, cfg.loss)
+    batch = choose_batch(cfg, rt, log, ckpt)  # before anything of the run is built: the search leaves nothing behind
+    cfg = resolved_config(cfg, batch)
     loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True,
-                            allowed=task.backends)
+                            allowed=task.backends, splits=batch.splits)
+    batch.splits = None  # the run's loaders hold the data set now
     if cfg.eval.test_at_end and loaders.info.facts.get("images", {}).get("test") is None:
         raise UsageError(f"eval.test_at_end=true: data.dataset={cfg.data.dataset} (root={cfg.data.root}) has no test split "
                          "(image_folder reads test/ beside train/). Add one, or set eval.test_at_end=false.")
@@ -159,7 +167,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         raise UsageError(f"checkpoint.monitor={cfg.checkpoint.monitor} is a metric of the EMA weights, which this run does "
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
-    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record})
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch)
 
 
 def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:
@@ -175,6 +183,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
     is created; a finished run asked to resume says so and leaves its files alone.
     """
     from torchsprint import runtime
+    from torchsprint.batch_size import is_oom, oom_message
     from torchsprint.checkpoint import Saver, TrainState, data_geometry
     from torchsprint.engine import fit
     from torchsprint.logging import RunLogger, check_sinks
@@ -215,6 +224,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             clean = True
             return summary | {"run_dir": str(run_dir), "already_finished": True}
         b = build_training(cfg, rt, logger.info, ckpt, resume_path)
+        cfg = b.cfg  # data.batch_size and optim.accum_steps resolved (auto, effective_batch_size): config.yaml says them
         if dry_run:
             logger.info(f"dry run: everything checked; would train in {run_dir}{' (resuming)' if ckpt else ''}; "
                         "nothing was written")
@@ -257,6 +267,10 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
                 make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
             )
         except RuntimeError as e:
+            if is_oom(e):  # the checkpoints saved so far are whole files (atomic writes): the message names the last
+                evaluating = any(f.name == "evaluate" for f in traceback.extract_tb(e.__traceback__))
+                step = state.global_step + (0 if evaluating else 1)  # the step that failed, not the last one done
+                raise UsageError(oom_message(e, cfg, rt, step, run_dir, evaluating)) from e
             explained = input_too_small(e, b.model, cfg, b.loaders) or not_deterministic(e, cfg)
             if explained is None:
                 raise
@@ -304,6 +318,8 @@ def decisions(cfg, rt, b: Built) -> dict:
             if cfg.speed.channels_last == "auto" else ""),
         "batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
         "effective_batch_size": cfg.data.batch_size * cfg.optim.accum_steps * rt.world_size,
+        # Where the batch size and accumulation came from (data.batch_size, auto's search, data.effective_batch_size).
+        "batch_size_why": b.batch.why, "batch_size_search": b.batch.search or None,
         "steps_per_epoch": -(-len(b.loaders.train) // cfg.optim.accum_steps), "epochs": cfg.run.epochs,
     }
 
@@ -340,6 +356,8 @@ def describe_decisions(d: dict) -> list[str]:
                  f"{'on' if d.get('channels_last') else 'off'} ({d.get('channels_last_why', '')}), batch {d['batch_size']} x "
                  f"accum {d['accum_steps']} x {d['world_size']} process(es) = effective batch {d['effective_batch_size']}, "
                  f"{d['steps_per_epoch']} steps per epoch, {d['epochs']} epochs")
+    if d.get("batch_size_why", "data.batch_size") != "data.batch_size":
+        lines.append(f"  batch size: {d['batch_size_why']}")
     return lines
 
 

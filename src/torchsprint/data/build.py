@@ -13,7 +13,15 @@ from dataclasses import replace
 
 import torch
 
-from torchsprint.data.core import DATASETS, LOADERS, Loaders, Splits, as_backend, runs_anywhere
+from torchsprint.data.core import (
+    DATASETS,
+    LOADERS,
+    Loaders,
+    Splits,
+    as_backend,
+    balanced_weights,
+    runs_anywhere,
+)
 from torchsprint.errors import UsageError
 
 # data.backend=auto: the memory backend when the decoded dataset fits this share of host RAM (CPU runs)
@@ -60,6 +68,8 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
         splits = replace(splits, val=splits.test)
     elif split != "val":
         raise UsageError(f"--split {split}: choose val or test.")
+    if data_cfg.sampler == "balanced":
+        splits = replace(splits, train_weights=balanced_train_weights(data_cfg, splits))
     kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
     configured = data_cfg.backend
     name, why = configured, "set in the config (data.backend)"
@@ -84,6 +94,19 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     info.backend, info.backend_why, info.backend_config, info.fallback = name, why, configured, fallback or ""
     loaders.info.facts = describe_data(splits)
     return splits.wrap(loaders)
+
+
+def balanced_train_weights(data_cfg, splits: Splits) -> torch.Tensor:
+    """data.sampler=balanced: per-sample weights 1 / class count, from the training split's class-index labels."""
+    labels = None if getattr(splits.train, "streaming", False) else _labels(splits.train)
+    if labels is None:
+        raise UsageError(f"data.sampler=balanced draws samples by their class, but data.dataset={data_cfg.dataset} has no "
+                         "per-sample class labels to draw from (streamed shards, or targets that are not one class per "
+                         "image). Remove data.sampler, or use an indexed dataset (image_folder, file_list).")
+    if data_cfg.repeated_aug > 1:
+        raise UsageError(f"data.sampler=balanced with data.repeated_aug={data_cfg.repeated_aug}: both choose which samples "
+                         "an epoch reads; use one of them.")
+    return balanced_weights(labels, len(splits.classes))
 
 
 def check_data_fields(data_cfg) -> None:
@@ -264,7 +287,8 @@ def describe_data(splits: Splits, sample: int = 32) -> dict:
     if labels is not None and len(splits.classes) > 1:
         counts = torch.bincount(labels, minlength=len(splits.classes)).tolist()
         lo, hi = min(range(len(counts)), key=counts.__getitem__), max(range(len(counts)), key=counts.__getitem__)
-        facts["class_counts"] = {"smallest": [splits.classes[lo], counts[lo]], "largest": [splits.classes[hi], counts[hi]]}
+        facts["class_counts"] = {"smallest": [splits.classes[lo], counts[lo]], "largest": [splits.classes[hi], counts[hi]],
+                                 "per_class": counts}  # in class order: loss.class_weights=auto reads them
     if hasattr(splits.train, "images"):
         facts["image_size"] = {"min": list(splits.train.images.shape[-2:]), "max": list(splits.train.images.shape[-2:]),
                                "sampled": len(splits.train)}

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from torchsprint.data.core import LOADERS, Backend, DataInfo, EpochSampler, Loaders, sample_seeds
+from torchsprint.data.core import (
+    LOADERS,
+    Backend,
+    DataInfo,
+    EpochSampler,
+    Loaders,
+    balanced_weights,
+    sample_seeds,
+)
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.errors import UsageError
@@ -107,7 +115,9 @@ def memory_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torc
             images, targets, skipped = decode_all(raw, data_cfg.on_bad_sample, data_cfg.num_workers)
         fits_on_device(images.numel(), rt.device)
         sampler = EpochSampler(len(targets), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
-                               repeats=data_cfg.repeated_aug if train else 1)
+                               repeats=data_cfg.repeated_aug if train else 1,
+                               weights=balanced_weights(targets, len(splits.classes))
+                               if train and splits.train_weights is not None else None)  # skipped samples are not in targets
         bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop = train and data_cfg.drop_last and len(sampler) >= bs
         loader = MemoryLoader(images.to(rt.device), targets.to(rt.device), pipe, sampler, bs, drop, norm)

@@ -368,6 +368,8 @@ PROBES = {
     "sched.pct_start": lambda t: (differs(lrs(30), "sched.pct_start=0.5", base=["sched.name=onecycle"]),
                                   refused("sched.pct_start=0.5", match="does not apply")),
     "loss.name": lambda t: differs(lambda c, b: type(b.loss_fn).__name__, "loss.name=bce_with_logits"),
+    "model.freeze_epochs": lambda t: elsewhere("test_freeze_epochs.py::test_body_frozen_then_trained_and_resume_is_exact_across_the_switch"),
+    "model.head": lambda t: refused("model.head=['7.*']", match="set model.freeze_epochs"),
     "loss.class_weights": lambda t: elsewhere("test_imbalance.py::test_class_weights_equal_sklearn_and_reach_the_loss"),
     "loss.label_smoothing": lambda t: differs(lambda c, b: float(b.loss_fn(torch.eye(10) * 5, torch.arange(10))),
                                               "loss.label_smoothing=0.2"),

@@ -132,6 +132,14 @@ class ModelConfig(Section):
     freeze: list[str] = Field(default_factory=list, description="Parameter-name patterns (glob, or regex with 're:' prefix) to freeze.")
     train_only: list[str] = Field(default_factory=list, description="Freeze everything except parameters matching these patterns.")
     freeze_bn_stats: bool = Field(True, description="Keep BatchNorm layers whose parameters are all frozen in eval mode.")
+    freeze_epochs: int = Field(
+        0, ge=0, description="Fine-tuning (fastai's freeze-then-unfreeze): the first N epochs train only the head "
+        "(model.head, else the last Linear layer), then every trainable parameter. The body is in the optimizer from "
+        "the start with no gradient while frozen (not stepped, no weight decay); the learning-rate schedule runs on "
+        "over all run.epochs, no restart at the switch. 0: off.")
+    head: list[str] = Field(
+        default_factory=list, description="Parameter-name patterns (as model.freeze) of the head that "
+        "model.freeze_epochs trains alone; empty: the last nn.Linear layer's parameters.")
 
 
 class ParamGroupRule(Section):

@@ -172,6 +172,7 @@ class Built:
     loss_fn: torch.nn.Module
     ema: object  # ema.ModelEma, or the no-op ema.NoEma
     init: dict  # how the model was initialised (checkpoint | pretrained | random) and, from pretrained, what was loaded
+    head_only: object = None  # models.init.HeadOnly of model.freeze_epochs (the no-op NO_HEAD_ONLY when off)
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
@@ -183,7 +184,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.data import build_loaders
     from torchsprint.ema import build_ema
     from torchsprint.models import build_model
-    from torchsprint.models.init import apply_freeze, frozen_norm_layers, init_model
+    from torchsprint.models.init import apply_freeze, frozen_norm_layers, head_only, init_model
     from torchsprint.optim.optimizers import build_optimizer
     from torchsprint.optim.schedulers import build_scheduler
     from torchsprint.parallel import channels_last_on, unwrap, wrap_model
@@ -214,6 +215,12 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
            "random": "random initialisation"}[how])
     trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
     log(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
+    if cfg.model.freeze_epochs and (cfg.strategy.name != "single" or cfg.speed.cuda_graphs
+                                    or cfg.precision.mode in ("fp16", "bf16")):
+        raise UsageError("model.freeze_epochs toggles which parameters get gradients between epochs, which DDP/DP's "
+                         "gradient hooks, CUDA graphs and the fp16/bf16 master weights fix at start-up: it runs with "
+                         "strategy=single, speed.cuda_graphs=false and fp32/amp precision only.")
+    head = head_only(model, cfg.model, log)  # the body's parameters, before wrapping (they stay the same tensors)
     channels_last = channels_last_on(cfg.speed.channels_last, model)
     ema = build_ema(cfg.ema, model, rt.device, channels_last)  # copied before wrap_model: plain and fp32
     model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
@@ -244,7 +251,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         raise UsageError(f"checkpoint.monitor={cfg.checkpoint.monitor} is a metric of the EMA weights, which this run does "
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
-    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record})
+    head.apply(0)  # built as epoch 1 trains (fit sets it again at every epoch, resumed or not)
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, head)
 
 
 def check_imbalance(cfg, targets: str) -> None:
@@ -378,7 +386,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             summary = fit(
                 b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir,
                 logger=logger, saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task, ema=b.ema,
-                make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
+                head_only=b.head_only, make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
             )
         except RuntimeError as e:
             explained = input_too_small(e, b.model, cfg, b.loaders) or not_deterministic(e, cfg)

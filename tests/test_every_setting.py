@@ -312,6 +312,8 @@ PROBES = {
                                        differs(lambda c, b: b.loaders.train.loader.shared.prefetch_factor, "data.prefetch_factor=4",
                                                base=["data.num_workers=1"])),
     "data.drop_last": lambda t: differs(lambda c, b: len(b.loaders.train), "data.drop_last=false"),
+    "data.sampler": lambda t: differs(lambda c, b: b.loaders.train.sampler.indices()[:20], "data.sampler=balanced")
+    or elsewhere("test_imbalance.py::test_loader_draws_classes_equally_on_every_backend"),
     "data.repeated_aug": lambda t: differs(lambda c, b: (len(b.loaders.train), b.loaders.train.sampler.indices()[:20]),
                                            "data.repeated_aug=3"),
     "data.on_bad_sample": probe_bad_sample,
@@ -370,6 +372,9 @@ PROBES = {
     "sched.pct_start": lambda t: (differs(lrs(30), "sched.pct_start=0.5", base=["sched.name=onecycle"]),
                                   refused("sched.pct_start=0.5", match="does not apply")),
     "loss.name": lambda t: differs(lambda c, b: type(b.loss_fn).__name__, "loss.name=bce_with_logits"),
+    "model.freeze_epochs": lambda t: elsewhere("test_freeze_epochs.py::test_body_frozen_then_trained_and_resume_is_exact_across_the_switch"),
+    "model.head": lambda t: refused("model.head=['7.*']", match="set model.freeze_epochs"),
+    "loss.class_weights": lambda t: elsewhere("test_imbalance.py::test_class_weights_equal_sklearn_and_reach_the_loss"),
     "loss.label_smoothing": lambda t: differs(lambda c, b: float(b.loss_fn(torch.eye(10) * 5, torch.arange(10))),
                                               "loss.label_smoothing=0.2"),
     "loss.args": lambda t: differs(lambda c, b: float(b.loss_fn(torch.randn(10, 10, generator=torch.Generator().manual_seed(0)),

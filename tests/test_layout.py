@@ -49,7 +49,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("config", ["config_files", "config", "saved_config"]),
     ("engine", ["engine", "batch_size"]),
     ("run", ["run"]),
-    ("commands", ["trained", "export", "predict", "bench", "report", "launch", "data.commands.*"]),
+    ("commands", ["trained", "export", "predict", "bench", "lr_find", "report", "launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),
 ]
 

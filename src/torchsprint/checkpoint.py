@@ -210,10 +210,11 @@ def save_weights(path: Path, model: nn.Module, metadata: dict[str, str]) -> int:
 # ---------------------------------------------------------------- saver
 
 
-def data_geometry(cfg, world_size: int) -> dict[str, int]:
+def data_geometry(cfg, world_size: int) -> dict[str, int | str]:
     """What fixes the meaning of a mid-epoch data position: batch size, accumulation, ranks, seed."""
     return {"batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
-            "world_size": world_size, "seed": cfg.run.seed, "repeated_aug": cfg.data.repeated_aug}
+            "world_size": world_size, "seed": cfg.run.seed, "repeated_aug": cfg.data.repeated_aug,
+            "data_sampler": cfg.data.sampler}
 
 
 def epoch_number(state: TrainState) -> int:

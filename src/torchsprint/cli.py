@@ -1,4 +1,4 @@
-"""The `torchsprint` command: train | eval | export | predict | data (check, compare, shard) | bench | report |
+"""The `torchsprint` command: train | eval | export | predict | data (check, compare, shard) | bench | lr-find | report |
 config (show, schema) | list. Each subcommand calls one function.
 
 torch is imported lazily so that `torchsprint --help` answers in well under a second.
@@ -135,6 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", default=None, help="bench folder (default: bench/<timestamp>)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
+    p = sub.add_parser("lr-find", help="learning-rate range test: a plot and a suggested optim.lr (no run folder)",
+                       description="Raise the learning rate exponentially from --start to --end over --steps training "
+                       "steps of the run's model, data and settings; plot the smoothed loss and suggest a learning rate "
+                       "(fastai's 'valley' rule). Writes lr_find.png and lr_find.json to --out (default: a temp folder); "
+                       "the run folder is never created or changed.")
+    _add_config_args(p)
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep (default 100; it stops early "
+                   "when the smoothed loss exceeds 4x its best)")
+    p.add_argument("--start", type=float, default=1e-7, help="first learning rate (default 1e-7, as fastai)")
+    p.add_argument("--end", type=float, default=10.0, help="last learning rate (default 10, as fastai)")
+    p.add_argument("--out", metavar="DIR", default=None, help="folder for lr_find.png and lr_find.json (default: a temp folder)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module that registers your own models/datasets/losses (repeatable)")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+
     p = sub.add_parser("report", help="one HTML page of a run: curves, confusion matrix, per-class scores, worst mistakes",
                        description="Write <run>/report/report.html (self-contained) and its plots as PNG files.")
     p.add_argument("run", metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
@@ -256,6 +272,19 @@ def cmd_bench(args) -> int:
     return bench_cli(args)
 
 
+def cmd_lr_find(args) -> int:
+    from torchsprint import config
+    from torchsprint.lr_find import check_range, lr_find
+
+    check_range(args.steps, args.start, args.end)  # before anything is built: a bad range costs nothing
+    cfg = config.load(args.config, list(args.overrides), imports=args.imports)
+    out = lr_find(cfg, steps=args.steps, start=args.start, end=args.end, out=args.out,
+                  log=(lambda *_: None) if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
 def cmd_report(args) -> int:
     from torchsprint.config import import_modules
     from torchsprint.report import report_cli
@@ -313,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # `torchsprint` alone runs the default training
         args = parser.parse_args(["train", *([] if argv is None else argv)] if argv else ["train"])
     handler = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "list": cmd_list, "export": cmd_export,
-               "predict": cmd_predict, "data": cmd_data, "bench": cmd_bench, "report": cmd_report}[command]
+               "predict": cmd_predict, "data": cmd_data, "bench": cmd_bench, "report": cmd_report,
+               "lr-find": cmd_lr_find}[command]
     try:
         return handler(args)
     except KeyboardInterrupt:

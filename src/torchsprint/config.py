@@ -108,6 +108,12 @@ class DataConfig(Section):
         1, ge=1, description="Repeated-augmentation sampling (DeiT's RASampler, timm's --aug-repeats): each chosen sample "
         "appears this many times per epoch, differently augmented and spread over the DDP ranks; an epoch keeps the "
         "length of one without repeats (timm's RepeatAugSampler). 1: off.")
+    sampler: Literal["shuffle", "balanced"] = Field(
+        "shuffle", description="Training order: shuffle (a seeded permutation per epoch) or balanced (class-balanced: "
+        "each epoch draws as many samples as the training set holds, with replacement, sample i with probability "
+        "proportional to 1 / its class's count, so every class is drawn equally often in expectation; seeded by "
+        "run.seed and the epoch, exact across resume, DDP ranks take disjoint shards of one draw). Tasks with one class "
+        "per image only.")
     on_bad_sample: Literal["skip", "error"] = Field("error", description="Unreadable image: skip it (counted and logged) or stop.")
     max_image_pixels: int = Field(
         89_478_485, ge=1, description="Images with more pixels (width x height, read from the header) are bad samples; PIL's bomb limit."
@@ -151,6 +157,14 @@ class ModelConfig(Section):
     freeze: list[str] = Field(default_factory=list, description="Parameter-name patterns (glob, or regex with 're:' prefix) to freeze.")
     train_only: list[str] = Field(default_factory=list, description="Freeze everything except parameters matching these patterns.")
     freeze_bn_stats: bool = Field(True, description="Keep BatchNorm layers whose parameters are all frozen in eval mode.")
+    freeze_epochs: int = Field(
+        0, ge=0, description="Fine-tuning (fastai's freeze-then-unfreeze): the first N epochs train only the head "
+        "(model.head, else the last Linear layer), then every trainable parameter. The body is in the optimizer from "
+        "the start with no gradient while frozen (not stepped, no weight decay); the learning-rate schedule runs on "
+        "over all run.epochs, no restart at the switch. 0: off.")
+    head: list[str] = Field(
+        default_factory=list, description="Parameter-name patterns (as model.freeze) of the head that "
+        "model.freeze_epochs trains alone; empty: the last nn.Linear layer's parameters.")
 
 
 class ParamGroupRule(Section):
@@ -209,6 +223,10 @@ class LossConfig(Section):
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the loss.")
     terms: list[LossTerm] = Field(default_factory=list, description="Weighted sum of several losses (overrides `name`).")
+    class_weights: Literal["auto"] | None = Field(
+        None, description="auto: cross_entropy's per-class weight from the training set's class counts, inverse frequency "
+        "normalised to mean 1 (w_c = (1/n_c) / mean_k(1/n_k)); the start-up log prints them. None: unweighted (or "
+        "loss.args.weight, one value per class). Tasks with one class per image only.")
 
 
 _PRECISION_ALIASES = {"O0": "fp32", "O1": "amp_fp16", "O2": "fp16", "amp": "amp_fp16", "bf16_amp": "amp_bf16"}

@@ -17,6 +17,7 @@ from torch import nn
 from torchsprint.checkpoint import TrainState, save_weights
 from torchsprint.ema import NoEma
 from torchsprint.errors import UsageError
+from torchsprint.models.init import NO_HEAD_ONLY
 from torchsprint.parallel import no_sync, unwrap
 from torchsprint.rng import rng_isolated
 from torchsprint.runtime import injected_fault
@@ -253,7 +254,8 @@ def early_stop_check(state: TrainState, metric: float, stop_cfg, mode: str) -> b
 
 
 def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt, run_dir: Path,
-        logger, saver, make_metrics, frozen_norms, weights_meta: dict, task=None, ema=NO_EMA) -> dict:
+        logger, saver, make_metrics, frozen_norms, weights_meta: dict, task=None, ema=NO_EMA,
+        head_only=NO_HEAD_ONLY) -> dict:
     """Train for cfg.run.epochs (or cfg.run.max_steps) from `state`, evaluating and checkpointing.
 
     run.stop_after_steps pauses after that many steps of this call (checkpoint saved, no extra
@@ -263,6 +265,7 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
     `ema` (ema.ModelEma or the no-op NoEma): updated after every optimizer step, evaluated beside the
     model (metrics ema/val/...), saved as ema.safetensors; best.safetensors holds the EMA weights when
     checkpoint.monitor names an ema/ metric.
+    `head_only` (models.init.HeadOnly; a no-op when model.freeze_epochs=0): which parameters train in each epoch.
     Returns the summary: final and best validation metrics, time and throughput, and `artifacts`: which
     weights each per-class file and figure describes (file name -> {weights, file, epoch, step}).
     """
@@ -278,7 +281,8 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
     pause_at = None if cfg.run.stop_after_steps is None else state.global_step + cfg.run.stop_after_steps
     pausing = False
     while state.epoch < epochs:
-        set_train_mode(model, frozen_norms)
+        head_only.apply(state.epoch)  # model.freeze_epochs: from the epoch number alone, so exact across resume
+        set_train_mode(model, frozen_norms + head_only.norms(state.epoch))
         ep = train_one_epoch(model, loaders.train, loss_fn, opt, sched, prec, state, cfg=cfg, logger=logger, saver=saver,
                              stop_at=pause_at, ema=ema)
         total_images += ep["images"]

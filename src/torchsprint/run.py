@@ -90,6 +90,7 @@ class Built:
     init: dict  # how the model was initialised (checkpoint | pretrained | random) and, from pretrained, what was loaded
     cfg: object  # the config with data.batch_size and optim.accum_steps resolved (batch_size.choose_batch): read this one
     batch: object  # batch_size.BatchChoice: the batch size, accumulation and why
+    head_only: object = None  # models.init.HeadOnly of model.freeze_epochs (the no-op NO_HEAD_ONLY when off)
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
@@ -103,8 +104,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.data import build_loaders
     from torchsprint.ema import build_ema
     from torchsprint.models import build_model
-    from torchsprint.models.init import apply_freeze, frozen_norm_layers, init_model
-    from torchsprint.optim.losses import build_loss
+    from torchsprint.models.init import apply_freeze, frozen_norm_layers, head_only, init_model
     from torchsprint.optim.optimizers import build_optimizer
     from torchsprint.optim.schedulers import build_scheduler
     from torchsprint.parallel import channels_last_on, unwrap, wrap_model
@@ -119,6 +119,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     mixing = check_mix(cfg.mix, cfg.task, task.targets, cfg.loss)
     batch = choose_batch(cfg, rt, log, ckpt)  # before anything of the run is built: the search leaves nothing behind
     cfg = resolved_config(cfg, batch)
+    check_imbalance(cfg, task.targets)
     loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True,
                             allowed=task.backends, splits=batch.splits)
     batch.splits = None  # the run's loaders hold the data set now
@@ -137,6 +138,12 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
            "random": "random initialisation"}[how])
     trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
     log(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
+    if cfg.model.freeze_epochs and (cfg.strategy.name != "single" or cfg.speed.cuda_graphs
+                                    or cfg.precision.mode in ("fp16", "bf16")):
+        raise UsageError("model.freeze_epochs toggles which parameters get gradients between epochs, which DDP/DP's "
+                         "gradient hooks, CUDA graphs and the fp16/bf16 master weights fix at start-up: it runs with "
+                         "strategy=single, speed.cuda_graphs=false and fp32/amp precision only.")
+    head = head_only(model, cfg.model, log)  # the body's parameters, before wrapping (they stay the same tensors)
     channels_last = channels_last_on(cfg.speed.channels_last, model)
     ema = build_ema(cfg.ema, model, rt.device, channels_last)  # copied before wrap_model: plain and fp32
     model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
@@ -159,7 +166,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     if cfg.run.max_steps is not None:
         epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
     sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
-    loss_fn = build_loss(cfg.loss, get_task(cfg.task).targets, info.num_classes).to(rt.device)
+    loss_fn = build_run_loss(cfg, task.targets, info, log).to(rt.device)
     if cfg.early_stop.patience is None and cfg.early_stop.min_delta != 0:
         raise UsageError(f"early_stop.min_delta={cfg.early_stop.min_delta} has no effect without early_stop.patience; "
                          "set early_stop.patience (evaluations without improvement before stopping), or remove it.")
@@ -167,7 +174,54 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         raise UsageError(f"checkpoint.monitor={cfg.checkpoint.monitor} is a metric of the EMA weights, which this run does "
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
-    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch)
+    head.apply(0)  # built as epoch 1 trains (fit sets it again at every epoch, resumed or not)
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head)
+
+
+def check_imbalance(cfg, targets: str) -> None:
+    """Refuse data.sampler=balanced and loss.class_weights=auto where they have no meaning (before any data is read)."""
+    asked = [s for s, on in (("data.sampler=balanced", cfg.data.sampler == "balanced"),
+                             ("loss.class_weights=auto", cfg.loss.class_weights == "auto")) if on]
+    if asked and targets != "class_index":
+        raise UsageError(f"{' and '.join(asked)} balance classes, but task={cfg.task} has no single class per image "
+                         f"(its targets are {targets}); remove {' and '.join(s.split('=')[0] for s in asked)}.")
+    if cfg.loss.class_weights != "auto":
+        return
+    if cfg.loss.terms or cfg.loss.name != "cross_entropy":
+        raise UsageError(f"loss.class_weights=auto sets cross_entropy's per-class weight, but the loss is "
+                         f"{'loss.terms' if cfg.loss.terms else cfg.loss.name}; use loss.name=cross_entropy, or give "
+                         "per-class weights in the loss's own args.")
+    if "weight" in cfg.loss.args:
+        raise UsageError("loss.class_weights=auto and loss.args.weight both set the per-class weights; keep one.")
+
+
+def build_run_loss(cfg, targets: str, info, log=lambda *_: None):
+    """build_loss of the run, with loss.class_weights=auto resolved from the training counts in `info.facts`
+    (training and every later evaluation of the run use the same weighted loss)."""
+    from torchsprint.optim.losses import build_loss
+
+    loss_cfg = cfg.loss
+    if cfg.loss.class_weights == "auto":
+        weight = class_weights(info)
+        loss_cfg = cfg.loss.model_copy(update={"args": {**cfg.loss.args, "weight": weight}})
+        log("loss.class_weights=auto: cross_entropy weight per class (1 / training count, mean 1): "
+            + ", ".join(f"{c} {w:.3g}" for c, w in list(zip(info.classes, weight.tolist()))[:10])
+            + (f", ... {len(weight) - 10} more" if len(weight) > 10 else ""))
+    return build_loss(loss_cfg, targets, info.num_classes)
+
+
+def class_weights(info) -> torch.Tensor:
+    """loss.class_weights=auto: inverse training frequency per class, normalised to mean 1 (float32, class order)."""
+    counts = info.facts.get("class_counts", {}).get("per_class")
+    if counts is None:
+        raise UsageError("loss.class_weights=auto needs the training set's class counts, which this dataset does not "
+                         "give (no per-sample class labels); set loss.args.weight (one value per class) instead.")
+    empty = [c for c, n in zip(info.classes, counts) if n == 0]
+    if empty:
+        raise UsageError(f"loss.class_weights=auto: class(es) {empty[:5]} have no training images, so their inverse "
+                         "frequency is infinite; add images, or set loss.args.weight (one value per class) instead.")
+    inv = 1.0 / torch.tensor(counts, dtype=torch.float64)
+    return (inv / inv.mean()).float()
 
 
 def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:
@@ -264,7 +318,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             summary = fit(
                 b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir,
                 logger=logger, saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task, ema=b.ema,
-                make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
+                head_only=b.head_only, make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
             )
         except RuntimeError as e:
             if is_oom(e):  # the checkpoints saved so far are whole files (atomic writes): the message names the last
@@ -341,8 +395,8 @@ def describe_decisions(d: dict) -> list[str]:
         lo, hi = cc["smallest"], cc["largest"]
         ratio = hi[1] / max(lo[1], 1)
         extra.append(f"smallest class {lo[0]} ({lo[1]:,}), largest {hi[0]} ({hi[1]:,}): {ratio:.1f}x imbalance"
-                     + (" (validation reports balanced accuracy and the weakest class's recall beside top-1; to weight "
-                        "classes, loss.args.weight: one value per class)" if ratio >= IMBALANCED else ""))
+                     + (" (validation reports balanced accuracy and the weakest class's recall beside top-1; to "
+                        "balance training: data.sampler=balanced or loss.class_weights=auto)" if ratio >= IMBALANCED else ""))
     if size:
         lo, hi = size["min"], size["max"]
         extra.append(f"image size {lo[1]}x{lo[0]}" + (f" to {hi[1]}x{hi[0]}" if lo != hi else "")
@@ -423,7 +477,6 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     from torchsprint.data import build_loaders
     from torchsprint.engine import evaluate
     from torchsprint.models import build_model
-    from torchsprint.optim.losses import build_loss
     from torchsprint.precision import Precision
 
     run_dir = Path(run_dir)
@@ -451,7 +504,7 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
                          "--weights last/best, or re-train.") from None
     metrics = task.make_metrics(info, cfg.eval, rt.device)
     with naming_imports(cfg.imports, run_dir):
-        loss_fn = build_loss(cfg.loss, task.targets, info.num_classes).to(rt.device)
+        loss_fn = build_run_loss(cfg, task.targets, info).to(rt.device)
     out = evaluate(model, loaders.val, loss_fn, Precision(cfg.precision.mode, rt.device), metrics)
     from torchsprint.checkpoint import read_safetensors_metadata
 

@@ -18,6 +18,7 @@ from torchsprint.data.core import (
     Loaders,
     Splits,
     as_backend,
+    balanced_weights,
     memory_budget,
     runs_anywhere,
     size_text,
@@ -64,6 +65,8 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
         splits = replace(splits, val=splits.test)
     elif split != "val":
         raise UsageError(f"--split {split}: choose val or test.")
+    if data_cfg.sampler == "balanced":
+        splits = replace(splits, train_weights=balanced_train_weights(data_cfg, splits))
     kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
     configured = data_cfg.backend
     name, why = configured, "set in the config (data.backend)"
@@ -90,6 +93,19 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     info.backend, info.backend_why, info.backend_config, info.fallback = name, why, configured, fallback or ""
     loaders.info.facts = describe_data(splits)
     return splits.wrap(loaders)
+
+
+def balanced_train_weights(data_cfg, splits: Splits) -> torch.Tensor:
+    """data.sampler=balanced: per-sample weights 1 / class count, from the training split's class-index labels."""
+    labels = None if getattr(splits.train, "streaming", False) else _labels(splits.train)
+    if labels is None:
+        raise UsageError(f"data.sampler=balanced draws samples by their class, but data.dataset={data_cfg.dataset} has no "
+                         "per-sample class labels to draw from (streamed shards, or targets that are not one class per "
+                         "image). Remove data.sampler, or use an indexed dataset (image_folder, file_list).")
+    if data_cfg.repeated_aug > 1:
+        raise UsageError(f"data.sampler=balanced with data.repeated_aug={data_cfg.repeated_aug}: both choose which samples "
+                         "an epoch reads; use one of them.")
+    return balanced_weights(labels, len(splits.classes))
 
 
 def check_data_fields(data_cfg) -> None:
@@ -273,7 +289,8 @@ def describe_data(splits: Splits, sample: int = 32) -> dict:
     if labels is not None and len(splits.classes) > 1:
         counts = torch.bincount(labels, minlength=len(splits.classes)).tolist()
         lo, hi = min(range(len(counts)), key=counts.__getitem__), max(range(len(counts)), key=counts.__getitem__)
-        facts["class_counts"] = {"smallest": [splits.classes[lo], counts[lo]], "largest": [splits.classes[hi], counts[hi]]}
+        facts["class_counts"] = {"smallest": [splits.classes[lo], counts[lo]], "largest": [splits.classes[hi], counts[hi]],
+                                 "per_class": counts}  # in class order: loss.class_weights=auto reads them
     if hasattr(splits.train, "images"):
         facts["image_size"] = {"min": list(splits.train.images.shape[-2:]), "max": list(splits.train.images.shape[-2:]),
                                "sampled": len(splits.train)}

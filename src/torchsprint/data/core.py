@@ -40,6 +40,7 @@ class Splits:
     label_changing: dict[str, str] = field(default_factory=dict)  # spec step -> why it would change a label's meaning
     test: Any = None  # a held-out test split (image_folder's test/), evaluated on request only
     source: str = ""  # where the splits come from, in words (the start-up summary prints it)
+    train_weights: torch.Tensor | None = None  # per-sample draw weights of the training split (data.sampler=balanced)
 
 
 class TensorImages(torch.utils.data.Dataset):
@@ -262,12 +263,19 @@ class EpochSampler(torch.utils.data.Sampler):
     (shuffle=False, pad=False): disjoint contiguous-stride shards with no sample counted twice.
     `start_batch` skips batches already consumed (exact mid-epoch resume) without loading them.
     `repeats` > 1 (train mode): repeated-augmentation sampling (data.repeated_aug), see repeat_aug_positions.
+    `weights` (train mode, data.sampler=balanced): the epoch's order is n draws with replacement, sample i drawn
+    with probability weights[i] / sum(weights) (torch's WeightedRandomSampler with num_samples=n), from the same
+    (seed, epoch) generator as the shuffle; ranks take disjoint shards of that one global draw as above. A sample
+    drawn twice is augmented differently: the augmentation key is the draw's position, not the sample index.
     """
 
     def __init__(self, n: int, *, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, pad: bool = True,
-                 repeats: int = 1):
+                 repeats: int = 1, weights: torch.Tensor | None = None):
         self.n, self.seed, self.shuffle, self.pad = n, seed, shuffle, pad
         self.rank, self.world_size, self.repeats = rank, world_size, repeats
+        if weights is not None and (len(weights) != n or repeats > 1 or not shuffle):
+            raise ValueError("weights: one per sample, train mode (shuffle) only, without repeats")
+        self.weights = None if weights is None else torch.as_tensor(weights, dtype=torch.float64)
         self.epoch = 0
         self.start = 0  # samples to skip at the start of this epoch (per rank)
 
@@ -277,6 +285,8 @@ class EpochSampler(torch.utils.data.Sampler):
     def permutation(self) -> list[int]:
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            if self.weights is not None:
+                return torch.multinomial(self.weights, self.n, replacement=True, generator=g).tolist()
             return torch.randperm(self.n, generator=g).tolist()
         return list(range(self.n))
 
@@ -289,11 +299,12 @@ class EpochSampler(torch.utils.data.Sampler):
             pos = repeat_aug_positions(self.n, self.repeats, self.rank, self.world_size)
             return [order[i // self.repeats] for i in pos], [order[i // self.repeats] * self.repeats + i % self.repeats
                                                              for i in pos]
+        keys = list(range(len(order))) if self.weights is not None else order  # a draw's position (see the class doc)
         if self.pad and self.world_size > 1:
             total = math.ceil(self.n / self.world_size) * self.world_size
             order = (order * math.ceil(total / max(1, self.n)))[:total]
-        mine = order[self.rank :: self.world_size]
-        return mine, mine
+            keys = (keys * math.ceil(total / max(1, self.n)))[:total]
+        return order[self.rank :: self.world_size], keys[self.rank :: self.world_size]
 
     def indices(self) -> list[int]:
         return self.keyed_indices()[0]
@@ -310,6 +321,13 @@ class EpochSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return len(self.indices()) - self.start
+
+
+def balanced_weights(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Per-sample weights 1 / (its class's training count): every class has total weight 1, so a weighted draw
+    picks each class equally often in expectation (data.sampler=balanced)."""
+    counts = torch.bincount(labels, minlength=num_classes).double()
+    return 1.0 / counts[labels]
 
 
 def repeat_aug_positions(n: int, repeats: int, rank: int, world_size: int, selected_round: int = 256) -> list[int]:

@@ -259,3 +259,82 @@ def init_model(model: nn.Module, model_cfg, resume_ckpt: dict | None, log, recor
                 log(f"pretrained: {len(keys)} key(s) {names[kind]}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}")
         return "pretrained"
     return "random"
+
+
+class HeadOnly:
+    """model.freeze_epochs: only the head trains for the first N epochs, then everything trainable.
+
+    Every parameter is in the optimizer from the start; during the head-only epochs the body's parameters have
+    requires_grad=False, so they get no gradient and the optimizer skips them (torch optimizers step only
+    parameters whose .grad is set: no update, no weight decay, no momentum state). Whether an epoch is head-only
+    depends on the epoch number alone (`apply` runs at the start of each epoch), so a run resumed before or after
+    the switch sets the same flags as an uninterrupted one, and the optimizer's parameter groups never change
+    shape (a checkpoint loads into the same groups; the body's state appears at its first step after the switch).
+    With model.freeze_bn_stats (the default), the body's BatchNorm layers also keep their running statistics
+    during the head-only epochs (`norms`), as frozen layers do. The off state (N=0) is a no-op object.
+    """
+
+    def __init__(self, body: list[nn.Parameter], body_norms: list[nn.Module], epochs: int, log=lambda *_: None):
+        self.body, self.body_norms, self.epochs, self.log = body, body_norms, epochs, log
+        self._frozen: bool | None = None
+
+    def apply(self, epoch: int) -> None:
+        """Set the body's requires_grad for `epoch` (0-based) and say so when it changes."""
+        frozen = epoch < self.epochs
+        if frozen == self._frozen:
+            return
+        for p in self.body:
+            p.requires_grad_(not frozen)
+        if self._frozen and not frozen:
+            self.log(f"model.freeze_epochs={self.epochs}: from epoch {epoch + 1} the whole model trains (the schedule "
+                     "goes on; the body joins at the current learning rate)")
+        self._frozen = frozen
+
+    def norms(self, epoch: int) -> list[nn.Module]:
+        """The body's BatchNorm layers to keep in eval mode during `epoch` (none after the switch)."""
+        return self.body_norms if epoch < self.epochs else []
+
+
+NO_HEAD_ONLY = HeadOnly([], [], 0)
+
+
+def head_only(model: nn.Module, model_cfg, log) -> HeadOnly:
+    """The HeadOnly schedule of model.freeze_epochs (`model`: the unwrapped module, after apply_freeze).
+
+    The head: the parameters matching model.head (patterns as model.freeze), or else the last nn.Linear module's
+    parameters (the classifier of torchvision, timm and the built-in nets). The body: every other trainable one.
+    """
+    if not model_cfg.freeze_epochs:
+        if model_cfg.head:
+            raise UsageError("model.head names the head that model.freeze_epochs trains alone; set model.freeze_epochs "
+                             "(epochs of head-only training), or remove model.head.")
+        return NO_HEAD_ONLY
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if model_cfg.head:
+        for pat in model_cfg.head:
+            if not any(_matcher(pat)(n) for n, _ in model.named_parameters()):
+                raise UsageError(f"model.head: pattern '{pat}' matches no parameter. Parameter names look like: "
+                                 f"{[n for n, _ in named][:4]}")
+        ms = [_matcher(p) for p in model_cfg.head]
+        head = {n for n, _ in named if any(m(n) for m in ms)}
+        where = f"model.head={model_cfg.head}"
+    else:
+        linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+        if not linears:
+            raise UsageError(f"model.freeze_epochs: model {model_cfg.name} has no nn.Linear layer to take as its head; "
+                             "name the head's parameters with model.head (patterns as model.freeze, e.g. ['head.*']).")
+        name = linears[-1][0]
+        head = {f"{name}.{k}" if name else k for k, _ in linears[-1][1].named_parameters()}
+        where = f"the last Linear layer ({name})"
+    body = [p for n, p in named if n not in head]
+    if not head or not body:
+        raise UsageError(f"model.freeze_epochs: {where} " + ("holds no trainable parameter" if not head else
+                         "holds every trainable parameter, so nothing would be frozen")
+                         + "; adjust model.head (or model.freeze / model.train_only).")
+    body_ids = {id(p) for p in body}
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and (ps := list(m.parameters(recurse=False))) and all(id(p) in body_ids for p in ps)]
+    log(f"model.freeze_epochs={model_cfg.freeze_epochs}: epochs 1-{model_cfg.freeze_epochs} train only the head, "
+        f"{where}: {sum(p.numel() for n, p in named if n in head):,} parameters; then all {sum(p.numel() for _, p in named):,}. "
+        "The learning-rate schedule runs on unchanged over all run.epochs: no restart or new warm-up at the switch")
+    return HeadOnly(body, norms if model_cfg.freeze_bn_stats else [], model_cfg.freeze_epochs, log)

@@ -210,7 +210,8 @@ class DeviceLoader:
         return prefetch_to_device(self.loader, self._to_device, self.device)
 
 
-def make_loaders(raws: list, pipelines: list, data_cfg, rt, *, seed, channels_last, dtype) -> list[DeviceLoader]:
+def make_loaders(raws: list, pipelines: list, data_cfg, rt, *, seed, channels_last, dtype,
+                 train_weights: torch.Tensor | None = None) -> list[DeviceLoader]:
     """A DeviceLoader per split (the first one trains), all drawing from one DataLoader and its workers."""
     workers = data_cfg.num_workers
     shared = torch.utils.data.DataLoader(
@@ -229,7 +230,8 @@ def make_loaders(raws: list, pipelines: list, data_cfg, rt, *, seed, channels_la
     for split, (raw, pipeline) in enumerate(zip(raws, pipelines)):
         train = split == 0
         sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
-                               repeats=data_cfg.repeated_aug if train else 1)
+                               repeats=data_cfg.repeated_aug if train else 1,
+                           weights=train_weights if train else None)
         batch_size = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop_last = train and data_cfg.drop_last and len(sampler) >= data_cfg.batch_size
         norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last, recycle=True)
@@ -274,7 +276,8 @@ def cpu_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.f
         train = make_stream_loader(train_raw, train_p, data_cfg, rt, train=True, **kw)
         val = make_stream_loader(val_raw, eval_p, data_cfg, rt, train=False, **kw)
     else:
-        train, val = make_loaders([train_raw, val_raw], [train_p, eval_p], data_cfg, rt, **kw)
+        train, val = make_loaders([train_raw, val_raw], [train_p, eval_p], data_cfg, rt, **kw,
+                                  train_weights=splits.train_weights)
     info = DataInfo(splits.classes, splits.in_channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=train, val=val, info=info)
 

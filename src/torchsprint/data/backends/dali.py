@@ -238,7 +238,8 @@ def dali_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.
     out = []
     for raw, pipe, train in ((splits.train, train_p, True), (splits.val, eval_p, False)):
         sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
-                           repeats=data_cfg.repeated_aug if train else 1)
+                           repeats=data_cfg.repeated_aug if train else 1,
+                           weights=splits.train_weights if train else None)
         bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop = train and data_cfg.drop_last and len(sampler) >= bs
         out.append(DaliLoader(raw, pipe, sampler, bs, drop, rt, norm, max(2, data_cfg.num_workers), data_cfg.prefetch_factor,

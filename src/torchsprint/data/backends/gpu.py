@@ -396,7 +396,8 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
     for raw, pipe, train in ((splits.train, train_p, True), (splits.val, eval_p, False)):
         fraction = torch.tensor([start], dtype=torch.float64).share_memory_()
         sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
-                           repeats=data_cfg.repeated_aug if train else 1)
+                           repeats=data_cfg.repeated_aug if train else 1,
+                           weights=splits.train_weights if train else None)
         bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop = train and data_cfg.drop_last and len(sampler) >= bs
         workers = data_cfg.num_workers

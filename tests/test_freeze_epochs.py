@@ -1,0 +1,90 @@
+"""model.freeze_epochs: the body stays bit-for-bit during the head-only epochs and trains after the switch; the
+optimizer holds state for the head only until then; a run resumed before or after the switch equals an
+uninterrupted one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from torchsprint import config, runtime
+from torchsprint.errors import UsageError
+from torchsprint.resume import find_checkpoints
+from torchsprint.run import build_training, train
+
+# digits: 1437 training images, batch 64 -> 22 steps per epoch; the head of small_cnn is its last Linear ("7.").
+OVER = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.device=cpu",
+        "data.backend=memory", "run.epochs=3", "model.freeze_epochs=2", "data.train.transforms=[random_crop: {size: 8, padding: 1}]"]
+HEAD = ("7.weight", "7.bias")
+
+
+def initial_weights(tmp_path):
+    cfg = config.load(None, [*OVER, f"run.dir={tmp_path / 'unused'}"])
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    b = build_training(cfg, rt, log=lambda *_: None)  # the same seed: the weights every run below starts from
+    runtime.teardown(rt)
+    return {k: v.clone() for k, v in b.model.state_dict().items()}
+
+
+def test_body_frozen_then_trained_and_resume_is_exact_across_the_switch(tmp_path):
+    init = initial_weights(tmp_path)
+    full = train(config.load(None, [*OVER, f"run.dir={tmp_path / 'full'}"]), quiet=True)
+    final = load_file(str(tmp_path / "full" / "last.safetensors"))
+
+    # Paused at the end of epoch 2 (step 44), the last head-only epoch.
+    train(config.load(None, [*OVER, f"run.dir={tmp_path / 'a'}", "run.stop_after_steps=44"]), quiet=True)
+    ckpt = torch.load(find_checkpoints(tmp_path / "a")[0], map_location="cpu", weights_only=False)
+    assert ckpt["train_state"]["epoch"] == 2
+    at_switch = ckpt["model"]
+    body = [k for k in init if k not in HEAD]
+    # Every body tensor, parameters and BatchNorm running statistics (model.freeze_bn_stats), is bit-identical.
+    assert all(torch.equal(at_switch[k], init[k]) for k in body)
+    assert all(not torch.equal(at_switch[k], init[k]) for k in HEAD)  # the head trained
+    # The optimizer stepped the head only: momentum state for its 2 tensors, none for the body.
+    assert len(ckpt["optimizer"]["state"]) == 2
+    params = [k for k in body if "running" not in k and "num_batches" not in k]  # body parameters (not buffers)
+    # ... and holds every parameter from the start (the body's groups are there, only never stepped).
+    assert sum(len(g["params"]) for g in ckpt["optimizer"]["param_groups"]) == len(params) + len(HEAD)
+    # After the switch the body trains.
+    assert all(not torch.equal(final[k], init[k]) for k in params)
+
+    # Resumed at the switch (before epoch 3) and in the middle of epoch 3 (after it): both equal the uninterrupted run.
+    resumed = train(config.load(None, [*OVER, f"run.dir={tmp_path / 'a'}", "checkpoint.resume=auto"]), quiet=True)
+    train(config.load(None, [*OVER, f"run.dir={tmp_path / 'b'}", "run.stop_after_steps=50"]), quiet=True)
+    resumed_b = train(config.load(None, [*OVER, f"run.dir={tmp_path / 'b'}", "checkpoint.resume=auto"]), quiet=True)
+    for run, summary in (("a", resumed), ("b", resumed_b)):
+        w = load_file(str(tmp_path / run / "last.safetensors"))
+        assert all(torch.equal(w[k], final[k]) for k in final), run
+        assert summary["final"] == full["final"]
+
+
+def test_frozen_epochs_change_training():
+    """The setting is honoured: the model a head-only first epoch gives differs from a plain first epoch's."""
+    plain = [o for o in OVER if not o.startswith("model.freeze_epochs")]
+    cfg = config.load(None, plain)
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    b = build_training(cfg, rt, log=lambda *_: None)
+    runtime.teardown(rt)
+    assert all(p.requires_grad for p in b.model.parameters())
+    cfg = config.load(None, OVER)
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    b = build_training(cfg, rt, log=lambda *_: None)
+    runtime.teardown(rt)
+    assert [n for n, p in b.model.named_parameters() if p.requires_grad] == list(HEAD)
+
+
+@pytest.mark.parametrize("over,says", [
+    (["model.freeze_epochs=1", "model.head=[nothing.*]"], "matches no parameter"),
+    (["model.freeze_epochs=1", "model.head=['*']"], "nothing would be frozen"),
+    (["model.head=['7.*']"], "set model.freeze_epochs"),
+    (["model.freeze_epochs=1", "strategy.name=dp"], "strategy=single"),
+])
+def test_bad_settings_are_refused(over, says):
+    cfg = config.load(None, ["model.args={width: 8}", "run.device=cpu", *over])
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    try:
+        with pytest.raises(UsageError, match=says):
+            build_training(cfg, rt, log=lambda *_: None)
+    finally:
+        runtime.teardown(rt)

@@ -1,0 +1,146 @@
+"""Imbalanced classes: data.sampler=balanced (class frequencies, exact resume, DDP shards) and
+loss.class_weights=auto (against scikit-learn's inverse frequency, and in the loss the run trains with)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from scipy.stats import chisquare
+
+from conftest import make_image_folder
+from torchsprint import config, runtime
+from torchsprint.data import build_loaders
+from torchsprint.data.core import EpochSampler, balanced_weights
+from torchsprint.errors import UsageError
+from torchsprint.run import build_training, train
+
+QUIET = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "model.args={width: 8}", "run.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory):
+    """A real JPEG folder with 24 'circle' and 6 'square' training images (4:1)."""
+    root = make_image_folder(tmp_path_factory.mktemp("skew") / "img", per_class=24)
+    for p in sorted((root / "train" / "square").glob("*.jpg"))[6:]:
+        p.unlink()
+    return root
+
+
+def test_sampler_class_frequencies_are_balanced():
+    """Over an epoch, each of 3 classes (counts 600/300/100) is drawn about n/3 times: a chi-square test against
+    equal frequencies passes, and fails for the plain shuffle (which keeps 6:3:1)."""
+    labels = torch.tensor([0] * 600 + [1] * 300 + [2] * 100)
+    for epoch in range(5):
+        s = EpochSampler(1000, seed=3, shuffle=True, weights=balanced_weights(labels, 3))
+        s.set_epoch(epoch)
+        counts = np.bincount(labels[s.indices()].numpy(), minlength=3)
+        # p > 0.001 for a fair draw (1 false alarm in 1000 per epoch; the seeds are fixed so it never flips);
+        # the 6:3:1 shuffle gives chi2 ~ 560, p ~ 1e-120.
+        assert chisquare(counts).pvalue > 1e-3, counts
+    plain = EpochSampler(1000, seed=3, shuffle=True)
+    assert chisquare(np.bincount(labels[plain.indices()].numpy())).pvalue < 1e-50  # the test can tell
+
+
+@pytest.mark.parametrize("backend", ["cpu", "memory"])
+def test_loader_draws_classes_equally_on_every_backend(skewed, backend):
+    """Labels the real loader delivers over 10 epochs of 30 draws: about 150 of each class, not 240:60."""
+    cfg = config.load(None, QUIET + ["data.dataset=image_folder", f"data.root={skewed}", f"data.backend={backend}",
+                                     "data.sampler=balanced", "data.batch_size=5"])
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    loaders = build_loaders(cfg.data, rt, seed=0)
+    seen = Counter()
+    for epoch in range(10):
+        loaders.train.set_epoch(epoch)
+        for _, y in loaders.train:
+            seen.update(y.tolist())
+    assert sum(seen.values()) == 300
+    # Binomial(300, 1/2): sd 8.7; 4 sd = 35 (the unbalanced draw sits at 240, 10 sd away).
+    assert abs(seen[0] - 150) < 35, seen
+
+
+def test_ddp_shards_are_disjoint_equal_and_one_global_draw():
+    labels = torch.tensor([0] * 70 + [1] * 31)  # 101 samples: 3 ranks need padding
+    w = balanced_weights(labels, 2)
+    full = EpochSampler(101, seed=5, shuffle=True, weights=w)
+    full.set_epoch(2)
+    draw = full.indices()
+    shards = []
+    for rank in range(3):
+        s = EpochSampler(101, seed=5, shuffle=True, rank=rank, world_size=3, weights=w)
+        s.set_epoch(2)
+        shards.append(s.keyed_indices())
+    assert len({len(ix) for ix, _ in shards}) == 1  # equal step counts on every rank
+    keys = sorted(k for _, ks in shards for k in ks)
+    assert keys == sorted([*range(101), 0])  # each draw position on one rank only, plus one pad wrapped to the start
+    padded = draw + draw[:1]
+    for rank, (ix, _) in enumerate(shards):
+        assert ix == padded[rank::3]  # rank r holds every 3rd element of the same global draw
+    one = EpochSampler(101, seed=5, shuffle=True, rank=0, world_size=3, weights=w)
+    one.set_epoch(2, start_sample=7)
+    idx, seeds = one.keys()
+    one.set_epoch(2)
+    assert list(zip(idx, seeds)) == list(one)[7:]  # mid-epoch resume skips exactly
+
+
+def test_balanced_run_resumes_exactly_and_changes_training(skewed, tmp_path):
+    over = QUIET + ["data.dataset=image_folder", f"data.root={skewed}", "data.backend=memory", "data.sampler=balanced",
+                    "data.batch_size=4", "run.epochs=2", "data.train.transforms=[hflip]", "log.every_steps=1"]
+    full = train(config.load(None, [*over, f"run.dir={tmp_path / 'a'}"]), quiet=True)
+    train(config.load(None, [*over, f"run.dir={tmp_path / 'b'}", "run.stop_after_steps=5"]), quiet=True)  # mid-epoch 1
+    resumed = train(config.load(None, [*over, f"run.dir={tmp_path / 'b'}", "checkpoint.resume=auto"]), quiet=True)
+    a, b = load_file(str(tmp_path / "a" / "last.safetensors")), load_file(str(tmp_path / "b" / "last.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a) and full["final"] == resumed["final"]
+    shuffled = train(config.load(None, [*over, "data.sampler=shuffle", f"run.dir={tmp_path / 'c'}"]), quiet=True)
+    c = load_file(str(tmp_path / "c" / "last.safetensors"))
+    assert not all(torch.equal(a[k], c[k]) for k in a)  # the setting is honoured: another sample order
+    assert shuffled["global_step"] == full["global_step"]  # the same epoch length (30 draws)
+
+
+def test_class_weights_equal_sklearn_and_reach_the_loss(skewed):
+    from sklearn.utils.class_weight import compute_class_weight
+
+    cfg = config.load(None, QUIET + ["data.dataset=image_folder", f"data.root={skewed}", "data.backend=memory",
+                                     "loss.class_weights=auto", "data.batch_size=30", "data.drop_last=false"])
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    b = build_training(cfg, rt, log=lambda *_: None)
+    labels = np.array([0] * 24 + [1] * 6)
+    ref = compute_class_weight("balanced", classes=np.array([0, 1]), y=labels)
+    ref = ref / ref.mean()  # sklearn's n / (k * n_c) rescaled to mean 1: [0.4, 1.6]
+    np.testing.assert_allclose(b.loss_fn.weight.double().numpy(), ref, rtol=1e-6)  # float32 storage
+    b.loaders.train.set_epoch(0)
+    images, y = next(iter(b.loaders.train))
+    logits = b.model(images)
+    expected = F.cross_entropy(logits, y, weight=torch.tensor(ref, dtype=torch.float32))
+    assert torch.equal(b.loss_fn(logits, y), expected)
+    assert not torch.allclose(F.cross_entropy(logits, y), expected)  # the weights change the loss here
+
+
+@pytest.mark.parametrize("over,says", [
+    (["task=multilabel", "data.dataset=synthetic_multilabel", "data.sampler=balanced", "data.root=ROOT"],
+     "data.sampler=balanced balance classes, but task=multilabel"),
+    (["task=image_to_image", "data.dataset=synthetic_blur", "model.name=unet_small", "loss.class_weights=auto",
+      "data.root=ROOT"], "loss.class_weights=auto balance classes, but task=image_to_image"),
+    (["loss.class_weights=auto", "loss.name=bce_with_logits"], "use loss.name=cross_entropy"),
+    (["loss.class_weights=auto", "loss.args={weight: [1,1,1,1,1,1,1,1,1,1]}"], "keep one"),
+    (["data.sampler=balanced", "data.repeated_aug=2"], "use one of them"),
+])
+def test_bad_settings_are_refused(tmp_path, over, says):
+    quiet = [o for o in QUIET if not o.startswith("eval.per_class")]  # refused for multilabel itself
+    cfg = config.load(None, quiet + [o.replace("ROOT", str(tmp_path / "d")) for o in over] + [f"run.dir={tmp_path / 'r'}"])
+    with pytest.raises(UsageError, match=re.escape(says)):
+        train(cfg, quiet=True, dry_run=True)
+    assert not (tmp_path / "r").exists()
+
+
+def test_refusal_is_one_line_exit_2(run_cli, tmp_path):
+    r = run_cli("train", "--dry-run", "task=multilabel", "data.dataset=synthetic_multilabel", "data.sampler=balanced",
+                f"data.root={tmp_path / 'd'}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: data.sampler=balanced") and "task=multilabel" in lines[0], r.stderr

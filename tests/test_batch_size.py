@@ -127,9 +127,10 @@ def test_step_peak_bytes_sees_torch_allocations():
     peak = step_peak_bytes(step)
     if peak is None:
         pytest.skip("/proc/self/clear_refs is not writable here")
-    # Measured 64.0 MiB, and up to 65.0 on a process's first call (first-use allocations beside the tensor);
-    # 3x that 1 MiB excess is the slack.
-    assert size <= peak <= size + 3 * 2**20, peak / 2**20
+    # Measured 64.0 MiB, up to 65.0 on a process's first call (first-use allocations beside the tensor), and
+    # 63.8 after other tests in the same process (part of the tensor landed on pages still resident from freed
+    # memory); 3x that 1 MiB either way is the slack. tracemalloc would report ~0 here.
+    assert size - 3 * 2**20 <= peak <= size + 3 * 2**20, peak / 2**20
 
 
 # ---------------------------------------------------------------- auto in a run

@@ -49,7 +49,7 @@ def fake_scontrol(tmp_path: Path) -> tuple[dict, Path]:
 
 
 def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(reference, tmp_path):
-    """SIGUSR1 (SLURM's --signal) once training runs, then SIGINT and SIGTERM while the stop checkpoint is being
+    """SIGUSR1 (SLURM's --signal) once training runs, then SIGUSR1, SIGINT and SIGTERM while a checkpoint is being
     written: the run finishes its step, saves a whole checkpoint there, requeues the job and exits 75. The same
     command again (what a requeued job runs) continues; the end equals the uninterrupted run bit for bit, with
     each step logged once."""
@@ -63,9 +63,9 @@ def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(r
     assert _wait(lambda: bool(raw_train_steps(run_dir)) if (run_dir / "metrics.jsonl").exists() else False, proc)
     proc.send_signal(signal.SIGUSR1)
     in_write = _wait(lambda: bool(_temp_files(run_dir, proc.pid)), proc)
-    if in_write:  # a second and third signal during a checkpoint write must not cut it short
-        proc.send_signal(signal.SIGINT)
-        proc.send_signal(signal.SIGTERM)
+    if in_write:  # more signals during a checkpoint write (the same one again, and the others) must not cut it short
+        for sig in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
+            proc.send_signal(sig)
     rc = proc.wait(timeout=120)
     out = (tmp_path / "first.log").read_text()
     assert rc == EXIT_PREEMPTED, out[-3000:]

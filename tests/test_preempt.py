@@ -142,6 +142,27 @@ def test_eval_every_steps_is_exact_across_a_pause(every_steps_reference, tmp_pat
     assert_same_run(ref_dir, ref, run_dir, done)
 
 
+def test_eval_every_steps_is_exact_after_a_crash_right_after_an_eval_step(every_steps_reference, tmp_path):
+    """SIGKILL right after step 6 (an evaluation step and a checkpoint step): the checkpoint of step 6 must hold that
+    evaluation's outcome (the best so far, from the uninterrupted run's log), or the resumed run would continue as
+    if it had not happened; the resumed run's evaluations and best weights are the uninterrupted run's."""
+    ref_dir, ref = every_steps_reference
+    run_dir = tmp_path / "run"
+    # early_stop's count changes at every evaluation (better: reset; not: +1), so the step-6 checkpoint shows it
+    over = [*BASE, *EVERY, f"run.dir={run_dir}", "checkpoint.every_steps=3", "early_stop.patience=20"]
+    first = subprocess.run([*CMD, *over], env=dict(ENV, TORCHSPRINT_TEST_KILL_AT="0:6"), cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    ckpt = load_checkpoint(find_checkpoints(run_dir)[0])["train_state"]
+    best, wait = None, 0  # early_stop over the uninterrupted run's evaluations up to step 6 (Keras semantics)
+    for r in (r for r in eval_rows(ref_dir) if r["step"] <= 6):
+        best, wait = (r["val/top1"], 0) if best is None or r["val/top1"] > best else (best, wait + 1)
+    assert (ckpt["global_step"], ckpt["stop_best"], ckpt["stop_wait"]) == (6, best, wait)
+    done = train(config.load(None, [*over, "checkpoint.resume=auto"]), quiet=True)
+    assert eval_rows(run_dir) == eval_rows(ref_dir)
+    assert (done["best_metric"], done["best_epoch"]) == (ref["best_metric"], ref["best_epoch"])
+
+
 def test_early_stop_mid_epoch_with_eval_every_steps_and_the_report(tmp_path):
     """early_stop counts step evaluations: patience 1 with an unreachable min_delta stops after the second one
     (step 6, mid-epoch 1), with last.safetensors, a final checkpoint at step 6, and a report that draws them."""

@@ -125,8 +125,13 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
             log_images = 0
             t_log = now
         # An evaluation due at this step comes before its checkpoint: a resume from it neither repeats nor skips one.
-        if validation is not None and validation.due_mid_epoch(state.global_step) and validation(state):
-            break  # early stop (state.stopped_epoch is set); fit saves
+        if validation is not None and validation.due_mid_epoch(state.global_step):
+            if validation(state):
+                break  # early stop (state.stopped_epoch is set); fit saves
+            # The cpu backend's train and eval loaders share one set of workers, so the evaluation ended this
+            # iteration: training goes on from a fresh one at this position, exactly as a resumed run does.
+            loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * accum)
+            it = rng_isolated(loader, device)
         if cfg.checkpoint.every_steps and state.global_step % cfg.checkpoint.every_steps == 0:
             totals.fold(state)  # the checkpoint keeps this epoch's sums so far
             saver.save(state, model, opt, sched, prec, metric=validation.metric_at(state.global_step) if validation else None)

@@ -40,6 +40,7 @@ from torchsprint.engine import (
 from torchsprint.errors import Diverged, UsageError
 from torchsprint.logging import RunLogger
 from torchsprint.precision import Precision
+from torchsprint.preempt import Stopper
 from torchsprint.tasks import get_task
 
 CPU = torch.device("cpu")
@@ -493,7 +494,8 @@ def test_train_one_epoch_stops_at_max_steps_or_stop_at(tmp_path, how):
     r = setup(tmp_path, "log.every_steps=100", "optim.accum_steps=2", *(["run.max_steps=2"] if how == "max_steps" else []))
     r.state.global_step = 10 if how == "stop_at" else 0
     r.loaders.train.set_epoch(0, start_batch=4)  # where a previous, resumed epoch left the loader: 1 batch to go
-    ep = one_epoch(r, **({"stop_at": 12} if how == "stop_at" else {}))
+    stop = Stopper(r.cfg.run.model_copy(update={"stop_after_steps": 2}), start_step=10)  # a pause at global step 12
+    ep = one_epoch(r, **({"stop": stop} if how == "stop_at" else {}))
     assert ep["images"] == 32 and ep["finished_epoch"] is False  # the epoch's length counts from its start
     assert r.state.step_in_epoch == 2 and r.state.epoch_steps == 2 and r.state.epoch_samples == 32
     assert r.rows("train") == []

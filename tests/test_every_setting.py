@@ -12,6 +12,7 @@ name the test elsewhere that proves its field, which the walk checks exists.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,21 @@ def probe_imports(tmp, monkeypatch):
     build("model.name=probe_net", "imports=[probe_models]")
 
 
+def probe_stop_signals():
+    """A listed signal sets the stop flag (instead of its default action); an unlisted one is left alone."""
+    import signal
+
+    from torchsprint.preempt import SIGNAL, Stopper
+
+    before = signal.getsignal(signal.SIGUSR2)
+    with Stopper(cfg_of("run.stop_signals=[SIGUSR2]").run) as stop:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert stop.vote() == SIGNAL and stop.got == signal.SIGUSR2
+    assert signal.getsignal(signal.SIGUSR2) is before
+    with Stopper(cfg_of("run.stop_signals=[]").run):
+        assert signal.getsignal(signal.SIGUSR2) is before
+
+
 def probe_run_name_out_dir_dir(tmp):
     from torchsprint.rundir import planned_path
 
@@ -284,6 +300,10 @@ PROBES = {
     "run.epochs": lambda t: run(t, "run.epochs=2")[0]["global_step"] == 2 * run(t)[0]["global_step"] or pytest.fail(),
     "run.max_steps": lambda t: run(t, "run.max_steps=3")[0]["global_step"] == 3 or pytest.fail(),
     "run.stop_after_steps": lambda t: run(t, "run.stop_after_steps=2")[0]["paused"] or pytest.fail(),
+    "run.max_time": lambda t: run(t, "run.max_time=0.001s")[0]["stopped"] == "max_time" or pytest.fail(),
+    "run.stop_signals": lambda t: probe_stop_signals(),  # real signals to a real CLI process: tests/test_preempt.py
+    "run.requeue": lambda t: _expect(UsageError, "not a SLURM job", run, t, "run.requeue=true") if not
+        os.environ.get("SLURM_JOB_ID") else pytest.skip("inside a SLURM job"),  # requeue itself: tests/test_preempt.py
     "run.device": lambda t: refused("run.device=cuda", match="no CUDA device") if not torch.cuda.is_available() else
         differs(lambda c, b: str(next(b.model.parameters()).device), "run.device=cuda", base=["run.device=cpu"]),
     "run.deterministic": probe_deterministic,
@@ -473,6 +493,7 @@ PROBES = {
                                           "mlflow.json").read_text())["experiment"] == "probe" or pytest.fail()),
     "eval.every_epochs": lambda t: _lines(t, "run.epochs=2", "eval.every_epochs=2", kind="eval") !=
         _lines(t, "run.epochs=2", kind="eval") or pytest.fail(),
+    "eval.every_steps": lambda t: _lines(t, "eval.every_steps=2", kind="eval") > _lines(t, kind="eval") or pytest.fail(),
     "eval.test_at_end": lambda t: refused("eval.test_at_end=true", match="has no test split"),  # + test_folder_layouts
     "eval.topk": lambda t: "val/top3" in run(t, "eval.topk=3")[0]["final"] or pytest.fail(),
     "eval.per_class": lambda t: (run(t)[1] / "confusion_matrix.csv").exists() and

@@ -215,7 +215,11 @@ def cmd_train(args) -> int:
         cfg = resumed_run_config(args.resume, overrides, args.imports)
     else:
         cfg = config.load(path, overrides, imports=args.imports)
-    train(cfg, overwrite=args.overwrite, dry_run=args.dry_run)
+    summary = train(cfg, overwrite=args.overwrite, dry_run=args.dry_run)
+    if summary.get("stopped") == "signal":  # preempted, checkpoint saved: "retry later" (preempt.EXIT_PREEMPTED)
+        from torchsprint.preempt import EXIT_PREEMPTED
+
+        return EXIT_PREEMPTED
     return 0
 
 

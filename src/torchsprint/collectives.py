@@ -57,11 +57,17 @@ class AgreedLoader:
     gradients. Before yielding each batch, the ranks agree (one MIN all-reduce of a 0/1 flag) that
     all of them got one; the first rank without data ends the epoch for all. `len` is the smallest
     length over ranks, agreed once at construction, so every rank counts the same steps per epoch.
+
+    The same all-reduce carries a vote (`vote()`: a positive int, the minimum over ranks kept in `agreed`):
+    preempt.Stopper's stop request, agreed with every batch at no extra cost, so every rank stops after the
+    same step when a signal reached one of them only.
     """
 
     def __init__(self, loader, rt):
         self.loader, self.rt = loader, rt
         self.length = agree_min(len(loader), rt)
+        self.vote = lambda: 1  # any positive number: "I have a batch" (preempt.Stopper.attach replaces it)
+        self.agreed = None  # the minimum vote of the last batch agreed on
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.loader.set_epoch(epoch, start_batch)
@@ -73,8 +79,10 @@ class AgreedLoader:
         it = iter(self.loader)
         while True:
             batch = next(it, None)
-            if agree_min(int(batch is not None), self.rt) == 0:
+            agreed = agree_min(0 if batch is None else self.vote(), self.rt)
+            if agreed == 0:
                 return
+            self.agreed = agreed
             yield batch
 
     def __getattr__(self, name):  # skipped-sample lists and other backend attributes

@@ -44,9 +44,39 @@ class RunConfig(Section):
         None, ge=1, description="Pause after this many optimizer steps of this invocation and save a checkpoint; unlike "
         "max_steps the schedule and run length are unchanged, so resuming continues exactly (time slices, tests).",
     )
+    max_time: str | float | None = Field(
+        None, description="Wall-clock budget of this invocation: '45m', '2h30m', '90s' or seconds, counted from the "
+        "start of `train` (building the data and model included). At the first step boundary past it the run stops "
+        "with a checkpoint (like stop_after_steps: no extra evaluation, no last.safetensors; summary.json says "
+        "stopped: max_time) and exits 0; resuming continues to run.epochs with a fresh budget. It can overshoot by "
+        "about one step, an evaluation due at that step, and the checkpoint write.")
+    stop_signals: list[str] = Field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"],
+        description="Signals that stop the run after the current step with a resumable checkpoint and exit code 75 "
+        "(EX_TEMPFAIL: retry later); under DDP every rank stops at the same step even if one got it. A second signal "
+        "during the save is ignored. [] keeps the default actions (SIGTERM/SIGUSR1 end the process at once).")
+    requeue: bool = Field(
+        False, description="After a stop signal, requeue the SLURM job (`scontrol requeue $SLURM_JOB_ID`); the requeued "
+        "job runs the same command and continues the run. Needs a SLURM job, run.dir and checkpoint.resume=auto.")
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     deterministic: bool = Field(False, description="Use deterministic algorithms only (slower on GPU; bit-exact reruns); "
                                 "an operation without a deterministic implementation stops the run, naming it.")
+
+    @field_validator("max_time")
+    @classmethod
+    def _duration(cls, v):
+        from torchsprint.preempt import parse_duration
+
+        if v is not None:
+            parse_duration(v)  # raises ValueError naming the accepted forms
+        return v
+
+    @field_validator("stop_signals")
+    @classmethod
+    def _signals(cls, v: list[str]) -> list[str]:
+        from torchsprint.preempt import signal_name
+
+        return list(dict.fromkeys(signal_name(n) for n in v))
 
     @field_validator("name")
     @classmethod
@@ -344,6 +374,11 @@ class LogConfig(Section):
 
 class EvalConfig(Section):
     every_epochs: int = Field(1, ge=1, description="Evaluate on the validation set every N epochs (and at the end).")
+    every_steps: int | None = Field(
+        None, ge=1, description="Also evaluate every N optimizer steps (global steps, so a resumed run evaluates where an "
+        "uninterrupted one does), for long epochs; at most one epoch's steps (for longer intervals use every_epochs). "
+        "Best weights, early_stop (patience counts evaluations) and checkpoints follow every evaluation; an "
+        "evaluation due from both settings at the same step runs once.")
     topk: int = Field(5, ge=2, description="Also report top-k accuracy when the dataset has more than k classes.")
     test_at_end: bool = Field(False, description="After training, evaluate the best weights on the dataset's test split "
                               "(image_folder: test/); the metrics go to summary.json under 'test'.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from torchsprint.ema import NoEma
 from torchsprint.errors import UsageError
 from torchsprint.models.init import NO_HEAD_ONLY
 from torchsprint.parallel import no_sync, unwrap
+from torchsprint.preempt import Stopper
 from torchsprint.rng import rng_isolated
 from torchsprint.runtime import injected_fault
 
@@ -64,11 +66,15 @@ def set_train_mode(model: nn.Module, frozen_norms: list[nn.Module]) -> None:
 
 
 def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState, *, cfg, logger, saver,
-                    stop_at: int | None = None, ema=NO_EMA) -> dict:
-    """Train until the end of `state.epoch` (or run.max_steps, or global step `stop_at`), resuming at state.step_in_epoch.
+                    stop: Stopper | None = None, validation: Validation | None = None, ema=NO_EMA) -> dict:
+    """Train until the end of `state.epoch` (or run.max_steps, or `stop` says so), resuming at state.step_in_epoch.
 
-    Returns epoch statistics: images, seconds, data-wait seconds, mean loss.
+    `stop` (preempt.Stopper): asked after every step (pauses, max_time, stop signals); `validation`: runs the
+    eval.every_steps evaluations (an early stop there ends the epoch). Returns epoch statistics: images,
+    seconds, data-wait seconds, mean loss, whether the epoch finished.
     """
+    stop = stop or Stopper(cfg.run, state.global_step)
+    stop.attach(loader)
     accum, per_step_sched = cfg.optim.accum_steps, cfg.sched.interval == "step"
     loader.set_epoch(state.epoch)  # the full epoch's length, whatever start the previous epoch resumed at
     steps_per_epoch = math.ceil(len(loader) / accum)
@@ -119,13 +125,21 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
             window.clear()
             log_images = 0
             t_log = now
+        # An evaluation due at this step comes before its checkpoint: a resume from it neither repeats nor skips one.
+        if validation is not None and validation.due_mid_epoch(state.global_step):
+            if validation(state):
+                break  # early stop (state.stopped_epoch is set); fit saves
+            # The cpu backend's train and eval loaders share one set of workers, so the evaluation ended this
+            # iteration: training goes on from a fresh one at this position, exactly as a resumed run does.
+            loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * accum)
+            it = rng_isolated(loader, device)
         if cfg.checkpoint.every_steps and state.global_step % cfg.checkpoint.every_steps == 0:
             totals.fold(state)  # the checkpoint keeps this epoch's sums so far
-            saver.save(state, model, opt, sched, prec, metric=None)
+            saver.save(state, model, opt, sched, prec, metric=validation.metric_at(state.global_step) if validation else None)
         injected_fault(state.global_step)  # tests only (TORCHSPRINT_TEST_KILL_AT); a no-op otherwise
         if cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps:
             break
-        if stop_at is not None and state.global_step >= stop_at:
+        if stop.after_step(state.global_step):
             break
     logger.end_epoch()
     # Count the steps since the last log step too (all ranks call it: it reduces). Note: a sync point.
@@ -253,91 +267,132 @@ def early_stop_check(state: TrainState, metric: float, stop_cfg, mode: str) -> b
     return state.stop_wait >= stop_cfg.patience
 
 
+@dataclass
+class Validation:
+    """The run's evaluations: every eval.every_epochs epochs (fit), every eval.every_steps steps (train_one_epoch)
+    and at the end. Each evaluates the model (and the EMA), logs, counts for early_stop and keeps the best
+    weights (best.safetensors and the task's artifacts). `last`: the latest metrics; `last_at`: (epoch 1-based,
+    global step) of the weights they describe."""
+
+    model: nn.Module
+    loaders: object
+    loss_fn: nn.Module
+    prec: object
+    make_metrics: object
+    ema: object
+    frozen_norms: list
+    cfg: object
+    rt: object
+    logger: object
+    run_dir: Path
+    weights_meta: dict
+    task: object
+    last: dict = field(default_factory=dict)
+    last_at: tuple | None = None
+
+    def due_mid_epoch(self, global_step: int) -> bool:
+        """Whether eval.every_steps asks for an evaluation after `global_step` (global: the same after a resume)."""
+        return bool(self.cfg.eval.every_steps) and global_step % self.cfg.eval.every_steps == 0
+
+    def metric_at(self, global_step: int) -> float | None:
+        """The monitored metric of an evaluation after `global_step`; None when none ran there."""
+        return self.last[self.cfg.checkpoint.monitor] if self.last_at and self.last_at[1] == global_step else None
+
+    def __call__(self, state: TrainState) -> bool:
+        """Evaluate after step state.global_step; True when early_stop says stop (state.stopped_epoch set)."""
+        cfg, ema, logger, monitor = self.cfg, self.ema, self.logger, self.cfg.checkpoint.monitor
+
+        def evaluate_here(m):
+            return evaluate(m, self.loaders.val, self.loss_fn, self.prec, self.make_metrics())
+
+        self.last = {f"val/{k}": v for k, v in evaluate_here(self.model).items()}
+        if ema.evaluates:
+            ema.sync(self.rt)  # rank 0's BatchNorm statistics on every rank
+            self.last |= {f"ema/val/{k}": v for k, v in evaluate_here(ema.module).items()}
+        set_train_mode(self.model, self.frozen_norms)  # evaluate() restores train(), not frozen norms' eval mode
+        self.last_at = (state.epoch + 1, state.global_step)
+        logger.scalars(state.global_step, {k: v for k, v in self.last.items() if not isinstance(v, list)} |
+                       {"epoch": state.epoch + 1}, "eval")
+        if not isinstance(self.last.get(monitor), int | float):  # a number to compare (not a list or a class name)
+            numbers = sorted(k for k, v in self.last.items() if isinstance(v, int | float))
+            raise UsageError(f"checkpoint.monitor={monitor} is not a metric; available: {numbers}")
+        metric = self.last[monitor]
+        stop = early_stop_check(state, metric, cfg.early_stop, cfg.checkpoint.mode)
+        if stop:
+            state.stopped_epoch = state.epoch
+        if cfg.early_stop.patience is not None:
+            logger.scalars(state.global_step, {"early_stop/wait": state.stop_wait, "early_stop/best": state.stop_best,
+                                               "early_stop/stopped": state.stopped_epoch is not None,
+                                               "epoch": state.epoch + 1}, "early_stop")
+        ema_eval = {k[4:]: v for k, v in self.last.items() if k.startswith("ema/")}  # as val/... keys
+        where = f"epoch {state.epoch + 1}/{cfg.run.epochs}" + (f" step {state.global_step}" if cfg.eval.every_steps else "")
+        logger.info(f"{where}  {self.task.summary(self.last)}" + (f"  | EMA {self.task.summary(ema_eval)}" if ema_eval else ""))
+        if is_better(metric, state.best_metric, cfg.checkpoint.mode):
+            state.best_metric, state.best_epoch, state.best_step = metric, state.epoch + 1, state.global_step
+            if self.rt.is_main:
+                best, which = (ema.module, "ema") if monitor.startswith("ema/") else (self.model, "model")
+                save_weights(self.run_dir / "best.safetensors", best, self.weights_meta | {
+                    "epoch": str(state.epoch + 1), "step": str(state.global_step), monitor: str(metric), "weights": which})
+                self.task.write_artifacts(self.run_dir, ema_eval if which == "ema" else self.last, self.loaders.info,
+                                          weights_tag("best", state.best_epoch, state.best_step))
+        return stop
+
+
 def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt, run_dir: Path,
         logger, saver, make_metrics, frozen_norms, weights_meta: dict, task=None, ema=NO_EMA,
-        head_only=NO_HEAD_ONLY) -> dict:
+        head_only=NO_HEAD_ONLY, stop: Stopper | None = None) -> dict:
     """Train for cfg.run.epochs (or cfg.run.max_steps) from `state`, evaluating and checkpointing.
 
-    run.stop_after_steps pauses after that many steps of this call (checkpoint saved, no extra
-    evaluation, schedule untouched), so that a later resume continues exactly as if never stopped.
+    `stop` (preempt.Stopper; built from cfg.run when None) pauses the run after a step: run.stop_after_steps,
+    run.max_time or a stop signal. A pause saves a checkpoint, adds no evaluation and leaves the schedule
+    untouched, so that a later resume continues exactly as if never stopped.
     `task` (tasks.Task; classification when None) formats the evaluation line and writes the extra
     artifacts that go with the best weights (the confusion matrix for classification).
     `ema` (ema.ModelEma or the no-op NoEma): updated after every optimizer step, evaluated beside the
     model (metrics ema/val/...), saved as ema.safetensors; best.safetensors holds the EMA weights when
     checkpoint.monitor names an ema/ metric.
     `head_only` (models.init.HeadOnly; a no-op when model.freeze_epochs=0): which parameters train in each epoch.
-    Returns the summary: final and best validation metrics, time and throughput, and `artifacts`: which
-    weights each per-class file and figure describes (file name -> {weights, file, epoch, step}).
+    Returns the summary: final and best validation metrics, time and throughput, why the run stopped, and
+    `artifacts`: which weights each per-class file and figure describes (file name -> {weights, file, epoch, step}).
     """
     from torchsprint.tasks import get_task
 
     task = task or get_task("classification")
-
+    stop = stop or Stopper(cfg.run, state.global_step)
     epochs, monitor = cfg.run.epochs, cfg.checkpoint.monitor
-    last_eval: dict = {}
-    last_at = None  # (epoch 1-based, global step) of last_eval: the weights the final metrics describe
+    val = Validation(model, loaders, loss_fn, prec, make_metrics, ema, frozen_norms, cfg, rt, logger, run_dir, weights_meta, task)
     total_images, total_seconds, total_wait = 0, 0.0, 0.0
     t_fit = time.perf_counter()
-    pause_at = None if cfg.run.stop_after_steps is None else state.global_step + cfg.run.stop_after_steps
     pausing = False
     while state.epoch < epochs:
         head_only.apply(state.epoch)  # model.freeze_epochs: from the epoch number alone, so exact across resume
         set_train_mode(model, frozen_norms + head_only.norms(state.epoch))
         ep = train_one_epoch(model, loaders.train, loss_fn, opt, sched, prec, state, cfg=cfg, logger=logger, saver=saver,
-                             stop_at=pause_at, ema=ema)
+                             stop=stop, validation=val, ema=ema)
         total_images += ep["images"]
         total_seconds += ep["seconds"]
         total_wait += ep["data_wait"]
-        stopping = cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps
-        pausing = pause_at is not None and state.global_step >= pause_at and not stopping
+        stopping = (cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps) or state.stopped_epoch is not None
+        pausing = stop.reason is not None and not stopping
         if not ep["finished_epoch"] and not stopping and not pausing:
             raise RuntimeError("loader ended before the epoch did")  # a loader length bug, never expected
         if ep["finished_epoch"] and cfg.sched.interval == "epoch":
             sched.step()
         report_epoch(logger, state, ep, loaders.train, loaders.info.backend or cfg.data.backend)
-        if pausing and not ep["finished_epoch"]:  # mid-epoch: no evaluation here, an uninterrupted run has none
-            saver.save(state, model, opt, sched, prec, metric=None)
+        if not ep["finished_epoch"] and (pausing or state.stopped_epoch is not None):
+            # Mid-epoch: a pause adds no evaluation (an uninterrupted run has none here); an early stop just evaluated.
+            saver.save(state, model, opt, sched, prec, metric=val.metric_at(state.global_step))
             break
         last_epoch = state.epoch + 1 >= epochs or stopping
-        metric = None
-        if (state.epoch + 1) % cfg.eval.every_epochs == 0 or last_epoch:
-            last_eval = {f"val/{k}": v for k, v in evaluate(model, loaders.val, loss_fn, prec, make_metrics()).items()}
-            if ema.evaluates:
-                ema.sync(rt)  # rank 0's BatchNorm statistics on every rank
-                last_eval |= {f"ema/val/{k}": v for k, v in evaluate(ema.module, loaders.val, loss_fn, prec, make_metrics()).items()}
-            last_at = (state.epoch + 1, state.global_step)
-            logger.scalars(state.global_step, {k: v for k, v in last_eval.items() if not isinstance(v, list)} |
-                           {"epoch": state.epoch + 1}, "eval")
-            if not isinstance(last_eval.get(monitor), int | float):  # a number to compare (not a list or a class name)
-                numbers = sorted(k for k, v in last_eval.items() if isinstance(v, int | float))
-                raise UsageError(f"checkpoint.monitor={monitor} is not a metric; available: {numbers}")
-            metric = last_eval[monitor]
-            if early_stop_check(state, metric, cfg.early_stop, cfg.checkpoint.mode):
-                state.stopped_epoch = state.epoch
-                stopping = True
-            if cfg.early_stop.patience is not None:
-                logger.scalars(state.global_step, {"early_stop/wait": state.stop_wait, "early_stop/best": state.stop_best,
-                                                   "early_stop/stopped": state.stopped_epoch is not None,
-                                                   "epoch": state.epoch + 1}, "early_stop")
-            ema_eval = {k[4:]: v for k, v in last_eval.items() if k.startswith("ema/")}  # as val/... keys
-            logger.info(f"epoch {state.epoch + 1}/{epochs}  {task.summary(last_eval)}"
-                        + (f"  | EMA {task.summary(ema_eval)}" if ema_eval else ""))
-            if is_better(metric, state.best_metric, cfg.checkpoint.mode):
-                state.best_metric, state.best_epoch, state.best_step = metric, state.epoch + 1, state.global_step
-                if rt.is_main:
-                    best, which = (ema.module, "ema") if monitor.startswith("ema/") else (model, "model")
-                    save_weights(run_dir / "best.safetensors", best, weights_meta | {"epoch": str(state.epoch + 1),
-                                                                                     "step": str(state.global_step),
-                                                                                     monitor: str(metric), "weights": which})
-                    task.write_artifacts(run_dir, ema_eval if which == "ema" else last_eval, loaders.info,
-                                         weights_tag("best", state.best_epoch, state.best_step))
+        if ((state.epoch + 1) % cfg.eval.every_epochs == 0 or last_epoch) and val.metric_at(state.global_step) is None:
+            stopping = val(state) or stopping  # (None: eval.every_steps evaluated after this very step already)
         if ep["finished_epoch"]:
             state.epoch += 1
             state.step_in_epoch = 0
             state.epoch_loss_sum, state.epoch_steps, state.epoch_correct, state.epoch_samples = 0.0, 0, 0, 0
         if (cfg.checkpoint.every_epochs and state.epoch % cfg.checkpoint.every_epochs == 0) or last_epoch or pausing \
                 or stopping:
-            saver.save(state, model, opt, sched, prec, metric)
+            saver.save(state, model, opt, sched, prec, val.metric_at(state.global_step))
         if stopping or pausing:
             break
     paused = pausing and state.epoch < epochs and state.stopped_epoch is None
@@ -345,8 +400,7 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
         logger.info(f"early stop after epoch {state.stopped_epoch + 1}: {monitor} has not improved by more than "
                     f"{cfg.early_stop.min_delta} for {cfg.early_stop.patience} evaluation(s) (best {state.stop_best:.4g})")
     if paused:
-        logger.info(f"paused at step {state.global_step} (run.stop_after_steps); continue with checkpoint.resume=auto "
-                    f"or `torchsprint train --resume {run_dir}`")
+        logger.info(pause_message(stop, state, run_dir))
     else:
         ema.sync(rt)
         if rt.is_main:
@@ -354,16 +408,16 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
                                                                               "step": str(state.global_step)})
             if ema.enabled:
                 save_weights(run_dir / "ema.safetensors", ema.module, weights_meta | {"epoch": str(state.epoch), "weights": "ema"})
-            if last_at is not None:  # the last evaluation saw these weights (the loop ends right after one)
+            if val.last_at is not None:  # the last evaluation saw these weights (the loop ends right after one)
                 # The model's own metrics (val/...), as last.safetensors holds the model's weights, not the EMA's.
-                task.write_artifacts(run_dir, last_eval, loaders.info, weights_tag("last", *last_at))
+                task.write_artifacts(run_dir, val.last, loaders.info, weights_tag("last", *val.last_at))
     artifacts = {}
-    tags = [weights_tag("best", state.best_epoch, state.best_step)] + ([weights_tag("last", *last_at)]
-                                                                       if last_at is not None and not paused else [])
+    tags = [weights_tag("best", state.best_epoch, state.best_step)] + ([weights_tag("last", *val.last_at)]
+                                                                       if val.last_at is not None and not paused else [])
     for tag in tags:
         artifacts |= {name: tag for name in task.artifacts(tag["weights"]) if (run_dir / name).is_file()}
     return {
-        "final": {k: v for k, v in last_eval.items() if not isinstance(v, list)},
+        "final": {k: v for k, v in val.last.items() if not isinstance(v, list)},
         "best_metric": state.best_metric,
         "best_epoch": state.best_epoch,
         "seconds": time.perf_counter() - t_fit,
@@ -373,11 +427,24 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
         "skipped_steps": state.skipped_steps,
         "artifacts": artifacts,
         "paused": paused,
+        # Why training ended: completed (run.epochs or run.max_steps), early_stop, or a pause: stop_after_steps,
+        # max_time, signal (then "signal" names it where this process received it).
+        "stopped": stop.reason if paused else "early_stop" if state.stopped_epoch is not None else "completed",
+        **({"signal": stop.got.name if stop.got else None} if paused and stop.reason == "signal" else {}),
         "early_stop": None if cfg.early_stop.patience is None else {
             "stopped_epoch": None if state.stopped_epoch is None else state.stopped_epoch + 1,  # 1-based, as printed
             "best": state.stop_best, "wait": state.stop_wait, "patience": cfg.early_stop.patience,
             "min_delta": cfg.early_stop.min_delta},
     }
+
+
+def pause_message(stop: Stopper, state: TrainState, run_dir: Path) -> str:
+    """The line that says why a paused run stopped and how to continue it."""
+    why = {"stop_after_steps": "run.stop_after_steps",
+           "max_time": "run.max_time: the time budget of this invocation is spent",
+           "signal": f"{stop.got.name if stop.got else 'a stop signal (received by another rank)'}: preempted"}[stop.reason]
+    return (f"paused at step {state.global_step} ({why}); continue with checkpoint.resume=auto "
+            f"or `torchsprint train --resume {run_dir}`")
 
 
 def weights_tag(weights: str, epoch: int | None, step: int | None) -> dict:

@@ -217,7 +217,16 @@ def launch(args) -> int:
 
         extra = [f"run.dir={create_unique(planned_path(cfg.run)[0])}"]  # one folder for every attempt
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from torchsprint.preempt import EXIT_PREEMPTED
+
+    # torchrun's agent turns these signals into "stop the workers with this signal, SIGKILL after 30 s"; the
+    # run's stop signals join them, so that a SIGUSR1 sent to the launcher (SLURM --signal) reaches the workers
+    # (which save a checkpoint and exit 75) instead of killing the launcher.
+    handled = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(dict.fromkeys(handled + list(cfg.run.stop_signals)))
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
@@ -234,7 +243,18 @@ def launch(args) -> int:
               f"a machine of the {nnodes} did not join within strategy.timeout_s={cfg.strategy.timeout_s:g} s (dead or "
               "unreachable host?). The workers here were stopped.", file=sys.stderr)
         return 1
+    except SignalException as e:  # the workers got the signal and were waited for (see above)
+        if e.sigval.name not in cfg.run.stop_signals:
+            print(f"launcher: stopped by {e.sigval.name} (not in run.stop_signals): the workers were ended", file=sys.stderr)
+            return 128 + int(e.sigval)
+        print(f"launcher: {e.sigval.name} passed on to the workers, which stop after their current step with a "
+              f"checkpoint (run.stop_signals); exit {EXIT_PREEMPTED}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except ChildFailedError as e:
+        if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
+            print(f"DDP workers stopped by a stop signal after saving a checkpoint; exit {EXIT_PREEMPTED} (continue with "
+                  "checkpoint.resume=auto or --resume)", file=sys.stderr)
+            return EXIT_PREEMPTED
         code = exit_code(e)
         rank, failure = root_failure(e)
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -162,6 +163,9 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
             f"{' ...' if len(scales) > 8 else ''} (optim.param_groups / optim.layer_decay)")
     prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
     steps_per_epoch = -(-len(loaders.train) // cfg.optim.accum_steps)
+    if cfg.eval.every_steps is not None and cfg.eval.every_steps > steps_per_epoch:
+        raise UsageError(f"eval.every_steps={cfg.eval.every_steps} is more than an epoch ({steps_per_epoch} steps): "
+                         f"use eval.every_epochs for longer intervals, or eval.every_steps <= {steps_per_epoch}.")
     epochs = cfg.run.epochs
     if cfg.run.max_steps is not None:
         epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
@@ -241,13 +245,16 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
     from torchsprint.checkpoint import Saver, TrainState, data_geometry
     from torchsprint.engine import fit
     from torchsprint.logging import RunLogger, check_sinks
+    from torchsprint.preempt import Stopper, check_requeue, requeue
     from torchsprint.resume import find_resume, restore
     from torchsprint.rundir import RunLock, create_unique, make_folder
     from torchsprint.tasks import get_task
 
+    t0 = time.monotonic()  # run.max_time counts from here: building the data and model is part of the budget
     import_modules(cfg.imports)
     task = get_task(cfg.task)
     check_sinks(cfg.log)
+    check_requeue(cfg.run, cfg.checkpoint.resume)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     lock, clean, logger = None, False, None
     try:
@@ -314,12 +321,16 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
                       flush_logs=logger.flush)
         weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name, "in_channels": str(info.in_channels),
                         "format": "torchsprint", "task": cfg.task, "config": json.dumps(resolved)}
+        # Stop signals are handled (a flag, no exception) from the first step until the run's files are written.
+        stop = Stopper(cfg.run, state.global_step, t0)
         try:
-            summary = fit(
-                b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir,
-                logger=logger, saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task, ema=b.ema,
-                head_only=b.head_only, make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device),
-            )
+            with stop:
+                summary = fit(
+                    b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir,
+                    logger=logger, saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task,
+                    ema=b.ema, head_only=b.head_only, make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device), stop=stop,
+                )
+                finish_summary(cfg, rt, b, run_dir, task, logger, summary)
         except RuntimeError as e:
             if is_oom(e):  # the checkpoints saved so far are whole files (atomic writes): the message names the last
                 evaluating = any(f.name == "evaluate" for f in traceback.extract_tb(e.__traceback__))
@@ -329,21 +340,9 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             if explained is None:
                 raise
             raise explained from e
-        if cfg.eval.test_at_end and not summary["paused"]:
-            summary["test"] = evaluate_test(cfg, rt, b, run_dir, task, logger, summary["global_step"])
-        summary["run_dir"] = str(run_dir)
-        summary["init"] = b.init
-        if rt.is_main:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-            rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary["final"].items()]
-            rows += [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary.get("test", {}).items()]
-            rows += [("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary['best_epoch']})"
-                      if summary["best_metric"] is not None else "-"),
-                     ("train images/s", f"{summary['train_images_per_s']:.0f}"),
-                     ("data-wait share", f"{summary['data_wait_share']:.0%}"),
-                     ("wall time", f"{summary['seconds']:.1f} s"), ("run folder", str(run_dir))]
-            logger.summary("run summary", rows)
         logger.close(finished=not summary["paused"])
+        if summary["stopped"] == "signal" and cfg.run.requeue and rt.is_main:  # last: SLURM ends this job at once
+            summary["requeued"] = requeue(os.environ["SLURM_JOB_ID"], logger.info)
         clean = True
         return summary
     finally:
@@ -352,6 +351,25 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         if lock is not None:
             lock.release()
         runtime.teardown(rt, clean)
+
+
+def finish_summary(cfg, rt, b: Built, run_dir: Path, task, logger, summary: dict) -> None:
+    """After fit: the test split (eval.test_at_end), then summary.json and the closing table (rank 0)."""
+    if cfg.eval.test_at_end and not summary["paused"]:
+        summary["test"] = evaluate_test(cfg, rt, b, run_dir, task, logger, summary["global_step"])
+    summary["run_dir"] = str(run_dir)
+    summary["init"] = b.init
+    if rt.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary["final"].items()]
+        rows += [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary.get("test", {}).items()]
+        rows += [("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary['best_epoch']})"
+                  if summary["best_metric"] is not None else "-"),
+                 ("stopped", summary["stopped"] + (f" ({summary['signal']})" if summary.get("signal") else "")),
+                 ("train images/s", f"{summary['train_images_per_s']:.0f}"),
+                 ("data-wait share", f"{summary['data_wait_share']:.0%}"),
+                 ("wall time", f"{summary['seconds']:.1f} s"), ("run folder", str(run_dir))]
+        logger.summary("run summary", rows)
 
 
 def decisions(cfg, rt, b: Built) -> dict:

@@ -172,6 +172,7 @@ class Built:
     loss_fn: torch.nn.Module
     ema: object  # ema.ModelEma, or the no-op ema.NoEma
     init: dict  # how the model was initialised (checkpoint | pretrained | random) and, from pretrained, what was loaded
+    cuda_graphs: object = None  # parallel.GraphsDecision: speed.cuda_graphs as resolved for this run
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
@@ -187,10 +188,12 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.optim.losses import build_loss
     from torchsprint.optim.optimizers import build_optimizer
     from torchsprint.optim.schedulers import build_scheduler
-    from torchsprint.parallel import channels_last_on, unwrap, wrap_model
+    from torchsprint.parallel import channels_last_on, decide_cuda_graphs, unwrap, wrap_model
     from torchsprint.precision import Precision
 
-    prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
+    # speed.cuda_graphs decided once: the capture, autocast's cache and decisions.json all read `graphs`.
+    graphs = decide_cuda_graphs(cfg.speed, cfg.strategy, rt.device, rt.world_size, cfg.data.drop_last)
+    prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=graphs.on)
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
     from torchsprint.tasks import check_data_task, get_task
 
@@ -218,7 +221,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     ema = build_ema(cfg.ema, model, rt.device, channels_last)  # copied before wrap_model: plain and fp32
     model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
                        example=lambda: next(iter(loaders.train))[0], accum_steps=cfg.optim.accum_steps,
-                       frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None)
+                       frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None, cuda_graphs=graphs)
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
@@ -244,7 +247,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         raise UsageError(f"checkpoint.monitor={cfg.checkpoint.monitor} is a metric of the EMA weights, which this run does "
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
-    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record})
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, graphs)
 
 
 def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:
@@ -366,10 +369,12 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
 
 def decisions(cfg, rt, b: Built) -> dict:
     """What torchsprint decided for this run, from the config and the data: printed at start, kept in decisions.json."""
+    from torchsprint.optim.optimizers import impl_in_use
     from torchsprint.parallel import channels_last_on, has_conv2d, unwrap
 
     info, model = b.loaders.info, unwrap(b.model)
     facts = dict(info.facts)
+    impl, impl_why = impl_in_use(b.opt, cfg.optim)
     return {
         "dataset": cfg.data.dataset, "root": cfg.data.root, "task": cfg.task, **facts,
         # The backend that ran (after `auto` and any data.fallback), as build_loaders recorded it; and what was asked.
@@ -380,6 +385,8 @@ def decisions(cfg, rt, b: Built) -> dict:
         "channels_last_why": f"speed.channels_last={str(cfg.speed.channels_last).lower()}" + (
             (": the model has 2-D convolutions" if has_conv2d(model) else ": no 2-D convolutions")
             if cfg.speed.channels_last == "auto" else ""),
+        "cuda_graphs": b.cuda_graphs.on, "cuda_graphs_why": b.cuda_graphs.why,
+        "optimizer_impl": impl, "optimizer_impl_why": impl_why,
         "batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
         "effective_batch_size": cfg.data.batch_size * cfg.optim.accum_steps * rt.world_size,
         "steps_per_epoch": -(-len(b.loaders.train) // cfg.optim.accum_steps), "epochs": cfg.run.epochs,
@@ -418,6 +425,8 @@ def describe_decisions(d: dict) -> list[str]:
                  f"{'on' if d.get('channels_last') else 'off'} ({d.get('channels_last_why', '')}), batch {d['batch_size']} x "
                  f"accum {d['accum_steps']} x {d['world_size']} process(es) = effective batch {d['effective_batch_size']}, "
                  f"{d['steps_per_epoch']} steps per epoch, {d['epochs']} epochs")
+    lines.append(f"CUDA graphs {'on' if d['cuda_graphs'] else 'off'} ({d['cuda_graphs_why']}); optimizer update "
+                 f"{d['optimizer_impl']} ({d['optimizer_impl_why']})")
     return lines
 
 

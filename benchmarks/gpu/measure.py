@@ -148,13 +148,14 @@ def model_step_rate(model: str, overrides: list[str], batch: int, steps: int, wa
     from torchsprint.parallel import wrap_model
     from torchsprint.precision import Precision
 
-    cfg = config.load(None, [f"model.name={model}", f"run.device={SIZE['device']}", *overrides])
+    # speed.cuda_graphs=auto would capture on CUDA: a variant says when it wants graphs (same switches as its name).
+    cfg = config.load(None, [f"model.name={model}", f"run.device={SIZE['device']}", "speed.cuda_graphs=false", *overrides])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     fmt = torch.channels_last if cfg.speed.channels_last is True else torch.contiguous_format
     g = torch.Generator(device=rt.device).manual_seed(0)
     x = torch.randn(batch, 3, 224, 224, device=rt.device, generator=g).contiguous(memory_format=fmt)
     y = torch.randint(0, 1000, (batch,), device=rt.device, generator=g)
-    prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
+    prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs is True)
     net = build_model(cfg.model, 1000, 3)
     counters.clear()
     net = wrap_model(net, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, example=lambda: x)
@@ -467,7 +468,7 @@ def m3(res: Results, deadline: float, root: Path, previous: dict, backends: set[
                 "amp_bf16 + channels_last + cuda_graphs": ["speed.cuda_graphs=true"],
                 "amp_bf16 + channels_last + compile reduce-overhead": ["speed.compile=true",
                                                                        "speed.compile_mode=reduce-overhead"],
-                "amp_bf16 + channels_last": []}
+                "amp_bf16 + channels_last": ["speed.cuda_graphs=false"]}  # auto would add graphs on CUDA
     rated = {k: r18[k]["images_per_s"] for k in switches if "images_per_s" in (r18.get(k) or {})}
     if not rated and left(deadline) > 240:  # no M1 figures from this or an earlier call: measure the reference here
         for k in ("amp_bf16 + channels_last + cuda_graphs", "amp_bf16 + channels_last"):

@@ -318,7 +318,10 @@ class SpeedConfig(Section):
     fullgraph: bool = Field(False, description="torch.compile fullgraph=True (fail on graph breaks).")
     cudnn_benchmark: bool = Field(True, description="Let cuDNN pick the fastest convolution algorithms (GPU).")
     tf32: bool = Field(True, description="Allow TF32 matmuls and convolutions on Ampere+ GPUs.")
-    cuda_graphs: bool = Field(False, description="Capture the training step in a CUDA graph (static shapes, GPU).")
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto", description="Capture the model's training forward/backward in a CUDA graph (loss and optimizer stay eager; "
+        "batches of another shape and evaluation run eagerly). auto: on for one CUDA process without compile, dp or "
+        "sync_bn, off otherwise (the run says which and why); true: on (refused where it cannot run); false: off.")
 
 
 class CheckpointConfig(Section):

@@ -14,6 +14,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -171,12 +172,17 @@ class CudaGraphed(nn.Module):
 
 
 def capture_cuda_graphs(model: nn.Module, example: Callable[[], torch.Tensor] | None, prec,
-                        frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None) -> nn.Module:
+                        frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None,
+                        chosen_by_auto: bool = False) -> nn.Module:
     """Capture `model`'s training forward/backward as CUDA graphs for a batch like `example()`.
 
     `frozen_norms(model)`: the normalisation layers the engine keeps in eval mode while training
     (model.freeze_bn_stats); they are captured in eval mode (running statistics used and left alone),
-    since a replay cannot switch modes later.
+    since a replay cannot switch modes later. `chosen_by_auto`: the user did not ask for graphs
+    (speed.cuda_graphs=auto), so a model that cannot be captured (a host sync or data-dependent branch in
+    its forward, unused parameters, non-tensor outputs) stops the run with one line naming the switch,
+    not a CUDA traceback. It is refused, not run eagerly instead: after a failed capture the device state is
+    not known good, and the run's decisions would no longer say what ran.
     """
     if example is None:
         raise UsageError("speed.cuda_graphs needs an example batch (pass example= to wrap_model).")
@@ -186,7 +192,14 @@ def capture_cuda_graphs(model: nn.Module, example: Callable[[], torch.Tensor] | 
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device]):  # drawing a batch must not shift the model's RNG stream
         batch = example()
-    return CudaGraphed(model, batch, prec)
+    if not chosen_by_auto:
+        return CudaGraphed(model, batch, prec)
+    try:
+        return CudaGraphed(model, batch, prec)
+    except (RuntimeError, TypeError, AssertionError) as e:  # torch's capture raises these for non-static modules
+        raise UsageError(f"speed.cuda_graphs=auto turned CUDA graphs on, but capturing {type(model).__name__} failed "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}): its forward is not static. Set "
+                         "speed.cuda_graphs=false to train it eagerly.") from e
 
 
 # ---------------------------------------------------------------- checks
@@ -230,7 +243,7 @@ def check_speed(speed_cfg, strategy_cfg, device: torch.device, accum_steps: int 
         if backend == "inductor" and device.type == "cpu" and cpp_compiler() is None:
             raise UsageError("speed.compile=true on CPU needs a C++ compiler for the inductor backend (g++ or "
                              "clang++ on PATH, or CXX); none was found. Install one, or set speed.compile=false.")
-    if speed_cfg.cuda_graphs:
+    if speed_cfg.cuda_graphs is True:  # auto never refuses: decide_cuda_graphs turns it off where these refuse
         if device.type != "cuda":
             raise UsageError("speed.cuda_graphs=true needs a CUDA device; on CPU set speed.cuda_graphs=false.")
         if speed_cfg.compile:
@@ -242,6 +255,56 @@ def check_speed(speed_cfg, strategy_cfg, device: torch.device, accum_steps: int 
         if strategy_cfg.sync_bn:
             raise UsageError("speed.cuda_graphs cannot capture SyncBatchNorm's all-reduces inside the forward. "
                              "Set strategy.sync_bn=false or speed.cuda_graphs=false.")
+
+
+@dataclass(frozen=True)
+class GraphsDecision:
+    """speed.cuda_graphs resolved for one run: whether the training forward/backward is captured, and why."""
+
+    on: bool
+    why: str
+
+
+def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size: int = 1,
+                       drop_last: bool = True) -> GraphsDecision:
+    """The one place speed.cuda_graphs is resolved (DESIGN rule 12): wrap_model captures, Precision disables
+    autocast's cache, and decisions.json / the start-up summary report from this result.
+
+    true/false: as set (check_speed refuses true where it cannot run). auto: on exactly where the capture is
+    known to be safe and `true` would be accepted: one process on a CUDA device, no torch.compile, no
+    DataParallel, no SyncBatchNorm. Why on by default there: the default run (digits + small_cnn) is
+    launch-bound on a GPU, and bench on an H200 measured the defaults at 24,720 images/s against 52,429 with
+    CUDA graphs (../shared/gpu-runs/2026-11-26-h200/m5_default_run.log). What keeps it safe: only the model's
+    forward/backward is captured (loss, optimizer, scaler, clipping, EMA, mixing stay eager); a batch of
+    another shape (the last partial batch with data.drop_last=false) and evaluation run eagerly; gradient
+    accumulation adds exactly (measured rel. diff 0.0 on the H200, tests/test_gpu.py). A model whose forward
+    is not static (a host sync, data-dependent Python branches) fails at capture, and the run says how to
+    turn the switch off (capture_cuda_graphs). Several processes (DDP) are left off by auto until measured
+    on GPUs; speed.cuda_graphs=true captures under DDP as before.
+
+    Args:
+        speed_cfg: the `speed` section; strategy_cfg: the `strategy` section.
+        device: the training device; world_size: the number of training processes.
+        drop_last: data.drop_last (only changes the explanation: partial batches run eagerly).
+    """
+    setting = speed_cfg.cuda_graphs
+    if setting is False:
+        return GraphsDecision(False, "speed.cuda_graphs=false")
+    if setting is True:
+        return GraphsDecision(True, "speed.cuda_graphs=true")
+    off = ("a CUDA device (this run is on " + device.type + ")" if device.type != "cuda" else
+           "no torch.compile (it captures the model itself; compile_mode=reduce-overhead adds CUDA graphs inside it)"
+           if speed_cfg.compile else
+           "no DataParallel (strategy=dp replicates the model every step)" if strategy_cfg.name == "dp" else
+           "no SyncBatchNorm (its all-reduces cannot be captured)" if strategy_cfg.sync_bn else
+           f"one process (not yet measured under DDP on GPUs; {world_size} processes here; speed.cuda_graphs=true "
+           "captures anyway)" if world_size > 1 else None)
+    if off is not None:
+        return GraphsDecision(False, f"speed.cuda_graphs=auto: off, needs {off}")
+    tail = "every training batch has the same shape" if drop_last else \
+        "the last partial batch of an epoch runs eagerly (data.drop_last=false)"
+    return GraphsDecision(True, "speed.cuda_graphs=auto: on (one CUDA process, forward/backward captured, loss and "
+                          f"optimizer eager; {tail})")
 
 
 # ---------------------------------------------------------------- wrapping
@@ -272,7 +335,8 @@ def has_conv2d(model: nn.Module) -> bool:
 
 def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
                example: Callable[[], torch.Tensor] | None = None, log: Callable[[str], None] | None = None,
-               accum_steps: int = 1, frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None) -> nn.Module:
+               accum_steps: int = 1, frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None,
+               cuda_graphs: GraphsDecision | None = None) -> nn.Module:
     """Make the model ready to train: device, memory format, SyncBN, precision, CUDA graphs, strategy, compile.
 
     Args:
@@ -286,6 +350,8 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
         accum_steps: micro-batches per optimizer step (optim.accum_steps), checked against the speed switches.
         frozen_norms: returns the layers the engine keeps in eval mode (model.freeze_bn_stats), which a CUDA
             graph must capture in eval mode too; None: none.
+        cuda_graphs: the run's decide_cuda_graphs result (build_training passes the one it reports); None:
+            decided here from speed_cfg (direct callers: benchmarks, tests).
     """
     log = log or (lambda msg: None)
     model = model.to(rt.device)
@@ -312,8 +378,11 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
         log(f"strategy.comm_hook={strategy_cfg.comm_hook}: one process, no gradient all-reduce to compress")
     if prec is not None:
         model = prec.prepare(model)
-    if speed_cfg is not None and speed_cfg.cuda_graphs:
-        model = capture_cuda_graphs(model, example, prec, frozen_norms)
+    if speed_cfg is not None and cuda_graphs is None:
+        cuda_graphs = decide_cuda_graphs(speed_cfg, strategy_cfg, rt.device, rt.world_size)
+    if cuda_graphs is not None and cuda_graphs.on:  # what was decided and why: the start-up summary says it
+        model = capture_cuda_graphs(model, example, prec, frozen_norms,
+                                    chosen_by_auto=speed_cfg is not None and speed_cfg.cuda_graphs == "auto")
     if name == "dp":
         if torch.cuda.device_count() < 2:
             log("[yellow]strategy=dp with one GPU: DataParallel adds overhead and no speed; use strategy=single[/]")

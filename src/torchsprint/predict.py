@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -145,10 +148,84 @@ class Predictor:
                     out[j] = str(e) or type(e).__name__
         return out
 
+    # Files are read (and on the CPU path decoded) this many batches ahead of the model, by READERS threads.
+    AHEAD = 3
+    READERS = min(8, os.cpu_count() or 1)
+
+    def _stream(self, paths: list[str]):
+        """Yield (index into paths, image on self.device or an error message) in order, batch_size files at a time,
+        with reading and decoding overlapped with the caller's model calls.
+
+        Reader threads (a pool of READERS) read each file ahead: on the nvJPEG path its bytes and header, on the
+        CPU path the whole decode + eval spec (_load_cpu, the same function as before, so the same pixels). One
+        decoder thread turns each batch's reads into images in order (nvJPEG batch decode + the eval spec on the
+        GPU, CPU decoding for the files nvJPEG does not take). At most AHEAD batches are in flight (a bounded
+        queue: memory does not grow with the number of files), and the calling thread does no per-file work:
+        it waits for a batch's future and, on CUDA, makes its stream wait for the batch's event.
+        """
+        chunks = [range(s, min(s + self.batch_size, len(paths))) for s in range(0, len(paths), self.batch_size)]
+        with ThreadPoolExecutor(self.READERS, thread_name_prefix="torchsprint-predict-read") as readers, \
+                ThreadPoolExecutor(1, thread_name_prefix="torchsprint-predict-decode") as decoder:
+            def submit(chunk: range) -> Future:
+                reads = [readers.submit(self._read_one, paths[j]) for j in chunk]
+                return decoder.submit(self._finish_batch, [paths[j] for j in chunk], reads)
+
+            pending = deque(submit(c) for c in chunks[: self.AHEAD])
+            upcoming = iter(chunks[self.AHEAD :])
+            for chunk in chunks:
+                images, ready = pending.popleft().result()
+                nxt = next(upcoming, None)
+                if nxt is not None:
+                    pending.append(submit(nxt))
+                if ready is not None:  # the decoder thread's GPU work is ordered before what this thread runs next
+                    torch.cuda.current_stream(self.device).wait_event(ready)
+                yield from zip(chunk, images)
+
+    def _read_one(self, path: str):
+        """A reader thread's work for one file: ("bytes", uint8 tensor) for a JPEG nvJPEG takes, ("image", decoded
+        and preprocessed CPU tensor), ("error", message), or ("cpu", None) to decode on the CPU in the decoder."""
+        if self.gpu_pipeline is not None:
+            from torchsprint.data.preprocess.decode import BadImage, read_bytes, read_header
+            from torchsprint.data.preprocess.on_device import nvjpeg_ok
+
+            try:
+                blob = read_bytes(path)
+                if nvjpeg_ok(read_header(blob)):
+                    return "bytes", torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            except (BadImage, OSError):
+                pass  # the CPU path reports it
+            return "cpu", None
+        try:
+            return "image", self._load_cpu(path)
+        except Exception as e:  # noqa: BLE001 - every bad file becomes an error entry, others go on
+            return "error", str(e) or type(e).__name__
+
+    def _finish_batch(self, paths: list[str], reads: list[Future]):
+        """The decoder thread's work for one batch: its images on self.device (or error messages), and a CUDA event
+        recorded after the GPU work (None on CPU)."""
+        got = [f.result() for f in reads]
+        out: list[torch.Tensor | str | None] = [img.to(self.device) if kind == "image" else img if kind == "error"
+                                                else None for kind, img in got]
+        jpegs = [j for j, (kind, _) in enumerate(got) if kind == "bytes"]
+        if jpegs:
+            for j, img in zip(jpegs, self._decode_gpu([paths[j] for j in jpegs], [got[j][1] for j in jpegs])):
+                out[j] = img
+        for j, img in enumerate(out):
+            if img is None:
+                try:
+                    out[j] = self._load_cpu(paths[j]).to(self.device)
+                except Exception as e:  # noqa: BLE001 - every bad file becomes an error entry, others go on
+                    out[j] = str(e) or type(e).__name__
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        return out, ready
+
     def _load_gpu(self, paths: list[str]) -> list[torch.Tensor | None]:
         """nvJPEG decode + the eval spec on the GPU for the files it takes; None for the others."""
         from torchsprint.data.preprocess.decode import BadImage, read_bytes, read_header
-        from torchsprint.data.preprocess.on_device import decode_on_device, nvjpeg_ok, preprocess_on_device
+        from torchsprint.data.preprocess.on_device import nvjpeg_ok
 
         take, data = [], []
         for j, path in enumerate(paths):
@@ -160,6 +237,16 @@ class Predictor:
             if ok:
                 take.append(j)
                 data.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        out: list[torch.Tensor | None] = [None] * len(paths)
+        for j, img in zip(take, self._decode_gpu([paths[j] for j in take], data)):
+            out[j] = img
+        return out
+
+    def _decode_gpu(self, paths: list[str], data: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """nvJPEG batch decode of `data` (the bytes of `paths`) + the eval spec on the GPU; None where nvJPEG failed."""
+        from torchsprint.data.preprocess.on_device import decode_on_device, preprocess_on_device
+
+        take = list(range(len(paths)))
         decoded = decode_on_device(data, self.device)
         good = [(j, img) for j, img in zip(take, decoded) if img is not None]
         if len(good) < len(take):  # nvJPEG rejected them: the CPU path decodes them (counted, reported once)
@@ -221,20 +308,32 @@ class Predictor:
                 results[i]["error"] = payload
             else:
                 files.append(i)
-        for i, img in zip(files, self._load_many([entries[i][0] for i in files])):
-            if isinstance(img, str):
-                results[i]["error"] = img
-            else:
-                ready.append((i, img))
+        # Images are batched by shape, batch_size at a time in input order (tensors first, then files): a batch
+        # runs as soon as its shape has batch_size images, while the next files are read and decoded (_stream).
         by_shape: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+
+        def run(chunk: list[tuple[int, torch.Tensor]]) -> None:
+            outputs = self.logits(torch.stack([img for _, img in chunk]))
+            for (i, _), r in zip(chunk, self.task.postprocess(outputs, self.classes, options)):
+                results[i].update(r)
+
+        def add(i: int, img: torch.Tensor) -> None:
+            group = by_shape.setdefault(tuple(img.shape), [])
+            group.append((i, img))
+            if len(group) == self.batch_size:
+                run(group[:])
+                group.clear()
+
         for i, img in ready:
-            by_shape.setdefault(tuple(img.shape), []).append((i, img))
-        for group in by_shape.values():
-            for s in range(0, len(group), self.batch_size):
-                chunk = group[s : s + self.batch_size]
-                outputs = self.logits(torch.stack([img for _, img in chunk]))
-                for (i, _), r in zip(chunk, self.task.postprocess(outputs, self.classes, options)):
-                    results[i].update(r)
+            add(i, img)
+        for j, img in self._stream([entries[i][0] for i in files]):
+            if isinstance(img, str):
+                results[files[j]]["error"] = img
+            else:
+                add(files[j], img)
+        for group in by_shape.values():  # each shape's last, partial batch
+            if group:
+                run(group)
         return results
 
 

@@ -92,6 +92,7 @@ class Built:
     cfg: object  # the config with data.batch_size and optim.accum_steps resolved (batch_size.choose_batch): read this one
     batch: object  # batch_size.BatchChoice: the batch size, accumulation and why
     head_only: object = None  # models.init.HeadOnly of model.freeze_epochs (the no-op NO_HEAD_ONLY when off)
+    cuda_graphs: object = None  # parallel.GraphsDecision: speed.cuda_graphs as resolved for this run
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
@@ -108,10 +109,12 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.models.init import apply_freeze, frozen_norm_layers, head_only, init_model
     from torchsprint.optim.optimizers import build_optimizer
     from torchsprint.optim.schedulers import build_scheduler
-    from torchsprint.parallel import channels_last_on, unwrap, wrap_model
+    from torchsprint.parallel import channels_last_on, decide_cuda_graphs, unwrap, wrap_model
     from torchsprint.precision import Precision
 
-    prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs)
+    # speed.cuda_graphs decided once: the capture, autocast's cache and decisions.json all read `graphs`.
+    graphs = decide_cuda_graphs(cfg.speed, cfg.strategy, rt.device, rt.world_size, cfg.data.drop_last)
+    prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=graphs.on)
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
     from torchsprint.tasks import check_data_task, get_task
 
@@ -149,7 +152,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     ema = build_ema(cfg.ema, model, rt.device, channels_last)  # copied before wrap_model: plain and fp32
     model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
                        example=lambda: next(iter(loaders.train))[0], accum_steps=cfg.optim.accum_steps,
-                       frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None)
+                       frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None, cuda_graphs=graphs)
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
@@ -179,7 +182,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
     head.apply(0)  # built as epoch 1 trains (fit sets it again at every epoch, resumed or not)
-    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head)
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head, graphs)
 
 
 def check_imbalance(cfg, targets: str) -> None:
@@ -374,10 +377,12 @@ def finish_summary(cfg, rt, b: Built, run_dir: Path, task, logger, summary: dict
 
 def decisions(cfg, rt, b: Built) -> dict:
     """What torchsprint decided for this run, from the config and the data: printed at start, kept in decisions.json."""
+    from torchsprint.optim.optimizers import impl_in_use
     from torchsprint.parallel import channels_last_on, has_conv2d, unwrap
 
     info, model = b.loaders.info, unwrap(b.model)
     facts = dict(info.facts)
+    impl, impl_why = impl_in_use(b.opt, cfg.optim)
     return {
         "dataset": cfg.data.dataset, "root": cfg.data.root, "task": cfg.task, **facts,
         # The backend that ran (after `auto` and any data.fallback), as build_loaders recorded it; and what was asked.
@@ -388,6 +393,8 @@ def decisions(cfg, rt, b: Built) -> dict:
         "channels_last_why": f"speed.channels_last={str(cfg.speed.channels_last).lower()}" + (
             (": the model has 2-D convolutions" if has_conv2d(model) else ": no 2-D convolutions")
             if cfg.speed.channels_last == "auto" else ""),
+        "cuda_graphs": b.cuda_graphs.on, "cuda_graphs_why": b.cuda_graphs.why,
+        "optimizer_impl": impl, "optimizer_impl_why": impl_why,
         "batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
         "effective_batch_size": cfg.data.batch_size * cfg.optim.accum_steps * rt.world_size,
         # Where the batch size and accumulation came from (data.batch_size, auto's search, data.effective_batch_size).
@@ -430,6 +437,8 @@ def describe_decisions(d: dict) -> list[str]:
                  f"{d['steps_per_epoch']} steps per epoch, {d['epochs']} epochs")
     if d.get("batch_size_why", "data.batch_size") != "data.batch_size":
         lines.append(f"  batch size: {d['batch_size_why']}")
+    lines.append(f"CUDA graphs {'on' if d['cuda_graphs'] else 'off'} ({d['cuda_graphs_why']}); optimizer update "
+                 f"{d['optimizer_impl']} ({d['optimizer_impl_why']})")
     return lines
 
 

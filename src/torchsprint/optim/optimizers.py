@@ -139,6 +139,24 @@ def resolve_impl(optim_cfg, groups: list[dict]):
     return optim_cfg
 
 
+def impl_in_use(opt: torch.optim.Optimizer, optim_cfg) -> tuple[str, str]:
+    """The update implementation the built optimizer runs (read from the optimizer, so it is what ran) and why:
+    fused, foreach, for_loop, or PyTorch's default (foreach on CUDA for most torch.optim optimizers, for_loop on CPU)."""
+    d = opt.defaults
+    why = f"optim.impl={optim_cfg.impl}"
+    chosen_in_args = sorted({"fused", "foreach"} & set(optim_cfg.args))
+    if chosen_in_args:
+        why = ", ".join(f"optim.args.{k}={optim_cfg.args[k]}" for k in chosen_in_args)
+    elif optim_cfg.impl == "auto":
+        why += (": fused kernels for sgd/adam/adamw on CUDA" if d.get("fused") else
+                ": PyTorch's choice (fused is used for sgd/adam/adamw on CUDA only)")
+    if d.get("fused"):
+        return "fused", why
+    if d.get("foreach") is not None:
+        return ("foreach" if d["foreach"] else "for_loop"), why
+    return "default", why
+
+
 def build_optimizer(optim_cfg, model: nn.Module) -> torch.optim.Optimizer:
     """Build `optim_cfg.name` over the model's trainable parameters.
 

@@ -67,6 +67,20 @@ def test_merge_results_adds_a_later_calls_dali_figures_to_m2_and_m3():
     assert full["measurements"]["M2"]["images_per_s"]["dali backend"] is None  # the inputs are not modified
 
 
+def test_merge_results_names_the_fastest_jpeg_backend_over_every_call():
+    """M2["fastest_backend"] (what data.backend: auto's rule reads, issue 27.4) comes from the merged figures: DALI's,
+    measured in the last call, must compete with the cpu and gpu backends' of an earlier call, and lose when slower."""
+    merge = load(BENCH / "gpu" / "merge_results.py").merge
+    env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"}
+    call2 = env | {"date": "d1", "measurements": {"M2": {"by_backend": {"cpu": 7666.0, "gpu": 9690.0, "gpu_split_auto": 8031.0}}}}
+    for dali_rate, fastest in ((11000.0, "dali"), (9000.0, "gpu")):
+        call3 = env | {"date": "d2", "measurements": {"M2": {"by_backend": {"dali": dali_rate}}}}
+        m2 = merge([call2, call3])["measurements"]["M2"]
+        assert m2["by_backend"] == {"cpu": 7666.0, "gpu": 9690.0, "gpu_split_auto": 8031.0, "dali": dali_rate}
+        assert m2["fastest_backend"] == fastest, (dali_rate, m2)
+    assert "fastest_backend" not in call2["measurements"]["M2"]  # the inputs are not modified
+
+
 def test_merge_results_refuses_two_devices():
     merge = load(BENCH / "gpu" / "merge_results.py").merge
     with pytest.raises(SystemExit, match="different devices"):
@@ -167,6 +181,16 @@ def test_gpu_measurements_run_end_to_end_on_the_cpu(tmp_path):
     assert {"resnet18 | fp32", "resnet18 | amp_bf16", "resnet18 | amp_bf16 + channels_last",
             "resnet50 | amp_bf16 + channels_last"} <= set(m["M1"]["images_per_s"])
     assert all(v > 0 for v in m["M1"]["images_per_s"].values())
+    # Issue 27.7: every measured variant beside the plain loop, timed in alternating windows, with its ratio.
+    assert set(m["M1"]["plain_images_per_s"]) == set(m["M1"]["ratio_to_plain"]) == set(m["M1"]["images_per_s"])
+    for key, ratio in m["M1"]["ratio_to_plain"].items():
+        model, variant = key.split(" | ")
+        row = m["M1"][model][variant]
+        assert len(row["runs"]) == len(row["plain"]["runs"]) >= 2 and all(r > 0 for r in row["plain"]["runs"])
+        per_window = sorted(t / p for t, p in zip(row["runs"], row["plain"]["runs"]))
+        # the median of the per-window-pair ratios (recomputed from the rates: equal up to rounding, 1e-9 relative)
+        assert any(abs(ratio - r) <= 1e-9 * r for r in per_window), (key, ratio, per_window)
+    assert m["M2"]["by_backend"]["cpu"] == m["M2"]["images_per_s"]["cpu backend, 1 workers"]
     assert m["M2"]["images_per_s"]["cpu backend, 1 workers"] > 0
     assert m["M2"]["images_per_s"]["cpu backend per core (CPU time)"] > 0
     assert [k for k, _ in errors_in(m["M2"])] == ["/details/gpu backend, cpu_fraction 0",

@@ -10,7 +10,10 @@ takes minutes, CUDA graphs are refused without CUDA).
 
 M1 model only (synthetic batches on the GPU, torchsprint's own train_step, wrap_model and Precision):
    ResNet-18 and ResNet-50 at 224, images/s for fp32 -> amp_bf16 -> + channels_last -> + compile ->
-   + CUDA graphs. Goals: ResNet-18 best >= 25,000 images/s (stretch 35,000); anchors for ResNet-50:
+   + CUDA graphs, each beside a hand-written PyTorch loop (PlainLoop: torchvision model, zero_grad/forward/
+   backward/step, torch.autocast, channels_last, torch.compile, whole-network CUDA-graph capture) on the same
+   batch with the same switches, timed in alternating windows; ratio_to_plain per variant (goal >= 0.98).
+   Goals: ResNet-18 best >= 25,000 images/s (stretch 35,000); anchors for ResNet-50:
    2,470 images/s on an A100 with AMP (NVIDIA DeepLearningExamples), about 7,000 per H100 (MLPerf v3.0).
 M2 loader only on >= 20,000 generated 500x375 JPEGs at quality 90, RandomResizedCrop 224 + flip +
    normalise: cpu backend with 16 workers (and per core), gpu backend (cpu_fraction 0 and auto), DALI.
@@ -54,13 +57,13 @@ LOGS = Path(".")  # set to the results file's folder in main()
 
 # Sizes per mode (main() picks one): full figures, --quick (a short GPU run), --smoke (CPU rehearsal).
 SIZES = {
-    "full": dict(device="cuda", m1_batch=256, m1_steps=(40, 10), jpegs=20000, m2_epochs=3, jpeg_batch=256,
+    "full": dict(device="cuda", m1_batch=256, m1_steps=(20, 10), m1_repeats=3, m1_image=224, jpegs=20000, m2_epochs=3, jpeg_batch=256,
                  workers=min(16, os.cpu_count() or 1), m3_steps=(150, 25), cifar=50000, cifar_batch=512,
                  bench=("20", "5", "2"), bench_variants=None, predict_images="256"),
-    "quick": dict(device="cuda", m1_batch=256, m1_steps=(20, 5), jpegs=4000, m2_epochs=2, jpeg_batch=256,
+    "quick": dict(device="cuda", m1_batch=256, m1_steps=(10, 5), m1_repeats=2, m1_image=224, jpegs=4000, m2_epochs=2, jpeg_batch=256,
                   workers=min(16, os.cpu_count() or 1), m3_steps=(40, 10), cifar=10000, cifar_batch=512,
                   bench=("20", "5", "2"), bench_variants=None, predict_images="64"),
-    "smoke": dict(device="cpu", m1_batch=2, m1_steps=(2, 1), jpegs=48, m2_epochs=1, jpeg_batch=8, workers=1,
+    "smoke": dict(device="cpu", m1_batch=2, m1_steps=(2, 1), m1_repeats=2, m1_image=32, jpegs=48, m2_epochs=1, jpeg_batch=8, workers=1,
                   m3_steps=(2, 1), cifar=256, cifar_batch=64, bench=("2", "1", "1"),
                   bench_variants="baseline (seeds),+ channels_last", predict_images="16"),
 }
@@ -84,9 +87,11 @@ class Results:
 
     def __init__(self, path: Path, command: str):
         self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
         self.data = json.loads(path.read_text()) if path.is_file() else {}
         self.data.update(environment())
         self.data["command"] = command
+        self.data.setdefault("commands", []).append(command)  # every measure.py run that wrote into this file
         self.data.setdefault("measurements", {})
         self.save()
 
@@ -134,59 +139,202 @@ def load_benchmark(name: str):
     return mod
 
 
-# ---------------------------------------------------------------- M1: model only
+# ---------------------------------------------------------------- M1: model only, beside a plain PyTorch loop
+
+
+def switches(overrides: list[str]) -> dict:
+    """A variant's switches read off its torchsprint overrides, for the plain loop to apply by hand."""
+    kv = dict(o.split("=", 1) for o in overrides)
+    return {"amp_bf16": kv.get("precision") == "amp_bf16", "channels_last": kv.get("speed.channels_last") == "true",
+            "compile": kv.get("speed.compile") == "true", "compile_mode": kv.get("speed.compile_mode"),
+            "cuda_graphs": kv.get("speed.cuda_graphs") == "true"}
+
+
+def synthetic_batch(batch: int, channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One on-device batch of images (224x224; 32x32 in the CPU smoke run, whose 224 px took minutes a variant
+    on 2 busy cores) and labels, shared by both sides of a variant."""
+    g = torch.Generator(device=SIZE["device"]).manual_seed(0)
+    x = torch.randn(batch, 3, SIZE["m1_image"], SIZE["m1_image"], device=SIZE["device"], generator=g)
+    y = torch.randint(0, 1000, (batch,), device=SIZE["device"], generator=g)
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format), y
+
+
+class TorchsprintSide:
+    """torchsprint's own train_step with wrap_model, build_optimizer and Precision, as a run builds them."""
+
+    def __init__(self, model: str, overrides: list[str], x: torch.Tensor, y: torch.Tensor):
+        from torch._dynamo.utils import counters
+
+        from torchsprint import config, runtime
+        from torchsprint.models import build_model
+        from torchsprint.optim import build_loss, build_optimizer
+        from torchsprint.parallel import wrap_model
+        from torchsprint.precision import Precision
+
+        # speed.cuda_graphs=auto would capture on CUDA: a variant says when it wants graphs (same switches as its name).
+        cfg = config.load(None, [f"model.name={model}", f"run.device={SIZE['device']}", "speed.cuda_graphs=false", *overrides])
+        rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+        self.batch = [(x, y)]
+        self.prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite,
+                              graph_safe=cfg.speed.cuda_graphs is True)
+        counters.clear()
+        self.net = wrap_model(build_model(cfg.model, 1000, 3), cfg.strategy, rt, speed_cfg=cfg.speed, prec=self.prec,
+                              example=lambda: x)
+        self.opt = build_optimizer(cfg.optim, self.net)
+        self.prec.attach(self.opt)
+        self.loss_fn = build_loss(cfg.loss).to(rt.device)
+        self.net.train()
+
+    def step(self) -> None:
+        from torchsprint.engine import train_step
+
+        train_step(self.net, self.batch, self.loss_fn, self.opt, self.prec)
+
+    def info(self) -> dict:
+        from torch._dynamo.utils import counters
+
+        return {"fused_optimizer": bool(self.opt.defaults.get("fused")), "compiled_frames": dict(counters["frames"]),
+                "graph_breaks": sum(counters["graph_break"].values()),
+                "cuda_graph_replays": getattr(unwrap_graphed(self.net), "replays", None)}
+
+
+class PlainLoop:
+    """The same job as a hand-written PyTorch loop, nothing of torchsprint's: torchvision's model, SGD with
+    torchsprint's default hyper-parameters (lr 0.1, momentum 0.9, Nesterov, weight decay 5e-4; fused on CUDA),
+    cross-entropy, and each switch the way PyTorch's documentation writes it: torch.autocast (bf16),
+    channels_last on the model and the input, torch.compile(model, mode=...), and CUDA graphs as whole-network
+    capture (zero_grad, forward, backward and optimizer.step in one torch.cuda.graph after warm-up steps on a
+    side stream; https://pytorch.org/docs/stable/notes/cuda.html#whole-network-capture). TF32 and cuDNN's
+    autotuner are on, as torchsprint's defaults on CUDA set them."""
+
+    def __init__(self, model: str, sw: dict, x: torch.Tensor, y: torch.Tensor):
+        import torchvision
+
+        dev = torch.device(SIZE["device"])
+        if dev.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        net = torchvision.models.get_model(model, weights=None, num_classes=1000).to(dev)
+        if sw["channels_last"]:
+            net = net.to(memory_format=torch.channels_last)
+        net.train()
+        self.net = torch.compile(net, **({"mode": sw["compile_mode"]} if sw["compile_mode"] else {})) if sw["compile"] else net
+        self.opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
+                                   fused=True if dev.type == "cuda" else None)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.x, self.y, self.dev, self.amp = x, y, dev, sw["amp_bf16"]
+        self.graph = None
+        if sw["cuda_graphs"]:
+            self.capture()
+
+    def forward_backward_step(self, x: torch.Tensor, y: torch.Tensor, cache: bool = True) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.amp, cache_enabled=cache):
+            loss = self.loss_fn(self.net(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def capture(self) -> None:
+        self.static_x, self.static_y = self.x.clone(), self.y.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up on a side stream (cuDNN autotuning, the optimizer's buffers)
+            for _ in range(3):
+                self.forward_backward_step(self.static_x, self.static_y, cache=False)
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(self.graph):  # autocast's cast cache off inside a capture (PyTorch's CUDA-graph notes)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.amp, cache_enabled=False):
+                loss = self.loss_fn(self.net(self.static_x), self.static_y)
+            loss.backward()
+            self.opt.step()
+
+    def step(self) -> None:
+        if self.graph is not None:
+            self.static_x.copy_(self.x)  # a new batch goes into the captured input, as in the docs' loop
+            self.static_y.copy_(self.y)
+            self.graph.replay()
+        else:
+            self.forward_backward_step(self.x, self.y)
+
+
+def timed_ms(step, steps: int) -> float:
+    """Milliseconds per step over `steps` steps: CUDA events on the GPU, the host clock on the CPU."""
+    if cuda():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / steps
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def warm(step, steps: int) -> float:
+    """Warm-up steps (compilation, cuDNN autotuning, graph capture's first replays), seconds."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return time.perf_counter() - t
 
 
 def model_step_rate(model: str, overrides: list[str], batch: int, steps: int, warmup: int) -> dict:
-    """images/s of torchsprint's train_step on synthetic on-device batches of `batch` 224x224 images."""
+    """images/s of torchsprint's train_step alone on synthetic on-device batches (M3's reference when M1 did
+    not run)."""
+    x, y = synthetic_batch(batch, switches(overrides)["channels_last"])
+    ts = TorchsprintSide(model, overrides, x, y)
+    warm(ts.step, warmup)
+    ms = timed_ms(ts.step, steps)
+    out = {"images_per_s": batch / ms * 1e3, "ms_per_step": ms, "batch": batch, **ts.info()}
+    del ts
+    if cuda():
+        torch.cuda.empty_cache()
+    return out
+
+
+def model_pair_rate(model: str, overrides: list[str], batch: int, steps: int, warmup: int, repeats: int) -> dict:
+    """torchsprint beside the plain loop, same batch, same switches: both built and warmed up, then `repeats`
+    timed windows of `steps` steps each, alternating plain, torchsprint, plain, torchsprint... so drift (clocks,
+    temperature, a neighbour) hits both sides alike. The ratio is the median of the per-window-pair ratios."""
     from torch._dynamo.utils import counters
 
-    from torchsprint import config, runtime
-    from torchsprint.engine import train_step
-    from torchsprint.models import build_model
-    from torchsprint.optim import build_loss, build_optimizer
-    from torchsprint.parallel import wrap_model
-    from torchsprint.precision import Precision
-
-    # speed.cuda_graphs=auto would capture on CUDA: a variant says when it wants graphs (same switches as its name).
-    cfg = config.load(None, [f"model.name={model}", f"run.device={SIZE['device']}", "speed.cuda_graphs=false", *overrides])
-    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
-    fmt = torch.channels_last if cfg.speed.channels_last is True else torch.contiguous_format
-    g = torch.Generator(device=rt.device).manual_seed(0)
-    x = torch.randn(batch, 3, 224, 224, device=rt.device, generator=g).contiguous(memory_format=fmt)
-    y = torch.randint(0, 1000, (batch,), device=rt.device, generator=g)
-    prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=cfg.speed.cuda_graphs is True)
-    net = build_model(cfg.model, 1000, 3)
-    counters.clear()
-    net = wrap_model(net, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, example=lambda: x)
-    opt = build_optimizer(cfg.optim, net)
-    prec.attach(opt)
-    loss_fn = build_loss(cfg.loss).to(rt.device)
-    net.train()
-    t_warm = time.perf_counter()
-    for _ in range(warmup):
-        train_step(net, [(x, y)], loss_fn, opt, prec)
-    sync()
-    warm_s = time.perf_counter() - t_warm
-    if cuda():
+    sw = switches(overrides)
+    torch._dynamo.reset()  # a fresh compile per variant: no cache carried over, no recompile limit reached
+    x, y = synthetic_batch(batch, sw["channels_last"])
+    ts = TorchsprintSide(model, overrides, x, y)
+    ts_warm = warm(ts.step, warmup)
+    ts_info = ts.info()
+    peak = None
+    if cuda():  # its peak alone, before the plain loop's model shares the GPU
         torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        train_step(net, [(x, y)], loss_fn, opt, prec)
-    if cuda():
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / steps
-    else:
-        ms = (time.perf_counter() - t0) * 1e3 / steps
-    graphed = getattr(unwrap_graphed(net), "replays", None)
-    out = {"images_per_s": batch / ms * 1e3, "ms_per_step": ms, "batch": batch, "warmup_s": warm_s,
-           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda() else None, "fused_optimizer": bool(opt.defaults.get("fused")),
-           "compiled_frames": dict(counters["frames"]), "graph_breaks": sum(counters["graph_break"].values()),
-           "cuda_graph_replays": graphed}
-    del net, opt
+        timed_ms(ts.step, steps)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    counters.clear()
+    plain = PlainLoop(model, sw, x, y)
+    plain_warm = warm(plain.step, warmup)
+    plain_frames = dict(counters["frames"])
+    ts_ms, plain_ms = [], []
+    for _ in range(repeats):
+        plain_ms.append(timed_ms(plain.step, steps))
+        ts_ms.append(timed_ms(ts.step, steps))
+    ts_info["cuda_graph_replays"] = ts.info()["cuda_graph_replays"]
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    ms = med(ts_ms)
+    out = {"images_per_s": batch / ms * 1e3, "ms_per_step": ms, "batch": batch, "warmup_s": ts_warm,
+           "peak_memory_gib": peak, **ts_info, "runs": [batch / m * 1e3 for m in ts_ms],
+           "plain": {"images_per_s": batch / med(plain_ms) * 1e3, "ms_per_step": med(plain_ms), "warmup_s": plain_warm,
+                     "runs": [batch / m * 1e3 for m in plain_ms], "compiled_frames": plain_frames,
+                     "cuda_graph": plain.graph is not None},
+           "ratio_to_plain": med([p / t for p, t in zip(plain_ms, ts_ms)])}  # rate ratio = inverse time ratio
+    del ts, plain
     if cuda():
         torch.cuda.empty_cache()
     return out
@@ -213,37 +361,53 @@ M1_VARIANTS = {
 }
 
 
+def m1_summary(out: dict) -> None:
+    """The flat tables a reader (and merge_results.py) wants, rebuilt after every variant: a killed run keeps them."""
+    rows = [(f"{model} | {name}", v) for model in ("resnet18", "resnet50") for name, v in out.get(model, {}).items()
+            if "images_per_s" in v]
+    r18 = [v["images_per_s"] for k, v in rows if k.startswith("resnet18")]
+    out["resnet18_best_images_per_s"] = max(r18) if r18 else None
+    out["images_per_s"] = {k: v["images_per_s"] for k, v in rows}
+    out["plain_images_per_s"] = {k: v["plain"]["images_per_s"] for k, v in rows if "plain" in v}
+    out["ratio_to_plain"] = {k: v["ratio_to_plain"] for k, v in rows if "ratio_to_plain" in v}
+
+
 def m1(res: Results, deadline: float) -> None:
-    out: dict = {"note": "synthetic on-device batches, SGD (fused), torchsprint train_step; fp32 uses TF32 (speed.tf32=true)",
-                 "goal": {"resnet18_best": 25000, "stretch": 35000},
+    out: dict = {"note": "synthetic on-device batches (one batch reused), SGD (fused), torchsprint train_step beside a "
+                         "plain PyTorch loop (measure.py's PlainLoop) with the same switches, timed in alternating "
+                         "windows (plain, torchsprint, ...); fp32 uses TF32 on both sides (speed.tf32=true)",
+                 "goal": {"resnet18_best": 25000, "stretch": 35000, "ratio_to_plain": 0.98},
                  "anchors": {"resnet50_amp_A100_DeepLearningExamples": 2470, "resnet50_H100_MLPerf_v3.0": 7000}}
-    # In priority order: a short deadline drops the last ones (the second compile of each model first).
+    # In priority order: a short deadline drops the last ones (ResNet-50's second compile and its slow eager runs).
     plans = [("resnet18", "fp32"), ("resnet18", "amp_bf16"), ("resnet18", "amp_bf16 + channels_last"),
-             ("resnet18", "amp_bf16 + channels_last + cuda_graphs"), ("resnet50", "amp_bf16 + channels_last"),
-             ("resnet18", "amp_bf16 + channels_last + compile"), ("resnet50", "amp_bf16 + channels_last + cuda_graphs"),
-             ("resnet50", "amp_bf16 + channels_last + compile"),
-             ("resnet18", "amp_bf16 + channels_last + compile reduce-overhead"), ("resnet50", "amp_bf16"),
-             ("resnet50", "fp32")]
+             ("resnet18", "amp_bf16 + channels_last + cuda_graphs"), ("resnet18", "amp_bf16 + channels_last + compile"),
+             ("resnet50", "amp_bf16 + channels_last"),
+             ("resnet18", "amp_bf16 + channels_last + compile reduce-overhead"),
+             ("resnet50", "amp_bf16 + channels_last + cuda_graphs"), ("resnet50", "amp_bf16 + channels_last + compile"),
+             ("resnet50", "amp_bf16"), ("resnet50", "fp32")]
     steps, warmup = SIZE["m1_steps"]
     for model, name in plans:
         out.setdefault(model, {})
-        if left(deadline) < 75:
+        # Seconds a variant needs on the H200 (2026-11-26: a compile warm-up 20-21 s per side, eager 2-7 s),
+        # both sides, with margin; on the CPU (smoke) the sizes are tiny.
+        need = (110 if "compile" in name else 40) if cuda() else 5
+        if left(deadline) < need:
             out[model][name] = {"skipped": "time budget of this call"}
             continue
-        if not cuda() and ("compile" in name or "cuda_graphs" in name):
-            out[model][name] = {"skipped": "smoke run on the CPU"}
+        if not cuda() and ("compile" in name or "cuda_graphs" in name or (model == "resnet50" and "channels_last" not in name)):
+            out[model][name] = {"skipped": "smoke run on the CPU"}  # (one ResNet-50 variant covers its code)
             continue
         try:
-            out[model][name] = model_step_rate(model, M1_VARIANTS[name], SIZE["m1_batch"], steps, warmup)
-            print(f"M1 {model} {name}: {out[model][name]['images_per_s']:.0f} images/s", flush=True)
+            r = out[model][name] = model_pair_rate(model, M1_VARIANTS[name], SIZE["m1_batch"], steps, warmup,
+                                                   SIZE["m1_repeats"])
+            print(f"M1 {model} {name}: {r['images_per_s']:.0f} images/s, plain loop {r['plain']['images_per_s']:.0f}: "
+                  f"{r['ratio_to_plain']:.3f}x", flush=True)
         except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others
             out[model][name] = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}
             print(f"M1 {model} {name}: FAILED {e}", flush=True)
+        m1_summary(out)
         res.put("M1", out)
-    r18 = [v["images_per_s"] for v in out["resnet18"].values() if "images_per_s" in v]
-    out["resnet18_best_images_per_s"] = max(r18) if r18 else None
-    out["images_per_s"] = {f"{model} | {name}": v["images_per_s"] for model in ("resnet18", "resnet50")
-                           for name, v in out.get(model, {}).items() if "images_per_s" in v}
+    m1_summary(out)
     res.put("M1", out)
 
 
@@ -267,7 +431,7 @@ def _write_chunk(args) -> int:
     return count
 
 
-def make_jpegs(root: Path, n: int, classes: int = 10) -> Path:
+def make_jpegs(root: Path, n: int, classes: int = 10, procs: int | None = None) -> Path:
     """n training JPEGs of 500x375 at quality 90 (synthetic_jpeg's pictures) and 2% more for validation, in an
     image-folder tree, in parallel; reused."""
     from concurrent.futures import ProcessPoolExecutor
@@ -279,13 +443,16 @@ def make_jpegs(root: Path, n: int, classes: int = 10) -> Path:
     shutil.rmtree(root, ignore_errors=True)  # another size or a half-written set: start clean
     chunk = 500
     t = time.time()
-    with ProcessPoolExecutor(os.cpu_count()) as ex:
+    with ProcessPoolExecutor(procs or os.cpu_count()) as ex:
         list(ex.map(_write_chunk, [(str(root), s, min(chunk, total - s), classes, 0, n) for s in range(0, total, chunk)]))
     done.write_text(json.dumps({"train": n, "val": total - n, "seconds": time.time() - t}))
     return root
 
 
 ALL_BACKENDS = ("cpu", "gpu", "dali")  # M2's loaders (M3 picks the fastest)
+# M2's variants under the names data.backend takes (M2["by_backend"]: the figures auto's rule reads).
+BACKEND_KEY = {"cpu backend": "cpu", "gpu backend, cpu_fraction 0": "gpu", "gpu backend, cpu_fraction auto": "gpu_split_auto",
+               "dali backend": "dali"}
 
 
 def jpeg_cfg(root: Path, backend: str, *extra: str) -> list[str]:
@@ -380,6 +547,10 @@ def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
             r = loader_rate(over, epochs)
             out["images_per_s"][name] = r["images_per_s"]
             out["details"][name] = r
+            # For data.backend: auto's rule (issue 27.4): images/s per backend for a folder of JPEGs on this device,
+            # keyed by the backend's name; merge_results.py adds "fastest" once every call's figures are merged.
+            out.setdefault("by_backend", {})[BACKEND_KEY[name.split(",")[0] if name.startswith("cpu") else name]] = \
+                r["images_per_s"]
             print(f"M2 {name}: {r['images_per_s']:.0f} images/s, training thread {r['thread_cpu_ms_per_batch']} ms CPU "
                   "per batch", flush=True)
         except Exception as e:  # noqa: BLE001
@@ -387,6 +558,7 @@ def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
             print(f"M2 {name}: FAILED {e}", flush=True)
         res.put("M2", out)
     if "cpu" not in backends:
+        res.put("M2", out)
         return
     dt = load_benchmark("data_throughput")
     cpu_loader_cfg = variants[f"cpu backend, {workers} workers"]
@@ -481,7 +653,7 @@ def m3(res: Results, deadline: float, root: Path, previous: dict, backends: set[
     over = jpeg_cfg(root, best_backend, "model.name=resnet18", "precision=amp_bf16", "speed.channels_last=true",
                     "log.tensorboard=false", *switches[chosen])
     out = {"backend": best_backend, "switches": chosen, "goal_ratio": 0.90, "stretch_ratio": 0.95}
-    if left(deadline) < 90:
+    if left(deadline) < 40:  # 175 steps took ~10 s on the H200 (2026-11-26), the build a few more
         out["skipped"] = "time budget of this call"
     else:
         try:
@@ -496,9 +668,9 @@ def m3(res: Results, deadline: float, root: Path, previous: dict, backends: set[
         except Exception as e:  # noqa: BLE001
             out["error"] = f"{type(e).__name__}: {e}"[:500]
             out["trace"] = traceback.format_exc()[-2000:]
-    if backends == set(ALL_BACKENDS):
+    if backends != {"dali"}:
         res.put("M3", out | {"by_backend": {best_backend: dict(out)}})
-    else:  # a call for some backends only: the figures under by_backend, the headline left to the full run
+    else:  # DALI alone, in a later call (window.sh 3): its figures under by_backend beside the headline's
         res.put("M3", {"by_backend": {best_backend: out}})
 
 
@@ -534,7 +706,7 @@ def m4(res: Results, deadline: float) -> None:
             "data.eval.transforms=[{normalize: cifar10}]"]
     out: dict = {"images": SIZE["cifar"], "model": "cifar_resnet18", "batch": SIZE["cifar_batch"],
                  "switches": "amp_bf16 + channels_last", "goal_loader_share": 0.05}
-    if left(deadline) < 90:
+    if left(deadline) < 30:  # three epochs of 50,000 (1.1 s each) and the build: ~10 s on the H200 (2026-11-26)
         out["skipped"] = "time budget of this call"
         res.put("M4", out)
         return
@@ -611,7 +783,7 @@ def run_bench(name: str, args: list[str], folder: Path, timeout: float, variants
     return out
 
 
-def m5(res: Results, deadline: float, root: Path) -> None:
+def m5(res: Results, deadline: float, root: Path, configs: set[str]) -> None:
     work = root.parent / "torchsprint-m5"  # bench folders stay off $OUT (few files may come back); logs go there
     work.mkdir(parents=True, exist_ok=True)
     out: dict = {}
@@ -621,8 +793,10 @@ def m5(res: Results, deadline: float, root: Path) -> None:
     jpeg_yaml.write_text("\n".join(lines) + "\n")
     for name, args, variants in (("default run", [], None),
                                  ("jpeg 224", ["-c", str(jpeg_yaml), *jpeg_cfg(root, "cpu")], JPEG_BENCH_VARIANTS)):
+        if name not in configs:
+            continue
         budget = left(deadline) - 20
-        if budget < (120 if cuda() else 30):
+        if budget < (60 if cuda() else 30):  # a bench stopped at its limit keeps the variants measured
             out[name] = {"skipped": "time budget of this call"}
             continue
         folder = work / name.replace(" ", "_")
@@ -649,7 +823,7 @@ def m6(res: Results, deadline: float) -> None:
         out["onnxruntime_providers"] = ort.get_available_providers()
     except ImportError:
         out["onnxruntime_providers"] = "onnxruntime not installed"
-    if left(deadline) < 60:
+    if left(deadline) < 35:  # ~25 s on the H200 (2026-11-26)
         out["skipped"] = "time budget of this call"
     else:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30, left(deadline) - 10))
@@ -676,6 +850,11 @@ def main() -> None:
     ap.add_argument("--backends", default=",".join(ALL_BACKENDS),
                     help="M2/M3: the loaders to measure (run_all.sh dali passes dali alone, in a later call)")
     ap.add_argument("--previous", action="append", default=[], help="results JSON of an earlier call (M3 reads M1/M2 there)")
+    ap.add_argument("--m5-configs", default="default run,jpeg 224",
+                    help="M5: which `torchsprint bench` configs (window.sh runs the JPEG one; the default run's was measured)")
+    ap.add_argument("--make-data", type=int, metavar="PROCESSES", default=0,
+                    help="only generate M2/M3/M5's JPEGs (in PROCESSES processes) and exit: window.sh runs this beside "
+                         "the gpu tests, so the measurements find them made")
     args = ap.parse_args()
     global LOGS
     LOGS = Path(args.out).resolve().parent
@@ -685,6 +864,11 @@ def main() -> None:
             previous |= json.loads(Path(f).read_text()).get("measurements", {})
     global SIZE
     SIZE = SIZES["smoke" if args.smoke_cpu else "quick" if args.quick else "full"]
+    if args.make_data:
+        t = time.time()
+        make_jpegs(Path(args.data), SIZE["jpegs"], procs=args.make_data)
+        print(f"{SIZE['jpegs']} JPEGs in {args.data} ({time.time() - t:.0f} s, {args.make_data} processes)", flush=True)
+        return
     if cuda() and not torch.cuda.is_available():
         sys.exit("measure.py needs a CUDA GPU (--smoke-cpu rehearses its code on the CPU)")
     res = Results(Path(args.out), " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
@@ -696,7 +880,7 @@ def main() -> None:
     table = {"M1": lambda: m1(res, args.deadline_s),
              "M2": lambda: m2(res, args.deadline_s, root, backends),
              "M3": lambda: m3(res, args.deadline_s, root, previous, backends), "M4": lambda: m4(res, args.deadline_s),
-             "M5": lambda: m5(res, args.deadline_s, root), "M6": lambda: m6(res, args.deadline_s)}
+             "M5": lambda: m5(res, args.deadline_s, root, {c.strip() for c in args.m5_configs.split(",")}), "M6": lambda: m6(res, args.deadline_s)}
     for key in todo:
         print(f"== {key} ({left(args.deadline_s):.0f} s left)", flush=True)
         try:

@@ -7,7 +7,8 @@ device, torch, cuda and the other environment fields come from the first file (a
 same device and torch, else it stops); measurements are merged key by key at every depth (run_all.sh dali
 adds M2's DALI figure and M3's by_backend.dali to an earlier call's M2 and M3), later calls winning except
 that a missing figure (None) never replaces a measured one; tests and figures are merged; `command` lists
-every call's command.
+every call's command. M2["fastest_backend"] (the backend of M2["by_backend"] with the most images/s: the figure
+data.backend: auto's rule reads for a folder of JPEGs) is set here, from every call's figures together.
 """
 
 from __future__ import annotations
@@ -36,12 +37,17 @@ def merge(parts: list[dict]) -> dict:
             if p.get(k) and out.get(k) and p[k] != out[k]:
                 sys.exit(f"results from different {k}s: {out[k]} vs {p[k]}; keep one device and torch per file")
     out["date"] = min(p["date"] for p in parts if p.get("date"))
-    out["command"] = [p["command"] for p in parts if p.get("command")]
+    out["command"] = [c for p in parts for c in (p.get("commands") or ([p["command"]] if p.get("command") else []))]
     out["measurements"], out["tests"], out["figures"] = {}, {}, []
     for p in parts:
         deep_merge(out["measurements"], json.loads(json.dumps(p.get("measurements", {}))))
         out["tests"].update(p.get("tests", {}))
         out["figures"] += p.get("figures", [])
+    m2 = out["measurements"].get("M2")
+    if isinstance(m2, dict) and isinstance(m2.get("by_backend"), dict):
+        # Only here, after the merge: DALI's figure comes from a later call than the cpu and gpu backends'.
+        rates = {k: v for k, v in m2["by_backend"].items() if isinstance(v, (int, float))}
+        m2["fastest_backend"] = max(rates, key=rates.get) if rates else None
     return out
 
 

@@ -1,0 +1,166 @@
+"""A user's own folder of images: what is left out and why, odd modes and depths, the decoder per format."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from torchsprint import config
+from torchsprint.data import DATASETS
+from torchsprint.data.build import describe_data
+from torchsprint.data.sources import folders
+
+FAST = ["run.epochs=1", "log.progress=false", "log.tensorboard=false", "eval.per_class=false", "data.batch_size=4"]
+SMALL = ["data.train.transforms=[{resize: 24}, {center_crop: 24}]", "data.eval.transforms=[{resize: 24}, {center_crop: 24}]"]
+
+
+def save(path: Path, size, mode: str, seed: int) -> Path:
+    """A generated image file of `size` (w, h) in Pillow `mode` (I;16: a 16-bit grey PNG)."""
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if mode == "I;16":
+        im = Image.fromarray(rng.integers(0, 65535, (size[1], size[0])).astype(np.uint16))
+    else:
+        im = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).convert(mode)
+    im.save(path)
+    return path
+
+
+def bad_folder(tmp: Path) -> tuple[Path, set[str], dict[str, set[str]]]:
+    """One folder of class folders holding every kind of odd entry a real download has. Returns (root, the
+    image files that must be samples, {reason: the entries that must be left out for it})."""
+    root, elsewhere = tmp / "photos", tmp / "elsewhere"
+    images = set()
+    for i, mode in enumerate(["RGB", "L", "RGBA", "P", "I;16", "RGB"]):  # mixed modes, bit depths and sizes
+        images.add(str(save(root / "cat" / f"c{i}.png", (40 + i, 30), mode, i)))
+        images.add(str(save(root / "dog" / f"d{i}.jpg", (36, 36 + i), "RGB", 10 + i)))
+        save(elsewhere / f"b{i}.jpg", (36, 36), "RGB", 20 + i)
+    images.add(str(save(root / "one" / "only.jpg", (32, 32), "RGB", 30)))  # a class of one image
+    (root / "cat" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (root / "cat" / "._c0.png").write_bytes(b"\0\5\26\7" + b"\0" * 60)  # macOS AppleDouble: not a PNG
+    (root / ".hidden_class").mkdir()
+    save(root / ".hidden_class" / "x.jpg", (32, 32), "RGB", 31)
+    (root / "dog" / "README.txt").write_text("dogs\n")
+    (root / "dog" / "labels.csv").write_text("a,b\n")
+    (root / "notes.md").write_text("my photos\n")
+    os.symlink(root / "cat" / "c0.png", root / "dog" / "link_to_cat.png")  # a link to a file: used
+    images.add(str(root / "dog" / "link_to_cat.png"))
+    os.symlink(root / "nowhere.jpg", root / "dog" / "broken.jpg")
+    os.symlink(root / "dog", root / "dog" / "loop")  # a loop
+    os.symlink(elsewhere, root / "bird")  # a class folder that is a link: used
+    images |= {str(root / "bird" / f"b{i}.jpg") for i in range(6)}
+    os.symlink(root / "gone", root / "ghost")
+    skipped = {
+        folders.HIDDEN: {str(root / "cat" / ".DS_Store"), str(root / "cat" / "._c0.png"), str(root / ".hidden_class")},
+        folders.NOT_IMAGE: {str(root / "dog" / "README.txt"), str(root / "dog" / "labels.csv")},
+        folders.LOOSE: {str(root / "notes.md")},
+        folders.BROKEN_LINK: {str(root / "dog" / "broken.jpg"), str(root / "ghost")},
+        folders.LINK_LOOP: {str(root / "dog" / "loop")},
+    }
+    return root, images, skipped
+
+
+def splits_of(root, *overrides):
+    return DATASETS.get("image_folder")(config.load(None, ["data.dataset=image_folder", f"data.root={root}", *overrides]).data)
+
+
+def test_every_entry_is_a_sample_or_counted_with_its_reason(tmp_path):
+    root, images, skipped = bad_folder(tmp_path)
+    s = splits_of(root, "data.val_fraction=0.3")
+    got = [p for p, _ in s.train.samples + s.val.samples]
+    assert sorted(got) == sorted(images)  # each image once: the loop lists dog/ once, the linked class is read
+    assert {k: set(v) for k, v in s.skipped.items()} == skipped
+    assert s.classes == ["bird", "cat", "dog", "one"]
+    # The one-image class is trained on, not validated, and said (sklearn's stratified split refused it before).
+    assert [p for p, c in s.train.samples if c == 3] == [str(root / "one" / "only.jpg")]
+    assert not [c for _, c in s.val.samples if c == 3]
+    assert any("1 class(es) with one image (one)" in n for n in s.notes)
+    assert any("7 image(s) reached through symbolic links" in n for n in s.notes)  # 6 in bird/, 1 link in dog/
+    facts = describe_data(s)
+    assert {k: v["count"] for k, v in facts["skipped"].items()} == {k: len(v) for k, v in skipped.items()}
+
+
+def test_one_image_classes_leave_the_other_classes_split_as_before(tmp_path):
+    """The split of the classes with 2+ images is sklearn's stratified split of those alone (the reference)."""
+    from torchsprint.data.core import stratified_split
+
+    for c, n in (("a", 10), ("b", 10), ("c", 1)):
+        for i in range(n):
+            save(tmp_path / c / f"{i}.png", (8, 8), "RGB", i)
+    s = splits_of(tmp_path, "data.val_fraction=0.2")
+    rest = [(p, c) for p, c in sorted(s.train.samples + s.val.samples) if c != 2]
+    rest.sort(key=lambda pc: (pc[1], pc[0]))
+    tr, va = stratified_split(np.array([c for _, c in rest]), 0.2, 0)
+    assert sorted(s.val.samples) == sorted(rest[i] for i in va)
+    assert (str(tmp_path / "c" / "0.png"), 2) in s.train.samples
+
+
+def test_too_few_validation_images_for_the_classes_is_one_line(tmp_path):
+    from torchsprint.errors import UsageError
+
+    for c in "abcdef":
+        for i in range(2):
+            save(tmp_path / c / f"{i}.png", (8, 8), "RGB", i)
+    with pytest.raises(UsageError, match=r"data.val_fraction=0.2 of 12 images is too few to give each of the 6 classes"):
+        splits_of(tmp_path, "data.val_fraction=0.2")
+
+
+def test_the_decoder_is_named_per_format(tmp_path):
+    """A folder mixing PNG, JPEG and BMP: each format's decoder, counted over every file (not one name for all)."""
+    from torchsprint.data.preprocess.decode import resolve_decoder
+
+    for i in range(3):
+        save(tmp_path / "a" / f"{i}.png", (16, 16), "RGB", i)
+        save(tmp_path / "b" / f"{i}.jpg", (16, 16), "RGB", i)
+    save(tmp_path / "b" / "x.bmp", (16, 16), "RGB", 9)
+    facts = describe_data(splits_of(tmp_path, "data.val_fraction=0.4"))
+    jpeg = resolve_decoder("auto")  # simplejpeg where installed, else torchvision
+    assert facts["decoders"] == {"PNG": {"decoder": "torchvision", "files": 3}, "JPEG": {"decoder": jpeg, "files": 3},
+                                 "BMP": {"decoder": "pil", "files": 1}}
+    facts = describe_data(splits_of(tmp_path, "data.val_fraction=0.4", "data.decoder=pil"))
+    assert facts["decoders"]["JPEG"]["decoder"] == "pil" and facts["decoders"]["PNG"]["decoder"] == "torchvision"
+
+
+def test_the_named_decoder_is_the_one_that_runs(tmp_path, monkeypatch):
+    """decoder_for agrees with decode_bytes: record which library each file actually goes through."""
+    import io
+
+    from torchsprint.data.preprocess import decode
+
+    calls = []
+    real_generic, real_pil = decode._generic, decode._pil
+    monkeypatch.setattr(decode, "_generic", lambda data, ch: calls.append("torchvision") or real_generic(data, ch))
+    monkeypatch.setattr(decode, "_pil", lambda data, ch, m: calls.append("pil") or real_pil(data, ch, m))
+    for fmt, suffix in (("PNG", ".png"), ("JPEG", ".jpg"), ("BMP", ".bmp"), ("GIF", ".gif"), ("WEBP", ".webp")):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8), (10, 20, 30)).save(buf, fmt)
+        for name in decode.DECODERS.names():
+            calls.clear()
+            decode.decode_bytes(buf.getvalue(), decoder=name)
+            named = decode.decoder_for(name, decode.FORMAT_OF_SUFFIX[suffix])
+            # _generic falls back to _pil for what torchvision cannot read; a JPEG decoder records no call.
+            ran = calls[-1] if calls else name
+            assert ran == named, (fmt, name, calls)
+
+
+def test_cli_start_up_summary_counts_what_was_left_out(tmp_path, run_cli):
+    root, _, skipped = bad_folder(tmp_path)
+    r = run_cli("train", "data.dataset=image_folder", f"data.root={root}", "data.val_fraction=0.3",
+                f"run.dir={tmp_path / 'run'}", *FAST, *SMALL)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert "left out 9 file(s) below data.root that are not samples:" in out
+    for why, paths in skipped.items():
+        assert f"    {len(paths)} {why}, e.g. " in out
+    assert "1 class(es) with one image (one): trained on, not validated" in out
+    # The training images sampled include the grey and 16-bit PNGs (split_seed=0); each mode says what it becomes.
+    assert "L 1 (grey repeated to 3 channels)" in out and "I;16 1 (16-bit: the top 8 bits kept" in out
+    assert "decoder" in out and "(PNG: 7 files)" in out and "(JPEG: 13 files)" in out  # the linked PNG in dog/ counts
+    decided = json.loads((tmp_path / "run" / "decisions.json").read_text())
+    assert decided["skipped"][folders.HIDDEN]["count"] == 3
+    assert decided["decoders"]["PNG"] == {"decoder": "torchvision", "files": 7}

@@ -164,3 +164,52 @@ def test_cli_start_up_summary_counts_what_was_left_out(tmp_path, run_cli):
     decided = json.loads((tmp_path / "run" / "decisions.json").read_text())
     assert decided["skipped"][folders.HIDDEN]["count"] == 3
     assert decided["decoders"]["PNG"] == {"decoder": "torchvision", "files": 7}
+
+
+# ---------------------------------------------------------------- data.root given alone (issue 31.1)
+
+
+def detected(root, *over):
+    cfg = config.load(None, [f"data.root={root}", *over])
+    return cfg.data.dataset, [c["why"] for c in cfg.chosen()]
+
+
+def test_a_root_alone_is_detected_from_its_files(tmp_path):
+    from conftest import make_image_folder
+
+    make_image_folder(tmp_path / "split", per_class=1)
+    assert detected(tmp_path / "split") == ("image_folder", [f"detected: class folders under {tmp_path}/split/train "
+                                                             f"and {tmp_path}/split/val"])
+    make_image_folder(tmp_path / "flat", per_class=1, splits=("",))
+    assert detected(tmp_path / "flat") == ("image_folder", [f"detected: class folders under {tmp_path}/flat (split by "
+                                                            "data.val_fraction)"])
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "train-000000.tar").write_bytes(b"")
+    assert detected(tmp_path / "shards")[0] == "webdataset"
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "lists" / "train.csv").write_text("a.jpg,cat\n")
+    assert detected(tmp_path / "lists")[0] == "file_list"
+    assert detected(tmp_path / "lists", "task=multilabel")[0] == "multilabel_csv"
+    assert detected(tmp_path / "lists" / "train.csv")[0] == "file_list"
+    # An explicit data.dataset always wins, and chooses nothing; no data.root is the default digits run.
+    assert detected(tmp_path / "flat", "data.dataset=file_list") == ("file_list", [])
+    assert (config.load(None, []).data.dataset, config.load(None, []).chosen()) == ("digits", [])
+
+
+def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, run_cli):
+    """`train data.root=DIR` (no data.dataset) trains on the folder; config.yaml keeps the detected dataset, so
+    `eval RUN` (which reads only config.yaml) evaluates the same data."""
+    import yaml
+
+    from conftest import make_image_folder
+
+    root = make_image_folder(tmp_path / "photos", per_class=3)
+    r = run_cli("train", f"data.root={root}", f"run.dir={tmp_path / 'run'}", *FAST)
+    assert r.returncode == 0, r.stderr
+    assert (f"data.dataset: image_folder (detected: class folders under {root}/train and {root}/val; to choose "
+            "otherwise: set data.dataset)") in r.stdout
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["dataset"] == "image_folder"
+    decided = json.loads((tmp_path / "run" / "decisions.json").read_text())
+    assert decided["dataset"] == "image_folder" and decided["chosen"][0]["setting"] == "data.dataset"
+    r = run_cli("eval", "-r", str(tmp_path / "run"), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["count"] == 6, r.stdout + r.stderr

@@ -372,6 +372,8 @@ def decisions(cfg, rt, b: Built) -> dict:
     facts = dict(info.facts)
     return {
         "dataset": cfg.data.dataset, "root": cfg.data.root, "task": cfg.task, **facts,
+        # Settings the config left unset and torchsprint chose from the data (data/detect.py), with why and how to override.
+        "chosen": cfg.chosen(),
         # The backend that ran (after `auto` and any data.fallback), as build_loaders recorded it; and what was asked.
         "backend": info.backend, "backend_why": info.backend_why, "backend_config": info.backend_config,
         "backend_fallback": info.fallback or None,
@@ -391,7 +393,8 @@ def describe_decisions(d: dict) -> list[str]:
     names = ", ".join(d.get("class_names", []))
     more = d.get("classes", 0) - len(d.get("class_names", []))
     counts = ", ".join(f"{k} {v:,}" for k, v in d.get("images", {}).items())
-    lines = [f"data: {d['dataset']}{' at ' + str(d['root']) if d['root'] else ''}: {d.get('classes')} classes "
+    lines = [f"{c['setting']}: {c['value']} ({c['why']}; to choose otherwise: {c['override']})" for c in d.get("chosen", [])]
+    lines += [f"data: {d['dataset']}{' at ' + str(d['root']) if d['root'] else ''}: {d.get('classes')} classes "
              f"({names}{f', ... {more} more' if more > 0 else ''}); images: {counts}"]
     if d.get("source"):
         lines.append(f"  splits: {d['source']}")

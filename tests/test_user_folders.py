@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from torchsprint import config
@@ -213,3 +214,80 @@ def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, run_cli):
     assert decided["dataset"] == "image_folder" and decided["chosen"][0]["setting"] == "data.dataset"
     r = run_cli("eval", "-r", str(tmp_path / "run"), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["count"] == 6, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- defaults that fit the images (issue 31.2)
+
+
+@pytest.mark.parametrize("shorts, device, size", [
+    ([300] * 5, "cpu", 128), ([300] * 5, "cuda", 224), ([375, 375, 500], "cuda", 224), ([100, 90, 120], "cpu", 96),
+    ([40, 45, 300], "cpu", 32), ([20, 28, 30], "cuda", 32), ([191, 200, 250], "cuda", 192), ([63, 64, 65], "cpu", 64),
+])
+def test_the_size_rule(shorts, device, size):
+    """The stated rule, worked by hand: the median (lower) short side, capped (224 GPU, 128 CPU), floored to 32s, >= 32."""
+    from torchsprint.data.detect import training_size
+
+    assert training_size(shorts, device) == size
+
+
+def photo_folder(root: Path, size=(100, 80), mode="RGB", per_class=3) -> Path:
+    for c in ("a", "b"):
+        for i in range(per_class):
+            save(root / "train" / c / f"{i}.png", size, mode, i)
+            save(root / "val" / c / f"{i}.png", size, mode, 10 + i)
+    return root
+
+
+def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
+    root = photo_folder(tmp_path / "p")  # 100x80: median short side 80 -> 64
+    cfg = config.load(None, [f"data.root={root}", "run.device=cpu"])
+    assert cfg.data.train.transforms == [{"random_resized_crop": {"size": 64, "scale": [0.35, 1.0]}}, "hflip"]
+    assert cfg.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
+    assert cfg.model.name == "resnet18"
+    assert [c["setting"] for c in cfg.chosen()] == ["data.dataset", "data.train.transforms", "data.eval.transforms",
+                                                   "model.name"]
+    assert all(c["why"] and c["override"] for c in cfg.chosen())
+    # What the user sets wins: their transforms keep everything (and small_cnn); their model keeps the chosen size.
+    mine = config.load(None, [f"data.root={root}", "data.train.transforms=[{resize: 40}]"])
+    assert (mine.data.train.transforms, mine.data.eval.transforms, mine.model.name) == ([{"resize": 40}], [], "small_cnn")
+    mine = config.load(None, [f"data.root={root}", "run.device=cpu", "model.name=mobilenet_v3_small"])
+    assert mine.model.name == "mobilenet_v3_small" and mine.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
+    # Digits-sized images of one size keep the native size and small_cnn (the fixture's 24x20 JPEGs).
+    from conftest import make_image_folder
+
+    small = config.load(None, [f"data.root={make_image_folder(tmp_path / 's', per_class=2)}"])
+    assert (small.data.train.transforms, small.model.name, len(small.chosen())) == ([], "small_cnn", 1)
+
+
+def test_grey_images_are_read_as_three_equal_channels_and_said_so(tmp_path):
+    root = photo_folder(tmp_path / "g", size=(40, 40), mode="L")
+    cfg = config.load(None, [f"data.root={root}"])
+    grey = [c for c in cfg.chosen() if c["setting"] == "data.options.mode"]
+    assert grey and grey[0]["value"] == "RGB" and "3 identical channels" in grey[0]["why"]
+    s = DATASETS.get(cfg.data.dataset)(cfg.data)
+    image = s.train[0][0]
+    reference = torch.from_numpy(np.array(Image.open(s.train.samples[0][0])))  # Pillow's own grey pixels
+    assert image.shape[0] == 3 and all(torch.equal(image[c], reference) for c in range(3))
+    # data.options.mode=GRAY keeps one channel, and then nothing is said about it.
+    cfg = config.load(None, [f"data.root={root}", "data.options={mode: GRAY}"])
+    assert not [c for c in cfg.chosen() if c["setting"] == "data.options.mode"]
+    assert DATASETS.get(cfg.data.dataset)(cfg.data).train[0][0].shape[0] == 1
+
+
+def test_cli_photo_defaults_are_in_the_summary_and_the_run_folder(tmp_path, run_cli):
+    """A real run on mixed-size photos (which broke batching without a resize): the chosen size, model and why."""
+    import yaml
+
+    root = tmp_path / "mixed"
+    for c in ("a", "b"):
+        for i in range(4):
+            save(root / c / f"{i}.jpg", (70 + 10 * i, 64), "RGB", i)
+    r = run_cli("train", f"data.root={root}", f"run.dir={tmp_path / 'run'}", "run.device=cpu", "data.val_fraction=0.5",
+                *FAST)
+    assert r.returncode == 0, r.stderr
+    assert "data.train.transforms: [{'random_resized_crop': {'size': 64" in r.stdout
+    assert "model.name: resnet18 (images of 64x64 px" in r.stdout and "to choose otherwise: set model.name" in r.stdout
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["model"]["name"] == "resnet18" and saved["data"]["eval"]["transforms"][-1] == {"center_crop": 64}
+    decided = json.loads((tmp_path / "run" / "decisions.json").read_text())
+    assert [c["setting"] for c in decided["chosen"]][-1] == "model.name"

@@ -361,9 +361,9 @@ class Config(Section):
         if self.data.root is not None:
             from torchsprint.data.detect import resolve
 
-            chosen = [c.as_dict() for c in resolve(self)]
-            if chosen:  # a later re-validation (validate_assignment) finds everything set and keeps the record
-                self._chosen = chosen
+            # A later re-validation (validate_assignment) finds the chosen values set and keeps the first record.
+            have = {c["setting"] for c in self._chosen}
+            self._chosen = [*self._chosen, *(c.as_dict() for c in resolve(self) if c.setting not in have)]
         return self
 
     def chosen(self) -> list[dict]:

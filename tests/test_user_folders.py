@@ -221,7 +221,7 @@ def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, run_cli):
 
 @pytest.mark.parametrize("shorts, device, size", [
     ([300] * 5, "cpu", 128), ([300] * 5, "cuda", 224), ([375, 375, 500], "cuda", 224), ([100, 90, 120], "cpu", 96),
-    ([40, 45, 300], "cpu", 32), ([20, 28, 30], "cuda", 32), ([191, 200, 250], "cuda", 192), ([63, 64, 65], "cpu", 64),
+    ([40, 45, 300], "cpu", 32), ([20, 28, 30], "cuda", 32), ([110, 120, 130], "cpu", 96), ([100, 200], "cuda", 96), ([191, 200, 250], "cuda", 192), ([63, 64, 65], "cpu", 64),
 ])
 def test_the_size_rule(shorts, device, size):
     """The stated rule, worked by hand: the median (lower) short side, capped (224 GPU, 128 CPU), floored to 32s, >= 32."""

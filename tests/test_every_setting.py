@@ -127,6 +127,15 @@ def image_folder(tmp, n=6):
 IMG = ["data.dataset=image_folder", "data.train.transforms=[resize: [16, 16]]", "data.eval.transforms=[resize: [16, 16]]"]
 
 
+def probe_root(tmp):
+    """data.root alone is the user's images (the dataset detected from its folders); digits refuses one it would ignore."""
+    from conftest import make_image_folder
+
+    refused("data.dataset=digits", f"data.root={tmp}", match="takes no data.root")
+    make_image_folder(tmp / "img", classes=("a", "b", "c"), per_class=2)
+    differs(lambda c, b: b.loaders.info.classes, f"data.root={tmp / 'img'}", *IMG[1:])
+
+
 def probe_pretrained(tmp):
     from safetensors.torch import save_file
 
@@ -309,7 +318,7 @@ PROBES = {
     "run.deterministic": probe_deterministic,
     "data.dataset": lambda t: differs(lambda c, b: b.loaders.info.classes, "data.dataset=synthetic_jpeg", f"data.root={t}",
                                       "data.options={num_images: 6, val_images: 3, size: [20, 16], classes: 3}", *IMG[1:]),
-    "data.root": lambda t: refused(f"data.root={t}", match="takes no data.root"),
+    "data.root": lambda t: probe_root(t),
     "data.options": lambda t: (refused("data.options={x: 1}", match="takes no data.options"),
                                differs(lambda c, b: len(b.loaders.train) * c.data.batch_size, "data.options={num_images: 20, val_images: 4}",
                                        base=["data.dataset=synthetic_jpeg", f"data.root={t}", "data.batch_size=2", *IMG[1:],

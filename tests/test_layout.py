@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data.augment", ["data.preprocess.augment", "data.preprocess.mix", "data.preprocess.on_device"]),
     ("data.sources", ["data.sources.*"]),
     ("data.backends", ["data.backends.*"]),
-    ("data.build", ["data.build"]),
+    ("data.build", ["data.build", "data.detect"]),
     ("models.core", ["models.core"]),
     ("models", ["models.nets", "models.init"]),
     ("tasks", ["tasks"]),

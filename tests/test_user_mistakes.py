@@ -156,7 +156,15 @@ def test_empty_class_folder_is_left_out_with_a_warning(tmp_path, capsys):
 
 
 def test_digits_refuses_a_root_it_would_ignore(tmp_path, capsys):
-    fails_cleanly(capsys, ["train", *FAST, f"data.root={tmp_path}", f"run.dir={tmp_path / 'r'}"], "takes no data.root")
+    fails_cleanly(capsys, ["train", *FAST, "data.dataset=digits", f"data.root={tmp_path}", f"run.dir={tmp_path / 'r'}"],
+                  "takes no data.root")
+
+
+def test_a_root_alone_without_images_says_what_it_holds(tmp_path, capsys):
+    (tmp_path / "notes.txt.bak").write_text("x")
+    fails_cleanly(capsys, ["train", *FAST, f"data.root={tmp_path}", f"run.dir={tmp_path / 'r'}"],
+                  f"data.root={tmp_path} holds 1 loose file(s), no class folders")
+    fails_cleanly(capsys, ["train", *FAST, f"data.root={tmp_path / 'nothing'}"], "does not exist")
 
 
 def test_resume_folder_without_config(tmp_path, capsys):

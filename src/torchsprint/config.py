@@ -9,7 +9,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from torchsprint.config_files import (  # noqa: F401  (MAX_DEPTH, deep_merge, read_file: re-exported)
     MAX_DEPTH,
@@ -423,6 +431,26 @@ class Config(Section):
 
         apply_defaults(self)
         return self
+
+    # What torchsprint chose for settings the config leaves unset and the data decides (data/detect.py): a list of
+    # Choice dicts (setting, value, why, override), for the start-up summary and decisions.json. Not a config key:
+    # the chosen values themselves are written into the config (config.yaml), so a resumed run reads them as set.
+    _chosen: list = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _data_defaults(self):
+        # Only with a data.root: the default run (digits) and saved run configs (everything set) never scan files.
+        if self.data.root is not None:
+            from torchsprint.data.detect import resolve
+
+            # A later re-validation (validate_assignment) finds the chosen values set and keeps the first record.
+            have = {c["setting"] for c in self._chosen}
+            self._chosen = [*self._chosen, *(c.as_dict() for c in resolve(self) if c.setting not in have)]
+        return self
+
+    def chosen(self) -> list[dict]:
+        """The settings chosen from the data (data/detect.py), each {setting, value, why, override}."""
+        return list(self._chosen)
 
 
 # ---------------------------------------------------------------- loading

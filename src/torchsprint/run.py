@@ -385,6 +385,8 @@ def decisions(cfg, rt, b: Built) -> dict:
     impl, impl_why = impl_in_use(b.opt, cfg.optim)
     return {
         "dataset": cfg.data.dataset, "root": cfg.data.root, "task": cfg.task, **facts,
+        # Settings the config left unset and torchsprint chose from the data (data/detect.py), with why and how to override.
+        "chosen": cfg.chosen(),
         # The backend that ran (after `auto` and any data.fallback), as build_loaders recorded it; and what was asked.
         "backend": info.backend, "backend_why": info.backend_why, "backend_config": info.backend_config,
         "backend_fallback": info.fallback or None,
@@ -408,7 +410,8 @@ def describe_decisions(d: dict) -> list[str]:
     names = ", ".join(d.get("class_names", []))
     more = d.get("classes", 0) - len(d.get("class_names", []))
     counts = ", ".join(f"{k} {v:,}" for k, v in d.get("images", {}).items())
-    lines = [f"data: {d['dataset']}{' at ' + str(d['root']) if d['root'] else ''}: {d.get('classes')} classes "
+    lines = [f"{c['setting']}: {c['value']} ({c['why']}; to choose otherwise: {c['override']})" for c in d.get("chosen", [])]
+    lines += [f"data: {d['dataset']}{' at ' + str(d['root']) if d['root'] else ''}: {d.get('classes')} classes "
              f"({names}{f', ... {more} more' if more > 0 else ''}); images: {counts}"]
     if d.get("source"):
         lines.append(f"  splits: {d['source']}")
@@ -428,9 +431,24 @@ def describe_decisions(d: dict) -> list[str]:
                      + f" (w x h, {size['sampled']} sampled)")
     if extra:
         lines.append("  " + "; ".join(extra))
+    if d.get("modes"):
+        from torchsprint.data.build import describe_modes
+
+        ch = d.get("channels", 3)
+        lines.append(f"  colour modes ({sum(d['modes'].values())} sampled): {describe_modes(d['modes'], ch)}; read as "
+                     + ("3 channels (RGB)" if ch == 3 else "1 channel (grey)")
+                     + (" (data.options.mode=GRAY keeps 1 channel)" if ch == 3 else " (data.options.mode=GRAY)"))
+    if d.get("skipped"):
+        total = sum(v["count"] for v in d["skipped"].values())
+        lines.append(f"  left out {total:,} file(s) below data.root that are not samples:")
+        lines += [f"    {v['count']:,} {why}, e.g. {', '.join(v['examples'])}" for why, v in d["skipped"].items()]
+    lines += [f"  {note}" for note in d.get("notes", [])]
     # The backend that runs (a fallback's why names the configured one), as decisions.json has it.
-    lines.append(f"loader: data.backend={d['backend']} ({d['backend_why']})"
-                 + (f", decoder {d['decoder']}" if d.get("decoder") else ""))
+    if d.get("decoders"):
+        decoder = "decoder " + ", ".join(f"{v['decoder']} ({fmt}: {v['files']:,} files)" for fmt, v in d["decoders"].items())
+    else:
+        decoder = f"decoder {d['decoder']}" if d.get("decoder") else ""
+    lines.append(f"loader: data.backend={d['backend']} ({d['backend_why']})" + (f", {decoder}" if decoder else ""))
     lines.append(f"device {d['device']} x {d['world_size']}, precision {d['precision']}, channels_last "
                  f"{'on' if d.get('channels_last') else 'off'} ({d.get('channels_last_why', '')}), batch {d['batch_size']} x "
                  f"accum {d['accum_steps']} x {d['world_size']} process(es) = effective batch {d['effective_batch_size']}, "

@@ -7,6 +7,7 @@ start-up live here, not in core.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import replace
 
@@ -279,7 +280,8 @@ def _plain_image_files(ds) -> bool:
 
 
 def describe_data(splits: Splits, sample: int = 32) -> dict:
-    """Facts for the start-up summary: where the splits come from, counts, class balance, image sizes."""
+    """Facts for the start-up summary: where the splits come from, counts, class balance, image sizes, and
+    for image files which library decodes each format, the colour modes sampled, and what was left out."""
     facts: dict = {"source": splits.source, "classes": len(splits.classes), "class_names": list(splits.classes[:8]),
                    "images": {"train": len(splits.train), "val": len(splits.val)},
                    "decoder": getattr(splits.train, "decoder", None)}  # None: stored decoded (digits, CIFAR)
@@ -296,11 +298,68 @@ def describe_data(splits: Splits, sample: int = 32) -> dict:
                                "sampled": len(splits.train)}
     elif _plain_image_files(splits.train):
         idx = range(0, len(splits.train), max(1, len(splits.train) // sample))
-        sizes = [s for s in file_sizes([splits.train.samples[i][0] for i in idx][:sample]) if s is not None]
+        paths = [splits.train.samples[i][0] for i in idx][:sample]
+        sizes = [s for s in file_sizes(paths) if s is not None]
         if sizes:
             facts["image_size"] = {"min": [min(h for h, _ in sizes), min(w for _, w in sizes)],
                                    "max": [max(h for h, _ in sizes), max(w for _, w in sizes)], "sampled": len(sizes)}
+        facts["decoders"] = decoders_by_format(splits, facts["decoder"])
+        facts["modes"] = sampled_modes(paths)
+        facts["channels"] = splits.train.channels
+    if splits.skipped:
+        facts["skipped"] = {why: {"count": len(paths), "examples": [os.path.basename(p) for p in paths[:3]]}
+                            for why, paths in splits.skipped.items()}
+    if splits.notes:
+        facts["notes"] = list(splits.notes)
     return facts
+
+
+def decoders_by_format(splits: Splits, decoder: str) -> dict[str, dict]:
+    """{format: {"decoder": library, "files": count}} over every file of every split (formats by extension)."""
+    from collections import Counter
+
+    from torchsprint.data.preprocess.decode import FORMAT_OF_SUFFIX, decoder_for
+
+    counts: Counter = Counter()
+    for ds in (splits.train, splits.val, splits.test):
+        for path, _ in getattr(ds, "samples", None) or ():
+            counts[FORMAT_OF_SUFFIX.get(os.path.splitext(path)[1].lower(), "other")] += 1
+    return {fmt: {"decoder": decoder_for(decoder, fmt), "files": n} for fmt, n in counts.most_common()}
+
+
+def sampled_modes(paths: list[str]) -> dict[str, int]:
+    """Pillow's colour mode of each readable file (RGB, L, RGBA, P, I;16 ...), counted; only headers are read."""
+    from collections import Counter
+
+    from PIL import Image
+
+    modes: Counter = Counter()
+    for p in paths:
+        try:
+            with Image.open(p) as im:
+                modes[im.mode] += 1
+        except Exception:  # noqa: BLE001 - an unreadable file is the loader's to report (data.on_bad_sample)
+            modes["unreadable"] += 1
+    return dict(modes.most_common())
+
+
+# What decoding does to each Pillow mode (decode.to_uint8_channels and _pil), by the channels the dataset reads.
+_MODE_READ = {
+    3: {"L": "grey repeated to 3 channels", "LA": "grey repeated to 3 channels, alpha dropped", "RGBA": "alpha dropped",
+        "P": "palette expanded to RGB", "PA": "palette expanded to RGB, alpha dropped",
+        "I;16": "16-bit: the top 8 bits kept, grey repeated to 3 channels", "I": "16/32-bit: the top 8 bits kept, grey "
+        "repeated to 3 channels", "CMYK": "converted to RGB", "1": "black and white repeated to 3 channels"},
+    1: {"RGB": "converted to grey (ITU-R 601 luma)", "RGBA": "alpha dropped, converted to grey", "P": "palette "
+        "expanded, converted to grey", "I;16": "16-bit: the top 8 bits kept", "I": "16/32-bit: the top 8 bits kept",
+        "LA": "alpha dropped", "CMYK": "converted to grey"},
+}
+
+
+def describe_modes(modes: dict[str, int], channels: int) -> str:
+    """'RGB 20, L 5 (grey repeated to 3 channels), ...': each sampled mode and what decoding does to it."""
+    keep = "RGB" if channels == 3 else "L"
+    read = _MODE_READ.get(channels, {})
+    return ", ".join(f"{m} {n}" + (f" ({read[m]})" if m != keep and m in read else "") for m, n in modes.items())
 
 
 def _labels(ds) -> torch.Tensor | None:

@@ -41,6 +41,8 @@ class Splits:
     test: Any = None  # a held-out test split (image_folder's test/), evaluated on request only
     source: str = ""  # where the splits come from, in words (the start-up summary prints it)
     train_weights: torch.Tensor | None = None  # per-sample draw weights of the training split (data.sampler=balanced)
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # why -> files below data.root that are not samples
+    notes: list[str] = field(default_factory=list)  # other facts of the listing for the start-up summary
 
 
 class TensorImages(torch.utils.data.Dataset):
@@ -133,11 +135,40 @@ def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tupl
     return np.sort(tr), np.sort(va)
 
 
-def split_samples(samples: list, data_cfg) -> tuple[list, list]:
-    """(train, val) lists of (item, class index) samples, split by data.val_fraction, stratified, seeded by data.split_seed."""
+def split_samples(samples: list, data_cfg, classes: list[str] | None = None, with_notes: bool = False):
+    """(train, val) lists of (item, class index) samples, split by data.val_fraction, stratified, seeded by data.split_seed.
+
+    A class with one sample cannot be in both splits: it is trained on and not validated, and with
+    `with_notes` the returned third item, a list of lines for the start-up summary, says so (the split of
+    the other classes is the one they would get without it). Too few validation samples for a stratified
+    split (fewer than the classes) is a UsageError naming the numbers.
+    """
     labels = np.array([s[1] for s in samples])
-    tr, va = stratified_split(labels, data_cfg.val_fraction, data_cfg.split_seed)
-    return [samples[i] for i in tr], [samples[i] for i in va]
+    notes: list[str] = []
+    counts = np.bincount(labels) if len(labels) else np.zeros(0, dtype=np.int64)
+    single = np.flatnonzero(counts == 1)
+    if data_cfg.val_fraction > 0 and len(single):
+        rest = [i for i, lab in enumerate(labels) if counts[lab] > 1]
+        name = (lambda c: classes[c]) if classes is not None else str
+        notes.append(f"{len(single)} class(es) with one image ({', '.join(name(int(c)) for c in single[:5])}"
+                     f"{' ...' if len(single) > 5 else ''}): trained on, not validated (a split needs 2 images of a class)")
+        tr, va = _stratified(labels[rest], data_cfg, len(samples)) if rest else (np.zeros(0, int), np.zeros(0, int))
+        tr = np.sort(np.concatenate([np.asarray(rest, dtype=np.int64)[tr], np.flatnonzero(np.isin(labels, single))]))
+        va = np.asarray(rest, dtype=np.int64)[va]
+    else:
+        tr, va = _stratified(labels, data_cfg, len(samples))
+    out = [samples[i] for i in tr], [samples[i] for i in va]
+    return (*out, notes) if with_notes else out
+
+
+def _stratified(labels: np.ndarray, data_cfg, n_all: int) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        return stratified_split(labels, data_cfg.val_fraction, data_cfg.split_seed)
+    except ValueError as e:  # sklearn: fewer validation samples than classes
+        k = len(np.unique(labels))
+        raise UsageError(f"data.val_fraction={data_cfg.val_fraction} of {n_all} images is too few to give each of the {k} "
+                         f"classes a validation image ({e}). Raise data.val_fraction, add images, or give a val/ "
+                         "folder beside train/.") from None
 
 
 @dataclass

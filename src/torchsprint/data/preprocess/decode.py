@@ -278,6 +278,23 @@ def resolve_decoder(name: str) -> str:
     return name
 
 
+# A file's format by its extension, as the loader line names it.
+FORMAT_OF_SUFFIX = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".gif": "GIF", ".webp": "WebP", ".bmp": "BMP",
+                    ".tif": "TIFF", ".tiff": "TIFF"}
+# What torchvision.io.decode_image reads (torchvision 0.29, checked by decoding one file of each); the rest goes
+# to Pillow (_generic's fallback).
+TORCHVISION_FORMATS = ("JPEG", "PNG", "GIF", "WebP")
+
+
+def decoder_for(decoder: str, fmt: str) -> str:
+    """The library that decodes files of format `fmt` (FORMAT_OF_SUFFIX's names) under data.decoder `decoder`
+    (resolved): the JPEG decoders read JPEGs only and hand every other format to _generic (torchvision,
+    then Pillow). simplejpeg also hands over grey and CMYK JPEGs (read_header's components != 3)."""
+    if fmt == "JPEG" and decoder in ("simplejpeg", "pil"):
+        return decoder
+    return "torchvision" if fmt in TORCHVISION_FORMATS else "pil"
+
+
 def decode_bytes(data: bytes, *, channels: int = 3, decoder: str = "torchvision", max_pixels: int = 89_478_485,
                  min_size_for=None) -> torch.Tensor:
     """Decode file bytes into a uint8 CHW tensor with `channels` channels, or raise BadImage.

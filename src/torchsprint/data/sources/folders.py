@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -74,19 +75,106 @@ def image_files(samples, data_cfg, mode: str = "RGB") -> ImageFiles:
     return ImageFiles(samples, mode, decoder=data_cfg.decoder, max_pixels=data_cfg.max_image_pixels)
 
 
-def scan_class_folders(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
+# Why a file below data.root is not a sample (FolderScan.skipped's keys, the start-up summary's words).
+HIDDEN = "hidden (the name starts with '.': .DS_Store, macOS ._ copies, .git)"
+NOT_IMAGE = f"not images by their extension (images: {', '.join(IMAGE_EXTENSIONS)})"
+BROKEN_LINK = "broken symbolic links (to nothing)"
+LINK_LOOP = "links to a folder already listed (a loop, or a second way in: its images are listed once)"
+LOOSE = "files beside the class folders (in no class folder)"
+
+
+@dataclass
+class FolderScan:
+    """What listing a folder of class folders found: the classes, the samples, and every entry left out, by why."""
+
+    classes: list[str]
+    samples: list[tuple[str, int]]
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # reason -> paths
+    linked: int = 0  # samples reached through a symbolic link (to a file, or inside a linked folder): kept
+
+
+def _note(skipped: dict[str, list[str]], reason: str, path) -> None:
+    skipped.setdefault(reason, []).append(str(path))
+
+
+def list_images(folder: Path, skipped: dict[str, list[str]], seen: set[str]) -> tuple[list[Path], int]:
+    """Image files below `folder` (sorted), following links to files and folders, each folder once.
+
+    Everything else is recorded in `skipped` by reason (hidden files and folders, other extensions,
+    broken links, links back to a folder already listed). `seen` holds the real paths of the folders
+    listed so far (shared across class folders, so a link from one class into another lists nothing
+    twice). Returns (images, how many of them were reached through a link).
+    """
+    import os
+
+    found, linked = [], 0
+    real = os.path.realpath(folder)
+    if real in seen:
+        _note(skipped, LINK_LOOP, folder)
+        return [], 0
+    seen.add(real)
+    via_links = {str(folder)} if folder.is_symlink() else set()  # folders reached through a link
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        via_link = top in via_links
+        for d in sorted(dirs):
+            full = Path(top, d)
+            if d.startswith("."):
+                _note(skipped, HIDDEN, full)
+            elif (r := os.path.realpath(full)) in seen:
+                _note(skipped, LINK_LOOP, full)
+            else:
+                seen.add(r)
+                if via_link or full.is_symlink():
+                    via_links.add(str(full))
+                continue
+            dirs.remove(d)  # os.walk descends only into what stays in `dirs`
+        for name in sorted(files):
+            full = Path(top, name)
+            if name.startswith("."):
+                _note(skipped, HIDDEN, full)
+            elif full.is_symlink() and not full.exists():
+                _note(skipped, BROKEN_LINK, full)
+            elif full.suffix.lower() not in IMAGE_EXTENSIONS:
+                _note(skipped, NOT_IMAGE, full)
+            else:
+                found.append(full)
+                linked += via_link or full.is_symlink()
+    # os.walk puts a link to a missing folder among `files` (it is no directory), handled above as a broken link.
+    return sorted(found), linked
+
+
+def scan_folder(root: Path, seen: set[str] | None = None) -> FolderScan:
     """Class names (sorted subfolder names) and (path, class index) for every image below them.
 
     A class folder without images is left out with a warning (a class with no samples cannot be
-    learnt, and would silently shift every later class index).
+    learnt, and would silently shift every later class index). Files that are not samples (hidden,
+    other extensions, broken links, loose files beside the class folders) are counted by reason in
+    FolderScan.skipped, never dropped silently.
     """
     import warnings
 
-    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    skipped: dict[str, list[str]] = {}
+    entries = sorted(root.iterdir())
+    folders = []
+    for p in entries:
+        if p.name.startswith("."):
+            _note(skipped, HIDDEN, p)
+        elif p.is_dir():
+            folders.append(p.name)
+        elif p.is_symlink() and not p.exists():
+            _note(skipped, BROKEN_LINK, p)
+        else:
+            _note(skipped, LOOSE, p)
     if not folders:
         raise UsageError(f"{root}: no class subfolders. image_folder expects <root>/<class>/<image> files.")
-    found = {c: sorted(p for p in (root / c).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
-             for c in folders}
+    import os
+
+    seen = set() if seen is None else seen
+    seen.add(os.path.realpath(root))  # a link from a class folder back up to root would list every class inside one
+    found, linked = {}, 0
+    for c in folders:
+        found[c], n = list_images(root / c, skipped, seen)
+        linked += n
     empty = [c for c in folders if not found[c]]
     classes = [c for c in folders if found[c]]
     if not classes:
@@ -95,7 +183,21 @@ def scan_class_folders(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
         warnings.warn(f"{root}: class folder(s) {empty[:5]} hold no images ({', '.join(IMAGE_EXTENSIONS)}) and are "
                       f"left out; training on {len(classes)} classes.", stacklevel=2)
     samples = [(str(p), ci) for ci, c in enumerate(classes) for p in found[c]]
-    return classes, samples
+    return FolderScan(classes, samples, skipped, linked)
+
+
+def scan_class_folders(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """scan_folder's (class names, samples), for callers that report nothing of what was left out."""
+    scan = scan_folder(root)
+    return scan.classes, scan.samples
+
+
+def merge_skipped(*scans: FolderScan) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for s in scans:
+        for reason, paths in s.skipped.items():
+            out.setdefault(reason, []).extend(paths)
+    return out
 
 
 # Split folder names image_folder recognises (case-insensitive), as the common dataset layouts spell them:
@@ -176,28 +278,36 @@ def image_folder(data_cfg) -> Splits:
     root = existing_folder(need_root(data_cfg, "folder with train/ and val/ class subfolders"))
     mode = data_cfg.options.get("mode", "RGB")
     layout = find_layout(root)
-    test = None
+    test, seen, notes = None, set(), []
     if layout["train"] is not None:
-        classes, train = scan_class_folders(layout["train"])
+        scans = [scan_folder(layout["train"], seen)]
+        classes, train = scans[0].classes, scans[0].samples
         if layout["val"] is not None:
-            val = _same_classes(layout["val"], classes, layout["train"])
+            scans.append(scan_folder(layout["val"], seen))
+            val = _same_classes(scans[-1], layout["val"], classes, layout["train"])
         else:
-            train, val = split_samples(train, data_cfg)
+            train, val, notes = split_samples(train, data_cfg, classes, with_notes=True)
         if layout["test"] is not None:
-            test = image_files(_same_classes(layout["test"], classes, layout["train"]), data_cfg, mode)
+            scans.append(scan_folder(layout["test"], seen))
+            test = image_files(_same_classes(scans[-1], layout["test"], classes, layout["train"]), data_cfg, mode)
     else:
-        classes, samples = scan_class_folders(root)
-        train, val = split_samples(samples, data_cfg)
+        scans = [scan_folder(root, seen)]
+        classes = scans[0].classes
+        train, val, notes = split_samples(scans[0].samples, data_cfg, classes, with_notes=True)
+    linked = sum(s.linked for s in scans)
+    if linked:
+        notes.append(f"{linked:,} image(s) reached through symbolic links (to files or folders) are used")
     return Splits(image_files(train, data_cfg, mode), image_files(val, data_cfg, mode), classes,
-                  in_channels=1 if mode == "GRAY" else 3, test=test, source=describe_layout(layout, data_cfg, root))
+                  in_channels=1 if mode == "GRAY" else 3, test=test, source=describe_layout(layout, data_cfg, root),
+                  skipped=merge_skipped(*scans), notes=notes)
 
 
-def _same_classes(folder: Path, classes: list[str], train: Path) -> list[tuple[str, int]]:
+def _same_classes(scan: FolderScan, folder: Path, classes: list[str], train: Path) -> list[tuple[str, int]]:
     """Samples of a val/test split folder, which must have the training classes (a subset is fine: a class
     with no validation images is common; a class training never saw is an error)."""
     import warnings
 
-    names, samples = scan_class_folders(folder)
+    names, samples = scan.classes, scan.samples
     unknown = [c for c in names if c not in classes]
     if unknown:
         raise UsageError(f"{folder}: class folder(s) {unknown[:5]} are not in {train.name}/ ({len(classes)} classes: "

@@ -1,0 +1,229 @@
+"""A data.root given alone: which dataset it holds (detected from its files), and the defaults that fit its images.
+
+Called once, from config validation (config.Config), so the resolved settings are the config every
+command reads and config.yaml keeps; what was chosen and why is kept beside it (Config.chosen) for the
+start-up summary and decisions.json.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from torchsprint.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A setting torchsprint chose because the config left it unset: its value, why, and how to choose otherwise."""
+
+    setting: str  # the dotted config key, e.g. data.dataset
+    value: object
+    why: str
+    override: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# The dataset a folder holds under a task that is not about class labels per image.
+TASK_FOLDERS = {"video": "video_folder", "image_to_image": "paired_folder"}
+
+
+def detect_dataset(root: str, task: str) -> tuple[str, str]:
+    """(dataset name, what was found) for `data.root=root` without data.dataset, checked in this order:
+
+    1. a .csv/.txt/.tsv/.lst file: a list of `path,label` lines (file_list; multilabel_csv for task=multilabel);
+    2. a folder with train-*.tar: WebDataset shards (webdataset);
+    3. a folder with a train.csv (or .txt, .tsv, .lst) list: file_list (multilabel_csv for task=multilabel);
+    4. a folder of class folders, or of train/ and val/ (and test/) split folders of class folders (image_folder).
+    Anything else is a UsageError saying what was found and what is expected.
+    """
+    from torchsprint.data.sources.folders import LIST_SUFFIXES, _find_list, _listing, find_layout
+
+    path = Path(root).expanduser()
+    listed = "multilabel_csv" if task == "multilabel" else "file_list"
+    if not path.exists():
+        raise UsageError(f"data.root={root} does not exist. Give a folder of class folders (or of train/ and val/), "
+                         "WebDataset shards, or a .csv list of `path,label` lines.")
+    if task in TASK_FOLDERS:
+        return TASK_FOLDERS[task], f"task={task} reads a {TASK_FOLDERS[task]} at {path}"
+    if path.is_file():
+        if path.suffix.lower() in LIST_SUFFIXES:
+            return listed, f"{path.name} is a list of labelled files"
+        raise UsageError(f"data.root={root} is a {path.suffix or 'suffix-less'} file, neither a folder of images nor a "
+                         f"list ({', '.join(LIST_SUFFIXES)}). Give the folder that holds the images, or set data.dataset.")
+    shards = sorted(path.glob("train-*.tar"))
+    if shards:
+        return "webdataset", f"{len(shards)} WebDataset shard(s) {path}/train-*.tar"
+    lst = _find_list(path, "train")
+    if lst is not None:
+        return listed, f"a list of labelled files {lst}"
+    if any(path.glob("*.tar")):
+        raise UsageError(f"data.root={root} holds .tar files but none named train-*.tar: for WebDataset shards set "
+                         "data.dataset=webdataset and data.options.train=<shard pattern> (and .val).")
+    layout = find_layout(path)  # refuses the layouts it would misread, showing what is there
+    if layout["train"] is not None:
+        where = " and ".join(f"{path}/{layout[k].name}" for k in ("train", "val", "test") if layout[k] is not None)
+        return "image_folder", f"class folders under {where}"
+    if not any(p.is_dir() and not p.name.startswith(".") for p in path.iterdir()):
+        raise UsageError(f"data.root={root} holds {_listing(path)}, no class folders: put each class's images in a "
+                         f"folder named after it (<root>/<class>/<image>), or give train/ and val/ folders of them, "
+                         "WebDataset shards (train-*.tar) or a train.csv list; or set data.dataset.")
+    return "image_folder", f"class folders under {path} (split by data.val_fraction)"
+
+
+# ---------------------------------------------------------------- defaults that fit the images
+
+# A median short side at most this is "digits-sized" (digits 8, MNIST 28, CIFAR 32 px): the native size and the
+# built-in small_cnn stay the defaults, as for the default run.
+DIGITS_SIZED = 32
+# The training size's cap: 224 px on a GPU (torchvision's and timm's ImageNet recipes, fastai's and Ultralytics'
+# default); 128 px on a CPU, where 224 px costs ~3x the time per image (the pixel count) for little accuracy on
+# a run of a few epochs from scratch (BENCHMARKS.md, "Defaults for your own photos").
+SIZE_CAP = {"cuda": 224, "cpu": 128}
+# The default model for larger images: torchvision's ResNet-18. Evidence so far is issue 31's measurement on the
+# 2-core CPU (ResNet-18 at 128 px: 39 img/s training, top-1 within one standard error of timm's train.py on a real
+# 2,624-image folder; small_cnn: 2 img/s at 300 px, 35 at 64 px). benchmarks/photo_defaults.py measures it against
+# mobilenet_v3_small on 2,000 generated 300x300 photos; its figures are not in BENCHMARKS.md yet.
+PHOTO_MODEL = "resnet18"
+# The random crop keeps at least this share of the image (fastai's examples' min_scale; torchvision's 0.08 suits
+# ImageNet's 90+ epochs, not a run of a few epochs on a small folder).
+CROP_SCALE = (0.35, 1.0)
+SAMPLED = 64  # images measured for the size rule (headers only)
+GREY_MODES = ("L", "LA", "I", "I;16", "I;16B", "I;16L", "1")
+
+
+def training_size(short_sides: list[int], device_type: str) -> int:
+    """The size rule: the median image's short side, capped at SIZE_CAP (224 GPU, 128 CPU), rounded down to
+    a multiple of 32, at least 32."""
+    import statistics
+
+    median = int(statistics.median_low(short_sides))
+    return max(32, min(median, SIZE_CAP.get(device_type, SIZE_CAP["cpu"])) // 32 * 32)
+
+
+def sample_paths(data_cfg, n: int = SAMPLED) -> list[str]:
+    """Up to `n` training image paths spread over the classes (image_folder) or the list (file_list,
+    multilabel_csv), without listing every file; [] for datasets that are not image files on disk."""
+    import os
+
+    from torchsprint.data.sources.folders import IMAGE_EXTENSIONS, _find_list, find_layout, read_file_list
+
+    root = Path(data_cfg.root).expanduser()
+    if data_cfg.dataset == "image_folder" and root.is_dir():
+        try:
+            layout = find_layout(root)
+        except UsageError:
+            return []  # a layout it would misread: image_folder refuses it when the data is built, saying why
+        top = layout["train"] or root
+        classes = sorted(p for p in top.iterdir() if p.is_dir() and not p.name.startswith("."))
+        per = max(1, -(-n // max(1, len(classes))))
+        out = []
+        for c in classes:
+            took = 0
+            for dirpath, dirs, files in os.walk(c, followlinks=False):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for f in sorted(files):
+                    if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS:
+                        out.append(os.path.join(dirpath, f))
+                        took += 1
+                        if took >= per:
+                            break
+                if took >= per:
+                    break
+        return out[:n]
+    if data_cfg.dataset in ("file_list", "multilabel_csv"):
+        lst = root if root.is_file() else _find_list(root, "train") if root.is_dir() else None
+        if lst is None:
+            return []
+        try:
+            rows = read_file_list(lst)
+        except UsageError:
+            return []  # the dataset itself says what is wrong with the list
+        return [p for p, _ in rows[:: max(1, len(rows) // n)]][:n]
+    return []
+
+
+def measure(paths: list[str]) -> tuple[list[tuple[int, int]], list[str]]:
+    """(width, height) and Pillow mode of each readable file (headers only); unreadable files are left to the loader."""
+    from PIL import Image
+
+    sizes, modes = [], []
+    for p in paths:
+        try:
+            with Image.open(p) as im:
+                sizes.append(im.size)
+                modes.append(im.mode)
+        except Exception:  # noqa: BLE001 - data.on_bad_sample reports unreadable files when they load
+            continue
+    return sizes, modes
+
+
+def photo_defaults(cfg) -> list[Choice]:
+    """data.train/eval.transforms, model.name and the grey-channel decision for a folder of larger images.
+
+    Applied where the config leaves them unset: the transforms when neither data.train.transforms nor
+    data.eval.transforms is set and the images are larger than DIGITS_SIZED or of different sizes; the model
+    when model.name and model.pretrained are unset, the transforms were chosen here and the images are larger than
+    DIGITS_SIZED (digits-sized images of mixed sizes are resized, and keep small_cnn).
+    """
+    import torch
+
+    data, chosen = cfg.data, []
+    paths = sample_paths(data)
+    sizes, modes = measure(paths)
+    if not sizes:
+        return chosen
+    shorts = [min(w, h) for w, h in sizes]
+    mixed = len(set(sizes)) > 1
+    device = "cuda" if cfg.run.device.startswith("cuda") or (cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
+    unset = "transforms" not in data.train.model_fields_set and "transforms" not in data.eval.model_fields_set
+    picked_size = False
+    import statistics
+
+    median = int(statistics.median_low(shorts))
+    if unset and (median > DIGITS_SIZED or mixed):
+        size = training_size(shorts, device)
+        resize = int(size / 0.875) // 2 * 2  # eval: resize the short side to size/0.875, then crop (torchvision's 256->224)
+        data.train.transforms = [{"random_resized_crop": {"size": size, "scale": list(CROP_SCALE)}}, "hflip"]
+        data.eval.transforms = [{"resize": resize}, {"center_crop": size}]
+        picked_size = True
+        lo, hi = min(shorts), max(shorts)
+        why = (f"the median short side of {len(sizes)} sampled images is {median} px ({lo}-{hi}){', sizes differ' if mixed else ''}; "
+               f"rule: the median short side capped at {SIZE_CAP[device]} on {device} (224 on a GPU, 128 on a CPU), "
+               f"rounded down to a multiple of 32, at least 32 -> {size}")
+        chosen.append(Choice("data.train.transforms", data.train.transforms,
+                             f"{why}; a random crop of {CROP_SCALE[0]:.0%}-100% of the image resized to {size}x{size}, "
+                             "and a horizontal flip", "set data.train.transforms (and data.eval.transforms)"))
+        chosen.append(Choice("data.eval.transforms", data.eval.transforms,
+                             f"the short side resized to {resize}, the centre {size}x{size} cut out (the same size as "
+                             "training; predict and export use it too)", "set data.eval.transforms"))
+    if picked_size and median > DIGITS_SIZED and "name" not in cfg.model.model_fields_set and cfg.model.pretrained is None:
+        cfg.model.name = PHOTO_MODEL
+        chosen.append(Choice("model.name", PHOTO_MODEL, f"images of {size}x{size} px: torchvision's ResNet-18, measured at "
+                             "39 img/s on a 2-core CPU at 128 px with timm-level accuracy (issue 31); small_cnn, made for "
+                             "8x8 digits, trains at 2-35 img/s on 300-64 px images",
+                             "set model.name (`torchsprint list models`)"))
+    if modes and all(m in GREY_MODES for m in modes) and "mode" not in data.options and data.dataset != "webdataset":
+        chosen.append(Choice("data.options.mode", "RGB", f"all {len(modes)} sampled images are grey: each is read as 3 "
+                             "identical channels, which every registered model and pretrained weights take",
+                             "data.options.mode=GRAY keeps 1 channel (a third of the memory; models get in_channels=1)"))
+    return chosen
+
+
+def resolve(cfg) -> list[Choice]:
+    """Fill what the config leaves unset and the data decides; returns what was chosen (applied to `cfg`).
+
+    data.dataset: when data.root is set without it (an explicit data.dataset always wins; no data.root:
+    the default digits run). Then, for image files on disk, photo_defaults (transforms, model, channels).
+    """
+    chosen = []
+    data = cfg.data
+    if data.root is not None and "dataset" not in data.model_fields_set:
+        name, found = detect_dataset(data.root, cfg.task)
+        data.dataset = name
+        chosen.append(Choice("data.dataset", name, f"detected: {found}", "set data.dataset"))
+    if data.root is not None and cfg.task in ("classification", "multilabel"):
+        chosen += photo_defaults(cfg)
+    return chosen

@@ -1,5 +1,5 @@
 """The `torchsprint` command: train | eval | export | predict | data (check, compare, shard) | bench | lr-find | report |
-config (show, schema) | list. Each subcommand calls one function.
+config (show, schema) | list. One table, COMMANDS: each entry names its arguments and the function it runs.
 
 torch is imported lazily so that `torchsprint --help` answers in well under a second.
 """
@@ -10,6 +10,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 FAMILIES = ("models", "optimizers", "schedulers", "losses", "datasets", "loaders", "transforms", "tasks")
 
@@ -24,16 +26,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=0.05 run.epochs=3")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchsprint", description="Train PyTorch vision models fast, with results you can trust.")
-    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    p = sub.add_parser("train", help="train a model from a config", description="Train a model from a config file and overrides.")
+def args_train(p: argparse.ArgumentParser) -> None:
     _add_config_args(p)
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import a module that registers your own models/datasets/losses (repeatable)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest valid checkpoint")
     p.add_argument("--dry-run", action="store_true",
                    help="check everything (config, data, model, optimizer) and report, without writing anything")
@@ -50,21 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="when a worker dies, restart the worker group up to K times; each restart resumes from the "
                         "newest valid checkpoint (save them often: checkpoint.every_steps)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
-    p = sub.add_parser("eval", help="re-evaluate a run's saved weights", description="Re-evaluate saved weights on the validation (or test) split.")
+
+def args_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
     p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
     p.add_argument("--split", choices=["val", "test"], default="val",
                    help="which split: val, or test (image_folder: the test/ folder beside train/)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.eval_batch_size=256")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import a module that registers your own models/datasets/losses (repeatable)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
-    p = sub.add_parser("export", help="export a run's model (ONNX, safetensors, TorchScript)",
-                       description="Export weights with their preprocessing metadata and check parity.")
+
+def args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
     p.add_argument("--format", choices=["onnx", "safetensors", "torchscript", "tensorrt"], default="onnx", help="output format")
     p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
@@ -72,12 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uint8-input", action="store_true", help="fold normalisation into the graph: input is uint8 NCHW")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset version")
     p.add_argument("--tolerance", type=float, default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import a module that registers your own models/datasets/losses (repeatable)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
-    p = sub.add_parser("predict", help="predict with a run or an exported model (classes, labels or images)",
-                       description="Predict with the eval preprocessing stored with the model.")
+
+def args_predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR|MODEL_FILE", help="run folder or exported model file")
     p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files or folders of images")
     p.add_argument("--topk", type=int, default=5, help="classes to report per image")
@@ -91,12 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="FILE", help="write results to FILE (.jsonl or .csv)")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import a module that registers your own models/datasets/losses (repeatable)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
-    p = sub.add_parser("data", help="check a dataset and loader, or compare CPU/GPU preprocessing",
-                       description="Inspect the data pipeline of a config.")
+
+def args_data(p: argparse.ArgumentParser) -> None:
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     s = dsub.add_parser("check", help="read every file: unreadable ones, duplicates, train/val leaks, class counts, a sample grid",
                         description="Read and decode every sample of every split (whatever data.on_bad_sample says) and "
@@ -123,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed of the sample shuffle (default 0)")
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
-    p = sub.add_parser("bench", help="measure which accelerations pay off on this model, data and machine",
-                       description="Measure a matrix of speed variants of a config side by side.")
+
+def args_bench(p: argparse.ArgumentParser) -> None:
     _add_config_args(p)
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant (after warm-up)")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps per variant")
@@ -133,13 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to-accuracy", type=float, default=None, metavar="X",
                    help="also measure time until the monitored val metric (checkpoint.monitor: top-1, mAP, PSNR) reaches X")
     p.add_argument("--out", metavar="DIR", default=None, help="bench folder (default: bench/<timestamp>)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
-    p = sub.add_parser("lr-find", help="learning-rate range test: a plot and a suggested optim.lr (no run folder)",
-                       description="Raise the learning rate exponentially from --start to --end over --steps training "
-                       "steps of the run's model, data and settings; plot the smoothed loss and suggest a learning rate "
-                       "(fastai's 'valley' rule). Writes lr_find.png and lr_find.json to --out (default: a temp folder); "
-                       "the run folder is never created or changed.")
+
+def args_lr_find(p: argparse.ArgumentParser) -> None:
     _add_config_args(p)
     p.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep (default 100; it stops early "
                    "when the smoothed loss exceeds 4x its best)")
@@ -147,32 +128,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--end", type=float, default=10.0, help="last learning rate (default 10, as fastai)")
     p.add_argument("--out", metavar="DIR", default=None, help="folder for lr_find.png and lr_find.json (default: a temp folder)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import a module that registers your own models/datasets/losses (repeatable)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
-    p = sub.add_parser("report", help="one HTML page of a run: curves, confusion matrix, per-class scores, worst mistakes",
-                       description="Write <run>/report/report.html (self-contained) and its plots as PNG files.")
+
+def args_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
     p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: <run>/report)")
     p.add_argument("--wrong", type=int, default=24, help="how many confidently wrong validation images to show")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import a module that registers your own models/datasets (repeatable)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
-    p = sub.add_parser("config", help="show the resolved config or its JSON Schema", description="Inspect configs.")
+
+def args_config(p: argparse.ArgumentParser) -> None:
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     s = csub.add_parser("show", help="print the fully resolved config (YAML)", description="Print the resolved config.")
     _add_config_args(s)
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
     csub.add_parser("schema", help="print the config's JSON Schema (for editor completion)", description="Print the JSON Schema.")
 
-    p = sub.add_parser("list", help="list registered names", description="List the names a config can use.")
+
+def args_list(p: argparse.ArgumentParser) -> None:
     p.add_argument("family", choices=FAMILIES, help="which registry to list")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import a module that registers more names first")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command in COMMANDS (one sub-parser each, with --debug, and --import where it applies)."""
+    parser = argparse.ArgumentParser(prog="torchsprint", description="Train PyTorch vision models fast, with results you can trust.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for c in COMMANDS:
+        p = sub.add_parser(c.name, help=c.help, description=c.description)
+        c.add_args(p)
+        if c.imports:
+            p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                           help="import a module that registers your own models/datasets/losses (repeatable)")
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
     return parser
 
 
@@ -224,10 +213,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from torchsprint.config import import_modules
     from torchsprint.run import evaluate_run
 
-    import_modules(args.imports)
     out = evaluate_run(args.run, args.weights, args.overrides, split=args.split)
     if args.json:
         print(json.dumps(out))
@@ -238,22 +225,6 @@ def cmd_eval(args) -> int:
             if k in out:
                 print(f"{k:>6}: {out[k]:.4f}" if isinstance(out[k], float) else f"{k:>6}: {out[k]}")
     return 0
-
-
-def cmd_export(args) -> int:
-    from torchsprint.config import import_modules
-    from torchsprint.export import export_cli
-
-    import_modules(args.imports)
-    return export_cli(args)
-
-
-def cmd_predict(args) -> int:
-    from torchsprint.config import import_modules
-    from torchsprint.predict import predict_cli
-
-    import_modules(args.imports)
-    return predict_cli(args)
 
 
 def cmd_data(args) -> int:
@@ -270,12 +241,6 @@ def cmd_data(args) -> int:
     return compare_cli(args)
 
 
-def cmd_bench(args) -> int:
-    from torchsprint.bench import bench_cli
-
-    return bench_cli(args)
-
-
 def cmd_lr_find(args) -> int:
     from torchsprint import config
     from torchsprint.lr_find import check_range, lr_find
@@ -287,14 +252,6 @@ def cmd_lr_find(args) -> int:
     if args.json:
         print(json.dumps(out))
     return 0
-
-
-def cmd_report(args) -> int:
-    from torchsprint.config import import_modules
-    from torchsprint.report import report_cli
-
-    import_modules(args.imports)
-    return report_cli(args)
 
 
 def cmd_config(args) -> int:
@@ -326,12 +283,73 @@ def registry_for(family: str):
 
 
 def cmd_list(args) -> int:
-    from torchsprint.config import import_modules
-
-    import_modules(args.imports)
     for name in registry_for(args.family).names():
         print(name)
     return 0
+
+
+def lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """A command function imported when the command runs (so `torchsprint --help` never imports torch)."""
+
+    def run(args) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), function)(args)
+
+    return run
+
+
+@dataclass(frozen=True)
+class Command:
+    """One `torchsprint` command: its sub-parser's text, its arguments, the function it runs, and whether it takes
+    --import (main imports those modules before running it: they register models, datasets, losses...)."""
+
+    name: str
+    help: str
+    description: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    imports: bool = False
+    # main imports the --import modules first; train and lr-find hand them to config.load instead (train's
+    # launcher never imports user code: only its workers do)
+    import_first: bool = True
+
+
+COMMANDS = [
+    Command("train", "train a model from a config",
+            "Train a model from a config file and overrides.",
+            args_train, cmd_train, imports=True, import_first=False),
+    Command("eval", "re-evaluate a run's saved weights",
+            "Re-evaluate saved weights on the validation (or test) split.",
+            args_eval, cmd_eval, imports=True),
+    Command("export", "export a run's model (ONNX, safetensors, TorchScript)",
+            "Export weights with their preprocessing metadata and check parity.",
+            args_export, lazy("torchsprint.export", "export_cli"), imports=True),
+    Command("predict", "predict with a run or an exported model (classes, labels or images)",
+            "Predict with the eval preprocessing stored with the model.",
+            args_predict, lazy("torchsprint.predict", "predict_cli"), imports=True),
+    Command("data", "check a dataset and loader, or compare CPU/GPU preprocessing",
+            "Inspect the data pipeline of a config.",
+            args_data, cmd_data, imports=False),
+    Command("bench", "measure which accelerations pay off on this model, data and machine",
+            "Measure a matrix of speed variants of a config side by side.",
+            args_bench, lazy("torchsprint.bench", "bench_cli"), imports=False),
+    Command("lr-find", "learning-rate range test: a plot and a suggested optim.lr (no run folder)",
+            "Raise the learning rate exponentially from --start to --end over --steps training steps of the run's "
+            "model, data and settings; plot the smoothed loss and suggest a learning rate (fastai's 'valley' rule). "
+            "Writes lr_find.png and lr_find.json to --out (default: a temp folder); the run folder is never created or "
+            "changed.",
+            args_lr_find, cmd_lr_find, imports=True, import_first=False),
+    Command("report", "one HTML page of a run: curves, confusion matrix, per-class scores, worst mistakes",
+            "Write <run>/report/report.html (self-contained) and its plots as PNG files.",
+            args_report, lazy("torchsprint.report", "report_cli"), imports=True),
+    Command("config", "show the resolved config or its JSON Schema",
+            "Inspect configs.",
+            args_config, cmd_config, imports=False),
+    Command("list", "list registered names",
+            "List the names a config can use.",
+            args_list, cmd_list, imports=True),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,11 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or "train"
     if args.command is None:  # `torchsprint` alone runs the default training
         args = parser.parse_args(["train", *([] if argv is None else argv)] if argv else ["train"])
-    handler = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "list": cmd_list, "export": cmd_export,
-               "predict": cmd_predict, "data": cmd_data, "bench": cmd_bench, "report": cmd_report,
-               "lr-find": cmd_lr_find}[command]
+    entry = next(c for c in COMMANDS if c.name == command)
     try:
-        return handler(args)
+        if entry.imports and entry.import_first:
+            from torchsprint.config import import_modules
+
+            import_modules(args.imports)
+        return entry.run(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

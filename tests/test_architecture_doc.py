@@ -4,6 +4,7 @@ and nothing that is not on disk: the page cannot drift from the tree (issue 26).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from test_layout import LAYERS, SRC, layer_of, modules
 
@@ -19,7 +20,7 @@ def documented(text: str) -> tuple[dict[str, str], set[str]]:
         elif line.startswith("## "):
             layer, in_faces = None, line.strip() == "## Package faces"
         m = re.match(r"\| `([\w/]+\.py)` \|", line)
-        if m:
+        if m and (in_faces or layer is not None):  # the module tables (not the Sizes table)
             path = m.group(1)
             assert path not in mods and path not in faces, f"{path} is listed twice in ARCHITECTURE.md"
             if in_faces:
@@ -63,3 +64,45 @@ def test_the_checker_notices_a_missing_and_a_misplaced_module():
     page_mods, _ = documented(text)
     disk_mods, _ = on_disk()
     assert "version.py" not in page_mods and page_mods["cli.py"] == "engine" != disk_mods["cli.py"]
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
+
+
+def oversized(src: Path = SRC) -> dict[str, int]:
+    """{'path.py': lines} for files over MAX_FILE_LINES and {'path.py::function': lines} for functions over
+    MAX_FUNCTION_LINES, in src/torchsprint."""
+    import ast
+
+    out = {}
+    for f in sorted((src / "torchsprint").rglob("*.py")):
+        rel, text = f.relative_to(src / "torchsprint").as_posix(), f.read_text()
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            out[rel] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out[f"{rel}::{node.name}"] = n
+    return out
+
+
+def listed_sizes(text: str) -> set[str]:
+    section = text.split("## Sizes", 1)[1]
+    return set(re.findall(r"^\| `([\w/]+\.py(?:::\w+)?)` \| \d+ \|", section, re.M))
+
+
+def test_every_file_and_function_over_the_size_limits_is_listed_with_its_seam():
+    """Issue 26: no file over 450 lines and no function over 80, or a row in ARCHITECTURE.md's "Sizes" saying
+    where it splits. A row for something back under the limit must go too (the table stays true)."""
+    over, listed = set(oversized()), listed_sizes(PAGE.read_text())
+    assert sorted(over - listed) == [], "over the size limits: split it, or add a row to ARCHITECTURE.md's Sizes"
+    assert sorted(listed - over) == [], "ARCHITECTURE.md's Sizes lists what is back under the limits: remove the row"
+
+
+def test_the_size_check_counts_a_long_file_and_a_long_function(tmp_path):
+    pkg = tmp_path / "torchsprint"
+    pkg.mkdir()
+    (pkg / "short.py").write_text("def f():\n    return 1\n")
+    (pkg / "long.py").write_text("def g():\n" + "    x = 1\n" * 90 + "\n" * 400)
+    assert oversized(tmp_path) == {"long.py": 491, "long.py::g": 91}

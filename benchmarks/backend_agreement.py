@@ -51,7 +51,7 @@ def jpeg_overrides(args, backend: str, seed: int) -> list[str]:
             f"data.num_workers={args.workers}",
             f"data.train.transforms=[{{random_resized_crop: {args.crop}}}, hflip, {{normalize: imagenet}}]",
             f"data.eval.transforms=[{{resize: {resize}}}, {{center_crop: {args.crop}}}, {{normalize: imagenet}}]",
-            "model.name=resnet18", f"run.epochs={args.epochs}", f"run.seed={seed}", *QUIET]
+            f"model.name={args.model}", f"run.epochs={args.epochs}", f"run.seed={seed}", *QUIET]
 
 
 def digits_overrides(args, backend: str, seed: int) -> list[str]:
@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated run.seed values")
     ap.add_argument("--backends", default=None, help="comma-separated (default: cpu,memory,gpu_on_cpu for jpeg; cpu,memory "
                     "for digits)")
+    ap.add_argument("--model", default="resnet18", help="jpeg job: model.name (resnet18 is torchvision's)")
     ap.add_argument("--epochs", type=int, default=3, help="jpeg job")
     ap.add_argument("--train-images", type=int, default=2000, help="jpeg job")
     ap.add_argument("--val-images", type=int, default=500, help="jpeg job")
@@ -133,7 +134,7 @@ def main() -> None:
     import torch
     import torchvision
 
-    note = (f"ResNet-18, {args.train_images} train / {args.val_images} val {args.size}x{args.size} JPEGs, crop {args.crop}, "
+    note = (f"{args.model}, {args.train_images} train / {args.val_images} val {args.size}x{args.size} JPEGs, crop {args.crop}, "
             f"{args.epochs} epochs" if args.job == "jpeg" else "the default run (digits, small_cnn, 10 epochs)")
     print_table(args.job, results, seeds, note)
     if args.json:

@@ -89,6 +89,17 @@ def compare(results: dict[str, list[float]]) -> list[dict]:
     return rows
 
 
+def strict(obj):
+    """`obj` with non-finite floats (the std of one seed, the t of equal means) as None: strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [strict(v) for v in obj]
+    return obj
+
+
 def print_table(job: str, results: dict[str, list[float]], seeds: list[int], note: str) -> None:
     print(f"\n{job}: {note}")
     print(f"{'backend':<12} " + " ".join(f"{'seed ' + str(s):>8}" for s in seeds) + f" {'mean':>8} {'std':>7}")
@@ -142,7 +153,7 @@ def main() -> None:
                "torchvision": torchvision.__version__, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "runs": runs, "by_backend": {b: dict(zip(("mean", "std"), mean_std(xs)), top1=xs) for b, xs in results.items()},
                "comparison": compare(results)}
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        Path(args.json).write_text(json.dumps(strict(out), indent=1))
 
 
 if __name__ == "__main__":

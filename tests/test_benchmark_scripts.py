@@ -202,3 +202,22 @@ def test_gpu_measurements_run_end_to_end_on_the_cpu(tmp_path):
                                             "jpeg 224 | baseline (seeds)", "jpeg 224 | + channels_last"}
     assert all(v > 0 for v in m["M5"]["images_per_s"].values())
     assert m["M6"]["exit_code"] == 0 and any(v > 0 for v in m["M6"]["images_per_s"].values())
+
+
+def test_backend_agreement_smoke_run(tmp_path, monkeypatch, capsys):
+    """benchmarks/backend_agreement.py end to end on a tiny job (2 seeds x cpu, memory, gpu on the CPU device):
+    every run lands in the table and the JSON; and its spread test flags separated means, not equal ones."""
+    module = load(BENCH / "backend_agreement.py")
+    out = tmp_path / "agree.json"
+    monkeypatch.setattr(sys, "argv", ["backend_agreement.py", "--job", "jpeg", "--model", "small_cnn", "--seeds", "0,1",
+                                      "--train-images", "20", "--val-images", "10", "--size", "20", "--crop", "16",
+                                      "--epochs", "1", "--batch-size", "8", "--root", str(tmp_path / "data"),
+                                      "--json", str(out)])
+    module.main()
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [(r["backend"], r["seed"]) for r in result["runs"]] == [(b, s) for s in (0, 1) for b in ("cpu", "memory", "gpu_on_cpu")]
+    assert all(0 <= r["top1"] <= 1 for r in result["runs"]) and len(result["comparison"]) == 3
+    assert "gpu_on_cpu" in printed and "seed-to-seed spread" in printed
+    same, apart = module.compare({"a": [0.5, 0.6, 0.7], "b": [0.5, 0.6, 0.7]}), module.compare({"a": [0.5, 0.51, 0.52], "b": [0.9, 0.91, 0.92]})
+    assert not same[0]["beyond_spread"] and apart[0]["beyond_spread"] and apart[0]["diff"] == pytest.approx(-0.4)

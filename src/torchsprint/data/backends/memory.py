@@ -51,7 +51,11 @@ def decode_all(raw, on_bad_sample: str, num_workers: int = 0, budget: tuple[int,
     if getattr(raw, "streaming", False):  # webdataset shards: read once, in order, in this process
         loader = [[raw.decode(data, target, source) for _, data, target, source in raw.read_all()]]
     else:
-        loader = torch.utils.data.DataLoader(raw, batch_size=64, num_workers=num_workers, collate_fn=list)
+        # Its own generator: without one, iterating a DataLoader draws its workers' base seed from the global RNG
+        # (even with num_workers=0), so building this backend shifted the model's initial weights against the
+        # cpu and gpu backends for the same run.seed (tests/test_backend_agreement.py).
+        loader = torch.utils.data.DataLoader(raw, batch_size=64, num_workers=num_workers, collate_fn=list,
+                                             generator=torch.Generator().manual_seed(0))
     for chunk in loader:
         for image, target, source in chunk:
             if image is None:

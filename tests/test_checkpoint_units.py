@@ -620,7 +620,7 @@ def test_an_unreadable_status_file_is_rebuilt_from_the_files(tmp_path, text):
     assert logs[0].startswith(f"[yellow]ignoring unreadable {saver.dir / 'status.json'}[/] (")
     assert logs[0].endswith("); rebuilding it from the files")
     if not text.startswith("{not"):
-        assert "(unexpected layout)" in logs[0]
+        assert "(ValueError: unexpected layout)" in logs[0]
     reopened.save(state(2), *objs, metric=None)  # and the run goes on saving
     assert [e["file"] for e in read_status(tmp_path)["checkpoints"]] == [name(1), name(2)]
 

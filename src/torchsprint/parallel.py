@@ -266,7 +266,7 @@ class GraphsDecision:
 
 
 def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size: int = 1,
-                       drop_last: bool = True) -> GraphsDecision:
+                       drop_last: bool = True, freeze_epochs: int = 0) -> GraphsDecision:
     """The one place speed.cuda_graphs is resolved (DESIGN rule 12): wrap_model captures, Precision disables
     autocast's cache, and decisions.json / the start-up summary report from this result.
 
@@ -286,6 +286,7 @@ def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size
         speed_cfg: the `speed` section; strategy_cfg: the `strategy` section.
         device: the training device; world_size: the number of training processes.
         drop_last: data.drop_last (only changes the explanation: partial batches run eagerly).
+        freeze_epochs: model.freeze_epochs; auto stays off with it (a graph fixes which parameters get gradients).
     """
     setting = speed_cfg.cuda_graphs
     if setting is False:
@@ -297,6 +298,8 @@ def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size
            if speed_cfg.compile else
            "no DataParallel (strategy=dp replicates the model every step)" if strategy_cfg.name == "dp" else
            "no SyncBatchNorm (its all-reduces cannot be captured)" if strategy_cfg.sync_bn else
+           "no model.freeze_epochs (it changes which parameters get gradients between epochs; a graph fixes them)"
+           if freeze_epochs else
            f"one process (not yet measured under DDP on GPUs; {world_size} processes here; speed.cuda_graphs=true "
            "captures anyway)" if world_size > 1 else None)
     if off is not None:

@@ -113,7 +113,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.precision import Precision
 
     # speed.cuda_graphs decided once: the capture, autocast's cache and decisions.json all read `graphs`.
-    graphs = decide_cuda_graphs(cfg.speed, cfg.strategy, rt.device, rt.world_size, cfg.data.drop_last)
+    graphs = decide_cuda_graphs(cfg.speed, cfg.strategy, rt.device, rt.world_size, cfg.data.drop_last,
+                                cfg.model.freeze_epochs)
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=graphs.on)
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
     from torchsprint.tasks import check_data_task, get_task
@@ -142,7 +143,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
            "random": "random initialisation"}[how])
     trainable, frozen = apply_freeze(model, cfg.model.freeze, cfg.model.train_only)
     log(f"parameters: {trainable:,} trainable, {frozen:,} frozen")
-    if cfg.model.freeze_epochs and (cfg.strategy.name != "single" or cfg.speed.cuda_graphs
+    if cfg.model.freeze_epochs and (cfg.strategy.name != "single" or graphs.on  # graphs: the decision, not the setting
                                     or cfg.precision.mode in ("fp16", "bf16")):
         raise UsageError("model.freeze_epochs toggles which parameters get gradients between epochs, which DDP/DP's "
                          "gradient hooks, CUDA graphs and the fp16/bf16 master weights fix at start-up: it runs with "

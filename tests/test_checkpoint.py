@@ -92,9 +92,9 @@ def test_checkpoint_holds_everything_needed_to_continue(tmp_path):
     assert ck["train_state"] == {"epoch": 1, "step_in_epoch": 5, "global_step": 20, "best_metric": 0.5,
                                  "best_epoch": 1, "skipped_steps": 0, "epoch_loss_sum": 2.5, "epoch_steps": 5,
                                  "epoch_correct": 70, "epoch_samples": 160, "stop_best": None, "stop_wait": 0,
-                                 "stopped_epoch": None}
+                                 "stopped_epoch": None, "best_step": None}
     assert ck["sampler"] == {"epoch": 1, "batches_done": 10, "batch_size": 32, "accum_steps": 2, "world_size": 1, "seed": 3,
-                             "repeated_aug": 1}
+                             "repeated_aug": 1, "data_sampler": "shuffle"}
     assert set(ck["rng"][0]) == {"python", "numpy", "torch"}  # + "cuda" when training on a GPU
     assert ck["config"]["run"]["seed"] == 3 and ck["classes"] == ["a", "b"]
 

@@ -22,7 +22,7 @@ from torchsprint.models.init import NO_HEAD_ONLY
 from torchsprint.parallel import no_sync, unwrap
 from torchsprint.preempt import Stopper
 from torchsprint.rng import rng_isolated
-from torchsprint.runtime import injected_fault
+from torchsprint.runtime import fault_step, kill_self
 
 NO_EMA = NoEma()
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
@@ -75,6 +75,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
     """
     stop = stop or Stopper(cfg.run, state.global_step)
     stop.attach(loader)
+    kill_at = fault_step()  # the tests' fault hook, read once per epoch, not per step
     accum, per_step_sched = cfg.optim.accum_steps, cfg.sched.interval == "step"
     loader.set_epoch(state.epoch)  # the full epoch's length, whatever start the previous epoch resumed at
     steps_per_epoch = math.ceil(len(loader) / accum)
@@ -136,7 +137,8 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         if cfg.checkpoint.every_steps and state.global_step % cfg.checkpoint.every_steps == 0:
             totals.fold(state)  # the checkpoint keeps this epoch's sums so far
             saver.save(state, model, opt, sched, prec, metric=validation.metric_at(state.global_step) if validation else None)
-        injected_fault(state.global_step)  # tests only (TORCHSPRINT_TEST_KILL_AT); a no-op otherwise
+        if state.global_step == kill_at:  # tests only (TORCHSPRINT_TEST_KILL_AT); None otherwise: never equal
+            kill_self()
         if cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps:
             break
         if stop.after_step(state.global_step):

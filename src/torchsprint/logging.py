@@ -101,6 +101,22 @@ def cut_back_jsonl(path: Path, resumed_step: int) -> tuple[int, int]:
     return len(kept), dropped
 
 
+def after_earlier_event_files(tb_dir: Path) -> None:
+    """Wait (at most about a second) until a new TensorBoard event file sorts after every existing one.
+
+    TensorBoard reads a folder's event files in name order, and a name is events.out.tfevents.<seconds>.<host>.
+    <pid>...: a run resumed within the same second as the crash (a quick restart, a test) could sort before the
+    file it continues (a smaller pid) and be read first, and then its purge hid the steps before the checkpoint
+    (seen: steps 1-3 missing from TensorBoard's view, though both files held them).
+    """
+    import time
+
+    newest = max((int(f.name.split(".")[3]) for f in tb_dir.glob("events.out.tfevents.*")
+                  if f.name.split(".")[3].isdigit()), default=None)
+    while newest is not None and int(time.time()) <= newest:
+        time.sleep(0.05)
+
+
 class CsvSink:
     """metrics_<kind>.csv in the run folder: one row per record, a column per value (appended; the file is
     rewritten only when a new column appears). Cheap enough to leave on.
@@ -290,6 +306,8 @@ class RunLogger:
 
             # purge_step: TensorBoard hides the events of earlier files at steps >= it (the steps logged after the
             # checkpoint), which this run writes again.
+            if resumed_step is not None:
+                after_earlier_event_files(Path(run_dir) / "tb")
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"),
                                     purge_step=None if resumed_step is None else resumed_step + 1)
         if self.cfg.csv:

@@ -109,7 +109,7 @@ def torchsprint_run(model_name: str, dataset: str, batch_size: int, lr: float, b
     t = CLOCK()  # around the whole loop, as on the plain side (the engine's own clock is wall time)
     for epoch in range(epochs):
         state.epoch, state.step_in_epoch = epoch, 0
-        ep = train_one_epoch(b.model, b.loaders.train, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg,
+        ep = train_one_epoch(b.model, b.loaders.train, b.loss_fn, b.opt, b.sched, b.prec, state, b.plan,
                              logger=logger, saver=None)
         b.sched.step()
         images += ep["images"]

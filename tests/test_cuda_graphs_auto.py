@@ -5,6 +5,7 @@ elsewhere; nothing changes on CPU."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +15,8 @@ from safetensors.torch import load_file
 from torchsprint import config, parallel
 from torchsprint.errors import UsageError
 from torchsprint.parallel import GraphsDecision, check_speed, decide_cuda_graphs, wrap_model
-from torchsprint.run import describe_decisions, train
+from torchsprint.plan import NO_SPEED, decide_speed, describe_decisions
+from torchsprint.run import train
 from torchsprint.runtime import Runtime
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU: the decision only reads .type
@@ -97,18 +99,19 @@ def test_build_training_reads_one_decision(tmp_path, monkeypatch):
 
 
 def test_wrap_model_follows_the_decision_it_is_given(monkeypatch):
-    """wrap_model captures exactly when the decision says so, whatever speed_cfg holds (no second decision)."""
+    """wrap_model captures exactly when the speed plan's decision says so, whatever the config held (no second
+    decision inside wrap_model)."""
     calls = []
     monkeypatch.setattr(parallel, "capture_cuda_graphs", lambda m, *a, **k: calls.append(k) or m)
-    cfg = config.load(None, ["speed.cuda_graphs=false"])
-    wrap_model(torch.nn.Linear(2, 2), cfg.strategy, Runtime(device=CPU), speed_cfg=cfg.speed,
-               cuda_graphs=GraphsDecision(True, "x"), example=lambda: torch.zeros(1, 2))
+    wrap_model(torch.nn.Linear(2, 2), config.load(None, ["speed.cuda_graphs=false"]).strategy, Runtime(device=CPU),
+               speed=dataclasses.replace(NO_SPEED, cuda_graphs=GraphsDecision(True, "x")), example=lambda: torch.zeros(1, 2))
     assert len(calls) == 1
     cfg = config.load(None, [])
-    wrap_model(torch.nn.Linear(2, 2), cfg.strategy, Runtime(device=CPU), speed_cfg=cfg.speed,
-               cuda_graphs=GraphsDecision(False, "x"))
+    wrap_model(torch.nn.Linear(2, 2), cfg.strategy, Runtime(device=CPU),
+               speed=dataclasses.replace(NO_SPEED, cuda_graphs=GraphsDecision(False, "x")))
     assert len(calls) == 1
-    wrap_model(torch.nn.Linear(2, 2), cfg.strategy, Runtime(device=CPU), speed_cfg=cfg.speed)  # decided here: cpu, off
+    net = torch.nn.Linear(2, 2)
+    wrap_model(net, cfg.strategy, Runtime(device=CPU), speed=decide_speed(cfg.speed, cfg.strategy, net, CPU))  # cpu: off
     assert len(calls) == 1
 
 

@@ -107,6 +107,7 @@ def uneven_and_no_sync() -> dict:
     from torchsprint.engine import train_one_epoch, train_step
     from torchsprint.logging import RunLogger
     from torchsprint.parallel import wrap_model
+    from torchsprint.plan import NO_SPEED, build_plan
     from torchsprint.precision import Precision
 
     cfg = config.load(None, ["strategy=ddp", "log.every_steps=1000", "log.tensorboard=false", "checkpoint.every_steps=null"])
@@ -135,7 +136,8 @@ def uneven_and_no_sync() -> dict:
         state = TrainState()
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         saver = SimpleNamespace(save=lambda *a, **k: None)
-        ep = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, prec, state, cfg=cfg,
+        plan = build_plan(cfg, rt, info=None, train_batches=len(loader), speed=NO_SPEED, opt=opt)
+        ep = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, prec, state, plan,
                              logger=RunLogger(None, cfg.log, enabled=False), saver=saver)
         return {"allreduces_accum": allreduces_accum, "uneven_steps": state.global_step, "finished": ep["finished_epoch"]}
     finally:

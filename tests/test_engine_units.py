@@ -24,6 +24,7 @@ from torchsprint.data.build import build_loaders
 from torchsprint.data.core import Splits, TensorImages
 from torchsprint.ema import build_ema
 from torchsprint.engine import (
+    NO_EMA,
     EpochTotals,
     check_finite,
     early_stop_check,
@@ -39,6 +40,8 @@ from torchsprint.engine import (
 )
 from torchsprint.errors import Diverged, UsageError
 from torchsprint.logging import RunLogger
+from torchsprint.models.init import NO_HEAD_ONLY
+from torchsprint.plan import NO_SPEED, build_plan
 from torchsprint.precision import Precision
 from torchsprint.preempt import Stopper
 from torchsprint.tasks import get_task
@@ -124,18 +127,25 @@ def group(bs: list, accum: int) -> list[list]:
     return [bs[i:i + accum] for i in range(0, len(bs), accum)]
 
 
+def plan_of(r: Run):
+    """The RunPlan of r's config and objects, built as build_training builds it (no speed switches on this model)."""
+    return build_plan(r.cfg, r.rt, info=r.loaders.info, train_batches=len(r.loaders.train), speed=NO_SPEED, opt=r.opt)
+
+
 def one_epoch(r: Run, **kw) -> dict:
-    return train_one_epoch(r.model, r.loaders.train, r.loss_fn, r.opt, r.sched, r.prec, r.state, cfg=r.cfg,
+    return train_one_epoch(r.model, r.loaders.train, r.loss_fn, r.opt, r.sched, r.prec, r.state, plan_of(r),
                            logger=r.logger, saver=r.saver, **kw)
 
 
 def run_fit(r: Run, pass_task: bool = True, **kw) -> dict:
     """fit as run.train calls it; pass_task=False leaves `task` to fit's default (classification)."""
     task = get_task("classification")
-    return fit(r.model, r.loaders, r.loss_fn, r.opt, r.sched, r.prec, r.state, cfg=r.cfg, rt=r.rt, run_dir=r.dir,
-               logger=r.logger, saver=r.saver, frozen_norms=[], weights_meta={"model": "tiny"},
-               make_metrics=lambda: task.make_metrics(r.loaders.info, r.cfg.eval, CPU),
-               **({"task": task} if pass_task else {}), **({"ema": r.ema} if r.ema is not None else {}), **kw)
+    built = SimpleNamespace(model=r.model, loaders=r.loaders, loss_fn=r.loss_fn, opt=r.opt, sched=r.sched, prec=r.prec,
+                            ema=r.ema if r.ema is not None else NO_EMA, frozen_norms=[], head_only=NO_HEAD_ONLY)
+    stop = kw.pop("stop", None) or Stopper(r.cfg.run, r.state.global_step)
+    return fit(plan_of(r), built, r.state, rt=r.rt, run_dir=r.dir, logger=r.logger, saver=r.saver, stop=stop,
+               weights_meta={"model": "tiny"}, make_metrics=lambda: task.make_metrics(r.loaders.info, r.cfg.eval, CPU),
+               **({"task": task} if pass_task else {}), **kw)
 
 
 def plain_top1(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -376,16 +386,15 @@ def plain_early_stop(values, patience, min_delta, mode):
 def test_early_stop_check_follows_a_plain_counter(mode):
     values = [0.5, 0.6, 0.62, 0.7, 0.69, 0.75, 0.74, 0.73, 0.76, 0.9]
     values = values if mode == "max" else [1 - v for v in values]
-    cfg = SimpleNamespace(patience=3, min_delta=0.03)
     state = TrainState()
     got = []
     for v in values:
-        stop = early_stop_check(state, v, cfg, mode)
+        stop = early_stop_check(state, v, 3, 0.03, mode)
         got.append((state.stop_best, state.stop_wait, stop))
     assert got == plain_early_stop(values, 3, 0.03, mode)
     assert any(s for *_, s in got) and not got[0][2]
     state = TrainState()
-    assert not any(early_stop_check(state, v, SimpleNamespace(patience=None, min_delta=0.0), mode) for v in values)
+    assert not any(early_stop_check(state, v, None, 0.0, mode) for v in values)
     assert state.stop_best is None and state.stop_wait == 0
 
 

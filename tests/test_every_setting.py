@@ -205,10 +205,11 @@ def probe_fullgraph(tmp):
             return self.fc(x.flatten(1))
 
     from torchsprint.parallel import wrap_model
+    from torchsprint.plan import decide_speed
 
     for full, fails in ((False, False), (True, True)):
-        model = wrap_model(Breaks(), cfg_of().strategy, runtime.Runtime(torch.device("cpu")),
-                           speed_cfg=cfg_of("speed.compile=true", f"speed.fullgraph={full}", "speed.compile_backend=eager").speed)
+        cfg, net, cpu = cfg_of("speed.compile=true", f"speed.fullgraph={full}", "speed.compile_backend=eager"), Breaks(), torch.device("cpu")
+        model = wrap_model(net, cfg.strategy, runtime.Runtime(cpu), speed=decide_speed(cfg.speed, cfg.strategy, net, cpu))
         torch._dynamo.reset()
         if fails:
             with pytest.raises(Exception, match="graph_break|Graph break|fullgraph"):
@@ -232,8 +233,10 @@ def ddp_wrapped(*over):
         try:
             rt = runtime.Runtime(torch.device("cpu"), world_size=2)  # "distributed" for wrap_model; the group has 1 rank
             from torchsprint.models import build_model
+            from torchsprint.plan import decide_speed
 
-            return wrap_model(build_model(cfg.model, 10, 1), cfg.strategy, rt, speed_cfg=cfg.speed)
+            net = build_model(cfg.model, 10, 1)
+            return wrap_model(net, cfg.strategy, rt, speed=decide_speed(cfg.speed, cfg.strategy, net, rt.device, rt.world_size))
         finally:
             dist.destroy_process_group()
 

@@ -230,12 +230,15 @@ def test_cuda_graphs_really_replay_in_training(tmp_path):
     """speed.cuda_graphs through wrap_model and train_step: every full training batch is a replay."""
     from torchsprint.engine import train_step
     from torchsprint.parallel import wrap_model
+    from torchsprint.plan import decide_speed
     from torchsprint.precision import Precision
 
     cfg = config.load(None, ["speed.cuda_graphs=true", "precision=amp_bf16"])
     prec = Precision("amp_bf16", CUDA.device, graph_safe=True)
     x, y = torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 5, (16,), device="cuda")
-    model = wrap_model(bn_net(), cfg.strategy, CUDA, speed_cfg=cfg.speed, prec=prec, example=lambda: x)
+    net = bn_net()
+    model = wrap_model(net, cfg.strategy, CUDA, speed=decide_speed(cfg.speed, cfg.strategy, net, CUDA.device), prec=prec,
+                       example=lambda: x)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(5):
         train_step(model, [(x, y)], nn.CrossEntropyLoss(), opt, prec)
@@ -250,13 +253,15 @@ def test_compile_really_compiles_on_gpu(mode):
 
     from torchsprint.engine import train_step
     from torchsprint.parallel import wrap_model
+    from torchsprint.plan import decide_speed
     from torchsprint.precision import Precision
 
     torch._dynamo.reset()
     counters.clear()
     cfg = config.load(None, ["speed.compile=true", *([f"speed.compile_mode={mode}"] if mode else [])])
     prec = Precision("amp_bf16", CUDA.device)
-    model = wrap_model(bn_net(), cfg.strategy, CUDA, speed_cfg=cfg.speed, prec=prec)
+    net = bn_net()
+    model = wrap_model(net, cfg.strategy, CUDA, speed=decide_speed(cfg.speed, cfg.strategy, net, CUDA.device), prec=prec)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 5, (16,), device="cuda")
     for _ in range(4):

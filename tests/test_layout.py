@@ -11,6 +11,7 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
   models       core (MODELS registry) < nets, init
   tasks        what a run learns (metrics, losses, artifacts per task)
   config       the schema (fills task defaults)
+  plan         the run plan: every run-time decision of a run, resolved once (RunPlan, decisions.json)
   engine       the only loop; batch_size (data.batch_size: auto, with real train steps)
   run          the flow of one run
   commands     trained, export, predict, bench, report, launch, data/commands/ (check, compare, shard)
@@ -47,6 +48,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("models", ["models.nets", "models.init"]),
     ("tasks", ["tasks"]),
     ("config", ["config_files", "config", "saved_config"]),
+    ("plan", ["plan"]),
     ("engine", ["engine", "batch_size"]),
     ("run", ["run"]),
     ("commands", ["trained", "export", "predict", "bench", "lr_find", "report", "launch", "data.commands.*"]),

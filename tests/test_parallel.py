@@ -19,6 +19,7 @@ from torchsprint.parallel import (
     unwrap,
     wrap_model,
 )
+from torchsprint.plan import decide_speed
 from torchsprint.precision import Precision
 from torchsprint.run import train
 from torchsprint.runtime import Runtime, check_strategy, first_slurm_host, launch_env, resolve_backend
@@ -224,7 +225,8 @@ def test_compile_trains_like_eager(tmp_path):
 
 def test_channels_last_reaches_model_and_inputs_and_trains_like_contiguous(tmp_path):
     cfg = config.load(None, ["speed.channels_last=true"])
-    model = wrap_model(nn.Sequential(nn.Conv2d(1, 4, 3)), cfg.strategy, CPU_RT, speed_cfg=cfg.speed)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3))
+    model = wrap_model(net, cfg.strategy, CPU_RT, speed=decide_speed(cfg.speed, cfg.strategy, net, CPU_RT.device))
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
     over = [*TINY, "model.args.width=8"]
     train(config.load(None, [*over, "speed.channels_last=false", f"run.dir={tmp_path / 'nchw'}"]), quiet=True)

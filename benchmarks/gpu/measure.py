@@ -169,6 +169,7 @@ class TorchsprintSide:
         from torchsprint.models import build_model
         from torchsprint.optim import build_loss, build_optimizer
         from torchsprint.parallel import wrap_model
+        from torchsprint.plan import decide_speed
         from torchsprint.precision import Precision
 
         # speed.cuda_graphs=auto would capture on CUDA: a variant says when it wants graphs (same switches as its name).
@@ -178,7 +179,8 @@ class TorchsprintSide:
         self.prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite,
                               graph_safe=cfg.speed.cuda_graphs is True)
         counters.clear()
-        self.net = wrap_model(build_model(cfg.model, 1000, 3), cfg.strategy, rt, speed_cfg=cfg.speed, prec=self.prec,
+        net = build_model(cfg.model, 1000, 3)
+        self.net = wrap_model(net, cfg.strategy, rt, speed=decide_speed(cfg.speed, cfg.strategy, net, rt.device), prec=self.prec,
                               example=lambda: x)
         self.opt = build_optimizer(cfg.optim, self.net)
         self.prec.attach(self.opt)

@@ -161,14 +161,14 @@ def measure(cfg, steps: int, warmup: int) -> dict:
                 epoch[0] += 1
 
         it = batches()
-        accum = cfg.optim.accum_steps
+        accum = b.plan.accum_steps
         done = [0]  # optimizer steps so far (the EMA's update count)
 
         def one_step():
             t = time.perf_counter()
             micro = [next(it) for _ in range(accum)]
             wait = time.perf_counter() - t
-            train_step(b.model, micro, b.loss_fn, b.opt, b.prec, cfg.optim.clip_grad_norm)
+            train_step(b.model, micro, b.loss_fn, b.opt, b.prec, b.plan.clip_grad_norm)
             done[0] += 1
             b.ema.update(done[0])  # what training pays for ema.enabled (a no-op object when off)
             return wait, sum(m[0].shape[0] for m in micro)

@@ -74,7 +74,8 @@ class ModelEma:
             optimizer updates.
         ema_cfg: the `ema` section.
         device: where the copy lives (the model's device, or CPU with ema.device=cpu).
-        channels_last: keep the copy in channels_last (the eval batches' memory format).
+        channels_last: keep the copy in channels_last, as the model's weights are (RunPlan.channels_last: under
+            speed.channels_last=auto the weights are NHWC while the batches stay NCHW, RunPlan.channels_last_inputs).
     """
 
     enabled = True

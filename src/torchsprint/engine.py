@@ -11,6 +11,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -18,13 +19,13 @@ from torch import nn
 from torchsprint.checkpoint import TrainState, save_weights
 from torchsprint.ema import NoEma
 from torchsprint.errors import UsageError
-from torchsprint.models.init import NO_HEAD_ONLY
 from torchsprint.parallel import no_sync, unwrap
 from torchsprint.preempt import Stopper
 from torchsprint.rng import rng_isolated
 from torchsprint.runtime import fault_step, kill_self
 
 NO_EMA = NoEma()
+NO_LIMITS = SimpleNamespace(stop_after_steps=None, max_time=None, stop_signals=())  # a Stopper that only obeys `stop`
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
 
 
@@ -65,25 +66,26 @@ def set_train_mode(model: nn.Module, frozen_norms: list[nn.Module]) -> None:
         m.eval()
 
 
-def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState, *, cfg, logger, saver,
+def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState, plan, *, logger, saver,
                     stop: Stopper | None = None, validation: Validation | None = None, ema=NO_EMA) -> dict:
     """Train until the end of `state.epoch` (or run.max_steps, or `stop` says so), resuming at state.step_in_epoch.
 
-    `stop` (preempt.Stopper): asked after every step (pauses, max_time, stop signals); `validation`: runs the
-    eval.every_steps evaluations (an early stop there ends the epoch). Returns epoch statistics: images,
+    `plan` (plan.RunPlan): accumulation, schedule interval, clipping, when to log and checkpoint, max_steps.
+    `stop` (preempt.Stopper): asked after every step (pauses, max_time, stop signals; None: never); `validation`:
+    runs the eval.every_steps evaluations (an early stop there ends the epoch). Returns epoch statistics: images,
     seconds, data-wait seconds, mean loss, whether the epoch finished.
     """
-    stop = stop or Stopper(cfg.run, state.global_step)
+    stop = stop or Stopper(NO_LIMITS, state.global_step)
     stop.attach(loader)
     kill_at = fault_step()  # the tests' fault hook, read once per epoch, not per step
-    accum, per_step_sched = cfg.optim.accum_steps, cfg.sched.interval == "step"
+    accum, per_step_sched = plan.accum_steps, plan.sched_interval == "step"
     loader.set_epoch(state.epoch)  # the full epoch's length, whatever start the previous epoch resumed at
     steps_per_epoch = math.ceil(len(loader) / accum)
     loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * accum)
-    logger.start_epoch(state.epoch, cfg.run.epochs, steps_per_epoch, state.step_in_epoch)
+    logger.start_epoch(state.epoch, plan.epochs, steps_per_epoch, state.step_in_epoch)
     device = next(unwrap(model).parameters()).device
     window: list[torch.Tensor] = []  # this log window's step losses, on the device; summed at log steps only
-    totals = EpochTotals(track_accuracy(cfg))  # the epoch's training loss and accuracy, summed without per-step syncs
+    totals = EpochTotals(plan.track_accuracy)  # the epoch's training loss and accuracy, summed without per-step syncs
     images_seen = log_images = 0
     data_wait = 0.0
     t_start = t_log = time.perf_counter()
@@ -101,7 +103,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         data_wait += time.perf_counter() - t0
         if not micro:
             break
-        loss = train_step(model, micro, loss_fn, opt, prec, cfg.optim.clip_grad_norm, totals.hits)
+        loss = train_step(model, micro, loss_fn, opt, prec, plan.clip_grad_norm, totals.hits)
         if per_step_sched:
             sched.step()
         n_images = sum(b[0].shape[0] for b in micro)
@@ -114,7 +116,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         state.global_step += 1
         ema.update(state.global_step)  # a no-op object when ema.enabled=false
         logger.advance()
-        if state.global_step % cfg.log.every_steps == 0:
+        if state.global_step % plan.log_every_steps == 0:
             mean_loss = torch.stack(window).float().mean().item()  # note: a CPU-GPU sync point, once per log step
             check_finite(prec, state, window, opt, math.isfinite(mean_loss))
             totals.fold(state)
@@ -134,12 +136,12 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
             # iteration: training goes on from a fresh one at this position, exactly as a resumed run does.
             loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * accum)
             it = rng_isolated(loader, device)
-        if cfg.checkpoint.every_steps and state.global_step % cfg.checkpoint.every_steps == 0:
+        if plan.checkpoint_every_steps and state.global_step % plan.checkpoint_every_steps == 0:
             totals.fold(state)  # the checkpoint keeps this epoch's sums so far
             saver.save(state, model, opt, sched, prec, metric=validation.metric_at(state.global_step) if validation else None)
         if state.global_step == kill_at:  # tests only (TORCHSPRINT_TEST_KILL_AT); None otherwise: never equal
             kill_self()
-        if cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps:
+        if plan.max_steps is not None and state.global_step >= plan.max_steps:
             break
         if stop.after_step(state.global_step):
             break
@@ -150,13 +152,6 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
     seconds = time.perf_counter() - t_start
     return {"images": images_seen, "seconds": seconds, "data_wait": data_wait,
             "finished_epoch": state.step_in_epoch >= steps_per_epoch}
-
-
-def track_accuracy(cfg) -> bool:
-    """Whether training accuracy is measured: tasks whose targets are class indices."""
-    from torchsprint.tasks import get_task
-
-    return get_task(cfg.task).targets == "class_index"
 
 
 class EpochTotals:
@@ -253,20 +248,20 @@ def is_better(value: float, best: float | None, mode: str, min_delta: float = 0.
     return best is None or (value - min_delta > best if mode == "max" else value + min_delta < best)
 
 
-def early_stop_check(state: TrainState, metric: float, stop_cfg, mode: str) -> bool:
+def early_stop_check(state: TrainState, metric: float, patience: int | None, min_delta: float, mode: str) -> bool:
     """Count an evaluation for early_stop (Keras/Lightning EarlyStopping semantics); True: stop now.
 
     An improvement by more than min_delta resets the count and becomes the new reference; otherwise the
     count grows, and reaching `patience` evaluations without one stops the run. State lives in TrainState
     (checkpointed), so a resumed run stops where an uninterrupted one would.
     """
-    if stop_cfg.patience is None:
+    if patience is None:
         return False
-    if is_better(metric, state.stop_best, mode, stop_cfg.min_delta):
+    if is_better(metric, state.stop_best, mode, min_delta):
         state.stop_best, state.stop_wait = metric, 0
     else:
         state.stop_wait += 1
-    return state.stop_wait >= stop_cfg.patience
+    return state.stop_wait >= patience
 
 
 @dataclass
@@ -283,7 +278,7 @@ class Validation:
     make_metrics: object
     ema: object
     frozen_norms: list
-    cfg: object
+    plan: object  # plan.RunPlan
     rt: object
     logger: object
     run_dir: Path
@@ -294,15 +289,15 @@ class Validation:
 
     def due_mid_epoch(self, global_step: int) -> bool:
         """Whether eval.every_steps asks for an evaluation after `global_step` (global: the same after a resume)."""
-        return bool(self.cfg.eval.every_steps) and global_step % self.cfg.eval.every_steps == 0
+        return bool(self.plan.eval_every_steps) and global_step % self.plan.eval_every_steps == 0
 
     def metric_at(self, global_step: int) -> float | None:
         """The monitored metric of an evaluation after `global_step`; None when none ran there."""
-        return self.last[self.cfg.checkpoint.monitor] if self.last_at and self.last_at[1] == global_step else None
+        return self.last[self.plan.monitor] if self.last_at and self.last_at[1] == global_step else None
 
     def __call__(self, state: TrainState) -> bool:
         """Evaluate after step state.global_step; True when early_stop says stop (state.stopped_epoch set)."""
-        cfg, ema, logger, monitor = self.cfg, self.ema, self.logger, self.cfg.checkpoint.monitor
+        plan, ema, logger, monitor = self.plan, self.ema, self.logger, self.plan.monitor
 
         def evaluate_here(m):
             return evaluate(m, self.loaders.val, self.loss_fn, self.prec, self.make_metrics())
@@ -319,17 +314,17 @@ class Validation:
             numbers = sorted(k for k, v in self.last.items() if isinstance(v, int | float))
             raise UsageError(f"checkpoint.monitor={monitor} is not a metric; available: {numbers}")
         metric = self.last[monitor]
-        stop = early_stop_check(state, metric, cfg.early_stop, cfg.checkpoint.mode)
+        stop = early_stop_check(state, metric, plan.early_stop_patience, plan.early_stop_min_delta, plan.mode)
         if stop:
             state.stopped_epoch = state.epoch
-        if cfg.early_stop.patience is not None:
+        if plan.early_stop_patience is not None:
             logger.scalars(state.global_step, {"early_stop/wait": state.stop_wait, "early_stop/best": state.stop_best,
                                                "early_stop/stopped": state.stopped_epoch is not None,
                                                "epoch": state.epoch + 1}, "early_stop")
         ema_eval = {k[4:]: v for k, v in self.last.items() if k.startswith("ema/")}  # as val/... keys
-        where = f"epoch {state.epoch + 1}/{cfg.run.epochs}" + (f" step {state.global_step}" if cfg.eval.every_steps else "")
+        where = f"epoch {state.epoch + 1}/{plan.epochs}" + (f" step {state.global_step}" if plan.eval_every_steps else "")
         logger.info(f"{where}  {self.task.summary(self.last)}" + (f"  | EMA {self.task.summary(ema_eval)}" if ema_eval else ""))
-        if is_better(metric, state.best_metric, cfg.checkpoint.mode):
+        if is_better(metric, state.best_metric, plan.mode):
             state.best_metric, state.best_epoch, state.best_step = metric, state.epoch + 1, state.global_step
             if self.rt.is_main:
                 best, which = (ema.module, "ema") if monitor.startswith("ema/") else (self.model, "model")
@@ -340,91 +335,74 @@ class Validation:
         return stop
 
 
-def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt, run_dir: Path,
-        logger, saver, make_metrics, frozen_norms, weights_meta: dict, task=None, ema=NO_EMA,
-        head_only=NO_HEAD_ONLY, stop: Stopper | None = None) -> dict:
-    """Train for cfg.run.epochs (or cfg.run.max_steps) from `state`, evaluating and checkpointing.
+def fit(plan, b, state: TrainState, *, rt, run_dir: Path, logger, saver, stop: Stopper, make_metrics,
+        weights_meta: dict, task=None) -> dict:
+    """Train for plan.epochs (or plan.max_steps) from `state`, evaluating and checkpointing.
 
-    `stop` (preempt.Stopper; built from cfg.run when None) pauses the run after a step: run.stop_after_steps,
-    run.max_time or a stop signal. A pause saves a checkpoint, adds no evaluation and leaves the schedule
-    untouched, so that a later resume continues exactly as if never stopped.
+    `plan` (plan.RunPlan): every decision the loop follows (steps, when to log, evaluate and checkpoint, what to
+    monitor, early stop). `b`: the built objects (run.Built or any object with its attributes model, loaders,
+    loss_fn, opt, sched, prec, ema, frozen_norms, head_only):
+    `b.ema` (ema.ModelEma or the no-op NoEma) is updated after every optimizer step, evaluated beside the model
+    (metrics ema/val/...) and saved as ema.safetensors; best.safetensors holds the EMA weights when the monitor
+    names an ema/ metric. `b.head_only` (models.init.HeadOnly; a no-op when model.freeze_epochs=0): which
+    parameters train in each epoch.
+    `stop` (preempt.Stopper) pauses the run after a step: run.stop_after_steps, run.max_time or a stop signal. A
+    pause saves a checkpoint, adds no evaluation and leaves the schedule untouched, so that a later resume
+    continues exactly as if never stopped.
     `task` (tasks.Task; classification when None) formats the evaluation line and writes the extra
     artifacts that go with the best weights (the confusion matrix for classification).
-    `ema` (ema.ModelEma or the no-op NoEma): updated after every optimizer step, evaluated beside the
-    model (metrics ema/val/...), saved as ema.safetensors; best.safetensors holds the EMA weights when
-    checkpoint.monitor names an ema/ metric.
-    `head_only` (models.init.HeadOnly; a no-op when model.freeze_epochs=0): which parameters train in each epoch.
     Returns the summary: final and best validation metrics, time and throughput, why the run stopped, and
     `artifacts`: which weights each per-class file and figure describes (file name -> {weights, file, epoch, step}).
     """
     from torchsprint.tasks import get_task
 
     task = task or get_task("classification")
-    stop = stop or Stopper(cfg.run, state.global_step)
-    epochs, monitor = cfg.run.epochs, cfg.checkpoint.monitor
-    val = Validation(model, loaders, loss_fn, prec, make_metrics, ema, frozen_norms, cfg, rt, logger, run_dir, weights_meta, task)
-    total_images, total_seconds, total_wait = 0, 0.0, 0.0
+    model, loaders, opt, sched, prec = b.model, b.loaders, b.opt, b.sched, b.prec
+    val = Validation(model, loaders, b.loss_fn, prec, make_metrics, b.ema, b.frozen_norms, plan, rt, logger, run_dir,
+                     weights_meta, task)
+    totals = {"images": 0, "seconds": 0.0, "data_wait": 0.0}
     t_fit = time.perf_counter()
     pausing = False
-    while state.epoch < epochs:
-        head_only.apply(state.epoch)  # model.freeze_epochs: from the epoch number alone, so exact across resume
-        set_train_mode(model, frozen_norms + head_only.norms(state.epoch))
-        ep = train_one_epoch(model, loaders.train, loss_fn, opt, sched, prec, state, cfg=cfg, logger=logger, saver=saver,
-                             stop=stop, validation=val, ema=ema)
-        total_images += ep["images"]
-        total_seconds += ep["seconds"]
-        total_wait += ep["data_wait"]
-        stopping = (cfg.run.max_steps is not None and state.global_step >= cfg.run.max_steps) or state.stopped_epoch is not None
+    while state.epoch < plan.epochs:
+        b.head_only.apply(state.epoch)  # model.freeze_epochs: from the epoch number alone, so exact across resume
+        set_train_mode(model, b.frozen_norms + b.head_only.norms(state.epoch))
+        ep = train_one_epoch(model, loaders.train, b.loss_fn, opt, sched, prec, state, plan, logger=logger, saver=saver,
+                             stop=stop, validation=val, ema=b.ema)
+        for k in totals:
+            totals[k] += ep[k]
+        stopping = (plan.max_steps is not None and state.global_step >= plan.max_steps) or state.stopped_epoch is not None
         pausing = stop.reason is not None and not stopping
         if not ep["finished_epoch"] and not stopping and not pausing:
             raise RuntimeError("loader ended before the epoch did")  # a loader length bug, never expected
-        if ep["finished_epoch"] and cfg.sched.interval == "epoch":
+        if ep["finished_epoch"] and plan.sched_interval == "epoch":
             sched.step()
-        report_epoch(logger, state, ep, loaders.train, loaders.info.backend or cfg.data.backend)
+        report_epoch(logger, state, ep, loaders.train, plan.backend)
         if not ep["finished_epoch"] and (pausing or state.stopped_epoch is not None):
             # Mid-epoch: a pause adds no evaluation (an uninterrupted run has none here); an early stop just evaluated.
             saver.save(state, model, opt, sched, prec, metric=val.metric_at(state.global_step))
             break
-        last_epoch = state.epoch + 1 >= epochs or stopping
-        if ((state.epoch + 1) % cfg.eval.every_epochs == 0 or last_epoch) and val.metric_at(state.global_step) is None:
+        last_epoch = state.epoch + 1 >= plan.epochs or stopping
+        if ((state.epoch + 1) % plan.eval_every_epochs == 0 or last_epoch) and val.metric_at(state.global_step) is None:
             stopping = val(state) or stopping  # (None: eval.every_steps evaluated after this very step already)
         if ep["finished_epoch"]:
             state.epoch += 1
             state.step_in_epoch = 0
             state.epoch_loss_sum, state.epoch_steps, state.epoch_correct, state.epoch_samples = 0.0, 0, 0, 0
-        if (cfg.checkpoint.every_epochs and state.epoch % cfg.checkpoint.every_epochs == 0) or last_epoch or pausing \
+        if (plan.checkpoint_every_epochs and state.epoch % plan.checkpoint_every_epochs == 0) or last_epoch or pausing \
                 or stopping:
             saver.save(state, model, opt, sched, prec, val.metric_at(state.global_step))
         if stopping or pausing:
             break
-    paused = pausing and state.epoch < epochs and state.stopped_epoch is None
-    if state.stopped_epoch is not None:
-        logger.info(f"early stop after epoch {state.stopped_epoch + 1}: {monitor} has not improved by more than "
-                    f"{cfg.early_stop.min_delta} for {cfg.early_stop.patience} evaluation(s) (best {state.stop_best:.4g})")
-    if paused:
-        logger.info(pause_message(stop, state, run_dir))
-    else:
-        ema.sync(rt)
-        if rt.is_main:
-            save_weights(run_dir / "last.safetensors", model, weights_meta | {"epoch": str(state.epoch),
-                                                                              "step": str(state.global_step)})
-            if ema.enabled:
-                save_weights(run_dir / "ema.safetensors", ema.module, weights_meta | {"epoch": str(state.epoch), "weights": "ema"})
-            if val.last_at is not None:  # the last evaluation saw these weights (the loop ends right after one)
-                # The model's own metrics (val/...), as last.safetensors holds the model's weights, not the EMA's.
-                task.write_artifacts(run_dir, val.last, loaders.info, weights_tag("last", *val.last_at))
-    artifacts = {}
-    tags = [weights_tag("best", state.best_epoch, state.best_step)] + ([weights_tag("last", *val.last_at)]
-                                                                       if val.last_at is not None and not paused else [])
-    for tag in tags:
-        artifacts |= {name: tag for name in task.artifacts(tag["weights"]) if (run_dir / name).is_file()}
+    paused = pausing and state.epoch < plan.epochs and state.stopped_epoch is None
+    artifacts = finish_fit(plan, b, state, val, rt=rt, run_dir=run_dir, logger=logger, stop=stop, paused=paused,
+                           weights_meta=weights_meta, task=task)
     return {
         "final": {k: v for k, v in val.last.items() if not isinstance(v, list)},
         "best_metric": state.best_metric,
         "best_epoch": state.best_epoch,
         "seconds": time.perf_counter() - t_fit,
-        "train_images_per_s": total_images / max(total_seconds, 1e-9),
-        "data_wait_share": total_wait / max(total_seconds, 1e-9),
+        "train_images_per_s": totals["images"] / max(totals["seconds"], 1e-9),
+        "data_wait_share": totals["data_wait"] / max(totals["seconds"], 1e-9),
         "global_step": state.global_step,
         "skipped_steps": state.skipped_steps,
         "artifacts": artifacts,
@@ -433,11 +411,39 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
         # max_time, signal (then "signal" names it where this process received it).
         "stopped": stop.reason if paused else "early_stop" if state.stopped_epoch is not None else "completed",
         **({"signal": stop.got.name if stop.got else None} if paused and stop.reason == "signal" else {}),
-        "early_stop": None if cfg.early_stop.patience is None else {
+        "early_stop": None if plan.early_stop_patience is None else {
             "stopped_epoch": None if state.stopped_epoch is None else state.stopped_epoch + 1,  # 1-based, as printed
-            "best": state.stop_best, "wait": state.stop_wait, "patience": cfg.early_stop.patience,
-            "min_delta": cfg.early_stop.min_delta},
+            "best": state.stop_best, "wait": state.stop_wait, "patience": plan.early_stop_patience,
+            "min_delta": plan.early_stop_min_delta},
     }
+
+
+def finish_fit(plan, b, state: TrainState, val: Validation, *, rt, run_dir: Path, logger, stop: Stopper, paused: bool,
+               weights_meta: dict, task) -> dict:
+    """After the loop: say why it stopped, save last.safetensors (and ema.safetensors) unless paused, and return
+    which weights each artifact file describes (file name -> weights_tag)."""
+    if state.stopped_epoch is not None:
+        logger.info(f"early stop after epoch {state.stopped_epoch + 1}: {plan.monitor} has not improved by more than "
+                    f"{plan.early_stop_min_delta} for {plan.early_stop_patience} evaluation(s) (best {state.stop_best:.4g})")
+    if paused:
+        logger.info(pause_message(stop, state, run_dir))
+    else:
+        b.ema.sync(rt)
+        if rt.is_main:
+            save_weights(run_dir / "last.safetensors", b.model, weights_meta | {"epoch": str(state.epoch),
+                                                                                "step": str(state.global_step)})
+            if b.ema.enabled:
+                save_weights(run_dir / "ema.safetensors", b.ema.module, weights_meta | {"epoch": str(state.epoch),
+                                                                                        "weights": "ema"})
+            if val.last_at is not None:  # the last evaluation saw these weights (the loop ends right after one)
+                # The model's own metrics (val/...), as last.safetensors holds the model's weights, not the EMA's.
+                task.write_artifacts(run_dir, val.last, b.loaders.info, weights_tag("last", *val.last_at))
+    artifacts = {}
+    tags = [weights_tag("best", state.best_epoch, state.best_step)] + ([weights_tag("last", *val.last_at)]
+                                                                       if val.last_at is not None and not paused else [])
+    for tag in tags:
+        artifacts |= {name: tag for name in task.artifacts(tag["weights"]) if (run_dir / name).is_file()}
+    return artifacts
 
 
 def pause_message(stop: Stopper, state: TrainState, run_dir: Path) -> str:

@@ -313,10 +313,10 @@ def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size
 # ---------------------------------------------------------------- wrapping
 
 
-def _compile(model: nn.Module, speed_cfg) -> nn.Module:
-    kwargs = {"fullgraph": speed_cfg.fullgraph, "backend": getattr(speed_cfg, "compile_backend", "inductor")}
-    if speed_cfg.compile_mode:
-        kwargs["mode"] = speed_cfg.compile_mode
+def _compile(model: nn.Module, speed) -> nn.Module:
+    kwargs = {"fullgraph": speed.fullgraph, "backend": speed.compile_backend}
+    if speed.compile_mode:
+        kwargs["mode"] = speed.compile_mode
     return torch.compile(model, **kwargs)
 
 
@@ -336,32 +336,27 @@ def has_conv2d(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
-def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
+def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed=None, prec=None,
                example: Callable[[], torch.Tensor] | None = None, log: Callable[[str], None] | None = None,
-               accum_steps: int = 1, frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None,
-               cuda_graphs: GraphsDecision | None = None) -> nn.Module:
+               frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None) -> nn.Module:
     """Make the model ready to train: device, memory format, SyncBN, precision, CUDA graphs, strategy, compile.
 
     Args:
         model: the initialised, unwrapped model.
         strategy_cfg: the `strategy` section (name, sync_bn, DDP options).
         rt: the Runtime; several processes mean DDP (strategy single or ddp).
-        speed_cfg: the `speed` section (channels_last, compile, cuda_graphs); None: all off.
+        speed: the run's plan.SpeedPlan (channels_last, compile, CUDA graphs: decided and checked once, by
+            plan.decide_speed, and reported from the same object); None: all off.
         prec: the Precision; its `prepare` gives half-weight modes their fp16/bf16 model.
-        example: returns one training input batch (only called for speed.cuda_graphs).
+        example: returns one training input batch (only called to capture CUDA graphs).
         log: where to say what was chosen and why (rank 0's logger.info); None: silent.
-        accum_steps: micro-batches per optimizer step (optim.accum_steps), checked against the speed switches.
         frozen_norms: returns the layers the engine keeps in eval mode (model.freeze_bn_stats), which a CUDA
             graph must capture in eval mode too; None: none.
-        cuda_graphs: the run's decide_cuda_graphs result (build_training passes the one it reports); None:
-            decided here from speed_cfg (direct callers: benchmarks, tests).
     """
     log = log or (lambda msg: None)
     model = model.to(rt.device)
-    if speed_cfg is not None:
-        check_speed(speed_cfg, strategy_cfg, rt.device, accum_steps)
-        if channels_last_on(speed_cfg.channels_last, model):
-            model = model.to(memory_format=torch.channels_last)
+    if speed is not None and speed.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     name = strategy_cfg.name
     if name == "dp":
         if rt.device.type != "cuda":
@@ -381,11 +376,8 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
         log(f"strategy.comm_hook={strategy_cfg.comm_hook}: one process, no gradient all-reduce to compress")
     if prec is not None:
         model = prec.prepare(model)
-    if speed_cfg is not None and cuda_graphs is None:
-        cuda_graphs = decide_cuda_graphs(speed_cfg, strategy_cfg, rt.device, rt.world_size)
-    if cuda_graphs is not None and cuda_graphs.on:  # what was decided and why: the start-up summary says it
-        model = capture_cuda_graphs(model, example, prec, frozen_norms,
-                                    chosen_by_auto=speed_cfg is not None and speed_cfg.cuda_graphs == "auto")
+    if speed is not None and speed.cuda_graphs.on:  # what was decided and why: the start-up summary says it
+        model = capture_cuda_graphs(model, example, prec, frozen_norms, chosen_by_auto=speed.graphs_by_auto)
     if name == "dp":
         if torch.cuda.device_count() < 2:
             log("[yellow]strategy=dp with one GPU: DataParallel adds overhead and no speed; use strategy=single[/]")
@@ -401,8 +393,8 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
         register_comm_hook(model, strategy_cfg, log)
         if prec is not None:
             prec.broadcast_masters()  # DDP broadcast rank 0's parameters; fp32 masters must follow
-    if speed_cfg is not None and speed_cfg.compile:
-        model = _compile(model, speed_cfg)
+    if speed is not None and speed.compile:
+        model = _compile(model, speed)
     return model
 
 

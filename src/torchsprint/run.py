@@ -20,7 +20,6 @@ from torchsprint.config import import_modules
 from torchsprint.errors import UsageError
 from torchsprint.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
 from torchsprint.saved_config import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
-from torchsprint.tasks import IMBALANCED
 
 
 def on_main(rt, fn):
@@ -92,7 +91,7 @@ class Built:
     cfg: object  # the config with data.batch_size and optim.accum_steps resolved (batch_size.choose_batch): read this one
     batch: object  # batch_size.BatchChoice: the batch size, accumulation and why
     head_only: object = None  # models.init.HeadOnly of model.freeze_epochs (the no-op NO_HEAD_ONLY when off)
-    cuda_graphs: object = None  # parallel.GraphsDecision: speed.cuda_graphs as resolved for this run
+    plan: object = None  # plan.RunPlan: every run-time decision, made once; the engine and the records read it
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
@@ -109,7 +108,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.models.init import apply_freeze, frozen_norm_layers, head_only, init_model
     from torchsprint.optim.optimizers import build_optimizer
     from torchsprint.optim.schedulers import build_scheduler
-    from torchsprint.parallel import channels_last_on, decide_cuda_graphs, unwrap, wrap_model
+    from torchsprint.parallel import decide_cuda_graphs, unwrap, wrap_model
+    from torchsprint.plan import build_plan, decide_input_format, decide_speed
     from torchsprint.precision import Precision
 
     # speed.cuda_graphs decided once: the capture, autocast's cache and decisions.json all read `graphs`.
@@ -125,8 +125,9 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     batch = choose_batch(cfg, rt, log, ckpt)  # before anything of the run is built: the search leaves nothing behind
     cfg = resolved_config(cfg, batch)
     check_imbalance(cfg, task.targets)
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True,
-                            allowed=task.backends, splits=batch.splits)
+    inputs = decide_input_format(cfg.speed)  # (channels_last batches, why): the loaders and the plan read this
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=inputs[0], allowed=task.backends,
+                            splits=batch.splits)
     batch.splits = None  # the run's loaders hold the data set now
     if cfg.eval.test_at_end and loaders.info.facts.get("images", {}).get("test") is None:
         raise UsageError(f"eval.test_at_end=true: data.dataset={cfg.data.dataset} (root={cfg.data.root}) has no test split "
@@ -149,11 +150,12 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "gradient hooks, CUDA graphs and the fp16/bf16 master weights fix at start-up: it runs with "
                          "strategy=single, speed.cuda_graphs=false and fp32/amp precision only.")
     head = head_only(model, cfg.model, log)  # the body's parameters, before wrapping (they stay the same tensors)
-    channels_last = channels_last_on(cfg.speed.channels_last, model)
-    ema = build_ema(cfg.ema, model, rt.device, channels_last)  # copied before wrap_model: plain and fp32
-    model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
-                       example=lambda: next(iter(loaders.train))[0], accum_steps=cfg.optim.accum_steps,
-                       frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None, cuda_graphs=graphs)
+    speed = decide_speed(cfg.speed, cfg.strategy, model, rt.device, rt.world_size, accum_steps=cfg.optim.accum_steps,
+                         graphs=graphs)  # what wrap_model applies and the plan reports: one object
+    ema = build_ema(cfg.ema, model, rt.device, speed.channels_last)  # copied before wrap_model: plain and fp32
+    model = wrap_model(model, cfg.strategy, rt, speed=speed, prec=prec, log=log,
+                       example=lambda: next(iter(loaders.train))[0],
+                       frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None)
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
@@ -166,7 +168,9 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         log(f"optimizer: {len(opt.param_groups)} parameter groups, lr x {', '.join(f'{x:g}' for x in scales[:8])}"
             f"{' ...' if len(scales) > 8 else ''} (optim.param_groups / optim.layer_decay)")
     prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
-    steps_per_epoch = -(-len(loaders.train) // cfg.optim.accum_steps)
+    plan = build_plan(cfg, rt, info=info, train_batches=len(loaders.train), speed=speed, opt=opt, inputs=inputs,
+                      batch=batch)
+    steps_per_epoch = plan.steps_per_epoch
     if cfg.eval.every_steps is not None and cfg.eval.every_steps > steps_per_epoch:
         raise UsageError(f"eval.every_steps={cfg.eval.every_steps} is more than an epoch ({steps_per_epoch} steps): "
                          f"use eval.every_epochs for longer intervals, or eval.every_steps <= {steps_per_epoch}.")
@@ -183,7 +187,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
     head.apply(0)  # built as epoch 1 trains (fit sets it again at every epoch, resumed or not)
-    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head, graphs)
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head,
+                 plan)
 
 
 def check_imbalance(cfg, targets: str) -> None:
@@ -307,7 +312,9 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             (run_dir / "env.json").write_text(json.dumps(environment(rt, cfg.run.seed), indent=1))
         logger.info(f"run folder: {run_dir}  device: {rt.device}  world size: {rt.world_size}")
         info = b.loaders.info
-        decided = decisions(cfg, rt, b)
+        from torchsprint.plan import decisions, describe_decisions
+
+        decided = decisions(b.plan, info.facts)  # from the plan the run trains with: they cannot disagree
         for line in describe_decisions(decided):
             logger.info(line)
         if rt.is_main:
@@ -329,11 +336,8 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         stop = Stopper(cfg.run, state.global_step, t0)
         try:
             with stop:
-                summary = fit(
-                    b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir,
-                    logger=logger, saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task,
-                    ema=b.ema, head_only=b.head_only, make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device), stop=stop,
-                )
+                summary = fit(b.plan, b, state, rt=rt, run_dir=run_dir, logger=logger, saver=saver, stop=stop, task=task,
+                              weights_meta=weights_meta, make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device))
                 finish_summary(cfg, rt, b, run_dir, task, logger, summary)
         except RuntimeError as e:
             if is_oom(e):  # the checkpoints saved so far are whole files (atomic writes): the message names the last
@@ -376,91 +380,6 @@ def finish_summary(cfg, rt, b: Built, run_dir: Path, task, logger, summary: dict
         logger.summary("run summary", rows)
 
 
-def decisions(cfg, rt, b: Built) -> dict:
-    """What torchsprint decided for this run, from the config and the data: printed at start, kept in decisions.json."""
-    from torchsprint.optim.optimizers import impl_in_use
-    from torchsprint.parallel import channels_last_on, has_conv2d, unwrap
-
-    info, model = b.loaders.info, unwrap(b.model)
-    facts = dict(info.facts)
-    impl, impl_why = impl_in_use(b.opt, cfg.optim)
-    return {
-        "dataset": cfg.data.dataset, "root": cfg.data.root, "task": cfg.task, **facts,
-        # Settings the config left unset and torchsprint chose from the data (data/detect.py), with why and how to override.
-        "chosen": cfg.chosen(),
-        # The backend that ran (after `auto` and any data.fallback), as build_loaders recorded it; and what was asked.
-        "backend": info.backend, "backend_why": info.backend_why, "backend_config": info.backend_config,
-        "backend_fallback": info.fallback or None,
-        "device": str(rt.device), "world_size": rt.world_size, "precision": cfg.precision.mode,
-        "channels_last": channels_last_on(cfg.speed.channels_last, model),
-        "channels_last_why": f"speed.channels_last={str(cfg.speed.channels_last).lower()}" + (
-            (": the model has 2-D convolutions" if has_conv2d(model) else ": no 2-D convolutions")
-            if cfg.speed.channels_last == "auto" else ""),
-        "cuda_graphs": b.cuda_graphs.on, "cuda_graphs_why": b.cuda_graphs.why,
-        "optimizer_impl": impl, "optimizer_impl_why": impl_why,
-        "batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
-        "effective_batch_size": cfg.data.batch_size * cfg.optim.accum_steps * rt.world_size,
-        # Where the batch size and accumulation came from (data.batch_size, auto's search, data.effective_batch_size).
-        "batch_size_why": b.batch.why, "batch_size_search": b.batch.search or None,
-        "steps_per_epoch": -(-len(b.loaders.train) // cfg.optim.accum_steps), "epochs": cfg.run.epochs,
-    }
-
-
-def describe_decisions(d: dict) -> list[str]:
-    """The start-up summary, a few lines."""
-    names = ", ".join(d.get("class_names", []))
-    more = d.get("classes", 0) - len(d.get("class_names", []))
-    counts = ", ".join(f"{k} {v:,}" for k, v in d.get("images", {}).items())
-    lines = [f"{c['setting']}: {c['value']} ({c['why']}; to choose otherwise: {c['override']})" for c in d.get("chosen", [])]
-    lines += [f"data: {d['dataset']}{' at ' + str(d['root']) if d['root'] else ''}: {d.get('classes')} classes "
-             f"({names}{f', ... {more} more' if more > 0 else ''}); images: {counts}"]
-    if d.get("source"):
-        lines.append(f"  splits: {d['source']}")
-    cc, size = d.get("class_counts"), d.get("image_size")
-    extra = []
-    if cc and cc["smallest"][1] == cc["largest"][1]:
-        extra.append(f"balanced classes ({cc['smallest'][1]:,} training images each)")
-    elif cc:
-        lo, hi = cc["smallest"], cc["largest"]
-        ratio = hi[1] / max(lo[1], 1)
-        extra.append(f"smallest class {lo[0]} ({lo[1]:,}), largest {hi[0]} ({hi[1]:,}): {ratio:.1f}x imbalance"
-                     + (" (validation reports balanced accuracy and the weakest class's recall beside top-1; to "
-                        "balance training: data.sampler=balanced or loss.class_weights=auto)" if ratio >= IMBALANCED else ""))
-    if size:
-        lo, hi = size["min"], size["max"]
-        extra.append(f"image size {lo[1]}x{lo[0]}" + (f" to {hi[1]}x{hi[0]}" if lo != hi else "")
-                     + f" (w x h, {size['sampled']} sampled)")
-    if extra:
-        lines.append("  " + "; ".join(extra))
-    if d.get("modes"):
-        from torchsprint.data.build import describe_modes
-
-        ch = d.get("channels", 3)
-        lines.append(f"  colour modes ({sum(d['modes'].values())} sampled): {describe_modes(d['modes'], ch)}; read as "
-                     + ("3 channels (RGB)" if ch == 3 else "1 channel (grey)")
-                     + (" (data.options.mode=GRAY keeps 1 channel)" if ch == 3 else " (data.options.mode=GRAY)"))
-    if d.get("skipped"):
-        total = sum(v["count"] for v in d["skipped"].values())
-        lines.append(f"  left out {total:,} file(s) below data.root that are not samples:")
-        lines += [f"    {v['count']:,} {why}, e.g. {', '.join(v['examples'])}" for why, v in d["skipped"].items()]
-    lines += [f"  {note}" for note in d.get("notes", [])]
-    # The backend that runs (a fallback's why names the configured one), as decisions.json has it.
-    if d.get("decoders"):
-        decoder = "decoder " + ", ".join(f"{v['decoder']} ({fmt}: {v['files']:,} files)" for fmt, v in d["decoders"].items())
-    else:
-        decoder = f"decoder {d['decoder']}" if d.get("decoder") else ""
-    lines.append(f"loader: data.backend={d['backend']} ({d['backend_why']})" + (f", {decoder}" if decoder else ""))
-    lines.append(f"device {d['device']} x {d['world_size']}, precision {d['precision']}, channels_last "
-                 f"{'on' if d.get('channels_last') else 'off'} ({d.get('channels_last_why', '')}), batch {d['batch_size']} x "
-                 f"accum {d['accum_steps']} x {d['world_size']} process(es) = effective batch {d['effective_batch_size']}, "
-                 f"{d['steps_per_epoch']} steps per epoch, {d['epochs']} epochs")
-    if d.get("batch_size_why", "data.batch_size") != "data.batch_size":
-        lines.append(f"  batch size: {d['batch_size_why']}")
-    lines.append(f"CUDA graphs {'on' if d['cuda_graphs'] else 'off'} ({d['cuda_graphs_why']}); optimizer update "
-                 f"{d['optimizer_impl']} ({d['optimizer_impl_why']})")
-    return lines
-
-
 def evaluate_test(cfg, rt, b: Built, run_dir: Path, task, logger, step: int) -> dict:
     """eval.test_at_end: the best weights on the test split (every rank; rank 0 reads the file and shares it)."""
     from safetensors.torch import load_file
@@ -472,7 +391,7 @@ def evaluate_test(cfg, rt, b: Built, run_dir: Path, task, logger, step: int) -> 
 
     state = load_file(str(run_dir / "best.safetensors")) if rt.is_main else None
     unwrap(b.model).load_state_dict(broadcast_object(state, rt))
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True, split="test",
+    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=b.plan.channels_last_inputs, split="test",
                             allowed=EVAL_BACKENDS)
     out = evaluate(b.model, loaders.val, b.loss_fn, b.prec, task.make_metrics(loaders.info, cfg.eval, rt.device))
     out = {f"test/{k}": v for k, v in out.items() if not isinstance(v, list)}

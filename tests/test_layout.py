@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("models", ["models.nets", "models.init"]),
     ("tasks", ["tasks"]),
     ("config", ["config_files", "config", "saved_config"]),
-    ("engine", ["engine", "batch_size"]),
+    ("engine", ["engine", "batch_size", "distill"]),
     ("run", ["run"]),
     ("commands", ["trained", "export", "predict", "bench", "lr_find", "report", "launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),

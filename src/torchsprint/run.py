@@ -93,6 +93,7 @@ class Built:
     batch: object  # batch_size.BatchChoice: the batch size, accumulation and why
     head_only: object = None  # models.init.HeadOnly of model.freeze_epochs (the no-op NO_HEAD_ONLY when off)
     cuda_graphs: object = None  # parallel.GraphsDecision: speed.cuda_graphs as resolved for this run
+    distill: dict | None = None  # the teacher distill.build_teacher loaded (model, file, fingerprint...); None: off
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
@@ -117,11 +118,13 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                                 cfg.model.freeze_epochs)
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=graphs.on)
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
+    from torchsprint.distill import DistillLoader, DistillLoss, build_teacher, check_distill
     from torchsprint.tasks import check_data_task, get_task
 
     task = get_task(cfg.task)
     task.check(cfg)
     mixing = check_mix(cfg.mix, cfg.task, task.targets, cfg.loss)
+    distilling = check_distill(cfg, task.targets)
     batch = choose_batch(cfg, rt, log, ckpt)  # before anything of the run is built: the search leaves nothing behind
     cfg = resolved_config(cfg, batch)
     check_imbalance(cfg, task.targets)
@@ -159,6 +162,10 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
     if mixing:  # after the loader, so every backend's batches are mixed the same way
         loaders.train = wrap_mix(loaders.train, cfg.mix, info.num_classes, cfg.run.seed, rt.rank, rt.world_size)
+    distill = None
+    if distilling:  # after mixing: the teacher sees the images the student sees; one unwrapped copy per rank
+        teacher, distill = build_teacher(cfg.distill, info, rt.device, prec, channels_last, log)
+        loaders.train = DistillLoader(loaders.train, teacher)
     loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
     opt = build_optimizer(cfg.optim, model)
     if cfg.optim.param_groups or cfg.optim.layer_decay is not None:
@@ -175,6 +182,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
     sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
     loss_fn = build_run_loss(cfg, task.targets, info, log).to(rt.device)
+    if distilling:  # training batches carry the teacher's logits; evaluation's plain targets get the task loss alone
+        loss_fn = DistillLoss(loss_fn, cfg.distill.temperature, cfg.distill.alpha)
     if cfg.early_stop.patience is None and cfg.early_stop.min_delta != 0:
         raise UsageError(f"early_stop.min_delta={cfg.early_stop.min_delta} has no effect without early_stop.patience; "
                          "set early_stop.patience (evaluations without improvement before stopping), or remove it.")
@@ -183,7 +192,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
     head.apply(0)  # built as epoch 1 trains (fit sets it again at every epoch, resumed or not)
-    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head, graphs)
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head,
+                 graphs, distill)
 
 
 def check_imbalance(cfg, targets: str) -> None:
@@ -403,6 +413,7 @@ def decisions(cfg, rt, b: Built) -> dict:
         # Where the batch size and accumulation came from (data.batch_size, auto's search, data.effective_batch_size).
         "batch_size_why": b.batch.why, "batch_size_search": b.batch.search or None,
         "steps_per_epoch": -(-len(b.loaders.train) // cfg.optim.accum_steps), "epochs": cfg.run.epochs,
+        "distill": b.distill,
     }
 
 

@@ -42,8 +42,8 @@ def teacher_run(tmp_path_factory) -> Path:
     return d
 
 
-def build(*over):
-    cfg = config.load(None, [*QUIET, *over])
+def build(*over, base=QUIET):
+    cfg = config.load(None, [*base, *over])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
         return cfg, build_training(cfg, rt, lambda m: None)
@@ -219,7 +219,7 @@ def test_teacher_from_a_weights_file_and_a_library_cache(teacher_run, tmp_path, 
     from torchsprint.models import build_model
 
     net = build_model(config.ModelConfig(name="resnet18"), 10, 1)
-    cached = tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    cached = tmp_path / "hub" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"  # torch.hub.get_dir(): $TORCH_HOME/hub
     cached.parent.mkdir(parents=True)
     torch.save(net.state_dict(), cached)  # a stand-in with the digits' head and stem: the file, found by its name
     _, b = build(*lib)
@@ -278,7 +278,7 @@ def test_bad_teacher_is_one_line_naming_the_fix(case, teacher_run, tmp_path):
         "library without model": (["distill.teacher.weights=torchvision:DEFAULT"], "name the architecture"),
     }[case]
     with pytest.raises(UsageError, match=match) as e:
-        build(*over)
+        build(*over, base=QUIET[:2] if case.endswith("task") else QUIET)  # eval.per_class: classification's
     assert "\n" not in str(e.value) and str(e.value).startswith(("distill", "distill.teacher")), str(e.value)
 
 
@@ -310,6 +310,6 @@ def test_ddp_distillation_matches_one_process(teacher_run, tmp_path, run_cli):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     diff = max_diff(tmp_path / "ddp" / "last.safetensors", ref / "last.safetensors")
     print(f"distill, DDP vs one process: max |w_ddp - w_single| = {diff:.2e}")
-    assert diff < 1e-6  # measured X (float summation order; test_ddp.py's linear: 2.24e-8)
+    assert diff < 9e-8  # measured 2.98e-8 (float summation order, as test_ddp.py's linear 2.24e-8); 3x
     decided = json.loads((tmp_path / "ddp" / "decisions.json").read_text())
     assert decided["world_size"] == 2 and decided["distill"]["model"] == "small_cnn"

@@ -305,20 +305,23 @@ def half_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return HalfModel(model, dtype)
 
 
-def build_teacher(distill_cfg, info, device: torch.device, prec, channels_last: bool = False, log=lambda *_: None
-                  ) -> tuple[Teacher, dict]:
+def build_teacher(distill_cfg, info, device: torch.device, prec, channels_last: bool | str = False,
+                  log=lambda *_: None) -> tuple[Teacher, dict]:
     """The run's frozen teacher on `device` in the run's precision, and the record decisions.json keeps.
 
     Args:
         distill_cfg: the `distill` section (check_distill said it is on).
         info: the run's DataInfo (class names and count, channels).
         device: the training device; prec: the run's Precision (its autocast, its half-weight dtype).
-        channels_last: convert the teacher's weights to channels_last (speed.channels_last as the run decided).
+        channels_last: speed.channels_last (true, false, auto: when the teacher has 2-D convolutions), for the
+            teacher's weights as parallel.channels_last_on decides it for the student's.
         log: one-line messages.
     """
     model, record = load_teacher_model(distill_cfg.teacher, info.num_classes, info.in_channels, info.classes)
+    from torchsprint.parallel import channels_last_on
+
     model = model.to(device)
-    if channels_last:
+    if channels_last_on(channels_last, model):
         model = model.to(memory_format=torch.channels_last)
     if prec.half is not None:
         model = half_weights(model, prec.half)

@@ -136,6 +136,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "(image_folder reads test/ beside train/). Add one, or set eval.test_at_end=false.")
     info = loaders.info
     check_data_task(cfg, info)
+    teacher, distill = build_teacher(cfg.distill, info, rt.device, prec, cfg.speed.channels_last, log) if distilling \
+        else (None, None)  # before the student: a bad teacher is said before anything else is built
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
     materialize_lazy(model, loaders.val)
     init_record: dict = {}
@@ -162,9 +164,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
     if mixing:  # after the loader, so every backend's batches are mixed the same way
         loaders.train = wrap_mix(loaders.train, cfg.mix, info.num_classes, cfg.run.seed, rt.rank, rt.world_size)
-    distill = None
     if distilling:  # after mixing: the teacher sees the images the student sees; one unwrapped copy per rank
-        teacher, distill = build_teacher(cfg.distill, info, rt.device, prec, channels_last, log)
         loaders.train = DistillLoader(loaders.train, teacher)
     loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
     opt = build_optimizer(cfg.optim, model)

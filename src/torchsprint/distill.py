@@ -202,86 +202,88 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load_teacher_model(teacher_cfg, num_classes: int, in_channels: int, classes: list[str]) -> tuple[nn.Module, dict]:
-    """The teacher's model with its weights loaded (CPU, fp32), and a record of where it came from.
-
-    Checks that it predicts this run's classes (count, and names and order where its file says them) from
-    inputs of this run's channel count.
-    """
+def _locate(t) -> tuple[object, Path, list[str]]:
+    """(the teacher's model section, its weights file, the `imports:` its saved config lists) from distill.teacher."""
     from torchsprint.config import ModelConfig
-    from torchsprint.models import build_model
+    from torchsprint.models.core import MODELS
     from torchsprint.models.init import resolve_pretrained
-    from torchsprint.saved_config import file_config, load_run_config, naming_imports
+    from torchsprint.saved_config import file_config, load_run_config
 
-    t = teacher_cfg
-    meta: dict = {}
     if t.model is not None:  # an unknown name first, whatever else is wrong: "did you mean"
-        from torchsprint.models.core import MODELS
-
         try:
             MODELS.get(t.model)
         except UsageError as e:
             raise _teacher_error(f"model={t.model}: {e}") from None
-    model_cfg, source = None, None
     if t.run:
         if t.model or t.args:
             raise _teacher_error("teacher.run's config.yaml names the model; remove distill.teacher.model/args.")
         which = t.weights or "best"
         if which not in RUN_WEIGHTS:
             raise _teacher_error(f"weights={which}: with teacher.run, weights is one of {', '.join(RUN_WEIGHTS)}.")
-        run_dir = Path(t.run)
         try:
-            run_cfg = load_run_config(run_dir)
+            run_cfg = load_run_config(Path(t.run))
         except UsageError as e:
             raise _teacher_error(f"run={t.run}: {e}") from None
-        path = run_dir / f"{which}.safetensors"
+        path = Path(t.run) / f"{which}.safetensors"
         if not path.is_file():
             raise _teacher_error(f"run={t.run} has no {which}.safetensors (the run has not saved {which} weights); "
                                  f"use weights={'last' if which != 'last' else 'best'} or let the run finish.")
-        model_cfg, source = run_cfg.model, str(path)
-    elif t.weights is None:
+        return run_cfg.model, path, run_cfg.imports
+    if t.weights is None:
         raise _teacher_error(f"model={t.model} needs its weights: set distill.teacher.weights (a file, "
                              "torchvision:..., timm:...).")
-    else:
-        if t.model is None and ":" in t.weights and not Path(t.weights).exists():
-            raise _teacher_error(f"weights={t.weights} are a library's: name the architecture with distill.teacher.model.")
-        try:
-            path = resolve_pretrained(t.weights, t.model or "") if t.model else Path(t.weights)
-        except UsageError as e:
-            raise _teacher_error(str(e).replace("model.pretrained=", "weights=").replace("model.name=", "teacher.model=")) from None
-        if not path.is_file():
-            raise _teacher_error(f"weights file not found: {path}. Give the path of the teacher's weights.")
-        source = str(path)
-        run_cfg = None
-        meta = _metadata(path)
-        if t.model is None:
-            if "config" not in meta:
-                raise _teacher_error(f"{path} does not say which model it holds (no torchsprint metadata); name it "
-                                     "with distill.teacher.model (and .args).")
-            run_cfg = file_config(json.loads(meta["config"]), path)
-            model_cfg = run_cfg.model
-        else:
-            model_cfg = ModelConfig(name=t.model, args=t.args)
-    if t.run:
-        meta = _metadata(path)
-    their_classes = json.loads(meta["classes"]) if "classes" in meta else None
-    if their_classes is not None and len(their_classes) != num_classes:
-        raise _teacher_error(f"{source} predicts {len(their_classes)} classes, this run's data has {num_classes}: a "
+    if t.model is None and ":" in t.weights and not Path(t.weights).exists():
+        raise _teacher_error(f"weights={t.weights} are a library's: name the architecture with distill.teacher.model.")
+    try:
+        path = resolve_pretrained(t.weights, t.model or "") if t.model else Path(t.weights)
+    except UsageError as e:
+        raise _teacher_error(str(e).replace("model.pretrained=", "weights=").replace("model.name=", "teacher.model=")) from None
+    if not path.is_file():
+        raise _teacher_error(f"weights file not found: {path}. Give the path of the teacher's weights.")
+    if t.model is not None:
+        return ModelConfig(name=t.model, args=t.args), path, []
+    meta = _metadata(path)
+    if "config" not in meta:
+        raise _teacher_error(f"{path} does not say which model it holds (no torchsprint metadata); name it "
+                             "with distill.teacher.model (and .args).")
+    file_cfg = file_config(json.loads(meta["config"]), path)
+    return file_cfg.model, path, file_cfg.imports
+
+
+def _check_fits(meta: dict, source: str, classes: list[str], in_channels: int) -> None:
+    """Refuse a teacher whose file says it predicts other classes (count, names, order) or takes other images."""
+    theirs = json.loads(meta["classes"]) if "classes" in meta else None
+    if theirs is not None and len(theirs) != len(classes):
+        raise _teacher_error(f"{source} predicts {len(theirs)} classes, this run's data has {len(classes)}: a "
                              "teacher must predict the same classes. Use a teacher trained on this data set.")
-    if their_classes is not None and their_classes != list(classes):
-        raise _teacher_error(f"{source} predicts classes {their_classes[:6]}{' ...' if len(their_classes) > 6 else ''}, "
+    if theirs is not None and theirs != list(classes):
+        raise _teacher_error(f"{source} predicts classes {theirs[:6]}{' ...' if len(theirs) > 6 else ''}, "
                              f"this run's are {list(classes)[:6]}{' ...' if len(classes) > 6 else ''} (names or order "
                              "differ): its logits would be matched to the wrong classes. Use a teacher trained on this data set.")
     if "in_channels" in meta and int(meta["in_channels"]) != in_channels:
         raise _teacher_error(f"{source} takes {meta['in_channels']}-channel images, this run's have {in_channels} "
                              "(data.options.mode sets grey or RGB); use a teacher trained on the same kind of images.")
-    imports = run_cfg.imports if run_cfg is not None else []
+
+
+def load_teacher_model(teacher_cfg, num_classes: int, in_channels: int, classes: list[str]) -> tuple[nn.Module, dict]:
+    """The teacher's model with its weights loaded (CPU, fp32), and a record of where it came from.
+
+    Checks that it predicts this run's classes (count, and names and order where its file says them) from
+    inputs of this run's channel count; its weights load strictly (every key, every shape).
+    """
+    from torchsprint.models import build_model
+    from torchsprint.saved_config import naming_imports
+
+    model_cfg, path, imports = _locate(teacher_cfg)
+    source = str(path)
+    _check_fits(_metadata(path), source, classes, in_channels)
     with naming_imports(imports, source):
         try:
             model = build_model(model_cfg, num_classes, in_channels)
         except UsageError as e:
             raise _teacher_error(f"{e}") from None
     _load_exact(model, _read_file(path), source, num_classes)
+    t = teacher_cfg
     record = {"source": "run" if t.run else "file" if Path(t.weights).exists() else "library",
               "model": model_cfg.name, "args": dict(model_cfg.args), "file": source, "sha256_16": fingerprint(path),
               "parameters": sum(p.numel() for p in model.parameters())}

@@ -137,7 +137,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     info = loaders.info
     check_data_task(cfg, info)
     teacher, distill = build_teacher(cfg.distill, info, rt.device, prec, cfg.speed.channels_last, log) if distilling \
-        else (None, None)  # before the student: a bad teacher is said before anything else is built
+        else (None, None)  # after the data (its classes), before the student model and the run folder
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
     materialize_lazy(model, loaders.val)
     init_record: dict = {}

@@ -412,6 +412,12 @@ PROBES = {
     "loss.args": lambda t: differs(lambda c, b: float(b.loss_fn(torch.randn(10, 10, generator=torch.Generator().manual_seed(0)),
                                                                 torch.arange(10))), "loss.args={weight: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}"),
     "loss.terms": lambda t: differs(lambda c, b: type(b.loss_fn).__name__, "loss.terms=[{name: cross_entropy, weight: 0.5}]"),
+    # distill: the loss against the formula, the teacher from every source, and refusals in test_distill.py.
+    "distill.teacher": lambda t: elsewhere("test_distill.py::test_a_distilled_student_beats_the_same_student_trained_alone"),
+    "distill.temperature": lambda t: (refused("distill.temperature=2", match="distillation is off"),
+                                      elsewhere("test_distill.py::test_kd_loss_equals_the_formula_in_plain_torch")),
+    "distill.alpha": lambda t: (refused("distill.alpha=0.9", match="distillation is off"),
+                                elsewhere("test_distill.py::test_kd_loss_equals_the_formula_in_plain_torch")),
     "mix.mixup_alpha": lambda t: differs(lambda c, b: tuple(first_batch(b.loaders.train)[1].shape), "mix.mixup_alpha=0.2"),
     "mix.cutmix_alpha": lambda t: differs(lambda c, b: tuple(first_batch(b.loaders.train)[1].shape), "mix.cutmix_alpha=1.0"),
     "mix.prob": lambda t: (refused("mix.prob=0.5", match="mixing is off"),

@@ -49,7 +49,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("tasks", ["tasks"]),
     ("config", ["config_files", "config", "saved_config"]),
     ("plan", ["plan"]),
-    ("engine", ["engine", "batch_size"]),
+    ("engine", ["engine", "batch_size", "distill"]),
     ("run", ["run"]),
     ("commands", ["trained", "export", "predict", "bench", "lr_find", "report", "launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),

@@ -184,6 +184,38 @@ class MixConfig(Section):
                                            "torchvision and timm's default; elem: one per sample (timm --mixup-mode elem).")
 
 
+class TeacherConfig(Section):
+    """Where distill's teacher comes from: a run folder, a weights file, or a model name with its weights."""
+
+    run: str | None = Field(
+        None, description="A torchsprint run folder: the teacher's model (name and args) comes from its config.yaml and "
+        "its weights from <run>/<weights>.safetensors (weights: best, the default, last or ema).")
+    model: str | None = Field(
+        None, description="The teacher's architecture, a name from the MODELS registry (built-in, torchvision, "
+        "timm/...), with `weights`. Not with `run` (its config names the model); optional for a torchsprint "
+        ".safetensors file, whose metadata names it.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the teacher's model builder "
+                                 "(with `model`, as model.args).")
+    weights: str | None = Field(
+        None, description="With `run`: best | last | ema (None: best). Otherwise the teacher's weights: a file "
+        "(.safetensors, .pt, .pth: a state dict, a torchsprint checkpoint or weights file), or a library's published "
+        "weights from its local cache, as model.pretrained: torchvision:ResNet50_Weights.IMAGENET1K_V2, "
+        "torchvision:DEFAULT, timm:resnet50.a1_in1k (never downloaded: a missing file is refused, naming where to "
+        "put it). Loaded strictly: every key, every shape.")
+
+
+class DistillConfig(Section):
+    """Knowledge distillation (distill.py): Hinton et al.'s logit distillation from a frozen teacher."""
+
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="The teacher; distillation is on when "
+                                   "teacher.run, teacher.model or teacher.weights is set.")
+    temperature: float = Field(4.0, gt=0, description="T: both models' logits are divided by T before the softmax of "
+                               "the distillation term (softer targets for T > 1; timm's --kd-temperature).")
+    alpha: float = Field(0.5, ge=0, le=1, description="Weight of the distillation term: loss = (1 - alpha) x task loss "
+                         "+ alpha x T^2 x KL(softmax(teacher/T) || softmax(student/T)), the KL a mean over the batch "
+                         "(timm's LogitDistillationTask with task_loss_weight = 1 - alpha). 1: teacher only.")
+
+
 class ModelConfig(Section):
     name: str = Field("small_cnn", description="Model name from the MODELS registry (`torchsprint list models`).")
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the model builder.")
@@ -415,6 +447,8 @@ class Config(Section):
     loss: LossConfig = Field(default_factory=LossConfig, description="Loss function(s).")
     mix: MixConfig = Field(default_factory=MixConfig, description="Mixup and CutMix on training batches (soft targets; "
                            "loss.label_smoothing applies to them).")
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="Knowledge distillation from a frozen "
+                                   "teacher's logits (off unless distill.teacher is set).")
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Numeric precision (AMP).")
     strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="Single device, DataParallel or DDP.")
     speed: SpeedConfig = Field(default_factory=SpeedConfig, description="Speed switches.")

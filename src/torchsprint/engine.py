@@ -47,8 +47,8 @@ def train_step(model, micro_batches, loss_fn, opt, prec, clip_grad_norm: float |
                 loss = loss_fn(logits, targets)
             prec.backward(loss / n if n > 1 else loss)
         losses.append(loss.detach())
-        if correct is not None:
-            correct.append((logits.detach().argmax(1), targets))
+        if correct is not None:  # targets with extra loss inputs are a tuple, the task's first (distill.Distilled)
+            correct.append((logits.detach().argmax(1), targets[0] if isinstance(targets, tuple) else targets))
     if clip_grad_norm is not None:
         prec.unscale_(opt)
         # The optimizer's parameters: in fp16/bf16 modes these are the fp32 masters that hold the gradients.

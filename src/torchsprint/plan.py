@@ -111,6 +111,7 @@ class RunPlan:
     mode: str  # "max" | "min"
     early_stop_patience: int | None
     early_stop_min_delta: float
+    distill: dict | None = None  # the teacher distill.build_teacher loaded (model, file, fingerprint...); None: off
 
     @property
     def channels_last(self) -> bool:
@@ -123,7 +124,7 @@ class RunPlan:
 
 
 def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torch.optim.Optimizer,
-               inputs: tuple[bool, str] | None = None, batch=None) -> RunPlan:
+               inputs: tuple[bool, str] | None = None, batch=None, distill: dict | None = None) -> RunPlan:
     """The RunPlan of a run whose objects exist: `cfg` with the batch resolved (batch_size.resolved_config),
     `info` the loaders' DataInfo (None: a loader without one, tests only), `train_batches` len(the training
     loader), `speed` what wrap_model applied, `opt` the built optimizer, `inputs` decide_input_format's result
@@ -154,6 +155,7 @@ def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torc
         eval_every_steps=cfg.eval.every_steps, checkpoint_every_epochs=cfg.checkpoint.every_epochs,
         checkpoint_every_steps=cfg.checkpoint.every_steps, monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode,
         early_stop_patience=cfg.early_stop.patience, early_stop_min_delta=cfg.early_stop.min_delta,
+        distill=distill,
     )
 
 
@@ -175,6 +177,7 @@ def decisions(plan: RunPlan, facts: dict) -> dict:
         # Where the batch size and accumulation came from (data.batch_size, auto's search, data.effective_batch_size).
         "batch_size_why": plan.batch_size_why, "batch_size_search": plan.batch_size_search,
         "steps_per_epoch": plan.steps_per_epoch, "epochs": plan.epochs,
+        "distill": plan.distill,
     }
 
 

@@ -117,11 +117,13 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                                 cfg.model.freeze_epochs)
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=graphs.on)
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
+    from torchsprint.distill import DistillLoader, DistillLoss, build_teacher, check_distill
     from torchsprint.tasks import check_data_task, get_task
 
     task = get_task(cfg.task)
     task.check(cfg)
     mixing = check_mix(cfg.mix, cfg.task, task.targets, cfg.loss)
+    distilling = check_distill(cfg, task.targets)
     batch = choose_batch(cfg, rt, log, ckpt)  # before anything of the run is built: the search leaves nothing behind
     cfg = resolved_config(cfg, batch)
     check_imbalance(cfg, task.targets)
@@ -134,6 +136,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "(image_folder reads test/ beside train/). Add one, or set eval.test_at_end=false.")
     info = loaders.info
     check_data_task(cfg, info)
+    teacher, distill = build_teacher(cfg.distill, info, rt.device, prec, cfg.speed.channels_last, log) if distilling \
+        else (None, None)  # after the data (its classes), before the student model and the run folder
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
     materialize_lazy(model, loaders.val)
     init_record: dict = {}
@@ -161,6 +165,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
     if mixing:  # after the loader, so every backend's batches are mixed the same way
         loaders.train = wrap_mix(loaders.train, cfg.mix, info.num_classes, cfg.run.seed, rt.rank, rt.world_size)
+    if distilling:  # after mixing: the teacher sees the images the student sees; one unwrapped copy per rank
+        loaders.train = DistillLoader(loaders.train, teacher)
     loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
     opt = build_optimizer(cfg.optim, model)
     if cfg.optim.param_groups or cfg.optim.layer_decay is not None:
@@ -169,7 +175,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
             f"{' ...' if len(scales) > 8 else ''} (optim.param_groups / optim.layer_decay)")
     prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
     plan = build_plan(cfg, rt, info=info, train_batches=len(loaders.train), speed=speed, opt=opt, inputs=inputs,
-                      batch=batch)
+                      batch=batch, distill=distill)
     steps_per_epoch = plan.steps_per_epoch
     if cfg.eval.every_steps is not None and cfg.eval.every_steps > steps_per_epoch:
         raise UsageError(f"eval.every_steps={cfg.eval.every_steps} is more than an epoch ({steps_per_epoch} steps): "
@@ -179,6 +185,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
     sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
     loss_fn = build_run_loss(cfg, task.targets, info, log).to(rt.device)
+    if distilling:  # training batches carry the teacher's logits; evaluation's plain targets get the task loss alone
+        loss_fn = DistillLoss(loss_fn, cfg.distill.temperature, cfg.distill.alpha)
     if cfg.early_stop.patience is None and cfg.early_stop.min_delta != 0:
         raise UsageError(f"early_stop.min_delta={cfg.early_stop.min_delta} has no effect without early_stop.patience; "
                          "set early_stop.patience (evaluations without improvement before stopping), or remove it.")

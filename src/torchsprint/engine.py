@@ -23,6 +23,7 @@ from torchsprint.parallel import no_sync, unwrap
 from torchsprint.preempt import Stopper
 from torchsprint.rng import rng_isolated
 from torchsprint.runtime import fault_step, kill_self
+from torchsprint.tta import plan_tta, wrap_tta
 
 NO_EMA = NoEma()
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
@@ -304,8 +305,10 @@ class Validation:
         """Evaluate after step state.global_step; True when early_stop says stop (state.stopped_epoch set)."""
         cfg, ema, logger, monitor = self.cfg, self.ema, self.logger, self.cfg.checkpoint.monitor
 
-        def evaluate_here(m):
-            return evaluate(m, self.loaders.val, self.loss_fn, self.prec, self.make_metrics())
+        plan = plan_tta(cfg.eval.tta, self.task, cfg.data.eval.transforms)
+
+        def evaluate_here(m):  # with eval.tta, the views' combined outputs (tta.py); the loader loads for them
+            return evaluate(wrap_tta(m, plan), self.loaders.val, self.loss_fn, self.prec, self.make_metrics())
 
         self.last = {f"val/{k}": v for k, v in evaluate_here(self.model).items()}
         if ema.evaluates:

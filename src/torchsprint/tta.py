@@ -153,9 +153,11 @@ def five_crops(x: torch.Tensor, size: tuple[int, int]) -> list[torch.Tensor]:
 
 
 def make_views(x: torch.Tensor, plan: TtaPlan) -> list[torch.Tensor]:
-    """The views of a batch (..., C, H, W): the crops (or the batch), then, with flip, their mirrors."""
-    views = five_crops(x, plan.crop) if plan.crop else [x]
-    return views + [v.flip(-1) for v in views] if plan.flip else views
+    """The views of a batch (..., C, H, W): the batch (its five crops), then, with flip, its mirror (the mirror's
+    five crops): torchvision's TenCrop order and crops. (The mirror's centre crop is not the centre crop's mirror
+    when H - h or W - w is odd: round() puts both an extra pixel from the top-left.)"""
+    images = [x, x.flip(-1)] if plan.flip else [x]
+    return [c for img in images for c in five_crops(img, plan.crop)] if plan.crop else images
 
 
 def combine(outputs: list[torch.Tensor], plan: TtaPlan) -> torch.Tensor:

@@ -52,7 +52,7 @@ def mean_probs_log(model, views: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([F.softmax(model(v).double(), 1) for v in views]).mean(0).log()
 
 
-def test_hflip_equals_plain_torch_on_eval_predict_and_onnx(digits_run, tmp_path):
+def test_hflip_equals_plain_torch_on_eval_predict_and_onnx(digits_run):
     """(a) eval, predict (torch) and the exported ONNX graph: log(mean(softmax(m(x)), softmax(m(x.flip(-1)))))."""
     run, _ = digits_run
     trained = load_run(run, "last")
@@ -65,6 +65,10 @@ def test_hflip_equals_plain_torch_on_eval_predict_and_onnx(digits_run, tmp_path)
     assert ev["loss"] == pytest.approx(F.nll_loss(ref, y).item(), abs=6e-8)
     # float32 top-1 (torchmetrics) against the float64 ratio: measured 1.2e-8; one image would be 1/360 = 2.8e-3
     assert ev["top1"] == pytest.approx((ref.argmax(1) == y).double().mean().item(), abs=3.6e-8)
+    # the report's confusion matrix and worst mistakes: the same predictions
+    from torchsprint.report import predictions
+
+    assert predictions(trained, 0)["preds"] == ref.argmax(1).tolist()
     # predict: the run's eval.tta by default; logits on the same uint8 batch and the reported probabilities
     pred = Predictor.from_run(run, "last")
     got = pred.logits(x8)
@@ -72,8 +76,8 @@ def test_hflip_equals_plain_torch_on_eval_predict_and_onnx(digits_run, tmp_path)
     top = pred.predict(list(x8[:5]), topk=1)
     assert [r["top"][0]["prob"] for r in top] == pytest.approx(ref[:5].exp().max(1).values.tolist(), abs=1.4e-7)  # 4.8e-8
     # the ONNX graph holds the views and the combination: ONNX Runtime on the normalised batch
-    r = export(run, "onnx", weights="last", out=tmp_path / "m.onnx")
-    assert r["tta"] == "hflip" and r["max_abs_diff"] < 2.8e-6  # parity against the torch wrapper, measured 9.5e-7
+    r = export(run, "onnx", weights="last")  # the default file of the setting (test_bad_tta_... reads it too)
+    assert r["path"] == str(run / "export" / "model-tta-hflip.onnx") and r["tta"] == "hflip" and r["max_abs_diff"] < 2.8e-6  # parity against the torch wrapper, measured 9.5e-7
     got_onnx = onnx_logits(Path(r["path"]), x)
     assert (got_onnx.double() - ref).abs().max().item() < 4e-6  # measured 1.36e-6
     import onnx
@@ -188,7 +192,7 @@ def test_bad_tta_exits_2_with_one_line(digits_run, tmp_path, run_cli):
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in p.stderr, p.stderr
     onnx_file = run / "export" / "model-tta-hflip.onnx"
-    if not onnx_file.is_file():
-        export(run, "onnx", out=onnx_file)
+    if not onnx_file.is_file():  # exported by test_hflip_equals_... unless run alone
+        export(run, "onnx", weights="last", out=onnx_file)
     with pytest.raises(UsageError, match="holds eval.tta=hflip in its graph, not none"):
         Predictor.from_file(onnx_file, tta="none")

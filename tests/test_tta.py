@@ -61,6 +61,7 @@ def test_hflip_equals_plain_torch_on_eval_predict_and_onnx(digits_run):
     ref = mean_probs_log(trained.model, [x, x.flip(-1)])
     # eval: the loss is the NLL of the averaged probabilities and top-1 their argmax, over the 360 images
     ev = evaluate_run(run, "last")
+    assert ev["tta"] == "hflip"  # the run's own setting, said in the result (and by `torchsprint eval`)
     # measured 2.2e-8 (2 threads), 3.8e-9 (1 thread); loss 1.19 (0.86 without TTA)
     assert ev["loss"] == pytest.approx(F.nll_loss(ref, y).item(), abs=6e-8)
     # float32 top-1 (torchmetrics) against the float64 ratio: measured 1.2e-8; one image would be 1/360 = 2.8e-3

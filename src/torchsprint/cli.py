@@ -225,7 +225,8 @@ def cmd_eval(args) -> int:
         print(json.dumps(out))
     else:
         saved = ", ".join(f"{k} {out[k]}" for k in ("epoch", "step") if out.get(k) is not None)
-        print(f"{args.split} split, {args.weights} weights ({os.path.basename(out['weights'])}{', ' + saved if saved else ''}):")
+        tta = "" if out.get("tta", "none") == "none" else f", test-time augmentation {out['tta']}"
+        print(f"{args.split} split, {args.weights} weights ({os.path.basename(out['weights'])}{', ' + saved if saved else ''}){tta}:")
         for k in ("top1", "top5", "loss", "count"):
             if k in out:
                 print(f"{k:>6}: {out[k]:.4f}" if isinstance(out[k], float) else f"{k:>6}: {out[k]}")

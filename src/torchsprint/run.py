@@ -562,7 +562,7 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     from torchsprint.checkpoint import read_safetensors_metadata
 
     meta = read_safetensors_metadata(wpath)  # which weights these are: the epoch and step they were saved at
-    out["weights"], out["split"] = str(wpath), split
+    out["weights"], out["split"], out["tta"] = str(wpath), split, cfg.eval.tta
     out["epoch"] = int(meta["epoch"]) if meta.get("epoch", "").isdigit() else None
     out["step"] = int(meta["step"]) if meta.get("step", "").isdigit() else None
     return out

@@ -517,6 +517,8 @@ PROBES = {
     "eval.per_class": lambda t: (run(t)[1] / "confusion_matrix.csv").exists() and
         not (run(t, "eval.per_class=false")[1] / "confusion_matrix.csv").exists() or pytest.fail(),
     "eval.threshold": lambda t: refused("eval.threshold=0.7", match="task=classification does not use it"),
+    "eval.tta": lambda t: elsewhere("test_tta.py::test_validation_during_training_uses_tta_and_tta_changes_the_figures")
+    or refused("eval.tta=five_crop", match="must end with center_crop"),
 }
 def probe_wandb(tmp, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is optional; the dev extra installs it")

@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data.build", ["data.build", "data.detect"]),
     ("models.core", ["models.core"]),
     ("models", ["models.nets", "models.init"]),
-    ("tasks", ["tasks"]),
+    ("tasks", ["tasks", "tta"]),
     ("config", ["config_files", "config", "saved_config"]),
     ("plan", ["plan"]),
     ("engine", ["engine", "batch_size", "distill"]),

@@ -51,7 +51,8 @@ def args_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
     p.add_argument("--split", choices=["val", "test"], default="val",
                    help="which split: val, or test (image_folder: the test/ folder beside train/)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. data.eval_batch_size=256")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. data.eval_batch_size=256 or eval.tta=hflip (test-time augmentation)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
 
@@ -63,6 +64,8 @@ def args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uint8-input", action="store_true", help="fold normalisation into the graph: input is uint8 NCHW")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset version")
     p.add_argument("--tolerance", type=float, default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
+    p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
+                   help="test-time augmentation held in the exported graph (default: the run's eval.tta)")
 
 
 def args_predict(p: argparse.ArgumentParser) -> None:
@@ -79,6 +82,8 @@ def args_predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="FILE", help="write results to FILE (.jsonl or .csv)")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
+    p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
+                   help="test-time augmentation (default: the run's eval.tta; an exported graph's own)")
 
 
 def args_data(p: argparse.ArgumentParser) -> None:
@@ -220,7 +225,8 @@ def cmd_eval(args) -> int:
         print(json.dumps(out))
     else:
         saved = ", ".join(f"{k} {out[k]}" for k in ("epoch", "step") if out.get(k) is not None)
-        print(f"{args.split} split, {args.weights} weights ({os.path.basename(out['weights'])}{', ' + saved if saved else ''}):")
+        tta = "" if out.get("tta", "none") == "none" else f", test-time augmentation {out['tta']}"
+        print(f"{args.split} split, {args.weights} weights ({os.path.basename(out['weights'])}{', ' + saved if saved else ''}){tta}:")
         for k in ("top1", "top5", "loss", "count"):
             if k in out:
                 print(f"{k:>6}: {out[k]:.4f}" if isinstance(out[k], float) else f"{k:>6}: {out[k]}")

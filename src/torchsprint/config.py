@@ -428,6 +428,16 @@ class EvalConfig(Section):
     per_class: bool = Field(True, description="Per-class precision/recall/F1 and a confusion matrix (CSV and PNG).")
     threshold: float = Field(0.5, gt=0, lt=1, description="task=multilabel: a label is predicted when its probability is at "
                              "least this (F1 and `torchsprint predict`).")
+    tta: Literal["none", "hflip", "five_crop", "ten_crop"] = Field(
+        "none", description="Test-time augmentation, the same on every path (validation, `torchsprint eval`, `predict`, "
+        "and `export`, whose graph holds it): hflip (the image and its mirror), five_crop (four corners and the centre, "
+        "torchvision's FiveCrop), ten_crop (the five crops and their mirrors, TenCrop). Multi-crop cuts crops of the "
+        "eval size S (data.eval.transforms' final center_crop: S) from the centre square of the image as the eval spec's "
+        "resize leaves it (a resize larger than S must precede the crop; S/0.875 is usual, e.g. resize: 146, "
+        "center_crop: 128). Class scores average the views' probabilities (softmax; "
+        "sigmoid per label), not their logits: the ensemble's predictive distribution, which one overconfident view "
+        "cannot dominate; the outputs are the logits of those averaged probabilities, so val/loss is its NLL. "
+        "image_to_image: hflip only, outputs flipped back and averaged. Costs one forward pass per view.")
 
 
 class Config(Section):

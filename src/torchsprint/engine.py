@@ -23,6 +23,7 @@ from torchsprint.parallel import no_sync, unwrap
 from torchsprint.preempt import Stopper
 from torchsprint.rng import rng_isolated
 from torchsprint.runtime import fault_step, kill_self
+from torchsprint.tta import wrap_tta
 
 NO_EMA = NoEma()
 NO_LIMITS = SimpleNamespace(stop_after_steps=None, max_time=None, stop_signals=())  # a Stopper that only obeys `stop`
@@ -299,8 +300,8 @@ class Validation:
         """Evaluate after step state.global_step; True when early_stop says stop (state.stopped_epoch set)."""
         plan, ema, logger, monitor = self.plan, self.ema, self.logger, self.plan.monitor
 
-        def evaluate_here(m):
-            return evaluate(m, self.loaders.val, self.loss_fn, self.prec, self.make_metrics())
+        def evaluate_here(m):  # with eval.tta, the views' combined outputs (tta.py); the loader loads for them
+            return evaluate(wrap_tta(m, plan.tta), self.loaders.val, self.loss_fn, self.prec, self.make_metrics())
 
         self.last = {f"val/{k}": v for k, v in evaluate_here(self.model).items()}
         if ema.evaluates:

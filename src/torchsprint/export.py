@@ -35,15 +35,17 @@ class WithNormalize(nn.Module):
 
 
 def sample_batch(trained, n: int = 8) -> torch.Tensor:
-    """A uint8 batch of validation images after the eval spec (the exact input the model saw in eval)."""
+    """A uint8 batch of validation images after the eval spec (the exact input the model saw in eval; with
+    multi-crop eval.tta, the larger image the crops come from: tta.loading_spec)."""
     from torchsprint import runtime
     from torchsprint.data import build_loaders
     from torchsprint.tasks import get_task
+    from torchsprint.tta import with_loading_spec
 
     cfg = trained.cfg.model_copy(deep=True)
     cfg.data.backend, cfg.data.num_workers = "cpu", 0  # the reference CPU path; its raw uint8 batches
     rt = runtime.Runtime(device=torch.device("cpu"))
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, allowed=("cpu", "gpu"))
+    loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), rt, seed=cfg.run.seed, allowed=("cpu", "gpu"))
     loaders.val.set_epoch(0)
     task = get_task(cfg.task)
     for batch in loaders.val.loader:
@@ -57,13 +59,24 @@ def normalize(x_uint8: torch.Tensor, pipeline) -> torch.Tensor:
     return DeviceNormalize(pipeline.mean, pipeline.std, x_uint8.device)(x_uint8)
 
 
-@EXPORTERS.register("onnx")
-def export_onnx(trained, out: Path, *, uint8_input: bool, opset: int | None, example: torch.Tensor) -> Path:
-    """ONNX with a dynamic batch dimension and torchsprint metadata (classes, input size, eval spec)."""
-    import onnx
+def graph_module(trained, uint8_input: bool, tta) -> nn.Module:
+    """What a graph format exports: the model, with the normalisation folded in for uint8 input, and eval.tta's
+    views and combination around it (`tta`: a tta.TtaPlan or None)."""
+    from torchsprint.tta import wrap_tta
 
     p = trained.pipeline
     module = WithNormalize(trained.model, p.mean, p.std).eval() if uint8_input else trained.model
+    return wrap_tta(module, tta).eval()
+
+
+@EXPORTERS.register("onnx")
+def export_onnx(trained, out: Path, *, uint8_input: bool, opset: int | None, example: torch.Tensor, tta=None) -> Path:
+    """ONNX with a dynamic batch dimension and torchsprint metadata (classes, input size, eval spec, eval.tta: the
+    graph holds `tta`'s views and combination, so ONNX Runtime's output is torchsprint's with it)."""
+    import onnx
+
+    p = trained.pipeline
+    module = graph_module(trained, uint8_input, tta)
     x = example if uint8_input else normalize(example, p)
     batch = torch.export.Dim("batch", min=1)
     kw = dict(input_names=["images"], output_names=["logits"], opset_version=opset)
@@ -77,7 +90,8 @@ def export_onnx(trained, out: Path, *, uint8_input: bool, opset: int | None, exa
             except Exception as e2:
                 raise UsageError(f"ONNX export failed: {type(e).__name__}: {str(e)[:300]}; legacy exporter: {e2}") from None
     model = onnx.load(str(out))
-    meta = trained.metadata() | {"input_dtype": "uint8" if uint8_input else "float32", "normalized_in_graph": str(uint8_input)}
+    meta = trained.metadata() | {"input_dtype": "uint8" if uint8_input else "float32", "normalized_in_graph": str(uint8_input),
+                                 "tta": tta.name if tta else "none"}
     del model.metadata_props[:]
     for k, v in meta.items():
         model.metadata_props.add(key=k, value=v)
@@ -86,8 +100,9 @@ def export_onnx(trained, out: Path, *, uint8_input: bool, opset: int | None, exa
 
 
 @EXPORTERS.register("safetensors")
-def export_safetensors(trained, out: Path, *, uint8_input: bool, opset, example) -> Path:
-    """Weights + metadata (classes, config, eval spec): loadable by safetensors alone or by torchsprint predict."""
+def export_safetensors(trained, out: Path, *, uint8_input: bool, opset, example, tta=None) -> Path:
+    """Weights + metadata (classes, config, eval spec): loadable by safetensors alone or by torchsprint predict.
+    The weights are the plain model's; eval.tta travels in the config (predict applies it)."""
     from torchsprint.checkpoint import save_weights
 
     save_weights(out, trained.model, trained.metadata())
@@ -95,20 +110,21 @@ def export_safetensors(trained, out: Path, *, uint8_input: bool, opset, example)
 
 
 @EXPORTERS.register("torchscript")
-def export_torchscript(trained, out: Path, *, uint8_input: bool, opset, example) -> Path:
-    """A traced TorchScript module (uint8 input when asked) with metadata in `_extra_files['torchsprint.json']`."""
+def export_torchscript(trained, out: Path, *, uint8_input: bool, opset, example, tta=None) -> Path:
+    """A traced TorchScript module (uint8 input when asked; eval.tta in the graph) with metadata in
+    `_extra_files['torchsprint.json']`."""
     p = trained.pipeline
-    module = WithNormalize(trained.model, p.mean, p.std).eval() if uint8_input else trained.model
+    module = graph_module(trained, uint8_input, tta)
     x = example if uint8_input else normalize(example, p)
     with torch.no_grad():
         traced = torch.jit.trace(module, (x,))
-    meta = trained.metadata() | {"input_dtype": "uint8" if uint8_input else "float32"}
+    meta = trained.metadata() | {"input_dtype": "uint8" if uint8_input else "float32", "tta": tta.name if tta else "none"}
     torch.jit.save(traced, str(out), _extra_files={"torchsprint.json": json.dumps(meta)})
     return out
 
 
 @EXPORTERS.register("tensorrt")
-def export_tensorrt(trained, out: Path, *, uint8_input: bool, opset, example) -> Path:
+def export_tensorrt(trained, out: Path, *, uint8_input: bool, opset, example, tta=None) -> Path:
     """A serialized TensorRT engine (`out`, .engine) built from the ONNX export with TensorRT's own builder
     and ONNX parser, for batches of 1 to max(64, len(example)) images. Refused, with the reason, where
     TensorRT or a GPU is missing or the parser/builder fails; `export` then runs the engine and checks
@@ -123,7 +139,7 @@ def export_tensorrt(trained, out: Path, *, uint8_input: bool, opset, example) ->
                          "Export --format onnx here and build the engine on the target GPU (trtexec --onnx=...).")
     # The ONNX the engine is built from, beside the engine (`out` is export()'s temp name of it; removed with it).
     onnx_path = out.with_name(out.name + ".onnx")
-    export_onnx(trained, onnx_path, uint8_input=uint8_input, opset=opset, example=example)
+    export_onnx(trained, onnx_path, uint8_input=uint8_input, opset=opset, example=example, tta=tta)
     try:
         return _build_engine(trt, onnx_path, out, example)
     finally:
@@ -181,10 +197,13 @@ def onnx_logits(path: Path, x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
 
 
-def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bool) -> float | None:
-    """max |logits(PyTorch) - logits(exported)| on the same batch; None where no runtime check applies."""
+def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bool, tta=None) -> float | None:
+    """max |logits(PyTorch) - logits(exported)| on the same batch; None where no runtime check applies.
+    `tta` (tta.TtaPlan or None): both sides with eval.tta (the torch side through the same tta.py wrapper)."""
+    from torchsprint.tta import wrap_tta
+
     with torch.no_grad():
-        ref = trained.model(normalize(example, trained.pipeline))
+        ref = wrap_tta(trained.model, tta)(normalize(example, trained.pipeline))
     x = example if uint8_input else normalize(example, trained.pipeline)
     if fmt == "onnx":
         got = onnx_logits(path, x)
@@ -208,7 +227,7 @@ def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bo
         from torchsprint.trained import load_weights_file
 
         with torch.no_grad():
-            got = load_weights_file(path).model(normalize(example, trained.pipeline))
+            got = wrap_tta(load_weights_file(path).model, tta)(normalize(example, trained.pipeline))
     else:
         return None
     return (ref - got).abs().max().item()
@@ -217,21 +236,33 @@ def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bo
 EXTENSIONS = {"onnx": ".onnx", "safetensors": ".safetensors", "torchscript": ".pt", "tensorrt": ".engine"}
 
 
+def default_out(run_dir: str | Path, fmt: str, uint8_input: bool, tta: str) -> Path:
+    """<run>/export/model[-uint8][-tta-NAME].<ext>: one file per input type and eval.tta (a graph holds its TTA)."""
+    return Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{'' if tta == 'none' else '-tta-' + tta}{EXTENSIONS[fmt]}"
+
+
 def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out: str | Path | None = None,
-           uint8_input: bool = False, opset: int | None = None, tolerance: float = 1e-3) -> dict:
+           uint8_input: bool = False, opset: int | None = None, tolerance: float = 1e-3, tta: str | None = None) -> dict:
     """Export a run's weights and check them against PyTorch on a validation batch.
 
-    Returns {"path", "format", "max_abs_diff"}; raises UsageError when the difference exceeds `tolerance`.
+    `tta`: eval.tta for the export (None: the run's own): graph formats (onnx, torchscript, tensorrt) hold its
+    views and combination, safetensors carries it in its config. Returns {"path", "format", "max_abs_diff", "tta"};
+    raises UsageError when the difference exceeds `tolerance`.
     """
     from torchsprint.saved_config import naming_imports
     from torchsprint.tasks import get_task
     from torchsprint.trained import load_run
+    from torchsprint.tta import plan_tta
 
     trained = load_run(run_dir, weights)
-    get_task(trained.cfg.task).check_export(fmt)
+    task = get_task(trained.cfg.task)
+    task.check_export(fmt)
+    tta = tta or trained.cfg.eval.tta
+    plan = plan_tta(tta, task, trained.cfg.data.eval.transforms)
+    trained.cfg.eval.tta = tta  # the config in the metadata says which TTA was exported
     from torchsprint.rundir import writable_file
 
-    out = Path(out) if out else Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{EXTENSIONS[fmt]}"
+    out = Path(out) if out else default_out(run_dir, fmt, uint8_input, tta)
     writable_file(out, "--out")  # before the (slow) export, not after it
     with naming_imports(trained.cfg.imports, run_dir):  # the run's dataset may come from a module it lists
         example = sample_batch(trained)
@@ -240,8 +271,8 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
     # never leaves a torn file, and a file under the final name has passed its parity check.
     try:
         with atomic_path(out) as tmp:
-            EXPORTERS.get(fmt)(trained, tmp, uint8_input=uint8_input, opset=opset, example=example)
-            diff = parity(fmt, tmp, trained, example, uint8_input)
+            EXPORTERS.get(fmt)(trained, tmp, uint8_input=uint8_input, opset=opset, example=example, tta=plan)
+            diff = parity(fmt, tmp, trained, example, uint8_input, plan)
             # A TensorRT engine is held to top-1 agreement (parity raises otherwise); its logits difference is reported.
             if fmt != "tensorrt" and diff is not None and not diff <= tolerance:
                 raise UsageError(f"export parity check failed: max |logits difference| = {diff:.3g} > tolerance "
@@ -249,13 +280,14 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
                                  "was not written.")
     except OSError as e:  # the disk filled up or the folder changed under us
         raise UsageError(f"could not write {out}: {e.strerror or e}. Free disk space or choose another --out.") from None
-    return {"path": str(out), "format": fmt, "max_abs_diff": diff, "images_checked": len(example)}
+    return {"path": str(out), "format": fmt, "max_abs_diff": diff, "images_checked": len(example), "tta": tta}
 
 
 def export_cli(args) -> int:
     r = export(args.run, args.format, weights=args.weights, out=args.out, uint8_input=args.uint8_input,
-               opset=args.opset, tolerance=args.tolerance)
+               opset=args.opset, tolerance=args.tolerance, tta=getattr(args, "tta", None))
     diff = "n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3g}"
-    print(f"exported {r['format']}: {r['path']}\nparity: max |logits difference| vs PyTorch = {diff} "
+    print(f"exported {r['format']}: {r['path']}{'' if r['tta'] == 'none' else ' (eval.tta=' + r['tta'] + ')'}\n"
+          f"parity: max |logits difference| vs PyTorch = {diff} "
           f"on {r['images_checked']} validation images (tolerance {args.tolerance})")
     return 0

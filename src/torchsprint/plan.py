@@ -111,6 +111,7 @@ class RunPlan:
     mode: str  # "max" | "min"
     early_stop_patience: int | None
     early_stop_min_delta: float
+    tta: object = None  # tta.TtaPlan of eval.tta (None: off): every evaluation of the run wraps the model with it
     distill: dict | None = None  # the teacher distill.build_teacher loaded (model, file, fingerprint...); None: off
 
     @property
@@ -131,6 +132,7 @@ def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torc
     the loaders were built with (None: decided here), `batch` the batch_size.BatchChoice (None: data.batch_size)."""
     from torchsprint.optim.optimizers import impl_in_use
     from torchsprint.tasks import get_task
+    from torchsprint.tta import plan_tta
 
     impl, impl_why = impl_in_use(opt, cfg.optim)
     inputs = inputs or decide_input_format(cfg.speed)
@@ -155,7 +157,7 @@ def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torc
         eval_every_steps=cfg.eval.every_steps, checkpoint_every_epochs=cfg.checkpoint.every_epochs,
         checkpoint_every_steps=cfg.checkpoint.every_steps, monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode,
         early_stop_patience=cfg.early_stop.patience, early_stop_min_delta=cfg.early_stop.min_delta,
-        distill=distill,
+        tta=plan_tta(cfg.eval.tta, get_task(cfg.task), cfg.data.eval.transforms), distill=distill,
     )
 
 
@@ -177,7 +179,7 @@ def decisions(plan: RunPlan, facts: dict) -> dict:
         # Where the batch size and accumulation came from (data.batch_size, auto's search, data.effective_batch_size).
         "batch_size_why": plan.batch_size_why, "batch_size_search": plan.batch_size_search,
         "steps_per_epoch": plan.steps_per_epoch, "epochs": plan.epochs,
-        "distill": plan.distill,
+        "eval_tta": plan.tta.name if plan.tta is not None else "none", "distill": plan.distill,
     }
 
 
@@ -231,6 +233,8 @@ def describe_decisions(d: dict) -> list[str]:
                  f"{d['steps_per_epoch']} steps per epoch, {d['epochs']} epochs")
     if d.get("batch_size_why", "data.batch_size") != "data.batch_size":
         lines.append(f"  batch size: {d['batch_size_why']}")
+    if d.get("eval_tta", "none") != "none":
+        lines.append(f"evaluation: eval.tta={d['eval_tta']} (test-time augmentation: probabilities averaged over the views)")
     lines.append(f"CUDA graphs {'on' if d['cuda_graphs'] else 'off'} ({d['cuda_graphs_why']}); optimizer update "
                  f"{d['optimizer_impl']} ({d['optimizer_impl_why']})")
     return lines

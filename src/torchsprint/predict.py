@@ -43,15 +43,22 @@ class Predictor:
 
     def __init__(self, forward, classes: list[str], in_channels: int, eval_transforms: list, data_cfg,
                  device: torch.device, batch_size: int = 64, uint8_input: bool = False, task: str = "classification",
-                 threshold: float = 0.5):
+                 threshold: float = 0.5, tta: str = "none", tta_in_forward: bool = False):
+        """`tta`: eval.tta (tta.py): images load with its spec (tta.loading_spec) and, unless `tta_in_forward`
+        (an exported graph that holds it), `forward` is wrapped to run the views and combine them."""
         from torchsprint.data.preprocess.normalize import DeviceNormalize
         from torchsprint.data.preprocess.transforms import compile_spec
         from torchsprint.tasks import get_task
+        from torchsprint.tta import loading_spec, plan_tta, wrap_tta
 
-        self.forward, self.classes, self.in_channels = forward, classes, in_channels
+        self.classes, self.in_channels = classes, in_channels
         self.task, self.threshold = get_task(task), threshold
         if "predict" in self.task.unsupported:
             raise UsageError(f"task={task}: predict is not supported: {self.task.unsupported['predict']}")
+        self.tta = tta
+        plan = plan_tta(tta, self.task, eval_transforms)
+        self.forward = forward if tta_in_forward else wrap_tta(forward, plan)
+        eval_transforms = loading_spec(eval_transforms, tta)  # multi-crop: the larger image the crops come from
         self.pipeline = compile_spec(eval_transforms, "data.eval.transforms", in_channels)
         self.normalize = None if uint8_input else DeviceNormalize(self.pipeline.mean, self.pipeline.std, device)
         self.data_cfg, self.device, self.batch_size = data_cfg, device, batch_size
@@ -69,21 +76,26 @@ class Predictor:
 
     @classmethod
     def from_run(cls, run_dir: str | Path, weights: str = "best", backend: str = "torch", device: str = "cpu",
-                 batch_size: int = 64) -> Predictor:
-        """Use a run folder's best/last weights (torch) or export them to ONNX first (onnx)."""
-        if backend == "onnx":
-            from torchsprint.export import export
+                 batch_size: int = 64, tta: str | None = None) -> Predictor:
+        """Use a run folder's best/last weights (torch) or export them to ONNX first (onnx).
 
-            path = Path(run_dir) / "export" / "model.onnx"
+        `tta`: eval.tta for these predictions (None: the run's own eval.tta)."""
+        if backend == "onnx":
+            from torchsprint.export import default_out, export
+            from torchsprint.saved_config import load_run_config
+
+            tta = tta or load_run_config(run_dir).eval.tta
+            path = default_out(run_dir, "onnx", False, tta)  # one file per eval.tta: the graph holds it
             if not path.is_file():
-                export(run_dir, "onnx", weights=weights, out=path)
-            return cls.from_file(path, device=device, batch_size=batch_size)
+                export(run_dir, "onnx", weights=weights, out=path, tta=tta)
+            return cls.from_file(path, device=device, batch_size=batch_size, tta=tta)
         from torchsprint.trained import load_run
 
-        return cls.from_trained(load_run(run_dir, weights, device), device, batch_size)
+        return cls.from_trained(load_run(run_dir, weights, device), device, batch_size, tta=tta)
 
     @classmethod
-    def from_trained(cls, trained, device: str = "cpu", batch_size: int = 64) -> Predictor:
+    def from_trained(cls, trained, device: str = "cpu", batch_size: int = 64, tta: str | None = None) -> Predictor:
+        """`tta`: eval.tta for these predictions (None: the config's eval.tta)."""
         dev = torch.device(device)
         model = trained.model.to(dev).eval()
 
@@ -92,17 +104,20 @@ class Predictor:
             return model(x).float()
 
         return cls(forward, trained.classes, trained.in_channels, trained.cfg.data.eval.transforms, trained.cfg.data,
-                   dev, batch_size, task=trained.cfg.task, threshold=trained.cfg.eval.threshold)
+                   dev, batch_size, task=trained.cfg.task, threshold=trained.cfg.eval.threshold,
+                   tta=tta or trained.cfg.eval.tta)
 
     @classmethod
-    def from_file(cls, path: str | Path, device: str = "cpu", batch_size: int = 64) -> Predictor:
-        """An exported .onnx (onnxruntime) or .safetensors (torch) file with torchsprint metadata."""
+    def from_file(cls, path: str | Path, device: str = "cpu", batch_size: int = 64, tta: str | None = None) -> Predictor:
+        """An exported .onnx (onnxruntime) or .safetensors (torch) file with torchsprint metadata.
+
+        `tta`: eval.tta (None: the file's own). An ONNX graph holds its eval.tta (export --tta): another is refused."""
 
         path = Path(path)
         if path.suffix == ".safetensors":
             from torchsprint.trained import load_weights_file
 
-            return cls.from_trained(load_weights_file(path, device), device, batch_size)
+            return cls.from_trained(load_weights_file(path, device), device, batch_size, tta=tta)
         if path.suffix != ".onnx":
             raise UsageError(f"{path}: predict takes a run folder, a .onnx or a .safetensors file.")
         if not path.is_file():
@@ -118,6 +133,10 @@ class Predictor:
 
         cfg = file_config(json.loads(meta["config"]), path)
         uint8 = meta.get("input_dtype") == "uint8"
+        in_graph = meta.get("tta", "none")  # files exported before eval.tta existed hold none
+        if tta is not None and tta != in_graph:
+            raise UsageError(f"{path} holds eval.tta={in_graph} in its graph, not {tta}: export the run again with "
+                             f"`torchsprint export --tta {tta}`, or leave --tta out.")
         name = sess.get_inputs()[0].name
 
         def forward(x):
@@ -126,7 +145,8 @@ class Predictor:
         forward.session = sess  # which providers ran (benchmarks/predict_throughput.py)
 
         return cls(forward, json.loads(meta["classes"]), int(meta["in_channels"]), json.loads(meta["eval_transforms"]),
-                   cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8, task=cfg.task, threshold=cfg.eval.threshold)
+                   cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8, task=cfg.task, threshold=cfg.eval.threshold,
+                   tta=in_graph, tta_in_forward=True)
 
     def _load_many(self, paths: list[str]) -> list[torch.Tensor | str]:
         """Decode and apply the eval spec to each file, exactly as the eval loader does; on self.device.
@@ -404,10 +424,11 @@ def predict_cli(args) -> int:
         writable_file(args.out, "--out")
     out_dir = Path(getattr(args, "out_dir", None) or "predictions")
     target = Path(args.run)
+    tta = getattr(args, "tta", None)
     if target.is_dir():
-        predictor = Predictor.from_run(target, args.weights, args.backend, args.device, args.batch_size)
+        predictor = Predictor.from_run(target, args.weights, args.backend, args.device, args.batch_size, tta=tta)
     else:
-        predictor = Predictor.from_file(target, args.device, args.batch_size)
+        predictor = Predictor.from_file(target, args.device, args.batch_size, tta=tta)
     if predictor.task.name == "image_to_image":
         writable_file(out_dir / "probe.png", "--out-dir")
     results = predictor.predict(args.inputs, topk=args.topk, threshold=getattr(args, "threshold", None))

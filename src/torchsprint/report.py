@@ -99,21 +99,26 @@ def curve_panels(records: list[dict], monitor: str) -> list[dict]:
 
 def predictions(trained, wrong: int) -> dict:
     """One pass of the model over the validation set (the cpu backend's reference path): predicted and true
-    classes, and the `wrong` most confident mistakes with the uint8 images the model saw."""
+    classes, and the `wrong` most confident mistakes with the uint8 images the model saw. With the run's
+    eval.tta, as its validation ran (the images shown are then the loaded ones the views come from)."""
     from torchsprint import runtime
     from torchsprint.data import build_loaders
     from torchsprint.data.preprocess.normalize import DeviceNormalize
+    from torchsprint.tasks import get_task
+    from torchsprint.tta import plan_tta, with_loading_spec, wrap_tta
 
     cfg = trained.cfg.model_copy(deep=True)
     cfg.data.backend, cfg.data.num_workers = "cpu", 0
     cfg.data.cpu_fraction, cfg.data.fallback = 0.0, None
-    loaders = build_loaders(cfg.data, runtime.Runtime(torch.device("cpu")), seed=cfg.run.seed, allowed=("cpu",))
+    model = wrap_tta(trained.model, plan_tta(cfg.eval.tta, get_task(cfg.task), cfg.data.eval.transforms))
+    loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), runtime.Runtime(torch.device("cpu")),
+                            seed=cfg.run.seed, allowed=("cpu",))
     norm = DeviceNormalize(loaders.info.mean, loaders.info.std, torch.device("cpu"))
     loaders.val.set_epoch(0)
     preds, targets, heap, n = [], [], [], 0
     with torch.inference_mode():
         for images, target, _skipped in loaders.val.loader:
-            probs = torch.softmax(trained.model(norm(images)).float(), dim=1)
+            probs = torch.softmax(model(norm(images)).float(), dim=1)
             conf, pred = probs.max(dim=1)
             preds += pred.tolist()
             targets += target.tolist()

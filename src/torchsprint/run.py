@@ -20,6 +20,7 @@ from torchsprint.config import import_modules
 from torchsprint.errors import UsageError
 from torchsprint.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
 from torchsprint.saved_config import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
+from torchsprint.tta import first_view, plan_tta, with_loading_spec, wrap_tta
 
 
 def on_main(rt, fn):
@@ -64,15 +65,18 @@ def environment(rt, seed: int) -> dict:
     }
 
 
-def materialize_lazy(model, loader) -> None:
-    """Run one no-grad forward when the model has lazy modules (LazyLinear) so shapes are known."""
+def materialize_lazy(model, loader, tta=None) -> None:
+    """Run one no-grad forward when the model has lazy modules (LazyLinear) so shapes are known.
+
+    `tta` (tta.TtaPlan or None): with multi-crop the eval loader's images are larger than the model's input;
+    one view of them is its shape."""
     from torch.nn.parameter import UninitializedParameter
 
     if any(isinstance(p, UninitializedParameter) for p in model.parameters()):
         loader.set_epoch(0)
         images, _ = next(iter(loader))
         with torch.no_grad():
-            model(images[:1])
+            model(first_view(images[:1], tta))
 
 
 @dataclass
@@ -128,8 +132,9 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     cfg = resolved_config(cfg, batch)
     check_imbalance(cfg, task.targets)
     inputs = decide_input_format(cfg.speed)  # (channels_last batches, why): the loaders and the plan read this
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=inputs[0], allowed=task.backends,
-                            splits=batch.splits)
+    # eval.tta=five_crop/ten_crop loads larger eval images, to crop from (tta.loading_spec); training is unchanged
+    loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), rt, seed=cfg.run.seed, channels_last=inputs[0],
+                            allowed=task.backends, splits=batch.splits)
     batch.splits = None  # the run's loaders hold the data set now
     if cfg.eval.test_at_end and loaders.info.facts.get("images", {}).get("test") is None:
         raise UsageError(f"eval.test_at_end=true: data.dataset={cfg.data.dataset} (root={cfg.data.root}) has no test split "
@@ -139,7 +144,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     teacher, distill = build_teacher(cfg.distill, info, rt.device, prec, cfg.speed.channels_last, log) if distilling \
         else (None, None)  # after the data (its classes), before the student model and the run folder
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
-    materialize_lazy(model, loaders.val)
+    materialize_lazy(model, loaders.val, plan_tta(cfg.eval.tta, task, cfg.data.eval.transforms))
     init_record: dict = {}
     how = init_model(model, cfg.model, ckpt, log, init_record, info.num_classes)
     log(f"model {cfg.model.name}: initialised from "
@@ -399,9 +404,10 @@ def evaluate_test(cfg, rt, b: Built, run_dir: Path, task, logger, step: int) -> 
 
     state = load_file(str(run_dir / "best.safetensors")) if rt.is_main else None
     unwrap(b.model).load_state_dict(broadcast_object(state, rt))
-    loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=b.plan.channels_last_inputs, split="test",
-                            allowed=EVAL_BACKENDS)
-    out = evaluate(b.model, loaders.val, b.loss_fn, b.prec, task.make_metrics(loaders.info, cfg.eval, rt.device))
+    loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), rt, seed=cfg.run.seed,
+                            channels_last=b.plan.channels_last_inputs, split="test", allowed=EVAL_BACKENDS)
+    tta = plan_tta(cfg.eval.tta, task, cfg.data.eval.transforms)
+    out = evaluate(wrap_tta(b.model, tta), loaders.val, b.loss_fn, b.prec, task.make_metrics(loaders.info, cfg.eval, rt.device))
     out = {f"test/{k}": v for k, v in out.items() if not isinstance(v, list)}
     logger.scalars(step, out, "test")  # at the last step: every sink's steps stay in order
     logger.info(f"test split, best weights: {task.summary({k.replace('test/', 'val/'): v for k, v in out.items()})}")
@@ -464,11 +470,13 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
         task.check(cfg)
         rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
         # Evaluation streams one split: auto picks cpu or gpu (the memory backend would decode the training set too).
-        loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, split=split, allowed=EVAL_BACKENDS)
+        plan = plan_tta(cfg.eval.tta, task, cfg.data.eval.transforms)  # eval.tta (an override or the run's own)
+        loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), rt, seed=cfg.run.seed, split=split,
+                                allowed=EVAL_BACKENDS)
         info = loaders.info
         check_data_task(cfg, info)
         model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
-        materialize_lazy(model, loaders.val)
+        materialize_lazy(model, loaders.val, plan)
     try:
         model.load_state_dict(load_file(str(wpath), device=str(rt.device)))
     except Exception as e:  # a truncated or corrupt file, or weights of another model
@@ -478,11 +486,11 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     metrics = task.make_metrics(info, cfg.eval, rt.device)
     with naming_imports(cfg.imports, run_dir):
         loss_fn = build_run_loss(cfg, task.targets, info).to(rt.device)
-    out = evaluate(model, loaders.val, loss_fn, Precision(cfg.precision.mode, rt.device), metrics)
+    out = evaluate(wrap_tta(model, plan), loaders.val, loss_fn, Precision(cfg.precision.mode, rt.device), metrics)
     from torchsprint.checkpoint import read_safetensors_metadata
 
     meta = read_safetensors_metadata(wpath)  # which weights these are: the epoch and step they were saved at
-    out["weights"], out["split"] = str(wpath), split
+    out["weights"], out["split"], out["tta"] = str(wpath), split, cfg.eval.tta
     out["epoch"] = int(meta["epoch"]) if meta.get("epoch", "").isdigit() else None
     out["step"] = int(meta["step"]) if meta.get("step", "").isdigit() else None
     return out

@@ -76,6 +76,9 @@ class Task:
                              f"{', '.join(self.backends)}). Set data.backend={self.backends[0]}.")
         if cfg.speed.channels_last is True and not self.channels_last:
             raise UsageError(f"task={self.name}: speed.channels_last applies to 4-D image batches only; set speed.channels_last=false.")
+        from torchsprint.tta import plan_tta
+
+        plan_tta(cfg.eval.tta, self, cfg.data.eval.transforms)  # refuses eval.tta where it has no meaning
         for key in ("topk", "per_class", "threshold"):
             value = getattr(cfg.eval, key)
             if key not in self.eval_fields and value != type(cfg.eval).model_fields[key].default:
@@ -276,7 +279,8 @@ def video() -> Task:
                 _write_confusion, _topk, backends=("cpu",), export_formats=("onnx", "safetensors"), channels_last=False,
                 artifact_files=CONFUSION_FILES,
                 example=_first_clip,
-                unsupported={"predict": "predict decodes image files; evaluate clips with `torchsprint eval` instead."})
+                unsupported={"predict": "predict decodes image files; evaluate clips with `torchsprint eval` instead.",
+                             "tta": "clips are averaged over time by multi_clip in data.eval.transforms instead."})
 
 
 __all__ = ["TASKS", "Task", "get_task", "apply_defaults", "check_data_task", "to_pixels"]

@@ -36,12 +36,18 @@ class Trained:
 
     def metadata(self) -> dict[str, str]:
         """String metadata stored in every export (ONNX metadata_props, safetensors header)."""
+        from torchsprint.data.preprocess.transforms import compile_spec
+        from torchsprint.tta import loading_spec
+
         p = self.pipeline
+        loaded = compile_spec(loading_spec(self.cfg.data.eval.transforms, self.cfg.eval.tta), "data.eval.transforms",
+                              self.in_channels)
         return {
             "format": "torchsprint",
             "classes": json.dumps(self.classes),
             "in_channels": str(self.in_channels),
-            "input_size": json.dumps(list(p.out_size) if p.out_size else None),
+            # The size predict loads images at: with multi-crop eval.tta, the larger image the crops come from.
+            "input_size": json.dumps(list(loaded.out_size) if loaded.out_size else None),
             "mean": json.dumps(list(p.mean)),
             "std": json.dumps(list(p.std)),
             "eval_transforms": json.dumps(self.cfg.data.eval.transforms),

@@ -23,8 +23,10 @@ from torchsprint.parallel import no_sync, unwrap
 from torchsprint.preempt import Stopper
 from torchsprint.rng import rng_isolated
 from torchsprint.runtime import fault_step, kill_self
+from torchsprint.swa import NoSwa
 
 NO_EMA = NoEma()
+NO_SWA = NoSwa()
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
 
 
@@ -342,7 +344,7 @@ class Validation:
 
 def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt, run_dir: Path,
         logger, saver, make_metrics, frozen_norms, weights_meta: dict, task=None, ema=NO_EMA,
-        head_only=NO_HEAD_ONLY, stop: Stopper | None = None) -> dict:
+        head_only=NO_HEAD_ONLY, stop: Stopper | None = None, swa=NO_SWA) -> dict:
     """Train for cfg.run.epochs (or cfg.run.max_steps) from `state`, evaluating and checkpointing.
 
     `stop` (preempt.Stopper; built from cfg.run when None) pauses the run after a step: run.stop_after_steps,
@@ -354,6 +356,8 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
     model (metrics ema/val/...), saved as ema.safetensors; best.safetensors holds the EMA weights when
     checkpoint.monitor names an ema/ metric.
     `head_only` (models.init.HeadOnly; a no-op when model.freeze_epochs=0): which parameters train in each epoch.
+    `swa` (swa.Swa or the no-op NoSwa): averages the weights at the end of each epoch from swa.start on (run.py
+    updates its BatchNorm statistics, evaluates and saves it after fit).
     Returns the summary: final and best validation metrics, time and throughput, why the run stopped, and
     `artifacts`: which weights each per-class file and figure describes (file name -> {weights, file, epoch, step}).
     """
@@ -380,6 +384,7 @@ def fit(model, loaders, loss_fn, opt, sched, prec, state: TrainState, *, cfg, rt
             raise RuntimeError("loader ended before the epoch did")  # a loader length bug, never expected
         if ep["finished_epoch"] and cfg.sched.interval == "epoch":
             sched.step()
+        swa.end_epoch(state.epoch, ep["finished_epoch"])  # before the epoch's checkpoint, which holds the average
         report_epoch(logger, state, ep, loaders.train, loaders.info.backend or cfg.data.backend)
         if not ep["finished_epoch"] and (pausing or state.stopped_epoch is not None):
             # Mid-epoch: a pause adds no evaluation (an uninterrupted run has none here); an early stop just evaluated.

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from torchsprint import config as config_mod
 from torchsprint.config import import_modules
 from torchsprint.errors import UsageError
 from torchsprint.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
+from torchsprint.swa import NoSwa
 from torchsprint.saved_config import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
 from torchsprint.tasks import IMBALANCED
 
@@ -93,6 +94,7 @@ class Built:
     batch: object  # batch_size.BatchChoice: the batch size, accumulation and why
     head_only: object = None  # models.init.HeadOnly of model.freeze_epochs (the no-op NO_HEAD_ONLY when off)
     cuda_graphs: object = None  # parallel.GraphsDecision: speed.cuda_graphs as resolved for this run
+    swa: object = field(default_factory=NoSwa)  # swa.Swa, or the no-op swa.NoSwa
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
@@ -111,6 +113,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.optim.schedulers import build_scheduler
     from torchsprint.parallel import channels_last_on, decide_cuda_graphs, unwrap, wrap_model
     from torchsprint.precision import Precision
+    from torchsprint.swa import build_swa
 
     # speed.cuda_graphs decided once: the capture, autocast's cache and decisions.json all read `graphs`.
     graphs = decide_cuda_graphs(cfg.speed, cfg.strategy, rt.device, rt.world_size, cfg.data.drop_last,
@@ -151,12 +154,14 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     head = head_only(model, cfg.model, log)  # the body's parameters, before wrapping (they stay the same tensors)
     channels_last = channels_last_on(cfg.speed.channels_last, model)
     ema = build_ema(cfg.ema, model, rt.device, channels_last)  # copied before wrap_model: plain and fp32
+    swa = build_swa(cfg.swa, model, cfg.run.epochs, rt.device, channels_last)  # the same
     model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
                        example=lambda: next(iter(loaders.train))[0], accum_steps=cfg.optim.accum_steps,
                        frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None, cuda_graphs=graphs)
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
+    swa.attach(unwrap(model))
     if mixing:  # after the loader, so every backend's batches are mixed the same way
         loaders.train = wrap_mix(loaders.train, cfg.mix, info.num_classes, cfg.run.seed, rt.rank, rt.world_size)
     loaders.train = agree_on_data(loaders.train, rt)  # ranks stop together when one runs out of data
@@ -174,6 +179,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     if cfg.run.max_steps is not None:
         epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
     sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
+    sched = swa.schedule(sched, opt)  # swa.enabled: SWALR takes over from swa.start (the same object otherwise)
     loss_fn = build_run_loss(cfg, task.targets, info, log).to(rt.device)
     if cfg.early_stop.patience is None and cfg.early_stop.min_delta != 0:
         raise UsageError(f"early_stop.min_delta={cfg.early_stop.min_delta} has no effect without early_stop.patience; "
@@ -183,7 +189,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
     head.apply(0)  # built as epoch 1 trains (fit sets it again at every epoch, resumed or not)
-    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head, graphs)
+    return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head, graphs,
+                 swa)
 
 
 def check_imbalance(cfg, targets: str) -> None:
@@ -312,17 +319,22 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             logger.info(line)
         if rt.is_main:
             (run_dir / "decisions.json").write_text(json.dumps(decided, indent=1))
+        if b.swa.enabled:
+            from torchsprint.swa import describe
+
+            logger.info(describe(b.swa, cfg.run.epochs))
         geometry = data_geometry(cfg, rt.world_size)
         state = TrainState()
         if ckpt is not None:
             state = restore(ckpt, b.opt, b.sched, b.prec, rt, geometry, logger.info)
             b.ema.load_state_dict(ckpt.get("ema"), logger.info)
+            b.swa.load_state_dict(ckpt.get("swa"), state.epoch, logger.info)
             logger.info(f"resuming at epoch {state.epoch + 1}, step {state.global_step} "
                         f"({state.step_in_epoch} step(s) into the epoch) from {resume_path}")
         resolved = config_mod.to_dict(cfg)
         saver = Saver(run_dir, cfg.checkpoint, rt, {"classes": info.classes, "config": resolved}, geometry=geometry,
                       resumed_step=state.global_step if ckpt is not None else None, log=logger.info, ema=b.ema,
-                      flush_logs=logger.flush)
+                      flush_logs=logger.flush, swa=b.swa)
         weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name, "in_channels": str(info.in_channels),
                         "format": "torchsprint", "task": cfg.task, "config": json.dumps(resolved)}
         # Stop signals are handled (a flag, no exception) from the first step until the run's files are written.
@@ -333,7 +345,9 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
                     b.model, b.loaders, b.loss_fn, b.opt, b.sched, b.prec, state, cfg=cfg, rt=rt, run_dir=run_dir,
                     logger=logger, saver=saver, frozen_norms=b.frozen_norms, weights_meta=weights_meta, task=task,
                     ema=b.ema, head_only=b.head_only, make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device), stop=stop,
+                    swa=b.swa,
                 )
+                finish_swa(cfg, rt, b, run_dir, task, logger, summary, weights_meta)
                 finish_summary(cfg, rt, b, run_dir, task, logger, summary)
         except RuntimeError as e:
             if is_oom(e):  # the checkpoints saved so far are whole files (atomic writes): the message names the last
@@ -355,6 +369,38 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         if lock is not None:
             lock.release()
         runtime.teardown(rt, clean)
+
+
+def finish_swa(cfg, rt, b: Built, run_dir: Path, task, logger, summary: dict, weights_meta: dict) -> None:
+    """swa.enabled, after fit: BatchNorm statistics of the average (update_bn over the training data), its evaluation
+    (swa/val/... in summary['final'] and the eval log) and swa.safetensors; summary['swa'] says what was averaged."""
+    from torchsprint.checkpoint import save_weights
+    from torchsprint.engine import evaluate
+
+    swa = b.swa
+    if not swa.enabled or summary["paused"]:
+        return
+    info = {"start_epoch": swa.start + 1, "averaged_epochs": swa.count, "lr": cfg.swa.lr,
+            "anneal_epochs": cfg.swa.anneal_epochs, "anneal_strategy": cfg.swa.anneal_strategy}
+    summary["swa"] = info
+    if swa.count == 0:  # stopped (early_stop, run.max_steps) before the first averaged epoch ended
+        info["file"] = None
+        logger.info(f"[yellow]SWA: no epoch averaged[/] (the run stopped before the end of epoch {swa.start + 1}); "
+                    "no swa.safetensors")
+        return
+    swa.update_bn(b.loaders.train, cfg.run.epochs, rt, b.prec, cfg.run.seed)
+    out = evaluate(swa.module, b.loaders.val, b.loss_fn, b.prec, task.make_metrics(b.loaders.info, cfg.eval, rt.device))
+    metrics = {f"swa/val/{k}": v for k, v in out.items() if not isinstance(v, list)}
+    summary["final"] |= metrics
+    info["file"] = "swa.safetensors"
+    logger.scalars(summary["global_step"], metrics | {"epoch": cfg.run.epochs}, "eval")
+    last = swa.start + swa.count
+    logger.info(f"SWA of epochs {swa.start + 1}-{last} ({swa.count} averaged, BatchNorm statistics recomputed): "
+                f"{task.summary({k[4:]: v for k, v in metrics.items()})}")
+    if rt.is_main:
+        save_weights(run_dir / "swa.safetensors", swa.module, weights_meta | {
+            "epoch": str(last), "step": str(summary["global_step"]), "weights": "swa",
+            "swa_epochs": f"{swa.start + 1}-{last}", "swa_averaged": str(swa.count)})
 
 
 def finish_summary(cfg, rt, b: Built, run_dir: Path, task, logger, summary: dict) -> None:

@@ -19,8 +19,8 @@ from torchsprint import config as config_mod
 from torchsprint.config import import_modules
 from torchsprint.errors import UsageError
 from torchsprint.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
-from torchsprint.swa import NoSwa
 from torchsprint.saved_config import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
+from torchsprint.swa import NoSwa
 from torchsprint.tasks import IMBALANCED
 
 
@@ -561,6 +561,15 @@ def not_deterministic(error: RuntimeError, cfg) -> UsageError | None:
                       "or change the model or settings that use it.")
 
 
+def weights_file(run_dir: Path, weights: str) -> Path:
+    """The file of `weights`: a run's best/last/ema/swa.safetensors, or a .safetensors path as given (`average`'s)."""
+    if weights.endswith(".safetensors"):
+        if not Path(weights).is_file():
+            raise UsageError(f"--weights {weights}: no such file.")
+        return Path(weights)
+    return Path(run_dir) / f"{weights}.safetensors"
+
+
 def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str] = (), split: str = "val") -> dict:
     """Re-evaluate a run's saved weights (best or last) on its validation (or test) split."""
     from safetensors.torch import load_file
@@ -573,9 +582,9 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir, list(overrides) + ["strategy.name=single"])
-    wpath = run_dir / f"{weights}.safetensors"
+    wpath = weights_file(run_dir, weights)
     if not wpath.is_file():
-        raise UsageError(f"{wpath} not found: the run has not finished an evaluation yet. Use --weights last or best{', or train with ema.enabled=true for --weights ema' if weights == 'ema' else ''}.")
+        raise UsageError(f"{wpath} not found: the run has not finished an evaluation yet. Use --weights last or best{', or train with ema.enabled=true for --weights ema' if weights == 'ema' else ''}{', or train with swa.enabled=true for --weights swa' if weights == 'swa' else ''}.")
     from torchsprint.tasks import check_data_task, get_task
 
     with naming_imports(cfg.imports, run_dir):  # a name the run's unimported module registers: say which --import

@@ -172,28 +172,9 @@ class Swa:
         elif epoch + 1 == self.start:
             self.begin()
 
-    @torch.no_grad()
     def update_bn(self, loader, epoch: int, rt, prec, seed: int) -> None:
-        """Recompute the average's BatchNorm statistics: update_bn over one pass of the training `loader`.
-
-        `epoch`: the loader's epoch to draw (order and augmentation), e.g. run.epochs: a pass no training epoch
-        made; `seed`: the global RNG stream of the pass (dropout before a BatchNorm), restored afterwards, so
-        the result does not depend on what ran before it. Under DDP, the statistics are averaged over ranks.
-        """
-        from torchsprint.rng import rng_isolated
-
-        loader.set_epoch(epoch)
-        devices = [rt.device] if rt.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), prec.autocast():
-            torch.manual_seed(seed)
-            update_bn(rng_isolated(loader, rt.device), self.module)
-        self.module.eval()
-        if rt.distributed:
-            for m in self.module.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
-                    for b in (m.running_mean, m.running_var):
-                        torch.distributed.all_reduce(b)
-                        b.div_(rt.world_size)
+        """Recompute the average's BatchNorm statistics over one pass of the training `loader` (recompute_bn)."""
+        recompute_bn(self.module, loader, epoch, rt, prec, seed)
 
     def state_dict(self) -> dict:
         return {"averaged": self.averaged.state_dict(), "start": self.start,
@@ -220,6 +201,31 @@ class Swa:
                 self.swalr.load_state_dict(state["swalr"])
 
 
+@torch.no_grad()
+def recompute_bn(module: nn.Module, loader, epoch: int, rt, prec, seed: int) -> None:
+    """BatchNorm statistics of `module` from one pass of a training `loader` (torch.optim.swa_utils.update_bn).
+
+    `epoch`: the loader's epoch to draw (order and augmentation), e.g. run.epochs: a pass no training epoch
+    made; `seed`: the global RNG stream of the pass (dropout before a BatchNorm), restored afterwards, so the
+    result does not depend on what ran before it. Under DDP each rank reads its shard and the statistics are
+    then averaged over ranks. `module` is left in eval mode.
+    """
+    from torchsprint.rng import rng_isolated
+
+    loader.set_epoch(epoch)
+    devices = [rt.device] if rt.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), prec.autocast():
+        torch.manual_seed(seed)
+        update_bn(rng_isolated(loader, rt.device), module)
+    module.eval()
+    if rt.distributed:
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+                for b in (m.running_mean, m.running_var):
+                    torch.distributed.all_reduce(b)
+                    b.div_(rt.world_size)
+
+
 def build_swa(swa_cfg, source: nn.Module, epochs: int, device: torch.device, channels_last: bool = False):
     """Swa of `source` (the unwrapped model, before wrap_model) when swa.enabled, else the no-op NoSwa.
 
@@ -239,4 +245,4 @@ def describe(swa: Swa, epochs: int) -> str:
             f"swa.lr={swa.cfg.lr:g} over {anneal} epoch(s) ({swa.cfg.anneal_strategy}, SWALR)")
 
 
-__all__ = ["NoSwa", "Swa", "SwaSchedule", "build_swa", "check_swa"]
+__all__ = ["NoSwa", "Swa", "SwaSchedule", "build_swa", "check_swa", "recompute_bn"]

@@ -149,8 +149,9 @@ def test_swa_lr_follows_torch_swalr(tmp_path, sched):
 
 
 def test_swa_resumes_bit_exactly(tmp_path):
-    """Paused in epoch 4 (after two averaged epochs, SWALR stepping) and resumed == uninterrupted, bit for bit."""
-    over = ["run.epochs=5", *SWA, "swa.anneal_epochs=2", "checkpoint.every_steps=3", "log.every_steps=1"]
+    """Paused in epoch 4 (two epochs averaged, SWALR two steps into its three-epoch anneal) and resumed ==
+    uninterrupted, bit for bit."""
+    over = ["run.epochs=5", *SWA, "swa.anneal_epochs=3", "checkpoint.every_steps=3", "log.every_steps=1"]
     full = run(tmp_path / "full", *over)
     paused = run(tmp_path / "resumed", *over, "run.stop_after_steps=23")
     assert paused["paused"] and "swa" not in paused

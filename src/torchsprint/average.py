@@ -105,6 +105,28 @@ def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
     return out
 
 
+def run_objects(cfg, first_run: Path, rt, task):
+    """(loaders, model, loss_fn) of the first run's config: its training loader (with Mixup/CutMix when it had
+    them: the batches training saw, as swa's BatchNorm pass), its validation split, its model and loss."""
+    from torchsprint.data import build_loaders
+    from torchsprint.data.preprocess.mix import check_mix, wrap_mix
+    from torchsprint.models import build_model
+    from torchsprint.run import build_run_loss, materialize_lazy, naming_imports
+    from torchsprint.tasks import check_data_task
+
+    with naming_imports(cfg.imports, first_run):
+        loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True,
+                                allowed=task.backends)
+        info = loaders.info
+        check_data_task(cfg, info)
+        if check_mix(cfg.mix, cfg.task, task.targets, cfg.loss):
+            loaders.train = wrap_mix(loaders.train, cfg.mix, info.num_classes, cfg.run.seed, rt.rank, rt.world_size)
+        model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
+        materialize_lazy(model, loaders.val)
+        loss_fn = build_run_loss(cfg, task.targets, info).to(rt.device)
+    return loaders, model, loss_fn
+
+
 def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints: int | None = None,
             overrides: list[str] = (), log=print) -> dict:
     """Average the inputs into `out` (a .safetensors file) and evaluate it; returns {inputs: [...], average: metrics}.
@@ -120,14 +142,11 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     from torchsprint import config as config_mod
     from torchsprint import runtime
     from torchsprint.checkpoint import save_weights
-    from torchsprint.data import build_loaders
-    from torchsprint.data.preprocess.mix import check_mix, wrap_mix
     from torchsprint.engine import evaluate
-    from torchsprint.models import build_model
     from torchsprint.precision import Precision
-    from torchsprint.run import build_run_loss, load_run_config, materialize_lazy, naming_imports
+    from torchsprint.run import load_run_config, naming_imports
     from torchsprint.swa import recompute_bn
-    from torchsprint.tasks import check_data_task, get_task
+    from torchsprint.tasks import get_task
 
     out = Path(out)
     if out.suffix != ".safetensors":
@@ -137,10 +156,10 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     files = input_files(list(runs), weights, checkpoints)
     states = [(label, *read_state(path)) for label, path in files]
     check_same_model(states)
-    first_run = Path(runs[0])
+    first_run, first_meta = Path(runs[0]), states[0][2]
     cfg = load_run_config(first_run, list(overrides) + ["strategy.name=single"])
-    if cfg.model.name != states[0][2]["model"]:
-        raise UsageError(f"{first_run}/config.yaml names model {cfg.model.name}, its weights are {states[0][2]['model']}: "
+    if cfg.model.name != first_meta["model"]:
+        raise UsageError(f"{first_run}/config.yaml names model {cfg.model.name}, its weights are {first_meta['model']}: "
                          "the folder was changed by hand; average the runs' own files.")
     avg = average_states([s for _, s, _ in states])
     with naming_imports(cfg.imports, first_run):
@@ -148,21 +167,12 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
         task.check(cfg)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
-        with naming_imports(cfg.imports, first_run):
-            loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True,
-                                    allowed=task.backends)
-            info = loaders.info
-            check_data_task(cfg, info)
-            if check_mix(cfg.mix, cfg.task, task.targets, cfg.loss):  # the batches training saw, as SWA's pass
-                loaders.train = wrap_mix(loaders.train, cfg.mix, info.num_classes, cfg.run.seed, rt.rank, rt.world_size)
-            model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
-            materialize_lazy(model, loaders.val)
-            loss_fn = build_run_loss(cfg, task.targets, info).to(rt.device)
-        if info.classes != states[0][2]["classes"]:
+        loaders, model, loss_fn = run_objects(cfg, first_run, rt, task)
+        info, prec = loaders.info, Precision(cfg.precision.mode, rt.device)
+        if info.classes != first_meta["classes"]:
             raise UsageError(f"the data of {first_run} now has {len(info.classes)} classes, the weights "
-                             f"{len(states[0][2]['classes'])}: the dataset changed since training; average with the "
+                             f"{len(first_meta['classes'])}: the dataset changed since training; average with the "
                              "data the runs were trained on.")
-        prec = Precision(cfg.precision.mode, rt.device)
 
         def score(state) -> dict:
             model.load_state_dict(state)
@@ -171,9 +181,8 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
 
         inputs = []
         for label, state, _ in states:
-            figures = score(state)
-            inputs.append({"input": label, **figures})
-            log(f"{label}: {task.summary({f'val/{k}': v for k, v in figures.items()})}")
+            inputs.append({"input": label, **score(state)})
+            log(f"{label}: {task.summary({f'val/{k}': v for k, v in inputs[-1].items() if k != 'input'})}")
         model.load_state_dict(avg)
         recompute_bn(model, loaders.train, cfg.run.epochs, rt, prec, cfg.run.seed)
         result = score(dict(model.state_dict()))

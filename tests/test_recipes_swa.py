@@ -271,3 +271,26 @@ def test_average_bad_input_exits_2_one_line(two_runs, run_cli, args, says):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.stderr
+
+
+@pytest.mark.dist
+def test_swa_under_ddp_is_the_same_on_every_rank(tmp_path):
+    """Two gloo ranks: each rank's average (weights and recomputed BatchNorm statistics, which start from each
+    rank's own shard of the training data) is the same, and is what swa.safetensors holds."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(Path(__file__).with_name("swa_ddp_worker.py")), str(out), str(tmp_path / "run")],
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    saved = load_file(str(tmp_path / "run" / "swa.safetensors"))
+    assert r0.keys() == r1.keys() == saved.keys()
+    assert all(torch.equal(r0[k], r1[k]) and torch.equal(r0[k], saved[k]) for k in r0)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["swa"]["averaged_epochs"] == 2 and "swa/val/top1" in summary["final"]

@@ -158,6 +158,8 @@ def test_swa_resumes_bit_exactly(tmp_path):
     ckpt = torch.load(sorted((tmp_path / "resumed" / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
     assert int(ckpt["swa"]["averaged"]["n_averaged"]) == 2 and ckpt["swa"]["swalr"]["_step_count"] == 3
     resumed = run(tmp_path / "resumed", *over, "checkpoint.resume=auto")
+    lines = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, full["global_step"] + 1))  # resumed
     for name in ("swa", "last"):
         a, b = (load_file(str(tmp_path / r / f"{name}.safetensors")) for r in ("full", "resumed"))
         assert all(torch.equal(a[k], b[k]) for k in a), name
@@ -175,6 +177,8 @@ def test_swa_refusals(tmp_path):
     refused("give an epoch number", "run.epochs=4", "swa.enabled=true", "swa.lr=0.01", "swa.start=2.5")
     refused("no effect with swa.enabled=false", "swa.lr=0.01")
     refused("no effect with swa.enabled=false", "swa.start=2")
+    refused("evaluated once, after the last epoch", "swa.enabled=true", "swa.lr=0.01", "swa.start=1",
+            "checkpoint.monitor=swa/val/top1")
     with pytest.raises(UsageError):  # a validation error: a start of 0 epochs
         config.load(None, ["swa.start=0"])
     # A run without SWA resumed with an average that should already hold its finished epochs: refused.

@@ -188,6 +188,10 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         raise UsageError(f"checkpoint.monitor={cfg.checkpoint.monitor} is a metric of the EMA weights, which this run does "
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
+    if cfg.checkpoint.monitor.startswith("swa/"):
+        raise UsageError(f"checkpoint.monitor={cfg.checkpoint.monitor}: the SWA average is evaluated once, after the last "
+                         "epoch, so it cannot pick the best weights during training; monitor "
+                         f"{cfg.checkpoint.monitor[4:]} (swa.safetensors and its swa/val/... metrics come at the end).")
     head.apply(0)  # built as epoch 1 trains (fit sets it again at every epoch, resumed or not)
     return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head, graphs,
                  swa)

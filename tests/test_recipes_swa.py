@@ -8,6 +8,7 @@ torch.optim.swa_utils recipe, an uninterrupted run.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -262,19 +263,22 @@ def test_average_refuses_other_models_one_line(two_runs, run_cli, tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
-@pytest.mark.parametrize("args,says", [
-    (["s1", "-o", "x.safetensors"], "at least 2 inputs"),
-    (["s1", "s2", "--checkpoints", "2", "-o", "x.safetensors"], "averages the checkpoints of one run"),
-    (["s1", "--checkpoints", "5", "-o", "x.safetensors"], "holds 2 checkpoint(s)"),
-    (["s1", "s2", "--weights", "ema", "-o", "x.safetensors"], "that run has no ema weights"),
-    (["s1", "s2", "-o", "x.pt"], "name the file *.safetensors"),
-    (["s1", "nowhere", "-o", "x.safetensors"], "no such run folder"),
+@pytest.mark.parametrize("runs,kw,says", [
+    (["s1"], {}, "at least 2 inputs"),
+    (["s1", "s2"], {"checkpoints": 2}, "averages the checkpoints of one run"),
+    (["s1"], {"checkpoints": 5}, "holds 2 checkpoint(s)"),
+    (["s1", "s2"], {"weights": "ema"}, "that run has no ema weights"),
+    (["s1", "s2"], {"out": "x.pt"}, "name the file *.safetensors"),
+    (["s1", "nowhere"], {}, "no such run folder"),
 ])
-def test_average_bad_input_exits_2_one_line(two_runs, run_cli, args, says):
-    r = run_cli("average", *[str(two_runs / a) if a in ("s1", "s2", "nowhere") else a for a in args], cwd=two_runs)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.stderr
+def test_average_bad_input_is_refused(two_runs, runs, kw, says):
+    """In process (the CLI's exit 2 and one line: test_average_refuses_other_models_one_line)."""
+    from torchsprint.average import average
+
+    out = two_runs / kw.pop("out", "x.safetensors")
+    with pytest.raises(UsageError, match=re.escape(says)):
+        average([str(two_runs / r) for r in runs], out, log=lambda *_: None, **kw)
+    assert not out.exists()
 
 
 @pytest.mark.dist

@@ -490,6 +490,15 @@ PROBES = {
     "ema.device": lambda t: (refused("ema.enabled=true", "ema.device=cpu", match="set ema.eval=false"),
                              build("ema.enabled=true", "ema.device=cpu", "ema.eval=false"),
                              elsewhere("test_recipes_ema.py::test_ema_on_cpu_beside_a_cuda_model")),
+    "swa.enabled": lambda t: (run(t, "swa.enabled=true", "swa.lr=0.01", "swa.start=1")[1] / "swa.safetensors").is_file() and
+        not (run(t)[1] / "swa.safetensors").exists() or pytest.fail(),
+    "swa.start": lambda t: (refused("swa.start=1", match="no effect with swa.enabled=false"),
+                            refused("swa.enabled=true", "swa.lr=0.01", "swa.start=2", match="after the run's last epoch"),
+                            elsewhere("test_recipes_swa.py::test_swa_start_as_a_fraction_and_early_stop_before_it")),
+    "swa.lr": lambda t: (refused("swa.enabled=true", match="needs swa.lr"),
+                         differs(_swa_lrs, "swa.lr=0.02", base=["swa.enabled=true", "swa.lr=0.01", "swa.start=1"])),
+    "swa.anneal_epochs": lambda t: differs(_swa_lrs, "swa.anneal_epochs=3", base=["swa.enabled=true", "swa.lr=0.01", "swa.start=1"]),
+    "swa.anneal_strategy": lambda t: differs(_swa_lrs, "swa.anneal_strategy=linear", base=["swa.enabled=true", "swa.lr=0.01", "swa.start=1", "swa.anneal_epochs=3"]),
     "early_stop.patience": lambda t: run(t, "run.epochs=3", "early_stop.patience=1", "early_stop.min_delta=0.99")[0]
         ["global_step"] * 3 == run(t, "run.epochs=3")[0]["global_step"] * 2 or pytest.fail(),
     "early_stop.min_delta": lambda t: (refused("early_stop.min_delta=0.5", match="no effect without early_stop.patience"),
@@ -553,6 +562,15 @@ def _ema_differs(t, *over, base=(), keys=""):
 
     a, b = (load_file(str(run(t, "ema.enabled=true", "ema.decay=0.9", *base, *o)[1] / "ema.safetensors")) for o in ((), over))
     assert any(not torch.equal(a[k], b[k]) for k in a if keys in k), over
+
+
+def _swa_lrs(cfg, b):
+    """The learning rate after each of 4 epoch ends with SWA on (SWALR's steps)."""
+    out = []
+    for epoch in range(4):
+        b.swa.end_epoch(epoch, True)
+        out.append(round(b.opt.param_groups[0]["lr"], 12))
+    return out
 
 
 def _epoch_images(cfg, b):

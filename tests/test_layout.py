@@ -36,7 +36,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "registry", "version", "settings"]),
     ("machine", ["runtime", "rng", "collectives", "preempt", "parallel", "logging", "plots"]),
-    ("numerics", ["precision", "ema", "checkpoint", "resume", "rundir", "metrics", "optim.*"]),
+    ("numerics", ["precision", "ema", "swa", "checkpoint", "resume", "rundir", "metrics", "optim.*"]),
     ("data.core", ["data.core", "data.prefetch"]),
     ("data.decode", ["data.preprocess.decode"]),
     ("data.spec", ["data.preprocess.transforms", "data.preprocess.normalize", "data.preprocess.batch_ops"]),
@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("plan", ["plan"]),
     ("engine", ["engine", "batch_size", "distill"]),
     ("run", ["run"]),
-    ("commands", ["trained", "export", "predict", "bench", "lr_find", "report", "launch", "data.commands.*"]),
+    ("commands", ["trained", "export", "predict", "bench", "lr_find", "report", "average", "launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),
 ]
 

@@ -250,15 +250,16 @@ class Saver:
             picks them.
         log: callable for one-line messages.
         ema: the run's ema.ModelEma, saved in every checkpoint (its state_dict), or None / the no-op NoEma.
+        swa: the run's swa.Swa (its averaged weights, their count and SWALR's state: entry `swa`), or None / NoSwa.
         flush_logs: called on rank 0 before each checkpoint is written (RunLogger.flush): the records logged up
             to its step reach the disk first, so a resume from it finds them all (it cuts only later ones).
     """
 
     def __init__(self, run_dir: Path, ckpt_cfg, rt, meta: dict[str, Any], *, geometry: dict[str, int],
-                 resumed_step: int | None = None, log=print, ema=None, flush_logs=None):
+                 resumed_step: int | None = None, log=print, ema=None, flush_logs=None, swa=None):
         self.dir = Path(run_dir) / "checkpoints"
         self.cfg, self.rt, self.meta, self.geometry, self.log = ckpt_cfg, rt, meta, geometry, log
-        self.ema = ema
+        self.ema, self.swa = ema, swa
         self.flush_logs = flush_logs
         self.status_path = self.dir / "status.json"
         self.status: dict[str, Any] = {}
@@ -393,6 +394,7 @@ class Saver:
             "rng": rngs,
             "metric": metric,
             **({"ema": self.ema.state_dict()} if self.ema is not None and self.ema.enabled else {}),
+            **({"swa": self.swa.state_dict()} if self.swa is not None and self.swa.enabled else {}),
             **self.meta,
         }
         size = atomic_write(path, lambda f: torch.save(ckpt, f))

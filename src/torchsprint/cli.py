@@ -1,4 +1,5 @@
 """The `torchsprint` command: train | eval | export | predict | data (check, compare, shard) | bench | lr-find | report |
+average |
 config (show, schema) | list. One table, COMMANDS: each entry names its arguments and the function it runs.
 
 torch is imported lazily so that `torchsprint --help` answers in well under a second.
@@ -16,9 +17,18 @@ from dataclasses import dataclass
 FAMILIES = ("models", "optimizers", "schedulers", "losses", "datasets", "loaders", "transforms", "tasks")
 
 
-WEIGHTS = ["best", "last", "ema"]
+WEIGHTS = ["best", "last", "ema", "swa"]
 WEIGHTS_HELP = ("which saved weights of the run: best (by checkpoint.monitor; the EMA's when it monitors an ema/ metric), "
-                "last (the model at the end), ema (the EMA at the end; runs with ema.enabled=true)")
+                "last (the model at the end), ema (the EMA at the end; runs with ema.enabled=true), swa (the SWA "
+                "average; runs with swa.enabled=true), or a .safetensors file of the same model (e.g. from "
+                "`torchsprint average`)")
+
+
+def weights_arg(value: str) -> str:
+    """--weights: one of WEIGHTS or the path of a .safetensors file."""
+    if value in WEIGHTS or value.endswith(".safetensors"):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(WEIGHTS)}, or a .safetensors file)")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +58,7 @@ def args_train(p: argparse.ArgumentParser) -> None:
 
 def args_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
-    p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
+    p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
     p.add_argument("--split", choices=["val", "test"], default="val",
                    help="which split: val, or test (image_folder: the test/ folder beside train/)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -59,7 +69,7 @@ def args_eval(p: argparse.ArgumentParser) -> None:
 def args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
     p.add_argument("--format", choices=["onnx", "safetensors", "torchscript", "tensorrt"], default="onnx", help="output format")
-    p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
+    p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="PATH", help="output file (default: <run>/export/model.<ext>)")
     p.add_argument("--uint8-input", action="store_true", help="fold normalisation into the graph: input is uint8 NCHW")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset version")
@@ -79,7 +89,7 @@ def args_predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["torch", "onnx"], default="torch", help="inference engine")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda also decodes JPEGs on the GPU)")
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
-    p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
+    p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="FILE", help="write results to FILE (.jsonl or .csv)")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
     p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
@@ -137,9 +147,19 @@ def args_lr_find(p: argparse.ArgumentParser) -> None:
 
 def args_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
-    p.add_argument("--weights", choices=WEIGHTS, default="best", help=WEIGHTS_HELP)
+    p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: <run>/report)")
     p.add_argument("--wrong", type=int, default=24, help="how many confidently wrong validation images to show")
+
+
+def args_average(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders of the same model (or one, with --checkpoints)")
+    p.add_argument("-o", "--out", required=True, metavar="FILE", help="the averaged weights (.safetensors)")
+    p.add_argument("--weights", choices=WEIGHTS, default="last",
+                   help="which weights file of each run is averaged (default last; best, ema, swa)")
+    p.add_argument("--checkpoints", type=int, default=None, metavar="N",
+                   help="average the model weights of the one run's N newest checkpoints (checkpoints/ckpt-*.pt)")
+    p.add_argument("--json", action="store_true", help="print each input's and the average's figures as JSON")
 
 
 def args_config(p: argparse.ArgumentParser) -> None:
@@ -349,6 +369,12 @@ COMMANDS = [
     Command("report", "one HTML page of a run: curves, confusion matrix, per-class scores, worst mistakes",
             "Write <run>/report/report.html (self-contained) and its plots as PNG files.",
             args_report, lazy("torchsprint.report", "report_cli"), imports=True),
+    Command("average", "average the weights of several runs or checkpoints of one model, BatchNorm recomputed",
+            "Average (equal weights) the --weights files of several runs, or one run's N newest checkpoints (timm's "
+            "avg_checkpoints.py); refuse inputs of different models; recompute the BatchNorm statistics on the first "
+            "run's training data; evaluate every input and the average on its validation split; write -o FILE with "
+            "the metadata `eval/export/report --weights FILE` and `predict -r FILE` read.",
+            args_average, lazy("torchsprint.average", "average_cli"), imports=True),
     Command("config", "show the resolved config or its JSON Schema",
             "Inspect configs.",
             args_config, cmd_config, imports=False),

@@ -394,6 +394,25 @@ class EmaConfig(Section):
                                             "CPU to save accelerator memory (then not evaluated during training).")
 
 
+class SwaConfig(Section):
+    enabled: bool = Field(False, description="Stochastic weight averaging (torch.optim.swa_utils): from swa.start on, the "
+                          "learning rate follows SWALR towards swa.lr and the weights at the end of every epoch are "
+                          "averaged (AveragedModel); after the last epoch the average's BatchNorm statistics are "
+                          "recomputed over the training data (update_bn), it is evaluated (swa/val/...), saved as "
+                          "swa.safetensors and recorded in summary.json under 'swa'. Costs one model copy and one "
+                          "training-data forward pass at the end.")
+    start: int | float = Field(0.75, gt=0, description="First averaged epoch: an integer is its number (1-based; the "
+                               "schedule runs through the epoch before it), a number below 1 a fraction of run.epochs "
+                               "trained first (0.75 of 20 epochs: epochs 16-20 are averaged; Lightning's "
+                               "swa_epoch_start).")
+    lr: float | None = Field(None, gt=0, description="The learning rate SWALR anneals to and then keeps (torch's swa_lr; "
+                             "the same for every parameter group). Required with swa.enabled=true; a tenth to a half "
+                             "of optim.lr is usual.")
+    anneal_epochs: int = Field(10, ge=0, description="Epochs SWALR takes from the learning rate the schedule reached to "
+                               "swa.lr (0: at once; torch's default 10).")
+    anneal_strategy: Literal["cos", "linear"] = Field("cos", description="Shape of SWALR's annealing: cos or linear.")
+
+
 class EarlyStopConfig(Section):
     patience: int | None = Field(None, ge=1, description="Stop when checkpoint.monitor has not improved by more than "
                                  "min_delta for this many evaluations (None: off).")
@@ -464,6 +483,8 @@ class Config(Section):
     speed: SpeedConfig = Field(default_factory=SpeedConfig, description="Speed switches.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving, keeping and resuming.")
     ema: EmaConfig = Field(default_factory=EmaConfig, description="Exponential moving average of the weights.")
+    swa: SwaConfig = Field(default_factory=SwaConfig, description="Stochastic weight averaging over the last epochs "
+                           "(torch.optim.swa_utils: AveragedModel, SWALR, update_bn).")
     early_stop: EarlyStopConfig = Field(default_factory=EarlyStopConfig, description="Stop when checkpoint.monitor stops improving.")
     log: LogConfig = Field(default_factory=LogConfig, description="Console, JSONL and TensorBoard logging.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation metrics.")

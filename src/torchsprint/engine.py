@@ -23,9 +23,11 @@ from torchsprint.parallel import no_sync, unwrap
 from torchsprint.preempt import Stopper
 from torchsprint.rng import rng_isolated
 from torchsprint.runtime import fault_step, kill_self
+from torchsprint.swa import NoSwa
 from torchsprint.tta import wrap_tta
 
 NO_EMA = NoEma()
+NO_SWA = NoSwa()
 NO_LIMITS = SimpleNamespace(stop_after_steps=None, max_time=None, stop_signals=())  # a Stopper that only obeys `stop`
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
 
@@ -352,6 +354,8 @@ def fit(plan, b, state: TrainState, *, rt, run_dir: Path, logger, saver, stop: S
     continues exactly as if never stopped.
     `task` (tasks.Task; classification when None) formats the evaluation line and writes the extra
     artifacts that go with the best weights (the confusion matrix for classification).
+    `b.swa` (swa.Swa or the no-op NoSwa; NoSwa when `b` has none): averages the weights at the end of each epoch
+    from swa.start on (run.py updates its BatchNorm statistics, evaluates and saves it after fit).
     Returns the summary: final and best validation metrics, time and throughput, why the run stopped, and
     `artifacts`: which weights each per-class file and figure describes (file name -> {weights, file, epoch, step}).
     """
@@ -359,6 +363,7 @@ def fit(plan, b, state: TrainState, *, rt, run_dir: Path, logger, saver, stop: S
 
     task = task or get_task("classification")
     model, loaders, opt, sched, prec = b.model, b.loaders, b.opt, b.sched, b.prec
+    swa = getattr(b, "swa", NO_SWA)
     val = Validation(model, loaders, b.loss_fn, prec, make_metrics, b.ema, b.frozen_norms, plan, rt, logger, run_dir,
                      weights_meta, task)
     totals = {"images": 0, "seconds": 0.0, "data_wait": 0.0}
@@ -377,6 +382,7 @@ def fit(plan, b, state: TrainState, *, rt, run_dir: Path, logger, saver, stop: S
             raise RuntimeError("loader ended before the epoch did")  # a loader length bug, never expected
         if ep["finished_epoch"] and plan.sched_interval == "epoch":
             sched.step()
+        swa.end_epoch(state.epoch, ep["finished_epoch"])  # before the epoch's checkpoint, which holds the average
         report_epoch(logger, state, ep, loaders.train, plan.backend)
         if not ep["finished_epoch"] and (pausing or state.stopped_epoch is not None):
             # Mid-epoch: a pause adds no evaluation (an uninterrupted run has none here); an early stop just evaluated.

@@ -112,6 +112,7 @@ class RunPlan:
     early_stop_patience: int | None
     early_stop_min_delta: float
     tta: object = None  # tta.TtaPlan of eval.tta (None: off): every evaluation of the run wraps the model with it
+    swa: dict | None = None  # swa.enabled: the epoch SWA starts averaging (1-based), its lr and anneal; None: off
     distill: dict | None = None  # the teacher distill.build_teacher loaded (model, file, fingerprint...); None: off
 
     @property
@@ -125,7 +126,8 @@ class RunPlan:
 
 
 def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torch.optim.Optimizer,
-               inputs: tuple[bool, str] | None = None, batch=None, distill: dict | None = None) -> RunPlan:
+               inputs: tuple[bool, str] | None = None, batch=None, distill: dict | None = None,
+               swa=None) -> RunPlan:
     """The RunPlan of a run whose objects exist: `cfg` with the batch resolved (batch_size.resolved_config),
     `info` the loaders' DataInfo (None: a loader without one, tests only), `train_batches` len(the training
     loader), `speed` what wrap_model applied, `opt` the built optimizer, `inputs` decide_input_format's result
@@ -158,6 +160,8 @@ def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torc
         checkpoint_every_steps=cfg.checkpoint.every_steps, monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode,
         early_stop_patience=cfg.early_stop.patience, early_stop_min_delta=cfg.early_stop.min_delta,
         tta=plan_tta(cfg.eval.tta, get_task(cfg.task), cfg.data.eval.transforms), distill=distill,
+        swa={"start_epoch": swa.start + 1, "lr": cfg.swa.lr, "anneal_epochs": cfg.swa.anneal_epochs,
+             "anneal_strategy": cfg.swa.anneal_strategy} if swa is not None and swa.enabled else None,
     )
 
 
@@ -179,7 +183,7 @@ def decisions(plan: RunPlan, facts: dict) -> dict:
         # Where the batch size and accumulation came from (data.batch_size, auto's search, data.effective_batch_size).
         "batch_size_why": plan.batch_size_why, "batch_size_search": plan.batch_size_search,
         "steps_per_epoch": plan.steps_per_epoch, "epochs": plan.epochs,
-        "eval_tta": plan.tta.name if plan.tta is not None else "none", "distill": plan.distill,
+        "eval_tta": plan.tta.name if plan.tta is not None else "none", "distill": plan.distill, "swa": plan.swa,
     }
 
 

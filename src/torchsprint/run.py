@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from torchsprint.config import import_modules
 from torchsprint.errors import UsageError
 from torchsprint.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
 from torchsprint.saved_config import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
+from torchsprint.swa import NoSwa
 from torchsprint.tta import first_view, plan_tta, with_loading_spec, wrap_tta
 
 
@@ -96,6 +97,7 @@ class Built:
     batch: object  # batch_size.BatchChoice: the batch size, accumulation and why
     head_only: object = None  # models.init.HeadOnly of model.freeze_epochs (the no-op NO_HEAD_ONLY when off)
     plan: object = None  # plan.RunPlan: every run-time decision, made once; the engine and the records read it
+    swa: object = field(default_factory=NoSwa)  # swa.Swa, or the no-op swa.NoSwa
 
 
 def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> Built:
@@ -115,6 +117,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.parallel import decide_cuda_graphs, unwrap, wrap_model
     from torchsprint.plan import build_plan, decide_input_format, decide_speed
     from torchsprint.precision import Precision
+    from torchsprint.swa import build_swa
 
     # speed.cuda_graphs decided once: the capture, autocast's cache and decisions.json all read `graphs`.
     graphs = decide_cuda_graphs(cfg.speed, cfg.strategy, rt.device, rt.world_size, cfg.data.drop_last,
@@ -162,12 +165,14 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     speed = decide_speed(cfg.speed, cfg.strategy, model, rt.device, rt.world_size, accum_steps=cfg.optim.accum_steps,
                          graphs=graphs)  # what wrap_model applies and the plan reports: one object
     ema = build_ema(cfg.ema, model, rt.device, speed.channels_last)  # copied before wrap_model: plain and fp32
+    swa = build_swa(cfg.swa, model, cfg.run.epochs, rt.device, speed.channels_last)  # the same
     model = wrap_model(model, cfg.strategy, rt, speed=speed, prec=prec, log=log,
                        example=lambda: next(iter(loaders.train))[0],
                        frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None)
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
+    swa.attach(unwrap(model))
     if mixing:  # after the loader, so every backend's batches are mixed the same way
         loaders.train = wrap_mix(loaders.train, cfg.mix, info.num_classes, cfg.run.seed, rt.rank, rt.world_size)
     if distilling:  # after mixing: the teacher sees the images the student sees; one unwrapped copy per rank
@@ -180,7 +185,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
             f"{' ...' if len(scales) > 8 else ''} (optim.param_groups / optim.layer_decay)")
     prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
     plan = build_plan(cfg, rt, info=info, train_batches=len(loaders.train), speed=speed, opt=opt, inputs=inputs,
-                      batch=batch, distill=distill)
+                      batch=batch, distill=distill, swa=swa)
     steps_per_epoch = plan.steps_per_epoch
     if cfg.eval.every_steps is not None and cfg.eval.every_steps > steps_per_epoch:
         raise UsageError(f"eval.every_steps={cfg.eval.every_steps} is more than an epoch ({steps_per_epoch} steps): "
@@ -189,6 +194,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     if cfg.run.max_steps is not None:
         epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
     sched = build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)
+    sched = swa.schedule(sched, opt)  # swa.enabled: SWALR takes over from swa.start (the same object otherwise)
     loss_fn = build_run_loss(cfg, task.targets, info, log).to(rt.device)
     if distilling:  # training batches carry the teacher's logits; evaluation's plain targets get the task loss alone
         loss_fn = DistillLoss(loss_fn, cfg.distill.temperature, cfg.distill.alpha)
@@ -199,9 +205,13 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
         raise UsageError(f"checkpoint.monitor={cfg.checkpoint.monitor} is a metric of the EMA weights, which this run does "
                          "not evaluate: set ema.enabled=true (and ema.eval=true, ema.device=model), or monitor "
                          f"{cfg.checkpoint.monitor[4:]}.")
+    if cfg.checkpoint.monitor.startswith("swa/"):
+        raise UsageError(f"checkpoint.monitor={cfg.checkpoint.monitor}: the SWA average is evaluated once, after the last "
+                         "epoch, so it cannot pick the best weights during training; monitor "
+                         f"{cfg.checkpoint.monitor[4:]} (swa.safetensors and its swa/val/... metrics come at the end).")
     head.apply(0)  # built as epoch 1 trains (fit sets it again at every epoch, resumed or not)
     return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, {"from": how, **init_record}, cfg, batch, head,
-                 plan)
+                 plan, swa)
 
 
 def check_imbalance(cfg, targets: str) -> None:
@@ -332,17 +342,22 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             logger.info(line)
         if rt.is_main:
             (run_dir / "decisions.json").write_text(json.dumps(decided, indent=1))
+        if b.swa.enabled:
+            from torchsprint.swa import describe
+
+            logger.info(describe(b.swa, cfg.run.epochs))
         geometry = data_geometry(cfg, rt.world_size)
         state = TrainState()
         if ckpt is not None:
             state = restore(ckpt, b.opt, b.sched, b.prec, rt, geometry, logger.info)
             b.ema.load_state_dict(ckpt.get("ema"), logger.info)
+            b.swa.load_state_dict(ckpt.get("swa"), state.epoch, logger.info)
             logger.info(f"resuming at epoch {state.epoch + 1}, step {state.global_step} "
                         f"({state.step_in_epoch} step(s) into the epoch) from {resume_path}")
         resolved = config_mod.to_dict(cfg)
         saver = Saver(run_dir, cfg.checkpoint, rt, {"classes": info.classes, "config": resolved}, geometry=geometry,
                       resumed_step=state.global_step if ckpt is not None else None, log=logger.info, ema=b.ema,
-                      flush_logs=logger.flush)
+                      flush_logs=logger.flush, swa=b.swa)
         weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name, "in_channels": str(info.in_channels),
                         "format": "torchsprint", "task": cfg.task, "config": json.dumps(resolved)}
         # Stop signals are handled (a flag, no exception) from the first step until the run's files are written.
@@ -351,6 +366,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             with stop:
                 summary = fit(b.plan, b, state, rt=rt, run_dir=run_dir, logger=logger, saver=saver, stop=stop, task=task,
                               weights_meta=weights_meta, make_metrics=lambda: task.make_metrics(info, cfg.eval, rt.device))
+                finish_swa(cfg, rt, b, run_dir, task, logger, summary, weights_meta)
                 finish_summary(cfg, rt, b, run_dir, task, logger, summary)
         except RuntimeError as e:
             if is_oom(e):  # the checkpoints saved so far are whole files (atomic writes): the message names the last
@@ -372,6 +388,38 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         if lock is not None:
             lock.release()
         runtime.teardown(rt, clean)
+
+
+def finish_swa(cfg, rt, b: Built, run_dir: Path, task, logger, summary: dict, weights_meta: dict) -> None:
+    """swa.enabled, after fit: BatchNorm statistics of the average (update_bn over the training data), its evaluation
+    (swa/val/... in summary['final'] and the eval log) and swa.safetensors; summary['swa'] says what was averaged."""
+    from torchsprint.checkpoint import save_weights
+    from torchsprint.engine import evaluate
+
+    swa = b.swa
+    if not swa.enabled or summary["paused"]:
+        return
+    info = {"start_epoch": swa.start + 1, "averaged_epochs": swa.count, "lr": cfg.swa.lr,
+            "anneal_epochs": cfg.swa.anneal_epochs, "anneal_strategy": cfg.swa.anneal_strategy}
+    summary["swa"] = info
+    if swa.count == 0:  # stopped (early_stop, run.max_steps) before the first averaged epoch ended
+        info["file"] = None
+        logger.info(f"[yellow]SWA: no epoch averaged[/] (the run stopped before the end of epoch {swa.start + 1}); "
+                    "no swa.safetensors")
+        return
+    swa.update_bn(b.loaders.train, cfg.run.epochs, rt, b.prec, cfg.run.seed)
+    out = evaluate(swa.module, b.loaders.val, b.loss_fn, b.prec, task.make_metrics(b.loaders.info, cfg.eval, rt.device))
+    metrics = {f"swa/val/{k}": v for k, v in out.items() if not isinstance(v, list)}
+    summary["final"] |= metrics
+    info["file"] = "swa.safetensors"
+    logger.scalars(summary["global_step"], metrics | {"epoch": cfg.run.epochs}, "eval")
+    last = swa.start + swa.count
+    logger.info(f"SWA of epochs {swa.start + 1}-{last} ({swa.count} averaged, BatchNorm statistics recomputed): "
+                f"{task.summary({k[4:]: v for k, v in metrics.items()})}")
+    if rt.is_main:
+        save_weights(run_dir / "swa.safetensors", swa.module, weights_meta | {
+            "epoch": str(last), "step": str(summary["global_step"]), "weights": "swa",
+            "swa_epochs": f"{swa.start + 1}-{last}", "swa_averaged": str(swa.count)})
 
 
 def finish_summary(cfg, rt, b: Built, run_dir: Path, task, logger, summary: dict) -> None:
@@ -448,6 +496,15 @@ def not_deterministic(error: RuntimeError, cfg) -> UsageError | None:
                       "or change the model or settings that use it.")
 
 
+def weights_file(run_dir: Path, weights: str) -> Path:
+    """The file of `weights`: a run's best/last/ema/swa.safetensors, or a .safetensors path as given (`average`'s)."""
+    if weights.endswith(".safetensors"):
+        if not Path(weights).is_file():
+            raise UsageError(f"--weights {weights}: no such file.")
+        return Path(weights)
+    return Path(run_dir) / f"{weights}.safetensors"
+
+
 def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str] = (), split: str = "val") -> dict:
     """Re-evaluate a run's saved weights (best or last) on its validation (or test) split."""
     from safetensors.torch import load_file
@@ -460,9 +517,9 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir, list(overrides) + ["strategy.name=single"])
-    wpath = run_dir / f"{weights}.safetensors"
+    wpath = weights_file(run_dir, weights)
     if not wpath.is_file():
-        raise UsageError(f"{wpath} not found: the run has not finished an evaluation yet. Use --weights last or best{', or train with ema.enabled=true for --weights ema' if weights == 'ema' else ''}.")
+        raise UsageError(f"{wpath} not found: the run has not finished an evaluation yet. Use --weights last or best{', or train with ema.enabled=true for --weights ema' if weights == 'ema' else ''}{', or train with swa.enabled=true for --weights swa' if weights == 'swa' else ''}.")
     from torchsprint.tasks import check_data_task, get_task
 
     with naming_imports(cfg.imports, run_dir):  # a name the run's unimported module registers: say which --import

@@ -266,7 +266,7 @@ class GraphsDecision:
 
 
 def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size: int = 1,
-                       drop_last: bool = True, freeze_epochs: int = 0) -> GraphsDecision:
+                       drop_last: bool = True, freeze_epochs: int = 0, progressive: bool = False) -> GraphsDecision:
     """The one place speed.cuda_graphs is resolved (DESIGN rule 12): wrap_model captures, Precision disables
     autocast's cache, and decisions.json / the start-up summary report from this result.
 
@@ -287,10 +287,15 @@ def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size
         device: the training device; world_size: the number of training processes.
         drop_last: data.drop_last (only changes the explanation: partial batches run eagerly).
         freeze_epochs: model.freeze_epochs; auto stays off with it (a graph fixes which parameters get gradients).
+        progressive: data.progressive is on (the input size changes between epochs): true is refused, auto stays off.
     """
     setting = speed_cfg.cuda_graphs
     if setting is False:
         return GraphsDecision(False, "speed.cuda_graphs=false")
+    if setting is True and progressive:
+        raise UsageError("speed.cuda_graphs=true captures one input shape, and data.progressive changes the training "
+                         "crop's size between epochs (the other sizes would run eagerly). Set speed.cuda_graphs=false, "
+                         "or remove data.progressive.")
     if setting is True:
         return GraphsDecision(True, "speed.cuda_graphs=true")
     off = ("a CUDA device (this run is on " + device.type + ")" if device.type != "cuda" else
@@ -300,6 +305,7 @@ def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size
            "no SyncBatchNorm (its all-reduces cannot be captured)" if strategy_cfg.sync_bn else
            "no model.freeze_epochs (it changes which parameters get gradients between epochs; a graph fixes them)"
            if freeze_epochs else
+           "no data.progressive (it changes the input size between epochs; a graph fixes it)" if progressive else
            f"one process (not yet measured under DDP on GPUs; {world_size} processes here; speed.cuda_graphs=true "
            "captures anyway)" if world_size > 1 else None)
     if off is not None:
@@ -313,8 +319,13 @@ def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size
 # ---------------------------------------------------------------- wrapping
 
 
-def _compile(model: nn.Module, speed_cfg) -> nn.Module:
+def _compile(model: nn.Module, speed_cfg, static_shapes: bool = False) -> nn.Module:
     kwargs = {"fullgraph": speed_cfg.fullgraph, "backend": getattr(speed_cfg, "compile_backend", "inductor")}
+    if static_shapes:
+        # data.progressive: one graph specialised to each input shape. Its sizes are few (multiples of
+        # data.progressive.step) and each one lasts whole epochs; torch's default would make the spatial sizes
+        # symbolic at the second size (automatic dynamic shapes), kernels no longer specialised to any of them.
+        kwargs["dynamic"] = False
     if speed_cfg.compile_mode:
         kwargs["mode"] = speed_cfg.compile_mode
     return torch.compile(model, **kwargs)
@@ -339,7 +350,7 @@ def has_conv2d(model: nn.Module) -> bool:
 def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
                example: Callable[[], torch.Tensor] | None = None, log: Callable[[str], None] | None = None,
                accum_steps: int = 1, frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None,
-               cuda_graphs: GraphsDecision | None = None) -> nn.Module:
+               cuda_graphs: GraphsDecision | None = None, static_shapes: bool = False) -> nn.Module:
     """Make the model ready to train: device, memory format, SyncBN, precision, CUDA graphs, strategy, compile.
 
     Args:
@@ -355,6 +366,7 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
             graph must capture in eval mode too; None: none.
         cuda_graphs: the run's decide_cuda_graphs result (build_training passes the one it reports); None:
             decided here from speed_cfg (direct callers: benchmarks, tests).
+        static_shapes: torch.compile one graph per input shape (dynamic=False): data.progressive's few sizes.
     """
     log = log or (lambda msg: None)
     model = model.to(rt.device)
@@ -402,7 +414,7 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed_cfg=None, prec=None,
         if prec is not None:
             prec.broadcast_masters()  # DDP broadcast rank 0's parameters; fp32 masters must follow
     if speed_cfg is not None and speed_cfg.compile:
-        model = _compile(model, speed_cfg)
+        model = _compile(model, speed_cfg, static_shapes)
     return model
 
 

@@ -104,6 +104,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.batch_size import choose_batch, resolved_config
     from torchsprint.collectives import agree_on_data
     from torchsprint.data import build_loaders
+    from torchsprint.data.preprocess.progressive import check_compile
     from torchsprint.ema import build_ema
     from torchsprint.models import build_model
     from torchsprint.models.init import apply_freeze, frozen_norm_layers, head_only, init_model
@@ -113,8 +114,9 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.precision import Precision
 
     # speed.cuda_graphs decided once: the capture, autocast's cache and decisions.json all read `graphs`.
+    progressive = cfg.data.progressive.start_size is not None  # the input size changes between epochs
     graphs = decide_cuda_graphs(cfg.speed, cfg.strategy, rt.device, rt.world_size, cfg.data.drop_last,
-                                cfg.model.freeze_epochs)
+                                cfg.model.freeze_epochs, progressive)
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=graphs.on)
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
     from torchsprint.tasks import check_data_task, get_task
@@ -133,6 +135,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "(image_folder reads test/ beside train/). Add one, or set eval.test_at_end=false.")
     info = loaders.info
     check_data_task(cfg, info)
+    if cfg.speed.compile:
+        check_compile(cfg.data, cfg.run.epochs)
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
     materialize_lazy(model, loaders.val)
     init_record: dict = {}
@@ -153,7 +157,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     ema = build_ema(cfg.ema, model, rt.device, channels_last)  # copied before wrap_model: plain and fp32
     model = wrap_model(model, cfg.strategy, rt, speed_cfg=cfg.speed, prec=prec, log=log,
                        example=lambda: next(iter(loaders.train))[0], accum_steps=cfg.optim.accum_steps,
-                       frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None, cuda_graphs=graphs)
+                       frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None, cuda_graphs=graphs,
+                       static_shapes=progressive)
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
@@ -403,7 +408,17 @@ def decisions(cfg, rt, b: Built) -> dict:
         # Where the batch size and accumulation came from (data.batch_size, auto's search, data.effective_batch_size).
         "batch_size_why": b.batch.why, "batch_size_search": b.batch.search or None,
         "steps_per_epoch": -(-len(b.loaders.train) // cfg.optim.accum_steps), "epochs": cfg.run.epochs,
+        # data.progressive: the training crop's side per epoch (from 1), in words; None when off.
+        "train_sizes": train_sizes(cfg),
     }
+
+
+def train_sizes(cfg) -> str | None:
+    """data.progressive's sides over the run's epochs ('128 (epochs 1-3), 160 (epoch 4), ...'); None when off."""
+    from torchsprint.data.preprocess.progressive import train_schedule
+
+    schedule = train_schedule(cfg.data)
+    return None if schedule is None else schedule.describe(cfg.run.epochs)
 
 
 def describe_decisions(d: dict) -> list[str]:
@@ -456,6 +471,9 @@ def describe_decisions(d: dict) -> list[str]:
                  f"{d['steps_per_epoch']} steps per epoch, {d['epochs']} epochs")
     if d.get("batch_size_why", "data.batch_size") != "data.batch_size":
         lines.append(f"  batch size: {d['batch_size_why']}")
+    if d.get("train_sizes"):
+        lines.append(f"  progressive resizing (data.progressive): training crop {d['train_sizes']}; evaluation: "
+                     "data.eval.transforms as set")
     lines.append(f"CUDA graphs {'on' if d['cuda_graphs'] else 'off'} ({d['cuda_graphs_why']}); optimizer update "
                  f"{d['optimizer_impl']} ({d['optimizer_impl_why']})")
     return lines

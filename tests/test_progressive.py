@@ -147,9 +147,12 @@ def test_compile_builds_one_static_graph_per_scheduled_size(tmp_path):
     def counting(gm, example_inputs):
         # The batch among the graph's inputs: the placeholders that are not the module's own parameters and buffers.
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        batch = [t for n, t in zip(names, example_inputs) if "_parameters_" not in n and "_buffers_" not in n]
+        batch = [t for n, t in zip(names, example_inputs)
+                 if "_parameters_" not in n and "_buffers_" not in n and isinstance(t, torch.Tensor)]
         assert len(batch) == 1, names
-        symbolic = any(isinstance(d, torch.SymInt) for t in example_inputs if isinstance(t, torch.Tensor) for d in t.shape)
+        # A graph dynamic in a size takes that size as a SymInt input (torch's default from the second size on).
+        symbolic = any(isinstance(t, torch.SymInt) for t in example_inputs) or \
+            any(isinstance(d, torch.SymInt) for d in batch[0].shape)
         graphs.append((tuple(batch[0].shape), symbolic))
         return gm.forward
 

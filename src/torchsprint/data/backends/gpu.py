@@ -69,7 +69,6 @@ from torchsprint.data.prefetch import AheadIterator, prefetch_to_device, stage, 
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.preprocess.decode import BadImage, decode_bytes, read_header
 from torchsprint.data.preprocess.normalize import DeviceNormalize
-from torchsprint.data.preprocess.progressive import FIXED, attach_schedule
 from torchsprint.data.preprocess.on_device import (  # noqa: F401  (decode_stream, pad_batch: tests and callers)
     decode_on_device,
     decode_stream,
@@ -78,6 +77,7 @@ from torchsprint.data.preprocess.on_device import (  # noqa: F401  (decode_strea
     preprocess_on_device,
     run_head_on_device,
 )
+from torchsprint.data.preprocess.progressive import FIXED, attach_schedule
 from torchsprint.errors import UsageError
 
 

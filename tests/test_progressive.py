@@ -35,7 +35,8 @@ SIZES = [8, 12, 12, 16, 16]
 
 
 def ffcv_resolution(epoch: int, min_res: int, max_res: int, start_ramp: int, end_ramp: int, res_step: int) -> int:
-    """ffcv-imagenet train_imagenet.py get_resolution (epochs from 0), copied: the independent reference."""
+    """ffcv-imagenet train_imagenet.py get_resolution (epochs from 0), copied with its 32 made `res_step`: the
+    independent reference."""
     if epoch <= start_ramp:
         return min_res
     if epoch >= end_ramp:

@@ -234,6 +234,7 @@ def test_bad_schedules_are_refused_by_the_config(over, match):
     ([CROP, "data.progressive.step=1", "data.progressive.start_size=1", "data.progressive.end_epoch=8", "run.epochs=8",
       "speed.compile=true", "speed.compile_backend=eager"], r"8 training sizes .* over torch's 8 per model"),
     (["task=video", CROP], "task=video: data.progressive is not supported"),
+    ([CROP, "run.epochs=2"], r"end_epoch=3 comes after the run's last epoch \(run.epochs=2\)"),
 ])
 def test_settings_it_cannot_honour_are_refused_at_start(over, match):
     refused("data.progressive={start_size: 4, end_epoch: 3, step: 2}", *over, match=match)

@@ -104,7 +104,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.batch_size import choose_batch, resolved_config
     from torchsprint.collectives import agree_on_data
     from torchsprint.data import build_loaders
-    from torchsprint.data.preprocess.progressive import check_compile
+    from torchsprint.data.preprocess.progressive import check_compile, check_epochs
     from torchsprint.ema import build_ema
     from torchsprint.models import build_model
     from torchsprint.models.init import apply_freeze, frozen_norm_layers, head_only, init_model
@@ -135,6 +135,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "(image_folder reads test/ beside train/). Add one, or set eval.test_at_end=false.")
     info = loaders.info
     check_data_task(cfg, info)
+    check_epochs(cfg.data, cfg.run.epochs)
     if cfg.speed.compile:
         check_compile(cfg.data, cfg.run.epochs)
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)

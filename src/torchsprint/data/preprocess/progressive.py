@@ -145,6 +145,15 @@ def attach_schedule(data_cfg, ops) -> LiveSize | FixedSize:
     return live
 
 
+def check_epochs(data_cfg, epochs: int) -> None:
+    """The ramp must end within the run: an end_epoch after run.epochs would never train at the final size."""
+    p = data_cfg.progressive
+    if p.start_size is not None and p.end_epoch > epochs:
+        raise UsageError(f"data.progressive.end_epoch={p.end_epoch} comes after the run's last epoch (run.epochs={epochs}): "
+                         "it would never train at the final size, which evaluation uses. Lower end_epoch, or raise "
+                         "run.epochs.")
+
+
 def check_compile(data_cfg, epochs: int) -> None:
     """speed.compile with data.progressive: one graph per input shape (parallel.wrap_model's static_shapes) must fit
     torch's limit of graphs per model (torch._dynamo.config.recompile_limit, 8 in torch 2.14), beyond which it runs

@@ -111,6 +111,28 @@ def test_each_epochs_batches_are_the_fixed_size_runs_crops_at_that_size(tmp_path
     assert torch.equal(next(iter(loaders.train))[0], epoch_batches(fixed[SIZES[2]], 2)[1])
 
 
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_webdataset_shards_crop_at_the_epochs_size(tmp_path, backend):
+    """Streamed shards: DataLoader workers make whole batches from their own shards (sources/webdataset.py), and
+    read the epoch's side like the folder path does; the same samples as a fixed crop of that size."""
+    from test_data_webdataset import write_shards
+
+    root = write_shards(tmp_path / "shards", [5, 3, 7, 4], split="train")
+    write_shards(root, [3], split="val", index=False, start=100)
+
+    def loader(*extra):
+        d = config.load(None, ["data.dataset=webdataset", f"data.root={root}", "data.batch_size=4", "data.num_workers=2",
+                               "data.decoder=torchvision", "data.eval.transforms=[resize: [8, 8]]", *extra]).data
+        return loaders_of(backend, d).train
+
+    crop = "data.train.transforms=[random_resized_crop: {size: %d}, hflip]"
+    ramp = loader(crop % 8, "data.progressive={start_size: 4, end_epoch: 3, step: 2}")
+    for epoch, side in enumerate([4, 6, 8]):
+        got, want = epoch_batches(ramp, epoch), epoch_batches(loader(crop % side), epoch)
+        assert [tuple(x.shape[-2:]) for x in got] == [(side, side)] * len(want) and len(want) >= 4
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (backend, epoch)
+
+
 # ---------------------------------------------------------------- resume mid-ramp
 
 STEPS_PER_EPOCH = 7  # digits, half held out: 898 training images // 128

@@ -360,6 +360,10 @@ PROBES = {
                                     base=["data.eval.transforms=[resize: 12]"]),
     "data.eval": lambda t: differs(lambda c, b: tuple(first_batch(b.loaders.val)[0].shape), "data.eval.transforms=[resize: 12]",
                                    base=["data.train.transforms=[resize: 12]"]),
+    "data.progressive": lambda t: (
+        differs(lambda c, b: tuple(first_batch(b.loaders.train)[0].shape), "data.progressive={start_size: 4, end_epoch: 2, "
+                "step: 2}", base=["data.train.transforms=[random_resized_crop: {size: 8}]", "run.epochs=2"]),
+        elsewhere("test_progressive.py::test_each_epochs_batches_are_the_fixed_size_runs_crops_at_that_size")),
     "model.name": lambda t: differs(n_params, "model.name=linear", "model.args={}"),
     "model.args": lambda t: differs(n_params, "model.args={width: 4}"),
     "model.pretrained": lambda t: (probe_pretrained(t),  # library weights (torchvision:/timm:) from their caches:

@@ -281,8 +281,10 @@ def _search(cfg, rt) -> tuple[int, dict]:
     splits = DATASETS.get(cfg.data.dataset)(cfg.data)
     # The cpu backend, one process: the same preprocessing spec (shapes, dtype) as any backend, without decoding
     # the whole data set up front as the memory backend would; the run's own loaders are built afterwards.
+    # data.progressive off: the probe crops at random_resized_crop's own size, the run's largest (its final one).
     probe_cfg = cfg.data.model_copy(update={"batch_size": PROBE_SIZES[1], "backend": "cpu", "fallback": None,
-                                            "cpu_fraction": 0.0, "num_workers": 0, "prefetch_factor": 2})
+                                            "cpu_fraction": 0.0, "num_workers": 0, "prefetch_factor": 2,
+                                            "progressive": type(cfg.data.progressive)()})
     probe = build_loaders(probe_cfg, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True, splits=splits)
     info = probe.info
     train = probe.train

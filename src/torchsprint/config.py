@@ -104,6 +104,46 @@ class SplitConfig(Section):
     )
 
 
+class ProgressiveConfig(Section):
+    """Progressive resizing (FFCV's min_res -> max_res, timm's --train-size-schedule): fewer pixels in the early epochs."""
+
+    start_size: int | None = Field(
+        None, ge=1, description="Side (pixels) of data.train.transforms' random_resized_crop output in the first epochs; "
+        "None: off. The size of epoch e depends on e alone (exact across resume).")
+    end_size: int | None = Field(
+        None, ge=1, description="Side at and after end_epoch; None: the random_resized_crop's own size (a different "
+        "value is refused: the crop's size is the run's final training size).")
+    start_epoch: int = Field(1, ge=1, description="Last epoch (counted from 1, as the log prints) at start_size.")
+    end_epoch: int | None = Field(
+        None, ge=2, description="First epoch (from 1) at end_size; between start_epoch and end_epoch the side grows "
+        "linearly, rounded to the nearest multiple of step (halves up). Required with start_size.")
+    step: int = Field(32, ge=1, description="Sizes are multiples of this (FFCV's res_step): few distinct sizes, so "
+                      "torch.compile builds one graph per size, and 32 keeps ResNet strides whole.")
+
+    @model_validator(mode="after")
+    def _schedule(self):
+        if self.start_size is None:
+            changed = sorted(k for k in self.model_fields_set if getattr(self, k) != type(self).model_fields[k].default)
+            if changed:
+                raise ValueError(f"{', '.join(changed)} has no effect without data.progressive.start_size; set start_size "
+                                 "(the first epochs' crop side) or remove it")
+            return self
+        if self.end_epoch is None:
+            raise ValueError("set end_epoch too (the first epoch at the final size), e.g. data.progressive.end_epoch=8")
+        if self.end_epoch <= self.start_epoch:
+            raise ValueError(f"end_epoch={self.end_epoch} must come after start_epoch={self.start_epoch} (the ramp runs "
+                             "from start_epoch to end_epoch)")
+        for name in ("start_size", "end_size"):
+            v = getattr(self, name)
+            if v is not None and v % self.step:
+                raise ValueError(f"{name}={v} is not a multiple of step={self.step}; use {max(self.step, v // self.step * self.step)} "
+                                 "or another step")
+        if self.end_size is not None and self.end_size < self.start_size:
+            raise ValueError(f"end_size={self.end_size} is below start_size={self.start_size}: progressive resizing "
+                             "grows the crop; swap them")
+        return self
+
+
 class DataConfig(Section):
     dataset: str = Field("digits", description="Dataset name from the DATASETS registry (`torchsprint list datasets`).")
     root: str | None = Field(None, description="Dataset folder (image_folder: holds train/ and optionally val/).")
@@ -167,6 +207,10 @@ class DataConfig(Section):
     )
     train: SplitConfig = Field(default_factory=SplitConfig, description="Training preprocessing.")
     eval: SplitConfig = Field(default_factory=SplitConfig, description="Evaluation and inference preprocessing.")
+    progressive: ProgressiveConfig = Field(
+        default_factory=ProgressiveConfig, description="Progressive resizing: the training crop's side per epoch "
+        "(data.train.transforms' random_resized_crop), on the cpu, memory and gpu backends; evaluation runs "
+        "data.eval.transforms unchanged.")
 
 
 class MixConfig(Section):

@@ -266,7 +266,7 @@ class GraphsDecision:
 
 
 def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size: int = 1,
-                       drop_last: bool = True, freeze_epochs: int = 0) -> GraphsDecision:
+                       drop_last: bool = True, freeze_epochs: int = 0, progressive: bool = False) -> GraphsDecision:
     """The one place speed.cuda_graphs is resolved (DESIGN rule 12): wrap_model captures, Precision disables
     autocast's cache, and decisions.json / the start-up summary report from this result.
 
@@ -287,10 +287,15 @@ def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size
         device: the training device; world_size: the number of training processes.
         drop_last: data.drop_last (only changes the explanation: partial batches run eagerly).
         freeze_epochs: model.freeze_epochs; auto stays off with it (a graph fixes which parameters get gradients).
+        progressive: data.progressive is on (the input size changes between epochs): true is refused, auto stays off.
     """
     setting = speed_cfg.cuda_graphs
     if setting is False:
         return GraphsDecision(False, "speed.cuda_graphs=false")
+    if setting is True and progressive:
+        raise UsageError("speed.cuda_graphs=true captures one input shape, and data.progressive changes the training "
+                         "crop's size between epochs (the other sizes would run eagerly). Set speed.cuda_graphs=false, "
+                         "or remove data.progressive.")
     if setting is True:
         return GraphsDecision(True, "speed.cuda_graphs=true")
     off = ("a CUDA device (this run is on " + device.type + ")" if device.type != "cuda" else
@@ -300,6 +305,7 @@ def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size
            "no SyncBatchNorm (its all-reduces cannot be captured)" if strategy_cfg.sync_bn else
            "no model.freeze_epochs (it changes which parameters get gradients between epochs; a graph fixes them)"
            if freeze_epochs else
+           "no data.progressive (it changes the input size between epochs; a graph fixes it)" if progressive else
            f"one process (not yet measured under DDP on GPUs; {world_size} processes here; speed.cuda_graphs=true "
            "captures anyway)" if world_size > 1 else None)
     if off is not None:
@@ -315,6 +321,11 @@ def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size
 
 def _compile(model: nn.Module, speed) -> nn.Module:
     kwargs = {"fullgraph": speed.fullgraph, "backend": speed.compile_backend}
+    if speed.static_shapes:
+        # data.progressive: one graph specialised to each input shape. Its sizes are few (multiples of
+        # data.progressive.step) and each one lasts whole epochs; torch's default would make the spatial sizes
+        # symbolic at the second size (automatic dynamic shapes), kernels no longer specialised to any of them.
+        kwargs["dynamic"] = False
     if speed.compile_mode:
         kwargs["mode"] = speed.compile_mode
     return torch.compile(model, **kwargs)

@@ -31,17 +31,19 @@ class SpeedPlan:
     fullgraph: bool
     cuda_graphs: GraphsDecision
     graphs_by_auto: bool  # speed.cuda_graphs=auto: a model that cannot be captured is refused in one line
+    # torch.compile one graph per input shape (dynamic=False): data.progressive's few training sizes
+    static_shapes: bool = False
 
 
 NO_SPEED = SpeedPlan(False, "off", False, None, "inductor", False, GraphsDecision(False, "off"), False)
 
 
 def decide_speed(speed_cfg, strategy_cfg, model: nn.Module, device: torch.device, world_size: int = 1, *,
-                 accum_steps: int = 1, graphs: GraphsDecision | None = None) -> SpeedPlan:
+                 accum_steps: int = 1, graphs: GraphsDecision | None = None, static_shapes: bool = False) -> SpeedPlan:
     """speed.* resolved for `model` (the unwrapped model) after check_speed refused what cannot run here.
 
     `graphs`: the run's decide_cuda_graphs result when it was made earlier (Precision needs it first); None:
-    decided here.
+    decided here. `static_shapes`: the input size changes between epochs (data.progressive).
     """
     check_speed(speed_cfg, strategy_cfg, device, accum_steps)
     graphs = graphs or decide_cuda_graphs(speed_cfg, strategy_cfg, device, world_size)
@@ -49,7 +51,7 @@ def decide_speed(speed_cfg, strategy_cfg, model: nn.Module, device: torch.device
     why = f"speed.channels_last={str(setting).lower()}" + (
         (": the model has 2-D convolutions" if has_conv2d(model) else ": no 2-D convolutions") if setting == "auto" else "")
     return SpeedPlan(channels_last_on(setting, model), why, speed_cfg.compile, speed_cfg.compile_mode,
-                     speed_cfg.compile_backend, speed_cfg.fullgraph, graphs, setting == "auto")
+                     speed_cfg.compile_backend, speed_cfg.fullgraph, graphs, setting == "auto", static_shapes)
 
 
 def decide_input_format(speed_cfg) -> tuple[bool, str]:
@@ -112,6 +114,7 @@ class RunPlan:
     early_stop_patience: int | None
     early_stop_min_delta: float
     tta: object = None  # tta.TtaPlan of eval.tta (None: off): every evaluation of the run wraps the model with it
+    train_sizes: str | None = None  # data.progressive: the training crop's side per epoch (from 1), in words; None: off
     swa: dict | None = None  # swa.enabled: the epoch SWA starts averaging (1-based), its lr and anneal; None: off
     distill: dict | None = None  # the teacher distill.build_teacher loaded (model, file, fingerprint...); None: off
 
@@ -160,6 +163,7 @@ def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torc
         checkpoint_every_steps=cfg.checkpoint.every_steps, monitor=cfg.checkpoint.monitor, mode=cfg.checkpoint.mode,
         early_stop_patience=cfg.early_stop.patience, early_stop_min_delta=cfg.early_stop.min_delta,
         tta=plan_tta(cfg.eval.tta, get_task(cfg.task), cfg.data.eval.transforms), distill=distill,
+        train_sizes=train_sizes(cfg),
         swa={"start_epoch": swa.start + 1, "lr": cfg.swa.lr, "anneal_epochs": cfg.swa.anneal_epochs,
              "anneal_strategy": cfg.swa.anneal_strategy} if swa is not None and swa.enabled else None,
     )
@@ -184,7 +188,17 @@ def decisions(plan: RunPlan, facts: dict) -> dict:
         "batch_size_why": plan.batch_size_why, "batch_size_search": plan.batch_size_search,
         "steps_per_epoch": plan.steps_per_epoch, "epochs": plan.epochs,
         "eval_tta": plan.tta.name if plan.tta is not None else "none", "distill": plan.distill, "swa": plan.swa,
+        # data.progressive: the training crop's side per epoch (from 1), in words; None when off.
+        "train_sizes": plan.train_sizes,
     }
+
+
+def train_sizes(cfg) -> str | None:
+    """data.progressive's sides over the run's epochs ('128 (epochs 1-3), 160 (epoch 4), ...'); None when off."""
+    from torchsprint.data.preprocess.progressive import train_schedule
+
+    schedule = train_schedule(cfg.data)
+    return None if schedule is None else schedule.describe(cfg.run.epochs)
 
 
 def describe_decisions(d: dict) -> list[str]:
@@ -237,6 +251,9 @@ def describe_decisions(d: dict) -> list[str]:
                  f"{d['steps_per_epoch']} steps per epoch, {d['epochs']} epochs")
     if d.get("batch_size_why", "data.batch_size") != "data.batch_size":
         lines.append(f"  batch size: {d['batch_size_why']}")
+    if d.get("train_sizes"):
+        lines.append(f"  progressive resizing (data.progressive): training crop {d['train_sizes']}; evaluation: "
+                     "data.eval.transforms as set")
     if d.get("eval_tta", "none") != "none":
         lines.append(f"evaluation: eval.tta={d['eval_tta']} (test-time augmentation: probabilities averaged over the views)")
     lines.append(f"CUDA graphs {'on' if d['cuda_graphs'] else 'off'} ({d['cuda_graphs_why']}); optimizer update "

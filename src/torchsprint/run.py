@@ -109,6 +109,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.batch_size import choose_batch, resolved_config
     from torchsprint.collectives import agree_on_data
     from torchsprint.data import build_loaders
+    from torchsprint.data.preprocess.progressive import check_compile, check_epochs
     from torchsprint.ema import build_ema
     from torchsprint.models import build_model
     from torchsprint.models.init import apply_freeze, frozen_norm_layers, head_only, init_model
@@ -120,8 +121,9 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.swa import build_swa
 
     # speed.cuda_graphs decided once: the capture, autocast's cache and decisions.json all read `graphs`.
+    progressive = cfg.data.progressive.start_size is not None  # the input size changes between epochs
     graphs = decide_cuda_graphs(cfg.speed, cfg.strategy, rt.device, rt.world_size, cfg.data.drop_last,
-                                cfg.model.freeze_epochs)
+                                cfg.model.freeze_epochs, progressive)
     prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=graphs.on)
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
     from torchsprint.distill import DistillLoader, DistillLoss, build_teacher, check_distill
@@ -144,6 +146,9 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "(image_folder reads test/ beside train/). Add one, or set eval.test_at_end=false.")
     info = loaders.info
     check_data_task(cfg, info)
+    check_epochs(cfg.data, cfg.run.epochs)
+    if cfg.speed.compile:
+        check_compile(cfg.data, cfg.run.epochs)
     teacher, distill = build_teacher(cfg.distill, info, rt.device, prec, cfg.speed.channels_last, log) if distilling \
         else (None, None)  # after the data (its classes), before the student model and the run folder
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
@@ -163,7 +168,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                          "strategy=single, speed.cuda_graphs=false and fp32/amp precision only.")
     head = head_only(model, cfg.model, log)  # the body's parameters, before wrapping (they stay the same tensors)
     speed = decide_speed(cfg.speed, cfg.strategy, model, rt.device, rt.world_size, accum_steps=cfg.optim.accum_steps,
-                         graphs=graphs)  # what wrap_model applies and the plan reports: one object
+                         graphs=graphs, static_shapes=progressive)  # what wrap_model applies and the plan reports
     ema = build_ema(cfg.ema, model, rt.device, speed.channels_last)  # copied before wrap_model: plain and fp32
     swa = build_swa(cfg.swa, model, cfg.run.epochs, rt.device, speed.channels_last)  # the same
     model = wrap_model(model, cfg.strategy, rt, speed=speed, prec=prec, log=log,

@@ -74,6 +74,9 @@ class Task:
         if self.backends is not None and cfg.data.backend not in (*self.backends, "auto"):
             raise UsageError(f"task={self.name} does not support data.backend={cfg.data.backend} (supported: "
                              f"{', '.join(self.backends)}). Set data.backend={self.backends[0]}.")
+        if cfg.data.progressive.start_size is not None and "progressive" in self.unsupported:
+            raise UsageError(f"task={self.name}: data.progressive is not supported: {self.unsupported['progressive']} "
+                             "Remove data.progressive.")
         if cfg.speed.channels_last is True and not self.channels_last:
             raise UsageError(f"task={self.name}: speed.channels_last applies to 4-D image batches only; set speed.channels_last=false.")
         from torchsprint.tta import plan_tta
@@ -253,7 +256,9 @@ def image_to_image() -> Task:
     """
     return Task("image_to_image", "mse", "val/psnr", "max", _restoration_metrics, _restoration_summary, _nothing, _images,
                 backends=("cpu", "memory"), export_formats=("onnx", "safetensors", "torchscript"), example=_paired_example,
-                min_classes=1, targets="image", eval_fields=())
+                min_classes=1, targets="image", eval_fields=(),
+                unsupported={"progressive": "it is made and measured for image classification batches; restoration models "
+                             "are evaluated on whole images, and a schedule of patch sizes for them is not measured."})
 
 
 # ---------------------------------------------------------------- video
@@ -280,7 +285,9 @@ def video() -> Task:
                 artifact_files=CONFUSION_FILES,
                 example=_first_clip,
                 unsupported={"predict": "predict decodes image files; evaluate clips with `torchsprint eval` instead.",
-                             "tta": "clips are averaged over time by multi_clip in data.eval.transforms instead."})
+                             "tta": "clips are averaged over time by multi_clip in data.eval.transforms instead.",
+                             "progressive": "clips are cropped frame by frame on the cpu backend only, and the schedule "
+                             "is made and measured for image batches."})
 
 
 __all__ = ["TASKS", "Task", "get_task", "apply_defaults", "check_data_task", "to_pixels"]

@@ -24,6 +24,7 @@ from torchsprint.data.core import (
     runs_anywhere,
     size_text,
 )
+from torchsprint.data.preprocess.progressive import train_schedule
 from torchsprint.errors import UsageError
 
 # Files are decoded up front for the memory backend only up to this many (about a minute of decoding
@@ -48,6 +49,7 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     The chosen backend and why, and the facts of the data, are in `Loaders.info` (backend, backend_why, facts).
     """
     check_data_fields(data_cfg)
+    schedule = train_schedule(data_cfg)  # data.progressive against the training spec, before any data is read
     splits = splits if splits is not None else DATASETS.get(data_cfg.dataset)(data_cfg)
     if data_cfg.decoder != "auto" and not hasattr(splits.train, "samples") and not getattr(splits.train, "streaming", False):
         raise UsageError(f"data.decoder={data_cfg.decoder}: data.dataset={data_cfg.dataset} is already decoded in memory, "
@@ -88,6 +90,10 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
         backend = as_backend(LOADERS.get(name))
         if (also := backend.cannot_run(rt)) is not None:
             raise UsageError(f"data.fallback={name} cannot run here either ({also}). Set data.fallback=cpu.")
+    if schedule is not None and not backend.progressive:
+        able = [n for n in LOADERS.names() if as_backend(LOADERS.get(n)).progressive]
+        raise UsageError(f"data.progressive: data.backend={name} does not resize its crop per epoch (backends that do: "
+                         f"{', '.join(able)}). Set data.backend to one of them, or remove data.progressive.")
     loaders = backend(data_cfg.model_copy(update={"backend": name}), splits, rt, **kw)
     info = loaders.info
     # Recorded once, here: every writer (decisions.json, the start-up summary, data check, the engine's hint) reads it.

@@ -233,12 +233,15 @@ class Backend:
             asks before building and falls back to data.fallback, or refuses, in one place; a backend never
             falls back by itself.
         auto: whether data.backend=auto considers it (build.choose_backend says when each one suits).
+        progressive: whether its training loader applies data.progressive (its set_epoch sets the crop side);
+            build_loaders refuses data.progressive with a backend that does not.
     A user's backend may be registered as a plain build function: it runs anywhere and auto never picks it.
     """
 
     build: Callable[..., Loaders]
     cannot_run: Callable[[Any], str | None] = runs_anywhere
     auto: bool = False
+    progressive: bool = False
 
     def __call__(self, data_cfg, splits, rt, **kw) -> Loaders:
         return self.build(data_cfg, splits, rt, **kw)

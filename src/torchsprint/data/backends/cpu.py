@@ -14,6 +14,7 @@ from torchsprint.data.core import (
 )
 from torchsprint.data.prefetch import prefetch_to_device
 from torchsprint.data.preprocess.normalize import DeviceNormalize
+from torchsprint.data.preprocess.progressive import FIXED, attach_schedule
 from torchsprint.data.preprocess.transforms import compile_spec, decode_hint
 from torchsprint.errors import UsageError
 
@@ -193,8 +194,10 @@ class DeviceLoader:
         self.loader, self.batches, self.sampler, self.device = loader, batches, batches.sampler, device
         self.normalize = normalize
         self.skipped: list[str] = []
+        self.resolution = FIXED  # data.progressive (training loader): the crop side of each epoch
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.resolution.set_epoch(epoch)  # before any batch of the epoch is requested from the workers
         self.sampler.set_epoch(epoch, start_batch * self.batches.batch_size)
 
     def __len__(self) -> int:
@@ -278,8 +281,9 @@ def cpu_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.f
     else:
         train, val = make_loaders([train_raw, val_raw], [train_p, eval_p], data_cfg, rt, **kw,
                                   train_weights=splits.train_weights)
+    train.resolution = attach_schedule(data_cfg, train_p.cpu.transforms if train_p.cpu is not None else [])
     info = DataInfo(splits.classes, splits.in_channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=train, val=val, info=info)
 
 
-LOADERS.register("cpu")(Backend(cpu_loader, auto=True))  # runs on any device
+LOADERS.register("cpu")(Backend(cpu_loader, auto=True, progressive=True))  # runs on any device

@@ -77,6 +77,7 @@ from torchsprint.data.preprocess.on_device import (  # noqa: F401  (decode_strea
     preprocess_on_device,
     run_head_on_device,
 )
+from torchsprint.data.preprocess.progressive import FIXED, attach_schedule
 from torchsprint.errors import UsageError
 
 
@@ -243,6 +244,7 @@ class GpuLoader:
         self.skipped: list[str] = []
         self.cpu_fallbacks = 0  # files nvJPEG rejected that the CPU decoded
         self._active = None  # weakref to the running AheadIterator, closed before another starts
+        self.resolution = FIXED  # data.progressive (training loader): the crop side of each epoch
 
     @property
     def cpu_fraction(self) -> float:
@@ -255,7 +257,8 @@ class GpuLoader:
         self._active = None
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self._close_active()  # a producer still running would read the sampler while it changes
+        self._close_active()  # a producer still running would read the sampler (and the crop side) while it changes
+        self.resolution.set_epoch(epoch)
         self.sampler.set_epoch(epoch, start_batch * self.batches.batch_size)
 
     def __len__(self) -> int:
@@ -422,9 +425,10 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
         )
         out.append(GpuLoader(loader, batches, pipe, rt.device, norm, fraction, tuner if train else None, data_cfg.on_bad_sample,
                              channels, raw.decoder, data_cfg.max_image_pixels, ahead=data_cfg.prefetch_factor))
+    out[0].resolution = attach_schedule(data_cfg, [op for _, op in train_p.steps])
     info = DataInfo(splits.classes, channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=out[0], val=out[1], info=info)
 
 
 # Building it on a CPU device runs the same code with CPU decoding (the tests do); a run asks cannot_run first.
-LOADERS.register("gpu")(Backend(build_gpu_loaders, cannot_run=cuda_missing, auto=True))
+LOADERS.register("gpu")(Backend(build_gpu_loaders, cannot_run=cuda_missing, auto=True, progressive=True))

@@ -22,6 +22,7 @@ from torchsprint.data.core import (
 )
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.preprocess.normalize import DeviceNormalize
+from torchsprint.data.preprocess.progressive import FIXED, attach_schedule
 from torchsprint.errors import UsageError
 
 
@@ -93,8 +94,10 @@ class MemoryLoader:
         self.images, self.targets, self.pipeline, self.sampler = images, targets, pipeline, sampler
         self.batch_size, self.drop_last, self.normalize = batch_size, drop_last, normalize
         self.skipped: list[str] = []
+        self.resolution = FIXED  # data.progressive (training loader): the crop side of each epoch
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.resolution.set_epoch(epoch)
         self.sampler.set_epoch(epoch, start_batch * self.batch_size)
 
     def __len__(self) -> int:
@@ -148,8 +151,9 @@ def memory_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torc
         loader = MemoryLoader(images.to(rt.device), targets.to(rt.device), pipe, sampler, bs, drop, norm)
         loader.skipped += skipped  # found while decoding; reported with the first epoch
         loaders.append(loader)
+    loaders[0].resolution = attach_schedule(data_cfg, [op for _, op in train_p.steps])
     info = DataInfo(splits.classes, splits.in_channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=loaders[0], val=loaders[1], info=info)
 
 
-LOADERS.register("memory")(Backend(memory_loader, auto=True))  # any device (it checks the size itself)
+LOADERS.register("memory")(Backend(memory_loader, auto=True, progressive=True))  # any device (it checks the size itself)

@@ -63,22 +63,28 @@ class HeadGeometry:
 
     def __init__(self, steps: list):
         self.steps = steps
-        last = steps[-1]
-        self.out_size = pair_size(last.size)
         self.antialias = getattr(steps[0], "antialias", True)
-        # Host-side lower bound of the resized length per axis (None: no scaling), for the number of taps.
-        if isinstance(steps[0], RandomResizedCrop):
-            self.min_resized = self.out_size
-        elif isinstance(steps[0], Resize):
-            self.min_resized = steps[0].min_resized()
-        else:
-            self.min_resized = None
+
+    @property
+    def out_size(self) -> tuple[int, int]:
+        """(h, w) of the head's output: read at each use, as data.progressive changes a random_resized_crop's."""
+        return pair_size(self.steps[-1].size)
+
+    @property
+    def min_resized(self) -> tuple[int, int] | None:
+        """Host-side lower bound of the resized length per axis (None: no scaling), for the number of taps."""
+        if isinstance(self.steps[0], RandomResizedCrop):
+            return self.out_size
+        if isinstance(self.steps[0], Resize):
+            return self.steps[0].min_resized()
+        return None
 
     def max_scale(self, height: int, width: int) -> tuple[float, float]:
         """Upper bounds of input / resized length for inputs of at most height x width."""
-        if self.min_resized is None:
+        low = self.min_resized
+        if low is None:
             return 1.0, 1.0
-        return height / self.min_resized[0], width / self.min_resized[1]
+        return height / low[0], width / low[1]
 
     def windows(self, params: list[dict], hs: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(4, B) int64 rows and columns (start, length, resized, offset) for images of sizes hs x ws."""

@@ -136,8 +136,14 @@ class RandomResizedCrop:
     fixes_size = True
 
     def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), antialias: bool = True):
-        self.size, self.antialias = pair_size(size), bool(antialias)
+        self._size, self.antialias = pair_size(size), bool(antialias)
         self.scale, self.ratio = tuple(scale), tuple(ratio)
+        self.live = None  # data.progressive: a shared one-element tensor holding this epoch's side (progressive.LiveSize)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(h, w) of the output: the spec's, or this epoch's side under data.progressive (read at each use)."""
+        return self._size if self.live is None else (int(self.live[0]),) * 2
 
     def params(self, u, hs, ws):
         hs64, ws64 = hs.double(), ws.double()
@@ -177,7 +183,8 @@ class RandomResizedCrop:
         hs = torch.full((len(x),), x.shape[-2], device=x.device)
         ws = torch.full((len(x),), x.shape[-1], device=x.device)
         rows, cols = self.geometry(p, hs, ws)
-        return resample_batch(x, rows, cols, self.size, (x.shape[-2] / self.size[0], x.shape[-1] / self.size[1]), self.antialias)
+        size = self.size
+        return resample_batch(x, rows, cols, size, (x.shape[-2] / size[0], x.shape[-1] / size[1]), self.antialias)
 
 
 class Resize:

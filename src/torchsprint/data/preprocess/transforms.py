@@ -101,6 +101,7 @@ class FastRandomResizedCrop:
         self.interpolation, self.antialias = self.reference.interpolation, antialias
         self._log_ratio = torch.log(torch.tensor(self.ratio))
         self._sqrt = math.sqrt
+        self.live = None  # data.progressive: a shared one-element tensor holding this epoch's side (progressive.LiveSize)
 
     def params(self, height: int, width: int) -> tuple[int, int, int, int]:
         """(top, left, h, w), drawn exactly as torchvision's RandomResizedCrop.make_params."""
@@ -127,11 +128,14 @@ class FastRandomResizedCrop:
         return (height - h) // 2, (width - w) // 2, h, w
 
     def __call__(self, img):
+        size = self.size if self.live is None else [int(self.live[0])] * 2  # read per image: the epoch may change it
         if not _is_uint8_image(img):
+            if self.live is not None:
+                self.reference.size = tuple(size)
             return self.reference(img)
         i, j, h, w = self.params(img.shape[-2], img.shape[-1])
         crop = channels_last_copy(img[:, i : i + h, j : j + w])
-        return _v2().functional.resize(crop, self.size, interpolation=self.interpolation, antialias=self.antialias)
+        return _v2().functional.resize(crop, size, interpolation=self.interpolation, antialias=self.antialias)
 
     def __repr__(self) -> str:
         return f"Fast{self.reference!r}"

@@ -312,6 +312,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             logger.info(line)
         if rt.is_main:
             (run_dir / "decisions.json").write_text(json.dumps(decided, indent=1))
+        logger.expect(cfg, decided | {"batch_shape": info.image_size})  # for the run's time estimate
         geometry = data_geometry(cfg, rt.world_size)
         state = TrainState()
         if ckpt is not None:

@@ -467,7 +467,8 @@ class RunLogger:
         r = c.rates(now)
         rate = "" if r is None else (f"{r[1]:.1f} img/s, " if r[1] else f"{r[0]:.2f} steps/s, ")
         return (f"epoch {self._epoch + 1}/{self._epochs}: step {c.done}/{c.total} ({c.done / max(c.total, 1):.0%}), "
-                f"{rate}elapsed {clock(now - c.t_start)}, ETA {clock(c.eta(now))}")
+                f"{rate}elapsed {clock(now - c.t_start)}, ETA {clock(c.eta(now))}"
+                + (" (rough: from the first step, its warm-up included)" if c.steady_steps() == 0 else ""))
 
     def projection(self, now: float) -> dict:
         """The estimated seconds of this epoch (the time so far and what is left of it), of the evaluations and of the

@@ -126,7 +126,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     cfg = resolved_config(cfg, batch)
     check_imbalance(cfg, task.targets)
     loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True,
-                            allowed=task.backends, splits=batch.splits)
+                            allowed=task.backends, splits=batch.splits, epochs=cfg.run.epochs,
+                            keep_backend=backend_at_start(cfg, ckpt, resume_path))
     batch.splits = None  # the run's loaders hold the data set now
     if cfg.eval.test_at_end and loaders.info.facts.get("images", {}).get("test") is None:
         raise UsageError(f"eval.test_at_end=true: data.dataset={cfg.data.dataset} (root={cfg.data.root}) has no test split "
@@ -230,6 +231,19 @@ def class_weights(info) -> torch.Tensor:
                          "frequency is infinite; add images, or set loss.args.weight (one value per class) instead.")
     inv = 1.0 / torch.tensor(counts, dtype=torch.float64)
     return (inv / inv.mean()).float()
+
+
+def backend_at_start(cfg, ckpt, resume_path) -> str | None:
+    """The backend data.backend=auto chose when a resumed run started (its decisions.json beside checkpoints/), or None:
+    a measured choice could differ now, and another backend augments differently."""
+    if ckpt is None or cfg.data.backend != "auto" or resume_path is None:
+        return None
+    for folder in Path(resume_path).parents[:2]:
+        try:
+            return json.loads((folder / "decisions.json").read_text())["backend"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:
@@ -392,6 +406,9 @@ def decisions(cfg, rt, b: Built) -> dict:
         # The backend that ran (after `auto` and any data.fallback), as build_loaders recorded it; and what was asked.
         "backend": info.backend, "backend_why": info.backend_why, "backend_config": info.backend_config,
         "backend_fallback": info.fallback or None,
+        # auto's measurement on the user's files (images/s of each candidate, the memory backend's decode rate, the
+        # estimated loading time of the run); {} where nothing was measured (data.backend set, one candidate).
+        "backend_measured": info.backend_measured or None,
         "device": str(rt.device), "world_size": rt.world_size, "precision": cfg.precision.mode,
         "channels_last": channels_last_on(cfg.speed.channels_last, model),
         "channels_last_why": f"speed.channels_last={str(cfg.speed.channels_last).lower()}" + (

@@ -377,8 +377,9 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
         built = now() - t0
         loaders.train.set_epoch(0)
         its[name] = iter(loaders.train)
-        next(its[name])  # untimed: the first batch pays one-time costs (allocations, set-ups)
-        out[name] = {"images_per_s": 0.0, "images": 0, "seconds": 0.0}
+        t0 = now()
+        first = next(its[name])  # untimed: the first batch pays one-time costs (allocations, set-ups) ...
+        out[name] = {"images_per_s": 0.0, "images": 0, "seconds": 0.0, "first": (first[0].shape[0], now() - t0)}
         if name == "memory":  # the build decoded the sample and the one validation file
             out[name]["decode_images_per_s"] = (count + 1) / max(built, 1e-9)
     active, t_timed = list(names), time.perf_counter()
@@ -397,6 +398,9 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
             if m["seconds"] >= MEASURE_SECONDS:
                 active.remove(name)
     for m in out.values():
+        first = m.pop("first")
+        if not m["images"]:  # ... unless the sample held one batch only (a tiny training split)
+            m["images"], m["seconds"] = first
         m["images_per_s"] = m["images"] / max(m.pop("seconds"), 1e-9)
     its.clear()
     return {"files": count, "batch_size": batch, "seconds": time.perf_counter() - t_all,

@@ -341,8 +341,8 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     many as two decodes' timing says fit in MEASURE_SECONDS, at least 8). Each backend is built on that sample with
     data.num_workers=0 (building the memory backend decodes the sample: its decode rate);
     after one untimed batch each, the backends' training batches are timed in turn (one batch of each, again,
-    so that a change in the machine's load falls on all of them) until MEASURE_SECONDS x the backends have
-    passed or the sample is spent (or, on a busy machine, 3x that in wall-clock time). The clock: on a CPU device the CPU time of this process (all its threads: the
+    so that a change in the machine's load falls on all of them; passes over the sample in new epochs' orders,
+    at most 4) until each has MEASURE_SECONDS (or, on a busy machine, 3x that in wall-clock time in all). The clock: on a CPU device the CPU time of this process (all its threads: the
     work each backend does per image, whatever else runs on a shared machine); on CUDA the wall clock, with a
     sync per batch. Bound: the probe, each build (the memory backend's decode of the sample, about MEASURE_SECONDS),
     one untimed batch each and MEASURE_SECONDS each: about 3 x MEASURE_SECONDS per backend on any files.
@@ -370,12 +370,13 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     cfg = data_cfg.model_copy(update={"num_workers": 0, "batch_size": batch, "sampler": "shuffle", "repeated_aug": 1,
                                       "drop_last": True, "prefetch_factor": 2})
     one = replace(rt, rank=0, world_size=1)  # the sample is not sharded: every rank takes rank 0's figures
-    out, its = {}, {}
+    out, its, train_loaders = {}, {}, {}
     for name in names:
         t0 = now()
         loaders = LOADERS.get(name)(cfg.model_copy(update={"backend": name}), sub, one, **kw)
         built = now() - t0
         loaders.train.set_epoch(0)
+        train_loaders[name] = loaders.train
         its[name] = iter(loaders.train)
         t0 = now()
         first = next(its[name])  # untimed: the first batch pays one-time costs (allocations, set-ups) ...
@@ -385,11 +386,15 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     active, t_timed = list(names), time.perf_counter()
     while active and time.perf_counter() - t_timed < 3 * MEASURE_SECONDS * len(names):  # a wall-clock bound too
         for name in list(active):
+            m = out[name]
             t0 = now()
             x = next(its[name], None)
+            if x is None and m["images"] < 4 * count:  # the sample is spent: another pass (a new epoch's order)
+                train_loaders[name].set_epoch(m["images"] // count + 1)
+                its[name] = iter(train_loaders[name])
+                x = next(its[name], None)
             if x is not None and cuda:
                 torch.cuda.synchronize(rt.device)
-            m = out[name]
             if x is None:
                 active.remove(name)
                 continue
@@ -403,6 +408,7 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
             m["images"], m["seconds"] = first
         m["images_per_s"] = m["images"] / max(m.pop("seconds"), 1e-9)
     its.clear()
+    train_loaders.clear()
     return {"files": count, "batch_size": batch, "seconds": time.perf_counter() - t_all,
             "clock": "wall clock" if cuda else "CPU time of this process", "backends": out}
 

@@ -15,11 +15,11 @@ from torchsprint.runtime import Runtime
 FAST = ["run.epochs=1", "model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false"]
 
 
-def loaders(*overrides, allowed=None):
+def loaders(*overrides, allowed=None, epochs=1):
     import torch
 
     cfg = config.load(None, list(overrides))
-    return build_loaders(cfg.data, Runtime(torch.device("cpu")), seed=0, allowed=allowed)
+    return build_loaders(cfg.data, Runtime(torch.device("cpu")), seed=0, allowed=allowed, epochs=epochs)
 
 
 def test_digits_go_to_memory_and_the_run_says_why(tmp_path, capsys):
@@ -32,10 +32,13 @@ def test_digits_go_to_memory_and_the_run_says_why(tmp_path, capsys):
     assert d["images"] == {"train": 1437, "val": 360} and d["classes"] == 10 and d["effective_batch_size"] == 64
 
 
-def test_same_size_jpegs_are_decoded_once_into_memory(tmp_path):
+def test_same_size_jpegs_are_decoded_once_into_memory_when_the_epochs_pay_for_it(tmp_path):
+    """Tiny same-size JPEGs over 50 epochs: decoding them once beats decoding them every epoch (auto measures both;
+    tests/test_backend_measured.py checks such choices against a direct measurement)."""
     root = make_image_folder(tmp_path, per_class=3)
-    info = loaders("data.dataset=image_folder", f"data.root={root}").info
-    assert info.backend == "memory" and "12 files of one size (24x20)" in info.backend_why
+    info = loaders("data.dataset=image_folder", f"data.root={root}", epochs=50).info
+    assert info.backend == "memory" and "12 files of one size (24x20)" in info.backend_why, info.backend_why
+    assert info.backend_why.startswith("measured on") and info.backend_measured["chosen"] == "memory"
 
 
 def test_files_of_several_sizes_stream_through_the_cpu_backend(tmp_path):

@@ -118,7 +118,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         state.step_in_epoch += 1
         state.global_step += 1
         ema.update(state.global_step)  # a no-op object when ema.enabled=false
-        logger.advance()
+        logger.advance(images=n_images)  # the heartbeat and the time estimate (logging.RunLogger)
         if state.global_step % plan.log_every_steps == 0:
             mean_loss = torch.stack(window).float().mean().item()  # note: a CPU-GPU sync point, once per log step
             check_finite(prec, state, window, opt, math.isfinite(mean_loss))

@@ -84,6 +84,9 @@ class RunPlan:
     backend_why: str
     backend_config: str
     backend_fallback: str | None
+    # auto's measurement on the user's files (images/s of each candidate, the memory backend's decode rate, the
+    # estimated loading time of the run); None where nothing was measured (data.backend set, one candidate).
+    backend_measured: dict | None
     # Speed and numerics
     speed: SpeedPlan  # channels_last of the model, compile, CUDA graphs
     channels_last_inputs: bool
@@ -149,6 +152,7 @@ def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torc
         backend_why=info.backend_why if info is not None else "data.backend",
         backend_config=info.backend_config if info is not None else cfg.data.backend,
         backend_fallback=(info.fallback or None) if info is not None else None,
+        backend_measured=(getattr(info, "backend_measured", None) or None) if info is not None else None,
         speed=speed, channels_last_inputs=inputs[0], channels_last_inputs_why=inputs[1],
         precision=cfg.precision.mode, optimizer_impl=impl, optimizer_impl_why=impl_why,
         batch_size=cfg.data.batch_size, accum_steps=accum,
@@ -179,6 +183,9 @@ def decisions(plan: RunPlan, facts: dict) -> dict:
         # The backend that ran (after `auto` and any data.fallback), as build_loaders recorded it; and what was asked.
         "backend": plan.backend, "backend_why": plan.backend_why, "backend_config": plan.backend_config,
         "backend_fallback": plan.backend_fallback,
+        # auto's measurement on the user's files (images/s of each candidate, the memory backend's decode rate, the
+        # estimated loading time of the run); None where nothing was measured (data.backend set, one candidate).
+        "backend_measured": plan.backend_measured,
         "device": plan.device, "world_size": plan.world_size, "precision": plan.precision,
         "channels_last": plan.channels_last, "channels_last_why": plan.speed.channels_last_why,
         "cuda_graphs": plan.cuda_graphs.on, "cuda_graphs_why": plan.cuda_graphs.why,

@@ -139,7 +139,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     inputs = decide_input_format(cfg.speed)  # (channels_last batches, why): the loaders and the plan read this
     # eval.tta=five_crop/ten_crop loads larger eval images, to crop from (tta.loading_spec); training is unchanged
     loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), rt, seed=cfg.run.seed, channels_last=inputs[0],
-                            allowed=task.backends, splits=batch.splits)
+                            allowed=task.backends, splits=batch.splits, epochs=cfg.run.epochs,
+                            keep_backend=backend_at_start(cfg, ckpt, resume_path))
     batch.splits = None  # the run's loaders hold the data set now
     if cfg.eval.test_at_end and loaders.info.facts.get("images", {}).get("test") is None:
         raise UsageError(f"eval.test_at_end=true: data.dataset={cfg.data.dataset} (root={cfg.data.root}) has no test split "
@@ -265,6 +266,19 @@ def class_weights(info) -> torch.Tensor:
     return (inv / inv.mean()).float()
 
 
+def backend_at_start(cfg, ckpt, resume_path) -> str | None:
+    """The backend data.backend=auto chose when a resumed run started (its decisions.json beside checkpoints/), or None:
+    a measured choice could differ now, and another backend augments differently."""
+    if ckpt is None or cfg.data.backend != "auto" or resume_path is None:
+        return None
+    for folder in Path(resume_path).parents[:2]:
+        try:
+            return json.loads((folder / "decisions.json").read_text())["backend"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
 def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:
     """Train one run described by `cfg` and return its summary (also written to summary.json).
 
@@ -351,6 +365,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             from torchsprint.swa import describe
 
             logger.info(describe(b.swa, cfg.run.epochs))
+        logger.expect(cfg, decided | {"batch_shape": info.image_size})  # for the run's time estimate
         geometry = data_geometry(cfg, rt.world_size)
         state = TrainState()
         if ckpt is not None:

@@ -34,7 +34,8 @@ HEADER_BYTES = 64 * 1024  # enough of a file for its size (the JPEG frame header
 
 
 def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype: torch.dtype = torch.float32,
-                  allowed: tuple[str, ...] | None = None, split: str = "val", splits: Splits | None = None) -> Loaders:
+                  allowed: tuple[str, ...] | None = None, split: str = "val", splits: Splits | None = None,
+                  epochs: int = 1, keep_backend: str | None = None) -> Loaders:
     """Build the dataset named in `data_cfg.dataset` and the backend named in `data_cfg.backend`.
 
     Args:
@@ -46,7 +47,12 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
         allowed: the backends the task supports (tasks.Task.backends; None: any); `auto` picks among them.
         split: what the evaluation loader (`Loaders.val`) reads: "val", or "test" (the dataset's test split).
         splits: an already built dataset (else built from data_cfg).
-    The chosen backend and why, and the facts of the data, are in `Loaders.info` (backend, backend_why, facts).
+        epochs: how many epochs the loaders serve (run.epochs): data.backend=auto weighs the memory backend's
+            up-front decode against what it saves per epoch (choose_backend).
+        keep_backend: the backend `auto` chose when this run started (a resumed run keeps it: another backend
+            augments differently, and the resume would not continue the same run).
+    The chosen backend and why, and the facts of the data, are in `Loaders.info` (backend, backend_why, facts,
+    backend_measured).
     """
     check_data_fields(data_cfg)
     schedule = train_schedule(data_cfg)  # data.progressive against the training spec, before any data is read
@@ -73,8 +79,12 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
     configured = data_cfg.backend
     name, why = configured, "set in the config (data.backend)"
-    if name == "auto":
-        name, why = choose_backend(data_cfg, splits, rt, allowed)
+    measured: dict = {}
+    if name == "auto" and keep_backend is not None:
+        name, why = keep_backend, "data.backend=auto: the backend this run chose when it started (decisions.json), kept " \
+                                  "so that the resumed run augments as it began"
+    elif name == "auto":
+        name, why, measured = choose_backend(data_cfg, splits, rt, allowed, epochs=epochs, kw=kw)
     elif name == "memory":
         check_memory_size(data_cfg, splits, rt.device)  # auto checked it already
     backend, fallback = as_backend(LOADERS.get(name)), None
@@ -98,6 +108,7 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     info = loaders.info
     # Recorded once, here: every writer (decisions.json, the start-up summary, data check, the engine's hint) reads it.
     info.backend, info.backend_why, info.backend_config, info.fallback = name, why, configured, fallback or ""
+    info.backend_measured = measured
     loaders.info.facts = describe_data(splits)
     return splits.wrap(loaders)
 
@@ -218,22 +229,40 @@ def check_memory_size(data_cfg, splits: Splits, device: torch.device) -> None:
                          "batch), or raise data.memory_budget_gib.")
 
 
-# data.backend=auto's order of preference among the backends registered with auto=True (fastest first, as
-# measured in BENCHMARKS.md); a backend registered later with auto=True is considered after these.
+# data.backend=auto's order of preference among the backends registered with auto=True where nothing is measured
+# (a dataset already decoded in memory); a backend registered later with auto=True is considered after these.
 AUTO_ORDER = ("memory", "gpu", "cpu")
 
+# data.backend=auto on image files measures its candidates on the user's own files, in this process, within a bound:
+MEASURE_SECONDS = 1.0  # each candidate's timed batches stop once this has passed (plus the batch under way)
+MEASURE_FILES = 64  # files sampled (evenly through the training split), fewer for slow files: see measure_backends
+MEASURE_BATCH = 32  # the measuring batch size at most (data.batch_size when smaller)
+MEMORY_MARGIN = 0.10  # the memory backend must save this share of the cpu backend's estimated loading time: it also
+# holds the decoded images (its peak memory was 1.7x the cpu backend's on issue 31's photos), so a near tie streams
 
-def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None) -> tuple[str, str]:
-    """data.backend=auto: (backend, why). The fastest backend that fits, in this order:
 
-    1. memory, when the decoded dataset fits core.memory_budget (data.memory_budget_gib, else
-       MEMORY_SHARE_RAM of RAM or MEMORY_SHARE_GPU of the GPU) and
-       the preprocessing runs in batched ops: a dataset already in memory (digits, CIFAR) as it is; a
-       folder of at most MEMORY_MAX_FILES images of one size, decoded once at start (measured on the
-       default run: 1.54x the cpu backend, BENCHMARKS.md);
-    2. gpu, for JPEG files on CUDA (nvJPEG decoding, augmentation on the GPU);
-    3. cpu otherwise (DataLoader workers decode and augment every epoch).
-    Only backends registered with auto=True that the task supports (`allowed`) and that can run here are considered.
+def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None, *, epochs: int = 1,
+                   kw: dict | None = None) -> tuple[str, str, dict]:
+    """data.backend=auto: (backend, why, measured figures). Among the backends registered with auto=True that the task
+    supports (`allowed`) and that can run here:
+
+    1. memory is a candidate when the decoded dataset fits core.memory_budget (data.memory_budget_gib, else
+       MEMORY_SHARE_RAM of RAM or MEMORY_SHARE_GPU of the GPU) and the preprocessing runs in batched ops: a
+       dataset already decoded in memory (digits, CIFAR), or a folder of at most MEMORY_MAX_FILES images of one size;
+    2. gpu is a candidate for JPEG files on CUDA (nvJPEG decoding, augmentation on the GPU);
+    3. cpu always (it decodes and augments every epoch).
+    Only one candidate: it runs. A dataset already decoded in memory: memory (a cost model, nothing to measure: no
+    decode either way, and a batch is one gather plus batched ops instead of a Python call per sample; 1.54x the
+    cpu backend on the default run, BENCHMARKS.md). Image files: the candidates are measured on the user's files
+    and machine (measure_backends, within MEASURE_SECONDS each) and the one with the least estimated loading time
+    over `epochs` epochs wins:
+
+        cpu, gpu:  epochs x (train + val images) / images_per_s
+        memory:    (train + val images) / decode_images_per_s   (the up-front decode, data.num_workers in parallel)
+                   + epochs x (train + val images) / images_per_s
+    memory must beat the best other candidate by MEMORY_MARGIN (it also holds every decoded image in memory).
+    With data.num_workers > 0 on CUDA the cpu backend's rate is multiplied by the workers (they run beside the
+    GPU); on a CPU device it is not (the workers take the cores the model trains on).
     """
     device = rt.device
     candidates = [n for n in AUTO_ORDER if n in LOADERS and as_backend(LOADERS.get(n)).auto]
@@ -244,7 +273,7 @@ def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None
                          "set data.backend.")
     fallback = "cpu" if "cpu" in ok else ok[-1]
     budget, budget_text = memory_budget(device, data_cfg.memory_budget_gib)
-    reasons = []
+    reasons, runnable, memory_why = [], [fallback], None
     train = splits.train
     if "memory" in ok:
         problem = _batched_spec_problem(data_cfg, splits.in_channels, "memory")
@@ -257,7 +286,10 @@ def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None
             how = ("batches are gathered and augmented in batches" if hasattr(train, "images") else
                    "decoded once at start, then batches come from memory with batched augmentation")
             close = ")" if hasattr(train, "images") else ""  # closes decoded_size's "(N images," of a held dataset
-            return "memory", f"{what} {size_text(nbytes)} <= {budget_text}{close}: {how} on {device.type}"
+            memory_why = f"{what} {size_text(nbytes)} <= {budget_text}{close}: {how} on {device.type}"
+            if hasattr(train, "images"):
+                return "memory", memory_why, {}
+            runnable.append("memory")
         else:
             reasons.append(f"memory: {'decoded ' if not hasattr(train, 'images') else ''}{size_text(nbytes)} > {budget_text}")
     if "gpu" in ok:
@@ -271,9 +303,120 @@ def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None
             paths = [s[0] for s in train.samples[:: max(1, len(train) // 64)]][:64]
             jpeg = sum(p.lower().endswith((".jpg", ".jpeg")) for p in paths)
             if jpeg * 2 >= len(paths):
-                return "gpu", f"JPEG files on CUDA ({jpeg} of {len(paths)} sampled): nvJPEG decodes and augments on the GPU"
-            reasons.append(f"gpu: only {jpeg} of {len(paths)} sampled files are JPEGs")
-    return fallback, "; ".join(reasons) or "the only backend for this task"
+                runnable.append("gpu")
+            else:
+                reasons.append(f"gpu: only {jpeg} of {len(paths)} sampled files are JPEGs")
+    runnable = list(dict.fromkeys(runnable))
+    if len(runnable) == 1:
+        return fallback, "; ".join(reasons) or "the only backend for this task", {}
+    from torchsprint.collectives import broadcast_object
+
+    # Rank 0 measures, every rank takes its figures: all ranks must run the same backend.
+    measured = broadcast_object(measure_backends(runnable, data_cfg, splits, rt, kw or {}) if rt.is_main else None, rt)
+    n = len(splits.train) + len(splits.val)
+    workers = max(1, data_cfg.num_workers)
+    for name, m in measured["backends"].items():
+        rate = m["images_per_s"] * (workers if name == "cpu" and device.type == "cuda" and data_cfg.num_workers else 1)
+        m["estimate_s"] = epochs * n / rate + (n / (m["decode_images_per_s"] * workers) if name == "memory" else 0.0)
+    est = {name: m["estimate_s"] for name, m in measured["backends"].items()}
+    best_other = min((v, k) for k, v in est.items() if k != "memory")
+    pick = "memory" if "memory" in est and est["memory"] < (1 - MEMORY_MARGIN) * best_other[0] else best_other[1]
+    figures = "; ".join(
+        f"{k} {m['images_per_s']:.0f} img/s" + (f" after decoding at {m['decode_images_per_s']:.0f} img/s up front"
+                                               if k == "memory" else "") + f": ~{_duration(m['estimate_s'])}"
+        for k, m in measured["backends"].items())
+    why = (f"measured on {measured['files']} of the training files, {measured['clock']} ({figures} for {epochs} "
+           f"epoch(s) of {n:,} images)")
+    if pick != "memory" and "memory" in est:
+        why += f"; memory would need to save {MEMORY_MARGIN:.0%} over {best_other[1]} for its up-front decode and memory"
+    elif pick == "memory":
+        why += f"; {memory_why}"
+    measured |= {"epochs": epochs, "images": n, "chosen": pick}
+    return pick, "; ".join([why] + reasons), measured
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -> dict:
+    """Each backend of `names` on a sample of the training files, in this process: {"files", "batch_size", "seconds",
+    "clock", "backends": {name: {"images_per_s", "images", and for memory "decode_images_per_s"}}}.
+
+    The sample: MEASURE_FILES files evenly through the training split, fewer when a file takes long to decode (as
+    many as two decodes' timing says fit in MEASURE_SECONDS, at least 8). Each backend is built on that sample with
+    data.num_workers=0 (building the memory backend decodes the sample: its decode rate);
+    after one untimed batch each, the backends' training batches are timed in turn (one batch of each, again,
+    so that a change in the machine's load falls on all of them; passes over the sample in new epochs' orders,
+    at most 4) until each has MEASURE_SECONDS (or, on a busy machine, 3x that in wall-clock time in all). The clock: on a CPU device the CPU time of this process (all its threads: the
+    work each backend does per image, whatever else runs on a shared machine); on CUDA the wall clock, with a
+    sync per batch. Bound: the probe, each build (the memory backend's decode of the sample, about MEASURE_SECONDS),
+    one untimed batch each and MEASURE_SECONDS each: about 3 x MEASURE_SECONDS per backend on any files.
+    """
+    import time
+
+    from torchsprint.data.sources.folders import ImageFiles
+
+    cuda = rt.device.type == "cuda"
+    now = time.perf_counter if cuda else time.process_time
+    t_all = time.perf_counter()
+    train = splits.train
+    train[0]  # untimed: the decoder's first call sets itself up (imports, tables)
+    t0 = now()
+    for i in (len(train) // 3, 2 * len(train) // 3):
+        train[i]
+    per_file = (now() - t0) / 2
+    count = int(min(MEASURE_FILES, len(train), max(8, MEASURE_SECONDS / max(per_file, 1e-9))))
+    sample = [train.samples[i * len(train) // count] for i in range(count)]
+    files = ImageFiles(sample, train.mode, decoder=train.decoder, max_pixels=train.max_pixels)
+    # The sample trains; one file stands for the validation split (the memory backend decodes both when built).
+    sub = replace(splits, train=files, val=ImageFiles(sample[:1], train.mode, decoder=train.decoder,
+                                                      max_pixels=train.max_pixels), test=None, train_weights=None)
+    batch = max(1, min(data_cfg.batch_size, MEASURE_BATCH, count // 3))
+    cfg = data_cfg.model_copy(update={"num_workers": 0, "batch_size": batch, "sampler": "shuffle", "repeated_aug": 1,
+                                      "drop_last": True, "prefetch_factor": 2})
+    one = replace(rt, rank=0, world_size=1)  # the sample is not sharded: every rank takes rank 0's figures
+    out, its, train_loaders = {}, {}, {}
+    for name in names:
+        t0 = now()
+        loaders = LOADERS.get(name)(cfg.model_copy(update={"backend": name}), sub, one, **kw)
+        built = now() - t0
+        loaders.train.set_epoch(0)
+        train_loaders[name] = loaders.train
+        its[name] = iter(loaders.train)
+        t0 = now()
+        first = next(its[name])  # untimed: the first batch pays one-time costs (allocations, set-ups) ...
+        out[name] = {"images_per_s": 0.0, "images": 0, "seconds": 0.0, "first": (first[0].shape[0], now() - t0)}
+        if name == "memory":  # the build decoded the sample and the one validation file
+            out[name]["decode_images_per_s"] = (count + 1) / max(built, 1e-9)
+    active, t_timed = list(names), time.perf_counter()
+    while active and time.perf_counter() - t_timed < 3 * MEASURE_SECONDS * len(names):  # a wall-clock bound too
+        for name in list(active):
+            m = out[name]
+            t0 = now()
+            x = next(its[name], None)
+            if x is None and m["images"] < 4 * count:  # the sample is spent: another pass (a new epoch's order)
+                train_loaders[name].set_epoch(m["images"] // count + 1)
+                its[name] = iter(train_loaders[name])
+                x = next(its[name], None)
+            if x is not None and cuda:
+                torch.cuda.synchronize(rt.device)
+            if x is None:
+                active.remove(name)
+                continue
+            m["seconds"] += now() - t0
+            m["images"] += x[0].shape[0]
+            if m["seconds"] >= MEASURE_SECONDS:
+                active.remove(name)
+    for m in out.values():
+        first = m.pop("first")
+        if not m["images"]:  # ... unless the sample held one batch only (a tiny training split)
+            m["images"], m["seconds"] = first
+        m["images_per_s"] = m["images"] / max(m.pop("seconds"), 1e-9)
+    its.clear()
+    train_loaders.clear()
+    return {"files": count, "batch_size": batch, "seconds": time.perf_counter() - t_all,
+            "clock": "wall clock" if cuda else "CPU time of this process", "backends": out}
 
 
 def _plain_image_files(ds) -> bool:

@@ -188,6 +188,7 @@ class DataInfo:
     backend_config: str = ""  # data.backend as configured (auto, gpu, ...)
     fallback: str = ""  # why the configured backend could not run here ("" when it runs); then data.fallback ran
     facts: dict = field(default_factory=dict)  # what build.describe_data found (counts, sizes, source)
+    backend_measured: dict = field(default_factory=dict)  # data.backend=auto's measurement (build.measure_backends)
 
     @property
     def num_classes(self) -> int:

@@ -219,7 +219,8 @@ def loader_check(cfg, batches: int) -> dict:
     from torchsprint.runtime import Runtime, resolve_device
 
     data_cfg = cfg.data.model_copy(update={"on_bad_sample": "skip"})  # the scan above already named every bad file
-    loaders = build_loaders(data_cfg, Runtime(torch.device(resolve_device(cfg.run.device))), seed=cfg.run.seed)
+    loaders = build_loaders(data_cfg, Runtime(torch.device(resolve_device(cfg.run.device))), seed=cfg.run.seed,
+                            epochs=cfg.run.epochs)  # auto weighs the memory backend's decode over the run's epochs
     k = loaders.info.num_classes
     # The backend that ran (what `auto` chose, or data.fallback), as build_loaders recorded it.
     out = {"problems": [], "backend": loaders.info.backend, "backend_why": loaders.info.backend_why}

@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("config", ["config_files", "config", "saved_config"]),
     ("plan", ["plan"]),
     ("engine", ["engine", "batch_size"]),
-    ("run", ["run"]),
+    ("run", ["evaluation", "run"]),
     ("commands", ["trained", "export", "predict", "bench", "lr_find", "report", "launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),
 ]

@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("config", ["config_files", "config", "saved_config"]),
     ("plan", ["plan"]),
     ("engine", ["engine", "batch_size", "distill"]),
-    ("run", ["run"]),
+    ("run", ["evaluation", "run"]),
     ("commands", ["trained", "export", "predict", "bench", "lr_find", "report", "average", "launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),
 ]

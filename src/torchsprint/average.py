@@ -111,7 +111,8 @@ def run_objects(cfg, first_run: Path, rt, task):
     from torchsprint.data import build_loaders
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
     from torchsprint.models import build_model
-    from torchsprint.run import build_run_loss, materialize_lazy, naming_imports
+    from torchsprint.evaluation import build_run_loss, materialize_lazy
+    from torchsprint.saved_config import naming_imports
     from torchsprint.tasks import check_data_task
 
     with naming_imports(cfg.imports, first_run):
@@ -144,7 +145,7 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     from torchsprint.checkpoint import save_weights
     from torchsprint.engine import evaluate
     from torchsprint.precision import Precision
-    from torchsprint.run import load_run_config, naming_imports
+    from torchsprint.saved_config import load_run_config, naming_imports
     from torchsprint.swa import recompute_bn
     from torchsprint.tasks import get_task
 

@@ -87,22 +87,16 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
     loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * accum)
     logger.start_epoch(state.epoch, plan.epochs, steps_per_epoch, state.step_in_epoch)
     device = next(unwrap(model).parameters()).device
-    window: list[torch.Tensor] = []  # this log window's step losses, on the device; summed at log steps only
+    window = LogWindow()  # this log window's step losses (on the device) and images
     totals = EpochTotals(plan.track_accuracy)  # the epoch's training loss and accuracy, summed without per-step syncs
-    images_seen = log_images = 0
+    images_seen = 0
     data_wait = 0.0
-    t_start = t_log = time.perf_counter()
+    t_start = time.perf_counter()
     it = rng_isolated(loader, device)  # data loading must not shift the model's RNG stream (exact resume)
     done = False
     while not done:
-        micro = []
         t0 = time.perf_counter()
-        for _ in range(accum):
-            batch = next(it, None)
-            if batch is None:
-                done = True
-                break
-            micro.append(batch)
+        micro, done = next_micro_batches(it, accum)
         data_wait += time.perf_counter() - t0
         if not micro:
             break
@@ -111,8 +105,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
             sched.step()
         n_images = sum(b[0].shape[0] for b in micro)
         images_seen += n_images
-        log_images += n_images
-        window.append(loss)
+        window.add(loss, n_images)
         totals.losses.append(loss)
         totals.samples += n_images
         state.step_in_epoch += 1
@@ -120,17 +113,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         ema.update(state.global_step)  # a no-op object when ema.enabled=false
         logger.advance(images=n_images)  # the heartbeat and the time estimate (logging.RunLogger)
         if state.global_step % plan.log_every_steps == 0:
-            mean_loss = torch.stack(window).float().mean().item()  # note: a CPU-GPU sync point, once per log step
-            check_finite(prec, state, window, opt, math.isfinite(mean_loss))
-            totals.fold(state)
-            now = time.perf_counter()
-            stats = {"train/loss": mean_loss, "train/lr": opt.param_groups[0]["lr"], "train/skipped_steps": state.skipped_steps,
-                     "train/images_per_s": log_images / max(now - t_log, 1e-9), "epoch": state.epoch + 1}
-            logger.scalars(state.global_step, stats, "train")
-            logger.step_stats(f"loss {mean_loss:.4f}  lr {stats['train/lr']:.3g}  {stats['train/images_per_s']:.0f} img/s")
-            window.clear()
-            log_images = 0
-            t_log = now
+            window.log(state, opt, prec, totals, logger)
         # An evaluation due at this step comes before its checkpoint: a resume from it neither repeats nor skips one.
         if validation is not None and validation.due_mid_epoch(state.global_step):
             if validation(state):
@@ -150,11 +133,49 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
             break
     logger.end_epoch()
     # Count the steps since the last log step too (all ranks call it: it reduces). Note: a sync point.
-    check_finite(prec, state, window, opt)
+    check_finite(prec, state, window.losses, opt)
     totals.fold(state)
     seconds = time.perf_counter() - t_start
     return {"images": images_seen, "seconds": seconds, "data_wait": data_wait,
             "finished_epoch": state.step_in_epoch >= steps_per_epoch}
+
+
+def next_micro_batches(it, accum: int) -> tuple[list, bool]:
+    """Up to `accum` batches from `it` (one optimizer step's micro-batches), and whether `it` ran out."""
+    micro = []
+    for _ in range(accum):
+        batch = next(it, None)
+        if batch is None:
+            return micro, True
+        micro.append(batch)
+    return micro, False
+
+
+class LogWindow:
+    """The step losses (device scalars) and images since the last log step: summed at log steps only."""
+
+    def __init__(self):
+        self.losses: list[torch.Tensor] = []
+        self.images = 0
+        self.t = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, images: int) -> None:
+        self.losses.append(loss)
+        self.images += images
+
+    def log(self, state: TrainState, opt, prec, totals: EpochTotals, logger) -> None:
+        """Log the window's mean loss, the lr and images/s at step state.global_step, fold the totals, start anew."""
+        mean_loss = torch.stack(self.losses).float().mean().item()  # note: a CPU-GPU sync point, once per log step
+        check_finite(prec, state, self.losses, opt, math.isfinite(mean_loss))
+        totals.fold(state)
+        now = time.perf_counter()
+        stats = {"train/loss": mean_loss, "train/lr": opt.param_groups[0]["lr"], "train/skipped_steps": state.skipped_steps,
+                 "train/images_per_s": self.images / max(now - self.t, 1e-9), "epoch": state.epoch + 1}
+        logger.scalars(state.global_step, stats, "train")
+        logger.step_stats(f"loss {mean_loss:.4f}  lr {stats['train/lr']:.3g}  {stats['train/images_per_s']:.0f} img/s")
+        self.losses.clear()
+        self.images = 0
+        self.t = now
 
 
 class EpochTotals:
@@ -392,9 +413,7 @@ def fit(plan, b, state: TrainState, *, rt, run_dir: Path, logger, saver, stop: S
         if ((state.epoch + 1) % plan.eval_every_epochs == 0 or last_epoch) and val.metric_at(state.global_step) is None:
             stopping = val(state) or stopping  # (None: eval.every_steps evaluated after this very step already)
         if ep["finished_epoch"]:
-            state.epoch += 1
-            state.step_in_epoch = 0
-            state.epoch_loss_sum, state.epoch_steps, state.epoch_correct, state.epoch_samples = 0.0, 0, 0, 0
+            start_next_epoch(state)
         if (plan.checkpoint_every_epochs and state.epoch % plan.checkpoint_every_epochs == 0) or last_epoch or pausing \
                 or stopping:
             saver.save(state, model, opt, sched, prec, val.metric_at(state.global_step))
@@ -423,6 +442,13 @@ def fit(plan, b, state: TrainState, *, rt, run_dir: Path, logger, saver, stop: S
             "best": state.stop_best, "wait": state.stop_wait, "patience": plan.early_stop_patience,
             "min_delta": plan.early_stop_min_delta},
     }
+
+
+def start_next_epoch(state: TrainState) -> None:
+    """The epoch is done: count it and clear its running sums."""
+    state.epoch += 1
+    state.step_in_epoch = 0
+    state.epoch_loss_sum, state.epoch_steps, state.epoch_correct, state.epoch_samples = 0.0, 0, 0, 0
 
 
 def finish_fit(plan, b, state: TrainState, val: Validation, *, rt, run_dir: Path, logger, stop: Stopper, paused: bool,

@@ -102,7 +102,7 @@ def load_run(run_dir: str | Path, weights: str = "best", device: str | torch.dev
     run.load_run_config)."""
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
-    from torchsprint.run import weights_file
+    from torchsprint.evaluation import weights_file
 
     wpath = weights_file(run_dir, weights)
     if not wpath.is_file():

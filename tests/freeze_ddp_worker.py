@@ -17,7 +17,7 @@ from torchsprint.run import train
 # is its last Linear ("7."). One process uses data.batch_size=64 (tests/test_freeze_epochs.py).
 COMMON = ["model.args={width: 4}", "data.val_fraction=0.5", "log.tensorboard=false", "log.progress=false",
           "eval.per_class=false", "run.device=cpu", "data.backend=memory", "run.epochs=3", "model.freeze_epochs=2",
-          "checkpoint.keep_last=3"]
+          "checkpoint.keep_last=3", "log.every_steps=1"]
 STEPS_PER_EPOCH = 14
 DDP = [*COMMON, "strategy.name=ddp", "strategy.sync_bn=true", "data.batch_size=32"]
 PAUSES = {"a": STEPS_PER_EPOCH // 2, "b": 2 * STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2}

@@ -110,8 +110,8 @@ def run_objects(cfg, first_run: Path, rt, task):
     them: the batches training saw, as swa's BatchNorm pass), its validation split, its model and loss."""
     from torchsprint.data import build_loaders
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
-    from torchsprint.models import build_model
     from torchsprint.evaluation import build_run_loss, materialize_lazy
+    from torchsprint.models import build_model
     from torchsprint.saved_config import naming_imports
     from torchsprint.tasks import check_data_task
 

@@ -442,6 +442,35 @@ def register_comm_hook(ddp: nn.parallel.DistributedDataParallel, strategy_cfg, l
            f"step {strategy_cfg.powersgd_start_step}"))
 
 
+def rebuild_ddp_reducer(model: nn.Module) -> bool:
+    """Rebuild the DDP wrapper's gradient reducer over the parameters that require a gradient now (model.freeze_epochs).
+
+    DDP builds its reducer (gradient buckets and one autograd hook per parameter) over the parameters with
+    requires_grad at construction, and from then on waits for a gradient of each of them every step. model.
+    freeze_epochs changes that set at the switch epoch (and a resumed run sets it again at its start), so the
+    reducer is rebuilt there, in place: the same wrapper object (the engine, the evaluation and torch.compile
+    hold it), a new reducer. Why rebuild rather than register every parameter once with
+    strategy.find_unused_parameters=true: that option walks the autograd graph after every forward for the
+    whole run, to find the body's missing gradients of a few head-only epochs; a rebuild costs one bucket
+    assignment per switch and nothing per step (the first step after it also re-orders the buckets, as DDP's
+    first step always does). How: DDP's own pickle path, __getstate__ / __setstate__, which drops the reducer
+    and builds a new one from the module's current requires_grad flags (DistributedDataParallel._build_params_
+    for_reducer) with the same bucket size, static_graph and find_unused_parameters; the old reducer removes
+    its autograd hooks when it is freed. Nothing is broadcast: the ranks' parameters are already equal. The
+    communication hooks (strategy.comm_hook, with a PowerSGD state and its step count) belong to the reducer,
+    so the same hook objects are registered on the new one. Returns False (nothing to do) without DDP.
+    """
+    ddp = getattr(model, "_orig_mod", model)  # torch.compile sits outside DDP
+    if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+        return False
+    hooks = list(ddp._comm_hooks)
+    ddp.__setstate__(ddp.__getstate__())
+    ddp._comm_hooks = []
+    for hook, state in hooks:
+        ddp.register_comm_hook(state, hook)
+    return True
+
+
 def no_sync(model: nn.Module):
     """DDP's no_sync() (skip the gradient all-reduce on accumulation micro-steps); a null context otherwise.
 

@@ -152,6 +152,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                        frozen_norms=frozen_norm_layers if cfg.model.freeze_bn_stats else None)
     # After wrap_model: SyncBatchNorm conversion replaces the BatchNorm modules.
     frozen_norms = frozen_norm_layers(model) if cfg.model.freeze_bn_stats else []
+    head.attach(model)  # DDP: the reducer follows the head-only flags from here on (and the same SyncBN point)
     ema.attach(unwrap(model))  # the EMA follows the module the optimizer updates, never the DDP/compile wrapper
     swa.attach(unwrap(model))
     if mixing:  # after the loader, so every backend's batches are mixed the same way
@@ -223,10 +224,11 @@ def init_and_freeze(model, model_cfg, ckpt: dict | None, resume_path, num_classe
 
 def check_freeze_epochs(cfg, graphs) -> None:
     """Refuse model.freeze_epochs where what it toggles is fixed at start-up (`graphs`: the decision, not the setting)."""
-    if cfg.model.freeze_epochs and (cfg.strategy.name != "single" or graphs.on or cfg.precision.mode in ("fp16", "bf16")):
-        raise UsageError("model.freeze_epochs toggles which parameters get gradients between epochs, which DDP/DP's "
-                         "gradient hooks, CUDA graphs and the fp16/bf16 master weights fix at start-up: it runs with "
-                         "strategy=single, speed.cuda_graphs=false and fp32/amp precision only.")
+    if cfg.model.freeze_epochs and (cfg.strategy.name == "dp" or graphs.on or cfg.precision.mode in ("fp16", "bf16")):
+        raise UsageError("model.freeze_epochs toggles which parameters get gradients between epochs, which CUDA graphs "
+                         "and the fp16/bf16 master weights fix at start-up (and DataParallel is not yet verified with "
+                         "it): it runs with strategy=single or strategy=ddp, speed.cuda_graphs=false and fp32/amp "
+                         "precision only.")
 
 
 def say_param_groups(optim_cfg, opt, log) -> None:

@@ -272,11 +272,33 @@ class HeadOnly:
     shape (a checkpoint loads into the same groups; the body's state appears at its first step after the switch).
     With model.freeze_bn_stats (the default), the body's BatchNorm layers also keep their running statistics
     during the head-only epochs (`norms`), as frozen layers do. The off state (N=0) is a no-op object.
+
+    Under DDP (`attach`), the wrapper's gradient reducer is rebuilt whenever the flags change
+    (parallel.rebuild_ddp_reducer says why a rebuild and not find_unused_parameters): over the head alone during
+    the head-only epochs, over every trainable parameter after the switch. The body then gets no gradient and no
+    all-reduce while frozen, exactly as in one process, and the same optimizer behaviour follows. DataParallel
+    needs nothing of the kind (it replicates the module, flags included, at every forward) but is refused by
+    build_training until it is run on GPUs.
     """
 
     def __init__(self, body: list[nn.Parameter], body_norms: list[nn.Module], epochs: int, log=lambda *_: None):
         self.body, self.body_norms, self.epochs, self.log = body, body_norms, epochs, log
         self._frozen: bool | None = None
+        self.wrapped: nn.Module | None = None
+
+    def attach(self, wrapped: nn.Module) -> None:
+        """After parallel.wrap_model: the wrapper whose DDP reducer must follow the flags, and the body's BatchNorm
+        layers as wrapped (strategy.sync_bn replaces the BatchNorm modules, keeping their parameters)."""
+        if not self.epochs:
+            return  # the shared no-op object
+        from torchsprint.parallel import unwrap
+
+        self.wrapped = wrapped
+        if self.body_norms:
+            ids = {id(p) for p in self.body}
+            self.body_norms = [m for m in unwrap(wrapped).modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                               and (ps := list(m.parameters(recurse=False))) and all(id(p) in ids for p in ps)]
+        self._frozen = None  # the reducer was built over the flags of now: the next apply rebuilds it for its epoch
 
     def apply(self, epoch: int) -> None:
         """Set the body's requires_grad for `epoch` (0-based) and say so when it changes."""
@@ -285,6 +307,10 @@ class HeadOnly:
             return
         for p in self.body:
             p.requires_grad_(not frozen)
+        if self.wrapped is not None:
+            from torchsprint.parallel import rebuild_ddp_reducer
+
+            rebuild_ddp_reducer(self.wrapped)
         if self._frozen and not frozen:
             self.log(f"model.freeze_epochs={self.epochs}: from epoch {epoch + 1} the whole model trains (the schedule "
                      "goes on; the body joins at the current learning rate)")

@@ -35,7 +35,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "registry", "version", "settings"]),
-    ("machine", ["runtime", "rng", "collectives", "preempt", "parallel", "logging", "plots"]),
+    ("machine", ["runtime", "rng", "collectives", "preempt", "sync_bn", "parallel", "logging", "plots"]),
     ("numerics", ["precision", "ema", "swa", "checkpoint", "resume", "rundir", "metrics", "optim.*"]),
     ("data.core", ["data.core", "data.prefetch"]),
     ("data.decode", ["data.preprocess.decode"]),

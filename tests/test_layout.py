@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("models.core", ["models.core"]),
     ("models", ["models.nets", "models.init"]),
     ("tasks", ["tasks", "tta"]),
-    ("config", ["config_files", "config", "saved_config"]),
+    ("config", ["config_files", "config_sections", "config_training", "config", "saved_config"]),
     ("plan", ["plan"]),
     ("engine", ["engine", "batch_size", "distill"]),
     ("run", ["evaluation", "run"]),

@@ -52,7 +52,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("plan", ["plan"]),
     ("engine", ["engine", "batch_size", "distill"]),
     ("run", ["evaluation", "run"]),
-    ("commands", ["trained", "export", "predict", "bench", "lr_find", "report", "average", "launch", "data.commands.*"]),
+    ("commands", ["trained", "export", "predict", "bench_variants", "bench_measure", "bench_report", "bench",
+                  "lr_find", "report", "average", "launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),
 ]
 

@@ -3,7 +3,7 @@
 Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies point downward)"):
 
   foundation   errors, registry, version, settings: no torchsprint imports beyond these
-  machine      runtime (process group, seeds), rng, collectives, parallel (wrappers), logging, plots
+  machine      runtime (process group, seeds), rng, collectives, parallel (wrappers), progress, logging, plots
   numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
   data         core (registries, sampler) < preprocess/: decode < transforms/normalize/batch_ops (the spec)
                < augment/mix; < sources/ (one file per dataset family) < backends/ (one file per loader
@@ -35,7 +35,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "registry", "version", "settings"]),
-    ("machine", ["runtime", "rng", "collectives", "preempt", "parallel", "logging", "plots"]),
+    ("machine", ["runtime", "rng", "collectives", "preempt", "parallel", "progress", "logging", "plots"]),
     ("numerics", ["precision", "ema", "swa", "checkpoint", "resume", "rundir", "metrics", "optim.*"]),
     ("data.core", ["data.core", "data.prefetch"]),
     ("data.decode", ["data.preprocess.decode"]),

@@ -111,7 +111,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         state.step_in_epoch += 1
         state.global_step += 1
         ema.update(state.global_step)  # a no-op object when ema.enabled=false
-        logger.advance(images=n_images)  # the heartbeat and the time estimate (logging.RunLogger)
+        logger.advance(images=n_images)  # the heartbeat and the time estimate (progress.Feedback)
         if state.global_step % plan.log_every_steps == 0:
             window.log(state, opt, prec, totals, logger)
         # An evaluation due at this step comes before its checkpoint: a resume from it neither repeats nor skips one.

@@ -7,7 +7,7 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
   numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
   data         core (registries, sampler) < preprocess/: decode < transforms/normalize/batch_ops (the spec)
                < augment/mix; < sources/ (one file per dataset family) < backends/ (one file per loader
-               backend) < build (build_loaders, data.backend: auto)
+               backend) < auto (data.backend: auto, measured), build (build_loaders)
   models       core (MODELS registry) < nets, init
   tasks        what a run learns (metrics, losses, artifacts per task)
   config       the schema (fills task defaults)
@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data.augment", ["data.preprocess.augment", "data.preprocess.mix", "data.preprocess.on_device"]),
     ("data.sources", ["data.sources.*"]),
     ("data.backends", ["data.backends.*"]),
-    ("data.build", ["data.build", "data.detect"]),
+    ("data.build", ["data.auto", "data.build", "data.detect"]),
     ("models.core", ["models.core"]),
     ("models", ["models.nets", "models.init"]),
     ("tasks", ["tasks", "tta"]),

@@ -12,7 +12,8 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
   tasks        what a run learns (metrics, losses, artifacts per task)
   config       the schema (fills task defaults)
   plan         the run plan: every run-time decision of a run, resolved once (RunPlan, decisions.json)
-  engine       the only loop; batch_size (data.batch_size: auto, with real train steps)
+  engine       validation (evaluations, best weights), the only loop; batch_size (data.batch_size: auto, with real
+               train steps)
   run          the flow of one run
   commands     trained, export, predict, bench, report, launch, data/commands/ (check, compare, shard)
   cli          the `torchsprint` command
@@ -50,7 +51,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("tasks", ["tasks", "tta"]),
     ("config", ["config_files", "config", "saved_config"]),
     ("plan", ["plan"]),
-    ("engine", ["engine", "batch_size", "distill"]),
+    ("engine", ["validation", "engine", "batch_size", "distill"]),
     ("run", ["evaluation", "run"]),
     ("commands", ["trained", "export", "predict", "bench", "lr_find", "report", "average", "launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),

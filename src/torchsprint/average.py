@@ -110,8 +110,8 @@ def run_objects(cfg, first_run: Path, rt, task):
     them: the batches training saw, as swa's BatchNorm pass), its validation split, its model and loss."""
     from torchsprint.data import build_loaders
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
-    from torchsprint.models import build_model
     from torchsprint.evaluation import build_run_loss, materialize_lazy
+    from torchsprint.models import build_model
     from torchsprint.saved_config import naming_imports
     from torchsprint.tasks import check_data_task
 
@@ -143,11 +143,11 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     from torchsprint import config as config_mod
     from torchsprint import runtime
     from torchsprint.checkpoint import save_weights
-    from torchsprint.engine import evaluate
     from torchsprint.precision import Precision
     from torchsprint.saved_config import load_run_config, naming_imports
     from torchsprint.swa import recompute_bn
     from torchsprint.tasks import get_task
+    from torchsprint.validation import evaluate
 
     out = Path(out)
     if out.suffix != ".safetensors":

@@ -6,8 +6,8 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
   machine      runtime (process group, seeds), rng, collectives, parallel (wrappers), progress, logging, plots
   numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
   data         core (registries, sampler) < preprocess/: decode < transforms/normalize/batch_ops (the spec)
-               < augment/mix; < sources/ (one file per dataset family) < backends/ (one file per loader
-               backend) < auto (data.backend: auto, measured), build (build_loaders)
+               < augment/mix; < sources/ (one file per dataset family; shard_stream reads shards) < backends/
+               (one file per loader backend) < auto (data.backend: auto, measured), build (build_loaders)
   models       core (MODELS registry) < nets, init
   tasks        what a run learns (metrics, losses, artifacts per task)
   config       the schema (fills task defaults)

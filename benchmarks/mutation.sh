@@ -16,31 +16,31 @@ set -euo pipefail
 module=${1:?usage: benchmarks/mutation.sh precision|optim|metrics|augment|checkpoint|engine}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 
-# Per module: the file to mutate and the tests that exercise it (files, then an optional -k expression).
+# Per module: the files to mutate and the tests that exercise it (files, then an optional -k expression).
 # Chosen so every mutant's test run takes seconds: no full-length training runs, no subprocess CLIs.
 case "$module" in
   precision)
-    src=src/torchsprint/precision.py
+    src=(src/torchsprint/precision.py)
     tests=(tests/test_precision.py -k "not 98_percent and not cpu_is_refused")
     ;;
   optim)
-    src="src/torchsprint/optim/*"  # the package: mutmut only_mutate takes glob patterns
+    src=("src/torchsprint/optim/*")  # the package: mutmut only_mutate takes glob patterns
     tests=(tests/test_optim.py)
     ;;
   metrics)
-    src=src/torchsprint/metrics.py
+    src=(src/torchsprint/metrics.py)
     tests=(tests/test_metrics.py)
     ;;
   augment)
-    src=src/torchsprint/data/preprocess/augment.py
+    src=(src/torchsprint/data/preprocess/augment.py)
     tests=(tests/test_data_batch_ops.py tests/test_data_backends.py)
     ;;
   checkpoint)
-    src=src/torchsprint/checkpoint.py
+    src=(src/torchsprint/checkpoint.py)
     tests=(tests/test_checkpoint_units.py tests/test_checkpoint.py -k "not two_ranks")
     ;;
   engine)
-    src=src/torchsprint/engine.py
+    src=(src/torchsprint/engine.py src/torchsprint/validation.py)  # the loop, and the evaluations it runs
     # test_engine_units.py: every engine function on a tiny model and 40 in-memory images (~6 s in all);
     # test_engine.py: three short real runs against a plain loop.
     tests=(tests/test_engine_units.py tests/test_engine.py)
@@ -69,7 +69,7 @@ cat >> "$work/pyproject.toml" <<EOF
 
 [tool.mutmut]
 source_paths = ["src"]
-only_mutate = ["$src"]
+only_mutate = $(toml_list "${src[@]}")
 pytest_add_cli_args = ["-x", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-W", "ignore"]
 pytest_add_cli_args_test_selection = $(toml_list "${tests[@]}")
 process_isolation = "fork"
@@ -88,5 +88,5 @@ elapsed=$(( $(date +%s) - start ))
 killed=$(grep -c ': killed$' "$work/results.txt" || true)
 total=$(grep -cE ': (killed|survived|timeout|no tests|suspicious|segfault|skipped|check was interrupted by user|caught by type check)$' "$work/results.txt" || true)
 timeout=$(grep -c ': timeout$' "$work/results.txt" || true)
-echo "module $module ($src): $killed killed + $timeout timeout of $total mutants in ${elapsed}s"
+echo "module $module (${src[*]}): $killed killed + $timeout timeout of $total mutants in ${elapsed}s"
 grep -vE ': (killed|timeout)$' "$work/results.txt" | sed 's/^/  /' || true

@@ -9,7 +9,7 @@ from PIL import Image
 
 from conftest import make_image_folder
 from torchsprint import cli, config
-from torchsprint.data import build, build_loaders, core
+from torchsprint.data import auto, build_loaders, core
 from torchsprint.runtime import Runtime
 
 FAST = ["run.epochs=1", "model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false"]
@@ -102,5 +102,5 @@ def test_a_frame_header_after_a_large_metadata_segment_is_found(tmp_path):
     jpeg = buf.getvalue()
     padded = jpeg[:2] + b"\xff\xe2" + (20_002).to_bytes(2, "big") + bytes(20_000) + jpeg[2:]
     (tmp_path / "big.jpg").write_bytes(padded)
-    assert build.file_size(str(tmp_path / "big.jpg")) == (20, 30)
+    assert auto.file_size(str(tmp_path / "big.jpg")) == (20, 30)
     assert Image.open(tmp_path / "big.jpg").size == (30, 20)  # still a valid JPEG

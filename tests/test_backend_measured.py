@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from torchsprint import cli, config
-from torchsprint.data import build, build_loaders
+from torchsprint.data import auto, build_loaders
 from torchsprint.runtime import Runtime
 
 CPU = Runtime(torch.device("cpu"))
@@ -85,7 +85,7 @@ def test_auto_picks_the_backend_a_direct_measurement_finds_faster(tmp_path, case
     assert info.backend == faster, (info.backend_why, cpu_s, memory_s)
     m = info.backend_measured
     assert set(m["backends"]) == {"cpu", "memory"} and m["chosen"] == faster and m["epochs"] == epochs
-    assert m["files"] <= build.MEASURE_FILES
+    assert m["files"] <= auto.MEASURE_FILES
     assert all(b["images"] > 0 and b["images_per_s"] > 0 for b in m["backends"].values())
     assert "decode_images_per_s" in m["backends"]["memory"]
     # Each backend's estimated loading time for the run, from a few batches, against the direct measurement of the

@@ -18,7 +18,7 @@ import torch
 
 from torchsprint import config
 from torchsprint.data import build_loaders
-from torchsprint.data.sources.webdataset import rank_batches, stream_plan
+from torchsprint.data.sources.shard_stream import rank_batches, stream_plan
 from torchsprint.errors import UsageError
 from torchsprint.runtime import Runtime
 

@@ -55,12 +55,12 @@ def evaluate_weights(weights: str) -> dict:
 
     from torchsprint import config, runtime
     from torchsprint.data import build_loaders
-    from torchsprint.engine import evaluate
     from torchsprint.metrics import ClassificationMetrics
     from torchsprint.models import build_model
     from torchsprint.optim import build_loss
     from torchsprint.parallel import wrap_model
     from torchsprint.precision import Precision
+    from torchsprint.validation import evaluate
 
     cfg = config.load(None, [*COMMON, "strategy=ddp", "model.name=linear"])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)

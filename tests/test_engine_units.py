@@ -1,8 +1,9 @@
-"""engine.py function by function, fast: real tiny models, real in-memory loaders, optimizers, RunLogger and Saver.
+"""engine.py and validation.py function by function, fast: real tiny models, real in-memory loaders, optimizers,
+RunLogger and Saver.
 
 Every reference is an independent plain PyTorch computation over the same batches (the loader's own
 batches, read before the engine runs: the engine's job is the loop, not the data). Each test takes well
-under a second, so benchmarks/mutation.sh can run them for each of engine.py's mutants.
+under a second, so benchmarks/mutation.sh can run them for each of engine.py's and validation.py's mutants.
 """
 
 from __future__ import annotations
@@ -27,14 +28,10 @@ from torchsprint.engine import (
     NO_EMA,
     EpochTotals,
     check_finite,
-    early_stop_check,
     epoch_means,
-    evaluate,
     fit,
     hits_sum,
-    is_better,
     report_epoch,
-    set_train_mode,
     train_one_epoch,
     train_step,
 )
@@ -45,6 +42,7 @@ from torchsprint.plan import NO_SPEED, build_plan
 from torchsprint.precision import Precision
 from torchsprint.preempt import Stopper
 from torchsprint.tasks import get_task
+from torchsprint.validation import early_stop_check, evaluate, is_better, set_train_mode
 
 CPU = torch.device("cpu")
 N_TRAIN, N_VAL, C, H, W, K = 40, 24, 1, 4, 4, 3  # 40 images of 1x4x4, 3 classes

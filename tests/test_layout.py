@@ -3,16 +3,17 @@
 Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies point downward)"):
 
   foundation   errors, registry, version, settings: no torchsprint imports beyond these
-  machine      runtime (process group, seeds), rng, collectives, parallel (wrappers), logging, plots
+  machine      runtime (process group, seeds), rng, collectives, parallel (wrappers), progress, logging, plots
   numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
   data         core (registries, sampler) < preprocess/: decode < transforms/normalize/batch_ops (the spec)
-               < augment/mix; < sources/ (one file per dataset family) < backends/ (one file per loader
-               backend) < build (build_loaders, data.backend: auto)
+               < augment/mix; < sources/ (one file per dataset family; shard_stream reads shards) < backends/
+               (one file per loader backend) < auto (data.backend: auto, measured), build (build_loaders)
   models       core (MODELS registry) < nets, init
   tasks        what a run learns (metrics, losses, artifacts per task)
   config       the schema (fills task defaults)
   plan         the run plan: every run-time decision of a run, resolved once (RunPlan, decisions.json)
-  engine       the only loop; batch_size (data.batch_size: auto, with real train steps)
+  engine       validation (evaluations, best weights), the only loop; batch_size (data.batch_size: auto, with real
+               train steps)
   run          the flow of one run
   commands     trained, export, predict, bench, report, launch, data/commands/ (check, compare, shard)
   cli          the `torchsprint` command
@@ -35,7 +36,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "registry", "version", "settings"]),
-    ("machine", ["runtime", "rng", "collectives", "preempt", "sync_bn", "parallel", "logging", "plots"]),
+    ("machine", ["runtime", "rng", "collectives", "preempt", "sync_bn", "parallel", "progress", "logging", "plots"]),
     ("numerics", ["precision", "ema", "swa", "checkpoint", "resume", "rundir", "metrics", "optim.*"]),
     ("data.core", ["data.core", "data.prefetch"]),
     ("data.decode", ["data.preprocess.decode"]),
@@ -45,13 +46,13 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data.augment", ["data.preprocess.augment", "data.preprocess.mix", "data.preprocess.on_device"]),
     ("data.sources", ["data.sources.*"]),
     ("data.backends", ["data.backends.*"]),
-    ("data.build", ["data.build", "data.detect"]),
+    ("data.build", ["data.auto", "data.build", "data.detect"]),
     ("models.core", ["models.core"]),
     ("models", ["models.nets", "models.init"]),
     ("tasks", ["tasks", "tta"]),
     ("config", ["config_files", "config_sections", "config_training", "config", "saved_config"]),
     ("plan", ["plan"]),
-    ("engine", ["engine", "batch_size", "distill"]),
+    ("engine", ["validation", "engine", "batch_size", "distill"]),
     ("run", ["evaluation", "run"]),
     ("commands", ["trained", "export", "predict", "bench_variants", "bench_measure", "bench_report", "bench",
                   "lr_find", "report", "average", "launch", "data.commands.*"]),

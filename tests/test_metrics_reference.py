@@ -1,4 +1,4 @@
-"""Every figure the evaluator reports, fed through engine.evaluate in random batch compositions, against an
+"""Every figure the evaluator reports, fed through validation.evaluate in random batch compositions, against an
 independent computation on the concatenated outputs (scikit-learn, plain torch, torchmetrics' functional
 form on the whole set). Degenerate first batches (one class, all correct, all-zero labels, identical images)
 are drawn on purpose: they are what made torchmetrics merge top-5 into top-1's counts (issue 30).
@@ -19,11 +19,11 @@ from torch.nn import functional as F
 
 from torchsprint.config import EvalConfig, LossConfig
 from torchsprint.data.core import DataInfo
-from torchsprint.engine import evaluate
 from torchsprint.metrics import ClassificationMetrics
 from torchsprint.optim import build_loss
 from torchsprint.precision import Precision
 from torchsprint.tasks import get_task
+from torchsprint.validation import evaluate
 
 CPU = torch.device("cpu")
 # Float rounding only: the product accumulates in float32/float64, the references in float64 (numpy).

@@ -18,7 +18,7 @@ import time
 from torch import nn
 
 from torchsprint import config
-from torchsprint import logging as tlog
+from torchsprint import progress as tprog
 from torchsprint.models.core import MODELS
 from torchsprint.run import train
 
@@ -32,7 +32,7 @@ CLOCK: list[tuple[float, bool]] = []  # (time.time() at each forward's entry, tr
 class Timed(nn.Module):
     """Its training forward sleeps PLAN["step_s"] (the first one PLAN["first_s"] more: a warm-up the rates must not
     count); its evaluation forward a third of a training image's time per image
-    (the cost model the estimate uses for evaluations, logging.RunLogger.projection): how long the run's training and
+    (the cost model the estimate uses for evaluations, progress.Feedback.projection): how long the run's training and
     evaluations take is known from the sleeps and this model's own clock."""
 
     def __init__(self, num_classes, in_channels=3):
@@ -57,9 +57,9 @@ def test_a_pipe_gets_heartbeat_lines_with_an_honest_eta_and_an_early_estimate(tm
     the estimate's epoch and run time within a margin of the time the model's clock measured."""
     step_s, batch, hb_s = PLAN["step_s"], PLAN["batch"], 0.5
     # Shorter waits than the shipped 10 s, 5 steps and 5 s, so the test takes seconds; the logic is the same.
-    monkeypatch.setattr(tlog, "HEARTBEAT_SECONDS", hb_s)
-    monkeypatch.setattr(tlog, "ESTIMATE_AFTER_STEPS", 3)
-    monkeypatch.setattr(tlog, "ESTIMATE_AFTER_SECONDS", 0.5)
+    monkeypatch.setattr(tprog, "HEARTBEAT_SECONDS", hb_s)
+    monkeypatch.setattr(tprog, "ESTIMATE_AFTER_STEPS", 3)
+    monkeypatch.setattr(tprog, "ESTIMATE_AFTER_SECONDS", 0.5)
     read_fd, write_fd = os.pipe()
     writer = os.fdopen(write_fd, "w")  # block-buffered, as a pipe is: lines arrive late unless the logger flushes
     lines: list[tuple[float, str]] = []
@@ -144,7 +144,7 @@ def test_a_long_run_gets_concrete_advice(tmp_path, capsys, monkeypatch):
     """2,000 epochs of 11 steps at ~0.1 s: ~37 min, over the 30 min threshold: the estimate says
     how to shorten it, with the run.epochs that fits in 30 minutes at the measured rate (the run pauses after 8
     steps: the estimate is about the run as configured)."""
-    monkeypatch.setattr(tlog, "ESTIMATE_AFTER_SECONDS", 0.3)  # the shipped 5 s would make the test 5 s longer
+    monkeypatch.setattr(tprog, "ESTIMATE_AFTER_SECONDS", 0.3)  # the shipped 5 s would make the test 5 s longer
     cfg = config.load(None, ["model.name=test_sleeper", "run.epochs=2000", "data.batch_size=128", "run.stop_after_steps=8",
                              "log.tensorboard=false", f"run.dir={tmp_path / 'r'}"])
     t0 = time.perf_counter()
@@ -166,8 +166,8 @@ def test_a_long_run_gets_concrete_advice(tmp_path, capsys, monkeypatch):
 
 def test_no_line_before_the_first_step_and_none_with_progress_off(tmp_path, capsys, monkeypatch):
     """log.progress=false: no heartbeat and no estimate, however long the steps."""
-    monkeypatch.setattr(tlog, "HEARTBEAT_SECONDS", 0.05)
-    monkeypatch.setattr(tlog, "ESTIMATE_AFTER_SECONDS", 0.05)
+    monkeypatch.setattr(tprog, "HEARTBEAT_SECONDS", 0.05)
+    monkeypatch.setattr(tprog, "ESTIMATE_AFTER_SECONDS", 0.05)
     cfg = config.load(None, ["model.name=test_sleeper", "run.epochs=1", "data.batch_size=256", "log.progress=false",
                              "log.tensorboard=false", f"run.dir={tmp_path / 'r'}", "run.stop_after_steps=4"])
     train(cfg)

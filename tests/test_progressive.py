@@ -113,7 +113,7 @@ def test_each_epochs_batches_are_the_fixed_size_runs_crops_at_that_size(tmp_path
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
 def test_webdataset_shards_crop_at_the_epochs_size(tmp_path, backend):
-    """Streamed shards: DataLoader workers make whole batches from their own shards (sources/webdataset.py), and
+    """Streamed shards: DataLoader workers make whole batches from their own shards (sources/shard_stream.py), and
     read the epoch's side like the folder path does; the same samples as a fixed crop of that size."""
     from test_data_webdataset import write_shards
 

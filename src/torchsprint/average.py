@@ -143,11 +143,11 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     from torchsprint import config as config_mod
     from torchsprint import runtime
     from torchsprint.checkpoint import save_weights
-    from torchsprint.engine import evaluate
     from torchsprint.precision import Precision
     from torchsprint.saved_config import load_run_config, naming_imports
     from torchsprint.swa import recompute_bn
     from torchsprint.tasks import get_task
+    from torchsprint.validation import evaluate
 
     out = Path(out)
     if out.suffix != ".safetensors":

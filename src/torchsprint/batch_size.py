@@ -264,11 +264,106 @@ def search_batch_size(cfg, rt, log) -> tuple[int, dict]:
 
 
 def _search(cfg, rt) -> tuple[int, dict]:
+    """The search on throwaway objects: (the batch size found, the record of its cap, rule and trials)."""
+    trial, splits = probe_trial(cfg, rt)  # held until this frame ends: its model, optimizer and EMA take memory
+    device = rt.device
+    per_rank = len(splits.train) // rt.world_size
+    cap = max(min(per_rank, AUTO_MAX), 1)
+    record = {"cap": cap, "cap_why": f"min({per_rank} training images per process, AUTO_MAX={AUTO_MAX})",
+              "splits": splits}
+    if device.type == "cuda":
+        record["rule"] = (f"doubling from {AUTO_START}, then bisecting on CUDA out-of-memory, up to {cap}; "
+                          "eager, without torch.compile/CUDA graphs")
+        found, trials = binsearch(trial.fits, AUTO_START, cap)
+    else:
+        found, trials = cpu_search(trial.fits, cap, rt, record)
+    record["trials"] = trials
+    if found < 1:
+        raise UsageError(f"data.batch_size=auto: even a batch of 1 runs out of memory on {device} with model "
+                         f"{cfg.model.name} and precision {cfg.precision.mode}. Use smaller images, a smaller model or "
+                         "precision=amp_bf16 (amp_fp16), or free the device.")
+    return found, record  # the throwaway objects go with this frame (search_batch_size then empties the CUDA cache)
+
+
+def cpu_search(fits, cap: int, rt, record: dict) -> tuple[int, list]:
+    """On the CPU: the bound from free memory and two measured small steps (cpu_bound), a power of two at most
+    `cap`, confirmed by a real step (bisecting down if it fails). Adds the bound's figures and the rule to `record`."""
+    small, large = PROBE_SIZES
+    fits(small)  # warm: the optimizer state and the allocator's first blocks are not per-image memory
+    peaks = [step_peak_bytes(lambda n=n: fits(n)) for n in (small, large)]
+    available = available_memory()
+    if None in peaks or available is None:
+        raise UsageError("data.batch_size=auto on the CPU measures a step's peak memory through Linux's "
+                         "/proc/self/clear_refs and /proc/meminfo, which this system does not offer. Set "
+                         "data.batch_size to a number.")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
+    bound = cpu_bound(peaks[0], peaks[1], PROBE_SIZES, available, local)
+    start = power_of_two_floor(min(bound["bound"], cap))
+    record.update(bound, rule=f"{CPU_MEMORY_SHARE:.0%} of the free memory / measured step memory, a power of two, "
+                  f"at most {cap}, confirmed by a real step")
+    if start < 1:
+        raise UsageError(f"data.batch_size=auto: not even one image per step fits in {CPU_MEMORY_SHARE:.0%} of the "
+                         f"{available / 2**30:.1f} GiB free (a step takes about {bound['fixed_bytes'] / 2**30:.1f} GiB "
+                         f"plus {bound['per_image_bytes'] / 2**20:.1f} MiB per image). Free memory, use smaller "
+                         "images or a smaller model, or set data.batch_size to a number.")
+    # Below `start` the bisection stops at `large`, measured above: it trained.
+    return binsearch(fits, start, start, good=large if large <= start else 0)
+
+
+@dataclass
+class Trial:
+    """The run's training objects, built for the search (probe_trial); `fits(n)`: whether n images train."""
+
+    model: object
+    loss_fn: object
+    opt: object
+    prec: object
+    ema: object  # unused by a step, but its copy of the weights takes memory in the run too
+    images: torch.Tensor  # the probe batch, repeated to n images
+    targets: torch.Tensor
+    four_d: bool  # NCHW images given channels_last
+    clip_grad_norm: float | None
+    device: torch.device
+    keep: tuple = ()  # the probe loaders, alive as long as the search
+
+    def batch(self, n: int):
+        images, targets = self.images, self.targets
+        idx = torch.arange(n, device=images.device) % images.shape[0]  # the probe batch repeated to n images
+        x = images[idx]
+        return (x.contiguous(memory_format=torch.channels_last) if self.four_d else x), targets[idx]
+
+    def fits(self, n: int) -> bool:
+        from torchsprint.engine import train_step
+
+        device, opt = self.device, self.opt
+        ok = True
+        try:
+            x, y = self.batch(n)
+            for _ in range(STEPS_PER_TRIAL):
+                train_step(self.model, [(x, y)], self.loss_fn, opt, self.prec, self.clip_grad_norm)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # an asynchronous failure surfaces here, inside the trial
+        except Exception as e:  # noqa: BLE001 - only out-of-memory is an answer; anything else is raised
+            if not is_oom(e):
+                raise
+            ok = False
+        # Out of the except block: the traceback's frames (holding the trial's tensors) are gone (Accelerate's
+        # find_executable_batch_size frees the same way), then the allocator's cache is emptied.
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return ok
+
+
+def probe_trial(cfg, rt) -> tuple[Trial, object]:
+    """(the Trial, the data set's Splits): the run's data (one probe batch of the cpu backend), model, freezing,
+    channels_last, precision, EMA, optimizer and loss, as the run builds them."""
     from torchsprint.data import build_loaders
     from torchsprint.data.core import DATASETS
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
     from torchsprint.ema import build_ema
-    from torchsprint.engine import set_train_mode, train_step
+    from torchsprint.engine import set_train_mode
     from torchsprint.models import build_model
     from torchsprint.models.init import apply_freeze, frozen_norm_layers
     from torchsprint.optim.losses import build_loss
@@ -292,8 +387,6 @@ def _search(cfg, rt) -> tuple[int, dict]:
         train = wrap_mix(train, cfg.mix, info.num_classes, cfg.run.seed, rt.rank, rt.world_size)
     train.set_epoch(0)
     images, targets = next(iter(train))
-    per_rank = len(splits.train) // rt.world_size
-    cap = max(min(per_rank, AUTO_MAX), 1)
 
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(device)
     from torch.nn.parameter import UninitializedParameter
@@ -314,65 +407,8 @@ def _search(cfg, rt) -> tuple[int, dict]:
     loss_fn = build_loss(cfg.loss, task.targets, info.num_classes).to(device)
     set_train_mode(model, frozen_norm_layers(model) if cfg.model.freeze_bn_stats else [])
     four_d = images.ndim == 4 and channels_last
-
-    def batch(n: int):
-        idx = torch.arange(n, device=images.device) % images.shape[0]  # the probe batch repeated to n images
-        x = images[idx]
-        return (x.contiguous(memory_format=torch.channels_last) if four_d else x), targets[idx]
-
-    def fits(n: int) -> bool:
-        ok = True
-        try:
-            x, y = batch(n)
-            for _ in range(STEPS_PER_TRIAL):
-                train_step(model, [(x, y)], loss_fn, opt, prec, cfg.optim.clip_grad_norm)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # an asynchronous failure surfaces here, inside the trial
-        except Exception as e:  # noqa: BLE001 - only out-of-memory is an answer; anything else is raised
-            if not is_oom(e):
-                raise
-            ok = False
-        # Out of the except block: the traceback's frames (holding the trial's tensors) are gone (Accelerate's
-        # find_executable_batch_size frees the same way), then the allocator's cache is emptied.
-        opt.zero_grad(set_to_none=True)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return ok
-
-    record = {"cap": cap, "cap_why": f"min({per_rank} training images per process, AUTO_MAX={AUTO_MAX})",
-              "splits": splits}
-    if device.type == "cuda":
-        record["rule"] = (f"doubling from {AUTO_START}, then bisecting on CUDA out-of-memory, up to {cap}; "
-                          "eager, without torch.compile/CUDA graphs")
-        found, trials = binsearch(fits, AUTO_START, cap)
-    else:
-        small, large = PROBE_SIZES
-        fits(small)  # warm: the optimizer state and the allocator's first blocks are not per-image memory
-        peaks = [step_peak_bytes(lambda n=n: fits(n)) for n in (small, large)]
-        available = available_memory()
-        if None in peaks or available is None:
-            raise UsageError("data.batch_size=auto on the CPU measures a step's peak memory through Linux's "
-                             "/proc/self/clear_refs and /proc/meminfo, which this system does not offer. Set "
-                             "data.batch_size to a number.")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
-        bound = cpu_bound(peaks[0], peaks[1], PROBE_SIZES, available, local)
-        start = power_of_two_floor(min(bound["bound"], cap))
-        record.update(bound, rule=f"{CPU_MEMORY_SHARE:.0%} of the free memory / measured step memory, a power of two, "
-                      f"at most {cap}, confirmed by a real step")
-        if start < 1:
-            raise UsageError(f"data.batch_size=auto: not even one image per step fits in {CPU_MEMORY_SHARE:.0%} of the "
-                             f"{available / 2**30:.1f} GiB free (a step takes about {bound['fixed_bytes'] / 2**30:.1f} GiB "
-                             f"plus {bound['per_image_bytes'] / 2**20:.1f} MiB per image). Free memory, use smaller "
-                             "images or a smaller model, or set data.batch_size to a number.")
-        # Below `start` the bisection stops at `large`, measured above: it trained.
-        found, trials = binsearch(fits, start, start, good=large if large <= start else 0)
-    record["trials"] = trials
-    if found < 1:
-        raise UsageError(f"data.batch_size=auto: even a batch of 1 runs out of memory on {device} with model "
-                         f"{cfg.model.name} and precision {cfg.precision.mode}. Use smaller images, a smaller model or "
-                         "precision=amp_bf16 (amp_fp16), or free the device.")
-    return found, record  # the throwaway objects go with this frame (search_batch_size then empties the CUDA cache)
+    return Trial(model, loss_fn, opt, prec, ema, images, targets, four_d, cfg.optim.clip_grad_norm, device,
+                 keep=(probe, train)), splits
 
 
 def oom_message(error: BaseException, cfg, rt, step: int, run_dir: Path, evaluating: bool) -> str:

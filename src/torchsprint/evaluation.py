@@ -79,8 +79,8 @@ def evaluate_test(cfg, rt, b, run_dir: Path, task, logger, step: int) -> dict:
 
     from torchsprint.collectives import broadcast_object
     from torchsprint.data import build_loaders
-    from torchsprint.engine import evaluate
     from torchsprint.parallel import unwrap
+    from torchsprint.validation import evaluate
 
     state = load_file(str(run_dir / "best.safetensors")) if rt.is_main else None
     unwrap(b.model).load_state_dict(broadcast_object(state, rt))
@@ -109,9 +109,9 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
 
     from torchsprint import runtime
     from torchsprint.data import build_loaders
-    from torchsprint.engine import evaluate
     from torchsprint.models import build_model
     from torchsprint.precision import Precision
+    from torchsprint.validation import evaluate
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir, list(overrides) + ["strategy.name=single"])
@@ -155,7 +155,7 @@ def finish_swa(cfg, rt, b, run_dir: Path, task, logger, summary: dict, weights_m
     """swa.enabled, after fit: BatchNorm statistics of the average (update_bn over the training data), its evaluation
     (swa/val/... in summary['final'] and the eval log) and swa.safetensors; summary['swa'] says what was averaged."""
     from torchsprint.checkpoint import save_weights
-    from torchsprint.engine import evaluate
+    from torchsprint.validation import evaluate
 
     swa = b.swa
     if not swa.enabled or summary["paused"]:

@@ -1,6 +1,6 @@
 """Test-time augmentation (eval.tta): views of an eval batch, one model call per view, outputs combined.
 
-One implementation for every path: validation during training and `torchsprint eval` (engine.evaluate
+One implementation for every path: validation during training and `torchsprint eval` (validation.evaluate
 gets the wrapped model), `torchsprint predict` (Predictor wraps its forward) and `torchsprint export`
 (the wrapper is exported, so the ONNX / TorchScript graph holds the views and the combination, and
 ONNX Runtime's output is the torch path's).

@@ -188,7 +188,7 @@ class DataInfo:
     backend_config: str = ""  # data.backend as configured (auto, gpu, ...)
     fallback: str = ""  # why the configured backend could not run here ("" when it runs); then data.fallback ran
     facts: dict = field(default_factory=dict)  # what build.describe_data found (counts, sizes, source)
-    backend_measured: dict = field(default_factory=dict)  # data.backend=auto's measurement (build.measure_backends)
+    backend_measured: dict = field(default_factory=dict)  # data.backend=auto's measurement (auto.measure_backends)
 
     @property
     def num_classes(self) -> int:
@@ -233,7 +233,7 @@ class Backend:
         cannot_run: rt -> why the backend cannot run on this machine and device (None: it can). data/build.py
             asks before building and falls back to data.fallback, or refuses, in one place; a backend never
             falls back by itself.
-        auto: whether data.backend=auto considers it (build.choose_backend says when each one suits).
+        auto: whether data.backend=auto considers it (auto.choose_backend says when each one suits).
         progressive: whether its training loader applies data.progressive (its set_epoch sets the crop side);
             build_loaders refuses data.progressive with a backend that does not.
     A user's backend may be registered as a plain build function: it runs anywhere and auto never picks it.

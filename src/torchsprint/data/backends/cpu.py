@@ -246,7 +246,7 @@ def make_loaders(raws: list, pipelines: list, data_cfg, rt, *, seed, channels_la
 def make_stream_loader(raw, pipeline, data_cfg, rt, *, seed, train: bool, channels_last, dtype) -> DeviceLoader:
     """One split of webdataset shards: its own DataLoader whose workers make whole batches from their own shards
     (a stream has no sample indices to share a batch sampler with)."""
-    from torchsprint.data.sources.webdataset import ShardStream
+    from torchsprint.data.sources.shard_stream import ShardStream
 
     if train and data_cfg.repeated_aug > 1:
         raise UsageError(f"data.repeated_aug={data_cfg.repeated_aug} repeats sample indices of a map-style dataset; "

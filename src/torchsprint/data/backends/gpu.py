@@ -183,7 +183,7 @@ class BytesBatches(torch.utils.data.Dataset):
 
     def __call__(self, entries) -> dict:
         """(index, seed, bytes | OSError | None to read them, target, path) entries -> one batch (see the class).
-        Webdataset shards (sources/webdataset.ShardStream) hand their JPEG bytes straight from the tar."""
+        Webdataset shards (sources/shard_stream.ShardStream) hand their JPEG bytes straight from the tar."""
         entries = list(entries)
         p = self.pipeline
         seeds = torch.tensor([e[1] for e in entries], dtype=torch.int64)
@@ -406,7 +406,7 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
         workers = data_cfg.num_workers
         ds = BytesBatches(raw, pipe, fraction, channels, data_cfg.on_bad_sample, data_cfg.max_image_pixels, raw.decoder)
         if getattr(raw, "streaming", False):  # webdataset shards: workers batch their own shards' JPEG bytes
-            from torchsprint.data.sources.webdataset import ShardStream
+            from torchsprint.data.sources.shard_stream import ShardStream
 
             if train and data_cfg.repeated_aug > 1:
                 raise UsageError(f"data.repeated_aug={data_cfg.repeated_aug} repeats sample indices of a map-style "

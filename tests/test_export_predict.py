@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from torchsprint import config
+from torchsprint import cli, config
 from torchsprint.errors import UsageError
 from torchsprint.export import export, onnx_logits
 from torchsprint.predict import Predictor
@@ -81,7 +81,7 @@ def test_predict_on_files_matches_eval(digits_run, tmp_path):
         assert all(len(r["top"]) == 3 for r in results)
 
 
-def test_bad_inputs_get_error_entries_and_others_still_predict(digits_run, tmp_path, run_cli):
+def test_bad_inputs_get_error_entries_and_others_still_predict(digits_run, tmp_path, capsys):
     good = tmp_path / "good.png"
     Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(good)
     (tmp_path / "empty.png").write_bytes(b"")
@@ -95,12 +95,12 @@ def test_bad_inputs_get_error_entries_and_others_still_predict(digits_run, tmp_p
     results = Predictor.from_run(digits_run).predict(inputs)
     assert "top" in results[0]
     assert [("error" in r) for r in results] == [False, True, True, True, True, True]
-    r = run_cli("predict", "-r", str(digits_run), *inputs, "--out", str(tmp_path / "out.jsonl"))
-    assert r.returncode == 0, r.stderr
+    assert cli.main(["predict", "-r", str(digits_run), *inputs, "--out", str(tmp_path / "out.jsonl")]) == 0, \
+        capsys.readouterr().err
     lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(lines) == 6 and sum("error" in x for x in lines) == 5
-    assert run_cli("predict", "-r", str(digits_run), *inputs, "--strict").returncode == 1
-    assert run_cli("predict", "-r", str(digits_run), inputs[1], inputs[2]).returncode == 1  # nothing predicted
+    assert cli.main(["predict", "-r", str(digits_run), *inputs, "--strict"]) == 1
+    assert cli.main(["predict", "-r", str(digits_run), inputs[1], inputs[2]]) == 1  # nothing predicted
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torchscript"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchsprint import config, runtime
+from torchsprint import cli, config, runtime
 from torchsprint.lr_find import lr_find
 from torchsprint.run import build_training, train
 
@@ -73,16 +73,19 @@ def test_suggestion_is_sane_and_trains(found, tmp_path):
     assert not (out / "run").exists()  # the module fixture's run.dir was never created
 
 
-def test_cli_leaves_run_folder_and_writes_png(run_cli, tmp_path):
+def test_cli_leaves_run_folder_and_writes_png(tmp_path, capsys, monkeypatch):
     from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
 
     run_dir = tmp_path / "existing_run"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("run: {name: x}\n")
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
-    r = run_cli("lr-find", "--steps", "12", "--json", *BASE, f"run.dir={run_dir}")
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    code = cli.main(["lr-find", "--steps", "12", "--json", *BASE, f"run.dir={run_dir}"])
+    r = capsys.readouterr()
+    assert code == 0, r.err
+    res = json.loads(r.out.strip().splitlines()[-1])
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before  # nothing added, nothing changed
     assert not (tmp_path / "runs").exists()
     png = res["files"]["plot"]

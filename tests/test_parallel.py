@@ -146,12 +146,14 @@ def test_torchrun_command_line():
     assert parsed.max_restarts == 3 and parsed.rdzv_backend == "c10d"
 
 
-def test_elastic_flags_need_the_launcher(run_cli):
+def test_elastic_flags_need_the_launcher(capsys, monkeypatch, tmp_path):
     """--max-restarts/--rdzv-backend without --nproc-per-node would be ignored: refused, one line, exit 2."""
-    proc = run_cli("train", "--max-restarts", "2", "run.max_steps=1")
-    assert proc.returncode == 2 and "add --nproc-per-node N" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_cli("train", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "run.max_steps=1")
-    assert proc.returncode == 2 and "--rdzv-backend c10d needs --rdzv-endpoint" in proc.stderr
+    monkeypatch.chdir(tmp_path)  # a refusal that failed to happen would train into ./runs
+    code, err = cli_main(["train", "--max-restarts", "2", "run.max_steps=1"]), capsys.readouterr().err
+    assert code == 2 and "add --nproc-per-node N" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    code, err = cli_main(["train", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "run.max_steps=1"]), \
+        capsys.readouterr().err
+    assert code == 2 and "--rdzv-backend c10d needs --rdzv-endpoint" in err
 
 
 def test_launch_refuses_to_nest_inside_torchrun(monkeypatch, capsys):

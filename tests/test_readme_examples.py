@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from torchsprint import cli
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -38,18 +41,38 @@ def test_section_has_an_example_for_each_registry():
     assert len(commands) == 2
 
 
+@pytest.fixture
+def registries_restored(monkeypatch):
+    """The examples run in this process (python -m torchsprint's start-up is tested in test_cli.py): what they
+    register goes into copies of the registries and their modules are forgotten afterwards, so no other test
+    sees my_net, stripes, plain... nor a registry whose lazy providers were used up."""
+    from torchsprint.data.core import DATASETS, LOADERS
+    from torchsprint.data.preprocess.transforms import TRANSFORMS
+    from torchsprint.models.core import MODELS
+    from torchsprint.tasks import TASKS
+
+    for reg in (MODELS, DATASETS, TRANSFORMS, LOADERS, TASKS):
+        monkeypatch.setattr(reg, "_items", dict(reg._items))
+        monkeypatch.setattr(reg, "_providers", list(reg._providers))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # import_modules appends the working folder
+    yield
+    for name in [m for m in sys.modules if m == "my_project" or m.startswith("my_project.")]:
+        del sys.modules[name]
+
+
 @pytest.mark.slow
-def test_readme_where_things_go_examples_run(tmp_path, run_cli):
+def test_readme_where_things_go_examples_run(tmp_path, monkeypatch, capsys, registries_restored):
     files, commands = where_things_go()
     for rel, code in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(code)
     (tmp_path / "my_project" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
     for i, command in enumerate(commands):
         argv = shlex.split(command)
         assert argv[0] == "torchsprint"
-        r = run_cli(*argv[1:], f"run.dir=run{i}", cwd=tmp_path)
-        assert r.returncode == 0, r.stderr[-2000:]
+        code = cli.main([*argv[1:], f"run.dir=run{i}"])
+        assert code == 0, capsys.readouterr().err[-2000:]
         cfg = yaml.safe_load((tmp_path / f"run{i}" / "config.yaml").read_text())
         summary = json.loads((tmp_path / f"run{i}" / "summary.json").read_text())
         # The stripes classes are separable at a glance; chance is 0.5. Measured: 1.0 after the default 10 epochs.
@@ -65,6 +88,8 @@ def test_readme_where_things_go_examples_run(tmp_path, run_cli):
         else:
             assert cfg["data"]["backend"] == "plain"
     # The plain backend refuses what it would otherwise ignore.
-    r = run_cli("train", "--import", "my_project.data", "--import", "my_project.backends", "data.dataset=stripes",
-                "data.backend=plain", "data.train.transforms=[hflip]", "run.dir=refused", cwd=tmp_path)
-    assert r.returncode == 2 and "applies no transforms" in r.stderr, r.stderr
+    capsys.readouterr()
+    code = cli.main(["train", "--import", "my_project.data", "--import", "my_project.backends", "data.dataset=stripes",
+                     "data.backend=plain", "data.train.transforms=[hflip]", "run.dir=refused"])
+    err = capsys.readouterr().err
+    assert code == 2 and "applies no transforms" in err, err

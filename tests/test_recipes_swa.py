@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from torchsprint import config, runtime
+from torchsprint import cli, config, runtime
 from torchsprint.errors import UsageError
 from torchsprint.run import build_training, load_run_config, train
 
@@ -214,13 +214,13 @@ def two_runs(tmp_path_factory):
     return root
 
 
-def test_average_of_runs_is_their_mean_with_recomputed_bn_and_eval_takes_it(two_runs, run_cli):
+def test_average_of_runs_is_their_mean_with_recomputed_bn_and_eval_takes_it(two_runs, capsys):
     """The file's weights are the plain mean of the runs' last weights, its BatchNorm statistics one pass over the
     first run's training data; `torchsprint eval --weights FILE` reproduces the printed figure."""
     out = two_runs / "avg.safetensors"
-    r = run_cli("average", str(two_runs / "s1"), str(two_runs / "s2"), "-o", str(out), "--json")
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    code, r = cli.main(["average", str(two_runs / "s1"), str(two_runs / "s2"), "-o", str(out), "--json"]), capsys.readouterr()
+    assert code == 0, r.err
+    res = json.loads(r.out.strip().splitlines()[-1])
     assert [x["input"] for x in res["inputs"]] == [str(two_runs / "s1"), str(two_runs / "s2")]
     avg = load_file(str(out))
     inputs = [load_file(str(two_runs / s / "last.safetensors")) for s in ("s1", "s2")]
@@ -231,9 +231,9 @@ def test_average_of_runs_is_their_mean_with_recomputed_bn_and_eval_takes_it(two_
     bn_diff = max_diff(avg, ref, ref)
     assert bn_diff < 1.5e-7, bn_diff  # measured 4.8e-8 (as in the SWA test, on smaller statistics); 3x
     assert max_diff(avg, inputs[0], ref) > 1e-2  # not the input's statistics
-    r = run_cli("eval", "-r", str(two_runs / "s1"), "--weights", str(out), "--json")
-    assert r.returncode == 0, r.stderr
-    ev = json.loads(r.stdout.strip().splitlines()[-1])
+    code, r = cli.main(["eval", "-r", str(two_runs / "s1"), "--weights", str(out), "--json"]), capsys.readouterr()
+    assert code == 0, r.err
+    ev = json.loads(r.out.strip().splitlines()[-1])
     assert ev["top1"] == res["average"]["top1"] and ev["weights"] == str(out)
 
 

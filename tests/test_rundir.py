@@ -31,23 +31,48 @@ def cli_env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200")
 
 
-@pytest.mark.slow
+# A process that claims one planned run folder (rundir.create_unique, what `train` calls) once `go` exists: started
+# together and released at one moment, several of them race for the same name. Imports no torch (starts in ~0.1 s).
+CLAIM = """
+import sys, time
+from pathlib import Path
+from torchsprint.rundir import create_unique
+planned, go = Path(sys.argv[1]), Path(sys.argv[2])
+print("ready", flush=True)
+while not go.exists():
+    time.sleep(0.001)
+print(create_unique(planned), flush=True)
+"""
+
+
 def test_two_runs_with_one_name_started_together_get_their_own_folders(tmp_path):
     """Same run.name in the same second: one folder each (exclusive creation + suffix), never shared files."""
+    # The race itself, made certain: 4 processes claim one planned folder at the same moment; each gets its own.
+    planned, go = tmp_path / "claims" / "same" / "20260101-000000", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", CLAIM, str(planned), str(go)], env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready", p.communicate()[1]
+    go.touch()
+    results = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results]
+    assert sorted(r[0].strip() for r in results) == sorted([str(planned)] + [f"{planned}-{i}" for i in (1, 2, 3)])
+    # Two real runs of one name started together, into a second that another run already took: every folder
+    # this name could plan for the next 10 minutes exists (empty), so each run must take a suffixed one, and
+    # write all its files there (not into the planned folder).
+    out = tmp_path / "cli"
+    now = time.time()
+    taken = {time.strftime("%Y%m%d-%H%M%S", time.localtime(now + s)) for s in range(-2, 600)}
+    for name in taken:
+        (out / "runs" / "same" / name).mkdir(parents=True)
     argv = [sys.executable, "-m", "torchsprint", "train", *FAST, "run.name=same", "run.epochs=1"]
-    for _attempt in range(4):  # retry until both really start within one second (the collision case)
-        out = tmp_path / f"try{_attempt}"
-        out.mkdir()
-        procs = [subprocess.Popen(argv, cwd=out, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for _ in range(2)]
-        results = [p.communicate(timeout=300) for p in procs]
-        assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results]
-        folders = sorted(p.name for p in (out / "runs" / "same").iterdir())
-        assert len(folders) == 2, folders
-        if folders[1] == folders[0] + "-1":
-            break
-    else:
-        pytest.skip("the two processes never started within the same second")  # pragma: no cover
+    procs = [subprocess.Popen(argv, cwd=out, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results]
+    folders = sorted(p.name for p in (out / "runs" / "same").iterdir() if p.name not in taken)
+    assert len(folders) == 2 and all(f.rsplit("-", 1)[0] in taken for f in folders), folders
+    assert not any(any((out / "runs" / "same" / name).iterdir()) for name in taken)  # planned folders left alone
     dirs = [out / "runs" / "same" / f for f in folders]
     for d in dirs:
         summary = json.loads((d / "summary.json").read_text())

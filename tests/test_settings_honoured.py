@@ -9,6 +9,7 @@ from torch import nn
 from torchsprint import cli, config
 from torchsprint.data.preprocess.augment import compile_batch_spec
 from torchsprint.errors import UsageError
+from torchsprint.models import MODELS
 from torchsprint.optim import build_loss
 
 FAST = ["run.epochs=1", "log.tensorboard=false", "model.args={width: 8}"]
@@ -86,36 +87,31 @@ def test_model_args_that_torchsprint_sets_are_refused(tmp_path, capsys, model, k
     assert f"model.args.{key}: torchsprint sets this itself" in err and "multiple values" not in err
 
 
-NONDETERMINISTIC = '''
-import torch
-from torch import nn
-from torchsprint.models.core import MODELS
-
 class Flaky(nn.Module):
     """A model whose forward uses an operation without a deterministic implementation (PyTorch's own alert)."""
+
     def __init__(self, num_classes, in_channels):
         super().__init__()
         self.fc = nn.Linear(in_channels * 64, num_classes)
+
     def forward(self, x):
         from torch._prims_common import alert_not_deterministic  # what PyTorch's own Python-side ops call
+
         alert_not_deterministic("Flaky.scatter_like_op")
         return self.fc(x.flatten(1))
 
-@MODELS.register("flaky")
-def flaky(num_classes, in_channels=3):
-    return Flaky(num_classes, in_channels)
-'''
+
+MODELS.register("test_flaky", override=True)(lambda num_classes, in_channels=3: Flaky(num_classes, in_channels))
 
 
-def test_deterministic_is_strict_and_names_the_operation(tmp_path, run_cli):
+def test_deterministic_is_strict_and_names_the_operation(tmp_path, capsys):
     """run.deterministic=true used warn_only: a non-deterministic op ran with a warning. Now it stops the run."""
-    (tmp_path / "flaky_model.py").write_text(NONDETERMINISTIC)
-    base = ["train", "--import", "flaky_model", "model.name=flaky", "run.epochs=1", "log.tensorboard=false"]
-    r = run_cli(*base, "run.deterministic=true", "run.dir=a")
-    assert r.returncode == 2, r.stderr
-    assert "run.deterministic=true: Flaky.scatter_like_op has no deterministic implementation" in r.stderr
-    assert "Traceback" not in r.stderr
-    assert run_cli(*base, "run.deterministic=false", "run.dir=b").returncode == 0
+    base = ["train", "model.name=test_flaky", "run.epochs=1", "log.tensorboard=false"]
+    assert cli.main([*base, "run.deterministic=true", f"run.dir={tmp_path / 'a'}"]) == 2
+    err = capsys.readouterr().err
+    assert "run.deterministic=true: Flaky.scatter_like_op has no deterministic implementation" in err
+    assert "Traceback" not in err
+    assert cli.main([*base, "run.deterministic=false", f"run.dir={tmp_path / 'b'}"]) == 0
 
 
 @pytest.mark.parametrize("dataset,options", [("image_folder", "{modee: GRAY}"), ("file_list", "{classs: [a]}"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from torchsprint import config
+from torchsprint import cli, config
 from torchsprint.errors import UsageError
 from torchsprint.run import train
 
@@ -46,15 +46,15 @@ def test_improves_psnr_over_blurred_input(deblur_run):
     assert not (run / "confusion_matrix.csv").exists()
 
 
-def test_predict_writes_images_and_onnx_matches(deblur_run, tmp_path, run_cli):
+def test_predict_writes_images_and_onnx_matches(deblur_run, tmp_path, capsys):
     from torchsprint.export import export
     from torchsprint.tasks import to_pixels
     from torchsprint.trained import load_run
 
     run, _, data = deblur_run
     files = sorted((data / "val" / "input").glob("*.png"))[:3]
-    r = run_cli("predict", "-r", str(run), *map(str, files), "--out-dir", str(tmp_path / "out"))
-    assert r.returncode == 0, r.stderr
+    assert cli.main(["predict", "-r", str(run), *map(str, files), "--out-dir", str(tmp_path / "out")]) == 0, \
+        capsys.readouterr().err
     model = load_run(run).model
     for f in files:
         x = torch.from_numpy(np.array(Image.open(f))).permute(2, 0, 1)[None].float() / 255

@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from torchsprint import config
+from torchsprint import cli, config
 from torchsprint.errors import UsageError
 from torchsprint.run import train
 
@@ -64,12 +64,13 @@ def test_predict_labels_above_threshold_and_onnx_parity(ml_run, tmp_path):
         [x["labels"] and [t["class"] for t in x["labels"]] for x in results]
 
 
-def test_predict_cli_prints_labels(ml_run, run_cli):
+def test_predict_cli_prints_labels(ml_run, capsys):
     run, _, data = ml_run
     img = next((data / "images").glob("val_*.jpg"))
-    r = run_cli("predict", "-r", str(run), str(img), "--threshold", "0.01")
-    assert r.returncode == 0, r.stderr
-    assert "labels above threshold" in r.stdout and "disc" in r.stdout and "triangle" in r.stdout  # all labels at 0.01
+    code = cli.main(["predict", "-r", str(run), str(img), "--threshold", "0.01"])
+    r = capsys.readouterr()
+    assert code == 0, r.err
+    assert "labels above threshold" in r.out and "disc" in r.out and "triangle" in r.out  # all labels at 0.01
 
 
 def test_memory_backend_trains_multilabel(ml_run, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from torchsprint import config
+from torchsprint import cli, config
 from torchsprint.data import DATASETS
 from torchsprint.data.build import describe_data
 from torchsprint.data.sources import folders
@@ -149,12 +149,13 @@ def test_the_named_decoder_is_the_one_that_runs(tmp_path, monkeypatch):
             assert ran == named, (fmt, name, calls)
 
 
-def test_cli_start_up_summary_counts_what_was_left_out(tmp_path, run_cli):
+def test_cli_start_up_summary_counts_what_was_left_out(tmp_path, capsys):
     root, _, skipped = bad_folder(tmp_path)
-    r = run_cli("train", "data.dataset=image_folder", f"data.root={root}", "data.val_fraction=0.3",
-                f"run.dir={tmp_path / 'run'}", *FAST, *SMALL)
-    assert r.returncode == 0, r.stderr
-    out = r.stdout + r.stderr
+    code = cli.main(["train", "data.dataset=image_folder", f"data.root={root}", "data.val_fraction=0.3",
+                     f"run.dir={tmp_path / 'run'}", *FAST, *SMALL])
+    r = capsys.readouterr()
+    assert code == 0, r.err
+    out = r.out + r.err
     assert "left out 9 file(s) below data.root that are not samples:" in out
     for why, paths in skipped.items():
         assert f"    {len(paths)} {why}, e.g. " in out
@@ -197,7 +198,7 @@ def test_a_root_alone_is_detected_from_its_files(tmp_path):
     assert (config.load(None, []).data.dataset, config.load(None, []).chosen()) == ("digits", [])
 
 
-def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, run_cli):
+def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, capsys):
     """`train data.root=DIR` (no data.dataset) trains on the folder; config.yaml keeps the detected dataset, so
     `eval RUN` (which reads only config.yaml) evaluates the same data."""
     import yaml
@@ -205,15 +206,17 @@ def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, run_cli):
     from conftest import make_image_folder
 
     root = make_image_folder(tmp_path / "photos", per_class=3)
-    r = run_cli("train", f"data.root={root}", f"run.dir={tmp_path / 'run'}", *FAST)
-    assert r.returncode == 0, r.stderr
+    code = cli.main(["train", f"data.root={root}", f"run.dir={tmp_path / 'run'}", *FAST])
+    r = capsys.readouterr()
+    assert code == 0, r.err
     assert (f"data.dataset: image_folder (detected: class folders under {root}/train and {root}/val; to choose "
-            "otherwise: set data.dataset)") in r.stdout
+            "otherwise: set data.dataset)") in r.out
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["dataset"] == "image_folder"
     decided = json.loads((tmp_path / "run" / "decisions.json").read_text())
     assert decided["dataset"] == "image_folder" and decided["chosen"][0]["setting"] == "data.dataset"
-    r = run_cli("eval", "-r", str(tmp_path / "run"), "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["count"] == 6, r.stdout + r.stderr
+    code = cli.main(["eval", "-r", str(tmp_path / "run"), "--json"])
+    r = capsys.readouterr()
+    assert code == 0 and json.loads(r.out)["count"] == 6, r.out + r.err
 
 
 # ---------------------------------------------------------------- defaults that fit the images (issue 31.2)
@@ -274,7 +277,7 @@ def test_grey_images_are_read_as_three_equal_channels_and_said_so(tmp_path):
     assert DATASETS.get(cfg.data.dataset)(cfg.data).train[0][0].shape[0] == 1
 
 
-def test_cli_photo_defaults_are_in_the_summary_and_the_run_folder(tmp_path, run_cli):
+def test_cli_photo_defaults_are_in_the_summary_and_the_run_folder(tmp_path, capsys):
     """A real run on mixed-size photos (which broke batching without a resize): the chosen size, model and why."""
     import yaml
 
@@ -282,11 +285,12 @@ def test_cli_photo_defaults_are_in_the_summary_and_the_run_folder(tmp_path, run_
     for c in ("a", "b"):
         for i in range(4):
             save(root / c / f"{i}.jpg", (70 + 10 * i, 64), "RGB", i)
-    r = run_cli("train", f"data.root={root}", f"run.dir={tmp_path / 'run'}", "run.device=cpu", "data.val_fraction=0.5",
-                *FAST)
-    assert r.returncode == 0, r.stderr
-    assert "data.train.transforms: [{'random_resized_crop': {'size': 64" in r.stdout
-    assert "model.name: resnet18 (images of 64x64 px" in r.stdout and "to choose otherwise: set model.name" in r.stdout
+    code = cli.main(["train", f"data.root={root}", f"run.dir={tmp_path / 'run'}", "run.device=cpu",
+                     "data.val_fraction=0.5", *FAST])
+    r = capsys.readouterr()
+    assert code == 0, r.err
+    assert "data.train.transforms: [{'random_resized_crop': {'size': 64" in r.out
+    assert "model.name: resnet18 (images of 64x64 px" in r.out and "to choose otherwise: set model.name" in r.out
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["model"]["name"] == "resnet18" and saved["data"]["eval"]["transforms"][-1] == {"center_crop": 64}
     decided = json.loads((tmp_path / "run" / "decisions.json").read_text())

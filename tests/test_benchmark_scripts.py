@@ -221,3 +221,25 @@ def test_backend_agreement_smoke_run(tmp_path, monkeypatch, capsys):
     assert "gpu_on_cpu" in printed and "seed-to-seed spread" in printed
     same, apart = module.compare({"a": [0.5, 0.6, 0.7], "b": [0.5, 0.6, 0.7]}), module.compare({"a": [0.5, 0.51, 0.52], "b": [0.9, 0.91, 0.92]})
     assert not same[0]["beyond_spread"] and apart[0]["beyond_spread"] and apart[0]["diff"] == pytest.approx(-0.4)
+
+
+def test_photo_folder_parses_the_feedback_times_from_timestamped_cli_lines():
+    """benchmarks/photo_folder.py's figures for issue 31.5 come from the CLI's lines as they arrive: epoch 1's start is
+    the first heartbeat's arrival less its `elapsed` (a clock that may read M:SS), and each time is taken from the
+    first matching line only. Canned lines (the shapes of a real run's, times in seconds since the process began)
+    against times worked out by hand."""
+    parse = load(BENCH / "photo_folder.py").parse_lines
+    lines = [(25.1, "model resnet18: initialised from random initialisation"),
+             (25.6, "loader: data.backend=cpu (measured ...), decoder simplejpeg (JPEG: 200 files)"),
+             (36.8, "epoch 1/10: step 1/25 (4%), 5.7 img/s, elapsed 11.2 s, ETA 2:01 (rough: from the first step, its warm-up included)"),
+             (45.3, "estimate: epoch 1 takes ~1:19 (25 steps at 20.1 img/s); the run ~14:02 (10 epoch(s) x 25 steps)"),
+             (98.0, "epoch 1/10: step 20/25 (80%), 21.0 img/s, elapsed 1:12, ETA 14.0 s"),
+             (112.0, "epoch 1: train loss 1.2, top1 0.45, 20 img/s, data wait 3%"),
+             (120.5, "epoch 1/10  val loss 1.1  top1 0.5000  balanced acc 0.2500"),
+             (130.0, "epoch 2/10: step 1/25 (4%), 5.7 img/s, elapsed 90.0 s, ETA 3.0 s"),
+             (200.0, "epoch 2/10  val loss 1.0  top1 0.6000")]
+    got = parse(lines)
+    assert got["first_line_s"] == 25.1 and got["epoch_start_s"] == 25.6  # 36.8 - 11.2
+    assert got["first_progress_after_start_s"] == 11.2 and got["first_estimate_after_start_s"] == 19.7  # 45.3 - 25.6
+    assert got["epoch1_train_end_s"] == 112.0 and got["epoch1_end_s"] == 120.5
+    assert parse([(10.0, "x"), (85.0, "epoch 1/3: step 9/9 (100%), 1.0 img/s, elapsed 1:05, ETA 0.0 s")])["epoch_start_s"] == 20.0

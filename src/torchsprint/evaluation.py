@@ -117,7 +117,14 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     cfg = load_run_config(run_dir, list(overrides) + ["strategy.name=single"])
     wpath = weights_file(run_dir, weights)
     if not wpath.is_file():
-        raise UsageError(f"{wpath} not found: the run has not finished an evaluation yet. Use --weights last or best{', or train with ema.enabled=true for --weights ema' if weights == 'ema' else ''}{', or train with swa.enabled=true for --weights swa' if weights == 'swa' else ''}.")
+        others = [w for w in ("best", "last", "ema", "swa") if w != weights and (run_dir / f"{w}.safetensors").is_file()]
+        how = {"best": "the run has not finished an evaluation yet",
+               "last": "the run has not finished (a paused run writes last.safetensors when it completes; resume it "
+                       "with `torchsprint train --resume RUN`)",
+               "ema": "the run did not train with ema.enabled=true", "swa": "the run did not train with swa.enabled=true"}
+        raise UsageError(f"{wpath} not found: {how.get(weights, 'no such weights file')}. "
+                         + (f"Weights this run has: --weights {' or '.join(others)}." if others else
+                            "This run has no weights file yet."))
     from torchsprint.tasks import check_data_task, get_task
 
     with naming_imports(cfg.imports, run_dir):  # a name the run's unimported module registers: say which --import

@@ -1,0 +1,26 @@
+"""evaluation.evaluate_run's refusal when the weights asked for do not exist: it says why and names the weights the
+run has (it used to tell a user who asked for --weights last to use --weights last)."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchsprint import config
+from torchsprint.errors import UsageError
+from torchsprint.run import evaluate_run, train
+
+
+def test_missing_weights_say_why_and_name_the_weights_the_run_has(tmp_path):
+    run_dir = tmp_path / "paused"
+    # Paused after 3 steps with an evaluation every 2: best.safetensors exists, last.safetensors does not yet.
+    train(config.load(None, ["model.args={width: 4}", "log.tensorboard=false", "log.progress=false",
+                             "eval.every_steps=2", "run.stop_after_steps=3", f"run.dir={run_dir}"]), quiet=True)
+    assert (run_dir / "best.safetensors").is_file() and not (run_dir / "last.safetensors").exists()
+    with pytest.raises(UsageError) as e:
+        evaluate_run(run_dir, weights="last")
+    msg = str(e.value)
+    assert "the run has not finished" in msg and "--resume" in msg
+    assert msg.endswith("Weights this run has: --weights best.")
+    with pytest.raises(UsageError, match="did not train with swa.enabled=true. Weights this run has: --weights best."):
+        evaluate_run(run_dir, weights="swa")
+    assert evaluate_run(run_dir, weights="best")["step"] == 2  # the weights it names are there and evaluate

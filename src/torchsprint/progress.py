@@ -7,6 +7,7 @@ end_epoch); its lines go out through the logger's `info`.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -22,7 +23,8 @@ from rich.progress import (
 # A run that prints nothing for minutes looks hung, and a user learns only at the end of an epoch that the run takes
 # hours; so: a progress line at least every HEARTBEAT_SECONDS where no progress bar can be drawn (CI logs, files),
 # and, early in the first epoch, one estimate of the epoch's and the run's time, with advice when the run is long.
-HEARTBEAT_SECONDS = 10.0  # not a terminal: a progress line at least this often (checked after every step)
+HEARTBEAT_SECONDS = 10.0  # not a terminal: a progress line at least this often (a timer thread: a step may be long)
+FIRST_HEARTBEAT_SECONDS = 5.0  # ... and the first one this long after the epoch starts, even during its first step
 ESTIMATE_AFTER_STEPS = 5  # the estimate line: after this many steps past the first (its warm-up is not counted) ...
 ESTIMATE_AFTER_SECONDS = 5.0  # ... and this many seconds past the first step, whichever comes later;
 ESTIMATE_LATEST_SECONDS = 30.0  # or, for slow steps, at the first step this long past the first one
@@ -51,10 +53,12 @@ class EpochClock:
         self.total, self.start_done, self.done, self.images = total, done, done, 0
         self.t_start = time.monotonic() if now is None else now
         self.first: tuple[float, int, int] | None = None  # (time, steps done, images) at the end of the first step
+        self.last = self.t_start  # the end of the latest step
 
     def step(self, n: int, images: int, now: float) -> None:
         self.done += n
         self.images += images
+        self.last = now
         if self.first is None:
             self.first = (now, self.done, self.images)
 
@@ -63,18 +67,24 @@ class EpochClock:
         return 0 if self.first is None else self.done - self.first[1]
 
     def rates(self, now: float) -> tuple[float, float] | None:
-        """(steps/s, images/s): after the first step if a later one is done, else over the first step (rough)."""
-        if self.first is not None and self.done > self.first[1] and now > self.first[0]:
+        """(steps/s, images/s) up to the end of the latest step (a step under way is not counted as time without
+        progress): after the first step if a later one is done, else over the first step (rough). `now` bounds it."""
+        end = min(self.last, now)
+        if self.first is not None and self.done > self.first[1] and end > self.first[0]:
             t, done, images = self.first
-            return (self.done - done) / (now - t), (self.images - images) / (now - t)
-        if self.done > self.start_done and now > self.t_start:
-            return (self.done - self.start_done) / (now - self.t_start), self.images / (now - self.t_start)
+            return (self.done - done) / (end - t), (self.images - images) / (end - t)
+        if self.done > self.start_done and end > self.t_start:
+            return (self.done - self.start_done) / (end - self.t_start), self.images / (end - self.t_start)
         return None
 
     def eta(self, now: float) -> float | None:
-        """Seconds to the end of the epoch at the current rate (None before the first step)."""
+        """Seconds to the end of the epoch at the current rate (None before the first step), less the time the step
+        under way has run: at most one step's worth, so a step that runs long raises the ETA instead of reaching 0."""
         r = self.rates(now)
-        return None if r is None else max(self.total - self.done, 0) / r[0]
+        if r is None:
+            return None
+        left = max(self.total - self.done, 0) / r[0]
+        return max(left - max(now - self.last, 0.0), left - 1 / r[0], 0.0) if left else 0.0
 
 
 class Feedback:
@@ -93,6 +103,8 @@ class Feedback:
         self.clock: EpochClock | None = None  # the epoch being trained (None: no progress feedback)
         self._plan: dict = {}  # what the run will do (expect), for the time estimate
         self._estimated = False  # the estimate line is printed once per process
+        self._lock = threading.Lock()  # the heartbeat thread and the training thread print and read the clock
+        self._stop: threading.Event | None = None  # set to stop the epoch's heartbeat thread
 
     def expect(self, cfg, decided: dict) -> None:
         """What the run will do, for the time estimate: run.epochs, max_steps and max_time, the evaluations
@@ -114,12 +126,14 @@ class Feedback:
     def start_epoch(self, epoch: int, epochs: int, total: int, done: int = 0, on: bool = True) -> None:
         """An epoch of `total` steps begins, `done` of them already done (a resumed epoch); `on`: feedback wanted
         (rank 0, log.progress, a console that is not silenced)."""
+        self._stop_heartbeat()
         self.clock = None
         if not on:
             return
         self.clock = EpochClock(total, done)
         self._epoch, self._epochs, self._beat = epoch, epochs, self.clock.t_start
         if not sys.stdout.isatty():
+            self._start_heartbeat(self.clock)
             return
         self.progress = Progress(
             TextColumn(f"epoch {epoch + 1}/{epochs}"), BarColumn(), MofNCompleteColumn(),
@@ -144,14 +158,37 @@ class Feedback:
             if now - self._pushed >= 0.1:
                 self.progress.update(self.task, advance=self._pending, rate=self.rate_text(now))
                 self._pending, self._pushed = 0, now
-        elif now - self._beat >= HEARTBEAT_SECONDS:
-            self._beat = now
-            self.say(self.progress_line(now))
         if not self._estimated:
             steady, since = c.steady_steps(), now - c.first[0]
             if (steady >= ESTIMATE_AFTER_STEPS and since >= ESTIMATE_AFTER_SECONDS) or \
                     (steady >= 1 and since >= ESTIMATE_LATEST_SECONDS):
-                self.estimate(now)
+                with self._lock:
+                    self.estimate(now)
+
+    def _start_heartbeat(self, c: EpochClock) -> None:
+        """Without a bar: a thread prints the progress line FIRST_HEARTBEAT_SECONDS after the epoch starts, then every
+        HEARTBEAT_SECONDS, whether or not a step ended in between (a step of a minute, the first step's warm-up or a
+        slow first batch still get a line); end_epoch stops it. A thread, not a check after each step: a check after
+        the step that crosses 10 s prints at 10 s + a step, 17 s with a 7 s step (issue 31.5's measurement)."""
+        stop = self._stop = threading.Event()
+
+        def beat() -> None:
+            gap = FIRST_HEARTBEAT_SECONDS
+            while not stop.wait(max(self._beat + gap - time.monotonic(), 0.0)):
+                with self._lock:
+                    if stop.is_set() or self.clock is not c:
+                        return
+                    now = time.monotonic()
+                    if now - self._beat >= gap:
+                        self._beat, gap = now, HEARTBEAT_SECONDS
+                        self.say(self.progress_line(now))
+
+        threading.Thread(target=beat, name="torchsprint-heartbeat", daemon=True).start()
+
+    def _stop_heartbeat(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
 
     def rate_text(self, now: float) -> str:
         """'31.2 img/s  ETA 0:04:10' for the bar (the ETA of the epoch, from the first step on)."""
@@ -163,9 +200,10 @@ class Feedback:
         c = self.clock
         r = c.rates(now)
         rate = "" if r is None else (f"{r[1]:.1f} img/s, " if r[1] else f"{r[0]:.2f} steps/s, ")
+        note = (" (the first step is under way: the first batch, allocation, warm-up)" if c.first is None else
+                " (rough: from the first step, its warm-up included)" if c.steady_steps() == 0 else "")
         return (f"epoch {self._epoch + 1}/{self._epochs}: step {c.done}/{c.total} ({c.done / max(c.total, 1):.0%}), "
-                f"{rate}elapsed {clock(now - c.t_start)}, ETA {clock(c.eta(now))}"
-                + (" (rough: from the first step, its warm-up included)" if c.steady_steps() == 0 else ""))
+                f"{rate}elapsed {clock(now - c.t_start)}, ETA {clock(c.eta(now))}{note}")
 
     def projection(self, now: float) -> dict:
         """The estimated seconds of this epoch (the time so far and what is left of it), of the evaluations and of the
@@ -231,6 +269,7 @@ class Feedback:
             self.say(text)
 
     def end_epoch(self) -> None:
+        self._stop_heartbeat()
         if self.progress is not None:
             self.progress.update(self.task, advance=self._pending)
             self._pending = 0
@@ -242,5 +281,6 @@ class Feedback:
             now = time.monotonic()
             if now - c.first[0] >= ESTIMATE_AFTER_SECONDS or self.projection(now)["run_s"] > LONG_RUN_SECONDS:
                 self.estimate(now)
-        self.clock = None
+        with self._lock:
+            self.clock = None
 

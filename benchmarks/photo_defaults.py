@@ -58,9 +58,11 @@ def train_one(root: Path, out: Path, overrides: list[str]) -> dict:
                              "eval.per_class=false", "data.backend=cpu", *overrides])
     t0 = time.perf_counter()
     s = train(cfg, quiet=True)
-    return {"model": cfg.model.name, "transforms": cfg.data.train.transforms, "train_images_per_s": round(s["train_images_per_s"], 1),
-            "val_top1": round(s["final"]["val/top1"], 4), "wall_s": round(time.perf_counter() - t0, 1),
-            "epochs": cfg.run.epochs}
+    return {"model": cfg.model.name, "transforms": cfg.data.train.transforms, "lr": cfg.optim.lr,
+            "warmup_epochs": cfg.sched.warmup_epochs, "train_images_per_s": round(s["train_images_per_s"], 1),
+            "val_top1": round(s["final"]["val/top1"], 4),
+            "val_balanced_acc": round(s["final"].get("val/balanced_acc", float("nan")), 4),
+            "wall_s": round(time.perf_counter() - t0, 1), "epochs": cfg.run.epochs}
 
 
 def main() -> None:
@@ -75,8 +77,13 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = make_photos(Path(tmp) / "photos", args.images)
+        from torchsprint.data.detect import PHOTO_LR_PER_256, PHOTO_WARMUP_EPOCHS
+
+        # Every candidate with the lr and warm-up the photo defaults choose for the default batch of 64 (naming a
+        # model turns the defaults' choice of them off).
+        sched = [f"optim.lr={PHOTO_LR_PER_256 * 64 / 256}", f"sched.warmup_epochs={PHOTO_WARMUP_EPOCHS}"]
         for i, name in enumerate(args.models.split(",")):
-            rows.append(train_one(root, Path(tmp) / f"run{i}", [f"model.name={name}", f"run.epochs={args.epochs}"]))
+            rows.append(train_one(root, Path(tmp) / f"run{i}", [f"model.name={name}", f"run.epochs={args.epochs}", *sched]))
             print(json.dumps(rows[-1]), flush=True)
         old = train_one(root, Path(tmp) / "old", ["model.name=small_cnn", "data.train.transforms=[]", "data.eval.transforms=[]",
                                                   f"run.max_steps={args.old_default_steps}", "run.epochs=1"])

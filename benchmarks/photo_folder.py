@@ -17,7 +17,8 @@ and timestamps each line as it arrives, from which it takes:
 
 Cases: `new` (the defaults: nothing but data.root, run.epochs=10; with --max-time, run.max_time too), `old` (the old defaults: model.name=small_cnn
 and no resize, data.train.transforms=[] / data.eval.transforms=[], under run.max_time = the new run's wall time),
-`full` (the new default model, resnet18, at the native size with the same augmentation scale, same max_time).
+`full` (the new default model, resnet18, at the native size with the same augmentation scale, lr and warm-up, same
+max_time).
 
     nice -n 5 python benchmarks/photo_folder.py --cases rgb300 --max-time 15m --out benchmarks/results/photo_folder.json
 """
@@ -195,9 +196,12 @@ def main() -> None:
                 elif kind == "old":
                     ov = ["model.name=small_cnn", "data.train.transforms=[]", "data.eval.transforms=[]",
                           f"run.epochs={args.epochs}", f"run.max_time={int(new_wall)}s"]
-                else:  # the new default model at the native size: the same crop scale and flip, no resize
+                else:  # the new default model at the native size: the same crop scale, flip, lr and warm-up, no resize
+                    from torchsprint.data.detect import PHOTO_LR_PER_256, PHOTO_WARMUP_EPOCHS
+
                     ov = ["model.name=resnet18", f"data.train.transforms=[{{random_resized_crop: {{size: [{h}, {w}], "
                           "scale: [0.35, 1.0]}}, hflip]", "data.eval.transforms=[]",
+                          f"optim.lr={PHOTO_LR_PER_256 * 64 / 256}", f"sched.warmup_epochs={PHOTO_WARMUP_EPOCHS}",
                           f"run.epochs={args.epochs}", f"run.max_time={int(new_wall)}s"]
                 row = run_cli(root, Path(tmp) / f"{case}_{kind}", ov + args.extra, logs / f"{case}_{kind}.log")
                 rows[kind] = row

@@ -248,8 +248,19 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
     assert cfg.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
     assert cfg.model.name == "resnet18"
     assert [c["setting"] for c in cfg.chosen()] == ["data.dataset", "data.train.transforms", "data.eval.transforms",
-                                                   "model.name"]
+                                                   "model.name", "optim.lr", "sched.warmup_epochs"]
     assert all(c["why"] and c["override"] for c in cfg.chosen())
+    # The photo model's lr: 0.1 per 256 images of the batch (torchvision's rule), worked by hand; a warm-up epoch.
+    assert (cfg.optim.lr, cfg.sched.warmup_epochs) == (0.1 * 64 / 256, 1.0)
+    for extra, lr in ((["data.batch_size=32", "optim.accum_steps=4"], 0.05), (["data.effective_batch_size=512"], 0.2),
+                      (["data.batch_size=auto"], 0.025)):
+        assert config.load(None, [f"data.root={root}", "run.device=cpu", *extra]).optim.lr == pytest.approx(lr), extra
+    # The user's optimizer, lr or warm-up wins (and the project's 0.1 stays for small_cnn and digits).
+    assert config.load(None, [f"data.root={root}", "run.device=cpu", "optim.lr=0.3"]).optim.lr == 0.3
+    theirs = config.load(None, [f"data.root={root}", "run.device=cpu", "optim.name=adamw"])
+    assert theirs.optim.lr == 0.1 and "optim.lr" not in [c["setting"] for c in theirs.chosen()]
+    assert config.load(None, [f"data.root={root}", "run.device=cpu", "sched.warmup_epochs=0"]).sched.warmup_epochs == 0
+    assert config.load(None, []).optim.lr == 0.1
     # What the user sets wins: their transforms keep everything (and small_cnn); their model keeps the chosen size.
     mine = config.load(None, [f"data.root={root}", "data.train.transforms=[{resize: 40}]"])
     assert (mine.data.train.transforms, mine.data.eval.transforms, mine.model.name) == ([{"resize": 40}], [], "small_cnn")
@@ -294,4 +305,6 @@ def test_cli_photo_defaults_are_in_the_summary_and_the_run_folder(tmp_path, caps
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["model"]["name"] == "resnet18" and saved["data"]["eval"]["transforms"][-1] == {"center_crop": 64}
     decided = json.loads((tmp_path / "run" / "decisions.json").read_text())
-    assert [c["setting"] for c in decided["chosen"]][-1] == "model.name"
+    assert [c["setting"] for c in decided["chosen"]][-3:] == ["model.name", "optim.lr", "sched.warmup_epochs"]
+    # The optimizer that ran used the chosen peak lr (0.1 x batch 4 / 256), recorded in config.yaml for resume/eval
+    assert saved["optim"]["lr"] == pytest.approx(0.1 * 4 / 256) and saved["sched"]["warmup_epochs"] == 1.0

@@ -90,6 +90,13 @@ PHOTO_MODEL = "resnet18"
 # The random crop keeps at least this share of the image (fastai's examples' min_scale; torchvision's 0.08 suits
 # ImageNet's 90+ epochs, not a run of a few epochs on a small folder).
 CROP_SCALE = (0.35, 1.0)
+# The photo model's learning rate when optim.lr is unset: 0.1 per 256 images of the batch (torchvision's ResNet
+# recipe, the linear scaling rule of Goyal et al. 2017), with a linear warm-up over the first epoch. The project's
+# default lr (0.1, made for small_cnn on digits at batch 64) kept ResNet-18 at the majority class on generated photos
+# (3 epochs at 128 px, batch 64: train loss 2.74 after epoch 1, val top-1 0.55 = the majority's share; with 0.025
+# and the warm-up: 0.83 after epoch 2, val top-1 0.77; BENCHMARKS.md "Defaults for your own photos").
+PHOTO_LR_PER_256 = 0.1
+PHOTO_WARMUP_EPOCHS = 1.0
 SAMPLED = 64  # images measured for the size rule (headers only)
 GREY_MODES = ("L", "LA", "I", "I;16", "I;16B", "I;16L", "1")
 
@@ -205,10 +212,36 @@ def photo_defaults(cfg) -> list[Choice]:
                              "39 img/s on a 2-core CPU at 128 px with timm-level accuracy (issue 31); small_cnn, made for "
                              "8x8 digits, trains at 2-35 img/s on 300-64 px images",
                              "set model.name (`torchsprint list models`)"))
+        chosen += photo_schedule(cfg)
     if modes and all(m in GREY_MODES for m in modes) and "mode" not in data.options and data.dataset != "webdataset":
         chosen.append(Choice("data.options.mode", "RGB", f"all {len(modes)} sampled images are grey: each is read as 3 "
                              "identical channels, which every registered model and pretrained weights take",
                              "data.options.mode=GRAY keeps 1 channel (a third of the memory; models get in_channels=1)"))
+    return chosen
+
+
+def photo_schedule(cfg) -> list[Choice]:
+    """optim.lr and sched.warmup_epochs for the photo model, where the config leaves the optimizer's name, its lr
+    and the warm-up unset (PHOTO_LR_PER_256, PHOTO_WARMUP_EPOCHS): the batch is this process's data.batch_size x
+    optim.accum_steps, or data.effective_batch_size when set (data.batch_size=auto: 64, the default batch)."""
+    optim, sched, chosen = cfg.optim, cfg.sched, []
+    if "name" in optim.model_fields_set or "lr" in optim.model_fields_set:
+        return chosen
+    if cfg.data.effective_batch_size is not None:
+        batch, which = cfg.data.effective_batch_size, "data.effective_batch_size"
+    elif isinstance(cfg.data.batch_size, int):
+        batch, which = cfg.data.batch_size * optim.accum_steps, "data.batch_size x optim.accum_steps"
+    else:
+        batch, which = 64, "data.batch_size=auto: taken as 64"
+    optim.lr = round(PHOTO_LR_PER_256 * batch / 256, 12)
+    chosen.append(Choice("optim.lr", optim.lr, f"{PHOTO_LR_PER_256} per 256 images of the batch (torchvision's ResNet "
+                         f"recipe, the linear scaling rule) x {batch} ({which}); the default 0.1 is made for small_cnn on "
+                         "digits and kept ResNet-18 at the majority class on photos", "set optim.lr"))
+    if "warmup_epochs" not in sched.model_fields_set:
+        sched.warmup_epochs = PHOTO_WARMUP_EPOCHS
+        chosen.append(Choice("sched.warmup_epochs", PHOTO_WARMUP_EPOCHS, "a linear warm-up over the first epoch "
+                             "(from sched.warmup_start x optim.lr), as torchvision's and timm's ResNet recipes do, so the "
+                             "first steps of a model trained from scratch do not diverge", "set sched.warmup_epochs"))
     return chosen
 
 

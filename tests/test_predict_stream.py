@@ -72,32 +72,53 @@ def test_streamed_predict_equals_loading_everything_first(tmp_path):
     assert "error" in got[7] and "top" in got[8]
 
 
-def test_reading_overlaps_the_model(tmp_path, monkeypatch):
+def test_reading_overlaps_the_model(tmp_path, monkeypatch, figure):
     """Files that take 20 ms each to read and a model that takes as long per batch of 4: loading everything
     first costs the sum (8 batches x 2 x 80 ms = 1.28 s); reading ahead hides the model behind the reads.
-    One reader thread, so the overlap measured is reading vs model, not readers vs each other."""
+    One reader thread, so the overlap measured is reading vs model, not readers vs each other.
+
+    The proof is the two clocks' intervals, not the wall time: reads that run while the model runs. A loader that
+    reads before the model (or between its calls) leaves no read inside a model call however slow the machine;
+    reading ahead keeps the reader busy during every call but the last (7 of 8 calls). The wall time against the
+    sleeps' sum moved from 0.63-0.68 (quiet machine) to 0.72 with 3 busy processes on the 2 cores, too close to
+    a bound for CI; it is printed, not asserted."""
     run = make_run(tmp_path / "run", [{"resize": 16}])
     folder = make_image_folder(tmp_path / "imgs", per_class=16, size=(24, 20), splits=("train",))
     files = [str(f) for f in sorted((folder / "train").rglob("*.jpg"))][:32]
     assert len(files) == 32
     p = Predictor.from_run(run, batch_size=4)
     read, model = 0.020, 0.080
-    load = p._load_cpu
-    monkeypatch.setattr(p, "_load_cpu", lambda path: (time.sleep(read), load(path))[1])
-    fwd = p.forward
-    p.forward = lambda x: (time.sleep(model), fwd(x))[1]
+    reads, calls = [], []  # (start, end) of every read and every model call, perf_counter
+
+    def timed(spans, sleep_s, f):
+        def g(x):
+            t = time.perf_counter()
+            time.sleep(sleep_s)
+            out = f(x)
+            spans.append((t, time.perf_counter()))
+            return out
+        return g
+
+    monkeypatch.setattr(p, "_load_cpu", timed(reads, read, p._load_cpu))
+    p.forward = timed(calls, model, p.forward)
     monkeypatch.setattr(Predictor, "READERS", 1)
     p.predict(files[:4])  # warm-up
+    reads.clear()
+    calls.clear()
     t = time.perf_counter()
     out = p.predict(files)
     wall = time.perf_counter() - t
     serial = len(files) * read + len(files) / 4 * model
-    # Measured on this shared 2-core machine: 0.81-0.87 s against 1.28 s of sleeps alone (ratio 0.63-0.68; ideal
-    # 8 x 80 + 80 ms = 0.72 s); loading everything first measures above the sleeps' sum (ratio >= 1.0). The bound 0.85
-    # leaves room for a loaded machine and still fails a loader that reads before the model.
     assert all("top" in r for r in out)
-    print(f"predict overlap: wall {wall:.3f} s, serial {serial:.3f} s")
-    assert wall < 0.85 * serial, (wall, serial)
+    assert len(reads) == 32 and len(calls) == 8
+    overlap = sum(max(0.0, min(ce, re) - max(cs, rs)) for cs, ce in calls for rs, re in reads)
+    model_s = sum(e - s for s, e in calls)
+    print(f"predict overlap: wall {wall:.3f} s, serial {serial:.3f} s, reads inside model calls {overlap:.3f} s of {model_s:.3f} s")
+    figure("predict wall / sleeps' sum", wall / serial)
+    figure("predict reading inside model calls / model time", overlap / model_s)
+    # Ideal 7/8 = 0.875; measured 0.86-0.87 with 3 busy processes on the 2 cores, 0.75 once with other agents' runs
+    # on top; bound a third of the worst. A loader that reads before the model (or between its calls): exactly 0.
+    assert overlap >= 0.25 * model_s, (overlap, model_s)
 
 
 @pytest.mark.parametrize("ahead", [1, 3])

@@ -4,6 +4,12 @@ purpose must show it in the right figure, with the size the test's own clock mea
 The model and the dataset registered here keep their own clocks (time.perf_counter at every training
 forward, time spent in every __getitem__): that is the independent reference the reported figures
 (summary.json, metrics.jsonl, the console line, `torchsprint bench`'s rows) are checked against.
+
+On a loaded machine (CI: 2 cores running 2 test processes and more) a sleep returns late and any line can be
+preempted, so most checks bracket a reported time between moments the clocks saw before and after it (a
+window ends after its step's forward returned and before its metrics.jsonl record was written): such a check
+holds however slow the machine is. The few ratios left are set from figures measured with 3 busy processes
+on the 2 cores (worse than CI), written beside each.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from torchsprint.run import train
 # `first_s` more in the first one (a compile or autotuning warm-up), times `amp_factor` under autocast.
 PLAN = {"step_s": 0.0, "first_s": 0.0, "amp_factor": 1.0}
 SERIALS = itertools.count()
-CLOCK: list[tuple[int, float, float, float]] = []  # (model serial, perf_counter at entry, time.time at entry, seconds slept)
-LOADS: list[float] = []  # seconds each training-split __getitem__ of the slow dataset took (its own clock)
+# (model serial, perf_counter at entry, time.time at entry, seconds asked to sleep, seconds the forward took: the
+# sleep as it really ran, late wake-up included, measured by the same clock)
+CLOCK: list[tuple[int, float, float, float, float]] = []
+LOADS: list[tuple[float, float]] = []  # perf_counter at entry and at return of each training-split __getitem__
 LOAD_S = 0.002  # the slow dataset's sleep per sample
 
 
@@ -46,7 +54,7 @@ class Sleepy(nn.Module):
             if torch.is_autocast_enabled("cpu"):
                 s *= PLAN["amp_factor"]
             time.sleep(s)
-            CLOCK.append((self.serial, t, wall, s))
+            CLOCK.append((self.serial, t, wall, s, time.perf_counter() - t))
         return self.fc(x.flatten(1).float())
 
 
@@ -54,8 +62,8 @@ MODELS.register("test_sleepy", override=True)(lambda num_classes, in_channels=3:
 
 
 class SlowItems(torch.utils.data.Dataset):
-    """A split whose every sample takes LOAD_S seconds to read (a slow disk or decoder); `clock` keeps how long
-    each read took, measured here."""
+    """A split whose every sample takes LOAD_S seconds to read (a slow disk or decoder); `clock` keeps when each
+    read began and ended, measured here."""
 
     def __init__(self, raw, clock: list | None):
         self.raw, self.clock = raw, clock
@@ -68,7 +76,7 @@ class SlowItems(torch.utils.data.Dataset):
         time.sleep(LOAD_S)
         item = self.raw[i]
         if self.clock is not None:
-            self.clock.append(time.perf_counter() - t)
+            self.clock.append((t, time.perf_counter()))
         return item
 
 
@@ -80,12 +88,31 @@ def slow_digits(data_cfg):
     return splits
 
 
+EPOCH_STARTS: list[float] = []  # perf_counter when the engine announced each epoch, just before its clocks start
+
+
 @pytest.fixture(autouse=True)
-def fresh_clocks():
+def fresh_clocks(monkeypatch):
     CLOCK.clear()
     LOADS.clear()
+    EPOCH_STARTS.clear()
     PLAN.update(step_s=0.0, first_s=0.0, amp_factor=1.0)
+    from torchsprint.logging import RunLogger
+
+    announce = RunLogger.start_epoch
+
+    def start_epoch(self, *args, **kwargs):  # the real method, with the moment it was called noted
+        EPOCH_STARTS.append(time.perf_counter())
+        return announce(self, *args, **kwargs)
+
+    monkeypatch.setattr(RunLogger, "start_epoch", start_epoch)
     yield
+
+
+def wall_to_perf(wall: float) -> float:
+    """A time.time() reading on the perf_counter scale: the two clocks' offset, read at every forward (median: a
+    preemption between the two readings shifts one of them)."""
+    return wall - statistics.median(c[2] - c[1] for c in CLOCK)
 
 
 def run(tmp_path, *overrides, steps: int, batch: int, capsys=None):
@@ -107,40 +134,51 @@ def test_a_slow_step_and_a_slow_first_step_show_in_images_per_s_not_in_the_data_
     PLAN.update(step_s=0.04, first_s=0.3)
     summary, records, out = run(tmp_path, steps=steps, batch=batch, capsys=capsys)
     starts = [c[1] for c in CLOCK]
-    assert len(starts) == steps
+    ends = [c[1] + c[4] for c in CLOCK]  # each forward's return (its sleep over)
+    assert len(starts) == steps and len(EPOCH_STARTS) == 1
     step_s = statistics.median(b - a for a, b in zip(starts[1:], starts[2:]))  # a step after the first, measured
-    first_s = starts[1] - starts[0]  # the first step, measured: entry to the next step's entry
     # The epoch ran from before the first forward (first batch loaded) to after the last step: the span of the
     # forwards plus one more step. The loader here (memory backend, 8x8 images) adds < 5 ms to that.
     epoch_s = starts[-1] - starts[0] + step_s
     want_ips = steps * batch / epoch_s
     figure("summary images/s / reference", summary["train_images_per_s"] / want_ips)
-    # Measured 0.994-1.002 (the reference lacks the first batch's load and the epoch-end bookkeeping, and takes the
-    # median step for the last one); bound 5%, more than 3x that gap, for a machine busier than the one measured.
+    # Measured 0.994-1.002 on a quiet machine, 0.990-1.006 with 3 busy processes on the 2 cores (the reference
+    # lacks the first batch's load and the epoch-end bookkeeping, and takes the median step for the last one);
+    # bound 5%, 5x the worst gap.
     assert summary["train_images_per_s"] == pytest.approx(want_ips, rel=0.05)
     epoch = [r for r in records if r["kind"] == "epoch"]
     assert len(epoch) == 1 and epoch[0]["train/epoch_images_per_s"] == pytest.approx(summary["train_images_per_s"], rel=1e-9)
 
     train_rows = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train_rows] == list(range(1, steps + 1))
-    # The first step: its log line comes first_s after the first forward began (the time of a metrics.jsonl
-    # record is when it was written: time.time(), ms), and its window's images/s is the first step's.
+    # When each window closed, on the perf_counter scale: after its step's forward returned, before its record was
+    # written (the record's time: time.time() rounded to the ms, hence the 1 ms), and so before the next forward.
+    written = [wall_to_perf(r["time"]) + 1e-3 for r in train_rows]
+    assert all(e <= w for e, w in zip(ends, written)) and all(w - 2e-3 <= s for w, s in zip(written, starts[1:]))
+    # The first step: its log line comes the first step's sleep (warm-up and step) after the first forward began.
     first_record_after = train_rows[0]["time"] - CLOCK[0][2]
     figure("first record - first forward (s)", first_record_after)
-    assert PLAN["first_s"] + PLAN["step_s"] <= first_record_after + 1e-3 < first_s + 0.03  # measured +1..3 ms over the sleep
-    figure("first window images/s * first step / batch", train_rows[0]["train/images_per_s"] * first_s / batch)
-    # Measured 0.999-1.023 (the window starts before the first batch's load, the forward clock after it); bound 3x.
-    assert train_rows[0]["train/images_per_s"] == pytest.approx(batch / first_s, rel=0.07)
-    # Every later window is one step: the batch over its images/s is that step's time. Summed, windows 2..N span
-    # from the end of step 1 to the end of step N, what the model's clock spans from the start of step 2 to
-    # the start of step N + 1 (one step's jitter moves time between neighbouring windows, not out of the sum).
-    windows = sum(batch / r["train/images_per_s"] for r in train_rows[1:])
-    figure("later windows / measured steps", windows / (starts[-1] - starts[1] + step_s))
-    # Measured 1.02-1.03 (the windows also hold each batch's load; the last step is taken as the median); bound 3x.
-    assert windows == pytest.approx(starts[-1] - starts[1] + step_s, rel=0.09)
-    # A slow step is compute: the data wait stays small, and the run is not called input-bound.
+    assert PLAN["first_s"] + PLAN["step_s"] <= first_record_after + 1e-3
+    # Each window's images/s, as a time (the batch over it), lies between what the clocks allow: the first window
+    # opens between the epoch's announcement and the first forward and closes between that forward's return and
+    # its record; window k opens when window k-1 closed. Brackets, not ratios: they hold on a machine of any load,
+    # and a window that lost its step's time (shorter than the forward) or kept an earlier step's (longer than
+    # two steps and their logging) falls outside. Widths measured: 0.3-25 ms against 40-340 ms windows.
+    lows = [ends[0] - starts[0]] + [e - w for e, w in zip(ends[1:], written)]
+    highs = [written[0] - EPOCH_STARTS[0]] + [w - e for w, e in zip(written[1:], ends)]
+    got = [batch / r["train/images_per_s"] for r in train_rows]
+    figure("first window / first forward", got[0] / (ends[0] - starts[0]))
+    figure("widest window bracket (s)", max(h - lo for lo, h in zip(lows, highs)))
+    for k, (lo, g, h) in enumerate(zip(lows, got, highs), 1):
+        assert lo <= g <= h, (k, lo, g, h)
+    # A slow step is compute: the data wait is not where the forwards' time went. The epoch's data wait fits in what
+    # its time leaves once the forwards are taken out (the forwards, measured, come after each batch's wait).
+    seconds = steps * batch / summary["train_images_per_s"]
     figure("data-wait share, slow step", summary["data_wait_share"])
-    assert summary["data_wait_share"] < 0.05  # measured 0.002-0.01: gathering 64 8x8 images from memory
+    assert summary["data_wait_share"] * seconds <= seconds - sum(c[4] for c in CLOCK)
+    # Measured 0.002-0.01 on a quiet machine, up to 0.038 with 3 busy processes on the 2 cores (gathering 64 8x8
+    # images from memory); the hint's threshold is 0.2, 5x that.
+    assert summary["data_wait_share"] < 0.2
     assert "input-bound" not in out
 
 
@@ -149,21 +187,32 @@ def test_a_slow_loader_shows_in_the_data_wait_share_and_the_input_bound_hint(tmp
     PLAN.update(step_s=0.01)
     summary, records, out = run(tmp_path, "data.dataset=test_slow_digits", "data.backend=cpu", "data.num_workers=0",
                                 steps=steps, batch=batch, capsys=capsys)
-    assert len(LOADS) == steps * batch  # num_workers=0: every read happens in this process, inside the loop
+    assert len(LOADS) == steps * batch and len(CLOCK) == steps and len(EPOCH_STARTS) == 1  # num_workers=0: every
+    # read happens in this process, inside the loop, before its batch's forward
+    reads = [LOADS[k * batch:(k + 1) * batch] for k in range(steps)]
+    assert all(b[-1][1] <= c[1] for b, c in zip(reads, CLOCK))
     seconds = steps * batch / summary["train_images_per_s"]  # the training time the figures were made from
     waited = summary["data_wait_share"] * seconds
-    read = sum(LOADS)
-    figure("reported data wait - measured read time, per step (s)", (waited - read) / steps)
-    # The wait holds every read plus each batch's sampling and collation: measured 0.6-1.2 ms more per step on
-    # a busy 2-core machine; bound 3x.
-    assert read <= waited <= read + steps * 0.0035
-    # What is not waiting is the step: the model's sleeps, measured, plus its backward and optimizer update.
-    slept = sum(c[3] for c in CLOCK)
-    figure("reported non-wait time - model sleeps, per step (s)", (seconds - waited - slept) / steps)
-    assert slept <= seconds - waited <= slept + steps * 0.01  # measured 0.3-3.3 ms per step (busy machine); bound 3x
+    epoch_written = wall_to_perf(next(r for r in records if r["kind"] == "epoch")["time"]) + 1e-3
+    # The epoch's time: from before its first read to after its last forward, and over before its record.
+    assert CLOCK[-1][1] + CLOCK[-1][4] - LOADS[0][0] <= seconds <= epoch_written - EPOCH_STARTS[0]
+    # Each step's wait holds its batch's reads, first to last, and fits between the previous forward's return (the
+    # epoch's announcement for the first) and this batch's forward. Brackets: they hold on a machine of any load;
+    # a wait that took in the forwards, or lost some batches' reads, falls outside.
+    spans = sum(b[-1][1] - b[0][0] for b in reads)
+    room = CLOCK[0][1] - EPOCH_STARTS[0] + sum(c[1] - p[1] - p[4] for p, c in zip(CLOCK, CLOCK[1:]))
+    figure("reported data wait - reads' spans, per step (s)", (waited - spans) / steps)
+    figure("room for the wait - reported data wait, per step (s)", (room - waited) / steps)
+    assert spans <= waited <= room
+    # What is not waiting is the step: the model's forwards as measured, plus its backward, optimizer update and log
+    # line. Measured 0.3-3.3 ms per step on a quiet machine; with 3 busy processes on the 2 cores, see the figure.
+    slept = sum(c[4] for c in CLOCK)
+    figure("reported non-wait time - model forwards, per step (s)", (seconds - waited - slept) / steps)
+    assert slept <= seconds - waited
     share = [r for r in records if r["kind"] == "epoch"][0]["train/data_wait_share"]
-    assert share == pytest.approx(summary["data_wait_share"], rel=1e-9) and share > 0.7  # 32 ms of reading per 10 ms step
-    assert "input-bound: the loader (cpu) is the bottleneck" in out
+    figure("data-wait share, slow loader", share)
+    assert share == pytest.approx(summary["data_wait_share"], rel=1e-9)
+    assert "input-bound: the loader (cpu) is the bottleneck" in out  # 32 ms of reading per 10 ms step
 
 
 def test_bench_images_per_s_and_speedup_follow_each_variant_measured_step_time(tmp_path, figure):
@@ -180,20 +229,30 @@ def test_bench_images_per_s_and_speedup_follow_each_variant_measured_step_time(t
     assert len(models) == 2
     measured = {}
     for name, model in zip(("baseline (seeds)", "+ amp_bf16"), models):
-        starts = [c[1] for c in CLOCK if c[0] == model][warmup:]  # the timed steps' forwards
+        timed = [c for c in CLOCK if c[0] == model][warmup:]  # the timed steps' forwards
+        starts = [c[1] for c in timed]
         assert len(starts) == steps
         step_s = (starts[-1] - starts[0]) / (steps - 1)
         measured[name] = batch / step_s
         figure(f"bench {name} images/s / reference", by[name]["images_per_s"] / measured[name])
-        # Measured 0.98-1.024 (the timed region adds one batch's fetch, the reference takes the forwards' span); bound 3x.
+        # Measured 0.98-1.024 (the timed region adds one batch's fetch, the reference takes the forwards' span), 0.986-1.028
+        # with 3 busy processes on the 2 cores; bound 7%, 2.5x that.
         assert by[name]["images_per_s"] == pytest.approx(measured[name], rel=0.07)
-        assert by[name]["bottleneck"] == "compute-bound"
+        # The time not spent waiting for data holds every timed forward (measured: each comes after its batch's
+        # wait), whatever the load. Which side of the 20% threshold the wait falls is the machine's doing: the
+        # baseline's two loader workers fell behind a 50 ms step with 3 busy processes on the 2 cores (share above
+        # 0.2 once in 3 runs), so the label is checked against the share the row reports.
+        step_ms = by[name]["step_ms"]
+        assert (1 - by[name]["data_wait_share"]) * step_ms / 1000 * steps >= sum(c[4] for c in timed)
+        assert by[name]["bottleneck"] == ("input-bound" if by[name]["data_wait_share"] > 0.2 else "compute-bound")
     want = measured["+ amp_bf16"] / measured["baseline (seeds)"]
     # The plan: twice the sleep. The loader and the optimizer add the same few ms to both, so the ratio is a bit
     # above 0.5: measured 0.53-0.64 (busy machine).
     assert 0.45 < want < 0.7
     figure("bench speedup / reference", by["+ amp_bf16"]["speedup"] / want)
-    assert by["+ amp_bf16"]["speedup"] == pytest.approx(want, rel=0.07)  # measured 0.98-1.021; bound 3x
+    # Measured 0.98-1.021 on a quiet machine, 0.968-1.027 with 3 busy processes on the 2 cores (two images/s
+    # figures' errors, each up to 3%); bound 10%, 3x the worst. A speedup against the wrong row is 2x or 0.5x off.
+    assert by["+ amp_bf16"]["speedup"] == pytest.approx(want, rel=0.10)
     assert by["baseline (seeds)"]["speedup"] == 1.0
 
 
@@ -210,10 +269,15 @@ def test_bench_names_a_slow_loader_input_bound(tmp_path, figure):
     step_s = base["step_ms"] / 1000
     # The baseline's two DataLoader workers read 32 x 2 ms per batch each: a batch every ~32 ms at best.
     assert step_s >= 0.8 * batch * LOAD_S / 2  # measured 0.99-1.1 of it (prefetched batches make some steps shorter)
-    slept = statistics.median(c[3] for c in CLOCK)
+    models = list(dict.fromkeys(c[0] for c in CLOCK))
+    assert len(models) == 1
+    timed = [c for c in CLOCK if c[0] == models[0]][warmup:]  # the timed steps' forwards
+    assert len(timed) == steps
+    slept = sum(c[4] for c in timed) / steps  # the forwards as they ran, late wake-ups included
     computing = 1 - base["data_wait_share"]
-    figure("bench non-wait time - model sleep, per step (s)", computing * step_s - slept)
-    # The share of the step not spent waiting is the model's (its sleep, backward and optimizer update):
-    # measured 0.9-2.6 ms over the sleep (busy machine); bound 3x.
+    figure("bench non-wait time - model forwards, per step (s)", computing * step_s - slept)
+    # The share of the step not spent waiting is the model's (its forward, backward and optimizer update): measured
+    # 0.9-2.6 ms over the forwards' requested sleep on a quiet machine, up to 7.1 ms with 3 busy processes on the 2
+    # cores (late wake-ups from the sleep); over the forwards as measured, 1.7-2.9 ms loaded; bound 8 ms, 2.7x that.
     assert slept <= computing * step_s <= slept + 0.008
     assert base["bottleneck"] == "input-bound"

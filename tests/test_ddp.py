@@ -179,8 +179,8 @@ def test_failed_rank_makes_the_other_exit_within_timeout(tmp_path, how):
         assert rc != 0, err[-3000:]
         # kill: the peer's sockets close, rank 0 fails without waiting for the timeout; stop: only the collective
         # timeout ends the wait. Measured quiet: kill 1.6 s, stop 11.6 s; with 3 busy processes on the 2 cores (worse
-        # than CI): kill 12.7-14.2 s, stop
-        # 21.3-21.8 s (11.8 s past the timeout: the error path and exit under load); bounds 3x those.
+        # than CI): kill 12.7-14.2 s, stop 21.3-21.8 s (11.8 s past the timeout: the error path and exit under load);
+        # bounds 3x those.
         assert waited < (45 if how == "kill" else timeout_s + 35), f"rank 0 took {waited:.1f} s (timeout_s={timeout_s})"
     finally:
         for p in procs:

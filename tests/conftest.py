@@ -130,6 +130,45 @@ def run_cli(tmp_path):
     return run
 
 
+@pytest.fixture
+def cli_in_process(tmp_path, monkeypatch, capfd):
+    """`torchsprint ARGS` as cli.main(ARGS) in this process, in tmp_path; returns what run_cli returns
+    (returncode, stdout, stderr). For refusals (exit 2, one line): it skips the ~3 s of imports a `python -m
+    torchsprint` pays, which is all such a test costs. The real process's exit code and clean stderr stay covered
+    by the subprocess cases kept in test_cli.py. What a fresh process would show is kept: an exception that
+    escapes main is a traceback in stderr (exit 1), argparse's SystemExit is its exit code, and warnings raised
+    during the call (other than the deprecation kinds Python hides by default) are printed to stderr as Python
+    prints them, so a "one line" assertion still sees warning noise."""
+    import traceback
+    import warnings
+
+    from torchsprint import cli
+
+    hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+    def run(*args, cwd=None, env=None):
+        monkeypatch.chdir(cwd or tmp_path)
+        monkeypatch.setattr(sys, "path", list(sys.path))  # --import appends the working folder: undone after
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
+        capfd.readouterr()  # drop what the test printed before
+        tb = ""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            try:
+                code = cli.main([str(a) for a in args])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:
+                code, tb = 1, traceback.format_exc()
+        out, err = capfd.readouterr()
+        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                       for w in caught if not issubclass(w.category, hidden)) + tb
+        return subprocess.CompletedProcess(["torchsprint", *map(str, args)], code, out, err)
+
+    return run
+
+
 def make_image_folder(root: Path, classes=("circle", "square"), per_class: int = 6, size=(24, 20), splits=("train", "val")):
     """Real JPEG files: class 0 bright disc, class 1 dark square on noise (learnable, decodable)."""
     from PIL import Image, ImageDraw

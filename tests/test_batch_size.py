@@ -219,8 +219,8 @@ def test_effective_batch_not_divisible_by_processes():
     check_batch_settings(cfg, world_size=1)
 
 
-def test_cli_bad_batch_size_exits_2_in_one_line(run_cli):
-    p = run_cli("train", "data.batch_size=0")
+def test_cli_bad_batch_size_exits_2_in_one_line(cli_in_process):
+    p = cli_in_process("train", "data.batch_size=0")
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "data.batch_size" in p.stderr and "Traceback" not in p.stderr
 

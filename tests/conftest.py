@@ -148,7 +148,9 @@ def cli_in_process(tmp_path, monkeypatch, capfd):
 
     def run(*args, cwd=None, env=None):
         monkeypatch.chdir(cwd or tmp_path)
-        monkeypatch.setattr(sys, "path", list(sys.path))  # --import appends the working folder: undone after
+        # `python -m torchsprint` has the working folder first on sys.path (a module there is importable, which the
+        # tests of untrusted files rely on); --import appends it otherwise. Both undone after the test.
+        monkeypatch.setattr(sys, "path", [str(cwd or tmp_path), *sys.path])
         for k, v in (env or {}).items():
             monkeypatch.setenv(k, v)
         capfd.readouterr()  # drop what the test printed before

@@ -151,7 +151,8 @@ def cli_in_process(tmp_path, monkeypatch, capfd):
         # `python -m torchsprint` has the working folder first on sys.path (a module there is importable, which the
         # tests of untrusted files rely on); --import appends it otherwise. Both undone after the test.
         monkeypatch.setattr(sys, "path", [str(cwd or tmp_path), *sys.path])
-        for k, v in (env or {}).items():
+        # run_cli's environment, which the processes a command starts (bench's variants, DDP workers) inherit
+        for k, v in {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}.items():
             monkeypatch.setenv(k, v)
         capfd.readouterr()  # drop what the test printed before
         tb = ""

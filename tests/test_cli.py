@@ -46,11 +46,12 @@ def test_list_models(cli_in_process):
     assert {"small_cnn", "cifar_resnet18", "resnet18", "mobilenet_v3_small", "efficientnet_b0"} <= set(names)
 
 
-def test_train_then_eval_reproduces_metrics(run_cli, tmp_path):
+def test_train_then_eval_reproduces_metrics(run_cli, cli_in_process, tmp_path):
+    """Trained by a real process; evaluated in this one (its own process adds nothing to what eval computes)."""
     r = run_cli("train", "run.epochs=2", "run.dir=run", "log.tensorboard=false", "model.args={width: 8}")
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    r = run_cli("eval", "-r", "run", "--weights", "best", "--json")
+    r = cli_in_process("eval", "-r", "run", "--weights", "best", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["top1"] == pytest.approx(summary["best_metric"], abs=1e-9)

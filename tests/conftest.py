@@ -131,14 +131,15 @@ def run_cli(tmp_path):
 
 
 @pytest.fixture
-def cli_in_process(tmp_path, monkeypatch, capfd):
+def cli_in_process(tmp_path, capfd):
     """`torchsprint ARGS` as cli.main(ARGS) in this process, in tmp_path; returns what run_cli returns
-    (returncode, stdout, stderr). For refusals (exit 2, one line): it skips the ~3 s of imports a `python -m
-    torchsprint` pays, which is all such a test costs. The real process's exit code and clean stderr stay covered
-    by the subprocess cases kept in test_cli.py. What a fresh process would show is kept: an exception that
-    escapes main is a traceback in stderr (exit 1), argparse's SystemExit is its exit code, and warnings raised
-    during the call (other than the deprecation kinds Python hides by default) are printed to stderr as Python
-    prints them, so a "one line" assertion still sees warning noise."""
+    (returncode, stdout, stderr). For refusals (exit 2, one line) and short commands: it skips the ~3 s of imports
+    a `python -m torchsprint` pays, which is most of what such a test costs. The real process's exit code and clean
+    stderr stay covered by the subprocess cases kept in test_cli.py. What a fresh process would show is kept: an
+    exception that escapes main is a traceback in stderr (exit 1), argparse's SystemExit is its exit code, and
+    warnings raised during the call (other than the deprecation kinds Python hides by default) are printed to
+    stderr as Python prints them, so a "one line" assertion still sees warning noise. The working folder,
+    environment and sys.path the call ran with are undone when it returns, as a child process leaves its parent."""
     import traceback
     import warnings
 
@@ -147,17 +148,17 @@ def cli_in_process(tmp_path, monkeypatch, capfd):
     hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
     def run(*args, cwd=None, env=None):
-        monkeypatch.chdir(cwd or tmp_path)
-        # `python -m torchsprint` has the working folder first on sys.path (a module there is importable, which the
-        # tests of untrusted files rely on); --import appends it otherwise. Both undone after the test.
-        monkeypatch.setattr(sys, "path", [str(cwd or tmp_path), *sys.path])
-        # run_cli's environment, which the processes a command starts (bench's variants, DDP workers) inherit
-        for k, v in {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}.items():
-            monkeypatch.setenv(k, v)
-        capfd.readouterr()  # drop what the test printed before
         tb = ""
-        with warnings.catch_warnings(record=True) as caught:
+        with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings(record=True) as caught:
+            mp.chdir(cwd or tmp_path)
+            # `python -m torchsprint` has the working folder first on sys.path (a module there is importable, which
+            # the tests of untrusted files rely on); --import appends it otherwise.
+            mp.setattr(sys, "path", [str(cwd or tmp_path), *sys.path])
+            # run_cli's environment, which the processes a command starts (bench's variants, DDP workers) inherit
+            for k, v in {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}.items():
+                mp.setenv(k, v)
             warnings.simplefilter("default")
+            capfd.readouterr()  # drop what the test printed before
             try:
                 code = cli.main([str(a) for a in args])
             except SystemExit as e:

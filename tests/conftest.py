@@ -130,6 +130,49 @@ def run_cli(tmp_path):
     return run
 
 
+@pytest.fixture
+def cli_in_process(tmp_path, capfd):
+    """`torchsprint ARGS` as cli.main(ARGS) in this process, in tmp_path; returns what run_cli returns
+    (returncode, stdout, stderr). For refusals (exit 2, one line) and short commands: it skips the ~3 s of imports
+    a `python -m torchsprint` pays, which is most of what such a test costs. The real process's exit code and clean
+    stderr stay covered by the subprocess cases kept in test_cli.py. What a fresh process would show is kept: an
+    exception that escapes main is a traceback in stderr (exit 1), argparse's SystemExit is its exit code, and
+    warnings raised during the call (other than the deprecation kinds Python hides by default) are printed to
+    stderr as Python prints them, so a "one line" assertion still sees warning noise. The working folder,
+    environment and sys.path the call ran with are undone when it returns, as a child process leaves its parent."""
+    import traceback
+    import warnings
+
+    from torchsprint import cli
+
+    hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+    def run(*args, cwd=None, env=None):
+        tb = ""
+        with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings(record=True) as caught:
+            mp.chdir(cwd or tmp_path)
+            # `python -m torchsprint` has the working folder first on sys.path (a module there is importable, which
+            # the tests of untrusted files rely on); --import appends it otherwise.
+            mp.setattr(sys, "path", [str(cwd or tmp_path), *sys.path])
+            # run_cli's environment, which the processes a command starts (bench's variants, DDP workers) inherit
+            for k, v in {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}.items():
+                mp.setenv(k, v)
+            warnings.simplefilter("default")
+            capfd.readouterr()  # drop what the test printed before
+            try:
+                code = cli.main([str(a) for a in args])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:
+                code, tb = 1, traceback.format_exc()
+        out, err = capfd.readouterr()
+        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                       for w in caught if not issubclass(w.category, hidden)) + tb
+        return subprocess.CompletedProcess(["torchsprint", *map(str, args)], code, out, err)
+
+    return run
+
+
 def make_image_folder(root: Path, classes=("circle", "square"), per_class: int = 6, size=(24, 20), splits=("train", "val")):
     """Real JPEG files: class 0 bright disc, class 1 dark square on noise (learnable, decodable)."""
     from PIL import Image, ImageDraw

@@ -219,8 +219,8 @@ def test_effective_batch_not_divisible_by_processes():
     check_batch_settings(cfg, world_size=1)
 
 
-def test_cli_bad_batch_size_exits_2_in_one_line(run_cli):
-    p = run_cli("train", "data.batch_size=0")
+def test_cli_bad_batch_size_exits_2_in_one_line(cli_in_process):
+    p = cli_in_process("train", "data.batch_size=0")
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "data.batch_size" in p.stderr and "Traceback" not in p.stderr
 
@@ -228,11 +228,11 @@ def test_cli_bad_batch_size_exits_2_in_one_line(run_cli):
 # ---------------------------------------------------------------- out of memory in the middle of training
 
 
-def test_oom_mid_run_ends_in_one_line_and_the_checkpoint_resumes_exactly(tmp_path, oom_net, run_cli):
+def test_oom_mid_run_ends_in_one_line_and_the_checkpoint_resumes_exactly(tmp_path, oom_net, cli_in_process):
     """Out of memory at step 5 (checkpoints every 3 steps): exit 2, one line naming the batch size, what to lower
     and the checkpoint; that checkpoint (step 3) resumes to the same weights as a run that never failed."""
     args = [*BASE, *oom_net, "data.batch_size=64", "checkpoint.every_steps=3", "run.dir=oom"]
-    p = run_cli("train", *args, env={"BATCHAUTO_OOM_AT": "5"})
+    p = cli_in_process("train", *args, env={"BATCHAUTO_OOM_AT": "5"})
     assert p.returncode == 2, p.stderr[-2000:]
     line = p.stderr.strip()
     assert "\n" not in line and "Traceback" not in line

@@ -10,10 +10,12 @@ import pytest
 from torchsprint.bench import COLUMNS, INPUT_BOUND, Variant, best_combination, slug, summarize
 
 
-def test_bench_cli_writes_every_output(run_cli, tmp_path):
-    r = run_cli("bench", "--steps", "8", "--warmup", "2", "--repeats", "2", "--out", "b",
+def test_bench_cli_writes_every_output(cli_in_process, tmp_path):
+    """The bench command through cli.main in this process (a `python -m torchsprint` costs ~3 s of imports); the
+    variants still run in processes of their own, as bench always measures them (isolate)."""
+    r = cli_in_process("bench", "--steps", "8", "--warmup", "2", "--repeats", "2", "--out", "b",
                 "--variants", "+ tuned cpu loader,+ memory loader,+ gpu loader,+ amp_bf16,+ ddp x2,your config",
-                "data.num_workers=0", "model.args={width: 8}", timeout=240)
+                "data.num_workers=0", "model.args={width: 8}")
     assert r.returncode == 0, r.stderr[-2000:]
     out = tmp_path / "b"
     for name in ("bench.md", "bench.csv", "bench.json", "bench.png"):

@@ -1,4 +1,6 @@
-"""The CLI as a user runs it: subprocesses, exit codes, messages without tracebacks."""
+"""The CLI as a user runs it: exit codes, messages without tracebacks. Runs that train, and one or two refusals,
+start a real `python -m torchsprint`; the other refusals and listings call cli.main in this process (same code path
+after the imports, without their ~3 s each)."""
 
 import json
 import subprocess
@@ -29,26 +31,27 @@ def test_every_command_has_help(run_cli, cmd):
     assert r.returncode == 0 and "usage:" in r.stdout and "--debug" in r.stdout
 
 
-def test_config_show_and_schema(run_cli, tmp_path):
+def test_config_show_and_schema(cli_in_process, tmp_path):
     (tmp_path / "r.toml").write_text("[optim]\nlr = 0.3\n")
-    r = run_cli("config", "show", "-c", "r.toml", "run.epochs=2")
+    r = cli_in_process("config", "show", "-c", "r.toml", "run.epochs=2")
     assert r.returncode == 0, r.stderr
     assert "lr: 0.3" in r.stdout and "epochs: 2" in r.stdout
-    r = run_cli("config", "schema")
+    r = cli_in_process("config", "schema")
     assert r.returncode == 0 and "properties" in json.loads(r.stdout)
 
 
-def test_list_models(run_cli):
-    r = run_cli("list", "models")
+def test_list_models(cli_in_process):
+    r = cli_in_process("list", "models")
     names = r.stdout.split()
     assert {"small_cnn", "cifar_resnet18", "resnet18", "mobilenet_v3_small", "efficientnet_b0"} <= set(names)
 
 
-def test_train_then_eval_reproduces_metrics(run_cli, tmp_path):
+def test_train_then_eval_reproduces_metrics(run_cli, cli_in_process, tmp_path):
+    """Trained by a real process; evaluated in this one (its own process adds nothing to what eval computes)."""
     r = run_cli("train", "run.epochs=2", "run.dir=run", "log.tensorboard=false", "model.args={width: 8}")
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    r = run_cli("eval", "-r", "run", "--weights", "best", "--json")
+    r = cli_in_process("eval", "-r", "run", "--weights", "best", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["top1"] == pytest.approx(summary["best_metric"], abs=1e-9)
@@ -66,7 +69,7 @@ def test_user_module_registers_a_model(run_cli, tmp_path):
     assert run_cli("train", "-c", "cfg.yaml", "log.tensorboard=false").returncode == 0
 
 
-@pytest.mark.parametrize("args,fragment", [
+BAD_INPUT = [
     (["train", "-c", "missing.yaml"], "config file not found"),
     (["train", "optim.lrr=0.1"], "Did you mean: optim.lr"),
     (["train", "optim.lr=-1"], "optim.lr"),
@@ -82,24 +85,39 @@ def test_user_module_registers_a_model(run_cli, tmp_path):
     (["eval", "-r", "nowhere"], "not a torchsprint run folder"),
     (["config", "show", "-c", "bad.yaml"], "line 2"),
     (["config", "show", "-c", "cycle.yaml"], "cycle"),
-])
-def test_bad_input_exits_2_without_traceback(run_cli, tmp_path, args, fragment):
+]
+
+
+def check_bad_input(run, tmp_path, args, fragment):
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad.yaml").write_text("run:\n  epochs: 3: 4\n")
     (tmp_path / "cycle.yaml").write_text("extends: cycle.yaml\n")
-    r = run_cli(*args, "log.tensorboard=false", "run.dir=run") if args[0] == "train" else run_cli(*args)
+    r = run(*args, "log.tensorboard=false", "run.dir=run") if args[0] == "train" else run(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert fragment in r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_debug_shows_traceback(run_cli):
-    r = run_cli("--debug", "train", "optim.lrr=1")
+@pytest.mark.parametrize("args,fragment", BAD_INPUT)
+def test_bad_input_exits_2_without_traceback(cli_in_process, tmp_path, args, fragment):
+    """Every refusal, through cli.main in this process (a subprocess each cost ~3-7 s of imports)."""
+    check_bad_input(cli_in_process, tmp_path, args, fragment)
+
+
+@pytest.mark.parametrize("args,fragment", [BAD_INPUT[1], BAD_INPUT[4]])
+def test_bad_input_exits_2_without_traceback_in_a_real_process(run_cli, tmp_path, args, fragment):
+    """The real `python -m torchsprint` process exits 2 without a traceback: a refusal from the config
+    (before torch is imported) and one from a registry (after)."""
+    check_bad_input(run_cli, tmp_path, args, fragment)
+
+
+def test_debug_shows_traceback(cli_in_process):
+    r = cli_in_process("--debug", "train", "optim.lrr=1")
     assert r.returncode != 0 and "Traceback" in r.stderr
 
 
-def test_image_folder_without_images(run_cli, tmp_path):
+def test_image_folder_without_images(cli_in_process, tmp_path):
     (tmp_path / "imgs" / "train" / "a").mkdir(parents=True)
     (tmp_path / "imgs" / "train" / "a" / "readme.txt").write_text("not an image")
-    r = run_cli("train", "data.dataset=image_folder", "data.root=imgs", "run.dir=run", "log.tensorboard=false")
+    r = cli_in_process("train", "data.dataset=image_folder", "data.root=imgs", "run.dir=run", "log.tensorboard=false")
     assert r.returncode == 2 and "no images" in r.stderr

@@ -24,9 +24,10 @@ def torchsprint(*args, env=None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def test_a_second_shard_job_into_the_same_folder_is_refused(tmp_path):
+def test_a_second_shard_job_into_the_same_folder_is_refused(tmp_path, cli_in_process):
     """Before: the second job renamed the first's temp files away (FileNotFoundError) and, 2 times in 3,
-    neither wrote index.json."""
+    neither wrote index.json. The first job is a real process (the lock's holder); the second and the rerun run in
+    this process (two start-ups less; another process's lock refuses this one all the same)."""
     pytest.importorskip("webdataset")
     src = make_image_folder(tmp_path / "src", classes=("a", "b", "c"), per_class=8)
     out = tmp_path / "out"
@@ -37,8 +38,8 @@ def test_a_second_shard_job_into_the_same_folder_is_refused(tmp_path):
     deadline = time.time() + 60
     while not any(out.glob("*.tar")) and time.time() < deadline and first.poll() is None:
         time.sleep(0.02)
-    second = torchsprint(*args)
-    _, err2 = second.communicate(timeout=120)
+    second = cli_in_process(*args)
+    err2 = second.stderr
     still_writing = first.poll() is None
     first.send_signal(signal.SIGKILL)
     first.wait()
@@ -49,8 +50,8 @@ def test_a_second_shard_job_into_the_same_folder_is_refused(tmp_path):
     assert "data shard" in lines[0].split("(")[1]  # the holder: its PID, host and what it does
     # The second job left nothing behind to trip on: a rerun (the lock went with the killed process) keeps the
     # first job's finished shards, writes the rest and verifies the whole.
-    third = torchsprint(*args)
-    out3, err3 = third.communicate(timeout=120)
+    third = cli_in_process(*args)
+    out3, err3 = third.stdout, third.stderr
     assert third.returncode == 0 and "verified" in out3, err3
     assert (out / "index.json").is_file()
 

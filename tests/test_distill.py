@@ -311,8 +311,8 @@ def test_bad_teacher_is_one_line_naming_the_fix(case, teacher_run, tmp_path):
     assert "\n" not in str(e.value) and str(e.value).startswith(("distill", "distill.teacher")), str(e.value)
 
 
-def test_cli_bad_teacher_exits_2_with_one_line(run_cli, tmp_path):
-    proc = run_cli("train", f"run.dir={tmp_path / 'run'}", f"distill.teacher.run={tmp_path / 'nowhere'}")
+def test_cli_bad_teacher_exits_2_with_one_line(cli_in_process, tmp_path):
+    proc = cli_in_process("train", f"run.dir={tmp_path / 'run'}", f"distill.teacher.run={tmp_path / 'nowhere'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
     assert len(lines) == 1 and "distill.teacher: run=" in lines[0] and "Traceback" not in proc.stderr, lines

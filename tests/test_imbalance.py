@@ -138,8 +138,8 @@ def test_bad_settings_are_refused(tmp_path, over, says):
     assert not (tmp_path / "r").exists()
 
 
-def test_refusal_is_one_line_exit_2(run_cli, tmp_path):
-    r = run_cli("train", "--dry-run", "task=multilabel", "data.dataset=synthetic_multilabel", "data.sampler=balanced",
+def test_refusal_is_one_line_exit_2(cli_in_process, tmp_path):
+    r = cli_in_process("train", "--dry-run", "task=multilabel", "data.dataset=synthetic_multilabel", "data.sampler=balanced",
                 f"data.root={tmp_path / 'd'}")
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()

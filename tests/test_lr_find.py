@@ -105,8 +105,8 @@ def test_cli_leaves_run_folder_and_writes_png(tmp_path, capsys, monkeypatch):
     (["--start", "-1"], "finite and positive"),
     (["strategy.name=ddp"], "add strategy.name=single"),
 ])
-def test_bad_range_exits_2_one_line(run_cli, args, says):
-    r = run_cli("lr-find", *args)
+def test_bad_range_exits_2_one_line(cli_in_process, args, says):
+    r = cli_in_process("lr-find", *args)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.stderr

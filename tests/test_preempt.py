@@ -48,7 +48,7 @@ def fake_scontrol(tmp_path: Path) -> tuple[dict, Path]:
     return dict(ENV, SLURM_JOB_ID="1234", PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}"), calls
 
 
-def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(reference, tmp_path):
+def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(reference, tmp_path, cli_in_process):
     """SIGUSR1 (SLURM's --signal) once training runs, then SIGUSR1, SIGINT and SIGTERM while a checkpoint is being
     written: the run finishes its step, saves a whole checkpoint there, requeues the job and exits 75. The same
     command again (what a requeued job runs) continues; the end equals the uninterrupted run bit for bit, with
@@ -81,7 +81,9 @@ def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(r
     assert f"paused at step {stop_step} (SIGUSR1: preempted)" in out
     assert calls.read_text().split() == ["requeue", "1234"]
 
-    again = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # The same command again, in this process with the job's environment (a start-up less; the signal handling under
+    # test is the first process's)
+    again = cli_in_process(*args[len(CMD) - 1:], env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     assert "resuming at epoch" in again.stdout and f"step {stop_step} " in again.stdout
     assert raw_train_steps(run_dir) == list(range(1, TOTAL_STEPS + 1))  # each step logged once

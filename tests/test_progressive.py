@@ -285,8 +285,8 @@ def test_cuda_graphs_auto_stays_off_and_says_why():
     assert train_schedule(cfg.data) == Schedule(4, 8, 1, 3, 2)
 
 
-def test_the_cli_says_one_line_and_exits_2(run_cli):
-    p = run_cli("train", "data.train.transforms=[hflip]", "data.progressive={start_size: 4, end_epoch: 3, step: 2}",
+def test_the_cli_says_one_line_and_exits_2(cli_in_process):
+    p = cli_in_process("train", "data.train.transforms=[hflip]", "data.progressive={start_size: 4, end_epoch: 3, step: 2}",
                 "run.epochs=1", "log.progress=false")
     assert p.returncode == 2, p.stderr
     lines = [x for x in (p.stdout + p.stderr).splitlines() if x.strip()]

@@ -254,9 +254,9 @@ def test_average_of_a_runs_checkpoints(two_runs):
     assert load_weights_file(out).classes == [str(i) for i in range(10)]  # what predict -r FILE reads
 
 
-def test_average_refuses_other_models_one_line(two_runs, run_cli, tmp_path):
+def test_average_refuses_other_models_one_line(two_runs, cli_in_process, tmp_path):
     run(tmp_path / "wide", "run.epochs=1", "model.args={width: 16}")
-    r = run_cli("average", str(two_runs / "s1"), str(tmp_path / "wide"), "-o", str(tmp_path / "x.safetensors"))
+    r = cli_in_process("average", str(two_runs / "s1"), str(tmp_path / "wide"), "-o", str(tmp_path / "x.safetensors"))
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "has shape" in lines[0] and "same architecture" in lines[0], r.stderr

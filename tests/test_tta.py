@@ -178,7 +178,7 @@ def test_meaningless_tta_is_refused_with_the_fix(over, match):
     assert "eval.tta=" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_bad_tta_exits_2_with_one_line(digits_run, tmp_path, run_cli):
+def test_bad_tta_exits_2_with_one_line(digits_run, tmp_path, cli_in_process):
     """(d) the CLI: eval with multi-crop on an eval spec without a crop, predict with an unknown name or with a TTA
     the exported graph does not hold."""
     run, _ = digits_run
@@ -188,7 +188,7 @@ def test_bad_tta_exits_2_with_one_line(digits_run, tmp_path, run_cli):
     Image.new("L", (8, 8), 100).save(img)
     for args, words in [(["eval", "-r", str(run), "eval.tta=five_crop"], "center_crop"),
                         (["predict", "-r", str(run), str(img), "--tta", "flip"], "unknown; choose one of none, hflip")]:
-        p = run_cli(*args)
+        p = cli_in_process(*args)
         assert p.returncode == 2, (args, p.stdout, p.stderr)
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in p.stderr, p.stderr

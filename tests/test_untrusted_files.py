@@ -48,29 +48,33 @@ def trained_run(tmp_path_factory):
     return root / "run"
 
 
-def test_hostile_checkpoints_and_weights_are_refused(tmp_path, run_cli):
+def test_hostile_checkpoints_and_weights_are_refused(tmp_path, cli_in_process):
     marker = tmp_path / "pwned"
     evil = hostile_pickle(tmp_path / "evil.pt", marker, wrap=lambda p: {"format": "torchsprint-checkpoint", "model": p})
     for args in (["train", f"checkpoint.resume={evil}", "run.dir=a"],
                  ["train", f"model.pretrained={evil}", "run.dir=b"]):
-        r = run_cli(*args, "run.epochs=1", "log.tensorboard=false")
+        r = cli_in_process(*args, "run.epochs=1", "log.tensorboard=false")
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert not marker.exists(), args
     run = tmp_path / "c"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("run: {epochs: 1}\n")
     hostile_pickle(run / "checkpoints" / "ckpt-e000-s0000005.pt", marker)
-    r = run_cli("train", "--resume", str(run), "run.epochs=1", "log.tensorboard=false")
+    r = cli_in_process("train", "--resume", str(run), "run.epochs=1", "log.tensorboard=false")
     assert r.returncode == 2 and "could be read" in r.stderr, r.stderr
     assert not marker.exists()
 
 
-def test_model_file_metadata_never_imports_code(tmp_path, run_cli, trained_run):
+def test_model_file_metadata_never_imports_code(tmp_path, run_cli, cli_in_process, trained_run):
     """A .safetensors/.onnx whose config lists `imports` does not import them: a module of that name in the
     working folder (which would create the marker) stays unimported; when the file needs it, the error says
-    which --import to pass."""
+    which --import to pass. Steps 1-2 run in this process (a name no other test imports here), step 3 imports it
+    in a fresh process."""
+    import sys
+
+    name = "model_file_payload"
     marker = tmp_path / "pwned"
-    (tmp_path / "evil_module.py").write_text(
+    (tmp_path / f"{name}.py").write_text(
         f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
         "from torchsprint.models.core import MODELS\nfrom torchsprint.models.nets import small_cnn\n"
         "MODELS.register('evil_net')(small_cnn)\n")
@@ -86,19 +90,19 @@ def test_model_file_metadata_never_imports_code(tmp_path, run_cli, trained_run):
     Image.new("L", (8, 8), 128).save(images)
     # 1. imports listed, model a built-in: predicts without importing anything
     harmless = tmp_path / "harmless.safetensors"
-    save_file(state, str(harmless), metadata=meta | {"config": json.dumps(cfg | {"imports": ["evil_module"]})})
-    r = run_cli("predict", "-r", str(harmless), str(images))
+    save_file(state, str(harmless), metadata=meta | {"config": json.dumps(cfg | {"imports": [name]})})
+    r = cli_in_process("predict", "-r", str(harmless), str(images))
     assert r.returncode == 0, r.stderr
     assert not marker.exists()
     # 2. the model needs the module: refused with the flag to pass, still nothing imported
     needs = tmp_path / "needs.safetensors"
-    cfg2 = cfg | {"imports": ["evil_module"], "model": cfg["model"] | {"name": "evil_net"}}
+    cfg2 = cfg | {"imports": [name], "model": cfg["model"] | {"name": "evil_net"}}
     save_file(state, str(needs), metadata=meta | {"config": json.dumps(cfg2)})
-    r = run_cli("predict", "-r", str(needs), str(images))
-    assert r.returncode == 2 and "--import evil_module" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert not marker.exists()
+    r = cli_in_process("predict", "-r", str(needs), str(images))
+    assert r.returncode == 2 and f"--import {name}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not marker.exists() and name not in sys.modules
     # 3. the user trusts it and says so: now it is imported, and predicts
-    r = run_cli("predict", "--import", "evil_module", "-r", str(needs), str(images))
+    r = run_cli("predict", "--import", name, "-r", str(needs), str(images))
     assert r.returncode == 0, r.stderr
     assert marker.exists()
 
@@ -157,28 +161,31 @@ def test_run_folder_config_never_imports_code(tmp_path, trained_run, monkeypatch
     assert marker.exists()
 
 
-def test_onnx_metadata_never_imports_code(tmp_path, run_cli, trained_run):
+def test_onnx_metadata_never_imports_code(tmp_path, cli_in_process, trained_run):
+    import sys
+
     import onnx
 
     from torchsprint.export import export
 
+    name = "onnx_metadata_payload"  # a name no other test imports into this process
     marker = tmp_path / "pwned"
-    (tmp_path / "evil_module.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).touch()\n")
+    (tmp_path / f"{name}.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).touch()\n")
     path = Path(export(trained_run, "onnx", out=tmp_path / "m.onnx")["path"])
     model = onnx.load(str(path))
     for p in model.metadata_props:
         if p.key == "config":
-            p.value = json.dumps(json.loads(p.value) | {"imports": ["evil_module"]})
+            p.value = json.dumps(json.loads(p.value) | {"imports": [name]})
     onnx.save(model, str(path))
     from PIL import Image
 
     Image.new("L", (8, 8), 128).save(tmp_path / "img.png")
-    r = run_cli("predict", "-r", str(path), "img.png", "--backend", "onnx")
+    r = cli_in_process("predict", "-r", str(path), "img.png", "--backend", "onnx")
     assert r.returncode == 0, r.stderr
-    assert not marker.exists()
+    assert not marker.exists() and name not in sys.modules
 
 
-def test_hostile_cifar_pickle_is_refused(tmp_path, run_cli):
+def test_hostile_cifar_pickle_is_refused(tmp_path, cli_in_process):
     marker = tmp_path / "pwned"
     root = tmp_path / "cifar-10-batches-py"
     root.mkdir()
@@ -186,16 +193,16 @@ def test_hostile_cifar_pickle_is_refused(tmp_path, run_cli):
         hostile_pickle(root / name, marker, wrap=lambda p: {b"data": p, b"labels": [0]})
     for args in (["train", "data.dataset=cifar10", f"data.root={tmp_path}", "run.dir=r"],
                  ["data", "check", "data.dataset=cifar10", f"data.root={tmp_path}"]):
-        r = run_cli(*args)
+        r = cli_in_process(*args)
         assert r.returncode == 2 and "refusing to load posix.system" in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not marker.exists()
 
 
-def test_hostile_yaml_config_is_refused(tmp_path, run_cli):
+def test_hostile_yaml_config_is_refused(tmp_path, cli_in_process):
     marker = tmp_path / "pwned"
     (tmp_path / "evil.yaml").write_text(f"run: !!python/object/apply:os.system ['touch {marker}']\n")
     for args in (["config", "show", "-c", "evil.yaml"], ["train", "-c", "evil.yaml"]):
-        r = run_cli(*args)
+        r = cli_in_process(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert not marker.exists()
 

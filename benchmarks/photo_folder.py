@@ -133,7 +133,7 @@ def run_cli(root: Path, run_dir: Path, overrides: list[str], log: Path) -> dict:
         final = s.get("final", {})
         row |= {"summary_keys": sorted(s), "train_images_per_s": s.get("train_images_per_s"),
                 "final": {k: v for k, v in final.items() if not isinstance(v, list | dict)}}
-        if not row["final"]:  # stopped by run.max_time before its first evaluation: evaluate where it stopped
+        if s.get("paused"):  # stopped by run.max_time: its last evaluation may be epochs old; evaluate where it stopped
             row["at_stop"] = eval_at_stop(run_dir)
     return row
 

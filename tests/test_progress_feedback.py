@@ -200,3 +200,38 @@ def test_no_line_before_the_first_step_and_none_with_progress_off(tmp_path, caps
     train(cfg)
     out = capsys.readouterr().out
     assert "ETA" not in out and "estimate:" not in out
+
+
+class SlowEval(nn.Module):
+    """Training forward at once; each evaluation forward sleeps 0.25 s (an evaluation of 3 batches: 0.75 s)."""
+
+    def __init__(self, num_classes, in_channels=3):
+        super().__init__()
+        self.fc = nn.Linear(in_channels * 64, num_classes)
+
+    def forward(self, x):
+        if not self.training:
+            time.sleep(0.25)
+        return self.fc(x.flatten(1).float())
+
+
+MODELS.register("test_slow_eval", override=True)(lambda num_classes, in_channels=3: SlowEval(num_classes, in_channels))
+
+
+def test_a_long_evaluation_gets_lines_too(tmp_path, capsys, monkeypatch):
+    """An evaluation is no step of the epoch's clock: while it lasts, a line every HEARTBEAT_SECONDS says so (a
+    validation of 400 300x300 images took 18.5 s with no line on the 2-core CPU); none after it ended."""
+    monkeypatch.setattr(tprog, "HEARTBEAT_SECONDS", 0.2)
+    monkeypatch.setattr(tprog, "FIRST_HEARTBEAT_SECONDS", 30.0)  # no training lines: the epoch takes well under 30 s
+    cfg = config.load(None, ["model.name=test_slow_eval", "run.epochs=1", "data.batch_size=128", "log.tensorboard=false",
+                             "eval.per_class=false", f"run.dir={tmp_path / 'r'}"])
+    train(cfg)
+    time.sleep(0.3)  # a thread left running would print again by now
+    out = capsys.readouterr().out.splitlines()
+    beats = [i for i, line in enumerate(out) if re.match(r"^epoch 1/1: evaluating: elapsed [\d.]+ s$", line)]
+    val = [i for i, line in enumerate(out) if line.startswith("epoch 1/1  ")]  # the validation's result line
+    train_end = [i for i, line in enumerate(out) if line.startswith("epoch 1: train loss")]
+    # 360 images in 3 batches of 128: 0.75 s of sleeps, lines at 0.2, 0.4 and 0.6 s
+    assert len(beats) >= 2 and len(val) == 1 and train_end[0] < beats[0] and beats[-1] < val[0], "\n".join(out)
+    elapsed = [float(re.search(r"elapsed ([\d.]+)", out[i]).group(1)) for i in beats]
+    assert elapsed == sorted(elapsed) and abs(elapsed[0] - 0.2) <= 0.051, elapsed  # printed to 0.1 s

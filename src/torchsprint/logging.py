@@ -352,6 +352,10 @@ class RunLogger:
     def end_epoch(self) -> None:
         self.feedback.end_epoch()
 
+    def phase(self, what: str):
+        """A line every HEARTBEAT_SECONDS while `what` (an evaluation) runs (progress.Feedback.phase)."""
+        return self.feedback.phase(what, on=self.enabled and self.cfg.progress and not self.console.quiet)
+
     def summary(self, title: str, rows: list[tuple[str, str]]) -> None:
         if not self.enabled:
             return

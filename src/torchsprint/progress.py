@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import (
@@ -184,6 +185,29 @@ class Feedback:
                         self.say(self.progress_line(now))
 
         threading.Thread(target=beat, name="torchsprint-heartbeat", daemon=True).start()
+
+    @contextmanager
+    def phase(self, what: str, on: bool = True):
+        """Work outside the training steps (an evaluation: 400 300x300 images took 18.5 s on the 2-core CPU with no
+        line): while it lasts, `what: elapsed ...` every HEARTBEAT_SECONDS from a thread, stopped when it ends."""
+        if not on:
+            yield
+            return
+        t0, stop = time.monotonic(), threading.Event()
+
+        def beat() -> None:
+            k = 1
+            while not stop.wait(max(t0 + k * HEARTBEAT_SECONDS - time.monotonic(), 0.0)):
+                with self._lock:
+                    if not stop.is_set():
+                        self.say(f"{what}: elapsed {clock(time.monotonic() - t0)}")
+                k += 1
+
+        threading.Thread(target=beat, name="torchsprint-heartbeat", daemon=True).start()
+        try:
+            yield
+        finally:
+            stop.set()
 
     def _stop_heartbeat(self) -> None:
         if self._stop is not None:

@@ -101,10 +101,11 @@ class Validation:
         def evaluate_here(m):  # with eval.tta, the views' combined outputs (tta.py); the loader loads for them
             return evaluate(wrap_tta(m, plan.tta), self.loaders.val, self.loss_fn, self.prec, self.make_metrics())
 
-        self.last = {f"val/{k}": v for k, v in evaluate_here(self.model).items()}
-        if ema.evaluates:
-            ema.sync(self.rt)  # rank 0's BatchNorm statistics on every rank
-            self.last |= {f"ema/val/{k}": v for k, v in evaluate_here(ema.module).items()}
+        with logger.phase(f"epoch {state.epoch + 1}/{plan.epochs}: evaluating"):  # a line every 10 s while it lasts
+            self.last = {f"val/{k}": v for k, v in evaluate_here(self.model).items()}
+            if ema.evaluates:
+                ema.sync(self.rt)  # rank 0's BatchNorm statistics on every rank
+                self.last |= {f"ema/val/{k}": v for k, v in evaluate_here(ema.module).items()}
         set_train_mode(self.model, self.frozen_norms)  # evaluate() restores train(), not frozen norms' eval mode
         self.last_at = (state.epoch + 1, state.global_step)
         logger.scalars(state.global_step, {k: v for k, v in self.last.items() if not isinstance(v, list)} |

@@ -132,7 +132,7 @@ class Feedback:
         if not on:
             return
         self.clock = EpochClock(total, done)
-        self._epoch, self._epochs, self._beat = epoch, epochs, self.clock.t_start
+        self._epoch, self._epochs = epoch, epochs
         if not sys.stdout.isatty():
             self._start_heartbeat(self.clock)
             return
@@ -171,20 +171,8 @@ class Feedback:
         HEARTBEAT_SECONDS, whether or not a step ended in between (a step of a minute, the first step's warm-up or a
         slow first batch still get a line); end_epoch stops it. A thread, not a check after each step: a check after
         the step that crosses 10 s prints at 10 s + a step, 17 s with a 7 s step (issue 31.5's measurement)."""
-        stop = self._stop = threading.Event()
-
-        def beat() -> None:
-            gap = FIRST_HEARTBEAT_SECONDS
-            while not stop.wait(max(self._beat + gap - time.monotonic(), 0.0)):
-                with self._lock:
-                    if stop.is_set() or self.clock is not c:
-                        return
-                    now = time.monotonic()
-                    if now - self._beat >= gap:
-                        self._beat, gap = now, HEARTBEAT_SECONDS
-                        self.say(self.progress_line(now))
-
-        threading.Thread(target=beat, name="torchsprint-heartbeat", daemon=True).start()
+        self._stop = threading.Event()
+        self._every(self._stop, c.t_start, FIRST_HEARTBEAT_SECONDS, self.progress_line)
 
     @contextmanager
     def phase(self, what: str, on: bool = True):
@@ -194,20 +182,26 @@ class Feedback:
             yield
             return
         t0, stop = time.monotonic(), threading.Event()
-
-        def beat() -> None:
-            k = 1
-            while not stop.wait(max(t0 + k * HEARTBEAT_SECONDS - time.monotonic(), 0.0)):
-                with self._lock:
-                    if not stop.is_set():
-                        self.say(f"{what}: elapsed {clock(time.monotonic() - t0)}")
-                k += 1
-
-        threading.Thread(target=beat, name="torchsprint-heartbeat", daemon=True).start()
+        self._every(stop, t0, HEARTBEAT_SECONDS, lambda now: f"{what}: elapsed {clock(now - t0)}")
         try:
             yield
         finally:
             stop.set()
+
+    def _every(self, stop: threading.Event, t0: float, first: float, line: Callable[[float], str]) -> None:
+        """A thread that prints line(now) at t0 + first, then every HEARTBEAT_SECONDS, until `stop` is set (checked
+        under the lock the training thread clears the clock under, so no line follows the end)."""
+
+        def beat() -> None:
+            due = t0 + first
+            while not stop.wait(max(due - time.monotonic(), 0.0)):
+                with self._lock:
+                    if stop.is_set():
+                        return
+                    self.say(line(time.monotonic()))
+                due += HEARTBEAT_SECONDS
+
+        threading.Thread(target=beat, name="torchsprint-heartbeat", daemon=True).start()
 
     def _stop_heartbeat(self) -> None:
         if self._stop is not None:

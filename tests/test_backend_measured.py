@@ -2,8 +2,9 @@
 backend's up-front decode against what it saves per epoch, and picks the one a direct measurement says is faster.
 
 The reference: each backend built by name (data.backend=cpu / memory) over the same folder and timed over the run's
-epochs of its training loader, building (the memory backend's decode) included, with the same clock the
-measurement uses on a CPU device (this process's CPU time: robust to other processes on a shared machine).
+epochs of its training loader, building (the memory backend's decode) included, on the wall clock: with
+data.num_workers=0 the batches are made between the training steps, so their wall time is what the run pays (and
+what the measurement uses there).
 """
 
 from __future__ import annotations
@@ -38,15 +39,15 @@ def photos(root, n: int, size: int, fmt: str, classes=("a", "b")):
 
 
 def direct(overrides: list[str], backend: str, epochs: int) -> float:
-    """CPU seconds of building `backend` by name and iterating its training loader `epochs` times."""
+    """Wall seconds of building `backend` by name and iterating its training loader `epochs` times."""
     cfg = config.load(None, [*overrides, f"data.backend={backend}"])
-    t0 = time.process_time()
+    t0 = time.perf_counter()
     loaders = build_loaders(cfg.data, CPU, seed=0)
     for e in range(epochs):
         loaders.train.set_epoch(e)
         for _ in loaders.train:
             pass
-    return time.process_time() - t0
+    return time.perf_counter() - t0
 
 
 def chosen(overrides: list[str], epochs: int):
@@ -78,7 +79,7 @@ def test_auto_picks_the_backend_a_direct_measurement_finds_faster(tmp_path, case
     info = chosen(overrides, epochs)
     cpu_s, memory_s = direct(overrides, "cpu", epochs), direct(overrides, "memory", epochs)
     faster = "cpu" if cpu_s < memory_s else "memory"
-    figure("slower / faster backend, direct CPU seconds", max(cpu_s, memory_s) / min(cpu_s, memory_s))
+    figure("slower / faster backend, direct wall seconds", max(cpu_s, memory_s) / min(cpu_s, memory_s))
     # The cases are built so that one backend is clearly faster (measured here: 8.6x, 1.9x and 4.6x, in CASES' order);
     # the test is about the choice, and a near tie would not say which is right.
     assert max(cpu_s, memory_s) / min(cpu_s, memory_s) > 1.3, (cpu_s, memory_s)
@@ -90,10 +91,12 @@ def test_auto_picks_the_backend_a_direct_measurement_finds_faster(tmp_path, case
     assert all(b["images"] > 0 and b["images_per_s"] > 0 for b in m["backends"].values())
     assert "decode_images_per_s" in m["backends"]["memory"]
     # Each backend's estimated loading time for the run, from a few batches, against the direct measurement of the
-    # whole run: measured within a factor 1.7 (est/direct 0.95-1.7 over the cases); 3x the 70% error.
+    # whole run: est/direct 1.12-1.24 over the cases on a quiet machine, 0.57-1.60 with two busy processes beside it
+    # (2 cores: the estimate's few batches and the direct run meet different moments of the load); the bound is 2.5x
+    # the 75% error of the loaded machine.
     for name, direct_s in (("cpu", cpu_s), ("memory", memory_s)):
         figure(f"{name} estimate / direct", m["backends"][name]["estimate_s"] / direct_s)
-        assert 1 / 3.1 < m["backends"][name]["estimate_s"] / direct_s < 3.1, (name, m, direct_s)
+        assert 1 / 2.5 < m["backends"][name]["estimate_s"] / direct_s < 2.5, (name, m, direct_s)
     assert info.backend_why.startswith(f"measured on {m['files']} of the training files")
     n = info.facts["images"]["train"] + info.facts["images"]["val"]
     assert f"for {epochs} epoch(s) of {n:,} images" in info.backend_why
@@ -129,3 +132,45 @@ def test_the_run_records_the_figures_and_a_resume_keeps_the_backend(tmp_path, ca
     assert cli.main([*run, "checkpoint.resume=auto"]) == 0
     out = capsys.readouterr().out
     assert f"loader: data.backend={other} (data.backend=auto: the backend this run chose when it started" in out
+
+
+def test_the_measuring_batch_is_the_runs(tmp_path):
+    """A backend's cost per image depends on the batch (the memory backend's batched ops have a cost per batch): the
+    candidates are measured at data.batch_size where the training split holds two such batches (the measurement
+    once capped it at 32 and a third of a 64-file sample: 21 images for a run of 64)."""
+    root = photos(tmp_path / "p", 80, 32, "png")
+    base = ["data.dataset=image_folder", f"data.root={root}", "data.train.transforms=[hflip]", "data.eval.transforms=[]"]
+    m = chosen([*base, "data.batch_size=64"], 3).backend_measured
+    assert m["batch_size"] == 64 and m["files"] >= 128, m
+    assert m["clock"] == "wall clock"
+    # A split too small for two batches of the run's size: as large a batch as the split allows for two.
+    m = chosen([*base, "data.batch_size=200"], 3).backend_measured
+    assert m["batch_size"] == m["files"] // 2 and m["files"] == round(160 * (1 - 0.2)), m
+
+
+def test_a_slow_disk_counts(tmp_path, monkeypatch, figure):
+    """Files on slow storage (a network disk): every read waits, which the run pays on the training thread
+    (data.num_workers=0) but which costs no CPU time. The cpu backend reads every file every epoch, the memory
+    backend once: over 3 epochs memory is faster, as a direct wall-clock measurement says; a measurement in CPU
+    time (as auto's once was) does not see the waits: its estimates of the run's loading time were 30x short."""
+    from torchsprint.data.preprocess import decode
+
+    root = photos(tmp_path / "p", 40, 48, "png")
+    real = decode.read_bytes
+
+    def slow_read(path):
+        time.sleep(0.01)  # 10 ms a file, a slow network disk
+        return real(path)
+
+    monkeypatch.setattr(decode, "read_bytes", slow_read)
+    overrides = ["data.dataset=image_folder", f"data.root={root}", "data.batch_size=16", "data.train.transforms=[hflip]",
+                 "data.eval.transforms=[]"]
+    info = chosen(overrides, 3)
+    cpu_s, memory_s = direct(overrides, "cpu", 3), direct(overrides, "memory", 3)
+    # memory reads the 80 files once, cpu 3 x 64 training reads at 10 ms each
+    assert cpu_s > 1.5 * memory_s, (cpu_s, memory_s)
+    assert info.backend == "memory", info.backend_why
+    for name, direct_s in (("cpu", cpu_s), ("memory", memory_s)):
+        ratio = info.backend_measured["backends"][name]["estimate_s"] / direct_s
+        figure(f"slow disk: {name} estimate / direct", ratio)
+        assert 0.5 < ratio < 2, (name, info.backend_measured, direct_s)  # 1.0-1.25 measured, 0.075 in CPU time

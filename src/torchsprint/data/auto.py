@@ -111,8 +111,11 @@ AUTO_ORDER = ("memory", "gpu", "cpu")
 
 # data.backend=auto on image files measures its candidates on the user's own files, in this process, within a bound:
 MEASURE_SECONDS = 1.0  # each candidate's timed batches stop once this has passed (plus the batch under way)
-MEASURE_FILES = 64  # files sampled (evenly through the training split), fewer for slow files: see measure_backends
-MEASURE_BATCH = 32  # the measuring batch size at most (data.batch_size when smaller)
+MEASURE_FILES = 256  # files sampled (evenly through the training split) at most, fewer for slow files, but at least
+# MEASURE_BATCHES of the run's batch size: see measure_backends
+MEASURE_BATCHES = 2  # the sample holds at least this many batches of data.batch_size (when the split has them): a
+# backend's cost per image depends on the batch size (the memory backend's batched ops have a cost per batch: on issue
+# 31's photos it read 347 img/s at the old measuring batch of 21 and ~490 at the run's 64, the cpu backend ~465 at both)
 MEMORY_MARGIN = 0.10  # the memory backend must save this share of the cpu backend's estimated loading time: it also
 # holds the decoded images (its peak memory was 1.7x the cpu backend's on issue 31's photos), so a near tie streams
 
@@ -245,22 +248,29 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     """Each backend of `names` on a sample of the training files, in this process: {"files", "batch_size", "seconds",
     "clock", "backends": {name: {"images_per_s", "images", and for memory "decode_images_per_s"}}}.
 
-    The sample: MEASURE_FILES files evenly through the training split, fewer when a file takes long to decode (as
-    many as two decodes' timing says fit in MEASURE_SECONDS, at least 8). Each backend is built on that sample with
-    data.num_workers=0 (building the memory backend decodes the sample: its decode rate);
-    after one untimed batch each, the backends' training batches are timed in turn (one batch of each, again,
-    so that a change in the machine's load falls on all of them; passes over the sample in new epochs' orders,
-    at most 4) until each has MEASURE_SECONDS (or, on a busy machine, 3x that in wall-clock time in all). The clock: on a CPU device the CPU time of this process (all its threads: the
-    work each backend does per image, whatever else runs on a shared machine); on CUDA the wall clock, with a
-    sync per batch. Bound: the probe, each build (the memory backend's decode of the sample, about MEASURE_SECONDS),
-    one untimed batch each and MEASURE_SECONDS each: about 3 x MEASURE_SECONDS per backend on any files.
+    The sample: files evenly through the training split, as many as two decodes' timing says fit in MEASURE_SECONDS
+    (8 to MEASURE_FILES), and at least MEASURE_BATCHES batches of data.batch_size, which is the measuring batch size
+    where the split has that many files (a cost per batch, as of batched ops, weighs as it will in the run). Each
+    backend is built on that sample with data.num_workers=0 (building the memory backend decodes the sample: its
+    decode rate); after one untimed batch each, the backends' training batches are timed in turn (one batch of each,
+    again, so that a change in the machine's load falls on all of them; passes over the sample in new epochs' orders,
+    at most 4) until each has MEASURE_SECONDS (or, on a busy machine, 3x that in wall-clock time in all).
+
+    The clock is what the run will pay. With data.num_workers=0 (and on CUDA) the batches are made on the training
+    thread between steps: the wall clock (a sync per batch on CUDA), which counts a batched op's threads once and a
+    slow disk's waits (the CPU time of the process counted the memory backend's two threads twice on issue 31's
+    photos, and a read's wait not at all). With workers on a CPU device the batches are made beside the training
+    step on the same cores: the CPU time of this process (the work each backend takes from the model's cores).
+    Bound: the probe, each build (the memory backend's decode of the sample), one untimed batch each and
+    MEASURE_SECONDS each: about 3 x MEASURE_SECONDS per backend, or two batches of the run's size where those take longer.
     """
     import time
 
     from torchsprint.data.sources.folders import ImageFiles
 
     cuda = rt.device.type == "cuda"
-    now = time.perf_counter if cuda else time.process_time
+    wall = cuda or data_cfg.num_workers == 0
+    now = time.perf_counter if wall else time.process_time
     t_all = time.perf_counter()
     train = splits.train
     train[0]  # untimed: the decoder's first call sets itself up (imports, tables)
@@ -268,13 +278,14 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     for i in (len(train) // 3, 2 * len(train) // 3):
         train[i]
     per_file = (now() - t0) / 2
-    count = int(min(MEASURE_FILES, len(train), max(8, MEASURE_SECONDS / max(per_file, 1e-9))))
+    by_time = min(MEASURE_FILES, max(8, int(MEASURE_SECONDS / max(per_file, 1e-9))))
+    count = min(len(train), max(by_time, MEASURE_BATCHES * data_cfg.batch_size))
     sample = [train.samples[i * len(train) // count] for i in range(count)]
     files = ImageFiles(sample, train.mode, decoder=train.decoder, max_pixels=train.max_pixels)
     # The sample trains; one file stands for the validation split (the memory backend decodes both when built).
     sub = replace(splits, train=files, val=ImageFiles(sample[:1], train.mode, decoder=train.decoder,
                                                       max_pixels=train.max_pixels), test=None, train_weights=None)
-    batch = max(1, min(data_cfg.batch_size, MEASURE_BATCH, count // 3))
+    batch = max(1, min(data_cfg.batch_size, count // MEASURE_BATCHES))  # the run's batch size where the split allows
     cfg = data_cfg.model_copy(update={"num_workers": 0, "batch_size": batch, "sampler": "shuffle", "repeated_aug": 1,
                                       "drop_last": True, "prefetch_factor": 2})
     one = replace(rt, rank=0, world_size=1)  # the sample is not sharded: every rank takes rank 0's figures
@@ -318,7 +329,7 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     its.clear()
     train_loaders.clear()
     return {"files": count, "batch_size": batch, "seconds": time.perf_counter() - t_all,
-            "clock": "wall clock" if cuda else "CPU time of this process", "backends": out}
+            "clock": "wall clock" if wall else "CPU time of this process", "backends": out}
 
 
 def plain_image_files(ds) -> bool:

@@ -74,11 +74,11 @@ BAD_INPUT = [
     (["train", "optim.lrr=0.1"], "Did you mean: optim.lr"),
     (["train", "optim.lr=-1"], "optim.lr"),
     (["train", "run.epochs=abc"], "run.epochs"),
-    (["train", "model.name=resnet19"], "resnet18"),
-    (["train", "optim.name=sgdd"], "sgd"),
-    (["train", "sched.name=cosin"], "cosine"),
-    (["train", "loss.name=crossentropy"], "cross_entropy"),
-    (["train", "data.dataset=digit"], "digits"),
+    (["train", "model.name=resnet19"], "Did you mean: resnet18"),
+    (["train", "optim.name=sgdd"], "Did you mean: sgd"),
+    (["train", "sched.name=cosin"], "Did you mean: cosine"),
+    (["train", "loss.name=crossentropy"], "Did you mean: cross_entropy"),
+    (["train", "data.dataset=digit"], "Did you mean: digits"),
     (["train", "data.dataset=image_folder", "data.root=nowhere"], "does not exist"),
     (["train", "data.dataset=image_folder", "data.root=empty"], "no class subfolders"),
     (["train", "--import", "no_such_module_xyz"], "cannot import"),
@@ -121,3 +121,35 @@ def test_image_folder_without_images(cli_in_process, tmp_path):
     (tmp_path / "imgs" / "train" / "a" / "readme.txt").write_text("not an image")
     r = cli_in_process("train", "data.dataset=image_folder", "data.root=imgs", "run.dir=run", "log.tensorboard=false")
     assert r.returncode == 2 and "no images" in r.stderr
+
+
+def test_an_unknown_name_points_at_a_command_that_lists_the_names(cli_in_process):
+    """Every registry's "unknown name" message either names a `torchsprint list FAMILY` that exists and prints that
+    registry's names, or names them all itself (the message once said `torchsprint list losss`, and
+    `list decoders` / `list exporters`, which do not exist)."""
+    import re
+
+    from torchsprint import cli
+    from torchsprint.data import DATASETS, LOADERS
+    from torchsprint.data.preprocess.batch_ops import BATCH_OPS
+    from torchsprint.data.preprocess.decode import DECODERS
+    from torchsprint.data.preprocess.transforms import TRANSFORMS
+    from torchsprint.errors import UsageError
+    from torchsprint.export import EXPORTERS
+    from torchsprint.models import MODELS
+    from torchsprint.optim import LOSSES, OPTIMIZERS, SCHEDULERS
+    from torchsprint.tasks import TASKS
+
+    for reg in (MODELS, OPTIMIZERS, SCHEDULERS, LOSSES, DATASETS, LOADERS, TRANSFORMS, TASKS, EXPORTERS, BATCH_OPS,
+                DECODERS):
+        with pytest.raises(UsageError) as e:
+            reg.get("zz_no_such_name")
+        msg = str(e.value)
+        assert msg.startswith(f"unknown {reg.family} 'zz_no_such_name'."), msg
+        m = re.search(r"Run `torchsprint list (\w+)`", msg)
+        if m:
+            assert m.group(1) in cli.FAMILIES, msg
+            r = cli_in_process("list", m.group(1))
+            assert r.returncode == 0 and r.stdout.split() == reg.names(), (msg, r.stdout[:200])
+        else:
+            assert all(name in msg for name in reg.names()), msg

@@ -15,8 +15,10 @@ class Registry:
     models when timm imports) without importing those libraries until a name is asked for.
     """
 
-    def __init__(self, family: str):
-        self.family = family
+    def __init__(self, family: str, listed: str | None = None):
+        """`family`: the singular a message names ("unknown model 'x'"); `listed`: the `torchsprint list` family that
+        prints its names (cli.FAMILIES), or None: an unknown name's message then names them all."""
+        self.family, self.listed = family, listed
         self._items: dict[str, Callable[..., Any]] = {}
         self._providers: list[Callable[[], dict[str, Callable[..., Any]]]] = []  # not yet loaded, in order
 
@@ -49,10 +51,9 @@ class Registry:
         self._load(until=name)  # loads every provider when the name is nowhere
         if name in self._items:
             return self._items[name]
-        raise UsageError(
-            f"unknown {self.family} '{name}'.{did_you_mean(name, self._items)} "
-            f"Run `torchsprint list {self.family}s` to see all {len(self._items)} names."
-        )
+        where = (f"Run `torchsprint list {self.listed}` to see all {len(self._items)} names." if self.listed else
+                 f"Known: {', '.join(sorted(self._items))}.")
+        raise UsageError(f"unknown {self.family} '{name}'.{did_you_mean(name, self._items)} {where}")
 
     def names(self) -> list[str]:
         """Every registered name, sorted."""

@@ -19,7 +19,7 @@ import torch
 from torchsprint.errors import UsageError
 from torchsprint.registry import Registry
 
-TASKS = Registry("task")
+TASKS = Registry("task", listed="tasks")
 
 
 @dataclass(frozen=True)

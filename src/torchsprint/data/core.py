@@ -14,8 +14,8 @@ import torch
 from torchsprint.errors import UsageError
 from torchsprint.registry import Registry
 
-DATASETS = Registry("dataset")  # name -> builder(data_cfg) -> Splits; filled by data/sources/*
-LOADERS = Registry("loader")  # name -> builder(data_cfg, splits, rt, ...) -> Loaders; filled by data/backends/*
+DATASETS = Registry("dataset", listed="datasets")  # name -> builder(data_cfg) -> Splits; filled by data/sources/*
+LOADERS = Registry("loader", listed="loaders")  # name -> builder(data_cfg, splits, rt, ...) -> Loaders; filled by data/backends/*
 
 
 @dataclass

@@ -9,7 +9,7 @@ from torch import nn
 
 from torchsprint.registry import Registry
 
-MODELS = Registry("model")
+MODELS = Registry("model", listed="models")
 
 
 def adapt_in_channels(model: nn.Module, in_channels: int) -> nn.Module:

@@ -8,7 +8,7 @@ from torch import nn
 from torchsprint.errors import UsageError
 from torchsprint.registry import Registry
 
-LOSSES = Registry("loss")
+LOSSES = Registry("loss", listed="losses")
 
 
 # ---------------------------------------------------------------- losses

@@ -12,7 +12,7 @@ from torchsprint.optim.groups import param_groups
 from torchsprint.registry import Registry
 from torchsprint.settings import default_of
 
-OPTIMIZERS = Registry("optimizer")
+OPTIMIZERS = Registry("optimizer", listed="optimizers")
 
 
 def _impl_kwargs(cls, impl: str) -> dict:

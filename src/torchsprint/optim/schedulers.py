@@ -13,7 +13,7 @@ from torchsprint.errors import UsageError
 from torchsprint.registry import Registry
 from torchsprint.settings import default_of
 
-SCHEDULERS = Registry("scheduler")
+SCHEDULERS = Registry("scheduler", listed="schedulers")
 
 
 # ---------------------------------------------------------------- schedulers

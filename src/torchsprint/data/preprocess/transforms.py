@@ -16,7 +16,7 @@ import torch
 from torchsprint.errors import UsageError
 from torchsprint.registry import Registry
 
-TRANSFORMS = Registry("transform")
+TRANSFORMS = Registry("transform", listed="transforms")
 
 # Channel statistics in [0, 1] units. ImageNet: torchvision's reference scripts; CIFAR: per-channel
 # statistics of the CIFAR-10/100 training sets (Krizhevsky 2009), as used by timm and airbench.

@@ -172,6 +172,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="results JSON (rewritten after every run)")
     ap.add_argument("--logs", type=Path, default=None, help="folder for each run's timestamped output")
     ap.add_argument("--max-time", default=None, help="run.max_time of the new defaults' run (e.g. 15m: the issue's goal)")
+    ap.add_argument("--new-from", type=Path, default=None,
+                    help="a results JSON whose `new` runs give the old/full runs' run.max_time (when --runs has no new)")
     ap.add_argument("--extra", nargs="*", default=[], help="overrides added to every run (e.g. run.max_steps=5 for a try)")
     args = ap.parse_args()
     import torch
@@ -190,6 +192,9 @@ def main() -> None:
             counts = make_folder(root, args.images, w, h, mode)
             rows = result["cases"][case] = {"size": [w, h], "mode": mode, "counts": counts}
             new_wall = None
+            if args.new_from is not None:  # the new defaults' run measured before, on this machine: its wall time
+                rows["new_from"] = {"file": str(args.new_from), **json.loads(args.new_from.read_text())["cases"][case]["new"]}
+                new_wall = rows["new_from"]["wall_s"]
             for kind in args.runs.split(","):
                 if kind == "new":
                     ov = [f"run.epochs={args.epochs}"] + ([f"run.max_time={args.max_time}"] if args.max_time else [])

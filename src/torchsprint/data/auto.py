@@ -244,13 +244,25 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
+def sample_size(train, batch_size: int, now) -> int:
+    """How many training files measure_backends samples: as many as two decodes' timing (on the clock `now`) says fit
+    in MEASURE_SECONDS, 8 to MEASURE_FILES, and at least MEASURE_BATCHES batches of `batch_size`; at most the split."""
+    train[0]  # untimed: the decoder's first call sets itself up (imports, tables)
+    t0 = now()
+    for i in (len(train) // 3, 2 * len(train) // 3):
+        train[i]
+    per_file = (now() - t0) / 2
+    by_time = min(MEASURE_FILES, max(8, int(MEASURE_SECONDS / max(per_file, 1e-9))))
+    return min(len(train), max(by_time, MEASURE_BATCHES * batch_size))
+
+
 def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -> dict:
     """Each backend of `names` on a sample of the training files, in this process: {"files", "batch_size", "seconds",
     "clock", "backends": {name: {"images_per_s", "images", and for memory "decode_images_per_s"}}}.
 
-    The sample: files evenly through the training split, as many as two decodes' timing says fit in MEASURE_SECONDS
-    (8 to MEASURE_FILES), and at least MEASURE_BATCHES batches of data.batch_size, which is the measuring batch size
-    where the split has that many files (a cost per batch, as of batched ops, weighs as it will in the run). Each
+    The sample: sample_size's count of files evenly through the training split; data.batch_size is the measuring
+    batch size where the sample holds MEASURE_BATCHES of it (a cost per batch, as of batched ops, weighs as it will
+    in the run). Each
     backend is built on that sample with data.num_workers=0 (building the memory backend decodes the sample: its
     decode rate); after one untimed batch each, the backends' training batches are timed in turn (one batch of each,
     again, so that a change in the machine's load falls on all of them; passes over the sample in new epochs' orders,
@@ -273,13 +285,7 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     now = time.perf_counter if wall else time.process_time
     t_all = time.perf_counter()
     train = splits.train
-    train[0]  # untimed: the decoder's first call sets itself up (imports, tables)
-    t0 = now()
-    for i in (len(train) // 3, 2 * len(train) // 3):
-        train[i]
-    per_file = (now() - t0) / 2
-    by_time = min(MEASURE_FILES, max(8, int(MEASURE_SECONDS / max(per_file, 1e-9))))
-    count = min(len(train), max(by_time, MEASURE_BATCHES * data_cfg.batch_size))
+    count = sample_size(train, data_cfg.batch_size, now)
     sample = [train.samples[i * len(train) // count] for i in range(count)]
     files = ImageFiles(sample, train.mode, decoder=train.decoder, max_pixels=train.max_pixels)
     # The sample trains; one file stands for the validation split (the memory backend decodes both when built).

@@ -342,3 +342,28 @@ def test_ddp_distillation_matches_one_process(teacher_run, tmp_path, run_cli):
     assert diff < 9e-8  # measured 2.98e-8 (float summation order, as test_ddp.py's linear 2.24e-8); 3x
     decided = json.loads((tmp_path / "ddp" / "decisions.json").read_text())
     assert decided["world_size"] == 2 and decided["distill"]["model"] == "small_cnn"
+
+
+def test_a_teacher_file_changed_between_pause_and_resume_is_refused(teacher_run, tmp_path):
+    """The teacher is not in the checkpoint but read again at resume: a file replaced in between (here: the same
+    model with other weights, which loads without complaint) would silently change what the rest of the run learns
+    from. The resume is refused, naming the fingerprints; with the file restored it goes on."""
+    from safetensors import safe_open
+
+    from test_resume import BASE
+
+    teacher = tmp_path / "teacher.safetensors"
+    original = (teacher_run / "best.safetensors").read_bytes()
+    teacher.write_bytes(original)
+    over = [*BASE, f"distill.teacher.weights={teacher}", f"run.dir={tmp_path / 'run'}"]
+    assert train(config.load(None, [*over, "run.stop_after_steps=3"]), quiet=True)["paused"]
+    with safe_open(str(teacher), "pt") as f:
+        meta = f.metadata()
+    state = load_file(str(teacher))
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}, str(teacher), metadata=meta)
+    with pytest.raises(UsageError, match=r"^distill.teacher: .*teacher.safetensors changed since this run began "
+                                         r"\(sha256 [0-9a-f]{16} then, [0-9a-f]{16} now"):
+        train(config.load(None, [*over, "checkpoint.resume=auto"]), quiet=True)
+    teacher.write_bytes(original)
+    done = train(config.load(None, [*over, "checkpoint.resume=auto"]), quiet=True)
+    assert not done["paused"] and done["global_step"] > 3

@@ -335,5 +335,19 @@ def build_teacher(distill_cfg, info, device: torch.device, prec, channels_last: 
     return teacher, record
 
 
+def check_same_teacher(record: dict | None, ckpt, resume_path) -> None:
+    """A resumed run's teacher must be the file it began with (decisions.json's distill.sha256_16): a teacher file
+    replaced or retrained between pause and resume would change what the rest of the run learns from, silently."""
+    from torchsprint.resume import decisions_at_start
+
+    if record is None or ckpt is None:
+        return
+    began = decisions_at_start(resume_path).get("distill") or {}
+    if began.get("sha256_16") not in (None, record["sha256_16"]):
+        raise _teacher_error(f"{record['file']} changed since this run began (sha256 {began['sha256_16']} then, "
+                             f"{record['sha256_16']} now; from {began.get('file')}): the resumed run would learn from "
+                             "another teacher. Restore the teacher file, or start a new run (a new run.dir).")
+
+
 __all__ = ["Distilled", "DistillLoss", "DistillLoader", "Teacher", "build_teacher", "check_distill", "distill_on",
-           "kd_loss", "load_teacher_model"]
+           "check_same_teacher", "kd_loss", "load_teacher_model"]

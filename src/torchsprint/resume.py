@@ -112,3 +112,21 @@ def restore(ckpt: dict, opt, sched, prec, rt, geometry: dict[str, int], log) -> 
         log(f"[yellow]RNG states not restored[/]: the checkpoint has {len(rngs)} process(es), this run "
             f"{rt.world_size}; data order and augmentation stay exact, random layers (dropout) do not")
     return state
+
+
+def decisions_at_start(resume_path) -> dict:
+    """The decisions.json a resumed run wrote when it started (beside checkpoints/, or beside the checkpoint
+    itself), or {} when there is none: what a resume must keep as it began (the backend `auto` chose, the teacher)."""
+    import json
+
+    if resume_path is None:
+        return {}
+    for folder in Path(resume_path).parents[:2]:
+        try:
+            decided = json.loads((folder / "decisions.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(decided, dict):
+            return decided
+    return {}
+

@@ -107,7 +107,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.collectives import agree_on_data
     from torchsprint.data import build_loaders
     from torchsprint.data.preprocess.mix import check_mix, wrap_mix
-    from torchsprint.distill import DistillLoader, DistillLoss, check_distill
+    from torchsprint.distill import DistillLoader, DistillLoss, check_distill, check_same_teacher
     from torchsprint.ema import build_ema
     from torchsprint.models import build_model
     from torchsprint.models.init import frozen_norm_layers, head_only
@@ -138,6 +138,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     batch.splits = None  # the run's loaders hold the data set now
     info = loaders.info
     teacher, distill = check_data_and_teacher(cfg, rt, task, info, prec, distilling, log)
+    check_same_teacher(distill, ckpt, resume_path)  # a resumed run learns from the teacher it began with
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
     materialize_lazy(model, loaders.val, plan_tta(cfg.eval.tta, task, cfg.data.eval.transforms))
     init = init_and_freeze(model, cfg.model, ckpt, resume_path, info.num_classes, log)
@@ -257,14 +258,12 @@ def check_monitor(cfg, ema) -> None:
 def backend_at_start(cfg, ckpt, resume_path) -> str | None:
     """The backend data.backend=auto chose when a resumed run started (its decisions.json beside checkpoints/), or None:
     a measured choice could differ now, and another backend augments differently."""
-    if ckpt is None or cfg.data.backend != "auto" or resume_path is None:
+    from torchsprint.resume import decisions_at_start
+
+    if ckpt is None or cfg.data.backend != "auto":
         return None
-    for folder in Path(resume_path).parents[:2]:
-        try:
-            return json.loads((folder / "decisions.json").read_text())["backend"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return None
+    backend = decisions_at_start(resume_path).get("backend")
+    return backend if isinstance(backend, str) else None
 
 
 def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:

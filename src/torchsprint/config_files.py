@@ -21,6 +21,10 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 # Deeper than any real config (the schema nests 3 levels; options dicts a few more), shallow enough that
 # merging, validation and `config show`'s dump never reach Python's recursion limit (1000 frames).
 MAX_DEPTH = 100
+# More values (dict entries, list items) than any real config holds (the default config has 179): a YAML file whose
+# aliases repeat a list inside a list (9 aliases of 9, 9 levels: ~390 million values from 90 lines) would otherwise
+# hang validating and dumping it. Counted with the depth, so the count stops at the limit, never expanding the rest.
+MAX_VALUES = 100_000
 
 
 class _DuplicateKey(Exception):
@@ -56,23 +60,29 @@ def _unique_json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _too_deep(data: Any, limit: int = MAX_DEPTH) -> bool:
-    """Whether dicts/lists nest deeper than `limit` (iterative, so a cyclic YAML alias ends at the limit too)."""
-    stack = [(data, 1)]
+def _shape_problem(data: Any, limit: int = MAX_DEPTH, most: int = MAX_VALUES) -> str | None:
+    """Why dicts/lists of `data` cannot be a config: nested deeper than `limit`, or more than `most` values in all
+    (iterative and bounded, so a cyclic or exponential YAML alias ends at a limit too); None when neither."""
+    stack, count = [(data, 1)], 0
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict | list):
             if depth > limit:
-                return True
+                return f"nested too deeply (over {MAX_DEPTH} levels of lists/mappings); a config nests a few levels."
+            count += len(node)
+            if count > most:
+                return (f"holds over {most:,} values once its YAML aliases (*name) are expanded; a config holds a few "
+                        "hundred. Write the values out, or repeat fewer aliases.")
             stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
-    return False
+    return None
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
     """Parse one YAML/JSON/TOML file into a dict; syntax errors name the file and line.
 
     Refused, each in one line: a file that is not UTF-8, a key written twice in one mapping (YAML and JSON
-    keep the last one silently; TOML refuses it itself), nesting deeper than MAX_DEPTH.
+    keep the last one silently; TOML refuses it itself), nesting deeper than MAX_DEPTH, more than MAX_VALUES
+    values (YAML aliases expanded).
     """
     path = Path(path)
     try:
@@ -118,9 +128,8 @@ def read_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise UsageError(f"{path}: the top level must be a mapping of sections (run:, data:, ...), not {type(data).__name__}.")
-    if _too_deep(data):
-        raise UsageError(f"{path}: nested too deeply (over {MAX_DEPTH} levels of lists/mappings); a config nests a "
-                         "few levels.")
+    if (problem := _shape_problem(data)) is not None:
+        raise UsageError(f"{path}: {problem}")
     return data
 
 

@@ -246,3 +246,28 @@ def test_oom_mid_run_ends_in_one_line_and_the_checkpoint_resumes_exactly(tmp_pat
     a, b = load_file(str(tmp_path / "oom" / "last.safetensors")), load_file(str(tmp_path / "ref" / "last.safetensors"))
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     assert done["global_step"] == ref["global_step"] == 898 // 64
+
+
+@pytest.mark.parametrize("setting", ["auto", "true", "false"])
+def test_the_probe_feeds_batches_in_the_format_the_run_plans(setting, tmp_path):
+    """data.batch_size=auto measures a step's memory on batches as the run's loaders will deliver them: the plan's
+    channels_last_inputs (under speed.channels_last=auto the model is NHWC and the batches stay NCHW; the probe once
+    converted them to NHWC itself, measuring a copy the run never makes)."""
+    from conftest import make_image_folder
+    from torchsprint import runtime
+    from torchsprint.batch_size import probe_trial
+    from torchsprint.run import build_training
+
+    make_image_folder(tmp_path / "imgs")  # RGB: with one channel (digits) NCHW and NHWC are the same memory
+    cfg = config.load(None, [f"speed.channels_last={setting}", "log.tensorboard=false", "model.name=resnet18",
+                             "data.dataset=image_folder", f"data.root={tmp_path / 'imgs'}", "data.backend=cpu",
+                             "data.batch_size=4", f"run.dir={tmp_path / 'run'}"])
+    rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
+    try:
+        trial, _ = probe_trial(cfg, rt)
+        x, _ = trial.batch(4)
+        plan = build_training(cfg, rt, lambda m: None).plan
+    finally:
+        runtime.teardown(rt)
+    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    assert nhwc == plan.channels_last_inputs == (setting == "true"), (setting, x.stride())

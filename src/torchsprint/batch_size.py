@@ -369,6 +369,7 @@ def probe_trial(cfg, rt) -> tuple[Trial, object]:
     from torchsprint.optim.losses import build_loss
     from torchsprint.optim.optimizers import build_optimizer
     from torchsprint.parallel import channels_last_on
+    from torchsprint.plan import decide_input_format
     from torchsprint.precision import Precision
     from torchsprint.tasks import get_task
 
@@ -406,7 +407,9 @@ def probe_trial(cfg, rt) -> tuple[Trial, object]:
     prec.attach(opt)
     loss_fn = build_loss(cfg.loss, task.targets, info.num_classes).to(device)
     set_train_mode(model, frozen_norm_layers(model) if cfg.model.freeze_bn_stats else [])
-    four_d = images.ndim == 4 and channels_last
+    # The batches' format as the run's loaders deliver it (plan.decide_input_format: under speed.channels_last=auto the
+    # model is NHWC and the batches stay NCHW), not the model's: the probe measures the memory the run will use.
+    four_d = images.ndim == 4 and decide_input_format(cfg.speed)[0]
     return Trial(model, loss_fn, opt, prec, ema, images, targets, four_d, cfg.optim.clip_grad_norm, device,
                  keep=(probe, train)), splits
 

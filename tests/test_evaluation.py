@@ -1,5 +1,5 @@
-"""evaluation.evaluate_run's refusal when the weights asked for do not exist: it says why and names the weights the
-run has (it used to tell a user who asked for --weights last to use --weights last)."""
+"""evaluation.evaluate_run: its refusal when the weights asked for do not exist (it says why and names the weights the
+run has; it used to tell a user who asked for --weights last to use --weights last), and its figures against the run's own."""
 
 from __future__ import annotations
 
@@ -24,3 +24,17 @@ def test_missing_weights_say_why_and_name_the_weights_the_run_has(tmp_path):
     with pytest.raises(UsageError, match="did not train with swa.enabled=true. Weights this run has: --weights best."):
         evaluate_run(run_dir, weights="swa")
     assert evaluate_run(run_dir, weights="best")["step"] == 2  # the weights it names are there and evaluate
+
+
+@pytest.mark.parametrize("channels_last", ["auto", "false"])
+def test_eval_gives_the_runs_own_validation_figures_to_the_last_digit(tmp_path, channels_last):
+    """`torchsprint eval` on the last weights computes what the run's own last validation computed: every figure
+    equal, not close. It builds the model and batches in the run's memory formats (under speed.channels_last=auto
+    the model is NHWC): NCHW throughout gave a val/loss 3.3e-9 off the run's on digits."""
+    run_dir = tmp_path / "run"
+    s = train(config.load(None, ["run.epochs=2", f"speed.channels_last={channels_last}", "log.tensorboard=false",
+                                 "log.progress=false", f"run.dir={run_dir}"]), quiet=True)
+    e = evaluate_run(run_dir, weights="last")
+    shared = {k.removeprefix("val/"): v for k, v in s["final"].items() if k.startswith("val/") and k[4:] in e}
+    assert {"loss", "top1", "top5", "balanced_acc"} <= set(shared), shared
+    assert {k: e[k] for k in shared} == shared

@@ -255,6 +255,17 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
     for extra, lr in ((["data.batch_size=32", "optim.accum_steps=4"], 0.05), (["data.effective_batch_size=512"], 0.2),
                       (["data.batch_size=auto"], 0.025)):
         assert config.load(None, [f"data.root={root}", "run.device=cpu", *extra]).optim.lr == pytest.approx(lr), extra
+    # Under DDP one optimizer step sees every process's batch: read from WORLD_SIZE, as each torchrun worker has it
+    # when it reads the config (`torchsprint train --nproc-per-node 2` starts such workers).
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("WORLD_SIZE", "2")
+        ddp = config.load(None, [f"data.root={root}", "run.device=cpu", "strategy.name=ddp"])
+        assert ddp.optim.lr == pytest.approx(0.1 * 64 * 2 / 256)
+        assert "x 128 (data.batch_size x optim.accum_steps x 2 processes)" in next(
+            c["why"] for c in ddp.chosen() if c["setting"] == "optim.lr")
+        assert config.load(None, [f"data.root={root}", "run.device=cpu", "strategy.name=ddp",
+                                  "data.effective_batch_size=256"]).optim.lr == pytest.approx(0.1)  # global already
+        assert config.load(None, [f"data.root={root}", "run.device=cpu"]).optim.lr == pytest.approx(0.025)  # not ddp
     # The user's optimizer, lr or warm-up wins (and the project's 0.1 stays for small_cnn and digits).
     assert config.load(None, [f"data.root={root}", "run.device=cpu", "optim.lr=0.3"]).optim.lr == 0.3
     theirs = config.load(None, [f"data.root={root}", "run.device=cpu", "optim.name=adamw"])

@@ -223,17 +223,24 @@ def photo_defaults(cfg) -> list[Choice]:
 
 def photo_schedule(cfg) -> list[Choice]:
     """optim.lr and sched.warmup_epochs for the photo model, where the config leaves the optimizer's name, its lr
-    and the warm-up unset (PHOTO_LR_PER_256, PHOTO_WARMUP_EPOCHS): the batch is this process's data.batch_size x
-    optim.accum_steps, or data.effective_batch_size when set (data.batch_size=auto: 64, the default batch)."""
+    and the warm-up unset (PHOTO_LR_PER_256, PHOTO_WARMUP_EPOCHS): the batch of one optimizer step, data.batch_size x
+    optim.accum_steps x the DDP processes, or data.effective_batch_size when set (data.batch_size=auto: 64, the
+    default batch)."""
+    from torchsprint.runtime import launch_env
+
     optim, sched, chosen = cfg.optim, cfg.sched, []
     if "name" in optim.model_fields_set or "lr" in optim.model_fields_set:
         return chosen
+    # DDP: every process trains data.batch_size, so one optimizer step sees world x that (the launcher's WORLD_SIZE,
+    # which each worker has when its config is read); data.effective_batch_size is that global figure already.
+    world = launch_env().world_size if cfg.strategy.name == "ddp" else 1
+    times = f" x {world} processes" if world > 1 else ""
     if cfg.data.effective_batch_size is not None:
         batch, which = cfg.data.effective_batch_size, "data.effective_batch_size"
     elif isinstance(cfg.data.batch_size, int):
-        batch, which = cfg.data.batch_size * optim.accum_steps, "data.batch_size x optim.accum_steps"
+        batch, which = cfg.data.batch_size * optim.accum_steps * world, f"data.batch_size x optim.accum_steps{times}"
     else:
-        batch, which = 64, "data.batch_size=auto: taken as 64"
+        batch, which = 64 * world, f"data.batch_size=auto: taken as 64{times}"
     optim.lr = round(PHOTO_LR_PER_256 * batch / 256, 12)
     chosen.append(Choice("optim.lr", optim.lr, f"{PHOTO_LR_PER_256} per 256 images of the batch (torchvision's ResNet "
                          f"recipe, the linear scaling rule) x {batch} ({which}); the default 0.1 is made for small_cnn on "

@@ -69,7 +69,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--models", default="resnet18,mobilenet_v3_small")
+    ap.add_argument("--models", default="resnet18,mobilenet_v3_small",
+                    help="comma-separated; a model may carry its own overrides after '+', applied after the photo lr "
+                         "and warm-up, e.g. mobilenet_v3_small+optim.name=adamw+optim.lr=0.002")
     ap.add_argument("--old-default-steps", type=int, default=5, help="steps of small_cnn at the native 300x300 (speed only)")
     args = ap.parse_args()
     import torch
@@ -82,9 +84,14 @@ def main() -> None:
         # Every candidate with the lr and warm-up the photo defaults choose for the default batch of 64 (naming a
         # model turns the defaults' choice of them off).
         sched = [f"optim.lr={PHOTO_LR_PER_256 * 64 / 256}", f"sched.warmup_epochs={PHOTO_WARMUP_EPOCHS}"]
-        for i, name in enumerate(args.models.split(",")):
-            rows.append(train_one(root, Path(tmp) / f"run{i}", [f"model.name={name}", f"run.epochs={args.epochs}", *sched]))
+        for i, entry in enumerate(args.models.split(",")):
+            name, *own = entry.split("+")
+            rows.append(train_one(root, Path(tmp) / f"run{i}", [f"model.name={name}", f"run.epochs={args.epochs}", *sched, *own]))
+            rows[-1]["overrides"] = own
             print(json.dumps(rows[-1]), flush=True)
+        if not args.old_default_steps:
+            print(json.dumps({"device": "cpu", "threads": torch.get_num_threads(), "images": args.images, "rows": rows}))
+            return
         old = train_one(root, Path(tmp) / "old", ["model.name=small_cnn", "data.train.transforms=[]", "data.eval.transforms=[]",
                                                   f"run.max_steps={args.old_default_steps}", "run.epochs=1"])
         old["note"] = f"old default, native 300x300, {args.old_default_steps} steps: speed only"

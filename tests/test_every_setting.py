@@ -386,6 +386,12 @@ PROBES = {
     "model.train_only": lambda t: differs(n_params, "model.train_only=['7.*']"),
     "model.freeze_bn_stats": lambda t: differs(lambda c, b: len(b.frozen_norms), "model.freeze_bn_stats=false",
                                                base=["model.freeze=['0.*']"]),
+    "model.bn_momentum": lambda t: (differs(lambda c, b: sorted({m.momentum for m in b.model.modules()
+                                                                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}),
+                                            "model.bn_momentum=0.3"),
+                                    refused("model.name=linear", "model.args={}", "model.bn_momentum=0.3",
+                                            match="has no BatchNorm layer"),
+                                    elsewhere("test_registries.py::test_bn_momentum_sets_the_running_statistics_update")),
     "optim.name": lambda t: differs(lambda c, b: type(b.opt).__name__, "optim.name=adamw"),
     "optim.lr": lambda t: differs(group("lr"), "optim.lr=0.05", base=["sched.name=constant"]),
     "optim.momentum": lambda t: (differs(group("momentum"), "optim.momentum=0.5"),

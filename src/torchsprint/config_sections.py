@@ -248,6 +248,11 @@ class ModelConfig(Section):
     freeze: list[str] = Field(default_factory=list, description="Parameter-name patterns (glob, or regex with 're:' prefix) to freeze.")
     train_only: list[str] = Field(default_factory=list, description="Freeze everything except parameters matching these patterns.")
     freeze_bn_stats: bool = Field(True, description="Keep BatchNorm layers whose parameters are all frozen in eval mode.")
+    bn_momentum: float | None = Field(
+        None, gt=0, le=1, description="The momentum of every BatchNorm layer (PyTorch's convention: the new batch's "
+        "share of the running statistics; PyTorch's default 0.1). torchvision builds MobileNetV3 and EfficientNet "
+        "with 0.01, which after a short run from scratch leaves the running statistics far from the trained weights "
+        "(evaluation at chance). timm's --bn-momentum. None: the model's own.")
     freeze_epochs: int = Field(
         0, ge=0, description="Fine-tuning (fastai's freeze-then-unfreeze): the first N epochs train only the head "
         "(model.head, else the last Linear layer), then every trainable parameter. The body is in the optimizer from "

@@ -115,7 +115,7 @@ def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
     """Instantiate `model_cfg.name` for the data's class and channel counts (random initialisation).
 
     Args:
-        model_cfg: the `model` section (name, args).
+        model_cfg: the `model` section (name, args, bn_momentum).
         num_classes: output size, from the dataset.
         in_channels: input channels, from the dataset.
     """
@@ -130,6 +130,13 @@ def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
         model = builder(num_classes=num_classes, in_channels=in_channels, **model_cfg.args)
     except TypeError as e:
         raise UsageError(f"model '{model_cfg.name}': bad model.args {model_cfg.args}: {e}") from None
+    if model_cfg.bn_momentum is not None:
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if not norms:
+            raise UsageError(f"model.bn_momentum={model_cfg.bn_momentum}: model '{model_cfg.name}' has no BatchNorm "
+                             "layer; remove model.bn_momentum.")
+        for m in norms:
+            m.momentum = model_cfg.bn_momentum
     return model
 
 

@@ -51,6 +51,21 @@ class Timed(nn.Module):
 MODELS.register("test_timed_steps", override=True)(lambda num_classes, in_channels=3: Timed(num_classes, in_channels))
 
 
+def train_timed(writer, run_dir, monkeypatch, tty: bool) -> None:
+    """Train the timed model (digits, 2 epochs, batch PLAN["batch"]) with stdout = `writer` (a pipe or a terminal, as
+    `tty` says), which is closed after, so that the reading end sees the end of its output."""
+    CLOCK.clear()
+    cfg = config.load(None, ["model.name=test_timed_steps", "run.epochs=2", f"data.batch_size={PLAN['batch']}",
+                             "log.tensorboard=false", "eval.per_class=false", f"run.dir={run_dir}"])
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(sys, "stdout", writer)
+            assert sys.stdout.isatty() == tty
+            train(cfg)
+    finally:
+        writer.close()
+
+
 def test_a_pipe_gets_heartbeat_lines_with_an_honest_eta_and_an_early_estimate(tmp_path, monkeypatch):
     """stdout is a pipe (as in CI), read by a thread that notes when each line arrives. Digits (1,437 training
     images, 360 validation) at batch 128: 11 steps of ~0.15 s per epoch (drop_last), 2 epochs. With the heartbeat at
@@ -73,16 +88,9 @@ def test_a_pipe_gets_heartbeat_lines_with_an_honest_eta_and_an_early_estimate(tm
 
     reader = threading.Thread(target=read)
     reader.start()
-    CLOCK.clear()
-    cfg = config.load(None, ["model.name=test_timed_steps", "run.epochs=2", f"data.batch_size={batch}",
-                             "log.tensorboard=false", "eval.per_class=false", f"run.dir={tmp_path / 'run'}"])
     try:
-        with monkeypatch.context() as m:
-            m.setattr(sys, "stdout", writer)
-            assert not sys.stdout.isatty()
-            train(cfg)
+        train_timed(writer, tmp_path / "run", monkeypatch, tty=False)
     finally:
-        writer.close()
         reader.join()
     text = "\n".join(f"{t - lines[0][0]:6.2f} {x}" for t, x in lines)
     time.sleep(0.1)  # end_epoch stopped the heartbeat thread: it returns from its wait at once
@@ -273,16 +281,9 @@ def test_a_terminal_gets_a_bar_with_rate_and_eta_from_the_first_steps(tmp_path, 
 
     reader = threading.Thread(target=read)
     reader.start()
-    CLOCK.clear()
-    cfg = config.load(None, ["model.name=test_timed_steps", "run.epochs=2", f"data.batch_size={batch}",
-                             "log.tensorboard=false", "eval.per_class=false", f"run.dir={tmp_path / 'run'}"])
     try:
-        with monkeypatch.context() as m:
-            m.setattr(sys, "stdout", writer)
-            assert sys.stdout.isatty()
-            train(cfg)
+        train_timed(writer, tmp_path / "run", monkeypatch, tty=True)
     finally:
-        writer.close()
         reader.join(timeout=10)
         os.close(master)
     # Frames: what the terminal shows between carriage returns and newlines, cursor and colour codes removed.

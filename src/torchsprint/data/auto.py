@@ -114,8 +114,8 @@ MEASURE_SECONDS = 1.0  # each candidate's timed batches stop once this has passe
 MEASURE_FILES = 256  # files sampled (evenly through the training split) at most, fewer for slow files, but at least
 # MEASURE_BATCHES of the run's batch size: see measure_backends
 MEASURE_BATCHES = 2  # the sample holds at least this many batches of data.batch_size (when the split has them): a
-# backend's cost per image depends on the batch size (the memory backend's batched ops have a cost per batch: on issue
-# 31's photos it read 347 img/s at the old measuring batch of 21 and ~490 at the run's 64, the cpu backend ~465 at both)
+# backend's cost per image depends on the batch size (the memory backend's batched ops have a cost per batch; with the
+# wall clock, issue 31's folder read memory 176 -> 486 img/s: BENCHMARKS.md, "data.backend auto ... re-measured")
 MEMORY_MARGIN = 0.10  # the memory backend must save this share of the cpu backend's estimated loading time: it also
 # holds the decoded images (its peak memory was 1.7x the cpu backend's on issue 31's photos), so a near tie streams
 
@@ -262,11 +262,11 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
 
     The sample: sample_size's count of files evenly through the training split; data.batch_size is the measuring
     batch size where the sample holds MEASURE_BATCHES of it (a cost per batch, as of batched ops, weighs as it will
-    in the run). Each
-    backend is built on that sample with data.num_workers=0 (building the memory backend decodes the sample: its
-    decode rate); after one untimed batch each, the backends' training batches are timed in turn (one batch of each,
-    again, so that a change in the machine's load falls on all of them; passes over the sample in new epochs' orders,
-    at most 4) until each has MEASURE_SECONDS (or, on a busy machine, 3x that in wall-clock time in all).
+    in the run). Each backend is built on that sample with data.num_workers=0 (building the memory backend decodes
+    the sample: its decode rate); after one untimed batch each, the backends' training batches are timed in turn
+    (one batch of each, again, so that a change in the machine's load falls on all of them; passes over the sample
+    in new epochs' orders, at most 4) until each has MEASURE_SECONDS (or, on a busy machine, 3x that in wall-clock
+    time in all).
 
     The clock is what the run will pay. With data.num_workers=0 (and on CUDA) the batches are made on the training
     thread between steps: the wall clock (a sync per batch on CUDA), which counts a batched op's threads once and a

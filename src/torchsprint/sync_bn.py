@@ -51,8 +51,11 @@ class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         all_reduce = _AllReduceSum.apply
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
-        xf = x.float()  # statistics in fp32 whatever the activation dtype (bf16 weights keep BN in fp32)
-        count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float32, device=x.device)
+        # Statistics in at least fp32 whatever the activation dtype (bf16 weights keep BN in fp32); fp64 stays fp64
+        # (x.float() rounded it to fp32, so a float64 model's DDP run left one process's by 1e-8).
+        stat = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(stat)
+        count = torch.tensor([x.numel() / x.shape[1]], dtype=stat, device=x.device)
         sums = all_reduce(torch.cat([xf.sum(dims), count]))
         n = sums[-1]
         mean = sums[:-1] / n
@@ -67,7 +70,7 @@ class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                 self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
         y = centered * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
-            y = y * self.weight.float().view(shape) + self.bias.float().view(shape)
+            y = y * self.weight.to(stat).view(shape) + self.bias.to(stat).view(shape)
         return y.to(x.dtype)
 
 

@@ -86,8 +86,10 @@ def _shorthand(field: str):
 
 
 class PrecisionConfig(Section):
-    mode: Literal["fp32", "amp_fp16", "amp_bf16", "fp16", "bf16"] = Field(
-        "fp32", description="fp32 | amp_fp16 | amp_bf16 | fp16 | bf16; apex levels O0/O1/O2 are aliases."
+    mode: Literal["fp32", "amp_fp16", "amp_bf16", "fp16", "bf16", "fp64"] = Field(
+        "fp32", description="fp32 | amp_fp16 | amp_bf16 | fp16 | bf16 | fp64; apex levels O0/O1/O2 are aliases. fp64 "
+        "(Lightning's precision='64-true'): weights, activations and loss in float64, many times slower; for checking "
+        "that two computations agree where fp32 rounding, amplified over training steps, would blur them."
     )
     on_nonfinite: Literal["skip", "stop"] = Field(
         "stop",

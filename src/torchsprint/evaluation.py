@@ -145,6 +145,9 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
         materialize_lazy(model, loaders.val, plan)
         if channels_last_on(cfg.speed.channels_last, model):
             model = model.to(memory_format=torch.channels_last)
+    prec = Precision(cfg.precision.mode, rt.device)
+    if cfg.precision.mode == "fp64":  # float64 weights loaded into float64 parameters, not rounded to fp32
+        model = model.double()
     try:
         model.load_state_dict(load_file(str(wpath), device=str(rt.device)))
     except Exception as e:  # a truncated or corrupt file, or weights of another model
@@ -154,7 +157,9 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     metrics = task.make_metrics(info, cfg.eval, rt.device)
     with naming_imports(cfg.imports, run_dir):
         loss_fn = build_run_loss(cfg, task.targets, info).to(rt.device)
-    out = evaluate(wrap_tta(model, plan), loaders.val, loss_fn, Precision(cfg.precision.mode, rt.device), metrics)
+    if cfg.precision.mode == "fp64":
+        model = prec.prepare(model)  # batches cast to float64 on the way in, as in training
+    out = evaluate(wrap_tta(model, plan), loaders.val, loss_fn, prec, metrics)
     from torchsprint.checkpoint import read_safetensors_metadata
 
     meta = read_safetensors_metadata(wpath)  # which weights these are: the epoch and step they were saved at

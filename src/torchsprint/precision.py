@@ -7,6 +7,10 @@ Modes (apex levels as aliases in config_training.py: O0 = fp32, O1 = amp_fp16, O
   fp16      half weights (apex O2): the model runs in fp16 with BatchNorm kept in fp32, the optimizer
             updates fp32 master copies, the loss is scaled. CUDA only.
   bf16      like fp16 with bf16 weights and no scaling. CUDA and CPU.
+  fp64      everything float64 (Lightning's "64-true"): batches cast in, logits and loss stay float64.
+            For numerical checks: two computations that agree in exact arithmetic (DDP against one
+            process) differ in fp32 by rounding amplified over the steps, by 1e-6 to 1e-3 depending on
+            the CPU's kernels (tests/test_progressive.py); in fp64 by ~1e-15.
 
 Non-finite values (precision.on_nonfinite):
   skip  a step whose gradients hold inf/NaN is not applied (parameters and optimizer state untouched)
@@ -37,26 +41,28 @@ from torchsprint.errors import UsageError
 
 _AUTOCAST = {"amp_fp16": torch.float16, "amp_bf16": torch.bfloat16}
 _HALF_WEIGHTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_WIDE_WEIGHTS = {"fp64": torch.float64}
 _SCALED = ("amp_fp16", "fp16")  # fp16's 5-bit exponent underflows small gradients without loss scaling
 
 
 class HalfModel(nn.Module):
     """Runs `module` in half precision: floating inputs are cast to `dtype` on the way in and floating
-    outputs back to fp32 on the way out, so the loss is computed in fp32 (apex O2's casts).
+    outputs back to fp32 on the way out, so the loss is computed in fp32 (apex O2's casts). With
+    `out_dtype=None` the outputs keep the module's dtype (fp64: the loss in float64 too).
     """
 
     _torchsprint_wrapper = True  # parallel.unwrap looks through it; its `module.` prefix is stripped on save
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype):
+    def __init__(self, module: nn.Module, dtype: torch.dtype, out_dtype: torch.dtype | None = torch.float32):
         super().__init__()
-        self.module, self.dtype = module, dtype
+        self.module, self.dtype, self.out_dtype = module, dtype, out_dtype
 
     def forward(self, *args, **kwargs):
         def cast_in(t):
             return t.to(self.dtype) if torch.is_tensor(t) and t.is_floating_point() else t
 
         def cast_out(t):
-            return t.float() if torch.is_tensor(t) and t.is_floating_point() else t
+            return t.to(self.out_dtype) if torch.is_tensor(t) and t.is_floating_point() and self.out_dtype else t
 
         return tree_map(cast_out, self.module(*tree_map(cast_in, args), **tree_map(cast_in, kwargs)))
 
@@ -75,7 +81,7 @@ class Precision:
     """Numeric precision of one run.
 
     Args:
-        mode: fp32 | amp_fp16 | amp_bf16 | fp16 | bf16.
+        mode: fp32 | amp_fp16 | amp_bf16 | fp16 | bf16 | fp64.
         device: the training device.
         on_nonfinite: 'skip' (skip and count a step with non-finite gradients) or 'stop' (raise at the
             next check); see the module docstring for what each costs.
@@ -106,11 +112,14 @@ class Precision:
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Half-weight modes: fp32 master copies of the trainable weights, then the model in fp16/bf16
-        with BatchNorm in fp32, wrapped in HalfModel. Other modes: the model unchanged.
+        with BatchNorm in fp32, wrapped in HalfModel. fp64: the model in float64, wrapped to cast batches
+        in. Other modes: the model unchanged.
 
         Call before DDP wraps the model (DDP sizes its buckets by parameter dtype) and before the
         optimizer is built (its state is created in fp32 because steps run on the masters).
         """
+        if self.mode in _WIDE_WEIGHTS:  # no masters: the weights themselves are float64
+            return HalfModel(model.to(_WIDE_WEIGHTS[self.mode]), _WIDE_WEIGHTS[self.mode], out_dtype=None)
         if self.half is None:
             return model
         keep_fp32 = set()

@@ -23,7 +23,6 @@ def one(task: str, seed: int, data: Path, out: Path) -> dict:
     """Both precisions of one task and seed in this process: {precision: metric}."""
     sys.path.insert(0, str(ROOT / "tests"))
     import test_task_everything as t
-
     from torchsprint import config
     from torchsprint.run import train
 

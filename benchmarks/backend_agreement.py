@@ -51,7 +51,7 @@ def jpeg_overrides(args, backend: str, seed: int) -> list[str]:
             f"data.num_workers={args.workers}",
             f"data.train.transforms=[{{random_resized_crop: {args.crop}}}, hflip, {{normalize: imagenet}}]",
             f"data.eval.transforms=[{{resize: {resize}}}, {{center_crop: {args.crop}}}, {{normalize: imagenet}}]",
-            f"model.name={args.model}", f"run.epochs={args.epochs}", f"run.seed={seed}", *QUIET]
+            f"model.name={args.model}", f"optim.lr={args.lr}", f"run.epochs={args.epochs}", f"run.seed={seed}", *QUIET]
 
 
 def digits_overrides(args, backend: str, seed: int) -> list[str]:
@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=160, help="jpeg job: side of the generated JPEGs")
     ap.add_argument("--crop", type=int, default=112, help="jpeg job: training/eval crop (eval resizes to crop * 8/7 first)")
     ap.add_argument("--batch-size", type=int, default=64, help="jpeg job: training batch size")
+    ap.add_argument("--lr", type=float, default=0.1, help="jpeg job: optim.lr (SGD + Nesterov, cosine: the defaults)")
     ap.add_argument("--workers", type=int, default=0, help="jpeg job: data.num_workers")
     ap.add_argument("--root", default="/tmp/backend_agreement", help="jpeg job: where the JPEGs are generated (reused)")
     ap.add_argument("--json", default=None, help="write the per-run figures and the comparison here")
@@ -149,7 +150,9 @@ def main() -> None:
             f"{args.epochs} epochs" if args.job == "jpeg" else "the default run (digits, small_cnn, 10 epochs)")
     print_table(args.job, results, seeds, note)
     if args.json:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
         out = {"job": args.job, "note": note, "command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
+               "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                "torchvision": torchvision.__version__, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "runs": runs, "by_backend": {b: dict(zip(("mean", "std"), mean_std(xs)), top1=xs) for b, xs in results.items()},
                "comparison": compare(results)}

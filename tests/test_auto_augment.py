@@ -18,6 +18,17 @@ TA, RA = v2.TrivialAugmentWide(), v2.RandAugment()
 OPS = list(v2.TrivialAugmentWide._AUGMENTATION_SPACE)
 
 
+def assert_same_image(got: torch.Tensor, ref: torch.Tensor, what=None) -> None:
+    """Equal to torchvision up to its own kernel dependence: at most 1 grey level on at most 1% of the values.
+    torchvision's _blend (Color, Contrast, Sharpness: img.mul(r).add_(other, alpha=1 - r)) rounds once where ATen's
+    vectorized kernels fuse the multiply-add, twice under ATEN_CPU_CAPABILITY=default; the batched ops round once.
+    Measured on an AMD EPYC: AVX2 kernels 0 values differ; default kernels 1 level on 4-118 values of 17,280-61,440.
+    A wrong magnitude, sign or op moves most values by several levels."""
+    d = (got.int() - ref.int()).abs()
+    assert got.shape == ref.shape and int(d.max()) <= 1 and int((d > 0).sum()) <= 0.01 * d.numel(), \
+        (what, int(d.max()), int((d > 0).sum()))
+
+
 def images(shape, n=12, seed=0):
     return torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
@@ -25,8 +36,9 @@ def images(shape, n=12, seed=0):
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
 def test_every_batched_op_equals_torchvision_on_each_image(name, interpolation):
-    """Each sample its own magnitude (every 2nd bin, alternating signs): bit-identical to torchvision's
-    own op on that image, for a non-square RGB, a square RGB (rot90 fast paths) and a grey image."""
+    """Each sample its own magnitude (every 2nd bin, alternating signs): torchvision's own op on that image (bit-identical
+    under vectorized kernels; see assert_same_image), for a non-square RGB, a square RGB (rot90 fast paths) and a grey
+    image."""
     for shape in [(3, 20, 24), (3, 16, 16), (1, 12, 15)]:
         x = images(shape)
         for t in (TA, RA):
@@ -36,7 +48,7 @@ def test_every_batched_op_equals_torchvision_on_each_image(name, interpolation):
             got = apply_aug_op(x, name, mags, interpolation)
             ref = torch.stack([t._apply_image_or_video_transform(x[i], name, mags[i], interpolation=v2.InterpolationMode(interpolation),
                                                                  fill=t._fill) for i in range(12)])
-            assert torch.equal(got, ref), (shape, type(t).__name__)
+            assert_same_image(got, ref, (shape, type(t).__name__))
 
 
 @pytest.mark.parametrize("step, ref", [
@@ -80,7 +92,7 @@ def test_batched_pipeline_gives_each_sample_its_own_op(step, t, num_ops, magnitu
     x = images((3, 16, 20), n=64)
     seeds = sample_seeds(3, 1, torch.arange(64))
     got = p(x, seeds)
-    assert torch.equal(got, reference_per_sample(x, uniforms(seeds, p.k), t, num_ops, magnitude))
+    assert_same_image(got, reference_per_sample(x, uniforms(seeds, p.k), t, num_ops, magnitude))
     assert torch.equal(p(x[10:20], seeds[10:20]), got[10:20])  # a sample does not depend on its batch
 
 

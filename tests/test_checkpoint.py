@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -194,7 +195,11 @@ for name in ("best", "last"):
     torch.save(m(x).detach(), r"{tmp_path}/" + name + "-logits.pt")
 assert "torchsprint" not in sys.modules
 """
-    subprocess.run([sys.executable, "-c", script], check=True, cwd="/", env={"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"})
+    # The same kernels in both processes (ATEN_CPU_CAPABILITY passed on): under other kernels the logits differ in
+    # the last bits (the default kernels against AVX2: not equal), which would say nothing about the weights.
+    kernels = {k: v for k, v in os.environ.items() if k == "ATEN_CPU_CAPABILITY"}
+    subprocess.run([sys.executable, "-c", script], check=True, cwd="/",
+                   env={"PATH": "/usr/bin", "OMP_NUM_THREADS": "1", **kernels})
     from torchsprint.models.nets import small_cnn
 
     torch.manual_seed(0)

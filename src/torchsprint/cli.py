@@ -229,7 +229,7 @@ def cmd_train(args) -> int:
         cfg = resumed_run_config(args.resume, overrides, args.imports)
     else:
         cfg = config.load(path, overrides, imports=args.imports)
-    summary = train(cfg, overwrite=args.overwrite, dry_run=args.dry_run)
+    summary = train(cfg, overwrite=args.overwrite, dry_run=args.dry_run, hold_signals=True)  # this process exits next
     if summary.get("stopped") == "signal":  # preempted, checkpoint saved: "retry later" (preempt.EXIT_PREEMPTED)
         from torchsprint.preempt import EXIT_PREEMPTED
 

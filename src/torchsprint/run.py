@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import socket
-import subprocess
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -29,7 +25,7 @@ from torchsprint.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BACKENDS
     materialize_lazy,
     not_deterministic,
 )
-from torchsprint.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
+from torchsprint.rundir import claim_run_dir, environment, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
 from torchsprint.saved_config import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
 from torchsprint.swa import NoSwa
 from torchsprint.tta import plan_tta, with_loading_spec
@@ -49,32 +45,6 @@ def on_main(rt, fn):
     if error is not None:
         raise UsageError(error)
     return result
-
-
-def environment(rt, seed: int) -> dict:
-    """Versions, git revision, device, seed: what it takes to reproduce a run (written before step 0)."""
-    import torchvision
-
-    from torchsprint.version import __version__
-
-    def git_rev():
-        try:
-            here = Path(__file__).resolve().parent
-            out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=5)
-            return (out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")) if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    dev = str(rt.device)
-    if rt.device.type == "cuda":
-        dev += f" ({torch.cuda.get_device_name(rt.device)})"
-    return {
-        "torchsprint": __version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
-        "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
-        "cpu_threads": torch.get_num_threads(), "device": dev, "world_size": rt.world_size, "seed": seed,
-        "git_revision": git_rev(), "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
 
 
 @dataclass
@@ -266,7 +236,7 @@ def backend_at_start(cfg, ckpt, resume_path) -> str | None:
     return backend if isinstance(backend, str) else None
 
 
-def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:
+def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False, hold_signals: bool = False) -> dict:
     """Train one run described by `cfg` and return its summary (also written to summary.json).
 
     Args:
@@ -275,12 +245,14 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         overwrite: run.dir holds another run: move its files into replaced-<time>/ and start over there.
         dry_run: build and check everything (config, data, model, optimizer), report, and stop before
             creating or changing any file.
+        hold_signals: after a stop signal paused the run, keep ignoring the stop signals (preempt.Stopper's
+            `hold`): for the CLI, whose process exits 75 next.
     Everything that can be validated (names, data, model, transforms) is built before the run folder
     is created; a finished run asked to resume says so and leaves its files alone.
     """
     from torchsprint import runtime
     from torchsprint.logging import RunLogger, check_sinks
-    from torchsprint.preempt import Stopper, check_requeue, requeue
+    from torchsprint.preempt import Stopper, check_requeue, requeue, stop_launcher
     from torchsprint.resume import find_resume
     from torchsprint.rundir import RunLock, create_unique, make_folder
     from torchsprint.tasks import get_task
@@ -324,13 +296,14 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
                           ckpt["train_state"]["global_step"])
         state, saver, weights_meta = resume_and_saver(cfg, rt, b, run_dir, ckpt, resume_path, logger)
         # Stop signals are handled (a flag, no exception) from the first step until the run's files are written.
-        stop = Stopper(cfg.run, state.global_step, t0)
+        stop = Stopper(cfg.run, state.global_step, t0, hold=hold_signals)
         with stop:
             summary = fit_explained(cfg, rt, b, state, run_dir=run_dir, task=task, logger=logger, saver=saver, stop=stop,
                                     weights_meta=weights_meta)
         logger.close(finished=not summary["paused"])
         if summary["stopped"] == "signal" and cfg.run.requeue and rt.is_main:  # last: SLURM ends this job at once
             summary["requeued"] = requeue(os.environ["SLURM_JOB_ID"], logger.info)
+        stop_launcher(stop, rt)  # torchrun's agent would restart a paused group (--max-restarts)
         clean = True
         return summary
     finally:

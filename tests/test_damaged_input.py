@@ -272,3 +272,40 @@ def test_memory_budget_holds_the_cgroup_limit(tmp_path):
         assert r.stdout.strip() == f"268435456|25% of the 1.0 GiB memory limit of this process's cgroup ({group / limit_file})"
     finally:
         group.rmdir()
+
+
+# ---------------------------------------------------------------- model file metadata
+
+
+def damage_metadata(src: Path, dest: Path, key: str) -> Path:
+    """A copy of a .safetensors weights file whose metadata entry `key` is cut off mid-JSON (weights intact)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        meta = f.metadata()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    save_file(load_file(str(src)), str(dest), metadata=meta | {key: meta[key][: len(meta[key]) // 2]})
+    return dest
+
+
+@pytest.mark.parametrize("key", ["classes", "config"])
+def test_model_file_metadata_that_is_not_json_is_one_line_everywhere(trained_run, tmp_path, capsys, key):
+    """A .safetensors file whose `classes` or `config` metadata is cut off mid-JSON: predict, export, average and a
+    distillation teacher each end in one line naming the file and the key. Each read it with its own json.loads
+    and ended in a JSONDecodeError traceback."""
+    from PIL import Image
+
+    bad = damage_metadata(trained_run / "best.safetensors", tmp_path / "bad.safetensors", key)
+    Image.new("L", (8, 8), 128).save(tmp_path / "x.png")
+    where = f"{bad}: its metadata entry '{key}' is not valid JSON"
+    fails_cleanly(capsys, ["predict", "-r", str(bad), str(tmp_path / "x.png")], where)
+    fails_cleanly(capsys, ["train", *FAST, f"run.dir={tmp_path / 'student'}", f"distill.teacher.weights={bad}"],
+                  "distill.teacher: " + where)
+    if key == "classes":  # export and average read a run's weights file for its classes (the config is config.yaml)
+        fails_cleanly(capsys, ["export", "-r", str(trained_run), "--weights", str(bad), "--format", "safetensors",
+                               "--out", str(tmp_path / "out.safetensors")], where)
+        run = copy_run(trained_run, tmp_path)
+        damage_metadata(trained_run / "last.safetensors", run / "last.safetensors", key)
+        fails_cleanly(capsys, ["average", str(trained_run), str(run), "-o", str(tmp_path / "avg.safetensors")],
+                      f"{run / 'last.safetensors'}: its metadata entry 'classes' is not valid JSON")

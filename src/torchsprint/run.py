@@ -85,6 +85,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.parallel import decide_cuda_graphs, unwrap, wrap_model
     from torchsprint.plan import build_plan, decide_input_format, decide_speed
     from torchsprint.precision import Precision
+    from torchsprint.resume import check_resumed_classes
     from torchsprint.swa import build_swa
     from torchsprint.tasks import get_task
 
@@ -107,6 +108,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                             keep_backend=backend_at_start(cfg, ckpt, resume_path))
     batch.splits = None  # the run's loaders hold the data set now
     info = loaders.info
+    check_resumed_classes(ckpt, resume_path, info.classes)  # before the model: it would not load, blaming the file
     teacher, distill = check_data_and_teacher(cfg, rt, task, info, prec, distilling, log)
     check_same_teacher(distill, ckpt, resume_path)  # a resumed run learns from the teacher it began with
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)

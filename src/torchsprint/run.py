@@ -294,8 +294,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             if rt.is_main:
                 lock = RunLock(run_dir)
         rt.barrier()
-        write_run_records(cfg, rt, b, run_dir, logger, resumed_step=None if ckpt is None else
-                          ckpt["train_state"]["global_step"])
+        write_run_records(cfg, rt, b, run_dir, logger, ckpt)
         state, saver, weights_meta = resume_and_saver(cfg, rt, b, run_dir, ckpt, resume_path, logger)
         # Stop signals are handled (a flag, no exception) from the first step until the run's files are written.
         stop = Stopper(cfg.run, state.global_step, t0, hold=hold_signals)
@@ -333,12 +332,15 @@ def finished_summary(ckpt: dict, cfg, run_dir: Path, logger) -> dict:
     return summary | {"run_dir": str(run_dir), "already_finished": True}
 
 
-def write_run_records(cfg, rt, b: Built, run_dir: Path, logger, resumed_step: int | None) -> None:
-    """Before step 0: the log files, config.yaml, env.json, and decisions.json with the start-up summary, both
-    written from the plan the run trains with (they cannot disagree with it)."""
+def write_run_records(cfg, rt, b: Built, run_dir: Path, logger, ckpt: dict | None) -> None:
+    """Before step 0: the log files (cut back to what `ckpt`, the checkpoint resumed from, covers), config.yaml,
+    env.json, and decisions.json with the start-up summary, both written from the plan the run trains with (they
+    cannot disagree with it)."""
     from torchsprint.plan import decisions, describe_decisions
 
-    logger.open_files(run_dir, params=config_mod.to_dict(cfg), out_dir=cfg.run.out_dir, resumed_step=resumed_step)
+    logger.open_files(run_dir, params=config_mod.to_dict(cfg), out_dir=cfg.run.out_dir,
+                      resumed_step=None if ckpt is None else ckpt["train_state"]["global_step"],
+                      resumed_counts=None if ckpt is None else ckpt.get("log_records"))
     if rt.is_main:
         (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
         (run_dir / "env.json").write_text(json.dumps(environment(rt, cfg.run.seed), indent=1))

@@ -4,6 +4,7 @@ the outputs: bench.json, bench.csv, bench.md, bench.png and the table on the ter
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import statistics
@@ -67,13 +68,17 @@ def markdown_table(rows: list[dict], meta: dict) -> list[str]:
 
 def write_outputs(rows: list[dict], out: Path, meta: dict) -> None:
     """bench.json (everything), bench.csv, bench.md and bench.png (speedup over the baseline)."""
-    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    with open(out / "bench.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
-    (out / "bench.md").write_text("\n".join(markdown_table(rows, meta)) + "\n")
+    from torchsprint.logging import replace_file
+    from torchsprint.plots import save
+
+    replace_file(out / "bench.json", json.dumps({"meta": meta, "rows": rows}, indent=1))  # each whole or not at all
+    f = io.StringIO(newline="")
+    w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow(r)
+    replace_file(out / "bench.csv", f.getvalue())
+    replace_file(out / "bench.md", "\n".join(markdown_table(rows, meta)) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,8 +96,7 @@ def write_outputs(rows: list[dict], out: Path, meta: dict) -> None:
     fig.text(0.01, 0.005, f"{meta['device']}, torch {meta['torch']}, {meta['date']}; config: {meta['config']}",
              fontsize=7, color="0.35", ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(out / "bench.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "bench.png", dpi=110)
 
 
 def print_table(rows: list[dict], meta: dict | None = None) -> None:

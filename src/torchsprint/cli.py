@@ -413,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"error: {one_line(e)}", file=sys.stderr)
             return 2
+        from torchsprint.errors import disk_full
+
+        if disk_full(e) and not args.debug:  # any command's write that found no room (train says more: run.train)
+            print(f"error: {disk_full(e)}. Free space there and run the command again.", file=sys.stderr)
+            return 2
         if not args.debug and "LOCAL_RANK" in os.environ:  # a DDP worker whose peer died or hung: say so in one line
             from torchsprint.runtime import lost_peer
 

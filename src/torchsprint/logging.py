@@ -40,15 +40,21 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def replace_file(path: Path, data: bytes) -> None:
-    """Write `data` to a temp file beside `path`, fsync, rename over it: a crash leaves the old or the new file."""
+def replace_file(path: Path, data: bytes | str) -> None:
+    """Write `data` to a temp file beside `path`, fsync, rename over it: a crash or a full disk leaves the old file
+    or the new one, never a cut or empty one (a confusion matrix PNG was left at 0 bytes). A failed write is
+    re-raised as an OSError naming `path` (a write's own error names no file)."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -166,8 +172,11 @@ class CsvSink:
         rows.append(row)
         path = self.dir / f"metrics_{kind}.csv"
         if header and set(row) <= set(header):
-            with open(path, "a", newline="") as f:
-                csv.DictWriter(f, header).writerow(row)
+            try:  # a row cut by a full disk is dropped by the resume (see __init__)
+                with open(path, "a", newline="") as f:
+                    csv.DictWriter(f, header).writerow(row)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, str(path)) from e
             return
         self._rewrite(path, rows)
 
@@ -216,7 +225,7 @@ class MlflowSink:
             items = [Param(k, v[:6000]) for k, v in params.items()]
             for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per call
                 self.client.log_batch(self.run_id, params=items[i : i + 100])
-            state.write_text(json.dumps({"uri": uri, "run_id": self.run_id, "experiment": experiment}))
+            replace_file(state, json.dumps({"uri": uri, "run_id": self.run_id, "experiment": experiment}))
         self.client.update_run(self.run_id, status="RUNNING")
 
     def scalars(self, step: int, values: dict[str, Any], kind: str, now: float | None = None) -> None:
@@ -240,7 +249,7 @@ class WandbSink:
 
         state = Path(run_dir) / "wandb.json"
         run_id = json.loads(state.read_text())["id"] if state.is_file() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
-        state.write_text(json.dumps({"id": run_id, "project": project}))
+        replace_file(state, json.dumps({"id": run_id, "project": project}))
         self.run = wandb.init(project=project, name=Path(run_dir).name, id=run_id, resume="allow", dir=str(run_dir),
                               mode=mode, config=params, reinit="create_new")
         self.pending: dict[str, Any] = {}
@@ -350,7 +359,10 @@ class RunLogger:
             return
         now = round(time.time(), 3)  # one timestamp for every sink: the CSV row equals the jsonl record
         if self.jsonl:
-            self.jsonl.write(json.dumps({"kind": kind, "step": step, "time": now, **values}) + "\n")
+            try:  # line-buffered: the line reaches the file here, or its OSError (a full disk) names the file
+                self.jsonl.write(json.dumps({"kind": kind, "step": step, "time": now, **values}) + "\n")
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, self.jsonl.name) from e
             self.counts[kind] = self.counts.get(kind, 0) + 1
         if self.tb:
             for k, v in numeric(values).items():
@@ -410,7 +422,10 @@ class RunLogger:
         """Flush and close everything; `finished`: the run ended normally (MLflow/W&B mark it so)."""
         self.end_epoch()
         if self.jsonl:
-            self.jsonl.close()
+            try:
+                self.jsonl.close()
+            except OSError:  # the rest of a line a full disk refused: the write that failed has raised already
+                pass
             self.jsonl = None
         if self.tb:
             self.tb.close()

@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 from torchsprint.errors import UsageError
+from torchsprint.logging import replace_file
+from torchsprint.plots import save
 
 BETA = 0.98  # smoothing of the loss (fastai Recorder / Lightning _LRCallback: beta=0.98)
 DIVERGE = 4.0  # stop when the smoothed loss exceeds this multiple of the best (fastai stop_div, Lightning diverge_th)
@@ -145,8 +147,7 @@ def plot(result: dict, path: Path) -> None:
     ax.legend()
     ax.set_title("learning-rate range test")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, out: str | Path | None = None,
@@ -186,7 +187,7 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
                "model": cfg.model.name, "dataset": cfg.data.dataset}
     result["files"] = {"json": str(out / "lr_find.json"), "plot": str(out / "lr_find.png")}
     plot(result, out / "lr_find.png")
-    (out / "lr_find.json").write_text(json.dumps(result, indent=1))
+    replace_file(out / "lr_find.json", json.dumps(result, indent=1))
     log(f"lr-find: {result['stopped']}; suggested learning rate {result['suggestion']:.3g} (rule: {RULE})")
     log(f"lr-find: plot {out / 'lr_find.png'}, data {out / 'lr_find.json'}; train with optim.lr={result['suggestion']:.3g}")
     return result

@@ -23,15 +23,17 @@ def _plt():
 
 
 def save(fig, path: Path | None, dpi: int = 100) -> bytes:
-    """Write the figure to `path` (if given) and return its PNG bytes; closes it."""
+    """Write the figure to `path` (if given, atomically) and return its PNG bytes; closes it."""
     plt = _plt()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
     data = buf.getvalue()
     if path is not None:
+        from torchsprint.logging import replace_file
+
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_bytes(data)
+        replace_file(Path(path), data)  # whole or not at all: a full disk left a 0-byte PNG
     return data
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from torchsprint.checkpoint import CKPT_RE, TrainState, load_checkpoint, parse_checkpoint_name
 from torchsprint.collectives import broadcast_object
-from torchsprint.errors import UsageError
+from torchsprint.errors import UsageError, disk_full
 from torchsprint.rng import set_rng_state
 
 
@@ -159,3 +159,17 @@ def check_resumed_classes(ckpt: dict | None, resume_path, classes) -> None:
     check_same_classes(ckpt.get("classes"), classes, resume_path, "to resume, restore the data's class folders as they "
                        "were; to train on the classes as they are now, start a new run (model.pretrained="
                        f"{run}/best.safetensors starts it from these weights, with a new head).")
+
+
+def disk_full_error(error: BaseException, run_dir: Path | None) -> UsageError | None:
+    """One line for a run whose write found no room (a full disk, a quota, ulimit -f): which file, and that its newest
+    checkpoint is intact (checkpoints are written atomically: a full disk leaves the old ones as they were) with the
+    command that continues from it; None for any other error."""
+    line = disk_full(error, where=f"into {run_dir}" if run_dir else None)
+    if line is None:
+        return None
+    newest = find_checkpoints(run_dir)[:1] if run_dir else []
+    if newest:
+        return UsageError(f"{line}; the last checkpoint, {newest[0]}, is intact: free space, then continue with "
+                          f"`torchsprint train --resume {run_dir}`.")
+    return UsageError(f"{line}; no checkpoint was saved yet: free space and start the run again.")

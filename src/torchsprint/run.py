@@ -25,6 +25,7 @@ from torchsprint.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BACKENDS
     materialize_lazy,
     not_deterministic,
 )
+from torchsprint.logging import replace_file
 from torchsprint.rundir import claim_run_dir, environment, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
 from torchsprint.saved_config import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
 from torchsprint.swa import NoSwa
@@ -255,7 +256,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
     from torchsprint import runtime
     from torchsprint.logging import RunLogger, check_sinks
     from torchsprint.preempt import Stopper, check_requeue, requeue, stop_launcher
-    from torchsprint.resume import find_resume
+    from torchsprint.resume import disk_full_error, find_resume
     from torchsprint.rundir import RunLock, create_unique, make_folder
     from torchsprint.tasks import get_task
 
@@ -265,7 +266,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
     check_sinks(cfg.log)
     check_requeue(cfg.run, cfg.checkpoint.resume)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
-    lock, clean, logger = None, False, None
+    lock, clean, logger, run_dir = None, False, None, None
     try:
         logger = RunLogger(None, cfg.log, enabled=rt.is_main, console=not quiet)
         held = {}  # the lock stays in rank 0's process; only the decision is shared
@@ -307,6 +308,11 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         stop_launcher(stop, rt)  # torchrun's agent would restart a paused group (--max-restarts)
         clean = True
         return summary
+    except OSError as e:  # a full disk anywhere (metrics.jsonl, the plots, summary.json): one line, the checkpoint kept
+        full = disk_full_error(e, run_dir)
+        if full is None:
+            raise
+        raise full from e
     finally:
         if logger is not None:
             logger.close(finished=False)  # an error: MLflow/W&B mark the run failed (a no-op after a normal close)
@@ -342,14 +348,14 @@ def write_run_records(cfg, rt, b: Built, run_dir: Path, logger, ckpt: dict | Non
                       resumed_step=None if ckpt is None else ckpt["train_state"]["global_step"],
                       resumed_counts=None if ckpt is None else ckpt.get("log_records"))
     if rt.is_main:
-        (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
-        (run_dir / "env.json").write_text(json.dumps(environment(rt, cfg.run.seed), indent=1))
+        replace_file(run_dir / "config.yaml", config_mod.dump_yaml(cfg))  # each file whole or not at all (a full disk)
+        replace_file(run_dir / "env.json", json.dumps(environment(rt, cfg.run.seed), indent=1))
     logger.info(f"run folder: {run_dir}  device: {rt.device}  world size: {rt.world_size}")
     decided = decisions(b.plan, b.loaders.info.facts)
     for line in describe_decisions(decided):
         logger.info(line)
     if rt.is_main:
-        (run_dir / "decisions.json").write_text(json.dumps(decided, indent=1))
+        replace_file(run_dir / "decisions.json", json.dumps(decided, indent=1))
     if b.swa.enabled:
         from torchsprint.swa import describe
 
@@ -410,7 +416,7 @@ def finish_summary(cfg, rt, b: Built, run_dir: Path, task, logger, summary: dict
     summary["run_dir"] = str(run_dir)
     summary["init"] = b.init
     if rt.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        replace_file(run_dir / "summary.json", json.dumps(summary, indent=1))
         rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary["final"].items()]
         rows += [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary.get("test", {}).items()]
         rows += [("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary['best_epoch']})"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from torchsprint.errors import UsageError
 from torchsprint.logging import replace_file
-from torchsprint.plots import save
+from torchsprint.plots import fit_text, save
 
 BETA = 0.98  # smoothing of the loss (fastai Recorder / Lightning _LRCallback: beta=0.98)
 DIVERGE = 4.0  # stop when the smoothed loss exceeds this multiple of the best (fastai stop_div, Lightning diverge_th)
@@ -128,6 +128,11 @@ def sweep(b, cfg, steps: int, start: float, end: float) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
+    """lr_find.png: plot_figure written to `path`."""
+    save(plot_figure(result), path)
+
+
+def plot_figure(result: dict):
     """log-x learning rate against smoothed loss, the suggestion marked."""
     import matplotlib
 
@@ -146,8 +151,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylim(top=top * 1.1 if top > 0 else None)  # the divergence spike would flatten the curve
     ax.legend()
     ax.set_title("learning-rate range test")
-    fig.tight_layout()
-    save(fig, path)
+    fit_text(fig)
+    return fig
 
 
 def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, out: str | Path | None = None,

@@ -343,3 +343,119 @@ def test_two_ranks_rank0_writes_all_wait_and_a_failed_save_stops_every_rank(tmp_
     assert r0["rng_ok"] and r1["rng_ok"] and r0["n_rng"] == 2  # each rank got its own stream back
     assert "No space left on device" in r0["error"] and r0["error"] == r1["error"]  # no rank left waiting
     assert [p.name for p in find_checkpoints(run_dir)] == ["ckpt-e001-s0000001.pt"]
+
+
+# ---------------------------------------------------------------- no room outside the checkpoint write
+
+ROOMY = ["model.name=linear", "log.tensorboard=false", "log.progress=false", "checkpoint.keep_last=2"]
+
+
+def assert_whole_and_once(run_dir: Path) -> None:
+    """Every file of the run folder is whole (each PNG decodes, each JSON parses, no temp file is left), and each
+    (kind, step) record is in metrics.jsonl once."""
+    from collections import Counter
+
+    from PIL import Image
+
+    for p in run_dir.rglob("*"):
+        assert ".tmp-" not in p.name, p
+        if p.suffix == ".png":
+            with Image.open(p) as im:
+                im.load()
+        elif p.suffix == ".json":
+            json.loads(p.read_text())
+    rows = Counter((r["kind"], r["step"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()))
+    assert [k for k, n in rows.items() if n > 1] == []
+
+
+def run_with_file_size_limit(tmp_path: Path, overrides: list[str], limit: int) -> subprocess.CompletedProcess:
+    """`torchsprint train` in a child process under RLIMIT_FSIZE (`ulimit -f`, bytes) with SIGXFSZ ignored, so a write
+    past the limit fails with EFBIG as a full disk's fails with ENOSPC (a real limit of the kernel's; mounting a full
+    filesystem needs root, see the tmpfs test below)."""
+    import resource
+    import signal
+
+    def limit_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited through exec: EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run([sys.executable, "-m", "torchsprint", "train", *overrides], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, preexec_fn=limit_files)
+
+
+@pytest.mark.parametrize("fills, extra", [
+    # a linear model's checkpoint is ~27 KB, under the 32 KiB limit; the confusion matrix PNG (~36 KB) is over it
+    ("confusion_matrix.png", ["run.epochs=1", "checkpoint.every_steps=5"]),
+    # 101 steps per epoch, a record of ~220 bytes each: metrics.jsonl passes 32 KiB in epoch 2
+    ("metrics.jsonl", ["run.epochs=2", "eval.per_class=false", "data.batch_size=16", "log.every_steps=1",
+                       "checkpoint.every_steps=20"]),
+], ids=["confusion-png", "metrics-jsonl"])
+def test_no_room_outside_the_checkpoint_write_is_one_line_and_resume_finishes(tmp_path, capsys, fills, extra):
+    """A write that finds no room outside the checkpoint's own (the confusion matrix PNG, metrics.jsonl): one line
+    naming the file and the intact last checkpoint, exit 2, no cut or empty file besides the appended log's last
+    line; `--resume` then finishes with every file whole and each record once. It was a traceback (OSError: File
+    too large), the PNG was left cut (0 bytes on a full disk), and the resume read what was cut."""
+    run_dir = tmp_path / "run"
+    first = run_with_file_size_limit(tmp_path, [*ROOMY, *extra, f"run.dir={run_dir}"], 32 * 1024)
+    assert first.returncode == 2 and "Traceback" not in first.stderr, first.stderr[-3000:]
+    (line,) = [ln for ln in first.stderr.splitlines() if ln.startswith("error:")]
+    newest = find_checkpoints(run_dir)[0]
+    assert line == (f"error: a file reached the file size limit (ulimit -f) (File too large): writing {run_dir / fills} "
+                    f"failed; the last checkpoint, {newest}, is intact: free space, then continue with `torchsprint "
+                    f"train --resume {run_dir}`."), line
+    if fills.endswith(".png"):
+        assert not (run_dir / fills).exists()  # whole or not at all
+    assert cli.main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["stopped"] == "completed"
+    assert (run_dir / "confusion_matrix.png").is_file() == fills.endswith(".png")
+    assert_whole_and_once(run_dir)
+
+
+def test_a_real_full_disk_mid_run_is_one_line_and_resume_finishes(tmp_path, capsys):
+    """A real full filesystem: a 4 MiB tmpfs (mounting one needs root; skipped elsewhere, where the file size limit
+    test above stands in), filled by this test once the run's first checkpoint is on it. The run's next write (a
+    metrics record) fails with ENOSPC: one line, "the disk is full", the file, the intact last checkpoint; after the
+    filler is deleted `--resume` finishes with every file whole and each record once."""
+    import errno as errno_mod
+    import time
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()[:120]}): needs root")
+    try:
+        run_dir = disk / "run"
+        proc = subprocess.Popen([sys.executable, "-m", "torchsprint", "train", *ROOMY, "run.epochs=2", "eval.per_class=false",
+                                 "data.batch_size=16", "log.every_steps=1", "checkpoint.every_steps=50", f"run.dir={run_dir}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        status = run_dir / "checkpoints" / "status.json"
+
+        def saved() -> bool:  # the first save done, status.json included (its own write would fail otherwise)
+            try:
+                return json.loads(status.read_text()).get("latest") is not None
+            except (OSError, ValueError):
+                return False
+
+        deadline = time.monotonic() + 120
+        while not saved() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with open(disk / "filler", "wb") as f:  # every page left, while the run trains on
+            with pytest.raises(OSError) as full:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        assert full.value.errno == errno_mod.ENOSPC
+        err = proc.communicate(timeout=120)[1]
+        assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
+        (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        newest = find_checkpoints(run_dir)[0]
+        assert line.startswith(f"error: the disk is full (No space left on device): writing {run_dir}/"), line
+        assert line.endswith(f"failed; the last checkpoint, {newest}, is intact: free space, then continue with "
+                             f"`torchsprint train --resume {run_dir}`."), line
+        (disk / "filler").unlink()
+        assert cli.main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err[-2000:]
+        assert json.loads((run_dir / "summary.json").read_text())["stopped"] == "completed"
+        assert_whole_and_once(run_dir)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,3 +214,98 @@ def test_memory_backend_stops_decoding_at_the_budget(tmp_path, capsys):
                                   "data.memory_budget_gib=0.0001", f"run.dir={tmp_path / 'r'}"],
                          "over the 104.9 KiB it may use", "data.backend=cpu")
     assert "images" in line and "sizes" not in line
+
+
+def test_memory_backend_budget_holds_the_address_space_limit(tmp_path):
+    """A process under `ulimit -v` (RLIMIT_AS, set here in a real child process to what it has mapped after its
+    imports + 128 MiB) asks the memory backend to hold 144 MiB of decoded images: refused before decoding, in one
+    line naming the limit. The budget was 25% of the machine's RAM alone, so the check passed and decoding died
+    with "DefaultCPUAllocator: can't allocate memory" (a MemoryError) and a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    for split in ("train", "val"):  # 48 one-colour 1024x1024 JPEGs: small files, 3 MiB each decoded
+        for c in ("a", "b"):
+            (tmp_path / "imgs" / split / c).mkdir(parents=True)
+            for i in range(12):
+                Image.new("RGB", (1024, 1024), (20 * i, 200 if c == "a" else 10, 50)).save(tmp_path / "imgs" / split / c / f"{i}.jpg")
+    child = ("import resource, sys\n"
+             "from torchsprint import cli, data, run  # noqa: F401  (mapped before the limit, as a shell's ulimit would)\n"
+             "import torchvision.transforms.v2  # noqa: F401\n"
+             "mapped = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
+             "resource.setrlimit(resource.RLIMIT_AS, (mapped + 128 * 2**20, resource.RLIM_INFINITY))\n"
+             "sys.exit(cli.main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", child, "train", *FAST, "data.backend=memory", "data.dataset=image_folder",
+                        f"data.root={tmp_path / 'imgs'}", f"run.dir={tmp_path / 'r'}"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert "the decoded dataset would take about 144.0 MiB, over the" in line, line
+    assert "this process may still map under its address-space limit" in line and "(ulimit -v)" in line, line
+
+
+def test_memory_budget_holds_the_cgroup_limit(tmp_path):
+    """A real memory cgroup (v2 memory.max or v1 memory.limit_in_bytes; creating one needs root, else skipped) of
+    1 GiB, a child process inside it: its memory backend budget is 25% of that 1 GiB, not of the machine's RAM (a
+    container's limit is the one its OOM killer enforces)."""
+    import os
+    import subprocess
+    import sys
+
+    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
+    group, limit_file = (v2 / f"ts-test-{os.getpid()}", "memory.max") if (v2 / "cgroup.controllers").is_file() and \
+        "memory" in (v2 / "cgroup.subtree_control").read_text() else (v1 / f"ts-test-{os.getpid()}", "memory.limit_in_bytes")
+    try:
+        group.mkdir()
+        (group / limit_file).write_text(str(2**30))
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup here ({e.strerror}): needs root and a memory controller")
+    try:
+        code = ("import torch\nfrom torchsprint.data.core import memory_budget\n"
+                "print(*memory_budget(torch.device('cpu')), sep='|')")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == f"268435456|25% of the 1.0 GiB memory limit of this process's cgroup ({group / limit_file})"
+    finally:
+        group.rmdir()
+
+
+# ---------------------------------------------------------------- model file metadata
+
+
+def damage_metadata(src: Path, dest: Path, key: str) -> Path:
+    """A copy of a .safetensors weights file whose metadata entry `key` is cut off mid-JSON (weights intact)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        meta = f.metadata()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    save_file(load_file(str(src)), str(dest), metadata=meta | {key: meta[key][: len(meta[key]) // 2]})
+    return dest
+
+
+@pytest.mark.parametrize("key", ["classes", "config"])
+def test_model_file_metadata_that_is_not_json_is_one_line_everywhere(trained_run, tmp_path, capsys, key):
+    """A .safetensors file whose `classes` or `config` metadata is cut off mid-JSON: predict, export, average and a
+    distillation teacher each end in one line naming the file and the key. Each read it with its own json.loads
+    and ended in a JSONDecodeError traceback."""
+    from PIL import Image
+
+    bad = damage_metadata(trained_run / "best.safetensors", tmp_path / "bad.safetensors", key)
+    Image.new("L", (8, 8), 128).save(tmp_path / "x.png")
+    where = f"{bad}: its metadata entry '{key}' is not valid JSON"
+    fails_cleanly(capsys, ["predict", "-r", str(bad), str(tmp_path / "x.png")], where)
+    fails_cleanly(capsys, ["train", *FAST, f"run.dir={tmp_path / 'student'}", f"distill.teacher.weights={bad}"],
+                  "distill.teacher: " + where)
+    if key == "classes":  # export and average read a run's weights file for its classes (the config is config.yaml)
+        fails_cleanly(capsys, ["export", "-r", str(trained_run), "--weights", str(bad), "--format", "safetensors",
+                               "--out", str(tmp_path / "out.safetensors")], where)
+        run = copy_run(trained_run, tmp_path)
+        damage_metadata(trained_run / "last.safetensors", run / "last.safetensors", key)
+        fails_cleanly(capsys, ["average", str(trained_run), str(run), "-o", str(tmp_path / "avg.safetensors")],
+                      f"{run / 'last.safetensors'}: its metadata entry 'classes' is not valid JSON")

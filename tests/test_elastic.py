@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,9 +61,31 @@ def test_sigkilled_rank_restarts_and_ends_with_the_uninterrupted_weights(tmp_pat
     print(f"repeated steps (logged by both attempts): {repeated}")
     assert set(steps) == set(range(1, 13)) and set(repeated) <= {5, 6}  # at most the 2 steps after checkpoint 4
     assert steps_logged(tmp_path / "plain") == list(range(1, 13))
-    # Without --max-restarts the same loss ends the run, naming the rank and the signal.
+    # Without --max-restarts the same loss ends the run, naming the rank, the signal and its likely cause with the
+    # launch's memory figures (it said only "rank 1 failed (signal 9)", where 64 workers had run a machine out of memory)
     lost = train(tmp_path, "lost", env={"TORCHSPRINT_TEST_KILL_AT": "1:2"})
     assert lost.returncode == 128 + signal.SIGKILL and "rank 1 failed (signal 9)" in lost.stderr
+    oom = re.search(r"most likely the kernel's out-of-memory killer \(2 workers x at least ~\d+ MiB = [\d.]+ GiB, with "
+                    r"[\d.]+ GiB (available|left under the cgroup's memory limit)", lost.stderr)
+    assert oom, lost.stderr[-2000:]
+
+
+def test_more_workers_than_the_memory_holds_are_refused_before_one_starts(tmp_path, cli_in_process):
+    """--nproc-per-node N where N workers of 100 MiB would pass the memory available now (MemAvailable; a process
+    that has imported torch takes several times 100 MiB): exit 2 with one line holding the estimate, and no worker
+    started, nor the run folder made. The launcher used to start them all, the machine ran out of memory, and the
+    one line said "rank 57 failed (signal 9)"."""
+    available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                     if line.startswith("MemAvailable:"))
+    nproc = available // (100 * 2**20) + 1
+    t0 = time.monotonic()
+    r = cli_in_process("train", "--nproc-per-node", nproc, f"run.dir={tmp_path / 'run'}", "log.tensorboard=false")
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = r.stderr.strip()
+    assert line.count("\n") == 0 and line.startswith(f"error: --nproc-per-node {nproc}: each DDP worker takes at least ~"), line
+    assert f"{nproc} x that = " in line and "GiB, over the " in line and "out-of-memory killer" in line, line
+    assert re.search(r"Use --nproc-per-node \d+ or fewer\.$", line), line
+    assert not (tmp_path / "run").exists() and time.monotonic() - t0 < 20  # refused up front, nothing started
 
 
 def free_port() -> int:

@@ -78,3 +78,42 @@ def test_a_run_paused_mid_epoch_reports_the_same_epoch_means(tmp_path):
     # Sums of a few float32 losses in float64 are exact whatever the grouping: equal, not close.
     assert [[r[k] for k in keys] for r in got if r["kind"] == "epoch"][-2:] == \
         [[r[k] for k in keys] for r in ref if r["kind"] == "epoch"]
+
+
+def test_sigkill_after_an_epoch_line_at_a_checkpoint_step_then_resume_logs_each_record_once(tmp_path):
+    """2 steps per epoch and a checkpoint every 2 steps: the step-2 checkpoint is saved before epoch 1's row and its
+    evaluation (logged at the same step), then the epoch's own checkpoint. A real SIGKILL after the epoch line, while
+    that checkpoint is being written (a slow disk), and a resume from the step-2 checkpoint: every (kind, step) record
+    is in metrics.jsonl once, as in an uninterrupted run. Records were cut back by step only, so epoch 1's row and
+    evaluation, at the checkpoint's step, stayed and were logged again: twice."""
+    import os
+    import subprocess
+    import sys
+    from collections import Counter
+
+    from test_resume import _temp_files, _wait
+    from torchsprint.checkpoint import SLOW_WRITE_ENV, load_checkpoint
+
+    over = ["run.epochs=2", "data.batch_size=449", "checkpoint.every_steps=2", "log.every_steps=1"]  # 2 steps per epoch
+    _, ref = run(tmp_path, "ref", *over)
+    run_dir = tmp_path / "run"
+    # a slow disk: torch.save writes a checkpoint in ~220 calls here, so ~1 s per checkpoint, the time to see the write
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{SLOW_WRITE_ENV: "0.005"})
+    with open(tmp_path / "out.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torchsprint", "train", *FAST, *over, f"run.dir={run_dir}"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        assert _wait(lambda: "epoch 1: train" in (tmp_path / "out.log").read_text(), proc, timeout=120)
+        # the step-2 checkpoint is on disk by now: a temp file is the epoch's own checkpoint being written
+        assert _wait(lambda: bool(_temp_files(run_dir, proc.pid)), proc, timeout=120), (tmp_path / "out.log").read_text()
+        proc.kill()
+    finally:
+        proc.wait()
+    (ckpt,) = find_checkpoints(run_dir)
+    state = load_checkpoint(ckpt)["train_state"]
+    assert (state["epoch"], state["step_in_epoch"]) == (0, 2)  # the step-2 one, saved mid-epoch (the epoch's was cut)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {(r["kind"], r["step"]) for r in rows} >= {("epoch", 2), ("eval", 2)}  # logged after the checkpoint
+    _, got = run(tmp_path, "run", *over, "checkpoint.resume=auto")
+    assert Counter((r["kind"], r["step"]) for r in got) == Counter((r["kind"], r["step"]) for r in ref), \
+        [(r["kind"], r["step"]) for r in got]

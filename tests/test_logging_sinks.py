@@ -142,10 +142,14 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_step(tmp_path):
     lines += [json.dumps(r) + "\n" for r in drop] + ['{"kind": "train", "step": 5, "train/lo']
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(lines))
-    assert cut_back_jsonl(path, 3) == (3, 4)
+    assert cut_back_jsonl(path, 3) == (3, 4, {"train": 2, "eval": 1})
     assert path.read_text() == "".join(json.dumps(r) + "\n" for r in keep)
-    assert cut_back_jsonl(path, 3) == (3, 0)  # nothing left to cut: the file is not rewritten
-    assert cut_back_jsonl(tmp_path / "missing.jsonl", 3) == (0, 0)
+    assert cut_back_jsonl(path, 3) == (3, 0, {"train": 2, "eval": 1})  # nothing left to cut: the file is not rewritten
+    assert cut_back_jsonl(tmp_path / "missing.jsonl", 3) == (0, 0, {})
+    # With the checkpoint's record counts the cut is by count, not by step: its step-3 checkpoint was saved before the
+    # evaluation of step 3 (an epoch's last step), so that record goes, though its step is the checkpoint's.
+    assert cut_back_jsonl(path, 3, {"train": 2}) == (2, 1, {"train": 2})
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in keep[:2])
 
     (tmp_path / "metrics_train.csv").write_text("step,time,train/loss\r\n1,10.0,2.0\r\n3,11.0,1.5\r\n4,12.0,1.4\r\n5,13")
     (tmp_path / "metrics_test.csv").write_text("step,time,test/top1\r\n3,14.0,0.4\r\n")

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,30 @@ def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(r
     assert done["stopped"] == "completed"
     assert_same_run(ref_dir, ref, run_dir, done)
     assert calls.read_text().split() == ["requeue", "1234"]  # a finished run does not requeue
+
+
+def test_more_stop_signals_after_the_pause_do_not_kill_the_exiting_process(tmp_path):
+    """SIGTERM once training runs; from the pause line on, SIGTERM and SIGINT again every few ms until the process is
+    gone (a scheduler that repeats its TERM, a user pressing ^C twice). The run saved its checkpoint, so it must
+    still exit 75; the handlers restored once the files were written let a late signal kill it (143) or raise
+    KeyboardInterrupt (130) while it closed its files and shut down."""
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "out.log", "w") as log:
+        proc = subprocess.Popen([*CMD, *BASE, f"run.dir={run_dir}"], stdout=log, stderr=subprocess.STDOUT, env=ENV,
+                                cwd=tmp_path)
+    assert _wait(lambda: (run_dir / "metrics.jsonl").exists() and bool(raw_train_steps(run_dir)), proc)
+    proc.send_signal(signal.SIGTERM)
+    assert _wait(lambda: "paused at step" in (tmp_path / "out.log").read_text(), proc, timeout=120)
+    sent = 0
+    while proc.poll() is None:  # until it is gone: the late ones land after the handlers of the run are done
+        proc.send_signal((signal.SIGINT, signal.SIGTERM)[sent % 2])
+        sent += 1
+        time.sleep(0.005)
+    out = (tmp_path / "out.log").read_text()
+    assert proc.returncode == EXIT_PREEMPTED, (proc.returncode, sent, out[-3000:])
+    assert "Traceback" not in out and "interrupted" not in out, out[-3000:]
+    stop_step = summary_of(run_dir)["global_step"]
+    assert load_checkpoint(find_checkpoints(run_dir)[0])["train_state"]["global_step"] == stop_step
 
 
 def test_max_time_stops_with_a_checkpoint_and_resuming_reaches_the_epoch_target(reference, tmp_path, capsys):
@@ -263,3 +288,26 @@ def test_ddp_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert raw_train_steps(run_dir) == list(range(1, 15))
     assert_same_run(ref_dir, summary_of(ref_dir), run_dir, summary_of(run_dir))
+
+
+@pytest.mark.dist
+def test_ddp_with_max_restarts_a_signal_to_one_rank_pauses_instead_of_restarting(tmp_path):
+    """`--max-restarts 2`, SIGTERM to rank 1: the group pauses with its checkpoint and the launcher exits 75. torchrun's
+    elastic agent restarts a group on any non-zero exit, 75 included: the paused group was restarted, resumed and
+    trained on to exit 0, so a preempted job finished on a machine that was being taken away."""
+    run_dir = tmp_path / "run"
+    over = [*BASE, "data.batch_size=64", "strategy.timeout_s=60", "checkpoint.every_steps=4", f"run.dir={run_dir}"]
+    with open(tmp_path / "out.log", "w") as log:
+        proc = subprocess.Popen([*CMD, "--nproc-per-node", "2", "--max-restarts", "2", *over], stdout=log,
+                                stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path)
+    assert _wait(lambda: (run_dir / "metrics.jsonl").exists() and bool(raw_train_steps(run_dir)), proc, timeout=120)
+    pid = rank_pid(proc, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    rc = proc.wait(timeout=180)
+    out = (tmp_path / "out.log").read_text()
+    assert rc == EXIT_PREEMPTED, out[-4000:]
+    assert "resuming at" not in out, out[-4000:]  # no second attempt started
+    first = summary_of(run_dir)
+    assert first["stopped"] == "signal" and first["paused"] and 0 < first["global_step"] < 2 * 7
+    assert load_checkpoint(find_checkpoints(run_dir)[0])["train_state"]["global_step"] == first["global_step"]

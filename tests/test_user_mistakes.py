@@ -175,3 +175,29 @@ def test_unknown_task_for_model_file_needs_import_hint(tmp_path, trained, capsys
     """Covered in test_untrusted_files; here: predict on a missing file is one line."""
     fails_cleanly(capsys, ["predict", "-r", str(tmp_path / "nope.onnx"), str(tmp_path)], "model file not found")
     assert Path(tmp_path).exists()
+
+
+def test_class_folders_added_or_removed_since_training_are_named(tmp_path, capsys):
+    """A run on 3 class folders, then a fourth folder added: `train --resume` (and checkpoint.resume=auto, the same
+    path) says the data's classes changed, naming the one added and what to do; with one removed instead, `eval`
+    names the one removed. Both blamed the model or the file: "size mismatch for ...weight" while loading."""
+    import shutil
+
+    root = make_image_folder(tmp_path / "imgs", classes=("circle", "square", "star"), per_class=4)
+    run = tmp_path / "run"
+    assert cli.main(["train", *FAST, *RESIZE, "data.dataset=image_folder", f"data.root={root}", f"run.dir={run}",
+                     "run.epochs=2", "run.stop_after_steps=1", "checkpoint.every_steps=1"]) == 0
+    capsys.readouterr()
+    make_image_folder(tmp_path / "more", classes=("disc",), per_class=4)
+    for split in ("train", "val"):
+        shutil.copytree(tmp_path / "more" / split / "disc", root / split / "disc")
+    line = fails_cleanly(capsys, ["train", "--resume", str(run)], "the data's classes changed since")
+    assert "(3 classes then, 4 now; added: disc)" in line and "restore the data's class folders" in line, line
+    assert f"model.pretrained={run}/best.safetensors" in line and "size mismatch" not in line, line
+    for split in ("train", "val"):
+        shutil.rmtree(root / split / "disc")
+        shutil.rmtree(root / split / "star")
+    assert cli.main(["train", "--resume", str(run), "run.stop_after_steps=null"]) == 2  # removed: refused too
+    assert "(3 classes then, 2 now; removed: star)" in capsys.readouterr().err
+    line = fails_cleanly(capsys, ["eval", "-r", str(run), "--weights", "best"], f"{run / 'best.safetensors'} was saved")
+    assert "(3 classes then, 2 now; removed: star)" in line and "evaluate on the data the run trained on" in line, line

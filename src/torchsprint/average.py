@@ -69,7 +69,9 @@ def read_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     except Exception as e:  # a truncated or corrupt file
         raise UsageError(f"{path} is not a readable safetensors file ({type(e).__name__}: {str(e)[:200]}). Leave it out, "
                          "or re-train the run.") from None
-    return state, {"model": meta.get("model"), "classes": json.loads(meta.get("classes", "null"))}
+    from torchsprint.saved_config import metadata_entry
+
+    return state, {"model": meta.get("model"), "classes": metadata_entry(meta, "classes", path, default=None)}
 
 
 def check_same_model(states: list[tuple[str, dict, dict]]) -> None:

@@ -4,6 +4,7 @@ the outputs: bench.json, bench.csv, bench.md, bench.png and the table on the ter
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import statistics
@@ -67,32 +68,47 @@ def markdown_table(rows: list[dict], meta: dict) -> list[str]:
 
 def write_outputs(rows: list[dict], out: Path, meta: dict) -> None:
     """bench.json (everything), bench.csv, bench.md and bench.png (speedup over the baseline)."""
-    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    with open(out / "bench.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
-    (out / "bench.md").write_text("\n".join(markdown_table(rows, meta)) + "\n")
+    from torchsprint.logging import replace_file
+    from torchsprint.plots import save
+
+    replace_file(out / "bench.json", json.dumps({"meta": meta, "rows": rows}, indent=1))  # each whole or not at all
+    f = io.StringIO(newline="")
+    w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow(r)
+    replace_file(out / "bench.csv", f.getvalue())
+    replace_file(out / "bench.md", "\n".join(markdown_table(rows, meta)) + "\n")
+    save(bench_figure(rows, meta), out / "bench.png", dpi=110)
+
+
+def bench_figure(rows: list[dict], meta: dict):
+    """bench.png: each measured variant's speedup over the baseline, the machine and config named below."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from torchsprint.plots import fit_text
+
     ok = [r for r in rows if r["status"] == "ok" and r.get("speedup")][::-1]
     fig, ax = plt.subplots(figsize=(8, 0.42 * len(ok) + 1.6))
-    bars = ax.barh([r["variant"] for r in ok], [r["speedup"] for r in ok],
+    # a variant that combines several switches has a long name: wrapped, so the bars keep their width
+    bars = ax.barh([textwrap.fill(r["variant"], 40) for r in ok], [r["speedup"] for r in ok],
                    color=["tab:green" if r["speedup"] >= 1 else "tab:red" for r in ok])
     ax.bar_label(bars, labels=[f"{r['speedup']:.2f}x  ({r['images_per_s']:.0f}/s)" for r in ok], padding=3, fontsize=8)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlim(0, max([r["speedup"] for r in ok] + [1.0]) * 1.35)  # room for the labels
     ax.set_xlabel("speedup over the seeds' baseline (images/s ratio)")
     ax.set_title("torchsprint bench: training throughput by variant", fontsize=11)
-    fig.text(0.01, 0.005, f"{meta['device']}, torch {meta['torch']}, {meta['date']}; config: {meta['config']}",
-             fontsize=7, color="0.35", ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(out / "bench.png", dpi=110)
-    plt.close(fig)
+    # The footnote (a config path can be long) wrapped to the canvas's width (~150 characters of 7 pt in 8 inches),
+    # and room kept for its lines below the axes.
+    note = textwrap.fill(f"{meta['device']}, torch {meta['torch']}, {meta['date']}; config: {meta['config']}", 150)
+    fig.text(0.01, 0.005, note, fontsize=7, color="0.35", ha="left", va="bottom")
+    fit_text(fig, rect=(0, min(0.3, (0.12 * (note.count(chr(10)) + 1) + 0.03) / fig.get_figheight()), 1, 1))
+    return fig
 
 
 def print_table(rows: list[dict], meta: dict | None = None) -> None:

@@ -252,7 +252,8 @@ class Saver:
         ema: the run's ema.ModelEma, saved in every checkpoint (its state_dict), or None / the no-op NoEma.
         swa: the run's swa.Swa (its averaged weights, their count and SWALR's state: entry `swa`), or None / NoSwa.
         flush_logs: called on rank 0 before each checkpoint is written (RunLogger.flush): the records logged up
-            to its step reach the disk first, so a resume from it finds them all (it cuts only later ones).
+            to its step reach the disk first, so a resume from it finds them all (it cuts only later ones); it
+            returns their count per kind, which the checkpoint keeps (`log_records`).
     """
 
     def __init__(self, run_dir: Path, ckpt_cfg, rt, meta: dict[str, Any], *, geometry: dict[str, int],
@@ -363,9 +364,8 @@ class Saver:
         error = None
         if self.rt.is_main:
             try:
-                if self.flush_logs is not None:
-                    self.flush_logs()
-                self._write(path, state, model, opt, sched, prec, metric, rngs)
+                logged = self.flush_logs() if self.flush_logs is not None else None
+                self._write(path, state, model, opt, sched, prec, metric, rngs, logged)
             except OSError as e:
                 name = errno.errorcode.get(e.errno, "") if e.errno else ""
                 error = (f"could not save checkpoint {path}: {e.strerror or e}{f' ({name})' if name else ''}. "
@@ -377,7 +377,7 @@ class Saver:
         self._last_saved = key
         return path
 
-    def _write(self, path: Path, state, model, opt, sched, prec, metric, rngs) -> None:
+    def _write(self, path: Path, state, model, opt, sched, prec, metric, rngs, logged: dict | None = None) -> None:
         from torchsprint.parallel import unwrap
 
         ckpt = {
@@ -393,6 +393,7 @@ class Saver:
                         **self.geometry},
             "rng": rngs,
             "metric": metric,
+            **({"log_records": logged} if logged else {}),  # metrics.jsonl's records per kind (logging.Covered)
             **({"ema": self.ema.state_dict()} if self.ema is not None and self.ema.enabled else {}),
             **({"swa": self.swa.state_dict()} if self.swa is not None and self.swa.enabled else {}),
             **self.meta,

@@ -229,7 +229,7 @@ def cmd_train(args) -> int:
         cfg = resumed_run_config(args.resume, overrides, args.imports)
     else:
         cfg = config.load(path, overrides, imports=args.imports)
-    summary = train(cfg, overwrite=args.overwrite, dry_run=args.dry_run)
+    summary = train(cfg, overwrite=args.overwrite, dry_run=args.dry_run, hold_signals=True)  # this process exits next
     if summary.get("stopped") == "signal":  # preempted, checkpoint saved: "retry later" (preempt.EXIT_PREEMPTED)
         from torchsprint.preempt import EXIT_PREEMPTED
 
@@ -412,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
             from torchsprint.errors import one_line
 
             print(f"error: {one_line(e)}", file=sys.stderr)
+            return 2
+        from torchsprint.errors import disk_full
+
+        if disk_full(e) and not args.debug:  # any command's write that found no room (train says more: run.train)
+            print(f"error: {disk_full(e)}. Free space there and run the command again.", file=sys.stderr)
             return 2
         if not args.debug and "LOCAL_RANK" in os.environ:  # a DDP worker whose peer died or hung: say so in one line
             from torchsprint.runtime import lost_peer

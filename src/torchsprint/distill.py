@@ -27,7 +27,6 @@ in the checkpoint: a resumed run rebuilds it from the config, and since the teac
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -193,6 +192,16 @@ def _metadata(path: Path) -> dict[str, str]:
                              "intact weights file (re-train or re-export the teacher).") from None
 
 
+def _metadata_entry(meta: dict, key: str, source, default=None):
+    """saved_config.metadata_entry, its refusal said as the teacher's."""
+    from torchsprint.saved_config import metadata_entry
+
+    try:
+        return metadata_entry(meta, key, source, default)
+    except UsageError as e:
+        raise _teacher_error(str(e)) from None
+
+
 def fingerprint(path: Path) -> str:
     """The first 16 hex digits of the file's SHA-256: says in decisions.json which teacher file a run used."""
     h = hashlib.sha256()
@@ -246,13 +255,13 @@ def _locate(t) -> tuple[object, Path, list[str]]:
     if "config" not in meta:
         raise _teacher_error(f"{path} does not say which model it holds (no torchsprint metadata); name it "
                              "with distill.teacher.model (and .args).")
-    file_cfg = file_config(json.loads(meta["config"]), path)
+    file_cfg = file_config(_metadata_entry(meta, "config", path), path)
     return file_cfg.model, path, file_cfg.imports
 
 
 def _check_fits(meta: dict, source: str, classes: list[str], in_channels: int) -> None:
     """Refuse a teacher whose file says it predicts other classes (count, names, order) or takes other images."""
-    theirs = json.loads(meta["classes"]) if "classes" in meta else None
+    theirs = _metadata_entry(meta, "classes", source, default=None)
     if theirs is not None and len(theirs) != len(classes):
         raise _teacher_error(f"{source} predicts {len(theirs)} classes, this run's data has {len(classes)}: a "
                              "teacher must predict the same classes. Use a teacher trained on this data set.")
@@ -260,7 +269,7 @@ def _check_fits(meta: dict, source: str, classes: list[str], in_channels: int) -
         raise _teacher_error(f"{source} predicts classes {theirs[:6]}{' ...' if len(theirs) > 6 else ''}, "
                              f"this run's are {list(classes)[:6]}{' ...' if len(classes) > 6 else ''} (names or order "
                              "differ): its logits would be matched to the wrong classes. Use a teacher trained on this data set.")
-    if "in_channels" in meta and int(meta["in_channels"]) != in_channels:
+    if _metadata_entry(meta, "in_channels", source, default=in_channels) != in_channels:
         raise _teacher_error(f"{source} takes {meta['in_channels']}-channel images, this run's have {in_channels} "
                              "(data.options.mode sets grey or RGB); use a teacher trained on the same kind of images.")
 

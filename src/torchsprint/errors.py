@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import errno
 from collections.abc import Iterable
 
 
@@ -43,3 +44,17 @@ def one_line(error: BaseException) -> str:
         last = msg.rstrip().splitlines()[-1]
         msg = last.split(f"{type(error).__name__}: ", 1)[-1]
     return msg
+
+
+# The errors of a write that found no room, and what each means for the user.
+DISK_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+             errno.EFBIG: "a file reached the file size limit (ulimit -f)"}
+
+
+def disk_full(error: BaseException, where: str | None = None) -> str | None:
+    """'the disk is full (No space left on device): writing FILE failed' for a write that found no room (ENOSPC,
+    EDQUOT, EFBIG), None for any other error. `where`: said when the error does not name its file."""
+    if not isinstance(error, OSError) or error.errno not in DISK_FULL:
+        return None
+    target = error.filename or where
+    return f"{DISK_FULL[error.errno]} ({error.strerror}): writing {target or 'a file'} failed"

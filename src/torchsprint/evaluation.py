@@ -103,6 +103,19 @@ def weights_file(run_dir: Path, weights: str) -> Path:
     return Path(run_dir) / f"{weights}.safetensors"
 
 
+def trained_classes(path: Path) -> list | None:
+    """The classes a weights file's metadata says it was trained on (None when it does not say, or is unreadable:
+    loading it says what is wrong)."""
+    from torchsprint.checkpoint import read_safetensors_metadata
+    from torchsprint.saved_config import metadata_entry
+
+    try:
+        meta = read_safetensors_metadata(path)
+    except Exception:  # noqa: BLE001 - a damaged file: load_state_dict below names it
+        return None
+    return metadata_entry(meta, "classes", path, default=None)
+
+
 def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str] = (), split: str = "val") -> dict:
     """Re-evaluate a run's saved weights (best or last) on its validation (or test) split."""
     from safetensors.torch import load_file
@@ -113,6 +126,7 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     from torchsprint.parallel import channels_last_on
     from torchsprint.plan import decide_input_format
     from torchsprint.precision import Precision
+    from torchsprint.resume import check_same_classes
     from torchsprint.validation import evaluate
 
     run_dir = Path(run_dir)
@@ -141,6 +155,9 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
                                 allowed=EVAL_BACKENDS, channels_last=decide_input_format(cfg.speed)[0])
         info = loaders.info
         check_data_task(cfg, info)
+        check_same_classes(trained_classes(wpath), info.classes, wpath, "evaluate on the data the run trained on (restore "
+                           "those class folders, or give its copy with data.root=...), or train a new run on the classes "
+                           "as they are now.")
         model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
         materialize_lazy(model, loaders.val, plan)
         if channels_last_on(cfg.speed.channels_last, model):

@@ -68,6 +68,38 @@ def check_nproc(nproc: int, device_type: str, gpus: int) -> None:
         )
 
 
+def check_memory(nproc: int) -> dict:
+    """Refuse, before starting any worker, more workers than the memory here holds; returns the figures (for
+    `oom_hint`): each worker's least size, what is available and where that figure comes from.
+
+    Each worker imports torch and reads the config as this launcher just did, so this process's resident size is
+    the least a worker takes (its model, data and loader workers come on top): 64 workers on a small machine
+    otherwise ran it out of memory, and all the user saw was "rank 57 failed (signal 9)".
+    """
+    from torchsprint.runtime import memory_available, proc_bytes
+
+    per = proc_bytes("/proc/self/status", "VmRSS") or 0
+    free, where = memory_available()
+    figures = {"nproc": nproc, "per": per, "free": free, "where": where}
+    if per and free and nproc * per > free:
+        fit = max(1, free // per - 1)  # -1: the launcher itself stays
+        raise UsageError(f"--nproc-per-node {nproc}: each DDP worker takes at least ~{per / 2**20:.0f} MiB (this "
+                         f"launcher's own size after importing torch; model and data come on top), {nproc} x that = "
+                         f"{nproc * per / 2**30:.1f} GiB, over the {free / 2**30:.1f} GiB {where}: the kernel's "
+                         f"out-of-memory killer would end workers. Use --nproc-per-node {fit} or fewer.")
+    return figures
+
+
+def oom_hint(figures: dict) -> str:
+    """What a worker killed by signal 9 most likely met, with the launch's memory figures."""
+    per, free = figures["per"], figures["free"]
+    need = f"{figures['nproc']} workers x at least ~{per / 2**20:.0f} MiB = {figures['nproc'] * per / 2**30:.1f} GiB"
+    have = f", with {free / 2**30:.1f} GiB {figures['where']} at launch" if free else ""
+    return (f"; signal 9 (SIGKILL) is most likely the kernel's out-of-memory killer ({need}{have}; the model, data and "
+            "data.num_workers loader processes come on top): use fewer --nproc-per-node or data.num_workers, or a "
+            "smaller data.batch_size")
+
+
 def config_source(args) -> tuple[str | None, list[str]]:
     """The config path and overrides the workers will load, as `cmd_train` computes them."""
     path, overrides = args.config, list(args.overrides)
@@ -185,6 +217,20 @@ def exit_code(err) -> int:
     return 128 - code if code < 0 else (code or 1)
 
 
+def check_restarts(args, nnodes: str, endpoint: str | None) -> tuple[int, str | None]:
+    """(--max-restarts, --rdzv-backend), refused where they cannot work with these machines."""
+    restarts = getattr(args, "max_restarts", 0) or 0
+    backend = getattr(args, "rdzv_backend", None)
+    if restarts < 0:
+        raise UsageError(f"--max-restarts {restarts}: use 0 (a failed worker ends the run) or more restarts.")
+    if backend == "c10d" and endpoint is None:
+        raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the same on every machine).")
+    if backend == "static" and nnodes != "1" and args.node_rank is None and "SLURM_NODEID" not in os.environ:
+        raise UsageError("--rdzv-backend static needs --node-rank R on every machine (0 on the one at --rdzv-endpoint); "
+                         "or use --rdzv-backend c10d, which assigns ranks itself.")
+    return restarts, backend
+
+
 def launch(args) -> int:
     """Run `torchsprint train` as DDP workers through torch.distributed.run; returns the exit status.
 
@@ -199,15 +245,8 @@ def launch(args) -> int:
     nnodes, node_rank, endpoint = node_settings(args, dict(os.environ))
     nproc = args.nproc_per_node or (gpus if device_type == "cuda" else 1)
     check_nproc(nproc, device_type, gpus)
-    restarts = getattr(args, "max_restarts", 0) or 0
-    backend = getattr(args, "rdzv_backend", None)
-    if restarts < 0:
-        raise UsageError(f"--max-restarts {restarts}: use 0 (a failed worker ends the run) or more restarts.")
-    if backend == "c10d" and endpoint is None:
-        raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the same on every machine).")
-    if backend == "static" and nnodes != "1" and args.node_rank is None and "SLURM_NODEID" not in os.environ:
-        raise UsageError("--rdzv-backend static needs --node-rank R on every machine (0 on the one at --rdzv-endpoint); "
-                         "or use --rdzv-backend c10d, which assigns ranks itself.")
+    memory = check_memory(nproc)
+    restarts, backend = check_restarts(args, nnodes, endpoint)
     extra = []
     if restarts and not cfg.run.dir:
         if nnodes != "1":
@@ -220,7 +259,10 @@ def launch(args) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from torchsprint.preempt import EXIT_PREEMPTED
+    from torchsprint.preempt import EXIT_PREEMPTED, LAUNCHER_ENV
+
+    if restarts:  # a paused worker group tells this process to stop rather than be restarted (preempt.stop_launcher)
+        os.environ[LAUNCHER_ENV] = str(os.getpid())
 
     # torchrun's agent turns these signals into "stop the workers with this signal, SIGKILL after 30 s"; the
     # run's stop signals join them, so that a SIGUSR1 sent to the launcher (SLURM --signal) reaches the workers
@@ -247,8 +289,8 @@ def launch(args) -> int:
         if e.sigval.name not in cfg.run.stop_signals:
             print(f"launcher: stopped by {e.sigval.name} (not in run.stop_signals): the workers were ended", file=sys.stderr)
             return 128 + int(e.sigval)
-        print(f"launcher: {e.sigval.name} passed on to the workers, which stop after their current step with a "
-              f"checkpoint (run.stop_signals); exit {EXIT_PREEMPTED}", file=sys.stderr)
+        print(f"launcher: {e.sigval.name}: the workers stop after their current step with a checkpoint "
+              f"(run.stop_signals); exit {EXIT_PREEMPTED}", file=sys.stderr)
         return EXIT_PREEMPTED
     except ChildFailedError as e:
         if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
@@ -259,6 +301,7 @@ def launch(args) -> int:
         rank, failure = root_failure(e)
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         tried = f" after {restarts} restart(s)" if restarts else ""
-        print(f"error: DDP worker rank {rank} failed ({how}){tried}; the other workers were stopped.", file=sys.stderr)
+        hint = oom_hint(memory) if failure.exitcode == -9 else ""
+        print(f"error: DDP worker rank {rank} failed ({how}){tried}; the other workers were stopped{hint}.", file=sys.stderr)
         return code
     return 0

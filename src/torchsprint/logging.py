@@ -40,15 +40,21 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def replace_file(path: Path, data: bytes) -> None:
-    """Write `data` to a temp file beside `path`, fsync, rename over it: a crash leaves the old or the new file."""
+def replace_file(path: Path, data: bytes | str) -> None:
+    """Write `data` to a temp file beside `path`, fsync, rename over it: a crash or a full disk leaves the old file
+    or the new one, never a cut or empty one (a confusion matrix PNG was left at 0 bytes). A failed write is
+    re-raised as an OSError naming `path` (a write's own error names no file)."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -64,34 +70,61 @@ def still_valid(step: int, kind: str, resumed_step: int) -> bool:
     return step < resumed_step or (step == resumed_step and kind != "test")
 
 
-def cut_back_jsonl(path: Path, resumed_step: int) -> tuple[int, int]:
-    """Cut a metrics.jsonl back to what the checkpoint of `resumed_step` covers, before a resumed run appends.
+class Covered:
+    """Which records of a run's files the checkpoint a run resumes from covers: with `counts` (what the checkpoint
+    saved: records of each kind logged before it), the first counts[kind] records of each kind; without (a
+    checkpoint from before they were saved), those `still_valid` keeps by step.
 
-    Without this a step logged between that checkpoint and a crash is in the file twice after the resume, and a
+    The counts make the cut exact where steps cannot: with a checkpoint at an epoch's last step, that epoch's row
+    and its evaluation are logged after the checkpoint at the same step, and a crash before the epoch's own
+    checkpoint left them in metrics.jsonl twice once the resumed run logged them again."""
+
+    def __init__(self, resumed_step: int, counts: dict | None = None):
+        self.step, self.counts = resumed_step, counts if isinstance(counts, dict) else None
+        self.seen: dict[str, int] = {}
+
+    def keeps(self, step: int, kind: str) -> bool:
+        """Whether the next record of `kind` (logged at `step`) stays; call once per record, in the file's order."""
+        self.seen[kind] = self.seen.get(kind, 0) + 1
+        if self.counts is None:
+            return still_valid(step, kind, self.step)
+        return self.seen[kind] <= int(self.counts.get(kind, 0))
+
+
+def cut_back_jsonl(path: Path, resumed_step: int, counts: dict | None = None) -> tuple[int, int, dict]:
+    """Cut a metrics.jsonl back to what the checkpoint of `resumed_step` covers (`counts`: its records per kind, see
+    Covered), before a resumed run appends.
+
+    Without this a record logged between that checkpoint and a crash is in the file twice after the resume, and a
     line the crash cut off gets the first new record glued onto it. Keeps, in their order, the complete
-    records that `still_valid` keeps; drops later steps, a cut-off last line and lines that are not a JSON
-    record. The file is replaced atomically (a crash now leaves the old or the new file). Returns (kept, dropped).
+    records that Covered keeps; drops later ones, a cut-off last line and lines that are not a JSON
+    record. The file is replaced atomically (a crash now leaves the old or the new file). Returns (kept, dropped,
+    the records kept per kind).
     """
     if not path.is_file():
-        return 0, 0
+        return 0, 0, {}
     kept: list[bytes] = []
+    per_kind: dict[str, int] = {}
     dropped = 0
+    covered = Covered(resumed_step, counts)
     with open(path, "rb") as f:
         for raw in f:
             try:
                 row = json.loads(raw)
-                ok = raw.endswith(b"\n") and still_valid(int(row["step"]), str(row.get("kind")), resumed_step)
-            except (ValueError, TypeError, KeyError, UnicodeDecodeError):  # junk, a cut line, a record without a step
+                kind = str(row.get("kind"))
+                ok = raw.endswith(b"\n") and covered.keeps(int(row["step"]), kind)
+            except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):  # junk, a cut line, no step
                 ok = not raw.strip()  # blank lines are dropped silently
                 dropped += not ok
                 continue
             if ok:
                 kept.append(raw)
+                per_kind[kind] = per_kind.get(kind, 0) + 1
             else:
                 dropped += 1
     if dropped:
         replace_file(path, b"".join(kept))
-    return len(kept), dropped
+    return len(kept), dropped, per_kind
 
 
 def after_earlier_event_files(tb_dir: Path) -> None:
@@ -114,10 +147,10 @@ class CsvSink:
     """metrics_<kind>.csv in the run folder: one row per record, a column per value (appended; the file is
     rewritten only when a new column appears). Cheap enough to leave on.
 
-    `resumed_step`: the step of the checkpoint a resumed run continues from: rows after it (and a row cut off
-    by the crash) are removed, as from metrics.jsonl (see still_valid)."""
+    `resumed_step`, `counts`: the step of the checkpoint a resumed run continues from and its records per kind: rows
+    it does not cover (and a row cut off by the crash) are removed, as from metrics.jsonl (see Covered)."""
 
-    def __init__(self, run_dir: Path, resumed_step: int | None = None):
+    def __init__(self, run_dir: Path, resumed_step: int | None = None, counts: dict | None = None):
         self.dir = Path(run_dir)
         self.rows: dict[str, list[dict]] = {}
         for path in self.dir.glob("metrics_*.csv"):  # a resumed run continues its files
@@ -125,7 +158,8 @@ class CsvSink:
             text = path.read_text(encoding="utf-8", errors="replace")
             rows = list(csv.DictReader(text[: text.rfind("\n") + 1].splitlines()))  # without a row the crash cut off
             if resumed_step is not None:
-                keep = [r for r in rows if _csv_step(r) is not None and still_valid(_csv_step(r), kind, resumed_step)]
+                covered = Covered(resumed_step, counts)
+                keep = [r for r in rows if _csv_step(r) is not None and covered.keeps(_csv_step(r), kind)]
                 if len(keep) != len(rows) or not text.endswith("\n"):
                     rows = keep
                     self._rewrite(path, rows)
@@ -138,8 +172,11 @@ class CsvSink:
         rows.append(row)
         path = self.dir / f"metrics_{kind}.csv"
         if header and set(row) <= set(header):
-            with open(path, "a", newline="") as f:
-                csv.DictWriter(f, header).writerow(row)
+            try:  # a row cut by a full disk is dropped by the resume (see __init__)
+                with open(path, "a", newline="") as f:
+                    csv.DictWriter(f, header).writerow(row)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, str(path)) from e
             return
         self._rewrite(path, rows)
 
@@ -188,7 +225,7 @@ class MlflowSink:
             items = [Param(k, v[:6000]) for k, v in params.items()]
             for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per call
                 self.client.log_batch(self.run_id, params=items[i : i + 100])
-            state.write_text(json.dumps({"uri": uri, "run_id": self.run_id, "experiment": experiment}))
+            replace_file(state, json.dumps({"uri": uri, "run_id": self.run_id, "experiment": experiment}))
         self.client.update_run(self.run_id, status="RUNNING")
 
     def scalars(self, step: int, values: dict[str, Any], kind: str, now: float | None = None) -> None:
@@ -212,7 +249,7 @@ class WandbSink:
 
         state = Path(run_dir) / "wandb.json"
         run_id = json.loads(state.read_text())["id"] if state.is_file() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
-        state.write_text(json.dumps({"id": run_id, "project": project}))
+        replace_file(state, json.dumps({"id": run_id, "project": project}))
         self.run = wandb.init(project=project, name=Path(run_dir).name, id=run_id, resume="allow", dir=str(run_dir),
                               mode=mode, config=params, reinit="create_new")
         self.pending: dict[str, Any] = {}
@@ -272,23 +309,24 @@ class RunLogger:
         self.jsonl = None
         self.tb = None
         self.sinks: list = []  # CSV, MLflow, W&B: each takes scalars(step, values, kind) and close(finished)
+        self.counts: dict[str, int] = {}  # metrics.jsonl's records per kind (a checkpoint saves them: Covered)
         self.feedback = Feedback(self.console, self.info)  # the bar, heartbeat and time estimate
         if run_dir is not None:
             self.open_files(run_dir)
 
     def open_files(self, run_dir: Path, params: dict | None = None, out_dir: str | Path = "runs",
-                   resumed_step: int | None = None) -> None:
+                   resumed_step: int | None = None, resumed_counts: dict | None = None) -> None:
         """Start writing metrics.jsonl (appended to, so a resumed run continues it), TensorBoard and the optional
         sinks into run_dir. `params`: the resolved config (MLflow parameters, W&B config); `out_dir`: where
         the default local MLflow store goes (<out_dir>/mlruns); `resumed_step`: the step of the checkpoint a
-        resumed run continues from (None: a fresh start): what was logged after it is cut from metrics.jsonl,
-        the CSV files and TensorBoard, so each step is recorded once (MLflow and W&B cannot delete; see
-        docs/checkpoints.md)."""
+        resumed run continues from (None: a fresh start), `resumed_counts` the records per kind it saved: what was
+        logged after it is cut from metrics.jsonl, the CSV files and TensorBoard, so each record is there once (MLflow
+        and W&B cannot delete; see docs/checkpoints.md)."""
         if not self.enabled or self.jsonl is not None:
             return
         path = Path(run_dir) / "metrics.jsonl"
         if resumed_step is not None:
-            kept, dropped = cut_back_jsonl(path, resumed_step)
+            kept, dropped, self.counts = cut_back_jsonl(path, resumed_step, resumed_counts)
             if dropped:
                 self.info(f"metrics.jsonl: {dropped} record(s) after the checkpoint of step {resumed_step} (or cut off by "
                           f"the crash) removed; {kept} kept. The resumed run logs those steps again.")
@@ -303,7 +341,7 @@ class RunLogger:
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"),
                                     purge_step=None if resumed_step is None else resumed_step + 1)
         if self.cfg.csv:
-            self.sinks.append(CsvSink(run_dir, resumed_step))
+            self.sinks.append(CsvSink(run_dir, resumed_step, resumed_counts))
         if self.cfg.mlflow:
             uri = self.cfg.mlflow_uri or (Path(out_dir) / "mlruns").resolve().as_uri()
             self.sinks.append(MlflowSink(run_dir, uri, self.cfg.project, flatten(params or {})))
@@ -321,7 +359,11 @@ class RunLogger:
             return
         now = round(time.time(), 3)  # one timestamp for every sink: the CSV row equals the jsonl record
         if self.jsonl:
-            self.jsonl.write(json.dumps({"kind": kind, "step": step, "time": now, **values}) + "\n")
+            try:  # line-buffered: the line reaches the file here, or its OSError (a full disk) names the file
+                self.jsonl.write(json.dumps({"kind": kind, "step": step, "time": now, **values}) + "\n")
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, self.jsonl.name) from e
+            self.counts[kind] = self.counts.get(kind, 0) + 1
         if self.tb:
             for k, v in numeric(values).items():
                 self.tb.add_scalar(k, v, step)
@@ -366,19 +408,24 @@ class RunLogger:
             table.add_row(k, v)
         self.console.print(table)
 
-    def flush(self) -> None:
+    def flush(self) -> dict[str, int]:
         """Put every record logged so far on disk: TensorBoard's writer otherwise holds events for up to
-        flush_secs (120 s), and a crash loses them (Saver calls this before each checkpoint)."""
+        flush_secs (120 s), and a crash loses them (Saver calls this before each checkpoint). Returns the records
+        per kind in metrics.jsonl, which the checkpoint keeps (a resume from it keeps exactly those: Covered)."""
         if self.jsonl:
             self.jsonl.flush()
         if self.tb:
             self.tb.flush()
+        return dict(self.counts)
 
     def close(self, finished: bool = True) -> None:
         """Flush and close everything; `finished`: the run ended normally (MLflow/W&B mark it so)."""
         self.end_epoch()
         if self.jsonl:
-            self.jsonl.close()
+            try:
+                self.jsonl.close()
+            except OSError:  # the rest of a line a full disk refused: the write that failed has raised already
+                pass
             self.jsonl = None
         if self.tb:
             self.tb.close()

@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 from torchsprint.errors import UsageError
+from torchsprint.logging import replace_file
+from torchsprint.plots import fit_text, save
 
 BETA = 0.98  # smoothing of the loss (fastai Recorder / Lightning _LRCallback: beta=0.98)
 DIVERGE = 4.0  # stop when the smoothed loss exceeds this multiple of the best (fastai stop_div, Lightning diverge_th)
@@ -126,6 +128,11 @@ def sweep(b, cfg, steps: int, start: float, end: float) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
+    """lr_find.png: plot_figure written to `path`."""
+    save(plot_figure(result), path)
+
+
+def plot_figure(result: dict):
     """log-x learning rate against smoothed loss, the suggestion marked."""
     import matplotlib
 
@@ -144,9 +151,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylim(top=top * 1.1 if top > 0 else None)  # the divergence spike would flatten the curve
     ax.legend()
     ax.set_title("learning-rate range test")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fit_text(fig)
+    return fig
 
 
 def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, out: str | Path | None = None,
@@ -186,7 +192,7 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
                "model": cfg.model.name, "dataset": cfg.data.dataset}
     result["files"] = {"json": str(out / "lr_find.json"), "plot": str(out / "lr_find.png")}
     plot(result, out / "lr_find.png")
-    (out / "lr_find.json").write_text(json.dumps(result, indent=1))
+    replace_file(out / "lr_find.json", json.dumps(result, indent=1))
     log(f"lr-find: {result['stopped']}; suggested learning rate {result['suggestion']:.3g} (rule: {RULE})")
     log(f"lr-find: plot {out / 'lr_find.png'}, data {out / 'lr_find.json'}; train with optim.lr={result['suggestion']:.3g}")
     return result

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 import torch
+
+from torchsprint.logging import replace_file
 
 
 class ClassificationMetrics:
@@ -187,11 +190,12 @@ def write_confusion(path_stem: Path, confusion: list[list[int]], classes: list[s
     `weights` (tasks.Task.write_artifacts): which weights it describes, named in the PNG's title."""
     from torchsprint.plots import confusion as plot_confusion
 
-    with open(path_stem.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["true\\pred", *classes])
-        for c, row in zip(classes, confusion):
-            w.writerow([c, *row])
+    f = io.StringIO(newline="")  # written whole, atomically (logging.replace_file): a full disk leaves no cut file
+    w = csv.writer(f)
+    w.writerow(["true\\pred", *classes])
+    for c, row in zip(classes, confusion):
+        w.writerow([c, *row])
+    replace_file(path_stem.with_suffix(".csv"), f.getvalue())
     which = f", {weights_text(weights)}" if weights else ""
     plot_confusion(confusion, classes, path_stem.with_suffix(".png"), title=f"Confusion matrix: {path_stem.parent.name}{which}")
 
@@ -203,9 +207,9 @@ def write_per_class(path: Path, metrics: dict, classes: list[str], weights: dict
     get = lambda k: metrics.get(k, metrics.get(f"val/{k}"))  # noqa: E731
     support = [sum(row) for row in get("confusion")] if get("confusion") else [None] * len(classes)
     named = [weights["file"], weights["epoch"]] if weights else []
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["class", "precision", "recall", "f1", "support", *(["weights", "epoch"] if weights else [])])
-        for i, c in enumerate(classes):
-            w.writerow([c, *(f"{get(k)[i]:.6f}" if get(k) else "" for k in ("precision", "recall", "f1")), support[i],
-                        *named])
+    f = io.StringIO(newline="")
+    w = csv.writer(f)
+    w.writerow(["class", "precision", "recall", "f1", "support", *(["weights", "epoch"] if weights else [])])
+    for i, c in enumerate(classes):
+        w.writerow([c, *(f"{get(k)[i]:.6f}" if get(k) else "" for k in ("precision", "recall", "f1")), support[i], *named])
+    replace_file(path, f.getvalue())

@@ -129,9 +129,9 @@ class Predictor:
         meta = sess.get_modelmeta().custom_metadata_map
         if "classes" not in meta:
             raise UsageError(f"{path} has no torchsprint metadata; export it with `torchsprint export`.")
-        from torchsprint.trained import file_config
+        from torchsprint.saved_config import file_config, metadata_entry
 
-        cfg = file_config(json.loads(meta["config"]), path)
+        cfg = file_config(metadata_entry(meta, "config", path), path)
         uint8 = meta.get("input_dtype") == "uint8"
         in_graph = meta.get("tta", "none")  # files exported before eval.tta existed hold none
         if tta is not None and tta != in_graph:
@@ -144,7 +144,8 @@ class Predictor:
 
         forward.session = sess  # which providers ran (benchmarks/predict_throughput.py)
 
-        return cls(forward, json.loads(meta["classes"]), int(meta["in_channels"]), json.loads(meta["eval_transforms"]),
+        return cls(forward, metadata_entry(meta, "classes", path), metadata_entry(meta, "in_channels", path),
+                   metadata_entry(meta, "eval_transforms", path),
                    cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8, task=cfg.task, threshold=cfg.eval.threshold,
                    tta=in_graph, tta_in_forward=True)
 

@@ -3,7 +3,8 @@ run.stop_after_steps; and SLURM's requeue after a signal stop.
 
 A stop signal's handler only sets a flag (it never raises), so the step in progress and the checkpoint write
 that follows it cannot be cut short by it, nor by a second signal during the save: the previous handlers come
-back only once the run's files are written. Under DDP the signal may reach one rank only (or the ranks see
+back only once the run's files are written, and a process that exits 75 next (the CLI: `hold`) keeps ignoring them
+until it is gone (a scheduler's repeated TERM, a second ^C). Under DDP the signal may reach one rank only (or the ranks see
 max_time pass at different steps): each rank votes with every batch through AgreedLoader's per-batch
 agreement (collectives.py), which the run pays anyway, so every rank stops after the same step at no extra
 cost; in one process the flag is read directly.
@@ -96,9 +97,14 @@ class Stopper:
         run_cfg: the `run` section (stop_after_steps, max_time, stop_signals).
         start_step: the global step this invocation starts at (0, or the resumed checkpoint's).
         t0: time.monotonic() when the invocation started.
+        hold: after a stop signal paused the run, leave the stop signals ignored on exit instead of restoring the
+            previous handlers: for a process that exits 75 next (the CLI). Restored, the default action of a second
+            signal (143 for SIGTERM, KeyboardInterrupt's 130 for SIGINT) would kill it while it closes its files
+            and tears down, after the checkpoint was saved. SIG_IGN also survives interpreter shutdown, which puts
+            SIG_DFL back for signals that have a Python handler.
     """
 
-    def __init__(self, run_cfg, start_step: int = 0, t0: float | None = None):
+    def __init__(self, run_cfg, start_step: int = 0, t0: float | None = None, hold: bool = False):
         self.pause_at = None if run_cfg.stop_after_steps is None else start_step + run_cfg.stop_after_steps
         t0 = time.monotonic() if t0 is None else t0
         self.deadline = None if run_cfg.max_time is None else t0 + parse_duration(run_cfg.max_time)
@@ -106,6 +112,7 @@ class Stopper:
         self.got: signal.Signals | None = None  # the first stop signal this process received
         self.reason: str | None = None  # stop_after_steps | max_time | signal, once decided
         self.loader = None
+        self.hold = hold
         self._previous: dict = {}
 
     def attach(self, loader) -> None:
@@ -143,9 +150,32 @@ class Stopper:
         return self
 
     def __exit__(self, *exc) -> None:
+        paused_by_signal = self.got is not None or self.reason == "signal"  # (reason: another rank got it)
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_IGN if self.hold and paused_by_signal else handler)
         self._previous = {}
+
+
+# Set by launch.py for its torchrun workers when the agent may restart them (--max-restarts): the launcher's pid.
+LAUNCHER_ENV = "TORCHSPRINT_LAUNCHER_PID"
+
+
+def stop_launcher(stop: Stopper, rt, env: dict | None = None) -> bool:
+    """After a pause by a stop signal under `train --nproc-per-node N --max-restarts K`: tell torchrun's elastic agent
+    (this worker's parent, the launcher process) to stop, by sending it a stop signal from local rank 0.
+
+    The agent restarts the worker group on any non-zero exit, 75 included, so a SIGTERM that reached one worker
+    would restart the group, which resumes and trains on to exit 0 instead of pausing. Its stop-signal handler
+    (launch.py lists run.stop_signals among TORCHELASTIC_SIGNALS_TO_HANDLE) stops the workers and the launcher
+    exits 75. Called before teardown's barrier, so every local rank 0 has told its agent before any worker exits
+    (an agent that saw an exit first would already be restarting). Returns whether it sent the signal.
+    """
+    env = os.environ if env is None else env
+    launcher = env.get(LAUNCHER_ENV, "")
+    if stop.reason != "signal" or rt.local_rank != 0 or not launcher.isdigit() or int(launcher) != os.getppid():
+        return False
+    os.kill(int(launcher), stop.got or stop.signals[0])
+    return True
 
 
 def requeue(job_id: str, log) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from torchsprint.errors import UsageError
+from torchsprint.logging import replace_file
 
 
 def read_records(run_dir: Path) -> tuple[list[dict], list[str]]:
@@ -249,7 +250,7 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
                         "table, wrong images) apply to classification.</p>")
     page = PAGE.format(title=html.escape(f"torchsprint report: {run_dir.name}"), body="\n".join(sections),
                        date=time.strftime("%Y-%m-%d %H:%M"))
-    (out / "report.html").write_text(page, encoding="utf-8")
+    replace_file(out / "report.html", page)  # whole or not at all
     return out / "report.html"
 
 

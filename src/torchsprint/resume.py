@@ -6,7 +6,7 @@ from pathlib import Path
 
 from torchsprint.checkpoint import CKPT_RE, TrainState, load_checkpoint, parse_checkpoint_name
 from torchsprint.collectives import broadcast_object
-from torchsprint.errors import UsageError
+from torchsprint.errors import UsageError, disk_full
 from torchsprint.rng import set_rng_state
 
 
@@ -130,3 +130,46 @@ def decisions_at_start(resume_path) -> dict:
             return decided
     return {}
 
+
+
+def check_same_classes(saved, now, source, fix: str) -> None:
+    """Refuse weights trained on other classes than the data has now (a class folder added, removed or renamed since),
+    naming the classes added and removed and what to do (`fix`); None or [] for either (a task without class names,
+    an older file) checks nothing. Without this the model, built for today's class count, failed to load with a
+    state_dict size mismatch that blamed the file, or (same count) would score the classes under each other's names."""
+    saved, now = list(saved or []), list(now or [])
+    if not saved or not now or saved == now:
+        return
+    added, removed = [c for c in now if c not in saved], [c for c in saved if c not in now]
+
+    def names(cs: list) -> str:
+        return ", ".join(map(str, cs[:5])) + (f" (+{len(cs) - 5} more)" if len(cs) > 5 else "")
+
+    what = "; ".join(part for part in (f"added: {names(added)}" if added else "",
+                                        f"removed: {names(removed)}" if removed else "") if part)
+    raise UsageError(f"the data's classes changed since {source} was saved ({len(saved)} classes then, {len(now)} now; "
+                     f"{what or 'the same names in another order'}): {fix}")
+
+
+def check_resumed_classes(ckpt: dict | None, resume_path, classes) -> None:
+    """check_same_classes for a run resumed from `ckpt` (the classes its checkpoint was saved with) on data of `classes`."""
+    if ckpt is None:
+        return
+    run = Path(resume_path).parents[1] if Path(resume_path).parent.name == "checkpoints" else "<the run>"
+    check_same_classes(ckpt.get("classes"), classes, resume_path, "to resume, restore the data's class folders as they "
+                       "were; to train on the classes as they are now, start a new run (model.pretrained="
+                       f"{run}/best.safetensors starts it from these weights, with a new head).")
+
+
+def disk_full_error(error: BaseException, run_dir: Path | None) -> UsageError | None:
+    """One line for a run whose write found no room (a full disk, a quota, ulimit -f): which file, and that its newest
+    checkpoint is intact (checkpoints are written atomically: a full disk leaves the old ones as they were) with the
+    command that continues from it; None for any other error."""
+    line = disk_full(error, where=f"into {run_dir}" if run_dir else None)
+    if line is None:
+        return None
+    newest = find_checkpoints(run_dir)[:1] if run_dir else []
+    if newest:
+        return UsageError(f"{line}; the last checkpoint, {newest[0]}, is intact: free space, then continue with "
+                          f"`torchsprint train --resume {run_dir}`.")
+    return UsageError(f"{line}; no checkpoint was saved yet: free space and start the run again.")

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import socket
-import subprocess
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -29,7 +25,8 @@ from torchsprint.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BACKENDS
     materialize_lazy,
     not_deterministic,
 )
-from torchsprint.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
+from torchsprint.logging import replace_file
+from torchsprint.rundir import claim_run_dir, environment, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
 from torchsprint.saved_config import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
 from torchsprint.swa import NoSwa
 from torchsprint.tta import plan_tta, with_loading_spec
@@ -49,32 +46,6 @@ def on_main(rt, fn):
     if error is not None:
         raise UsageError(error)
     return result
-
-
-def environment(rt, seed: int) -> dict:
-    """Versions, git revision, device, seed: what it takes to reproduce a run (written before step 0)."""
-    import torchvision
-
-    from torchsprint.version import __version__
-
-    def git_rev():
-        try:
-            here = Path(__file__).resolve().parent
-            out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=5)
-            return (out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")) if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    dev = str(rt.device)
-    if rt.device.type == "cuda":
-        dev += f" ({torch.cuda.get_device_name(rt.device)})"
-    return {
-        "torchsprint": __version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
-        "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
-        "cpu_threads": torch.get_num_threads(), "device": dev, "world_size": rt.world_size, "seed": seed,
-        "git_revision": git_rev(), "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
 
 
 @dataclass
@@ -115,6 +86,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.parallel import decide_cuda_graphs, unwrap, wrap_model
     from torchsprint.plan import build_plan, decide_input_format, decide_speed
     from torchsprint.precision import Precision
+    from torchsprint.resume import check_resumed_classes
     from torchsprint.swa import build_swa
     from torchsprint.tasks import get_task
 
@@ -137,6 +109,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
                             keep_backend=backend_at_start(cfg, ckpt, resume_path))
     batch.splits = None  # the run's loaders hold the data set now
     info = loaders.info
+    check_resumed_classes(ckpt, resume_path, info.classes)  # before the model: it would not load, blaming the file
     teacher, distill = check_data_and_teacher(cfg, rt, task, info, prec, distilling, log)
     check_same_teacher(distill, ckpt, resume_path)  # a resumed run learns from the teacher it began with
     model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
@@ -266,7 +239,7 @@ def backend_at_start(cfg, ckpt, resume_path) -> str | None:
     return backend if isinstance(backend, str) else None
 
 
-def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False) -> dict:
+def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = False, hold_signals: bool = False) -> dict:
     """Train one run described by `cfg` and return its summary (also written to summary.json).
 
     Args:
@@ -275,13 +248,15 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         overwrite: run.dir holds another run: move its files into replaced-<time>/ and start over there.
         dry_run: build and check everything (config, data, model, optimizer), report, and stop before
             creating or changing any file.
+        hold_signals: after a stop signal paused the run, keep ignoring the stop signals (preempt.Stopper's
+            `hold`): for the CLI, whose process exits 75 next.
     Everything that can be validated (names, data, model, transforms) is built before the run folder
     is created; a finished run asked to resume says so and leaves its files alone.
     """
     from torchsprint import runtime
     from torchsprint.logging import RunLogger, check_sinks
-    from torchsprint.preempt import Stopper, check_requeue, requeue
-    from torchsprint.resume import find_resume
+    from torchsprint.preempt import Stopper, check_requeue, requeue, stop_launcher
+    from torchsprint.resume import disk_full_error, find_resume
     from torchsprint.rundir import RunLock, create_unique, make_folder
     from torchsprint.tasks import get_task
 
@@ -291,7 +266,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
     check_sinks(cfg.log)
     check_requeue(cfg.run, cfg.checkpoint.resume)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
-    lock, clean, logger = None, False, None
+    lock, clean, logger, run_dir = None, False, None, None
     try:
         logger = RunLogger(None, cfg.log, enabled=rt.is_main, console=not quiet)
         held = {}  # the lock stays in rank 0's process; only the decision is shared
@@ -320,19 +295,24 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             if rt.is_main:
                 lock = RunLock(run_dir)
         rt.barrier()
-        write_run_records(cfg, rt, b, run_dir, logger, resumed_step=None if ckpt is None else
-                          ckpt["train_state"]["global_step"])
+        write_run_records(cfg, rt, b, run_dir, logger, ckpt)
         state, saver, weights_meta = resume_and_saver(cfg, rt, b, run_dir, ckpt, resume_path, logger)
         # Stop signals are handled (a flag, no exception) from the first step until the run's files are written.
-        stop = Stopper(cfg.run, state.global_step, t0)
+        stop = Stopper(cfg.run, state.global_step, t0, hold=hold_signals)
         with stop:
             summary = fit_explained(cfg, rt, b, state, run_dir=run_dir, task=task, logger=logger, saver=saver, stop=stop,
                                     weights_meta=weights_meta)
         logger.close(finished=not summary["paused"])
         if summary["stopped"] == "signal" and cfg.run.requeue and rt.is_main:  # last: SLURM ends this job at once
             summary["requeued"] = requeue(os.environ["SLURM_JOB_ID"], logger.info)
+        stop_launcher(stop, rt)  # torchrun's agent would restart a paused group (--max-restarts)
         clean = True
         return summary
+    except OSError as e:  # a full disk anywhere (metrics.jsonl, the plots, summary.json): one line, the checkpoint kept
+        full = disk_full_error(e, run_dir)
+        if full is None:
+            raise
+        raise full from e
     finally:
         if logger is not None:
             logger.close(finished=False)  # an error: MLflow/W&B mark the run failed (a no-op after a normal close)
@@ -358,21 +338,24 @@ def finished_summary(ckpt: dict, cfg, run_dir: Path, logger) -> dict:
     return summary | {"run_dir": str(run_dir), "already_finished": True}
 
 
-def write_run_records(cfg, rt, b: Built, run_dir: Path, logger, resumed_step: int | None) -> None:
-    """Before step 0: the log files, config.yaml, env.json, and decisions.json with the start-up summary, both
-    written from the plan the run trains with (they cannot disagree with it)."""
+def write_run_records(cfg, rt, b: Built, run_dir: Path, logger, ckpt: dict | None) -> None:
+    """Before step 0: the log files (cut back to what `ckpt`, the checkpoint resumed from, covers), config.yaml,
+    env.json, and decisions.json with the start-up summary, both written from the plan the run trains with (they
+    cannot disagree with it)."""
     from torchsprint.plan import decisions, describe_decisions
 
-    logger.open_files(run_dir, params=config_mod.to_dict(cfg), out_dir=cfg.run.out_dir, resumed_step=resumed_step)
+    logger.open_files(run_dir, params=config_mod.to_dict(cfg), out_dir=cfg.run.out_dir,
+                      resumed_step=None if ckpt is None else ckpt["train_state"]["global_step"],
+                      resumed_counts=None if ckpt is None else ckpt.get("log_records"))
     if rt.is_main:
-        (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
-        (run_dir / "env.json").write_text(json.dumps(environment(rt, cfg.run.seed), indent=1))
+        replace_file(run_dir / "config.yaml", config_mod.dump_yaml(cfg))  # each file whole or not at all (a full disk)
+        replace_file(run_dir / "env.json", json.dumps(environment(rt, cfg.run.seed), indent=1))
     logger.info(f"run folder: {run_dir}  device: {rt.device}  world size: {rt.world_size}")
     decided = decisions(b.plan, b.loaders.info.facts)
     for line in describe_decisions(decided):
         logger.info(line)
     if rt.is_main:
-        (run_dir / "decisions.json").write_text(json.dumps(decided, indent=1))
+        replace_file(run_dir / "decisions.json", json.dumps(decided, indent=1))
     if b.swa.enabled:
         from torchsprint.swa import describe
 
@@ -433,7 +416,7 @@ def finish_summary(cfg, rt, b: Built, run_dir: Path, task, logger, summary: dict
     summary["run_dir"] = str(run_dir)
     summary["init"] = b.init
     if rt.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        replace_file(run_dir / "summary.json", json.dumps(summary, indent=1))
         rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary["final"].items()]
         rows += [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary.get("test", {}).items()]
         rows += [("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary['best_epoch']})"

@@ -230,3 +230,34 @@ def how_to_continue(ts: dict, run_cfg, run_dir: Path) -> str:
                 f"e.g. {resume} run.max_steps={2 * run_cfg.max_steps}`, or remove the limit with run.max_steps=null "
                 f"(then it trains to run.epochs={run_cfg.epochs})")
     return (f"to train it longer, resume with a larger run.epochs, e.g. {resume} run.epochs={run_cfg.epochs + 10}`")
+
+
+def environment(rt, seed: int) -> dict:
+    """Versions, git revision, device, seed: what it takes to reproduce a run (written before step 0)."""
+    import platform
+    import subprocess
+    import sys
+
+    import torch
+    import torchvision
+
+    from torchsprint.version import __version__
+
+    def git_rev():
+        try:
+            here = Path(__file__).resolve().parent
+            out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=5)
+            return (out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")) if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    dev = str(rt.device)
+    if rt.device.type == "cuda":
+        dev += f" ({torch.cuda.get_device_name(rt.device)})"
+    return {
+        "torchsprint": __version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
+        "cpu_threads": torch.get_num_threads(), "device": dev, "world_size": rt.world_size, "seed": seed,
+        "git_revision": git_rev(), "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

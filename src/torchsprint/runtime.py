@@ -294,3 +294,89 @@ def exit_process(code: int) -> None:
     sys.stderr.flush()
     os._exit(code)
 
+
+
+# ---------------------------------------------------------------- memory this process and its children may use
+
+NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as 2^63-1 rounded to a page; v2 writes "max"
+
+
+def proc_bytes(path: str, key: str) -> int | None:
+    """A `Key:   N kB` line of a /proc file (meminfo, status) in bytes; None where there is none."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cgroup_memory() -> tuple[int, int, str] | None:
+    """(limit, usage, its file) of the tightest memory limit of this process's cgroup and its ancestors: v2 memory.max
+    (memory.current), v1 memory.limit_in_bytes (memory.usage_in_bytes); None when no cgroup limits memory. A
+    container's limit is the one its OOM killer enforces, whatever the host's RAM."""
+    from pathlib import Path
+
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    best = None
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":
+            base, limit_name, usage_name = Path("/sys/fs/cgroup"), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit_name, usage_name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        folder = base / rel.lstrip("/")
+        for d in [folder, *folder.parents]:
+            try:
+                text = (d / limit_name).read_text().strip()
+                limit = NO_LIMIT if text == "max" else int(text)
+                usage = int((d / usage_name).read_text().strip())
+            except (OSError, ValueError):
+                limit = NO_LIMIT
+            if limit < NO_LIMIT and (best is None or limit - usage < best[0] - best[1]):
+                best = (limit, usage, str(d / limit_name))
+            if d == base:
+                break
+    return best
+
+
+def memory_cap() -> tuple[int, str]:
+    """(bytes, where that figure comes from): the most memory this process can hold: the smallest of the host's RAM,
+    its cgroup's memory limit (cgroup_memory) and, under `ulimit -v` (RLIMIT_AS), the address space it may still
+    map (the limit less what is mapped already: importing torch maps gigabytes). The memory backend's budget is a
+    share of it: of the RAM alone, a limited process passed the check and died decoding with a MemoryError."""
+    import resource
+
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 0
+    caps = [(ram, f"the {ram / 2**30:.0f} GiB of RAM")] if ram else []
+    group = cgroup_memory()
+    if group is not None:
+        caps.append((group[0], f"the {group[0] / 2**30:.1f} GiB memory limit of this process's cgroup ({group[2]})"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = proc_bytes("/proc/self/status", "VmSize")
+    if soft != resource.RLIM_INFINITY and mapped is not None:
+        left = max(0, soft - mapped)
+        caps.append((left, f"the {left / 2**30:.2f} GiB this process may still map under its address-space limit of "
+                           f"{soft / 2**30:.2f} GiB (ulimit -v)"))
+    return min(caps, default=(0, "no memory figure"), key=lambda c: c[0])
+
+
+def memory_available() -> tuple[int, str]:
+    """(bytes, where from): what new processes can take now: the kernel's MemAvailable, or the cgroup's limit less
+    its usage when that is smaller (0, "" when neither can be read)."""
+    free = proc_bytes("/proc/meminfo", "MemAvailable")
+    out = (free, "available (MemAvailable)") if free is not None else (0, "")
+    group = cgroup_memory()
+    if group is not None and (free is None or group[0] - group[1] < free):
+        out = (max(0, group[0] - group[1]), f"left under the cgroup's memory limit ({group[2]})")
+    return out

@@ -3,6 +3,7 @@ modules its `imports:` lists (the user names the ones they trust with --import; 
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,36 @@ def naming_imports(listed, source):
         if not missing or needs_imports(source, missing) in str(e):
             raise
         raise UsageError(f"{e}{needs_imports(source, missing)}") from None
+
+
+_REQUIRED = object()
+# The type each JSON entry of a model file's metadata holds (torchsprint writes them: trained.Trained.metadata).
+METADATA_TYPES = {"classes": list, "config": dict, "eval_transforms": list, "in_channels": int, "input_size": (list, type(None)),
+                  "mean": list, "std": list}
+
+
+def metadata_entry(meta: dict, key: str, source, default=_REQUIRED):
+    """The value of `key` in a model file's text metadata (a .safetensors header, an ONNX file's metadata_props),
+    which torchsprint writes as JSON: classes, config, eval_transforms, in_channels... The one place that parses
+    them: an entry that is not valid JSON, or not the type it must be (a damaged or hand-edited file), is one
+    UsageError naming the file and the key, never a JSONDecodeError traceback. `default`: the value when the file
+    has no such entry (without one, a missing entry is refused too)."""
+    if key not in meta:
+        if default is not _REQUIRED:
+            return default
+        raise UsageError(f"{source} has no '{key}' entry in its metadata: it was not written by torchsprint, or was "
+                         "edited. Export it again with `torchsprint export` (or re-train the run).")
+    try:
+        value = json.loads(meta[key])
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise UsageError(f"{source}: its metadata entry '{key}' is not valid JSON ({str(e)[:80]}): the file is damaged "
+                         "or was edited. Export it again with `torchsprint export` (or re-train the run).") from None
+    kind = METADATA_TYPES.get(key, object)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise UsageError(f"{source}: its metadata entry '{key}' holds {type(value).__name__} {str(value)[:40]!r}, not "
+                         f"the {getattr(kind, '__name__', 'list')} torchsprint writes: the file is damaged or was edited. "
+                         "Export it again with `torchsprint export` (or re-train the run).")
+    return value
 
 
 def file_config(raw: dict, source: str | Path) -> config_mod.Config:

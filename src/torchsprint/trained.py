@@ -12,7 +12,7 @@ from torch import nn
 from torchsprint import config as config_mod
 from torchsprint.checkpoint import read_safetensors_metadata
 from torchsprint.errors import UsageError
-from torchsprint.saved_config import file_config, load_run_config, naming_imports
+from torchsprint.saved_config import file_config, load_run_config, metadata_entry, naming_imports
 
 __all__ = ["Trained", "file_config", "load_run", "load_weights_file"]
 
@@ -78,13 +78,11 @@ def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg:
                          "re-train it.") from None
     if "classes" not in meta:
         raise UsageError(f"{path} has no torchsprint metadata (classes); export it with `torchsprint export`.")
-    raw = None
     if cfg is None:
         if "config" not in meta:
             raise UsageError(f"{path} carries no config; pass the run folder instead.")
-        raw = json.loads(meta["config"])
-        cfg = file_config(raw, path)
-    classes, in_channels = json.loads(meta["classes"]), int(meta["in_channels"])
+        cfg = file_config(metadata_entry(meta, "config", path), path)
+    classes, in_channels = metadata_entry(meta, "classes", path), metadata_entry(meta, "in_channels", path)
     with naming_imports(cfg.imports, path):
         model = build_model(cfg.model, len(classes), in_channels)
     try:

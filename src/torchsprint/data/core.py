@@ -74,26 +74,20 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
-def host_ram() -> int:
-    import os
-
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 def memory_budget(device: torch.device, budget_gib: float | None = None) -> tuple[int, str]:
     """(bytes the memory backend may hold on `device`, the same in words): data.memory_budget_gib when set,
-    else MEMORY_SHARE_GPU of a CUDA device's total memory or MEMORY_SHARE_RAM of the host's RAM."""
+    else MEMORY_SHARE_GPU of a CUDA device's total memory or MEMORY_SHARE_RAM of what this process can hold
+    (runtime.memory_cap: the RAM, or less under a cgroup limit or `ulimit -v`)."""
     if budget_gib is not None:
         return int(budget_gib * 2**30), f"data.memory_budget_gib={budget_gib:g}"
     if device.type == "cuda":
         # Total, not free memory: every rank must make the same choice (the memory backend still checks free memory).
         total = torch.cuda.get_device_properties(device).total_memory
         return int(total * MEMORY_SHARE_GPU), f"{MEMORY_SHARE_GPU:.0%} of {device}'s {total / 2**30:.0f} GiB"
-    ram = host_ram()
-    return int(ram * MEMORY_SHARE_RAM), f"{MEMORY_SHARE_RAM:.0%} of the {ram / 2**30:.0f} GiB of RAM"
+    from torchsprint.runtime import memory_cap
+
+    cap, where = memory_cap()
+    return int(cap * MEMORY_SHARE_RAM), f"{MEMORY_SHARE_RAM:.0%} of {where}"
 
 
 MODE = {"mode": "RGB (3 channels, default) or GRAY (1 channel)"}

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from torchsprint.logging import replace_file
+
 FEW = 5  # a class with fewer training images than this is warned about
 IMBALANCE = 10.0  # largest / smallest class ratio above which the report warns
 
@@ -274,7 +276,7 @@ def check(cfg, batches: int = 10, out: Path | None = None, progress: bool = True
     grid = sample_grid(splits, cfg, out)
     if grid is not None:
         report["grid"] = str(grid)
-    (out / "check.json").write_text(json.dumps(report, indent=1, default=str))
+    replace_file(out / "check.json", json.dumps(report, indent=1, default=str))
     report["out"] = str(out)
     return report
 

@@ -35,13 +35,13 @@ import torch
 from torch import nn
 
 from torchsprint import config, runtime
-from torchsprint.checkpoint import TrainState
 from torchsprint.data import DATASETS
 from torchsprint.data.core import Splits, TensorImages
-from torchsprint.engine import set_train_mode, train_one_epoch
-from torchsprint.logging import RunLogger
 from torchsprint.models import build_model
-from torchsprint.run import build_training
+from torchsprint.observe.logging import RunLogger
+from torchsprint.train.checkpoint import TrainState
+from torchsprint.train.engine import set_train_mode, train_one_epoch
+from torchsprint.train.run import build_training
 
 SHAPES = {"linear": (3, 8, 8), "small_cnn": (3, 16, 16), "resnet18": (3, 32, 32)}
 CLOCK = time.perf_counter  # --clock process: time.process_time (CPU seconds of this process: steadier under load)
@@ -149,7 +149,7 @@ def plain_default_run(x, y, xv, yv) -> tuple[float, float]:
 
 def torchsprint_default_run(work: Path) -> tuple[float, float]:
     """`torchsprint train` with its defaults (console quiet, files written). Returns (train images/s, seconds)."""
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     run_dir = Path(tempfile.mkdtemp(dir=work))
     t = time.perf_counter()

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from torchsprint import config
-from torchsprint import run as run_mod
+from torchsprint.train import run as run_mod
 
 OVERRIDES = ["model.args={width: 8}", "data.batch_size=64", "data.val_fraction=0.5", "optim.lr=0.05",
              "log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.device=cpu",

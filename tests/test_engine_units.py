@@ -1,9 +1,9 @@
-"""engine.py and validation.py function by function, fast: real tiny models, real in-memory loaders, optimizers,
+"""train/engine.py and train/validation.py function by function, fast: real tiny models, real in-memory loaders, optimizers,
 RunLogger and Saver.
 
 Every reference is an independent plain PyTorch computation over the same batches (the loader's own
 batches, read before the engine runs: the engine's job is the loop, not the data). Each test takes well
-under a second, so benchmarks/mutation.sh can run them for each of engine.py's and validation.py's mutants.
+under a second, so benchmarks/mutation.sh can run them for each of train/engine.py's and train/validation.py's mutants.
 """
 
 from __future__ import annotations
@@ -20,11 +20,16 @@ from safetensors.torch import load_file
 from torch import nn
 
 from torchsprint import config, runtime
-from torchsprint.checkpoint import Saver, TrainState, data_geometry
 from torchsprint.data.build import build_loaders
 from torchsprint.data.core import Splits, TensorImages
-from torchsprint.ema import build_ema
-from torchsprint.engine import (
+from torchsprint.errors import Diverged, UsageError
+from torchsprint.models.init import NO_HEAD_ONLY
+from torchsprint.observe.logging import RunLogger
+from torchsprint.runtime.preempt import Stopper
+from torchsprint.tasks.core import get_task
+from torchsprint.train.checkpoint import Saver, TrainState, data_geometry
+from torchsprint.train.ema import build_ema
+from torchsprint.train.engine import (
     NO_EMA,
     EpochTotals,
     check_finite,
@@ -35,14 +40,9 @@ from torchsprint.engine import (
     train_one_epoch,
     train_step,
 )
-from torchsprint.errors import Diverged, UsageError
-from torchsprint.logging import RunLogger
-from torchsprint.models.init import NO_HEAD_ONLY
-from torchsprint.plan import NO_SPEED, build_plan
-from torchsprint.precision import Precision
-from torchsprint.preempt import Stopper
-from torchsprint.tasks import get_task
-from torchsprint.validation import early_stop_check, evaluate, is_better, set_train_mode
+from torchsprint.train.plan import NO_SPEED, build_plan
+from torchsprint.train.precision import Precision
+from torchsprint.train.validation import early_stop_check, evaluate, is_better, set_train_mode
 
 CPU = torch.device("cpu")
 N_TRAIN, N_VAL, C, H, W, K = 40, 24, 1, 4, 4, 3  # 40 images of 1x4x4, 3 classes

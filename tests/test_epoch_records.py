@@ -12,8 +12,8 @@ import math
 from safetensors.torch import load_file
 
 from torchsprint import config
-from torchsprint.resume import find_checkpoints
-from torchsprint.run import train
+from torchsprint.train.resume import find_checkpoints
+from torchsprint.train.run import train
 
 FAST = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false",
         "data.batch_size=128", "data.val_fraction=0.5"]  # 898 training images: 7 steps per epoch

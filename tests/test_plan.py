@@ -11,13 +11,14 @@ import json
 import pytest
 import torch
 
-from torchsprint import config, run
-from torchsprint.checkpoint import TrainState
-from torchsprint.engine import set_train_mode, train_one_epoch
-from torchsprint.logging import RunLogger
-from torchsprint.parallel import CudaGraphed, unwrap
-from torchsprint.plan import decisions, describe_decisions
-from torchsprint.runtime import Runtime
+from torchsprint import config
+from torchsprint.observe.logging import RunLogger
+from torchsprint.runtime.core import Runtime
+from torchsprint.runtime.parallel import CudaGraphed, unwrap
+from torchsprint.train import run
+from torchsprint.train.checkpoint import TrainState
+from torchsprint.train.engine import set_train_mode, train_one_epoch
+from torchsprint.train.plan import decisions, describe_decisions
 
 # 40 training JPEGs of 12x12 RGB (3 channels: an NCHW and an NHWC batch differ in their strides), batch 8,
 # 2 micro-batches per step: 5 batches -> 3 optimizer steps per epoch (the last of one micro-batch).

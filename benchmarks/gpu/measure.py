@@ -168,9 +168,9 @@ class TorchsprintSide:
         from torchsprint import config, runtime
         from torchsprint.models import build_model
         from torchsprint.optim import build_loss, build_optimizer
-        from torchsprint.parallel import wrap_model
-        from torchsprint.plan import decide_speed
-        from torchsprint.precision import Precision
+        from torchsprint.runtime.parallel import wrap_model
+        from torchsprint.train.plan import decide_speed
+        from torchsprint.train.precision import Precision
 
         # speed.cuda_graphs=auto would capture on CUDA: a variant says when it wants graphs (same switches as its name).
         cfg = config.load(None, [f"model.name={model}", f"run.device={SIZE['device']}", "speed.cuda_graphs=false", *overrides])
@@ -188,7 +188,7 @@ class TorchsprintSide:
         self.net.train()
 
     def step(self) -> None:
-        from torchsprint.engine import train_step
+        from torchsprint.train.engine import train_step
 
         train_step(self.net, self.batch, self.loss_fn, self.opt, self.prec)
 
@@ -344,7 +344,7 @@ def model_pair_rate(model: str, overrides: list[str], batch: int, steps: int, wa
 
 def unwrap_graphed(model):
     """The CudaGraphed wrapper inside a wrapped model, if any (its replay count proves the graph ran)."""
-    from torchsprint.parallel import CudaGraphed
+    from torchsprint.runtime.parallel import CudaGraphed
 
     m = getattr(model, "_orig_mod", model)
     while not isinstance(m, CudaGraphed) and hasattr(m, "module"):
@@ -589,8 +589,8 @@ def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
 def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
     """images/s and data-wait share of build_training + train_step on real JPEG batches."""
     from torchsprint import config, runtime
-    from torchsprint.engine import train_step
-    from torchsprint.run import build_training
+    from torchsprint.train.engine import train_step
+    from torchsprint.train.run import build_training
 
     cfg = config.load(None, overrides)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -697,8 +697,8 @@ def register_random_cifar(n: int = 50000) -> None:
 
 def m4(res: Results, deadline: float) -> None:
     from torchsprint import config, runtime
-    from torchsprint.engine import train_step
-    from torchsprint.run import build_training
+    from torchsprint.train.engine import train_step
+    from torchsprint.train.run import build_training
 
     register_random_cifar(SIZE["cifar"])
     over = ["data.dataset=random_cifar", "data.backend=memory", f"data.batch_size={SIZE['cifar_batch']}",

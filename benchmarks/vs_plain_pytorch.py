@@ -40,6 +40,7 @@ from torchsprint.data.core import Splits, TensorImages
 from torchsprint.models import build_model
 from torchsprint.observe.logging import RunLogger
 from torchsprint.train.checkpoint import TrainState
+from torchsprint.train.context import RunContext
 from torchsprint.train.engine import set_train_mode, train_one_epoch
 from torchsprint.train.run import build_training
 
@@ -109,8 +110,7 @@ def torchsprint_run(model_name: str, dataset: str, batch_size: int, lr: float, b
     t = CLOCK()  # around the whole loop, as on the plain side (the engine's own clock is wall time)
     for epoch in range(epochs):
         state.epoch, state.step_in_epoch = epoch, 0
-        ep = train_one_epoch(b.model, b.loaders.train, b.loss_fn, b.opt, b.sched, b.prec, state, b.plan,
-                             logger=logger, saver=None)
+        ep = train_one_epoch(b, state, b.plan, RunContext(rt, log_dir, logger))
         b.sched.step()
         images += ep["images"]
     seconds = CLOCK() - t

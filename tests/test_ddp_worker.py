@@ -106,6 +106,7 @@ def uneven_and_no_sync() -> dict:
     from torchsprint.runtime.collectives import agree_on_data
     from torchsprint.runtime.parallel import wrap_model
     from torchsprint.train.checkpoint import TrainState
+    from torchsprint.train.context import RunContext, Trainable
     from torchsprint.train.engine import train_one_epoch, train_step
     from torchsprint.train.plan import NO_SPEED, build_plan
     from torchsprint.train.precision import Precision
@@ -128,7 +129,7 @@ def uneven_and_no_sync() -> dict:
         g = torch.Generator().manual_seed(rt.rank)
         batches = [(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
         for step in range(3):  # 2 micro-batches per step -> one all-reduce per step with no_sync
-            train_step(model, batches[2 * step : 2 * step + 2], nn.CrossEntropyLoss(), opt, prec)
+            train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), batches[2 * step : 2 * step + 2])
         allreduces_accum = len(calls)
 
         mine = batches if rt.rank == 0 else batches[:4]
@@ -137,8 +138,9 @@ def uneven_and_no_sync() -> dict:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         saver = SimpleNamespace(save=lambda *a, **k: None)
         plan = build_plan(cfg, rt, info=None, train_batches=len(loader), speed=NO_SPEED, opt=opt)
-        ep = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, prec, state, plan,
-                             logger=RunLogger(None, cfg.log, enabled=False), saver=saver)
+        b = SimpleNamespace(model=model, loaders=SimpleNamespace(train=loader), loss_fn=nn.CrossEntropyLoss(), opt=opt,
+                            sched=sched, prec=prec)
+        ep = train_one_epoch(b, state, plan, RunContext(rt, None, RunLogger(None, cfg.log, enabled=False), saver))
         return {"allreduces_accum": allreduces_accum, "uneven_steps": state.global_step, "finished": ep["finished_epoch"]}
     finally:
         runtime.teardown(rt)

@@ -117,7 +117,7 @@ def test_teacher_stays_frozen_in_eval_mode_while_the_student_trains(teacher_run)
     hits, n = [], 0
     for i, (x, y) in enumerate(b.loaders.train):
         assert isinstance(y, Distilled) and y.teacher.shape == (x.shape[0], 10) and not y.teacher.requires_grad
-        train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec, correct=hits)
+        train_step(b, [(x, y)], correct=hits)
         n += x.shape[0]
         if i == 5:
             break

@@ -29,6 +29,7 @@ from torchsprint.data import DATASETS, build_loaders
 from torchsprint.data.backends.gpu import build_gpu_loaders, decode_on_device
 from torchsprint.models.core import MODELS
 from torchsprint.runtime.core import Runtime
+from torchsprint.train.context import Trainable
 from torchsprint.train.run import train
 
 pytestmark = pytest.mark.gpu
@@ -229,6 +230,7 @@ def test_cuda_graphs_keep_frozen_batchnorm_in_eval_mode():
 def test_cuda_graphs_really_replay_in_training(tmp_path):
     """speed.cuda_graphs through wrap_model and train_step: every full training batch is a replay."""
     from torchsprint.runtime.parallel import wrap_model
+    from torchsprint.train.context import Trainable
     from torchsprint.train.engine import train_step
     from torchsprint.train.plan import decide_speed
     from torchsprint.train.precision import Precision
@@ -241,7 +243,7 @@ def test_cuda_graphs_really_replay_in_training(tmp_path):
                        example=lambda: x)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(5):
-        train_step(model, [(x, y)], nn.CrossEntropyLoss(), opt, prec)
+        train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(x, y)])
     assert model.replays == 5
 
 
@@ -265,7 +267,7 @@ def test_compile_really_compiles_on_gpu(mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 5, (16,), device="cuda")
     for _ in range(4):
-        train_step(model, [(x, y)], nn.CrossEntropyLoss(), opt, prec)
+        train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(x, y)])
     frames = counters["frames"]
     assert frames["ok"] >= 1 and frames["ok"] == frames["total"], dict(frames)
     assert counters["stats"]["unique_graphs"] >= 1 and counters["aot_autograd"]["ok"] >= 1
@@ -452,12 +454,12 @@ def test_steady_state_train_step_never_syncs(mode, setup):
                for _ in range(micro)]
     clip = 1.0 if "clip" in flags else None
     for _ in range(10):  # warm-up: cuDNN autotuning, the optimizer's first (state-creating) step, the scaler's start
-        train_step(model, batches, nn.CrossEntropyLoss(), opt, prec, clip)
+        train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), batches, clip)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(5):
-            loss = train_step(model, batches, nn.CrossEntropyLoss(), opt, prec, clip)
+            loss = train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), batches, clip)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss)

@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("tasks", ["tasks.core", "tasks.tta"]),
     ("config", ["config.files", "config.sections", "config.training", "config.schema", "config.saved"]),
     ("plan", ["train.plan"]),
-    ("engine", ["train.validation", "train.engine", "train.batch_size", "train.distill"]),
+    ("engine", ["train.context", "train.validation", "train.engine", "train.batch_size", "train.distill"]),
     ("run", ["train.evaluation", "train.run"]),
     ("commands", ["commands.*", "commands.bench.*", "runtime.launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),

@@ -17,6 +17,7 @@ from torchsprint.runtime.core import Runtime
 from torchsprint.runtime.parallel import CudaGraphed, unwrap
 from torchsprint.train import run
 from torchsprint.train.checkpoint import TrainState
+from torchsprint.train.context import RunContext
 from torchsprint.train.engine import set_train_mode, train_one_epoch
 from torchsprint.train.plan import decisions, describe_decisions
 
@@ -104,8 +105,7 @@ def test_the_engine_follows_the_plan_not_the_config(tmp_path):
     steps = []
     b.opt.register_step_post_hook(lambda *_: steps.append(1))
     set_train_mode(b.model, b.frozen_norms)
-    ep = train_one_epoch(b.model, b.loaders.train, b.loss_fn, b.opt, b.sched, b.prec, TrainState(), plan,
-                         logger=logger, saver=None)
+    ep = train_one_epoch(b, TrainState(), plan, RunContext(rt, tmp_path, logger))
     logger.close()
     assert len(steps) == 4 and ep["images"] == 32 and not ep["finished_epoch"]  # one batch per step, stopped at 4
     rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]

@@ -57,9 +57,9 @@ def main(out: Path, part: str) -> None:
     ema = ModelEma(unwrap(b.model), config.load(None, ["ema.enabled=true", "ema.decay=0.5"]).ema, rt.device)
     ema.attach(unwrap(b.model))
     x, y = next(iter(b.loaders.train))
-    train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+    train_step(b, [(x, y)])
     ema.update(1)
-    train_step(b.model, [(x + rt.rank, y)], b.loss_fn, b.opt, b.prec)  # different inputs per rank: different BN stats
+    train_step(b, [(x + rt.rank, y)])  # different inputs per rank: different BN stats
     ema.update(2)
 
     def digest():

@@ -124,7 +124,7 @@ def test_ema_follows_the_original_module_under_compile(tmp_path):
     batches = iter(b.loaders.train)
     seen = []
     for step in (1, 2):
-        train_step(b.model, [next(batches)], b.loss_fn, b.opt, b.prec)
+        train_step(b, [next(batches)])
         b.ema.update(step)
         seen.append({k: v.clone() for k, v in unwrap(b.model).state_dict().items()})
     ema = b.ema.module.state_dict()

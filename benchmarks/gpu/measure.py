@@ -188,9 +188,10 @@ class TorchsprintSide:
         self.net.train()
 
     def step(self) -> None:
+        from torchsprint.train.context import Trainable
         from torchsprint.train.engine import train_step
 
-        train_step(self.net, self.batch, self.loss_fn, self.opt, self.prec)
+        train_step(Trainable(self.net, self.loss_fn, self.opt, self.prec), self.batch)
 
     def info(self) -> dict:
         from torch._dynamo.utils import counters
@@ -610,7 +611,7 @@ def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
             epoch, it = epoch + 1, None
 
     for _ in range(warmup):
-        train_step(b.model, [batch()], b.loss_fn, b.opt, b.prec)
+        train_step(b, [batch()])
     sync()
     wait, images, loader_cpu = 0.0, 0, 0.0
     t0 = time.perf_counter()
@@ -619,7 +620,7 @@ def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
         x, y = batch()
         wait += time.perf_counter() - tw
         loader_cpu += time.thread_time() - cw  # the training thread's own CPU in the loader (its host work)
-        train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+        train_step(b, [(x, y)])
         images += x.shape[0]
     sync()
     seconds = time.perf_counter() - t0
@@ -719,12 +720,12 @@ def m4(res: Results, deadline: float) -> None:
         tr = b.loaders.train
         tr.set_epoch(0)
         for x, y in tr:  # warm-up epoch: cuDNN autotuning, allocator
-            train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+            train_step(b, [(x, y)])
         sync()
         tr.set_epoch(1)
         t = time.perf_counter()
         for x, y in tr:
-            train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+            train_step(b, [(x, y)])
         sync()
         epoch_s = time.perf_counter() - t
         tr.set_epoch(2)

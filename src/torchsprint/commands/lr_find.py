@@ -112,7 +112,7 @@ def sweep(b, cfg, steps: int, start: float, end: float) -> dict:
         for g in b.opt.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         micro = [next(it) for _ in range(accum)]
-        loss = train_step(b.model, micro, b.loss_fn, b.opt, b.prec, cfg.optim.clip_grad_norm).item()  # note: a host sync per step, to stop on divergence
+        loss = train_step(b, micro, cfg.optim.clip_grad_norm).item()  # note: a host sync per step, to stop on divergence
         avg = BETA * avg + (1 - BETA) * loss
         s = avg / (1 - BETA ** (i + 1))
         lrs.append(lr)

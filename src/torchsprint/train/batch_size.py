@@ -333,6 +333,7 @@ class Trial:
         return (x.contiguous(memory_format=torch.channels_last) if self.four_d else x), targets[idx]
 
     def fits(self, n: int) -> bool:
+        from torchsprint.train.context import Trainable
         from torchsprint.train.engine import train_step
 
         device, opt = self.device, self.opt
@@ -340,7 +341,7 @@ class Trial:
         try:
             x, y = self.batch(n)
             for _ in range(STEPS_PER_TRIAL):
-                train_step(self.model, [(x, y)], self.loss_fn, opt, self.prec, self.clip_grad_norm)
+                train_step(Trainable(self.model, self.loss_fn, opt, self.prec), [(x, y)], self.clip_grad_norm)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # an asynchronous failure surfaces here, inside the trial
         except Exception as e:  # noqa: BLE001 - only out-of-memory is an answer; anything else is raised

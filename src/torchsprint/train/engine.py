@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from torchsprint.runtime.parallel import no_sync, unwrap
 from torchsprint.runtime.preempt import Stopper
 from torchsprint.runtime.rng import rng_isolated
 from torchsprint.train.checkpoint import TrainState, save_weights
+from torchsprint.train.context import RunContext
 from torchsprint.train.ema import NoEma
 from torchsprint.train.swa import NoSwa
 from torchsprint.train.validation import Validation, set_train_mode, weights_tag
@@ -30,14 +32,15 @@ NO_LIMITS = SimpleNamespace(stop_after_steps=None, max_time=None, stop_signals=(
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
 
 
-def train_step(model, micro_batches, loss_fn, opt, prec, clip_grad_norm: float | None = None,
-               correct: list | None = None) -> torch.Tensor:
+def train_step(t, micro_batches, clip_grad_norm: float | None = None, correct: list | None = None) -> torch.Tensor:
     """One optimizer step over `micro_batches` (gradient accumulation when there are several).
 
-    Returns the mean loss as a detached device tensor (no host sync here). With `correct` (a list), each
+    `t`: what the step uses, `t.model`, `t.loss_fn`, `t.opt` and `t.prec` (train/run.py's Built, or a
+    context.Trainable). Returns the mean loss as a detached device tensor (no host sync here). With `correct` (a list), each
     micro-batch's (top-1 predictions, targets) are appended to it, as device tensors (class-index targets):
     one argmax per step; EpochTotals.fold compares and counts them all at once.
     """
+    model, loss_fn, opt, prec = t.model, t.loss_fn, t.opt, t.prec
     n = len(micro_batches)
     losses = []
     for i, (images, targets) in enumerate(micro_batches):
@@ -60,16 +63,18 @@ def train_step(model, micro_batches, loss_fn, opt, prec, clip_grad_norm: float |
     return losses[0] if n == 1 else torch.stack(losses).float().mean()
 
 
-def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState, plan, *, logger, saver,
-                    stop: Stopper | None = None, validation: Validation | None = None, ema=NO_EMA) -> dict:
-    """Train until the end of `state.epoch` (or run.max_steps, or `stop` says so), resuming at state.step_in_epoch.
+def train_one_epoch(b, state: TrainState, plan, ctx: RunContext, validation: Validation | None = None) -> dict:
+    """Train until the end of `state.epoch` (or run.max_steps, or `ctx.stop` says so), resuming at state.step_in_epoch.
 
-    `plan` (plan.RunPlan): accumulation, schedule interval, clipping, when to log and checkpoint, max_steps.
-    `stop` (preempt.Stopper): asked after every step (pauses, max_time, stop signals; None: never); `validation`:
-    runs the eval.every_steps evaluations (an early stop there ends the epoch). Returns epoch statistics: images,
-    seconds, data-wait seconds, mean loss, whether the epoch finished.
+    `b`: the run's objects (train/run.py's Built: model, loaders.train, loss_fn, opt, sched, prec, and ema, a no-op
+    object when absent). `plan` (plan.RunPlan): accumulation, schedule interval, clipping, when to log and checkpoint,
+    max_steps. `ctx.stop` (preempt.Stopper): asked after every step (pauses, max_time, stop signals; None: never);
+    `validation`: runs the eval.every_steps evaluations (an early stop there ends the epoch). Returns epoch statistics:
+    images, seconds, data-wait seconds, mean loss, whether the epoch finished.
     """
-    stop = stop or Stopper(NO_LIMITS, state.global_step)
+    model, loader, opt, sched, prec = b.model, b.loaders.train, b.opt, b.sched, b.prec
+    ema, logger, saver = getattr(b, "ema", NO_EMA), ctx.logger, ctx.saver
+    stop = ctx.stop or Stopper(NO_LIMITS, state.global_step)
     stop.attach(loader)
     kill_at = fault_step()  # the tests' fault hook, read once per epoch, not per step
     accum, per_step_sched = plan.accum_steps, plan.sched_interval == "step"
@@ -91,7 +96,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         data_wait += time.perf_counter() - t0
         if not micro:
             break
-        loss = train_step(model, micro, loss_fn, opt, prec, plan.clip_grad_norm, totals.hits)
+        loss = train_step(b, micro, plan.clip_grad_norm, totals.hits)
         if per_step_sched:
             sched.step()
         n_images = sum(b[0].shape[0] for b in micro)
@@ -104,7 +109,7 @@ def train_one_epoch(model, loader, loss_fn, opt, sched, prec, state: TrainState,
         ema.update(state.global_step)  # a no-op object when ema.enabled=false
         logger.advance(images=n_images)  # the heartbeat and the time estimate (progress.Feedback)
         if state.global_step % plan.log_every_steps == 0:
-            window.log(state, opt, prec, totals, logger)
+            window.log(state, b, totals, logger)
         # An evaluation due at this step comes before its checkpoint: a resume from it neither repeats nor skips one.
         if validation is not None and validation.due_mid_epoch(state.global_step):
             if validation(state):
@@ -154,8 +159,10 @@ class LogWindow:
         self.losses.append(loss)
         self.images += images
 
-    def log(self, state: TrainState, opt, prec, totals: EpochTotals, logger) -> None:
-        """Log the window's mean loss, the lr and images/s at step state.global_step, fold the totals, start anew."""
+    def log(self, state: TrainState, t, totals: EpochTotals, logger) -> None:
+        """Log the window's mean loss, the lr and images/s at step state.global_step, fold the totals, start anew.
+        `t`: the step's objects (its `opt` and `prec`)."""
+        opt, prec = t.opt, t.prec
         mean_loss = torch.stack(self.losses).float().mean().item()  # note: a CPU-GPU sync point, once per log step
         check_finite(prec, state, self.losses, opt, math.isfinite(mean_loss))
         totals.fold(state)
@@ -242,8 +249,7 @@ def check_finite(prec, state: TrainState, window: list, opt, loss_finite: bool |
                                               lr=opt.param_groups[0]["lr"])
 
 
-def fit(plan, b, state: TrainState, *, rt, run_dir: Path, logger, saver, stop: Stopper, make_metrics,
-        weights_meta: dict, task=None) -> dict:
+def fit(plan, b, state: TrainState, ctx: RunContext) -> dict:
     """Train for plan.epochs (or plan.max_steps) from `state`, evaluating and checkpointing.
 
     `plan` (plan.RunPlan): every decision the loop follows (steps, when to log, evaluate and checkpoint, what to
@@ -253,10 +259,10 @@ def fit(plan, b, state: TrainState, *, rt, run_dir: Path, logger, saver, stop: S
     (metrics ema/val/...) and saved as ema.safetensors; best.safetensors holds the EMA weights when the monitor
     names an ema/ metric. `b.head_only` (models.init.HeadOnly; a no-op when model.freeze_epochs=0): which
     parameters train in each epoch.
-    `stop` (preempt.Stopper) pauses the run after a step: run.stop_after_steps, run.max_time or a stop signal. A
-    pause saves a checkpoint, adds no evaluation and leaves the schedule untouched, so that a later resume
-    continues exactly as if never stopped.
-    `task` (tasks.Task; classification when None) formats the evaluation line and writes the extra
+    `ctx` (context.RunContext): the run's services. `ctx.stop` (preempt.Stopper) pauses the run after a step:
+    run.stop_after_steps, run.max_time or a stop signal. A pause saves a checkpoint, adds no evaluation and leaves
+    the schedule untouched, so that a later resume continues exactly as if never stopped.
+    `ctx.task` (tasks.Task; classification when None) formats the evaluation line and writes the extra
     artifacts that go with the best weights (the confusion matrix for classification).
     `b.swa` (swa.Swa or the no-op NoSwa; NoSwa when `b` has none): averages the weights at the end of each epoch
     from swa.start on (train/run.py updates its BatchNorm statistics, evaluates and saves it after fit).
@@ -265,19 +271,20 @@ def fit(plan, b, state: TrainState, *, rt, run_dir: Path, logger, saver, stop: S
     """
     from torchsprint.tasks.core import get_task
 
-    task = task or get_task("classification")
-    model, loaders, opt, sched, prec = b.model, b.loaders, b.opt, b.sched, b.prec
+    if ctx.task is None:
+        ctx = replace(ctx, task=get_task("classification"))
+    model, loaders, opt, sched, prec, logger, saver = b.model, b.loaders, b.opt, b.sched, b.prec, ctx.logger, ctx.saver
+    stop = ctx.stop or Stopper(NO_LIMITS, state.global_step)
+    ctx = replace(ctx, stop=stop)
     swa = getattr(b, "swa", NO_SWA)
-    val = Validation(model, loaders, b.loss_fn, prec, make_metrics, b.ema, b.frozen_norms, plan, rt, logger, run_dir,
-                     weights_meta, task)
+    val = Validation(b, plan, ctx)
     totals = {"images": 0, "seconds": 0.0, "data_wait": 0.0}
     t_fit = time.perf_counter()
     pausing = False
     while state.epoch < plan.epochs:
         b.head_only.apply(state.epoch)  # model.freeze_epochs: from the epoch number alone, so exact across resume
         set_train_mode(model, b.frozen_norms + b.head_only.norms(state.epoch))
-        ep = train_one_epoch(model, loaders.train, b.loss_fn, opt, sched, prec, state, plan, logger=logger, saver=saver,
-                             stop=stop, validation=val, ema=b.ema)
+        ep = train_one_epoch(b, state, plan, ctx, val)
         for k in totals:
             totals[k] += ep[k]
         stopping = (plan.max_steps is not None and state.global_step >= plan.max_steps) or state.stopped_epoch is not None
@@ -303,25 +310,25 @@ def fit(plan, b, state: TrainState, *, rt, run_dir: Path, logger, saver, stop: S
         if stopping or pausing:
             break
     paused = pausing and state.epoch < plan.epochs and state.stopped_epoch is None
-    artifacts = finish_fit(plan, b, state, val, rt=rt, run_dir=run_dir, logger=logger, stop=stop, paused=paused,
-                           weights_meta=weights_meta, task=task)
-    return fit_summary(plan, state, val, stop, paused=paused, totals=totals, seconds=time.perf_counter() - t_fit,
-                       artifacts=artifacts)
+    artifacts = finish_fit(b, state, val, ctx, paused)
+    return fit_summary(state, val, stop, {"paused": paused, "totals": totals, "seconds": time.perf_counter() - t_fit,
+                                          "artifacts": artifacts})
 
 
-def fit_summary(plan, state: TrainState, val: Validation, stop: Stopper, *, paused: bool, totals: dict, seconds: float,
-                artifacts: dict) -> dict:
-    """fit's return value (see fit); `totals`: the images, seconds and data-wait seconds of the epochs trained."""
+def fit_summary(state: TrainState, val: Validation, stop: Stopper, outcome: dict) -> dict:
+    """fit's return value (see fit). `outcome`: paused (bool), totals (the images, seconds and data-wait seconds of
+    the epochs trained), seconds (fit's wall time) and artifacts (finish_fit's)."""
+    plan, paused, totals = val.plan, outcome["paused"], outcome["totals"]
     return {
         "final": {k: v for k, v in val.last.items() if not isinstance(v, list)},
         "best_metric": state.best_metric,
         "best_epoch": state.best_epoch,
-        "seconds": seconds,
+        "seconds": outcome["seconds"],
         "train_images_per_s": totals["images"] / max(totals["seconds"], 1e-9),
         "data_wait_share": totals["data_wait"] / max(totals["seconds"], 1e-9),
         "global_step": state.global_step,
         "skipped_steps": state.skipped_steps,
-        "artifacts": artifacts,
+        "artifacts": outcome["artifacts"],
         "paused": paused,
         # Why training ended: completed (run.epochs or run.max_steps), early_stop, or a pause: stop_after_steps,
         # max_time, signal (then "signal" names it where this process received it).
@@ -341,15 +348,15 @@ def start_next_epoch(state: TrainState) -> None:
     state.epoch_loss_sum, state.epoch_steps, state.epoch_correct, state.epoch_samples = 0.0, 0, 0, 0
 
 
-def finish_fit(plan, b, state: TrainState, val: Validation, *, rt, run_dir: Path, logger, stop: Stopper, paused: bool,
-               weights_meta: dict, task) -> dict:
+def finish_fit(b, state: TrainState, val: Validation, ctx: RunContext, paused: bool) -> dict:
     """After the loop: say why it stopped, save last.safetensors (and ema.safetensors) unless paused, and return
     which weights each artifact file describes (file name -> weights_tag)."""
+    plan, rt, run_dir, logger, task, weights_meta = val.plan, ctx.rt, ctx.run_dir, ctx.logger, ctx.task, ctx.weights_meta
     if state.stopped_epoch is not None:
         logger.info(f"early stop after epoch {state.stopped_epoch + 1}: {plan.monitor} has not improved by more than "
                     f"{plan.early_stop_min_delta} for {plan.early_stop_patience} evaluation(s) (best {state.stop_best:.4g})")
     if paused:
-        logger.info(pause_message(stop, state, run_dir))
+        logger.info(pause_message(ctx.stop, state, run_dir))
     else:
         b.ema.sync(rt)
         if rt.is_main:

@@ -73,8 +73,9 @@ def class_weights(info) -> torch.Tensor:
     return (inv / inv.mean()).float()
 
 
-def evaluate_test(cfg, rt, b, run_dir: Path, task, logger, step: int) -> dict:
-    """eval.test_at_end: the best weights on the test split (every rank; rank 0 reads the file and shares it)."""
+def evaluate_test(cfg, b, ctx, step: int) -> dict:
+    """eval.test_at_end: the best weights on the test split (every rank; rank 0 reads the file and shares it).
+    `ctx`: the run's context.RunContext (rt, run_dir, task, logger)."""
     from safetensors.torch import load_file
 
     from torchsprint.data import build_loaders
@@ -82,7 +83,8 @@ def evaluate_test(cfg, rt, b, run_dir: Path, task, logger, step: int) -> dict:
     from torchsprint.runtime.parallel import unwrap
     from torchsprint.train.validation import evaluate
 
-    state = load_file(str(run_dir / "best.safetensors")) if rt.is_main else None
+    rt, task, logger = ctx.rt, ctx.task, ctx.logger
+    state = load_file(str(ctx.run_dir / "best.safetensors")) if rt.is_main else None
     unwrap(b.model).load_state_dict(broadcast_object(state, rt))
     loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), rt, seed=cfg.run.seed,
                             channels_last=b.plan.channels_last_inputs, split="test", allowed=EVAL_BACKENDS)
@@ -169,13 +171,14 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     return out
 
 
-def finish_swa(cfg, rt, b, run_dir: Path, task, logger, summary: dict, weights_meta: dict) -> None:
+def finish_swa(cfg, b, ctx, summary: dict) -> None:
     """swa.enabled, after fit: BatchNorm statistics of the average (update_bn over the training data), its evaluation
-    (swa/val/... in summary['final'] and the eval log) and swa.safetensors; summary['swa'] says what was averaged."""
+    (swa/val/... in summary['final'] and the eval log) and swa.safetensors; summary['swa'] says what was averaged.
+    `ctx`: the run's context.RunContext (rt, run_dir, task, logger, weights_meta)."""
     from torchsprint.train.checkpoint import save_weights
     from torchsprint.train.validation import evaluate
 
-    swa = b.swa
+    swa, rt, task, logger = b.swa, ctx.rt, ctx.task, ctx.logger
     if not swa.enabled or summary["paused"]:
         return
     info = {"start_epoch": swa.start + 1, "averaged_epochs": swa.count, "lr": cfg.swa.lr,
@@ -196,7 +199,7 @@ def finish_swa(cfg, rt, b, run_dir: Path, task, logger, summary: dict, weights_m
     logger.info(f"SWA of epochs {swa.start + 1}-{last} ({swa.count} averaged, BatchNorm statistics recomputed): "
                 f"{task.summary({k[4:]: v for k, v in metrics.items()})}")
     if rt.is_main:
-        save_weights(run_dir / "swa.safetensors", swa.module, weights_meta | {
+        save_weights(ctx.run_dir / "swa.safetensors", swa.module, ctx.weights_meta | {
             "epoch": str(last), "step": str(summary["global_step"]), "weights": "swa",
             "swa_epochs": f"{swa.start + 1}-{last}", "swa_averaged": str(swa.count)})
 

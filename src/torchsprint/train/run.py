@@ -20,6 +20,7 @@ from torchsprint.config.saved import load_run_config, naming_imports, resumed_ru
 from torchsprint.config.schema import import_modules
 from torchsprint.errors import UsageError
 from torchsprint.tasks.tta import plan_tta, with_loading_spec
+from torchsprint.train.context import RunContext
 from torchsprint.train.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BACKENDS: re-exported for callers of run)
     EVAL_BACKENDS,
     build_run_loss,
@@ -325,9 +326,10 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         state, saver, weights_meta = resume_and_saver(cfg, rt, b, run_dir, ckpt, resume_path, logger)
         # Stop signals are handled (a flag, no exception) from the first step until the run's files are written.
         stop = Stopper(cfg.run, state.global_step, t0)
+        ctx = RunContext(rt, run_dir, logger, saver, stop, weights_meta=weights_meta, task=task,
+                         make_metrics=lambda: task.make_metrics(b.loaders.info, cfg.eval, rt.device))
         with stop:
-            summary = fit_explained(cfg, rt, b, state, run_dir=run_dir, task=task, logger=logger, saver=saver, stop=stop,
-                                    weights_meta=weights_meta)
+            summary = fit_explained(cfg, b, state, ctx)
         logger.close(finished=not summary["paused"])
         if summary["stopped"] == "signal" and cfg.run.requeue and rt.is_main:  # last: SLURM ends this job at once
             summary["requeued"] = requeue(os.environ["SLURM_JOB_ID"], logger.info)
@@ -403,22 +405,21 @@ def resume_and_saver(cfg, rt, b: Built, run_dir: Path, ckpt: dict | None, resume
     return state, saver, weights_meta
 
 
-def fit_explained(cfg, rt, b: Built, state, *, run_dir: Path, task, logger, saver, stop, weights_meta: dict) -> dict:
+def fit_explained(cfg, b: Built, state, ctx: RunContext) -> dict:
     """engine.fit, then the test split and summary.json; an out-of-memory error, too-small inputs or a missing
     deterministic kernel become one UsageError that says what to change."""
     from torchsprint.train.batch_size import is_oom, oom_message
     from torchsprint.train.engine import fit
 
     try:
-        summary = fit(b.plan, b, state, rt=rt, run_dir=run_dir, logger=logger, saver=saver, stop=stop, task=task,
-                      weights_meta=weights_meta, make_metrics=lambda: task.make_metrics(b.loaders.info, cfg.eval, rt.device))
-        finish_swa(cfg, rt, b, run_dir, task, logger, summary, weights_meta)
-        finish_summary(cfg, rt, b, run_dir, task, logger, summary)
+        summary = fit(b.plan, b, state, ctx)
+        finish_swa(cfg, b, ctx, summary)
+        finish_summary(cfg, b, ctx, summary)
     except RuntimeError as e:
         if is_oom(e):  # the checkpoints saved so far are whole files (atomic writes): the message names the last
             evaluating = any(f.name == "evaluate" for f in traceback.extract_tb(e.__traceback__))
             step = state.global_step + (0 if evaluating else 1)  # the step that failed, not the last one done
-            raise UsageError(oom_message(e, cfg, rt, step, run_dir, evaluating)) from e
+            raise UsageError(oom_message(e, cfg, ctx.rt, step, ctx.run_dir, evaluating)) from e
         explained = input_too_small(e, b.model, cfg, b.loaders) or not_deterministic(e, cfg)
         if explained is None:
             raise
@@ -426,10 +427,11 @@ def fit_explained(cfg, rt, b: Built, state, *, run_dir: Path, task, logger, save
     return summary
 
 
-def finish_summary(cfg, rt, b: Built, run_dir: Path, task, logger, summary: dict) -> None:
+def finish_summary(cfg, b: Built, ctx: RunContext, summary: dict) -> None:
     """After fit: the test split (eval.test_at_end), then summary.json and the closing table (rank 0)."""
+    rt, run_dir, logger = ctx.rt, ctx.run_dir, ctx.logger
     if cfg.eval.test_at_end and not summary["paused"]:
-        summary["test"] = evaluate_test(cfg, rt, b, run_dir, task, logger, summary["global_step"])
+        summary["test"] = evaluate_test(cfg, b, ctx, summary["global_step"])
     summary["run_dir"] = str(run_dir)
     summary["init"] = b.init
     if rt.is_main:

@@ -7,7 +7,6 @@ engine.fit builds one Validation and calls it; engine.train_one_epoch calls it f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -70,19 +69,9 @@ class Validation:
     weights (best.safetensors and the task's artifacts). `last`: the latest metrics; `last_at`: (epoch 1-based,
     global step) of the weights they describe."""
 
-    model: nn.Module
-    loaders: object
-    loss_fn: nn.Module
-    prec: object
-    make_metrics: object
-    ema: object
-    frozen_norms: list
+    b: object  # the run's objects (train/run.py's Built): model, loaders, loss_fn, prec, ema, frozen_norms
     plan: object  # plan.RunPlan
-    rt: object
-    logger: object
-    run_dir: Path
-    weights_meta: dict
-    task: object
+    ctx: object  # context.RunContext: rt, run_dir, logger, make_metrics, weights_meta, task
     last: dict = field(default_factory=dict)
     last_at: tuple | None = None
 
@@ -96,17 +85,18 @@ class Validation:
 
     def __call__(self, state: TrainState) -> bool:
         """Evaluate after step state.global_step; True when early_stop says stop (state.stopped_epoch set)."""
-        plan, ema, logger, monitor = self.plan, self.ema, self.logger, self.plan.monitor
+        b, ctx, plan, monitor = self.b, self.ctx, self.plan, self.plan.monitor
+        ema, logger, task = b.ema, ctx.logger, ctx.task
 
         def evaluate_here(m):  # with eval.tta, the views' combined outputs (tasks/tta.py); the loader loads for them
-            return evaluate(wrap_tta(m, plan.tta), self.loaders.val, self.loss_fn, self.prec, self.make_metrics())
+            return evaluate(wrap_tta(m, plan.tta), b.loaders.val, b.loss_fn, b.prec, ctx.make_metrics())
 
         with logger.phase(f"epoch {state.epoch + 1}/{plan.epochs}: evaluating"):  # a line every 10 s while it lasts
-            self.last = {f"val/{k}": v for k, v in evaluate_here(self.model).items()}
+            self.last = {f"val/{k}": v for k, v in evaluate_here(b.model).items()}
             if ema.evaluates:
-                ema.sync(self.rt)  # rank 0's BatchNorm statistics on every rank
+                ema.sync(ctx.rt)  # rank 0's BatchNorm statistics on every rank
                 self.last |= {f"ema/val/{k}": v for k, v in evaluate_here(ema.module).items()}
-        set_train_mode(self.model, self.frozen_norms)  # evaluate() restores train(), not frozen norms' eval mode
+        set_train_mode(b.model, b.frozen_norms)  # evaluate() restores train(), not frozen norms' eval mode
         self.last_at = (state.epoch + 1, state.global_step)
         logger.scalars(state.global_step, {k: v for k, v in self.last.items() if not isinstance(v, list)} |
                        {"epoch": state.epoch + 1}, "eval")
@@ -123,15 +113,15 @@ class Validation:
                                                "epoch": state.epoch + 1}, "early_stop")
         ema_eval = {k[4:]: v for k, v in self.last.items() if k.startswith("ema/")}  # as val/... keys
         where = f"epoch {state.epoch + 1}/{plan.epochs}" + (f" step {state.global_step}" if plan.eval_every_steps else "")
-        logger.info(f"{where}  {self.task.summary(self.last)}" + (f"  | EMA {self.task.summary(ema_eval)}" if ema_eval else ""))
+        logger.info(f"{where}  {task.summary(self.last)}" + (f"  | EMA {task.summary(ema_eval)}" if ema_eval else ""))
         if is_better(metric, state.best_metric, plan.mode):
             state.best_metric, state.best_epoch, state.best_step = metric, state.epoch + 1, state.global_step
-            if self.rt.is_main:
-                best, which = (ema.module, "ema") if monitor.startswith("ema/") else (self.model, "model")
-                save_weights(self.run_dir / "best.safetensors", best, self.weights_meta | {
+            if ctx.rt.is_main:
+                best, which = (ema.module, "ema") if monitor.startswith("ema/") else (b.model, "model")
+                save_weights(ctx.run_dir / "best.safetensors", best, ctx.weights_meta | {
                     "epoch": str(state.epoch + 1), "step": str(state.global_step), monitor: str(metric), "weights": which})
-                self.task.write_artifacts(self.run_dir, ema_eval if which == "ema" else self.last, self.loaders.info,
-                                          weights_tag("best", state.best_epoch, state.best_step))
+                task.write_artifacts(ctx.run_dir, ema_eval if which == "ema" else self.last, b.loaders.info,
+                                     weights_tag("best", state.best_epoch, state.best_step))
         return stop
 
 

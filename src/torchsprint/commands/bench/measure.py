@@ -78,7 +78,7 @@ def measure(cfg, steps: int, warmup: int) -> dict:
             t = time.perf_counter()
             micro = [next(it) for _ in range(accum)]
             wait = time.perf_counter() - t
-            train_step(b.model, micro, b.loss_fn, b.opt, b.prec, b.plan.clip_grad_norm)
+            train_step(b, micro, b.plan.clip_grad_norm)
             done[0] += 1
             b.ema.update(done[0])  # what training pays for ema.enabled (a no-op object when off)
             return wait, sum(m[0].shape[0] for m in micro)

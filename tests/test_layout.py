@@ -36,7 +36,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "registry", "version", "config.fields"]),
-    ("machine", ["runtime.core", "runtime.rng", "runtime.collectives", "runtime.preempt", "runtime.sync_bn",
+    ("machine", ["runtime.machine", "runtime.core", "runtime.rng", "runtime.collectives", "runtime.preempt", "runtime.sync_bn",
                  "runtime.parallel", "observe.*"]),
     ("numerics", ["train.precision", "train.ema", "train.swa", "train.checkpoint", "train.resume", "train.rundir",
                   "tasks.metrics", "optim.*"]),

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import socket
-import subprocess
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -19,6 +15,7 @@ from torchsprint import config as config_mod
 from torchsprint.config.saved import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
 from torchsprint.config.schema import import_modules
 from torchsprint.errors import UsageError
+from torchsprint.runtime.machine import environment
 from torchsprint.tasks.tta import plan_tta, with_loading_spec
 from torchsprint.train.context import RunContext
 from torchsprint.train.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BACKENDS: re-exported for callers of run)
@@ -50,32 +47,6 @@ def on_main(rt, fn):
     if error is not None:
         raise UsageError(error)
     return result
-
-
-def environment(rt, seed: int) -> dict:
-    """Versions, git revision, device, seed: what it takes to reproduce a run (written before step 0)."""
-    import torchvision
-
-    from torchsprint.version import __version__
-
-    def git_rev():
-        try:
-            here = Path(__file__).resolve().parent
-            out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=5)
-            return (out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")) if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    dev = str(rt.device)
-    if rt.device.type == "cuda":
-        dev += f" ({torch.cuda.get_device_name(rt.device)})"
-    return {
-        "torchsprint": __version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
-        "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
-        "cpu_threads": torch.get_num_threads(), "device": dev, "world_size": rt.world_size, "seed": seed,
-        "git_revision": git_rev(), "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
 
 
 @dataclass

@@ -46,6 +46,7 @@ from torchsprint.commands.bench.variants import (  # noqa: F401  (re-exported)
     variants,
 )
 from torchsprint.errors import UsageError
+from torchsprint.runtime.machine import cpu_info
 
 
 def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, warmup: int = 5, repeats: int = 3,
@@ -93,7 +94,7 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
 
     meta = {"config": config_path or "defaults (digits + small_cnn)", "overrides": list(overrides), "steps": steps,
             "warmup": warmup, "repeats": repeats, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
-            "device": device_name(), "cpu_threads": torch.get_num_threads()}
+            "device": device_name(), "cpu_threads": torch.get_num_threads(), "cpu": cpu_info()}
     base = next(v for v in all_variants if v.name == "baseline (seeds)")
     for i, v in enumerate(all_variants):
         if not v.skip:

@@ -24,7 +24,7 @@ def one(task: str, seed: int, data: Path, out: Path) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     import test_task_everything as t
     from torchsprint import config
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     got = {}
     for prec in ("fp32", "amp_bf16"):

@@ -1,7 +1,7 @@
 """Throughput cost of the recipe augmentations (issue 14): Mixup/CutMix and the automatic augmentations,
 each added to a CIFAR-like run (32x32 JPEGs, random_crop + hflip, small_cnn), per data backend.
 
-Every figure is `torchsprint.bench.measure`: the real engine step (`torchsprint bench` calls the same
+Every figure is `torchsprint.commands.bench.main.measure`: the real engine step (`torchsprint bench` calls the same
 function), images/s over --steps timed steps after --warmup. Variants alternate within each repeat
 (A B C A B C ...) so load from other processes hits them alike; the median over repeats is reported
 with the min-max range.
@@ -42,7 +42,7 @@ def loader_images_per_s(cfg, steps: int, warmup: int) -> float:
     import torch
 
     from torchsprint import runtime
-    from torchsprint.run import build_training
+    from torchsprint.train.run import build_training
 
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from torchsprint import config
-    from torchsprint.bench import measure
+    from torchsprint.commands.bench.main import measure
 
     backends = args.backends.split(",")
     for b in list(backends):  # a backend this machine cannot run (gpu without CUDA): say so, measure the others

@@ -61,7 +61,7 @@ def digits_overrides(args, backend: str, seed: int) -> list[str]:
 def run_one(overrides: list[str]) -> dict:
     """Train one run in a temporary folder; its final validation figures and wall time."""
     from torchsprint import config
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     with tempfile.TemporaryDirectory() as d:
         cfg = config.load(None, [*overrides, f"run.dir={d}/run"])

@@ -57,7 +57,7 @@ def torchsprint_loader(root: str, backend: str, decoder: str, batch_size: int, w
 
     from torchsprint import config
     from torchsprint.data import build_loaders
-    from torchsprint.runtime import Runtime
+    from torchsprint.runtime.core import Runtime
 
     cfg = config.load(None, [
         "data.dataset=synthetic_jpeg", f"data.root={root}", f"data.options={{num_images: {n}, val_images: 8}}",

@@ -45,7 +45,7 @@ def register_digits_few(n: int = FEW) -> str:
 
 def top1(run_dir: Path, *over: str) -> float:
     from torchsprint import config
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     summary = train(config.load(None, [*QUIET, f"run.dir={run_dir}", *over]), quiet=True, overwrite=True)
     return summary["final"]["val/top1"]

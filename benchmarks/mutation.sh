@@ -20,7 +20,7 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 # Chosen so every mutant's test run takes seconds: no full-length training runs, no subprocess CLIs.
 case "$module" in
   precision)
-    src=(src/torchsprint/precision.py)
+    src=(src/torchsprint/train/precision.py)
     tests=(tests/test_precision.py -k "not 98_percent and not cpu_is_refused")
     ;;
   optim)
@@ -28,7 +28,7 @@ case "$module" in
     tests=(tests/test_optim.py)
     ;;
   metrics)
-    src=(src/torchsprint/metrics.py)
+    src=(src/torchsprint/tasks/metrics.py)
     tests=(tests/test_metrics.py)
     ;;
   augment)
@@ -36,11 +36,11 @@ case "$module" in
     tests=(tests/test_data_batch_ops.py tests/test_data_backends.py)
     ;;
   checkpoint)
-    src=(src/torchsprint/checkpoint.py)
+    src=(src/torchsprint/train/checkpoint.py)
     tests=(tests/test_checkpoint_units.py tests/test_checkpoint.py -k "not two_ranks")
     ;;
   engine)
-    src=(src/torchsprint/engine.py src/torchsprint/validation.py)  # the loop, and the evaluations it runs
+    src=(src/torchsprint/train/engine.py src/torchsprint/train/validation.py)  # the loop, and the evaluations it runs
     # test_engine_units.py: every engine function on a tiny model and 40 in-memory images (~6 s in all);
     # test_engine.py: three short real runs against a plain loop.
     tests=(tests/test_engine_units.py tests/test_engine.py)

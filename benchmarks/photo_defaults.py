@@ -52,7 +52,7 @@ def make_photos(root: Path, n: int, size: int = 300, seed: int = 0) -> Path:
 
 def train_one(root: Path, out: Path, overrides: list[str]) -> dict:
     from torchsprint import config
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     cfg = config.load(None, [f"data.root={root}", f"run.dir={out}", "log.progress=false", "log.tensorboard=false",
                              "eval.per_class=false", "data.backend=cpu", *overrides])

@@ -26,7 +26,7 @@ import torch
 
 def job(args, seed: int, progressive: bool, run_dir: str) -> dict:
     from torchsprint import config
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     over = [
         "data.dataset=synthetic_jpeg", f"data.root={args.root}", f"data.backend={args.backend}",

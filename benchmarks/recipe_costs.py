@@ -1,7 +1,7 @@
 """What each recipe switch costs in training throughput, per data backend, side by side.
 
 For every backend (cpu, memory) the plain config and the config with one switch on are timed with
-`torchsprint.bench.measure` (the real engine step, the same code `torchsprint bench` runs), the
+`torchsprint.commands.bench.main.measure` (the real engine step, the same code `torchsprint bench` runs), the
 variants interleaved in rotating order inside every repeat so machine load hits all alike. Reports the
 median images/s and the median per-repeat ratio to the plain run of the same backend.
 
@@ -15,7 +15,7 @@ import statistics
 import time
 
 from torchsprint import config
-from torchsprint.bench import measure
+from torchsprint.commands.bench.main import measure
 
 # 40x40 RGB JPEGs (generated once), small_cnn (width 8) on 32-pixel crops: a step of a few ms on 2 CPU cores,
 # so what a switch adds per step shows.

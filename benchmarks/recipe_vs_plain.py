@@ -15,7 +15,7 @@ import statistics
 import tempfile
 
 from torchsprint import config
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 DATA = ["data.dataset=synthetic_jpeg", "data.options={num_images: 1000, val_images: 300, size: [40, 40], classes: 10}",
         "data.batch_size=64", "model.args={width: 16}", "log.tensorboard=false", "log.progress=false",

@@ -53,7 +53,7 @@ def build(variant: str, root: Path, shards: Path, args):
 
     from torchsprint import config
     from torchsprint.data.core import DATASETS, LOADERS
-    from torchsprint.runtime import Runtime
+    from torchsprint.runtime.core import Runtime
 
     common = [f"data.batch_size={args.batch_size}", f"data.num_workers={args.workers}", "data.drop_last=false",
               "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",

@@ -35,13 +35,14 @@ import torch
 from torch import nn
 
 from torchsprint import config, runtime
-from torchsprint.checkpoint import TrainState
 from torchsprint.data import DATASETS
 from torchsprint.data.core import Splits, TensorImages
-from torchsprint.engine import set_train_mode, train_one_epoch
-from torchsprint.logging import RunLogger
 from torchsprint.models import build_model
-from torchsprint.run import build_training
+from torchsprint.observe.logging import RunLogger
+from torchsprint.train.checkpoint import TrainState
+from torchsprint.train.context import RunContext
+from torchsprint.train.engine import set_train_mode, train_one_epoch
+from torchsprint.train.run import build_training
 
 SHAPES = {"linear": (3, 8, 8), "small_cnn": (3, 16, 16), "resnet18": (3, 32, 32)}
 CLOCK = time.perf_counter  # --clock process: time.process_time (CPU seconds of this process: steadier under load)
@@ -109,8 +110,7 @@ def torchsprint_run(model_name: str, dataset: str, batch_size: int, lr: float, b
     t = CLOCK()  # around the whole loop, as on the plain side (the engine's own clock is wall time)
     for epoch in range(epochs):
         state.epoch, state.step_in_epoch = epoch, 0
-        ep = train_one_epoch(b.model, b.loaders.train, b.loss_fn, b.opt, b.sched, b.prec, state, b.plan,
-                             logger=logger, saver=None)
+        ep = train_one_epoch(b, state, b.plan, RunContext(rt, log_dir, logger))
         b.sched.step()
         images += ep["images"]
     seconds = CLOCK() - t
@@ -149,7 +149,7 @@ def plain_default_run(x, y, xv, yv) -> tuple[float, float]:
 
 def torchsprint_default_run(work: Path) -> tuple[float, float]:
     """`torchsprint train` with its defaults (console quiet, files written). Returns (train images/s, seconds)."""
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     run_dir = Path(tempfile.mkdtemp(dir=work))
     t = time.perf_counter()

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from torchsprint import config
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 RUN = ["model.name=linear", "data.batch_size=16", "run.max_steps=8", "checkpoint.every_epochs=null", "log.tensorboard=false",
        "log.every_steps=4", "strategy=ddp", "run.seed=3"]
@@ -20,6 +20,6 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     for name, extra in HOOKS.items():
         train(config.load(None, [*RUN, *extra, f"run.dir={out / name}"]), quiet=True)
-    from torchsprint.runtime import exit_process
+    from torchsprint.runtime.core import exit_process
 
     exit_process(0)  # as torchsprint's own workers do: no interpreter shutdown after the process group

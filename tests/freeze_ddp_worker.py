@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from torchsprint import config
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 # digits with val_fraction 0.5: 898 training images; global batch 64 -> 14 steps per epoch. The head of small_cnn
 # is its last Linear ("7."). One process uses data.batch_size=64 (tests/test_freeze_epochs.py).

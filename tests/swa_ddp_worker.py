@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from torchsprint import config
-from torchsprint import run as run_mod
+from torchsprint.train import run as run_mod
 
 OVERRIDES = ["model.args={width: 8}", "data.batch_size=64", "data.val_fraction=0.5", "optim.lr=0.05",
              "log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.device=cpu",
@@ -23,9 +23,9 @@ OVERRIDES = ["model.args={width: 8}", "data.batch_size=64", "data.val_fraction=0
 def main(out: Path, run_dir: Path) -> None:
     finish = run_mod.finish_swa
 
-    def finish_and_save(cfg, rt, b, *args, **kwargs):
-        finish(cfg, rt, b, *args, **kwargs)
-        torch.save({k: v.cpu() for k, v in b.swa.module.state_dict().items()}, out / f"rank{rt.rank}.pt")
+    def finish_and_save(cfg, b, ctx, summary):
+        finish(cfg, b, ctx, summary)
+        torch.save({k: v.cpu() for k, v in b.swa.module.state_dict().items()}, out / f"rank{ctx.rt.rank}.pt")
 
     run_mod.finish_swa = finish_and_save  # train() calls it by its module-level name
     run_mod.train(config.load(None, [*OVERRIDES, f"run.dir={run_dir}"]), quiet=True)

@@ -132,7 +132,7 @@ def test_training_with_auto_augmentation_runs_on_digits(tmp_path, backend):
     from safetensors.torch import load_file
 
     from torchsprint import config
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     common = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.max_steps=3",
               f"data.backend={backend}"]

@@ -25,7 +25,7 @@ from torchsprint.data.backends.gpu import build_gpu_loaders
 from torchsprint.data.core import sample_seed, sample_seeds
 from torchsprint.data.preprocess.augment import compile_batch_spec, uniforms
 from torchsprint.data.preprocess.transforms import TRANSFORMS
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 CPU = Runtime(torch.device("cpu"))
 BACKENDS = ("cpu", "memory", "gpu_on_cpu")
@@ -74,7 +74,7 @@ def test_building_and_iterating_a_backend_leaves_the_global_rng_alone(tmp_path, 
 def test_same_seed_same_initial_weights_on_cpu_and_memory(tmp_path):
     """What a user sees: `run.seed=0` starts from the same weights whichever backend loads the data."""
     from torchsprint import runtime
-    from torchsprint.run import build_training
+    from torchsprint.train.run import build_training
 
     weights = {}
     for backend in ("cpu", "memory"):

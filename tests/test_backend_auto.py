@@ -10,7 +10,7 @@ from PIL import Image
 from conftest import make_image_folder
 from torchsprint import cli, config
 from torchsprint.data import auto, build_loaders, core
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 FAST = ["run.epochs=1", "model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false"]
 

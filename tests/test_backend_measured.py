@@ -19,7 +19,7 @@ from PIL import Image
 
 from torchsprint import cli, config
 from torchsprint.data import auto, build_loaders
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 CPU = Runtime(torch.device("cpu"))
 

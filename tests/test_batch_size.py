@@ -1,4 +1,4 @@
-"""data.batch_size: auto and data.effective_batch_size (batch_size.py), and a mid-run out-of-memory.
+"""data.batch_size: auto and data.effective_batch_size (train/batch_size.py), and a mid-run out-of-memory.
 
 The out-of-memory cases use a small CNN that raises torch.cuda.OutOfMemoryError the way CUDA does (above a
 number of images per training forward, or at a given training step): the CPU has no such failure to give.
@@ -15,17 +15,17 @@ import torch
 from safetensors.torch import load_file
 
 from torchsprint import config
-from torchsprint.batch_size import (
+from torchsprint.errors import UsageError
+from torchsprint.train.batch_size import (
     binsearch,
     check_batch_settings,
     cpu_bound,
     power_of_two_floor,
     step_peak_bytes,
 )
-from torchsprint.checkpoint import load_checkpoint
-from torchsprint.errors import UsageError
-from torchsprint.resume import find_checkpoints
-from torchsprint.run import train
+from torchsprint.train.checkpoint import load_checkpoint
+from torchsprint.train.resume import find_checkpoints
+from torchsprint.train.run import train
 
 OOM_MODULE = "batchauto_oom_net"
 OOM_SOURCE = '''
@@ -255,8 +255,8 @@ def test_the_probe_feeds_batches_in_the_format_the_run_plans(setting, tmp_path):
     converted them to NHWC itself, measuring a copy the run never makes)."""
     from conftest import make_image_folder
     from torchsprint import runtime
-    from torchsprint.batch_size import probe_trial
-    from torchsprint.run import build_training
+    from torchsprint.train.batch_size import probe_trial
+    from torchsprint.train.run import build_training
 
     make_image_folder(tmp_path / "imgs")  # RGB: with one channel (digits) NCHW and NHWC are the same memory
     cfg = config.load(None, [f"speed.channels_last={setting}", "log.tensorboard=false", "model.name=resnet18",

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from torchsprint.bench import COLUMNS, INPUT_BOUND, Variant, best_combination, slug, summarize
+from torchsprint.commands.bench.main import COLUMNS, INPUT_BOUND, Variant, best_combination, slug, summarize
 
 
 def test_bench_cli_writes_every_output(cli_in_process, tmp_path):
@@ -80,7 +80,7 @@ def test_best_combination_captures_the_model_one_way_only():
 def test_a_crashing_variant_says_why_in_its_row(tmp_path, monkeypatch):
     """A variant's process that crashes (not a usage error) is a skipped row whose reason holds the exception's
     last line: the log beside it may not travel with bench.json (the GPU job keeps only the JSON)."""
-    from torchsprint.bench import measure_variant
+    from torchsprint.commands.bench.main import measure_variant
 
     (tmp_path / "boom_model.py").write_text(
         "from torch import nn\nfrom torchsprint.models.core import MODELS\n\n"
@@ -99,7 +99,7 @@ def test_a_crashing_variant_says_why_in_its_row(tmp_path, monkeypatch):
 def test_bench_json_keeps_the_variants_measured_before_a_stop(tmp_path, monkeypatch):
     """bench.json is rewritten after every variant: a bench stopped midway (the GPU job's time limit kills it)
     still holds the rows it measured."""
-    import torchsprint.bench as bench_mod
+    import torchsprint.commands.bench.main as bench_mod
 
     real = bench_mod.measure
     calls = []

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from torchsprint.bench import TreeRss, keep_the_faster
+from torchsprint.commands.bench.main import TreeRss, keep_the_faster
 
 GRANDCHILD = """
 import subprocess, sys, time

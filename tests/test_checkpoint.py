@@ -17,9 +17,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from torchsprint import checkpoint as ckpt_mod
 from torchsprint import cli, config
-from torchsprint.checkpoint import (
+from torchsprint.errors import UsageError
+from torchsprint.runtime.core import Runtime
+from torchsprint.runtime.rng import rng_isolated, rng_state, set_rng_state
+from torchsprint.train import checkpoint as ckpt_mod
+from torchsprint.train.checkpoint import (
     TEMP_RE,
     Saver,
     TrainState,
@@ -27,12 +30,9 @@ from torchsprint.checkpoint import (
     data_geometry,
     load_checkpoint,
 )
-from torchsprint.errors import UsageError
-from torchsprint.precision import Precision
-from torchsprint.resume import find_checkpoints, find_resume, restore
-from torchsprint.rng import rng_isolated, rng_state, set_rng_state
-from torchsprint.run import train
-from torchsprint.runtime import Runtime
+from torchsprint.train.precision import Precision
+from torchsprint.train.resume import find_checkpoints, find_resume, restore
+from torchsprint.train.run import train
 
 CPU = Runtime(torch.device("cpu"))
 # No augmentation: these runs test bookkeeping, so keep them as fast as the loader allows.
@@ -259,7 +259,7 @@ def test_unwritable_run_folder_is_a_usage_error(tmp_path, capsys):
 
 
 class FullDisk:
-    """`open` for torchsprint.checkpoint on a disk with `free` bytes left: writes past that fail with ENOSPC."""
+    """`open` for torchsprint.train.checkpoint on a disk with `free` bytes left: writes past that fail with ENOSPC."""
 
     def __init__(self, free: int):
         self.free = free

@@ -1,4 +1,4 @@
-"""checkpoint.py function by function: names, atomic writes, safe loading, weights files, the saver's status
+"""train/checkpoint.py function by function: names, atomic writes, safe loading, weights files, the saver's status
 file, retention and set-aside. Real files, torch.save and safetensors; no training runs (each test takes well under
 a second), so that mutation testing (benchmarks/mutation.sh checkpoint) can run them for every mutant."""
 
@@ -20,9 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from torchsprint import checkpoint as ckpt_mod
 from torchsprint import config
-from torchsprint.checkpoint import (
+from torchsprint.errors import UsageError
+from torchsprint.runtime.core import Runtime
+from torchsprint.train import checkpoint as ckpt_mod
+from torchsprint.train.checkpoint import (
     FORMAT,
     TEMP_RE,
     Saver,
@@ -35,10 +37,8 @@ from torchsprint.checkpoint import (
     save_weights,
     strip_prefixes,
 )
-from torchsprint.ema import ModelEma, NoEma
-from torchsprint.errors import UsageError
-from torchsprint.precision import Precision
-from torchsprint.runtime import Runtime
+from torchsprint.train.ema import ModelEma, NoEma
+from torchsprint.train.precision import Precision
 
 CPU = Runtime(torch.device("cpu"))
 

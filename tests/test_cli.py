@@ -130,15 +130,15 @@ def test_an_unknown_name_points_at_a_command_that_lists_the_names(cli_in_process
     import re
 
     from torchsprint import cli
+    from torchsprint.commands.export import EXPORTERS
     from torchsprint.data import DATASETS, LOADERS
     from torchsprint.data.preprocess.batch_ops import BATCH_OPS
     from torchsprint.data.preprocess.decode import DECODERS
     from torchsprint.data.preprocess.transforms import TRANSFORMS
     from torchsprint.errors import UsageError
-    from torchsprint.export import EXPORTERS
     from torchsprint.models import MODELS
     from torchsprint.optim import LOSSES, OPTIMIZERS, SCHEDULERS
-    from torchsprint.tasks import TASKS
+    from torchsprint.tasks.core import TASKS
 
     for reg in (MODELS, OPTIMIZERS, SCHEDULERS, LOSSES, DATASETS, LOADERS, TRANSFORMS, TASKS, EXPORTERS, BATCH_OPS,
                 DECODERS):

@@ -68,7 +68,7 @@ def small_run(tmp_path_factory):
 def test_export_replaces_the_file_by_a_rename(small_run, tmp_path, fmt, name):
     """The file an earlier export left (or a concurrent one is reading) is never written into: the new one
     is renamed over it. A reader holding the old file still reads it whole, and the name gets a new inode."""
-    from torchsprint.export import export
+    from torchsprint.commands.export import export
 
     out = tmp_path / name
     out.write_bytes(b"the previous export")
@@ -81,8 +81,8 @@ def test_export_replaces_the_file_by_a_rename(small_run, tmp_path, fmt, name):
 
 
 def test_an_export_that_fails_its_parity_check_leaves_no_file(small_run, tmp_path):
+    from torchsprint.commands.export import export
     from torchsprint.errors import UsageError
-    from torchsprint.export import export
 
     with pytest.raises(UsageError, match="was not written"):
         export(small_run, "torchscript", out=tmp_path / "m.pt", tolerance=-1.0)

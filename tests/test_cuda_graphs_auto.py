@@ -12,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from torchsprint import config, parallel
+from torchsprint import config
 from torchsprint.errors import UsageError
-from torchsprint.parallel import GraphsDecision, check_speed, decide_cuda_graphs, wrap_model
-from torchsprint.plan import NO_SPEED, decide_speed, describe_decisions
-from torchsprint.run import train
-from torchsprint.runtime import Runtime
+from torchsprint.runtime import parallel
+from torchsprint.runtime.core import Runtime
+from torchsprint.runtime.parallel import GraphsDecision, check_speed, decide_cuda_graphs, wrap_model
+from torchsprint.train.plan import NO_SPEED, decide_speed, describe_decisions
+from torchsprint.train.run import train
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU: the decision only reads .type
 TINY = ["log.tensorboard=false", "run.max_steps=3", "checkpoint.every_epochs=null", "eval.per_class=false",
@@ -61,7 +62,7 @@ def test_auto_is_on_exactly_where_true_would_be_accepted():
     auto-on case is accepted: auto never turns on what `true` would refuse."""
     for over, device, world, on, _ in TABLE:
         if any(o.startswith("speed.cuda_graphs=") or o.startswith("model.freeze_epochs=") for o in over) or world > 1:
-            continue  # freeze_epochs with graphs=true is refused by build_training (run.py), which check_speed cannot see
+            continue  # freeze_epochs with graphs=true is refused by build_training (train/run.py), which check_speed cannot see
         cfg = config.load(None, [*over, "speed.cuda_graphs=true", "speed.compile_backend=aot_eager"])
         try:
             check_speed(cfg.speed, cfg.strategy, device, cfg.optim.accum_steps)

@@ -12,7 +12,7 @@ from torchsprint.data.backends.gpu import FractionTuner, build_gpu_loaders, cpu_
 from torchsprint.data.core import sample_seed, sample_seeds
 from torchsprint.data.preprocess.augment import compile_batch_spec, uniforms
 from torchsprint.errors import UsageError
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 CPU = Runtime(torch.device("cpu"))
 MEM_SPEC = "[{random_crop: {size: 8, padding: 2}}, hflip, {cutout: {size: 3}}, {normalize: half}]"

@@ -16,7 +16,7 @@ from torchsprint import config
 from torchsprint.data import DATASETS, build_loaders
 from torchsprint.data.backends.gpu import build_gpu_loaders
 from torchsprint.errors import UsageError
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 W, H = 24, 20
 

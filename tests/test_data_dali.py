@@ -13,7 +13,7 @@ from torchsprint import config
 from torchsprint.data import DATASETS
 from torchsprint.data.backends.gpu import build_gpu_loaders
 from torchsprint.errors import UsageError
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 CPU = Runtime(torch.device("cpu"))
 LEVELS = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255  # imagenet normalised units -> uint8 levels

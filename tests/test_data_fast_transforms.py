@@ -12,7 +12,7 @@ from torchsprint import config
 from torchsprint.data import build_loaders
 from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.data.preprocess.transforms import compile_spec
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 
 def images():

@@ -19,7 +19,7 @@ from torchsprint.data.preprocess.decode import decode_bytes, read_header
 from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.data.sources.folders import ImageFiles
 from torchsprint.errors import UsageError
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 VARIANTS = Path(__file__).parent / "data" / "jpeg_variants"  # see make.py there: lossless, 12-bit, arithmetic
 CPU = Runtime(torch.device("cpu"))

@@ -20,7 +20,7 @@ from torchsprint.data import DATASETS
 from torchsprint.data.backends.gpu import FractionTuner, build_gpu_loaders, stage
 from torchsprint.data.preprocess.decode import decode_bytes
 from torchsprint.errors import UsageError
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 CPU = Runtime(torch.device("cpu"))
 PRODUCER = "torchsprint-loader"  # the producer thread's name

@@ -21,7 +21,7 @@ from torchsprint import config
 from torchsprint.data import build_loaders
 from torchsprint.data.commands.shard import parse_size, shard
 from torchsprint.errors import UsageError
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ from torchsprint import config
 from torchsprint.data import build_loaders
 from torchsprint.data.sources.shard_stream import rank_batches, stream_plan
 from torchsprint.errors import UsageError
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 REPO = Path(__file__).resolve().parents[1]
 COUNTS = [5, 3, 7, 4, 6, 2, 8]  # 7 uneven shards, 35 samples
@@ -258,7 +258,7 @@ def test_train_paused_and_resumed_on_shards_matches_uninterrupted(tmp_path):
     (run.stop_after_steps) and resumed, ends with exactly the weights of the uninterrupted run."""
     from safetensors.torch import load_file
 
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     root = write_shards(tmp_path / "shards")
     write_shards(root, [4, 3], split="val", index=False, start=35)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 import test_ddp_worker as worker
 from torchsprint import config
-from torchsprint.run import evaluate_run, train
+from torchsprint.train.run import evaluate_run, train
 
 pytestmark = pytest.mark.dist
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
 
 
 def test_cli_nproc_per_node_syncbn_matches_one_process(tmp_path, run_cli):
-    """`torchsprint train --nproc-per-node 2` (launch.py -> torchrun) with SyncBatchNorm on."""
+    """`torchsprint train --nproc-per-node 2` (runtime/launch.py -> torchrun) with SyncBatchNorm on."""
     ref = reference(tmp_path / "ref", "bn", ["model.args.width=8"])
     run_dir = tmp_path / "ddp"
     proc = run_cli("train", "--nproc-per-node", "2", *worker.COMMON, f"data.batch_size={worker.B}", "model.args.width=8",
@@ -193,8 +193,8 @@ def test_failed_rank_makes_the_other_exit_within_timeout(tmp_path, how):
 
 def test_training_step_count_is_equal_on_ranks_with_one_process_unchanged():
     """agree_on_data is a no-op object in one process: the loader itself, no collective."""
-    from torchsprint.collectives import agree_on_data
-    from torchsprint.runtime import Runtime
+    from torchsprint.runtime.collectives import agree_on_data
+    from torchsprint.runtime.core import Runtime
 
     loader = worker.ListLoader([1, 2], claimed=2)
     assert agree_on_data(loader, Runtime(device=torch.device("cpu"))) is loader

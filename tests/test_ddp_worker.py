@@ -50,17 +50,17 @@ def overrides(name: str, world_size: int) -> list[str]:
 
 
 def evaluate_weights(weights: str) -> dict:
-    """DDP evaluation of fixed weights on digits_odd's validation set (the run.py flow, without training)."""
+    """DDP evaluation of fixed weights on digits_odd's validation set (the train/run.py flow, without training)."""
     from safetensors.torch import load_file
 
     from torchsprint import config, runtime
     from torchsprint.data import build_loaders
-    from torchsprint.metrics import ClassificationMetrics
     from torchsprint.models import build_model
     from torchsprint.optim import build_loss
-    from torchsprint.parallel import wrap_model
-    from torchsprint.precision import Precision
-    from torchsprint.validation import evaluate
+    from torchsprint.runtime.parallel import wrap_model
+    from torchsprint.tasks.metrics import ClassificationMetrics
+    from torchsprint.train.precision import Precision
+    from torchsprint.train.validation import evaluate
 
     cfg = config.load(None, [*COMMON, "strategy=ddp", "model.name=linear"])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -102,13 +102,14 @@ def uneven_and_no_sync() -> dict:
     from torch import nn
 
     from torchsprint import config, runtime
-    from torchsprint.checkpoint import TrainState
-    from torchsprint.collectives import agree_on_data
-    from torchsprint.engine import train_one_epoch, train_step
-    from torchsprint.logging import RunLogger
-    from torchsprint.parallel import wrap_model
-    from torchsprint.plan import NO_SPEED, build_plan
-    from torchsprint.precision import Precision
+    from torchsprint.observe.logging import RunLogger
+    from torchsprint.runtime.collectives import agree_on_data
+    from torchsprint.runtime.parallel import wrap_model
+    from torchsprint.train.checkpoint import TrainState
+    from torchsprint.train.context import RunContext, Trainable
+    from torchsprint.train.engine import train_one_epoch, train_step
+    from torchsprint.train.plan import NO_SPEED, build_plan
+    from torchsprint.train.precision import Precision
 
     cfg = config.load(None, ["strategy=ddp", "log.every_steps=1000", "log.tensorboard=false", "checkpoint.every_steps=null"])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -128,7 +129,7 @@ def uneven_and_no_sync() -> dict:
         g = torch.Generator().manual_seed(rt.rank)
         batches = [(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
         for step in range(3):  # 2 micro-batches per step -> one all-reduce per step with no_sync
-            train_step(model, batches[2 * step : 2 * step + 2], nn.CrossEntropyLoss(), opt, prec)
+            train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), batches[2 * step : 2 * step + 2])
         allreduces_accum = len(calls)
 
         mine = batches if rt.rank == 0 else batches[:4]
@@ -137,8 +138,9 @@ def uneven_and_no_sync() -> dict:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         saver = SimpleNamespace(save=lambda *a, **k: None)
         plan = build_plan(cfg, rt, info=None, train_batches=len(loader), speed=NO_SPEED, opt=opt)
-        ep = train_one_epoch(model, loader, nn.CrossEntropyLoss(), opt, sched, prec, state, plan,
-                             logger=RunLogger(None, cfg.log, enabled=False), saver=saver)
+        b = SimpleNamespace(model=model, loaders=SimpleNamespace(train=loader), loss_fn=nn.CrossEntropyLoss(), opt=opt,
+                            sched=sched, prec=prec)
+        ep = train_one_epoch(b, state, plan, RunContext(rt, None, RunLogger(None, cfg.log, enabled=False), saver))
         return {"allreduces_accum": allreduces_accum, "uneven_steps": state.global_step, "finished": ep["finished_epoch"]}
     finally:
         runtime.teardown(rt)
@@ -146,7 +148,7 @@ def uneven_and_no_sync() -> dict:
 
 def main(out: Path, weights: str) -> None:
     from torchsprint import config
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     # One process group for every scenario: runtime.setup uses a group that already exists and
     # teardown leaves it alive (re-creating groups in a loop races on stale rendezvous keys).
@@ -164,6 +166,6 @@ def main(out: Path, weights: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
-    from torchsprint.runtime import exit_process
+    from torchsprint.runtime.core import exit_process
 
     exit_process(0)  # as torchsprint's own workers do: no interpreter shutdown after the process group

@@ -1,4 +1,4 @@
-"""Knowledge distillation (distill.py): the loss against the formula in plain torch, a frozen teacher that stays in
+"""Knowledge distillation (train/distill.py): the loss against the formula in plain torch, a frozen teacher that stays in
 eval mode, exact resume, a teacher from every source, and bad input refused in one line."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from torchsprint import config, runtime
-from torchsprint.distill import Distilled, DistillLoss, Teacher
 from torchsprint.errors import UsageError
-from torchsprint.run import build_training, train
+from torchsprint.train.distill import Distilled, DistillLoss, Teacher
+from torchsprint.train.run import build_training, train
 
 QUIET = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false"]
 
@@ -103,7 +103,7 @@ def test_teacher_stays_frozen_in_eval_mode_while_the_student_trains(teacher_run)
     """Real training steps through the run's own loader, loss and optimizer: the teacher gets no gradient, keeps
     its weights and BatchNorm statistics, and stays in eval mode when train() is called on it (as fit calls
     train() on models); the batches carry its logits, and training accuracy counts the real labels."""
-    from torchsprint.engine import hits_sum, set_train_mode, train_step
+    from torchsprint.train.engine import hits_sum, set_train_mode, train_step
 
     cfg, b = build(f"distill.teacher.run={teacher_run}", "model.args={width: 4}", "data.batch_size=32")
     teacher = b.loaders.train.teacher
@@ -117,7 +117,7 @@ def test_teacher_stays_frozen_in_eval_mode_while_the_student_trains(teacher_run)
     hits, n = [], 0
     for i, (x, y) in enumerate(b.loaders.train):
         assert isinstance(y, Distilled) and y.teacher.shape == (x.shape[0], 10) and not y.teacher.requires_grad
-        train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec, correct=hits)
+        train_step(b, [(x, y)], correct=hits)
         n += x.shape[0]
         if i == 5:
             break
@@ -134,7 +134,7 @@ def test_teacher_stays_frozen_in_eval_mode_while_the_student_trains(teacher_run)
 
 def test_teacher_matches_its_run_and_runs_in_the_runs_precision(teacher_run):
     """The teacher's logits are its run's best weights' (bf16 autocast on CPU: the same autocast as the student)."""
-    from torchsprint.trained import load_run
+    from torchsprint.commands.trained import load_run
 
     ref = load_run(teacher_run, "best").model
     # channels_last off: the reference runs in NCHW, and NHWC kernels may round differently.
@@ -157,8 +157,8 @@ def test_teacher_matches_its_run_and_runs_in_the_runs_precision(teacher_run):
 def test_half_weight_precision_gives_the_teacher_half_weights_and_mixup_reaches_it(teacher_run):
     """precision=bf16 (half weights, as the student's): the teacher's convolutions in bf16, BatchNorm in fp32, logits
     fp32. With Mixup on, the teacher's logits are those of the mixed images the student sees."""
-    from torchsprint.precision import HalfModel
-    from torchsprint.trained import load_run
+    from torchsprint.commands.trained import load_run
+    from torchsprint.train.precision import HalfModel
 
     plain = [f"distill.teacher.run={teacher_run}", "data.batch_size=32", "speed.channels_last=false"]
     _, b = build(*plain, "precision=bf16")

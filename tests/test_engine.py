@@ -12,7 +12,7 @@ from torch import nn
 
 from torchsprint import config
 from torchsprint.models.nets import small_cnn
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 
 def plain_loop(steps: int, batch_size: int, lr: float, accum: int = 1) -> dict[str, torch.Tensor]:

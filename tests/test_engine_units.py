@@ -1,9 +1,9 @@
-"""engine.py and validation.py function by function, fast: real tiny models, real in-memory loaders, optimizers,
+"""train/engine.py and train/validation.py function by function, fast: real tiny models, real in-memory loaders, optimizers,
 RunLogger and Saver.
 
 Every reference is an independent plain PyTorch computation over the same batches (the loader's own
 batches, read before the engine runs: the engine's job is the loop, not the data). Each test takes well
-under a second, so benchmarks/mutation.sh can run them for each of engine.py's and validation.py's mutants.
+under a second, so benchmarks/mutation.sh can run them for each of train/engine.py's and train/validation.py's mutants.
 """
 
 from __future__ import annotations
@@ -20,11 +20,17 @@ from safetensors.torch import load_file
 from torch import nn
 
 from torchsprint import config, runtime
-from torchsprint.checkpoint import Saver, TrainState, data_geometry
 from torchsprint.data.build import build_loaders
 from torchsprint.data.core import Splits, TensorImages
-from torchsprint.ema import build_ema
-from torchsprint.engine import (
+from torchsprint.errors import Diverged, UsageError
+from torchsprint.models.init import NO_HEAD_ONLY
+from torchsprint.observe.logging import RunLogger
+from torchsprint.runtime.preempt import Stopper
+from torchsprint.tasks.core import get_task
+from torchsprint.train.checkpoint import Saver, TrainState, data_geometry
+from torchsprint.train.context import RunContext, Trainable
+from torchsprint.train.ema import build_ema
+from torchsprint.train.engine import (
     NO_EMA,
     EpochTotals,
     check_finite,
@@ -35,14 +41,9 @@ from torchsprint.engine import (
     train_one_epoch,
     train_step,
 )
-from torchsprint.errors import Diverged, UsageError
-from torchsprint.logging import RunLogger
-from torchsprint.models.init import NO_HEAD_ONLY
-from torchsprint.plan import NO_SPEED, build_plan
-from torchsprint.precision import Precision
-from torchsprint.preempt import Stopper
-from torchsprint.tasks import get_task
-from torchsprint.validation import early_stop_check, evaluate, is_better, set_train_mode
+from torchsprint.train.plan import NO_SPEED, build_plan
+from torchsprint.train.precision import Precision
+from torchsprint.train.validation import early_stop_check, evaluate, is_better, set_train_mode
 
 CPU = torch.device("cpu")
 N_TRAIN, N_VAL, C, H, W, K = 40, 24, 1, 4, 4, 3  # 40 images of 1x4x4, 3 classes
@@ -130,9 +131,9 @@ def plan_of(r: Run):
     return build_plan(r.cfg, r.rt, info=r.loaders.info, train_batches=len(r.loaders.train), speed=NO_SPEED, opt=r.opt)
 
 
-def one_epoch(r: Run, **kw) -> dict:
-    return train_one_epoch(r.model, r.loaders.train, r.loss_fn, r.opt, r.sched, r.prec, r.state, plan_of(r),
-                           logger=r.logger, saver=r.saver, **kw)
+def one_epoch(r: Run, stop=None, ema=NO_EMA) -> dict:
+    b = SimpleNamespace(model=r.model, loaders=r.loaders, loss_fn=r.loss_fn, opt=r.opt, sched=r.sched, prec=r.prec, ema=ema)
+    return train_one_epoch(b, r.state, plan_of(r), RunContext(r.rt, r.dir, r.logger, r.saver, stop))
 
 
 def run_fit(r: Run, pass_task: bool = True, **kw) -> dict:
@@ -141,9 +142,9 @@ def run_fit(r: Run, pass_task: bool = True, **kw) -> dict:
     built = SimpleNamespace(model=r.model, loaders=r.loaders, loss_fn=r.loss_fn, opt=r.opt, sched=r.sched, prec=r.prec,
                             ema=r.ema if r.ema is not None else NO_EMA, frozen_norms=[], head_only=NO_HEAD_ONLY)
     stop = kw.pop("stop", None) or Stopper(r.cfg.run, r.state.global_step)
-    return fit(plan_of(r), built, r.state, rt=r.rt, run_dir=r.dir, logger=r.logger, saver=r.saver, stop=stop,
-               weights_meta={"model": "tiny"}, make_metrics=lambda: task.make_metrics(r.loaders.info, r.cfg.eval, CPU),
-               **({"task": task} if pass_task else {}), **kw)
+    ctx = RunContext(r.rt, r.dir, r.logger, r.saver, stop, weights_meta={"model": "tiny"}, task=task if pass_task else None,
+                     make_metrics=lambda: task.make_metrics(r.loaders.info, r.cfg.eval, CPU))
+    return fit(plan_of(r), built, r.state, ctx)
 
 
 def plain_top1(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -160,7 +161,7 @@ def test_train_step_one_micro_batch_is_one_plain_sgd_step():
     model, ref = tiny_model(), tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     correct: list = []
-    loss = train_step(model, [(x, y)], nn.CrossEntropyLoss(), opt, Precision("fp32", CPU), correct=correct)
+    loss = train_step(Trainable(model, nn.CrossEntropyLoss(), opt, Precision("fp32", CPU)), [(x, y)], correct=correct)
     want = plain_steps(ref, [[(x, y)]], 0.5)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)  # the same operations in the same order: bit-identical
@@ -182,7 +183,7 @@ def test_train_step_accumulates_micro_batches_like_a_plain_loop(n):
     model, ref = tiny_model(), tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     correct: list = []
-    loss = train_step(model, micro, nn.CrossEntropyLoss(), opt, Precision("fp32", CPU), correct=correct)
+    loss = train_step(Trainable(model, nn.CrossEntropyLoss(), opt, Precision("fp32", CPU)), micro, correct=correct)
     want = plain_steps(ref, [micro], 0.5)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)  # loss / n before each backward, as the reference: measured difference 0
@@ -213,7 +214,7 @@ def test_train_step_all_reduces_only_the_last_micro_batch_under_ddp(tmp_path):
         for n in (1, 2, 3):
             calls.clear()
             micro = [(torch.randn(4, 16, generator=g), torch.randint(0, K, (4,), generator=g)) for _ in range(n)]
-            train_step(model, micro, nn.CrossEntropyLoss(), opt, Precision("fp32", CPU))
+            train_step(Trainable(model, nn.CrossEntropyLoss(), opt, Precision("fp32", CPU)), micro)
             assert calls == [0], n  # one bucket (51 parameters), all-reduced once per optimizer step
     finally:
         dist.destroy_process_group()
@@ -224,7 +225,7 @@ def test_train_step_clips_the_gradient_norm_like_a_plain_loop():
     micro = [(torch.randn(8, 16, generator=g) * 10, torch.randint(0, K, (8,), generator=g))]
     model, ref, unclipped = tiny_model(), tiny_model(), tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    train_step(model, micro, nn.CrossEntropyLoss(), opt, Precision("fp32", CPU), clip_grad_norm=0.01)
+    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, Precision("fp32", CPU)), micro, clip_grad_norm=0.01)
     plain_steps(ref, [micro], 1.0, clip=0.01)
     plain_steps(unclipped, [micro], 1.0)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
@@ -243,7 +244,7 @@ def test_train_step_clips_the_unscaled_gradients_under_a_loss_scaler():
     prec = Precision("fp32", CPU)
     prec.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    train_step(model, micro, nn.CrossEntropyLoss(), opt, prec, clip_grad_norm=0.01)
+    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), micro, clip_grad_norm=0.01)
     plain_steps(ref, [micro], 1.0, clip=0.01)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)  # scaled by 2**10 and back (exact in binary): measured difference 0

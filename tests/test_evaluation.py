@@ -7,7 +7,7 @@ import pytest
 
 from torchsprint import config
 from torchsprint.errors import UsageError
-from torchsprint.run import evaluate_run, train
+from torchsprint.train.run import evaluate_run, train
 
 
 def test_missing_weights_say_why_and_name_the_weights_the_run_has(tmp_path):

@@ -22,7 +22,7 @@ from torch import nn
 
 from torchsprint import config, runtime
 from torchsprint.errors import UsageError
-from torchsprint.run import build_training, train
+from torchsprint.train.run import build_training, train
 
 # data.backend=cpu: the probes of the cpu backend's own fields compare against it (the default, auto, picks
 # memory for digits; its probe is below and tests/test_backend_auto.py proves what it picks).
@@ -179,7 +179,7 @@ def probe_bad_sample(tmp):
 
 
 def probe_progress(tmp, monkeypatch):
-    from torchsprint.logging import RunLogger
+    from torchsprint.observe.logging import RunLogger
 
     monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)
     for value, bar in ((True, True), (False, False)):
@@ -216,8 +216,8 @@ def probe_fullgraph(tmp):
             torch._dynamo.graph_break()
             return self.fc(x.flatten(1))
 
-    from torchsprint.parallel import wrap_model
-    from torchsprint.plan import decide_speed
+    from torchsprint.runtime.parallel import wrap_model
+    from torchsprint.train.plan import decide_speed
 
     for full, fails in ((False, False), (True, True)):
         cfg, net, cpu = cfg_of("speed.compile=true", f"speed.fullgraph={full}", "speed.compile_backend=eager"), Breaks(), torch.device("cpu")
@@ -237,7 +237,7 @@ def ddp_wrapped(*over):
 
     import torch.distributed as dist
 
-    from torchsprint.parallel import wrap_model
+    from torchsprint.runtime.parallel import wrap_model
 
     cfg = cfg_of(*over)
     with tempfile.TemporaryDirectory() as d:
@@ -245,7 +245,7 @@ def ddp_wrapped(*over):
         try:
             rt = runtime.Runtime(torch.device("cpu"), world_size=2)  # "distributed" for wrap_model; the group has 1 rank
             from torchsprint.models import build_model
-            from torchsprint.plan import decide_speed
+            from torchsprint.train.plan import decide_speed
 
             net = build_model(cfg.model, 10, 1)
             return wrap_model(net, cfg.strategy, rt, speed=decide_speed(cfg.speed, cfg.strategy, net, rt.device, rt.world_size))
@@ -276,7 +276,7 @@ def probe_channels_last(tmp):
     assert [m for m in b.model.modules() if isinstance(m, nn.Conv2d)][1].weight.is_contiguous(memory_format=torch.channels_last)
     x = first_batch(b.loaders.train)[0]
     assert x.is_contiguous() and (x.shape[1] == 1 or x.stride()[1] != 1)
-    from torchsprint.parallel import channels_last_on
+    from torchsprint.runtime.parallel import channels_last_on
 
     _, b = build("model.name=linear", "model.args={}")
     assert not channels_last_on("auto", b.model) and channels_last_on(True, b.model)
@@ -294,7 +294,7 @@ def probe_stop_signals():
     """A listed signal sets the stop flag (instead of its default action); an unlisted one is left alone."""
     import signal
 
-    from torchsprint.preempt import SIGNAL, Stopper
+    from torchsprint.runtime.preempt import SIGNAL, Stopper
 
     before = signal.getsignal(signal.SIGUSR2)
     with Stopper(cfg_of("run.stop_signals=[SIGUSR2]").run) as stop:
@@ -306,7 +306,7 @@ def probe_stop_signals():
 
 
 def probe_run_name_out_dir_dir(tmp):
-    from torchsprint.rundir import planned_path
+    from torchsprint.train.rundir import planned_path
 
     assert planned_path(cfg_of("run.name=abc").run)[0].parent.name == "abc"
     assert planned_path(cfg_of(f"run.out_dir={tmp}").run)[0].parents[1] == tmp

@@ -9,11 +9,11 @@ import torch
 from PIL import Image
 
 from torchsprint import cli, config
+from torchsprint.commands.export import export, onnx_logits
+from torchsprint.commands.predict import Predictor
+from torchsprint.commands.trained import load_run
 from torchsprint.errors import UsageError
-from torchsprint.export import export, onnx_logits
-from torchsprint.predict import Predictor
-from torchsprint.run import evaluate_run, train
-from torchsprint.trained import load_run
+from torchsprint.train.run import evaluate_run, train
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_onnx_top1_equals_eval_on_whole_val_set(digits_run, tmp_path, uint8_inpu
     x, y = val_tensors(digits_run)
     trained = load_run(digits_run)
     with torch.no_grad():
-        from torchsprint.export import normalize
+        from torchsprint.commands.export import normalize
 
         ref = trained.model(normalize(x, trained.pipeline))
     got = onnx_logits(Path(r["path"]), x if uint8_input else normalize(x, trained.pipeline))
@@ -109,7 +109,7 @@ def test_other_formats_round_trip(digits_run, tmp_path, fmt):
     bit for bit; the TorchScript module gives the PyTorch model's logits on the whole val split (measured 0.0)."""
     from safetensors.torch import load_file
 
-    from torchsprint.export import normalize
+    from torchsprint.commands.export import normalize
 
     r = export(digits_run, fmt, out=tmp_path / f"m.{fmt}")
     assert r["max_abs_diff"] == 0.0  # its own parity check: measured 0.0 for both
@@ -141,8 +141,8 @@ def test_tensorrt_parity_tolerates_near_ties_only(digits_run, monkeypatch):
     """The engine check's logic (TensorRT itself does not run here; tensorrt_logits stands in for the engine's
     output): a swap of two classes within 1% of the image's logit range passes, a swap of a clear top-1 fails,
     TF32-sized noise passes."""
-    import torchsprint.export as ex
-    from torchsprint.trained import load_run
+    import torchsprint.commands.export as ex
+    from torchsprint.commands.trained import load_run
 
     trained = load_run(digits_run, "best")
     model = trained.model

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchsprint import plots
-from torchsprint.bench_report import bench_figure
-from torchsprint.lr_find import plot_figure
+from torchsprint.commands.bench.report import bench_figure
+from torchsprint.commands.lr_find import plot_figure
+from torchsprint.observe import plots
 
 RUN = "20261127-210539"
 

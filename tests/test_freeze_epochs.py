@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from torchsprint import config, runtime
 from torchsprint.errors import UsageError
-from torchsprint.resume import find_checkpoints
-from torchsprint.run import build_training, train
+from torchsprint.train.resume import find_checkpoints
+from torchsprint.train.run import build_training, train
 
 # digits: 1437 training images, batch 64 -> 22 steps per epoch; the head of small_cnn is its last Linear ("7.").
 OVER = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.device=cpu",
@@ -156,7 +156,7 @@ def test_ddp_reducer_rebuild_follows_the_flags_and_keeps_the_comm_hook(tmp_path)
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from torchsprint.parallel import rebuild_ddp_reducer
+    from torchsprint.runtime.parallel import rebuild_ddp_reducer
 
     calls = []
 

@@ -28,8 +28,9 @@ from torchsprint import config
 from torchsprint.data import DATASETS, build_loaders
 from torchsprint.data.backends.gpu import build_gpu_loaders, decode_on_device
 from torchsprint.models.core import MODELS
-from torchsprint.run import train
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
+from torchsprint.train.context import Trainable
+from torchsprint.train.run import train
 
 pytestmark = pytest.mark.gpu
 
@@ -132,7 +133,7 @@ def test_a_deterministic_run_after_other_cuda_work_in_one_process(tmp_path):
               "a = torch.randn(64, 64, device='cuda', requires_grad=True)\n"
               "(a @ a).sum().backward()\n"  # cuBLAS, non-deterministic mode
               "from torchsprint import config\n"
-              "from torchsprint.run import train\n"
+              "from torchsprint.train.run import train\n"
               f"s = train(config.load(None, {overrides!r}), quiet=True)\n"
               "print('ok', s['final']['val/top1'])\n")
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
@@ -192,7 +193,7 @@ def accumulate(model, batches):
 def test_cuda_graphs_accumulate_gradients_like_eager(figure):
     """4 micro-batches through the captured graph against the same model run eagerly. Without the
     gradient-copy hook, .grad aliases the graph's static buffer: micro-batches 1-3 lost, 4 doubled."""
-    from torchsprint.parallel import CudaGraphed
+    from torchsprint.runtime.parallel import CudaGraphed
 
     g = torch.Generator(device="cuda").manual_seed(0)
     batches = [(torch.randn(8, 3, 16, 16, device="cuda", generator=g), torch.randint(0, 5, (8,), device="cuda", generator=g))
@@ -211,14 +212,14 @@ def test_cuda_graphs_accumulate_gradients_like_eager(figure):
 def test_cuda_graphs_keep_frozen_batchnorm_in_eval_mode():
     """model.freeze_bn_stats: a frozen BatchNorm uses and keeps its running statistics in the graph too."""
     from torchsprint.models.init import frozen_norm_layers
-    from torchsprint.parallel import capture_cuda_graphs
+    from torchsprint.runtime.parallel import capture_cuda_graphs
 
     net = bn_net()
     for p in net[1].parameters():
         p.requires_grad_(False)
     before = net[1].running_mean.clone()
     x = torch.randn(8, 3, 16, 16, device="cuda")
-    graphed = capture_cuda_graphs(net, lambda: x, None, frozen_norms=frozen_norm_layers)  # what run.py passes
+    graphed = capture_cuda_graphs(net, lambda: x, None, frozen_norms=frozen_norm_layers)  # what train/run.py passes
     graphed.train()
     for _ in range(3):
         graphed(x * 3 + 1).sum().backward()  # inputs whose batch statistics differ from the running ones
@@ -228,10 +229,11 @@ def test_cuda_graphs_keep_frozen_batchnorm_in_eval_mode():
 
 def test_cuda_graphs_really_replay_in_training(tmp_path):
     """speed.cuda_graphs through wrap_model and train_step: every full training batch is a replay."""
-    from torchsprint.engine import train_step
-    from torchsprint.parallel import wrap_model
-    from torchsprint.plan import decide_speed
-    from torchsprint.precision import Precision
+    from torchsprint.runtime.parallel import wrap_model
+    from torchsprint.train.context import Trainable
+    from torchsprint.train.engine import train_step
+    from torchsprint.train.plan import decide_speed
+    from torchsprint.train.precision import Precision
 
     cfg = config.load(None, ["speed.cuda_graphs=true", "precision=amp_bf16"])
     prec = Precision("amp_bf16", CUDA.device, graph_safe=True)
@@ -241,7 +243,7 @@ def test_cuda_graphs_really_replay_in_training(tmp_path):
                        example=lambda: x)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(5):
-        train_step(model, [(x, y)], nn.CrossEntropyLoss(), opt, prec)
+        train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(x, y)])
     assert model.replays == 5
 
 
@@ -251,10 +253,10 @@ def test_compile_really_compiles_on_gpu(mode):
     reduce-overhead also runs CUDA graphs (no cudagraph skips)."""
     from torch._dynamo.utils import counters
 
-    from torchsprint.engine import train_step
-    from torchsprint.parallel import wrap_model
-    from torchsprint.plan import decide_speed
-    from torchsprint.precision import Precision
+    from torchsprint.runtime.parallel import wrap_model
+    from torchsprint.train.engine import train_step
+    from torchsprint.train.plan import decide_speed
+    from torchsprint.train.precision import Precision
 
     torch._dynamo.reset()
     counters.clear()
@@ -265,7 +267,7 @@ def test_compile_really_compiles_on_gpu(mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 5, (16,), device="cuda")
     for _ in range(4):
-        train_step(model, [(x, y)], nn.CrossEntropyLoss(), opt, prec)
+        train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(x, y)])
     frames = counters["frames"]
     assert frames["ok"] >= 1 and frames["ok"] == frames["total"], dict(frames)
     assert counters["stats"]["unique_graphs"] >= 1 and counters["aot_autograd"]["ok"] >= 1
@@ -317,7 +319,7 @@ def test_predict_on_cuda_reads_every_variant_and_mixes_tensors_with_files(tmp_pa
     """Predict on CUDA: tensors and files in one call (they failed to stack across devices), every
     readable variant predicted, the 12-bit one an error entry; the tensors (same CPU preprocessing on
     both) get the CPU predictor's top-1 class."""
-    from torchsprint.predict import Predictor
+    from torchsprint.commands.predict import Predictor
 
     run = tmp_path / "run"
     train(config.load(None, [*jpeg_data(tmp_path / "d"), f"run.dir={run}", "run.epochs=1", "run.device=cpu", *QUIET,
@@ -342,8 +344,8 @@ def test_predict_on_cuda_reads_every_variant_and_mixes_tensors_with_files(tmp_pa
 def test_onnx_export_and_predict_on_cuda(tmp_path):
     import onnxruntime as ort
 
-    from torchsprint.export import export
-    from torchsprint.predict import Predictor
+    from torchsprint.commands.export import export
+    from torchsprint.commands.predict import Predictor
 
     run = tmp_path / "run"
     train(config.load(None, [*jpeg_data(tmp_path / "d"), f"run.dir={run}", "run.epochs=1", *QUIET, "model.args={width: 8}"]),
@@ -358,8 +360,8 @@ def test_onnx_export_and_predict_on_cuda(tmp_path):
 
 
 def test_tensorrt_export_builds_and_checks_an_engine_or_says_why_not(tmp_path):
+    from torchsprint.commands.export import export
     from torchsprint.errors import UsageError
-    from torchsprint.export import export
 
     run = tmp_path / "run"
     train(config.load(None, [*jpeg_data(tmp_path / "d"), f"run.dir={run}", "run.epochs=1", *QUIET, "model.args={width: 8}"]),
@@ -435,9 +437,9 @@ def test_auto_optimizer_impl_is_fused_on_cuda():
 def test_steady_state_train_step_never_syncs(mode, setup):
     """N steps of train_step under torch.cuda.set_sync_debug_mode("error") after warm-up: any host sync
     (an .item(), a bool() of a device tensor, a blocking copy) raises."""
-    from torchsprint.engine import train_step
     from torchsprint.optim import build_optimizer
-    from torchsprint.precision import Precision
+    from torchsprint.train.engine import train_step
+    from torchsprint.train.precision import Precision
 
     name, *flags = setup.split("-")
     over = [f"optim.name={name}"] + (["optim.impl=foreach"] if "foreach" in flags else [])
@@ -452,12 +454,12 @@ def test_steady_state_train_step_never_syncs(mode, setup):
                for _ in range(micro)]
     clip = 1.0 if "clip" in flags else None
     for _ in range(10):  # warm-up: cuDNN autotuning, the optimizer's first (state-creating) step, the scaler's start
-        train_step(model, batches, nn.CrossEntropyLoss(), opt, prec, clip)
+        train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), batches, clip)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(5):
-            loss = train_step(model, batches, nn.CrossEntropyLoss(), opt, prec, clip)
+            loss = train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), batches, clip)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss)

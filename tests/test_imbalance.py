@@ -18,7 +18,7 @@ from torchsprint import config, runtime
 from torchsprint.data import build_loaders
 from torchsprint.data.core import EpochSampler, balanced_weights
 from torchsprint.errors import UsageError
-from torchsprint.run import build_training, train
+from torchsprint.train.run import build_training, train
 
 QUIET = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "model.args={width: 8}", "run.device=cpu"]
 

@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from torchsprint import config
-from torchsprint.checkpoint import load_checkpoint
-from torchsprint.engine import set_train_mode
 from torchsprint.errors import UsageError
 from torchsprint.models.init import apply_freeze, frozen_norm_layers, init_model, load_pretrained
 from torchsprint.models.nets import small_cnn
-from torchsprint.resume import find_checkpoints
-from torchsprint.run import train
+from torchsprint.train.checkpoint import load_checkpoint
+from torchsprint.train.engine import set_train_mode
+from torchsprint.train.resume import find_checkpoints
+from torchsprint.train.run import train
 
 FAST = ["model.args={width: 8}", "data.batch_size=128", "eval.per_class=false", "log.tensorboard=false",
         "log.progress=false", "run.epochs=1"]

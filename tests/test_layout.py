@@ -35,9 +35,11 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["errors", "registry", "version", "settings"]),
-    ("machine", ["runtime", "rng", "collectives", "preempt", "sync_bn", "parallel", "progress", "logging", "plots"]),
-    ("numerics", ["precision", "ema", "swa", "checkpoint", "resume", "rundir", "metrics", "optim.*"]),
+    ("foundation", ["errors", "registry", "version", "config.fields"]),
+    ("machine", ["runtime.machine", "runtime.core", "runtime.rng", "runtime.collectives", "runtime.preempt", "runtime.sync_bn",
+                 "runtime.parallel", "observe.*"]),
+    ("numerics", ["train.precision", "train.ema", "train.swa", "train.checkpoint", "train.resume", "train.rundir",
+                  "tasks.metrics", "optim.*"]),
     ("data.core", ["data.core", "data.prefetch"]),
     ("data.decode", ["data.preprocess.decode"]),
     ("data.spec", ["data.preprocess.transforms", "data.preprocess.normalize", "data.preprocess.batch_geometry",
@@ -49,13 +51,12 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data.build", ["data.auto", "data.build", "data.detect"]),
     ("models.core", ["models.core"]),
     ("models", ["models.nets", "models.init"]),
-    ("tasks", ["tasks", "tta"]),
-    ("config", ["config_files", "config_sections", "config_training", "config", "saved_config"]),
-    ("plan", ["plan"]),
-    ("engine", ["validation", "engine", "batch_size", "distill"]),
-    ("run", ["evaluation", "run"]),
-    ("commands", ["trained", "export", "predict", "bench_variants", "bench_measure", "bench_report", "bench",
-                  "lr_find", "report", "average", "launch", "data.commands.*"]),
+    ("tasks", ["tasks.core", "tasks.tta"]),
+    ("config", ["config.files", "config.sections", "config.training", "config.schema", "config.saved"]),
+    ("plan", ["train.plan"]),
+    ("engine", ["train.context", "train.validation", "train.engine", "train.batch_size", "train.distill"]),
+    ("run", ["train.evaluation", "train.run"]),
+    ("commands", ["commands.*", "commands.bench.*", "runtime.launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),
 ]
 
@@ -142,14 +143,16 @@ def test_the_checker_flags_an_upward_import_and_a_face_import(tmp_path):
     pkg = tmp_path / "torchsprint"
     (pkg / "data" / "backends").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "run.py").write_text("")
+    (pkg / "train").mkdir()
+    (pkg / "train" / "__init__.py").write_text("")
+    (pkg / "train" / "run.py").write_text("")
     (pkg / "data" / "__init__.py").write_text("from torchsprint.data.core import LOADERS\n")
-    (pkg / "data" / "core.py").write_text("def f():\n    from torchsprint.run import train\n")
+    (pkg / "data" / "core.py").write_text("def f():\n    from torchsprint.train.run import train\n")
     (pkg / "data" / "backends" / "__init__.py").write_text("")
     (pkg / "data" / "backends" / "cpu.py").write_text("from torchsprint.data import LOADERS\n")
     (pkg / "data" / "stray.py").write_text("")
     found = violations(modules(tmp_path))
-    assert any("torchsprint.data.core (layer data.core) imports torchsprint.run" in p for p in found), found
+    assert any("torchsprint.data.core (layer data.core) imports torchsprint.train.run" in p for p in found), found
     assert any("imports 'LOADERS' from its own package's face torchsprint.data" in p for p in found), found
     assert any("torchsprint.data.stray: not placed" in p for p in found), found
     assert len(found) == 3, found
@@ -157,7 +160,9 @@ def test_the_checker_flags_an_upward_import_and_a_face_import(tmp_path):
 
 @pytest.mark.parametrize("module", ["torchsprint.data", "torchsprint.models", "torchsprint.data.sources",
                                     "torchsprint.data.backends", "torchsprint.data.preprocess",
-                                    "torchsprint.data.commands", "torchsprint.optim"])
+                                    "torchsprint.data.commands", "torchsprint.optim", "torchsprint.config",
+                                    "torchsprint.runtime", "torchsprint.observe", "torchsprint.tasks", "torchsprint.train",
+                                    "torchsprint.commands", "torchsprint.commands.bench"])
 def test_package_faces_only_reexport(module):
     """An __init__.py holds imports and __all__, no definitions (registries live beside their code)."""
     mods = modules()

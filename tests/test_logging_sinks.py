@@ -11,7 +11,7 @@ import struct
 import pytest
 
 from torchsprint import config
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 BASE = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.epochs=2", "log.every_steps=5"]
 
@@ -133,7 +133,7 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_step(tmp_path):
     """What a crash leaves in metrics.jsonl / metrics_<kind>.csv, cut back for a resume from the checkpoint of step 3:
     later steps, a line cut off mid-write and a junk line go; the test record of step 3 goes too (it follows the
     last checkpoint, and a finishing resumed run writes its own); the rest stays, byte for byte, in order."""
-    from torchsprint.logging import CsvSink, cut_back_jsonl
+    from torchsprint.observe.logging import CsvSink, cut_back_jsonl
 
     keep = [{"kind": "train", "step": 1, "train/loss": 2.0}, {"kind": "train", "step": 3, "train/loss": 1.5},
             {"kind": "eval", "step": 3, "val/top1": 0.5}]

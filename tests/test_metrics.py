@@ -1,4 +1,4 @@
-"""metrics.py against scikit-learn and numpy (independent references), over unequal batches; the CSV writers."""
+"""tasks/metrics.py against scikit-learn and numpy (independent references), over unequal batches; the CSV writers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from sklearn import metrics as skm
 from torch import nn
 
-from torchsprint.metrics import (
+from torchsprint.tasks.metrics import (
     ClassificationMetrics,
     MultilabelMetrics,
     RestorationMetrics,

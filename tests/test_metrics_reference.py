@@ -17,13 +17,13 @@ from sklearn import metrics as skm
 from torch import nn
 from torch.nn import functional as F
 
-from torchsprint.config import EvalConfig, LossConfig
+from torchsprint.config.schema import EvalConfig, LossConfig
 from torchsprint.data.core import DataInfo
-from torchsprint.metrics import ClassificationMetrics
 from torchsprint.optim import build_loss
-from torchsprint.precision import Precision
-from torchsprint.tasks import get_task
-from torchsprint.validation import evaluate
+from torchsprint.tasks.core import get_task
+from torchsprint.tasks.metrics import ClassificationMetrics
+from torchsprint.train.precision import Precision
+from torchsprint.train.validation import evaluate
 
 CPU = torch.device("cpu")
 # Float rounding only: the product accumulates in float32/float64, the references in float64 (numpy).

@@ -16,7 +16,7 @@ from torchvision.transforms import v2
 from torchsprint import config
 from torchsprint.data.preprocess.mix import Mixer, MixParams, cutmix_box
 from torchsprint.errors import UsageError
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 C = 5
 
@@ -220,7 +220,7 @@ def test_bce_loss_takes_the_soft_targets(tmp_path):
     """The run's own loss on the run's own mixed batch equals BCE written out on the smoothed soft targets
     (Keras' binary smoothing t(1 - eps) + eps / 2), then a run finishes."""
     from torchsprint import runtime
-    from torchsprint.run import build_training
+    from torchsprint.train.run import build_training
 
     cfg = config.load(None, [*BASE, "loss.name=bce_with_logits", f"run.dir={tmp_path / 'b'}"])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -269,7 +269,7 @@ def test_ddp_two_processes_with_mixing(tmp_path, run_cli):
 ])
 def test_refusals(over, match):
     from torchsprint import runtime
-    from torchsprint.run import build_training
+    from torchsprint.train.run import build_training
 
     cfg = config.load(None, ["log.tensorboard=false", *over])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)

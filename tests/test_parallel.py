@@ -10,8 +10,9 @@ from torch import nn
 from torchsprint import config
 from torchsprint.cli import main as cli_main
 from torchsprint.errors import UsageError
-from torchsprint.launch import check_nproc, node_settings, torchrun_argv, worker_args
-from torchsprint.parallel import (
+from torchsprint.runtime.core import Runtime, check_strategy, first_slurm_host, launch_env, resolve_backend
+from torchsprint.runtime.launch import check_nproc, node_settings, torchrun_argv, worker_args
+from torchsprint.runtime.parallel import (
     GlooSyncBatchNorm,
     check_speed,
     convert_sync_batchnorm,
@@ -19,10 +20,9 @@ from torchsprint.parallel import (
     unwrap,
     wrap_model,
 )
-from torchsprint.plan import decide_speed
-from torchsprint.precision import Precision
-from torchsprint.run import train
-from torchsprint.runtime import Runtime, check_strategy, first_slurm_host, launch_env, resolve_backend
+from torchsprint.train.plan import decide_speed
+from torchsprint.train.precision import Precision
+from torchsprint.train.run import train
 
 CPU_RT = Runtime(device=torch.device("cpu"))
 TINY = ["log.tensorboard=false", "run.max_steps=4", "checkpoint.every_epochs=null",
@@ -292,7 +292,7 @@ def test_lost_peer_line_only_for_communication_failures(monkeypatch):
     """A DDP worker whose peer died prints one line naming it; other errors keep their traceback."""
     import torch.distributed as dist
 
-    from torchsprint.runtime import lost_peer
+    from torchsprint.runtime.core import lost_peer
 
     gloo_reset = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:27843: "
                               "Connection reset by peer. This is typically caused by a remote worker hanging")

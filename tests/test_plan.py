@@ -11,13 +11,15 @@ import json
 import pytest
 import torch
 
-from torchsprint import config, run
-from torchsprint.checkpoint import TrainState
-from torchsprint.engine import set_train_mode, train_one_epoch
-from torchsprint.logging import RunLogger
-from torchsprint.parallel import CudaGraphed, unwrap
-from torchsprint.plan import decisions, describe_decisions
-from torchsprint.runtime import Runtime
+from torchsprint import config
+from torchsprint.observe.logging import RunLogger
+from torchsprint.runtime.core import Runtime
+from torchsprint.runtime.parallel import CudaGraphed, unwrap
+from torchsprint.train import run
+from torchsprint.train.checkpoint import TrainState
+from torchsprint.train.context import RunContext
+from torchsprint.train.engine import set_train_mode, train_one_epoch
+from torchsprint.train.plan import decisions, describe_decisions
 
 # 40 training JPEGs of 12x12 RGB (3 channels: an NCHW and an NHWC batch differ in their strides), batch 8,
 # 2 micro-batches per step: 5 batches -> 3 optimizer steps per epoch (the last of one micro-batch).
@@ -103,8 +105,7 @@ def test_the_engine_follows_the_plan_not_the_config(tmp_path):
     steps = []
     b.opt.register_step_post_hook(lambda *_: steps.append(1))
     set_train_mode(b.model, b.frozen_norms)
-    ep = train_one_epoch(b.model, b.loaders.train, b.loss_fn, b.opt, b.sched, b.prec, TrainState(), plan,
-                         logger=logger, saver=None)
+    ep = train_one_epoch(b, TrainState(), plan, RunContext(rt, tmp_path, logger))
     logger.close()
     assert len(steps) == 4 and ep["images"] == 32 and not ep["finished_epoch"]  # one batch per step, stopped at 4
     rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]

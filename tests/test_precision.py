@@ -10,10 +10,11 @@ from torch import nn
 
 from torchsprint import config
 from torchsprint.cli import main as cli_main
-from torchsprint.engine import train_step
 from torchsprint.errors import UsageError
-from torchsprint.precision import HalfModel, Precision
-from torchsprint.run import train
+from torchsprint.train.context import Trainable
+from torchsprint.train.engine import train_step
+from torchsprint.train.precision import HalfModel, Precision
+from torchsprint.train.run import train
 
 CPU = torch.device("cpu")
 
@@ -77,7 +78,7 @@ def test_bf16_master_weights_accumulate_updates_below_bf16_resolution():
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.ones(8, 4)
     for _ in range(10):
-        train_step(model, [(x, torch.zeros(8))], lambda out, y: out.mean(), opt, prec)  # d loss / d w = 1
+        train_step(Trainable(model, lambda out, y: out.mean(), opt, prec), [(x, torch.zeros(8))])  # d loss / d w = 1
     master = prec.masters[0][1]
     assert master.dtype == torch.float32
     assert torch.allclose(master, torch.full_like(master, 1 - 10 * 1e-4), atol=1e-7)
@@ -110,7 +111,7 @@ def test_nonfinite_step_is_skipped_and_counted(mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     prec = Precision(mode, CPU, on_nonfinite="skip")
     for batch in [good[0], bad, good[1], good[2]]:
-        train_step(model, [batch], nn.CrossEntropyLoss(), opt, prec)
+        train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [batch])
     assert prec.pop_nonfinite(step=4) == 1
     assert prec.pop_nonfinite(step=4) == 0  # counters reset after each read
     ref = fp32_reference_steps(good)  # the same run without the bad batch
@@ -122,8 +123,7 @@ def test_nonfinite_loss_stops_at_the_next_check_under_stop():
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prec = Precision("fp32", CPU, on_nonfinite="stop")
-    loss = train_step(model, [(torch.full((2, 4), float("inf")), torch.zeros(2, dtype=torch.long))], nn.CrossEntropyLoss(),
-                      opt, prec)
+    loss = train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.full((2, 4), float("inf")), torch.zeros(2, dtype=torch.long))])
     # The engine judges the losses (free at its log-step mean) and hands the verdict to Precision.
     with pytest.raises(FloatingPointError, match="on_nonfinite=stop"):
         prec.pop_nonfinite(step=1, loss_finite=bool(torch.isfinite(loss)))
@@ -133,11 +133,11 @@ def test_bf16_skip_leaves_masters_untouched():
     prec = Precision("bf16", CPU, on_nonfinite="skip")
     model = prec.prepare(nn.Linear(4, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    train_step(model, [(torch.randn(8, 4), torch.randint(0, 3, (8,)))], nn.CrossEntropyLoss(), opt, prec)
+    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.randn(8, 4), torch.randint(0, 3, (8,)))])
     before = [m.clone() for _, m in prec.masters]
     momentum = [opt.state[m]["momentum_buffer"].clone() for _, m in prec.masters]  # the optimizer steps the masters
     halves = [p.detach().clone() for p, _ in prec.masters]
-    train_step(model, [(torch.full((8, 4), float("nan")), torch.zeros(8, dtype=torch.long))], nn.CrossEntropyLoss(), opt, prec)
+    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.full((8, 4), float("nan")), torch.zeros(8, dtype=torch.long))])
     assert prec.pop_nonfinite(step=2) == 1
     assert all(torch.equal(a, m) for a, (_, m) in zip(before, prec.masters))
     assert all(torch.equal(a, p) for a, (p, _) in zip(halves, prec.masters))
@@ -157,7 +157,7 @@ def test_half_weight_state_round_trips_through_a_checkpoint():
 
     prec, model, opt = build()
     for _ in range(3):
-        train_step(model, [(torch.randn(8, 4), torch.randint(0, 3, (8,)))], nn.CrossEntropyLoss(), opt, prec)
+        train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.randn(8, 4), torch.randint(0, 3, (8,)))])
     import io
 
     buf = io.BytesIO()
@@ -192,10 +192,9 @@ def test_amp_fp16_scaler_skips_overflow_and_its_state_is_checkpointed():
     prec = Precision("amp_fp16", dev, on_nonfinite="skip")
     model = nn.Linear(4, 3).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    train_step(model, [(torch.randn(8, 4, device=dev), torch.randint(0, 3, (8,), device=dev))], nn.CrossEntropyLoss(), opt, prec)
+    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.randn(8, 4, device=dev), torch.randint(0, 3, (8,), device=dev))])
     w = model.weight.detach().clone()
-    train_step(model, [(torch.full((8, 4), float("inf"), device=dev), torch.zeros(8, dtype=torch.long, device=dev))],
-               nn.CrossEntropyLoss(), opt, prec)
+    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.full((8, 4), float("inf"), device=dev), torch.zeros(8, dtype=torch.long, device=dev))])
     assert torch.equal(w, model.weight) and prec.pop_nonfinite(step=2) == 1
     state = prec.state_dict()
     prec2 = Precision("amp_fp16", dev)
@@ -245,7 +244,7 @@ def test_masked_step_skips_bit_exactly_and_steps_like_opt_step(name, make):
     a skipped first step creates no state (as GradScaler's skip would)."""
     import copy
 
-    from torchsprint.precision import masked_step
+    from torchsprint.train.precision import masked_step
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
@@ -290,9 +289,9 @@ def test_skip_mode_step_does_not_change_weights_on_nonfinite_gradients():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batch = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))]
     for _ in range(2):
-        train_step(model, batch, nn.CrossEntropyLoss(), opt, prec)
+        train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), batch)
     w, buf = model.weight.detach().clone(), opt.state[model.weight]["momentum_buffer"].clone()
-    train_step(model, [(torch.full((8, 4), float("inf")), torch.zeros(8, dtype=torch.long))], nn.CrossEntropyLoss(), opt, prec)
+    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.full((8, 4), float("inf")), torch.zeros(8, dtype=torch.long))])
     assert torch.equal(w, model.weight) and torch.equal(buf, opt.state[model.weight]["momentum_buffer"])
     assert prec.pop_nonfinite(step=3) == 1
 
@@ -385,7 +384,7 @@ def test_check_mode_messages_and_what_each_device_accepts():
         Precision("fp16", CPU)
     assert str(e.value) == ("precision=fp16 needs a CUDA device (CPUs have no fast fp16 math); on CPU use "
                             "precision=amp_bf16 (CPU autocast), bf16 or fp32.")
-    from torchsprint.precision import check_mode
+    from torchsprint.train.precision import check_mode
 
     cuda = torch.device("cuda")  # check_mode only reads the device type: no GPU needed
     for mode in ("fp32", "amp_fp16", "fp16"):
@@ -457,7 +456,7 @@ def test_attach_rekeys_state_loaded_before_it_in_fp32_and_once():
 
 
 def test_masked_step_on_a_stateless_optimizer_runs_sync_free_after_its_first_step():
-    from torchsprint.precision import masked_step
+    from torchsprint.train.precision import masked_step
 
     p = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.5)
@@ -472,7 +471,7 @@ def test_masked_step_on_a_stateless_optimizer_runs_sync_free_after_its_first_ste
 
 
 def test_grad_max_abs_is_the_inf_norm_and_zero_without_gradients():
-    from torchsprint.precision import grad_max_abs
+    from torchsprint.train.precision import grad_max_abs
 
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([a, b], lr=1)
@@ -506,7 +505,7 @@ def test_bf16_step_after_unscale_keeps_the_gradients_and_unused_parameters_are_f
 
 
 def test_masked_step_runs_on_the_device_once_every_parameter_has_state():
-    from torchsprint.precision import masked_step
+    from torchsprint.train.precision import masked_step
 
     a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([a, b], lr=0.5, momentum=0.9)

@@ -11,10 +11,10 @@ import torch
 
 from conftest import make_image_folder
 from torchsprint import config
-from torchsprint.checkpoint import save_weights
+from torchsprint.commands.predict import Predictor
+from torchsprint.commands.trained import Trained
 from torchsprint.models import build_model
-from torchsprint.predict import Predictor
-from torchsprint.trained import Trained
+from torchsprint.train.checkpoint import save_weights
 
 
 def make_run(root: Path, eval_spec: list) -> Path:

@@ -19,10 +19,10 @@ import pytest
 
 from test_resume import BASE, _records, _temp_files, _wait, assert_same_run, raw_train_steps
 from torchsprint import cli, config
-from torchsprint.checkpoint import SLOW_WRITE_ENV, load_checkpoint, read_safetensors_metadata
-from torchsprint.preempt import EXIT_PREEMPTED
-from torchsprint.resume import find_checkpoints
-from torchsprint.run import train
+from torchsprint.runtime.preempt import EXIT_PREEMPTED
+from torchsprint.train.checkpoint import SLOW_WRITE_ENV, load_checkpoint, read_safetensors_metadata
+from torchsprint.train.resume import find_checkpoints
+from torchsprint.train.run import train
 
 TOTAL_STEPS = 14  # BASE: 2 epochs x 7 steps
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="250")

@@ -18,9 +18,9 @@ import time
 from torch import nn
 
 from torchsprint import config
-from torchsprint import progress as tprog
 from torchsprint.models.core import MODELS
-from torchsprint.run import train
+from torchsprint.observe import progress as tprog
+from torchsprint.train.run import train
 
 HEARTBEAT = re.compile(r"^epoch (\d+)/(\d+): step (\d+)/(\d+) \(\d+%\), ([\d.]+) img/s, elapsed ([\d.]+) s, ETA ([\d.]+) s( \(rough: from the first step, its warm-up included\))?$")
 FIRST = re.compile(r"^epoch (\d+)/(\d+): step 0/(\d+) \(0%\), elapsed ([\d.]+) s, ETA \? \(the first step is under way: the first batch, allocation, warm-up\)$")

@@ -20,8 +20,8 @@ from torchsprint.data.backends.gpu import build_gpu_loaders
 from torchsprint.data.core import Backend
 from torchsprint.data.preprocess.progressive import Schedule, train_schedule
 from torchsprint.errors import UsageError
-from torchsprint.run import build_training, train
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
+from torchsprint.train.run import build_training, train
 
 CPU = Runtime(torch.device("cpu"))
 
@@ -283,7 +283,7 @@ def test_a_backend_that_does_not_resize_per_epoch_is_refused(tmp_path):
 
 
 def test_cuda_graphs_auto_stays_off_and_says_why():
-    from torchsprint.parallel import decide_cuda_graphs
+    from torchsprint.runtime.parallel import decide_cuda_graphs
 
     cfg = config.load(None, [CROP, "data.progressive={start_size: 4, end_epoch: 3, step: 2}"])
     d = decide_cuda_graphs(cfg.speed, cfg.strategy, torch.device("cuda"), progressive=True)

@@ -49,7 +49,7 @@ def registries_restored(monkeypatch):
     from torchsprint.data.core import DATASETS, LOADERS
     from torchsprint.data.preprocess.transforms import TRANSFORMS
     from torchsprint.models.core import MODELS
-    from torchsprint.tasks import TASKS
+    from torchsprint.tasks.core import TASKS
 
     for reg in (MODELS, DATASETS, TRANSFORMS, LOADERS, TASKS):
         monkeypatch.setattr(reg, "_items", dict(reg._items))

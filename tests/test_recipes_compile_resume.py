@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from torchsprint import config
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 BASE = ["model.args={width: 8}", "data.batch_size=64", "data.val_fraction=0.5", "optim.lr=0.05", "eval.per_class=false",
         "log.tensorboard=false", "log.progress=false", "loss.label_smoothing=0.1", "mix.mixup_alpha=0.2",

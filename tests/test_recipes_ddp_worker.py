@@ -29,8 +29,8 @@ def main(out: Path, part: str) -> None:
     faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where, within the test's timeout
 
     from torchsprint import config, runtime
-    from torchsprint.engine import train_step
-    from torchsprint.run import build_training, train
+    from torchsprint.train.engine import train_step
+    from torchsprint.train.run import build_training, train
 
     out.mkdir(parents=True, exist_ok=True)
     if part == "ema":  # 1. EMA of a DDP run (linear model: the same weights as one process with batch 2B).
@@ -51,15 +51,15 @@ def main(out: Path, part: str) -> None:
     everyone = [None, None]
     dist.all_gather_object(everyone, mine)
     # 3. The EMA of a BatchNorm model: per-rank statistics differ after local forwards; sync makes them rank 0's.
-    from torchsprint.ema import ModelEma
-    from torchsprint.parallel import unwrap
+    from torchsprint.runtime.parallel import unwrap
+    from torchsprint.train.ema import ModelEma
 
     ema = ModelEma(unwrap(b.model), config.load(None, ["ema.enabled=true", "ema.decay=0.5"]).ema, rt.device)
     ema.attach(unwrap(b.model))
     x, y = next(iter(b.loaders.train))
-    train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+    train_step(b, [(x, y)])
     ema.update(1)
-    train_step(b.model, [(x + rt.rank, y)], b.loss_fn, b.opt, b.prec)  # different inputs per rank: different BN stats
+    train_step(b, [(x + rt.rank, y)])  # different inputs per rank: different BN stats
     ema.update(2)
 
     def digest():
@@ -92,6 +92,6 @@ def main(out: Path, part: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
-    from torchsprint.runtime import exit_process
+    from torchsprint.runtime.core import exit_process
 
     exit_process(0)  # as torchsprint's own workers do: no interpreter shutdown after the process group

@@ -9,7 +9,7 @@ import pytest
 
 from torchsprint import config
 from torchsprint.errors import UsageError
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 # digits, 7 steps per epoch.
 BASE = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.epochs=10", "data.batch_size=128",

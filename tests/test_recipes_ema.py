@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from torchsprint import config
-from torchsprint.ema import ModelEma
 from torchsprint.errors import UsageError
-from torchsprint.run import evaluate_run, train
+from torchsprint.train.ema import ModelEma
+from torchsprint.train.run import evaluate_run, train
 
 timm_ema = pytest.importorskip("timm.utils.model_ema")
 
@@ -111,9 +111,9 @@ def test_ema_refusals(tmp_path):
 def test_ema_follows_the_original_module_under_compile(tmp_path):
     """speed.compile: the EMA copies and follows the module inside the compiled wrapper."""
     from torchsprint import runtime
-    from torchsprint.engine import train_step
-    from torchsprint.parallel import unwrap
-    from torchsprint.run import build_training
+    from torchsprint.runtime.parallel import unwrap
+    from torchsprint.train.engine import train_step
+    from torchsprint.train.run import build_training
 
     cfg = config.load(None, [*BASE, "speed.compile=true", "speed.compile_backend=eager"])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -124,7 +124,7 @@ def test_ema_follows_the_original_module_under_compile(tmp_path):
     batches = iter(b.loaders.train)
     seen = []
     for step in (1, 2):
-        train_step(b.model, [next(batches)], b.loss_fn, b.opt, b.prec)
+        train_step(b, [next(batches)])
         b.ema.update(step)
         seen.append({k: v.clone() for k, v in unwrap(b.model).state_dict().items()})
     ema = b.ema.module.state_dict()
@@ -139,7 +139,7 @@ def test_ema_follows_the_original_module_under_compile(tmp_path):
 def test_ema_on_cpu_beside_a_cuda_model(tmp_path):
     """ema.device=cpu: the EMA of a CUDA model lives in host memory and still follows it (saved as ema.safetensors)."""
     from torchsprint import runtime
-    from torchsprint.run import build_training
+    from torchsprint.train.run import build_training
 
     cfg = config.load(None, [*BASE, "run.device=cuda", "ema.device=cpu", "ema.eval=false"])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)

@@ -109,7 +109,7 @@ def test_frozen_parameters_stay_out_and_unmatched_patterns_are_named():
 
 def test_a_run_trains_with_groups_and_resumes(tmp_path):
     """Through the CLI flow: the groups' rates are logged by the schedule and a checkpoint round-trips them."""
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     over = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.epochs=2", "eval.per_class=false",
             "optim.layer_decay=0.7", "optim.param_groups=[{pattern: '0.*', lr_scale: 0.5, weight_decay: 0}]", "log.every_steps=1",

@@ -12,7 +12,7 @@ import torchvision
 
 from torchsprint import config, runtime
 from torchsprint.errors import UsageError
-from torchsprint.run import build_training, train
+from torchsprint.train.run import build_training, train
 
 BASE = ["log.tensorboard=false", "log.progress=false", "run.epochs=1", "eval.per_class=false",
         "data.train.transforms=[resize: 32]", "data.eval.transforms=[resize: 32]"]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from torchsprint import config
 from torchsprint.data.core import EpochSampler
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 timm_sampler = pytest.importorskip("timm.data.distributed_sampler")
 REPO = Path(__file__).resolve().parents[1]

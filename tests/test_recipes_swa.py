@@ -19,7 +19,7 @@ from torch import nn
 
 from torchsprint import cli, config, runtime
 from torchsprint.errors import UsageError
-from torchsprint.run import build_training, load_run_config, train
+from torchsprint.train.run import build_training, load_run_config, train
 
 BASE = ["model.args={width: 8}", "data.batch_size=128", "data.val_fraction=0.5", "optim.lr=0.05", "eval.per_class=false",
         "data.train.transforms=[random_crop: {size: 8, padding: 1}, hflip]", "log.tensorboard=false",
@@ -110,7 +110,7 @@ def test_swa_is_the_mean_of_the_epoch_weights_with_recomputed_bn(swa_run):
                               "anneal_strategy": "cos", "file": "swa.safetensors"}
     saved = json.loads((d / "summary.json").read_text())
     assert saved["final"]["swa/val/top1"] == summary["final"]["swa/val/top1"]
-    from torchsprint.run import evaluate_run
+    from torchsprint.train.run import evaluate_run
 
     again = evaluate_run(d, "swa")  # the file holds what was evaluated
     # Measured: equal (the same weights over the same batches in the same order).
@@ -193,7 +193,7 @@ def test_swa_refusals(tmp_path):
 
 def test_swa_start_as_a_fraction_and_early_stop_before_it(tmp_path):
     """swa.start=0.5 of 4 epochs averages epochs 3-4; a run that stops before its first averaged epoch says so."""
-    from torchsprint.swa import start_index
+    from torchsprint.train.swa import start_index
 
     assert start_index(config.load(None, ["swa.start=0.75"]).swa, 20) == 15  # epochs 16-20, as the schema says
     s = run(tmp_path / "frac", "run.epochs=4", "swa.enabled=true", "swa.lr=0.02", "swa.start=0.5")
@@ -239,7 +239,7 @@ def test_average_of_runs_is_their_mean_with_recomputed_bn_and_eval_takes_it(two_
 
 def test_average_of_a_runs_checkpoints(two_runs):
     """--checkpoints 2: the model weights of the run's two newest checkpoints (epochs 1 and 2), averaged."""
-    from torchsprint.average import average
+    from torchsprint.commands.average import average
 
     out = two_runs / "ck.safetensors"
     res = average([str(two_runs / "s1")], out, checkpoints=2, log=lambda *_: None)
@@ -249,7 +249,7 @@ def test_average_of_a_runs_checkpoints(two_runs):
     avg = load_file(str(out))
     diff = max_diff(avg, {k: (states[0][k].double() + states[1][k].double()) / 2 for k in avg}, [k for k in avg if is_param(k)])
     assert diff < 1.8e-7, diff  # measured 6.0e-8, as for the runs; 3x
-    from torchsprint.trained import load_weights_file
+    from torchsprint.commands.trained import load_weights_file
 
     assert load_weights_file(out).classes == [str(i) for i in range(10)]  # what predict -r FILE reads
 
@@ -273,7 +273,7 @@ def test_average_refuses_other_models_one_line(two_runs, cli_in_process, tmp_pat
 ])
 def test_average_bad_input_is_refused(two_runs, runs, kw, says):
     """In process (the CLI's exit 2 and one line: test_average_refuses_other_models_one_line)."""
-    from torchsprint.average import average
+    from torchsprint.commands.average import average
 
     out = two_runs / kw.pop("out", "x.safetensors")
     with pytest.raises(UsageError, match=re.escape(says)):

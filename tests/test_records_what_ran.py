@@ -13,7 +13,7 @@ import torch
 from torchsprint import config
 from torchsprint.cli import main
 from torchsprint.data.core import DATASETS
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 
 class SlowReads(torch.utils.data.Dataset):

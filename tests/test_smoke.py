@@ -3,7 +3,7 @@
 import json
 
 from torchsprint import config
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 
 def test_default_run_reaches_98_percent(tmp_path):

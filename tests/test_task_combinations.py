@@ -6,7 +6,7 @@ import pytest
 
 from torchsprint import config
 from torchsprint.errors import UsageError
-from torchsprint.tasks import TASKS, get_task
+from torchsprint.tasks.core import TASKS, get_task
 
 
 @pytest.mark.parametrize("task", TASKS.names())
@@ -34,7 +34,7 @@ def test_export_supported_or_refused_by_name(task, fmt):
 
 @pytest.mark.parametrize("task", TASKS.names())
 def test_channels_last_and_predict(task):
-    from torchsprint.predict import Predictor
+    from torchsprint.commands.predict import Predictor
 
     t = get_task(task)
     cfg = config.load(None, [f"task={task}", "speed.channels_last=true"])

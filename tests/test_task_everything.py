@@ -83,7 +83,7 @@ def data_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def straight(data_root, tmp_path_factory):
     """task -> (run folder, summary) of an uninterrupted fp32 single-process run (generated data is shared)."""
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     out = {}
     root = tmp_path_factory.mktemp("straight")
@@ -94,7 +94,7 @@ def straight(data_root, tmp_path_factory):
 
 @pytest.mark.parametrize("task", TASKS)
 def test_pause_and_resume_is_bit_identical(task, straight, data_root, tmp_path):
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     ref_dir, ref = straight[task]
     run = tmp_path / "run"
@@ -146,7 +146,7 @@ AMP_TOL = {"multilabel": 0.02, "image_to_image": 0.15, "video": 3 / 16}  # |bf16
 @pytest.mark.parametrize("task", TASKS)
 def test_amp_bf16_trains_close_to_fp32(task, data_root, tmp_path):
     """amp_bf16 on CPU vs the same run in fp32 (32 steps): both learn beyond chance, metrics within AMP_TOL."""
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     final, w = {}, {}
     for prec in ("fp32", "amp_bf16"):
@@ -171,7 +171,7 @@ def test_amp_bf16_trains_close_to_fp32(task, data_root, tmp_path):
 
 @pytest.mark.dist
 def test_ddp_two_processes_match_one_process(straight, data_root, tmp_path):
-    from torchsprint.run import evaluate_run
+    from torchsprint.train.run import evaluate_run
 
     out = tmp_path / "ddp"
     out.mkdir()
@@ -208,7 +208,7 @@ def test_ddp_two_processes_match_one_process(straight, data_root, tmp_path):
 
 def ddp_worker(data_root: Path, out: Path) -> None:
     """Every task trained under DDP in one process group (one start-up); rank 0 writes their final metrics."""
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     torch.distributed.init_process_group("gloo")
     results = {task: train(config.load(None, overrides(task, data_root, out / task, world_size=2)), quiet=True)["final"]
@@ -223,7 +223,7 @@ def ddp_worker(data_root: Path, out: Path) -> None:
 
 @pytest.mark.parametrize("task", TASKS)
 def test_bench_runs_or_refuses_by_name(task, straight, data_root, tmp_path):
-    from torchsprint.bench import bench
+    from torchsprint.commands.bench.main import bench
 
     rows = bench(None, overrides(task, data_root, tmp_path / "unused")[:-1] + ["data.num_workers=0"], steps=2, warmup=1,
                  repeats=1, only=["+ amp_bf16", "+ memory loader", "+ channels_last"], out=tmp_path / "bench",
@@ -244,6 +244,6 @@ if __name__ == "__main__":
     ddp_worker(Path(sys.argv[1]), Path(sys.argv[2]))
     # Leave with os._exit, as the CLI's workers do (runtime.exit_process): interpreter shutdown destroys objects
     # that still hold gloo's threads and aborted ~1 worker in 40 ("terminate called without an active exception").
-    from torchsprint.runtime import exit_process
+    from torchsprint.runtime.core import exit_process
 
     exit_process(0)

@@ -11,7 +11,7 @@ from PIL import Image
 
 from torchsprint import cli, config
 from torchsprint.errors import UsageError
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 BASE = ["task=image_to_image", "data.dataset=synthetic_blur", "log.tensorboard=false", "log.progress=false",
         "model.name=unet_small", "model.args={width: 16}", "data.batch_size=8", "optim.name=adam", "optim.lr=0.003",
@@ -47,9 +47,9 @@ def test_improves_psnr_over_blurred_input(deblur_run):
 
 
 def test_predict_writes_images_and_onnx_matches(deblur_run, tmp_path, capsys):
-    from torchsprint.export import export
-    from torchsprint.tasks import to_pixels
-    from torchsprint.trained import load_run
+    from torchsprint.commands.export import export
+    from torchsprint.commands.trained import load_run
+    from torchsprint.tasks.core import to_pixels
 
     run, _, data = deblur_run
     files = sorted((data / "val" / "input").glob("*.png"))[:3]
@@ -64,7 +64,7 @@ def test_predict_writes_images_and_onnx_matches(deblur_run, tmp_path, capsys):
         assert got.shape == (32, 32, 3) and np.abs(got.astype(int) - ref).max() <= 1
     e = export(run, "onnx", out=tmp_path / "m.onnx")
     assert e["max_abs_diff"] < 1e-4
-    from torchsprint.predict import Predictor
+    from torchsprint.commands.predict import Predictor
 
     onnx_out = Predictor.from_file(tmp_path / "m.onnx").predict([str(files[0])])[0]["image"]
     torch_out = Predictor.from_run(run).predict([str(files[0])])[0]["image"]

@@ -8,7 +8,7 @@ import pytest
 
 from torchsprint import cli, config
 from torchsprint.errors import UsageError
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 BASE = ["task=multilabel", "data.dataset=synthetic_multilabel", "log.tensorboard=false", "log.progress=false",
         "model.args={width: 8}", "data.batch_size=16", "optim.lr=0.05", "data.options={num_images: 160, val_images: 48, size: 24}"]
@@ -45,8 +45,8 @@ def test_learns_well_above_chance(ml_run):
 
 
 def test_predict_labels_above_threshold_and_onnx_parity(ml_run, tmp_path):
-    from torchsprint.export import export
-    from torchsprint.predict import Predictor
+    from torchsprint.commands.export import export
+    from torchsprint.commands.predict import Predictor
 
     run, _, data = ml_run
     rows = list(csv.reader(open(data / "val.csv")))[1:13]

@@ -16,7 +16,7 @@ CLIPS = ["data.train.transforms=[{random_clip: {frames: 6, stride: 1}}, {random_
 
 
 def test_learns_direction_above_chance(tmp_path):
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     cfg = config.load(None, ["task=video", "data.dataset=synthetic_video", f"data.root={tmp_path / 'data'}",
                              f"run.dir={tmp_path / 'run'}", "run.epochs=12", "log.tensorboard=false", "log.progress=false",
@@ -153,8 +153,8 @@ def test_multi_clip_in_training_spec_is_refused(tmp_path):
 def test_multi_clip_eval_k1_equals_center_clip_and_export_takes_one_clip(tmp_path):
     import onnx
 
-    from torchsprint.export import export
-    from torchsprint.run import evaluate_run, train
+    from torchsprint.commands.export import export
+    from torchsprint.train.run import evaluate_run, train
 
     run = tmp_path / "run"
     cfg = config.load(None, TINY + [f"data.root={tmp_path / 'data'}", f"run.dir={run}",

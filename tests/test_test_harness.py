@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchsprint.runtime import resolve_device
+from torchsprint.runtime.core import resolve_device
 
 PROBE = "import torch; print(torch.cuda.is_available(), torch.cuda.device_count())"
 

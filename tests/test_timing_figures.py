@@ -26,7 +26,7 @@ from torch import nn
 from torchsprint import config
 from torchsprint.data.core import DATASETS
 from torchsprint.models.core import MODELS
-from torchsprint.run import train
+from torchsprint.train.run import train
 
 # What the registered model does, set per test: a sleep of `step_s` seconds in every training forward,
 # `first_s` more in the first one (a compile or autotuning warm-up), times `amp_factor` under autocast.
@@ -97,7 +97,7 @@ def fresh_clocks(monkeypatch):
     LOADS.clear()
     EPOCH_STARTS.clear()
     PLAN.update(step_s=0.0, first_s=0.0, amp_factor=1.0)
-    from torchsprint.logging import RunLogger
+    from torchsprint.observe.logging import RunLogger
 
     announce = RunLogger.start_epoch
 
@@ -218,7 +218,7 @@ def test_a_slow_loader_shows_in_the_data_wait_share_and_the_input_bound_hint(tmp
 def test_bench_images_per_s_and_speedup_follow_each_variant_measured_step_time(tmp_path, figure):
     """A variant made 2x slower on purpose (the model sleeps twice as long under autocast) shows ~0.5x, and each
     row's images/s is the batch over the step time the model's own clock measured."""
-    from torchsprint.bench import bench
+    from torchsprint.commands.bench.main import bench
 
     PLAN.update(step_s=0.05, amp_factor=2.0)
     steps, warmup, batch = 6, 2, 32
@@ -258,7 +258,7 @@ def test_bench_images_per_s_and_speedup_follow_each_variant_measured_step_time(t
 
 def test_bench_names_a_slow_loader_input_bound(tmp_path, figure):
     """The bench's baseline on a dataset that reads slowly: its data-wait share is what the step's own time leaves."""
-    from torchsprint.bench import bench
+    from torchsprint.commands.bench.main import bench
 
     PLAN.update(step_s=0.02)
     steps, warmup, batch = 6, 2, 32

@@ -1,7 +1,7 @@
 """eval.tta (issue 29.3): test-time augmentation gives the independent plain-torch figures on every path.
 
 Validation during training, `torchsprint eval`, `predict` (torch and ONNX Runtime) and the exported ONNX graph
-are compared with a reference written here without tta.py: the model on the image and its mirror
+are compared with a reference written here without tasks/tta.py: the model on the image and its mirror
 (torch.flip), or torchvision's ten_crop of the image loaded through a hand-written spec, probabilities
 averaged (softmax), as eval.tta's description says.
 """
@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from torchsprint import config, runtime
+from torchsprint.commands.export import export, normalize, onnx_logits
+from torchsprint.commands.predict import Predictor
+from torchsprint.commands.trained import load_run
 from torchsprint.errors import UsageError
-from torchsprint.export import export, normalize, onnx_logits
-from torchsprint.predict import Predictor
-from torchsprint.run import evaluate_run, train
-from torchsprint.trained import load_run
+from torchsprint.train.run import evaluate_run, train
 
 FAST = ["log.tensorboard=false", "log.progress=false", "data.backend=cpu", "data.num_workers=0"]
 
@@ -67,7 +67,7 @@ def test_hflip_equals_plain_torch_on_eval_predict_and_onnx(digits_run):
     # float32 top-1 (torchmetrics) against the float64 ratio: measured 1.2e-8; one image would be 1/360 = 2.8e-3
     assert ev["top1"] == pytest.approx((ref.argmax(1) == y).double().mean().item(), abs=3.6e-8)
     # the report's confusion matrix and worst mistakes: the same predictions
-    from torchsprint.report import predictions
+    from torchsprint.commands.report import predictions
 
     assert predictions(trained, 0)["preds"] == ref.argmax(1).tolist()
     # predict: the run's eval.tta by default; logits on the same uint8 batch and the reported probabilities
@@ -147,7 +147,7 @@ def test_ten_crop_same_on_eval_predict_and_onnx_and_equals_torchvision(folder_ru
 
 def test_combination_per_target_kind():
     """Multilabel: sigmoid of the output is the views' mean sigmoid; image outputs: mirrored back and averaged."""
-    from torchsprint.tta import TtaModel, TtaPlan
+    from torchsprint.tasks.tta import TtaModel, TtaPlan
 
     torch.manual_seed(0)
     net = torch.nn.Conv2d(3, 3, 3, padding=1)  # image to image, not mirror-symmetric
@@ -170,7 +170,7 @@ def test_combination_per_target_kind():
 ])
 def test_meaningless_tta_is_refused_with_the_fix(over, match):
     """(d) at start-up (Task.check, before any data is read), naming the setting and what to do."""
-    from torchsprint.tasks import get_task
+    from torchsprint.tasks.core import get_task
 
     cfg = config.load(None, over)
     with pytest.raises(UsageError, match=match) as e:

@@ -166,7 +166,7 @@ def test_onnx_metadata_never_imports_code(tmp_path, cli_in_process, trained_run)
 
     import onnx
 
-    from torchsprint.export import export
+    from torchsprint.commands.export import export
 
     name = "onnx_metadata_payload"  # a name no other test imports into this process
     marker = tmp_path / "pwned"
@@ -215,4 +215,4 @@ def test_torch_load_calls_are_weights_only():
     for f in src.rglob("*.py"):
         for m in re.finditer(r"torch\.load\(([^)]*)\)", f.read_text()):
             assert "weights_only=True" in m.group(1), f"{f}: torch.load({m.group(1)})"
-    assert torch.load  # the grep above found the calls in checkpoint.py and models/init.py
+    assert torch.load  # the grep above found the calls in train/checkpoint.py and models/init.py

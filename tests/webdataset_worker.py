@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from torchsprint import config
 from torchsprint.data import build_loaders
-from torchsprint.runtime import Runtime
+from torchsprint.runtime.core import Runtime
 
 
 def main(shards: str, out: str) -> None:
@@ -43,6 +43,6 @@ def main(shards: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
-    from torchsprint.runtime import exit_process
+    from torchsprint.runtime.core import exit_process
 
     exit_process(0)  # as torchsprint's own workers do: no interpreter shutdown after the process group

@@ -168,9 +168,9 @@ class TorchsprintSide:
         from torchsprint import config, runtime
         from torchsprint.models import build_model
         from torchsprint.optim import build_loss, build_optimizer
-        from torchsprint.parallel import wrap_model
-        from torchsprint.plan import decide_speed
-        from torchsprint.precision import Precision
+        from torchsprint.runtime.parallel import wrap_model
+        from torchsprint.train.plan import decide_speed
+        from torchsprint.train.precision import Precision
 
         # speed.cuda_graphs=auto would capture on CUDA: a variant says when it wants graphs (same switches as its name).
         cfg = config.load(None, [f"model.name={model}", f"run.device={SIZE['device']}", "speed.cuda_graphs=false", *overrides])
@@ -188,9 +188,10 @@ class TorchsprintSide:
         self.net.train()
 
     def step(self) -> None:
-        from torchsprint.engine import train_step
+        from torchsprint.train.context import Trainable
+        from torchsprint.train.engine import train_step
 
-        train_step(self.net, self.batch, self.loss_fn, self.opt, self.prec)
+        train_step(Trainable(self.net, self.loss_fn, self.opt, self.prec), self.batch)
 
     def info(self) -> dict:
         from torch._dynamo.utils import counters
@@ -344,7 +345,7 @@ def model_pair_rate(model: str, overrides: list[str], batch: int, steps: int, wa
 
 def unwrap_graphed(model):
     """The CudaGraphed wrapper inside a wrapped model, if any (its replay count proves the graph ran)."""
-    from torchsprint.parallel import CudaGraphed
+    from torchsprint.runtime.parallel import CudaGraphed
 
     m = getattr(model, "_orig_mod", model)
     while not isinstance(m, CudaGraphed) and hasattr(m, "module"):
@@ -589,8 +590,8 @@ def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
 def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
     """images/s and data-wait share of build_training + train_step on real JPEG batches."""
     from torchsprint import config, runtime
-    from torchsprint.engine import train_step
-    from torchsprint.run import build_training
+    from torchsprint.train.engine import train_step
+    from torchsprint.train.run import build_training
 
     cfg = config.load(None, overrides)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -610,7 +611,7 @@ def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
             epoch, it = epoch + 1, None
 
     for _ in range(warmup):
-        train_step(b.model, [batch()], b.loss_fn, b.opt, b.prec)
+        train_step(b, [batch()])
     sync()
     wait, images, loader_cpu = 0.0, 0, 0.0
     t0 = time.perf_counter()
@@ -619,7 +620,7 @@ def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
         x, y = batch()
         wait += time.perf_counter() - tw
         loader_cpu += time.thread_time() - cw  # the training thread's own CPU in the loader (its host work)
-        train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+        train_step(b, [(x, y)])
         images += x.shape[0]
     sync()
     seconds = time.perf_counter() - t0
@@ -697,8 +698,8 @@ def register_random_cifar(n: int = 50000) -> None:
 
 def m4(res: Results, deadline: float) -> None:
     from torchsprint import config, runtime
-    from torchsprint.engine import train_step
-    from torchsprint.run import build_training
+    from torchsprint.train.engine import train_step
+    from torchsprint.train.run import build_training
 
     register_random_cifar(SIZE["cifar"])
     over = ["data.dataset=random_cifar", "data.backend=memory", f"data.batch_size={SIZE['cifar_batch']}",
@@ -719,12 +720,12 @@ def m4(res: Results, deadline: float) -> None:
         tr = b.loaders.train
         tr.set_epoch(0)
         for x, y in tr:  # warm-up epoch: cuDNN autotuning, allocator
-            train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+            train_step(b, [(x, y)])
         sync()
         tr.set_epoch(1)
         t = time.perf_counter()
         for x, y in tr:
-            train_step(b.model, [(x, y)], b.loss_fn, b.opt, b.prec)
+            train_step(b, [(x, y)])
         sync()
         epoch_s = time.perf_counter() - t
         tr.set_epoch(2)

@@ -14,7 +14,7 @@ from torchsprint.cli import main  # noqa: E402
 if __name__ == "__main__":
     code = main()
     if "TORCHELASTIC_RUN_ID" in os.environ and isinstance(code, int):
-        from torchsprint.runtime import exit_process
+        from torchsprint.runtime.core import exit_process
 
         exit_process(code)  # a torchrun worker: skip interpreter shutdown (see exit_process)
     raise SystemExit(code)

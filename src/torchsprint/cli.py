@@ -194,7 +194,7 @@ def cmd_train(args) -> int:
     from pathlib import Path
 
     from torchsprint import config
-    from torchsprint.run import train
+    from torchsprint.train.run import train
 
     overrides = list(args.overrides)
     path = args.config
@@ -216,29 +216,29 @@ def cmd_train(args) -> int:
         raise UsageError("--max-restarts/--rdzv-backend configure torchrun's launcher: add --nproc-per-node N "
                          "(and --nnodes for several machines).")
     if (args.nproc_per_node or args.nnodes) and not args.dry_run:
-        from torchsprint.launch import launch
+        from torchsprint.runtime.launch import launch
 
         return launch(args)
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         # torchrun restarted this worker group after a worker died (--max-restarts): continue from the newest
-        # valid checkpoint of the run folder, which every attempt shares (launch.py).
+        # valid checkpoint of the run folder, which every attempt shares (runtime/launch.py).
         overrides += ["checkpoint.resume=auto"]
     if args.resume and args.config is None:  # the run folder's own config: its `imports:` are not trusted
-        from torchsprint.saved_config import resumed_run_config
+        from torchsprint.config.saved import resumed_run_config
 
         cfg = resumed_run_config(args.resume, overrides, args.imports)
     else:
         cfg = config.load(path, overrides, imports=args.imports)
     summary = train(cfg, overwrite=args.overwrite, dry_run=args.dry_run, hold_signals=True)  # this process exits next
     if summary.get("stopped") == "signal":  # preempted, checkpoint saved: "retry later" (preempt.EXIT_PREEMPTED)
-        from torchsprint.preempt import EXIT_PREEMPTED
+        from torchsprint.runtime.preempt import EXIT_PREEMPTED
 
         return EXIT_PREEMPTED
     return 0
 
 
 def cmd_eval(args) -> int:
-    from torchsprint.run import evaluate_run
+    from torchsprint.train.run import evaluate_run
 
     out = evaluate_run(args.run, args.weights, args.overrides, split=args.split)
     if args.json:
@@ -269,7 +269,7 @@ def cmd_data(args) -> int:
 
 def cmd_lr_find(args) -> int:
     from torchsprint import config
-    from torchsprint.lr_find import check_range, lr_find
+    from torchsprint.commands.lr_find import check_range, lr_find
 
     check_range(args.steps, args.start, args.end)  # before anything is built: a bad range costs nothing
     cfg = config.load(args.config, list(args.overrides), imports=args.imports)
@@ -300,7 +300,7 @@ def registry_for(family: str):
     elif family == "transforms":
         from torchsprint.data.preprocess.transforms import TRANSFORMS as reg
     elif family == "tasks":
-        from torchsprint.tasks import TASKS as reg
+        from torchsprint.tasks.core import TASKS as reg
     else:
         from torchsprint import optim
 
@@ -350,16 +350,16 @@ COMMANDS = [
             args_eval, cmd_eval, imports=True),
     Command("export", "export a run's model (ONNX, safetensors, TorchScript)",
             "Export weights with their preprocessing metadata and check parity.",
-            args_export, lazy("torchsprint.export", "export_cli"), imports=True),
+            args_export, lazy("torchsprint.commands.export", "export_cli"), imports=True),
     Command("predict", "predict with a run or an exported model (classes, labels or images)",
             "Predict with the eval preprocessing stored with the model.",
-            args_predict, lazy("torchsprint.predict", "predict_cli"), imports=True),
+            args_predict, lazy("torchsprint.commands.predict", "predict_cli"), imports=True),
     Command("data", "check a dataset and loader, or compare CPU/GPU preprocessing",
             "Inspect the data pipeline of a config.",
             args_data, cmd_data, imports=False),
     Command("bench", "measure which accelerations pay off on this model, data and machine",
             "Measure a matrix of speed variants of a config side by side.",
-            args_bench, lazy("torchsprint.bench", "bench_cli"), imports=False),
+            args_bench, lazy("torchsprint.commands.bench.main", "bench_cli"), imports=False),
     Command("lr-find", "learning-rate range test: a plot and a suggested optim.lr (no run folder)",
             "Raise the learning rate exponentially from --start to --end over --steps training steps of the run's "
             "model, data and settings; plot the smoothed loss and suggest a learning rate (fastai's 'valley' rule). "
@@ -368,13 +368,13 @@ COMMANDS = [
             args_lr_find, cmd_lr_find, imports=True, import_first=False),
     Command("report", "one HTML page of a run: curves, confusion matrix, per-class scores, worst mistakes",
             "Write <run>/report/report.html (self-contained) and its plots as PNG files.",
-            args_report, lazy("torchsprint.report", "report_cli"), imports=True),
+            args_report, lazy("torchsprint.commands.report", "report_cli"), imports=True),
     Command("average", "average the weights of several runs or checkpoints of one model, BatchNorm recomputed",
             "Average (equal weights) the --weights files of several runs, or one run's N newest checkpoints (timm's "
             "avg_checkpoints.py); refuse inputs of different models; recompute the BatchNorm statistics on the first "
             "run's training data; evaluate every input and the average on its validation split; write -o FILE with "
             "the metadata `eval/export/report --weights FILE` and `predict -r FILE` read.",
-            args_average, lazy("torchsprint.average", "average_cli"), imports=True),
+            args_average, lazy("torchsprint.commands.average", "average_cli"), imports=True),
     Command("config", "show the resolved config or its JSON Schema",
             "Inspect configs.",
             args_config, cmd_config, imports=False),
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     entry = next(c for c in COMMANDS if c.name == command)
     try:
         if entry.imports and entry.import_first:
-            from torchsprint.config import import_modules
+            from torchsprint.config.schema import import_modules
 
             import_modules(args.imports)
         return entry.run(args)
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {disk_full(e)}. Free space there and run the command again.", file=sys.stderr)
             return 2
         if not args.debug and "LOCAL_RANK" in os.environ:  # a DDP worker whose peer died or hung: say so in one line
-            from torchsprint.runtime import lost_peer
+            from torchsprint.runtime.core import lost_peer
 
             line = lost_peer(e)
             if line:

@@ -155,7 +155,7 @@ def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None
     runnable = list(dict.fromkeys(runnable))
     if len(runnable) == 1:
         return fallback, "; ".join(reasons) or "the only backend for this task", {}
-    from torchsprint.collectives import broadcast_object
+    from torchsprint.runtime.collectives import broadcast_object
 
     # Rank 0 measures, every rank takes its figures: all ranks must run the same backend.
     measured = broadcast_object(measure_backends(runnable, data_cfg, splits, rt, kw or {}) if rt.is_main else None, rt)

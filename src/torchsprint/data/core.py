@@ -84,7 +84,7 @@ def memory_budget(device: torch.device, budget_gib: float | None = None) -> tupl
         # Total, not free memory: every rank must make the same choice (the memory backend still checks free memory).
         total = torch.cuda.get_device_properties(device).total_memory
         return int(total * MEMORY_SHARE_GPU), f"{MEMORY_SHARE_GPU:.0%} of {device}'s {total / 2**30:.0f} GiB"
-    from torchsprint.runtime import memory_cap
+    from torchsprint.runtime.core import memory_cap
 
     cap, where = memory_cap()
     return int(cap * MEMORY_SHARE_RAM), f"{MEMORY_SHARE_RAM:.0%} of {where}"

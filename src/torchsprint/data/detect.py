@@ -226,7 +226,7 @@ def photo_schedule(cfg) -> list[Choice]:
     and the warm-up unset (PHOTO_LR_PER_256, PHOTO_WARMUP_EPOCHS): the batch of one optimizer step, data.batch_size x
     optim.accum_steps x the DDP processes, or data.effective_batch_size when set (data.batch_size=auto: 64, the
     default batch)."""
-    from torchsprint.runtime import launch_env
+    from torchsprint.runtime.core import launch_env
 
     optim, sched, chosen = cfg.optim, cfg.sched, []
     if "name" in optim.model_fields_set or "lr" in optim.model_fields_set:

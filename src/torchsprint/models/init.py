@@ -9,8 +9,8 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from torchsprint.checkpoint import strip_prefixes
 from torchsprint.errors import UsageError
+from torchsprint.train.checkpoint import strip_prefixes
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -291,7 +291,7 @@ class HeadOnly:
         layers as wrapped (strategy.sync_bn replaces the BatchNorm modules, keeping their parameters)."""
         if not self.epochs:
             return  # the shared no-op object
-        from torchsprint.parallel import unwrap
+        from torchsprint.runtime.parallel import unwrap
 
         self.wrapped = wrapped
         if self.body_norms:
@@ -308,7 +308,7 @@ class HeadOnly:
         for p in self.body:
             p.requires_grad_(not frozen)
         if self.wrapped is not None:
-            from torchsprint.parallel import rebuild_ddp_reducer
+            from torchsprint.runtime.parallel import rebuild_ddp_reducer
 
             rebuild_ddp_reducer(self.wrapped)
         if self._frozen and not frozen:

@@ -106,7 +106,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool
     Frozen parameters (requires_grad=False) are not given to the optimizer at all. Groups come in order of
     decreasing lr_scale (group 0 carries the unscaled rate the log reports, when some group has it).
     """
-    from torchsprint.checkpoint import strip_prefixes
+    from torchsprint.train.checkpoint import strip_prefixes
 
     named = list(strip_prefixes(dict(model.named_parameters())).items())
     trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -119,7 +119,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool
     nd = no_decay_ids(model) if no_decay_norm_bias else set()
     layers, n_layers = {}, 1
     if layer_decay is not None:
-        from torchsprint.parallel import unwrap
+        from torchsprint.runtime.parallel import unwrap
 
         layers = layer_ids(unwrap(model))
         n_layers = max(layers.values(), default=0) + 1

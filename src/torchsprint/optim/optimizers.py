@@ -7,10 +7,10 @@ import inspect
 import torch
 from torch import nn
 
+from torchsprint.config.fields import default_of
 from torchsprint.errors import UsageError
 from torchsprint.optim.groups import param_groups
 from torchsprint.registry import Registry
-from torchsprint.settings import default_of
 
 OPTIMIZERS = Registry("optimizer", listed="optimizers")
 

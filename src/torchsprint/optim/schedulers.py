@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import torch
 
+from torchsprint.config.fields import default_of
 from torchsprint.errors import UsageError
 from torchsprint.registry import Registry
-from torchsprint.settings import default_of
 
 SCHEDULERS = Registry("scheduler", listed="schedulers")
 

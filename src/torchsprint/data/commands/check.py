@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from torchsprint.logging import replace_file
+from torchsprint.observe.logging import replace_file
 
 FEW = 5  # a class with fewer training images than this is warned about
 IMBALANCE = 10.0  # largest / smallest class ratio above which the report warns
@@ -174,7 +174,7 @@ def sample_grid(splits, cfg, out: Path, per_class: int = 4) -> Path | None:
     """samples.png: per class, `per_class` training images after the train preprocessing, then the same images
     after the eval preprocessing (the cpu backend's reference pipeline, seeded per image)."""
     from torchsprint.data.preprocess.transforms import compile_spec
-    from torchsprint.plots import tile_grid
+    from torchsprint.observe.plots import tile_grid
 
     if splits.task != "classification":
         return None
@@ -218,7 +218,7 @@ def sample_grid(splits, cfg, out: Path, per_class: int = 4) -> Path | None:
 def loader_check(cfg, batches: int) -> dict:
     """A few batches of each split through the configured backend: shapes, labels in range, finite, images/s."""
     from torchsprint.data.build import build_loaders
-    from torchsprint.runtime import Runtime, resolve_device
+    from torchsprint.runtime.core import Runtime, resolve_device
 
     data_cfg = cfg.data.model_copy(update={"on_bad_sample": "skip"})  # the scan above already named every bad file
     loaders = build_loaders(data_cfg, Runtime(torch.device(resolve_device(cfg.run.device))), seed=cfg.run.seed,

@@ -24,7 +24,7 @@ def _eval_paths(cfg, raw, n: int) -> dict:
     from torchsprint.data.preprocess.decode import DECODERS, decode_bytes, read_bytes
     from torchsprint.data.preprocess.on_device import decode_on_device, preprocess_on_device
     from torchsprint.data.preprocess.transforms import compile_spec, decode_hint
-    from torchsprint.runtime import Runtime
+    from torchsprint.runtime.core import Runtime
 
     spec = cfg.data.eval.transforms
     cpu_p = compile_spec(spec, "data.eval.transforms", 3)
@@ -70,7 +70,7 @@ def _dali_compare(cfg, raw, n: int, out) -> str:
     from torchsprint.data.core import EpochSampler
     from torchsprint.data.preprocess.augment import compile_batch_spec
     from torchsprint.errors import UsageError
-    from torchsprint.runtime import Runtime
+    from torchsprint.runtime.core import Runtime
 
     p = compile_batch_spec(cfg.data.eval.transforms, "data.eval.transforms", 3, "dali")
     try:
@@ -113,8 +113,8 @@ def compare(cfg, images: int = 64, run: str | None = None) -> dict:
     if run is not None:
         from safetensors.torch import load_file
 
+        from torchsprint.config.saved import load_run_config, naming_imports
         from torchsprint.models import build_model
-        from torchsprint.saved_config import load_run_config, naming_imports
 
         rcfg = load_run_config(Path(run))  # never imports the modules the run's config lists
         wpath = Path(run) / "best.safetensors"

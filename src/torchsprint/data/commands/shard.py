@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from torchsprint.checkpoint import atomic_write
 from torchsprint.errors import UsageError
-from torchsprint.rundir import RunLock
+from torchsprint.train.checkpoint import atomic_write
+from torchsprint.train.rundir import RunLock
 
 FORMAT = "torchsprint-shards/1"
 BLOCK, RECORD = 512, 10240  # tar: 512-byte blocks; Python's tarfile pads an archive to 20-block records

@@ -1,0 +1,1 @@
+"""`torchsprint bench`: the variant matrix, measuring one variant, the report."""

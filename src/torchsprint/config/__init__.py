@@ -1,0 +1,3 @@
+"""The run's config: the schema (root and sections), reading files and overrides, a saved run's config."""
+
+from torchsprint.config.schema import *  # noqa: F403  (the package's face: schema's names)

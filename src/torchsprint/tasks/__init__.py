@@ -1,0 +1,1 @@
+"""What a run learns (tasks), its metrics, test-time augmentation."""

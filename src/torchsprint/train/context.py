@@ -1,0 +1,52 @@
+"""`RunContext`: a run's services travelling as one object, and `Trainable`: the objects one optimizer step uses.
+
+train/run.py builds one RunContext per run (after the run folder, the logger, the saver and the stopper exist) and
+hands it to `engine.fit(plan, built, state, ctx)`; the loop and its evaluations read their services from it instead
+of taking them one keyword at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a run's loop writes to and asks, built once by the run's flow.
+
+    Attributes:
+        rt: runtime.Runtime (device, rank, world size; rank 0 writes the files).
+        run_dir: the run folder.
+        logger: observe.logging.RunLogger (console, metric sinks, progress).
+        saver: train.checkpoint.Saver (resumable checkpoints, retention).
+        stop: runtime.preempt.Stopper, asked after every step (pauses, run.max_time, stop signals); None: never stops.
+        make_metrics: a fresh evaluator per evaluation (the task's make_metrics for the run's data).
+        weights_meta: the metadata every weights file of the run carries (classes, model, config, ...).
+        task: tasks.core.Task (None: classification).
+    """
+
+    rt: Any
+    run_dir: Path
+    logger: Any
+    saver: Any = None
+    stop: Any = None
+    make_metrics: Callable[[], Any] | None = None
+    weights_meta: dict = field(default_factory=dict)
+    task: Any = None
+
+
+@dataclass
+class Trainable:
+    """The objects one optimizer step uses (train/run.py's Built has the same attributes and is passed as is).
+
+    Attributes:
+        model: the (wrapped) model; loss_fn: loss(logits, targets); opt: the optimizer; prec: train.precision.Precision.
+    """
+
+    model: Any
+    loss_fn: Any
+    opt: Any
+    prec: Any

@@ -2,7 +2,7 @@
 
 Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies point downward)"):
 
-  foundation   errors, registry, version, settings: no torchsprint imports beyond these
+  foundation   errors, registry, version, settings, files: no torchsprint imports beyond these
   machine      runtime (process group, seeds), rng, collectives, parallel (wrappers), progress, logging, plots
   numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
   data         core (registries, sampler) < preprocess/: decode < transforms/normalize/batch_ops (the spec)
@@ -35,7 +35,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["errors", "registry", "version", "settings"]),
+    ("foundation", ["errors", "registry", "version", "settings", "files"]),
     ("machine", ["runtime", "rng", "collectives", "preempt", "sync_bn", "parallel", "progress", "logging", "plots"]),
     ("numerics", ["precision", "ema", "swa", "checkpoint", "resume", "rundir", "metrics", "optim.*"]),
     ("data.core", ["data.core", "data.prefetch"]),

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from torchsprint.files import MAX_FILE_MB
+
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are validated."""
@@ -173,6 +175,11 @@ class DataConfig(Section):
     max_image_pixels: int = Field(
         89_478_485, ge=1, description="Images with more pixels (width x height, read from the header) are bad samples; PIL's bomb limit."
     )
+    max_file_mb: float = Field(
+        MAX_FILE_MB, gt=0, description="The largest file read as an image, in MiB (2^20 bytes). Larger files, and "
+        "anything that is not a regular file (a FIFO, a device, a link to one), are never opened: listed in a folder "
+        "or a file list they are left out and counted among the skipped files (start-up summary, decisions.json); "
+        "read anyway (predict) they are bad samples. 512 holds an uncompressed RGB image at max_image_pixels (268 MB).")
     decoder: Literal["auto", "torchvision", "simplejpeg", "pil"] = Field(
         "auto", description="CPU JPEG decoder (auto: the fastest measured that is installed; see BENCHMARKS.md)."
     )

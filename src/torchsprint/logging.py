@@ -20,6 +20,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from torchsprint.errors import UsageError
+from torchsprint.files import check_regular
 from torchsprint.progress import Feedback
 
 
@@ -121,6 +122,7 @@ class CsvSink:
         self.dir = Path(run_dir)
         self.rows: dict[str, list[dict]] = {}
         for path in self.dir.glob("metrics_*.csv"):  # a resumed run continues its files
+            check_regular(path, "a run's metric rows")  # a FIFO there would block the read below
             kind = path.stem.removeprefix("metrics_")
             text = path.read_text(encoding="utf-8", errors="replace")
             rows = list(csv.DictReader(text[: text.rfind("\n") + 1].splitlines()))  # without a row the crash cut off
@@ -287,6 +289,7 @@ class RunLogger:
         if not self.enabled or self.jsonl is not None:
             return
         path = Path(run_dir) / "metrics.jsonl"
+        check_regular(path, "the run's metric rows")  # opening a FIFO to append blocks until a reader comes
         if resumed_step is not None:
             kept, dropped = cut_back_jsonl(path, resumed_step)
             if dropped:

@@ -26,7 +26,8 @@ def expand_inputs(inputs: list[str | Path]) -> list[tuple[str, str | None]]:
     for item in inputs:
         p = Path(item)
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+            # not is_file(): a FIFO or a device named x.png is listed, and its row says why it is not read
+            files = sorted(f for f in p.rglob("*") if not f.is_dir() and f.suffix.lower() in IMAGE_EXTENSIONS)
             out += [(str(f), None) for f in files] or [(str(p), "folder contains no images")]
         elif not p.exists():
             out.append((str(p), "file not found"))
@@ -287,9 +288,10 @@ class Predictor:
 
     def _load_cpu(self, path: str) -> torch.Tensor:
         from torchsprint.data.sources.folders import ImageFiles
+        from torchsprint.files import MB
 
         files = ImageFiles([(path, 0)], "GRAY" if self.in_channels == 1 else "RGB", decoder=self.data_cfg.decoder,
-                           max_pixels=self.data_cfg.max_image_pixels)
+                           max_pixels=self.data_cfg.max_image_pixels, max_bytes=self.data_cfg.max_file_mb * MB)
         image, _, reason = files[0]
         if image is None:
             raise ValueError(reason.split(": ", 1)[-1] if reason else "unreadable image")

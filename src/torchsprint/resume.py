@@ -7,6 +7,7 @@ from pathlib import Path
 from torchsprint.checkpoint import CKPT_RE, TrainState, load_checkpoint, parse_checkpoint_name
 from torchsprint.collectives import broadcast_object
 from torchsprint.errors import UsageError
+from torchsprint.files import read_regular
 from torchsprint.rng import set_rng_state
 
 
@@ -123,7 +124,7 @@ def decisions_at_start(resume_path) -> dict:
         return {}
     for folder in Path(resume_path).parents[:2]:
         try:
-            decided = json.loads((folder / "decisions.json").read_text())
+            decided = json.loads(read_regular(folder / "decisions.json"))  # a FIFO there: refused (an OSError), not read
         except (OSError, ValueError):
             continue
         if isinstance(decided, dict):

@@ -191,10 +191,12 @@ def sampled_modes(paths: list[str]) -> dict[str, int]:
 
     from PIL import Image
 
+    from torchsprint.files import open_regular
+
     modes: Counter = Counter()
     for p in paths:
-        try:
-            with Image.open(p) as im:
+        try:  # open_regular: never a FIFO (it would block) nor a device
+            with open_regular(p) as f, Image.open(f) as im:
                 modes[im.mode] += 1
         except Exception:  # noqa: BLE001 - an unreadable file is the loader's to report (data.on_bad_sample)
             modes["unreadable"] += 1

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from torchsprint.checkpoint import atomic_write
 from torchsprint.errors import UsageError
+from torchsprint.files import MAX_FILE_MB, MB, read_regular
 from torchsprint.rundir import RunLock
 
 FORMAT = "torchsprint-shards/1"
@@ -142,7 +143,7 @@ def write_shard(out: Path, shard: dict, rec_file: Path) -> dict:
         with wds.TarWriter(f, mtime=0) as w:  # fixed mtime: byte-identical shards for the same plan
             for key, path, label, ext in shard["samples"]:
                 try:
-                    data = Path(path).read_bytes()
+                    data = read_regular(path, MAX_FILE_MB * MB)  # a FIFO would block, a device never end
                 except OSError as e:
                     raise UsageError(f"{path}: cannot read it ({e.strerror}). Fix or remove it, then rerun.") from None
                 w.write({"__key__": key, ext: data, "cls": str(label)})

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from torchsprint.checkpoint import atomic_write
 from torchsprint.errors import UsageError
-from torchsprint.files import MAX_FILE_MB, MB, read_regular
+from torchsprint.files import MAX_FILE_MB, MB, inside, read_regular
 from torchsprint.rundir import RunLock
 
 FORMAT = "torchsprint-shards/1"
@@ -188,6 +188,9 @@ def shard(src: str, out: str, shard_size: str = "1GB", seed: int = 0, progress: 
 
     require_webdataset()
     src_p, out_p = Path(src).expanduser(), Path(out).expanduser()
+    if src_p.is_dir() and inside(out_p, src_p):  # shards among the images: SRC would then be detected as shards
+        raise UsageError(f"OUT {out} is {'SRC itself' if inside(src_p, out_p) else 'inside SRC'} ({src}): the shards "
+                         "and index.json would be written among its images. Choose an OUT folder outside SRC.")
     size = parse_size(shard_size)
     classes, splits = list_source(src_p)
     plan = make_plan(classes, splits, size, seed)

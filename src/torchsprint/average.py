@@ -129,7 +129,7 @@ def run_objects(cfg, first_run: Path, rt, task):
 
 
 def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints: int | None = None,
-            overrides: list[str] = (), log=print) -> dict:
+            overrides: list[str] = (), log=print, overwrite: bool = False) -> dict:
     """Average the inputs into `out` (a .safetensors file) and evaluate it; returns {inputs: [...], average: metrics}.
 
     Args:
@@ -139,11 +139,13 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
         checkpoints: average the N newest checkpoints of the one run instead.
         overrides: dotted overrides of the first run's config for the BatchNorm pass and the evaluation
             (e.g. data.num_workers=0).
+        overwrite: whether an existing `out` may be replaced (never a run's own file: rundir.writable_file).
     """
     from torchsprint import config as config_mod
     from torchsprint import runtime
     from torchsprint.checkpoint import save_weights
     from torchsprint.precision import Precision
+    from torchsprint.rundir import writable_file
     from torchsprint.saved_config import load_run_config, naming_imports
     from torchsprint.swa import recompute_bn
     from torchsprint.tasks import get_task
@@ -152,8 +154,7 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     out = Path(out)
     if out.suffix != ".safetensors":
         raise UsageError(f"-o {out}: the average is written as safetensors; name the file *.safetensors.")
-    if not out.parent.is_dir():
-        raise UsageError(f"-o {out}: the folder {out.parent} does not exist.")
+    writable_file(out, "-o", overwrite=overwrite)  # never a run's own weights (-o B/last.safetensors replaced them)
     files = input_files(list(runs), weights, checkpoints)
     states = [(label, *read_state(path)) for label, path in files]
     check_same_model(states)
@@ -206,7 +207,7 @@ def has_bn(model) -> bool:
 def average_cli(args) -> int:
     """`torchsprint average`: see the module docstring."""
     out = average(args.runs, args.out, args.weights, args.checkpoints,
-                  log=(lambda *_: None) if args.json else print)
+                  log=(lambda *_: None) if args.json else print, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(out))
     return 0

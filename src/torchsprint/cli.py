@@ -71,6 +71,7 @@ def args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=["onnx", "safetensors", "torchscript", "tensorrt"], default="onnx", help="output format")
     p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="PATH", help="output file (default: <run>/export/model.<ext>)")
+    p.add_argument("--overwrite", action="store_true", help="--out may replace an existing file (never a run's own)")
     p.add_argument("--uint8-input", action="store_true", help="fold normalisation into the graph: input is uint8 NCHW")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset version")
     p.add_argument("--tolerance", type=float, default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
@@ -91,6 +92,7 @@ def args_predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
     p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", metavar="FILE", help="write results to FILE (.jsonl or .csv)")
+    p.add_argument("--overwrite", action="store_true", help="--out may replace an existing file (never a run's own)")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
     p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
                    help="test-time augmentation (default: the run's eval.tta; an exported graph's own)")
@@ -155,6 +157,7 @@ def args_report(p: argparse.ArgumentParser) -> None:
 def args_average(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders of the same model (or one, with --checkpoints)")
     p.add_argument("-o", "--out", required=True, metavar="FILE", help="the averaged weights (.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="-o may replace an existing file (never a run's own)")
     p.add_argument("--weights", choices=WEIGHTS, default="last",
                    help="which weights file of each run is averaged (default last; best, ema, swa)")
     p.add_argument("--checkpoints", type=int, default=None, metavar="N",

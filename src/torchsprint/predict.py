@@ -420,11 +420,11 @@ def predict_cli(args) -> int:
     from torchsprint.rundir import writable_file
 
     if args.out:  # checked before any prediction is computed
+        writable_file(args.out, "--out", overwrite=args.overwrite)
         if Path(args.out).suffix.lower() not in OUT_SUFFIXES:
             raise UsageError(f"--out {args.out}: unknown format '{Path(args.out).suffix}'; use a file ending in "
                              f"{', '.join(OUT_SUFFIXES)} (JSON lines or CSV).")
-        writable_file(args.out, "--out")
-    out_dir = Path(getattr(args, "out_dir", None) or "predictions")
+    out_dir = Path(args.out_dir or "predictions")
     target = Path(args.run)
     tta = getattr(args, "tta", None)
     if target.is_dir():
@@ -432,7 +432,7 @@ def predict_cli(args) -> int:
     else:
         predictor = Predictor.from_file(target, args.device, args.batch_size, tta=tta)
     if predictor.task.name == "image_to_image":
-        writable_file(out_dir / "probe.png", "--out-dir")
+        writable_file(out_dir, "--out-dir", folder=True)
     results = predictor.predict(args.inputs, topk=args.topk, threshold=getattr(args, "threshold", None))
     write_images(results, out_dir)
     table = Table(show_header=True)

@@ -247,9 +247,11 @@ def check(cfg, batches: int = 10, out: Path | None = None, progress: bool = True
     import tempfile
 
     from torchsprint.data.core import DATASETS
+    from torchsprint.rundir import writable_file
 
     out = Path(out) if out else Path(tempfile.mkdtemp(prefix="torchsprint-data-check-"))
-    out.mkdir(parents=True, exist_ok=True)
+    for target in (out, out / "check.json", out / "samples.png"):  # before every file is read, not after
+        writable_file(target, "--out", folder=target == out)
     splits = DATASETS.get(cfg.data.dataset)(cfg.data)
     named = {"train": splits.train, "val": splits.val}
     if getattr(splits, "test", None) is not None:

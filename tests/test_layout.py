@@ -16,7 +16,7 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
                train steps)
   run          the flow of one run
   commands     trained, export, predict, bench, report, launch, data/commands/ (check, compare, shard)
-  cli          the `torchsprint` command
+  cli          the `torchsprint` command and the types of its flags (cli_args)
 
 A module may import from its own layer or below. A package's __init__.py is its face for users: it
 re-exports and registers, and no module inside that package imports names from it (a registry there
@@ -56,7 +56,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("run", ["evaluation", "run"]),
     ("commands", ["trained", "export", "predict", "bench_variants", "bench_measure", "bench_report", "bench",
                   "lr_find", "report", "average", "launch", "data.commands.*"]),
-    ("cli", ["cli", "__main__"]),
+    ("cli", ["cli_args", "cli", "__main__"]),
 ]
 
 

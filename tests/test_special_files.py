@@ -2,7 +2,7 @@
 writer comes: train, data check and predict hung), a link to /dev/zero and a sparse 50 GB .jpg (read whole:
 MemoryError), the same named in a file list, a FIFO as a run's metrics.jsonl (--resume hung), and a label of
 1000000000 in a file list (a list of a billion class names). Each command runs in a child process with a time
-limit and a 4 GiB address-space limit, so a regression fails the test (TimeoutExpired, or a MemoryError within
+limit and an 8 GiB address-space limit, so a regression fails the test (TimeoutExpired, or a MemoryError within
 the limit) instead of hanging the suite or taking the machine's memory."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from conftest import make_image_folder
 
 FAST = ["run.epochs=1", "log.tensorboard=false", "log.progress=false", "model.args={width: 4}"]
 LIMIT = """import resource, sys
-resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a file read whole fails here, not in the machine's RAM
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a file read whole fails here, not in all of RAM
 from torchsprint import cli
 sys.exit(cli.main(sys.argv[1:]))"""
 

@@ -158,9 +158,9 @@ def test_a_slow_disk_counts(tmp_path, monkeypatch, figure):
     root = photos(tmp_path / "p", 40, 48, "png")
     real = decode.read_bytes
 
-    def slow_read(path):
+    def slow_read(path, *limit):  # read_bytes(path, max_bytes): the file size limit passes through
         time.sleep(0.01)  # 10 ms a file, a slow network disk
-        return real(path)
+        return real(path, *limit)
 
     monkeypatch.setattr(decode, "read_bytes", slow_read)
     overrides = ["data.dataset=image_folder", f"data.root={root}", "data.batch_size=16", "data.train.transforms=[hflip]",

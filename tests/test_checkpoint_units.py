@@ -642,11 +642,11 @@ def test_an_unreadable_status_path_is_rebuilt_too(tmp_path):
     saver, objs = make_saver(tmp_path)
     saver.save(state(1), *objs, metric=None)
     (saver.dir / "status.json").unlink()
-    (saver.dir / "status.json").mkdir()  # reading it raises IsADirectoryError, an OSError
+    (saver.dir / "status.json").mkdir()  # refused before reading (files.read_regular: not a regular file), an OSError
     logs = []
     reopened, _ = make_saver(tmp_path, resumed_step=1, log=logs.append)
     assert [e["file"] for e in reopened.status["checkpoints"]] == [name(1)]
-    assert len(logs) == 1 and "Is a directory" in logs[0]
+    assert len(logs) == 1 and "a folder, not a regular file" in logs[0]
 
 
 def test_reopening_removes_temp_files_of_a_killed_write(tmp_path):

@@ -169,9 +169,9 @@ def write_cifar(root, bad_label: int | None = None, k: int = 10):
 
 @pytest.mark.parametrize("bad", [10, 255, -1])
 def test_cifar_labels_out_of_range(tmp_path, capsys, bad):
-    write_cifar(tmp_path / "cifar-10-batches-py", bad_label=bad)
-    for argv in (["data", "check", "data.dataset=cifar10", f"data.root={tmp_path}"],
-                 ["train", *FAST, "data.dataset=cifar10", f"data.root={tmp_path}", f"run.dir={tmp_path / 'r'}"]):
+    write_cifar(tmp_path / "data" / "cifar-10-batches-py", bad_label=bad)  # the run folder beside data.root, not inside
+    for argv in (["data", "check", "data.dataset=cifar10", f"data.root={tmp_path / 'data'}"],
+                 ["train", *FAST, "data.dataset=cifar10", f"data.root={tmp_path / 'data'}", f"run.dir={tmp_path / 'r'}"]):
         fails_cleanly(capsys, argv, "data_batch_3", f"label {bad} (sample 2", "outside 0..9")
 
 

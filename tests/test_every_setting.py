@@ -139,6 +139,20 @@ def image_folder(tmp, n=6):
 IMG = ["data.dataset=image_folder", "data.train.transforms=[resize: [16, 16]]", "data.eval.transforms=[resize: [16, 16]]"]
 
 
+def probe_max_file_mb(tmp):
+    """A 200x200 noise JPEG (tens of KB) among 1 KB ones: under data.max_file_mb=0.005 (5 KiB) it is left out and
+    counted among the skipped files, never read; at the default it is a training image."""
+    import numpy as np
+    from PIL import Image
+
+    root = image_folder(tmp)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (200, 200, 3), dtype=np.uint8)).save(
+        root / "train" / "circle" / "big.jpg", quality=95)
+    a, b = differs(lambda c, b: (len(b.loaders.train.loader.shared.dataset), b.loaders.info.facts.get("skipped")),
+                   "data.max_file_mb=0.005", base=[*IMG, f"data.root={root}"])
+    assert b[0] == a[0] - 1 and list(b[1].values())[0]["examples"] == ["big.jpg"], (a, b)
+
+
 def probe_root(tmp):
     """data.root alone is the user's images (the dataset detected from its folders); digits refuses one it would ignore."""
     from conftest import make_image_folder
@@ -363,6 +377,7 @@ PROBES = {
     "data.on_bad_sample": probe_bad_sample,
     "data.max_image_pixels": lambda t: _expect(UsageError, "data.max_image_pixels", run, t, *IMG,
                                                f"data.root={image_folder(t)}", "data.max_image_pixels=100"),
+    "data.max_file_mb": probe_max_file_mb,
     "data.decoder": lambda t: (refused("data.decoder=pil", match="already decoded in memory"),
                                differs(lambda c, b: b.loaders.train.loader.shared.dataset.raws[0].decoder, "data.decoder=pil",
                                        base=[*IMG, f"data.root={image_folder(t)}"])),

@@ -2,7 +2,7 @@
 
 Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies point downward)"):
 
-  foundation   errors, registry, version, settings: no torchsprint imports beyond these
+  foundation   errors, registry, version, settings, files: no torchsprint imports beyond these
   machine      runtime (process group, seeds), rng, collectives, parallel (wrappers), progress, logging, plots
   numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
   data         core (registries, sampler) < preprocess/: decode < transforms/normalize/batch_ops (the spec)
@@ -16,7 +16,7 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
                train steps)
   run          the flow of one run
   commands     trained, export, predict, bench, report, launch, data/commands/ (check, compare, shard)
-  cli          the `torchsprint` command
+  cli          the `torchsprint` command and the types of its flags (commands/args.py)
 
 A module may import from its own layer or below. A package's __init__.py is its face for users: it
 re-exports and registers, and no module inside that package imports names from it (a registry there
@@ -35,7 +35,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["errors", "registry", "version", "config.fields"]),
+    ("foundation", ["errors", "registry", "version", "config.fields", "runtime.files"]),
     ("machine", ["runtime.machine", "runtime.core", "runtime.rng", "runtime.collectives", "runtime.preempt", "runtime.sync_bn",
                  "runtime.parallel", "observe.*"]),
     ("numerics", ["train.precision", "train.ema", "train.swa", "train.checkpoint", "train.resume", "train.rundir",

@@ -99,10 +99,11 @@ def test_cli_leaves_run_folder_and_writes_png(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("args,says", [
-    (["--steps", "0"], "--steps 0"),
+    # --steps and --start are checked while the command line is parsed (commands/args.py), as every command's flags are
+    (["--steps", "0"], "argument --steps: must be >= 10"),
     (["--start", "1", "--end", "0.1"], "is not below --end"),
     (["--start", "0.1", "--end", "0.1"], "is not below --end"),
-    (["--start", "-1"], "finite and positive"),
+    (["--start", "-1"], "argument --start: must be a finite number > 0"),
     (["strategy.name=ddp"], "add strategy.name=single"),
 ])
 def test_bad_range_exits_2_one_line(cli_in_process, args, says):

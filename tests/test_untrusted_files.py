@@ -187,12 +187,12 @@ def test_onnx_metadata_never_imports_code(tmp_path, cli_in_process, trained_run)
 
 def test_hostile_cifar_pickle_is_refused(tmp_path, cli_in_process):
     marker = tmp_path / "pwned"
-    root = tmp_path / "cifar-10-batches-py"
-    root.mkdir()
+    root = tmp_path / "data" / "cifar-10-batches-py"  # the run folder (r) beside data.root, never inside it
+    root.mkdir(parents=True)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]:
         hostile_pickle(root / name, marker, wrap=lambda p: {b"data": p, b"labels": [0]})
-    for args in (["train", "data.dataset=cifar10", f"data.root={tmp_path}", "run.dir=r"],
-                 ["data", "check", "data.dataset=cifar10", f"data.root={tmp_path}"]):
+    for args in (["train", "data.dataset=cifar10", f"data.root={root.parent}", "run.dir=r"],
+                 ["data", "check", "data.dataset=cifar10", f"data.root={root.parent}"]):
         r = cli_in_process(*args)
         assert r.returncode == 2 and "refusing to load posix.system" in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not marker.exists()

@@ -129,12 +129,12 @@ def test_eval_with_a_corrupt_weights_file(tmp_path, trained, capsys):
 
 
 def test_malformed_cifar(tmp_path, capsys):
-    root = tmp_path / "cifar-10-batches-py"
-    root.mkdir()
+    root = tmp_path / "data" / "cifar-10-batches-py"  # the run folder goes beside data.root, never inside it
+    root.mkdir(parents=True)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         (root / name).write_bytes(pickle.dumps({b"data": b"x" * 10, b"labels": [0]})[:-3])  # truncated
     (root / "batches.meta").write_bytes(pickle.dumps({b"label_names": [b"a", b"b"]}))
-    fails_cleanly(capsys, ["train", "data.dataset=cifar10", f"data.root={tmp_path}", f"run.dir={tmp_path / 'r'}"],
+    fails_cleanly(capsys, ["train", "data.dataset=cifar10", f"data.root={root.parent}", f"run.dir={tmp_path / 'r'}"],
                   "is not a CIFAR python batch")
 
 
@@ -156,7 +156,8 @@ def test_empty_class_folder_is_left_out_with_a_warning(tmp_path, capsys):
 
 
 def test_digits_refuses_a_root_it_would_ignore(tmp_path, capsys):
-    fails_cleanly(capsys, ["train", *FAST, "data.dataset=digits", f"data.root={tmp_path}", f"run.dir={tmp_path / 'r'}"],
+    (tmp_path / "d").mkdir()  # the run folder goes beside data.root, never inside it (refused first)
+    fails_cleanly(capsys, ["train", *FAST, "data.dataset=digits", f"data.root={tmp_path / 'd'}", f"run.dir={tmp_path / 'r'}"],
                   "takes no data.root")
 
 

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torchsprint.commands.args import Count, Number, OneLineParser, Output, device, nnodes, shard_size
+
 FAMILIES = ("models", "optimizers", "schedulers", "losses", "datasets", "loaders", "transforms", "tasks")
 
 
@@ -43,15 +45,15 @@ def args_train(p: argparse.ArgumentParser) -> None:
                    help="check everything (config, data, model, optimizer) and report, without writing anything")
     p.add_argument("--overwrite", action="store_true",
                    help="run.dir holds another run: move its files into run.dir/replaced-<time>/ and start over there")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+    p.add_argument("--nproc-per-node", type=Count(1), default=None, metavar="N",
                    help="launch N DDP worker processes on this machine through torchrun (sets strategy=ddp)")
-    p.add_argument("--nnodes", default=None, metavar="N", help="number of machines (torchrun --nnodes, e.g. 2 or 1:4)")
-    p.add_argument("--node-rank", type=int, default=None, metavar="R", help="this machine's rank (torchrun --node-rank)")
+    p.add_argument("--nnodes", type=nnodes, default=None, metavar="N", help="number of machines (torchrun --nnodes, e.g. 2 or 1:4)")
+    p.add_argument("--node-rank", type=Count(0), default=None, metavar="R", help="this machine's rank (torchrun --node-rank)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous address for several machines")
     p.add_argument("--rdzv-backend", choices=["static", "c10d"], default=None,
                    help="rendezvous: static (fixed --node-rank; default with --nnodes > 1) or c10d (elastic: ranks "
                         "assigned on arrival, restarted nodes rejoin)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+    p.add_argument("--max-restarts", type=Count(0), default=0, metavar="K",
                    help="when a worker dies, restart the worker group up to K times; each restart resumes from the "
                         "newest valid checkpoint (save them often: checkpoint.every_steps)")
 
@@ -70,10 +72,11 @@ def args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
     p.add_argument("--format", choices=["onnx", "safetensors", "torchscript", "tensorrt"], default="onnx", help="output format")
     p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
-    p.add_argument("--out", metavar="PATH", help="output file (default: <run>/export/model.<ext>)")
+    p.add_argument("--out", type=Output(), metavar="PATH", help="output file (default: <run>/export/model.<ext>)")
+    p.add_argument("--overwrite", action="store_true", help="--out may replace an existing file (never a run's own)")
     p.add_argument("--uint8-input", action="store_true", help="fold normalisation into the graph: input is uint8 NCHW")
-    p.add_argument("--opset", type=int, default=None, help="ONNX opset version")
-    p.add_argument("--tolerance", type=float, default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
+    p.add_argument("--opset", type=Count(1), default=None, help="ONNX opset version")
+    p.add_argument("--tolerance", type=Number(0), default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
     p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
                    help="test-time augmentation held in the exported graph (default: the run's eval.tta)")
 
@@ -81,16 +84,17 @@ def args_export(p: argparse.ArgumentParser) -> None:
 def args_predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR|MODEL_FILE", help="run folder or exported model file")
     p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files or folders of images")
-    p.add_argument("--topk", type=int, default=5, help="classes to report per image")
-    p.add_argument("--threshold", type=float, default=None,
+    p.add_argument("--topk", type=Count(1), default=5, help="classes to report per image")
+    p.add_argument("--threshold", type=Number(0, 1), default=None,
                    help="task=multilabel: report labels with probability >= this (default: the run's eval.threshold)")
-    p.add_argument("--out-dir", default=None, metavar="FOLDER",
+    p.add_argument("--out-dir", type=Output(folder=True), default=None, metavar="FOLDER",
                    help="task=image_to_image: folder for the output images (default: ./predictions)")
     p.add_argument("--backend", choices=["torch", "onnx"], default="torch", help="inference engine")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda also decodes JPEGs on the GPU)")
-    p.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
+    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (cuda also decodes JPEGs on the GPU)")
+    p.add_argument("--batch-size", type=Count(1), default=64, help="images per forward pass")
     p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
-    p.add_argument("--out", metavar="FILE", help="write results to FILE (.jsonl or .csv)")
+    p.add_argument("--out", type=Output(), metavar="FILE", help="write results to FILE (.jsonl or .csv)")
+    p.add_argument("--overwrite", action="store_true", help="--out may replace an existing file (never a run's own)")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
     p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
                    help="test-time augmentation (default: the run's eval.tta; an exported graph's own)")
@@ -103,13 +107,13 @@ def args_data(p: argparse.ArgumentParser) -> None:
                         "report unreadable files, identical files, images shared between splits, class counts and "
                         "sizes; load a few batches through the configured backend; write check.json and samples.png.")
     _add_config_args(s)
-    s.add_argument("--batches", type=int, default=10, help="batches to load per split")
-    s.add_argument("--out", metavar="DIR", default=None, help="folder for the sample grid PNG (default: a temp folder)")
+    s.add_argument("--batches", type=Count(1), default=10, help="batches to load per split")
+    s.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None, help="folder for the sample grid PNG (default: a temp folder)")
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
     s = dsub.add_parser("compare", help="run the eval preprocessing through every backend and compare pixels",
                         description="Compare the CPU, GPU and DALI eval preprocessing on the same images.")
     _add_config_args(s)
-    s.add_argument("--images", type=int, default=64, help="number of validation images to compare")
+    s.add_argument("--images", type=Count(1), default=64, help="number of validation images to compare")
     s.add_argument("--run", metavar="RUN_DIR", default=None, help="also report top-1 agreement of this run's model")
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
     s = dsub.add_parser("shard", help="write an image folder or file list as shuffled WebDataset tar shards",
@@ -118,46 +122,48 @@ def args_data(p: argparse.ArgumentParser) -> None:
                         "kept) and verified at the end (counts, keys, labels, checksums). Train on them with "
                         "data.dataset=webdataset data.root=OUT.")
     s.add_argument("src", metavar="SRC", help="image folder or file list")
-    s.add_argument("out", metavar="OUT", help="folder for the shards and index.json")
-    s.add_argument("--shard-size", default="1GB", metavar="SIZE", help="largest shard, e.g. 1GB, 500MB, 64MiB (default 1GB)")
-    s.add_argument("--seed", type=int, default=0, help="seed of the sample shuffle (default 0)")
+    s.add_argument("out", type=Output(folder=True), metavar="OUT", help="folder for the shards and index.json")
+    s.add_argument("--shard-size", type=shard_size, default="1GB", metavar="SIZE", help="largest shard, e.g. 1GB, 500MB, 64MiB (default 1GB)")
+    s.add_argument("--seed", type=Count(0), default=0, help="seed of the sample shuffle (default 0)")
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
 
 def args_bench(p: argparse.ArgumentParser) -> None:
     _add_config_args(p)
-    p.add_argument("--steps", type=int, default=30, help="timed steps per variant (after warm-up)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps per variant")
-    p.add_argument("--repeats", type=int, default=3, help="repetitions per variant (median, min-max reported)")
+    p.add_argument("--steps", type=Count(1), default=30, help="timed steps per variant (after warm-up)")
+    p.add_argument("--warmup", type=Count(0), default=5, help="untimed warm-up steps per variant")
+    p.add_argument("--repeats", type=Count(1), default=3, help="repetitions per variant (median, min-max reported)")
     p.add_argument("--variants", default=None, help="comma-separated variant names to run (default: all that apply)")
-    p.add_argument("--to-accuracy", type=float, default=None, metavar="X",
+    p.add_argument("--to-accuracy", type=Number(), default=None, metavar="X",
                    help="also measure time until the monitored val metric (checkpoint.monitor: top-1, mAP, PSNR) reaches X")
-    p.add_argument("--out", metavar="DIR", default=None, help="bench folder (default: bench/<timestamp>)")
+    p.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None, help="bench folder (default: bench/<timestamp>)")
 
 
 def args_lr_find(p: argparse.ArgumentParser) -> None:
     _add_config_args(p)
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep (default 100; it stops early "
+    p.add_argument("--steps", type=Count(10, " (the suggestion drops the first tenth and the last 5 points)"), default=100, help="optimizer steps of the sweep (default 100; it stops early "
                    "when the smoothed loss exceeds 4x its best)")
-    p.add_argument("--start", type=float, default=1e-7, help="first learning rate (default 1e-7, as fastai)")
-    p.add_argument("--end", type=float, default=10.0, help="last learning rate (default 10, as fastai)")
-    p.add_argument("--out", metavar="DIR", default=None, help="folder for lr_find.png and lr_find.json (default: a temp folder)")
+    p.add_argument("--start", type=Number(0, above=True), default=1e-7, help="first learning rate (default 1e-7, as fastai)")
+    p.add_argument("--end", type=Number(0, above=True), default=10.0, help="last learning rate (default 10, as fastai)")
+    p.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None,
+                   help="folder for lr_find.png and lr_find.json (default: a temp folder)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def args_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
     p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
-    p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: <run>/report)")
-    p.add_argument("--wrong", type=int, default=24, help="how many confidently wrong validation images to show")
+    p.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None, help="output folder (default: <run>/report)")
+    p.add_argument("--wrong", type=Count(0), default=24, help="how many confidently wrong validation images to show")
 
 
 def args_average(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders of the same model (or one, with --checkpoints)")
-    p.add_argument("-o", "--out", required=True, metavar="FILE", help="the averaged weights (.safetensors)")
+    p.add_argument("-o", "--out", type=Output(), required=True, metavar="FILE", help="the averaged weights (.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="-o may replace an existing file (never a run's own)")
     p.add_argument("--weights", choices=WEIGHTS, default="last",
                    help="which weights file of each run is averaged (default last; best, ema, swa)")
-    p.add_argument("--checkpoints", type=int, default=None, metavar="N",
+    p.add_argument("--checkpoints", type=Count(2, " (an average of one is the checkpoint itself)"), default=None, metavar="N",
                    help="average the model weights of the one run's N newest checkpoints (checkpoints/ckpt-*.pt)")
     p.add_argument("--json", action="store_true", help="print each input's and the average's figures as JSON")
 
@@ -176,7 +182,7 @@ def args_list(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command in COMMANDS (one sub-parser each, with --debug, and --import where it applies)."""
-    parser = argparse.ArgumentParser(prog="torchsprint", description="Train PyTorch vision models fast, with results you can trust.")
+    parser = OneLineParser(prog="torchsprint", description="Train PyTorch vision models fast, with results you can trust.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -386,15 +392,18 @@ COMMANDS = [
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:  # argparse exits on --help and on a refused flag (commands/args.py): its exit code is returned, as every refusal's
+        args = parser.parse_args(argv)
+        command = args.command or "train"
+        if args.command is None and not args.version:  # `torchsprint` alone runs the default training
+            args = parser.parse_args(["train", *([] if argv is None else argv)] if argv else ["train"])
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 0
     if args.version:
         from torchsprint.version import __version__
 
         print(__version__)
         return 0
-    command = args.command or "train"
-    if args.command is None:  # `torchsprint` alone runs the default training
-        args = parser.parse_args(["train", *([] if argv is None else argv)] if argv else ["train"])
     entry = next(c for c in COMMANDS if c.name == command)
     try:
         if entry.imports and entry.import_first:

@@ -131,7 +131,7 @@ def run_objects(cfg, first_run: Path, rt, task):
 
 
 def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints: int | None = None,
-            overrides: list[str] = (), log=print) -> dict:
+            overrides: list[str] = (), log=print, overwrite: bool = False) -> dict:
     """Average the inputs into `out` (a .safetensors file) and evaluate it; returns {inputs: [...], average: metrics}.
 
     Args:
@@ -141,6 +141,7 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
         checkpoints: average the N newest checkpoints of the one run instead.
         overrides: dotted overrides of the first run's config for the BatchNorm pass and the evaluation
             (e.g. data.num_workers=0).
+        overwrite: whether an existing `out` may be replaced (never a run's own file: rundir.writable_file).
     """
     from torchsprint import config as config_mod
     from torchsprint import runtime
@@ -148,14 +149,14 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     from torchsprint.tasks.core import get_task
     from torchsprint.train.checkpoint import save_weights
     from torchsprint.train.precision import Precision
+    from torchsprint.train.rundir import writable_file
     from torchsprint.train.swa import recompute_bn
     from torchsprint.train.validation import evaluate
 
     out = Path(out)
     if out.suffix != ".safetensors":
         raise UsageError(f"-o {out}: the average is written as safetensors; name the file *.safetensors.")
-    if not out.parent.is_dir():
-        raise UsageError(f"-o {out}: the folder {out.parent} does not exist.")
+    writable_file(out, "-o", overwrite=overwrite)  # never a run's own weights (-o B/last.safetensors replaced them)
     files = input_files(list(runs), weights, checkpoints)
     states = [(label, *read_state(path)) for label, path in files]
     check_same_model(states)
@@ -208,7 +209,7 @@ def has_bn(model) -> bool:
 def average_cli(args) -> int:
     """`torchsprint average`: see the module docstring."""
     out = average(args.runs, args.out, args.weights, args.checkpoints,
-                  log=(lambda *_: None) if args.json else print)
+                  log=(lambda *_: None) if args.json else print, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(out))
     return 0

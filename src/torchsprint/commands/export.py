@@ -242,13 +242,19 @@ def default_out(run_dir: str | Path, fmt: str, uint8_input: bool, tta: str) -> P
 
 
 def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out: str | Path | None = None,
-           uint8_input: bool = False, opset: int | None = None, tolerance: float = 1e-3, tta: str | None = None) -> dict:
+           uint8_input: bool = False, opset: int | None = None, tolerance: float = 1e-3, tta: str | None = None,
+           overwrite: bool = True) -> dict:
     """Export a run's weights and check them against PyTorch on a validation batch.
 
     `tta`: eval.tta for the export (None: the run's own): graph formats (onnx, torchscript, tensorrt) hold its
     views and combination, safetensors carries it in its config. Returns {"path", "format", "max_abs_diff", "tta"};
-    raises UsageError when the difference exceeds `tolerance`.
+    raises UsageError when the difference exceeds `tolerance`. `out` may replace an existing file only with
+    `overwrite` (the CLI's --overwrite), and never a file of a run (rundir.writable_file).
     """
+    from torchsprint.train.rundir import writable_file
+
+    if out is not None:  # before the run is loaded: a bad --out costs nothing
+        out = writable_file(out, "--out", overwrite=overwrite)
     from torchsprint.commands.trained import load_run
     from torchsprint.config.saved import naming_imports
     from torchsprint.tasks.core import get_task
@@ -260,10 +266,8 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
     tta = tta or trained.cfg.eval.tta
     plan = plan_tta(tta, task, trained.cfg.data.eval.transforms)
     trained.cfg.eval.tta = tta  # the config in the metadata says which TTA was exported
-    from torchsprint.train.rundir import writable_file
-
-    out = Path(out) if out else default_out(run_dir, fmt, uint8_input, tta)
-    writable_file(out, "--out")  # before the (slow) export, not after it
+    if out is None:  # before the (slow) export; the run's export/ folder is export's own: a new export replaces the last
+        out = writable_file(default_out(run_dir, fmt, uint8_input, tta), "--out")
     with naming_imports(trained.cfg.imports, run_dir):  # the run's dataset may come from a module it lists
         example = sample_batch(trained)
     # Every format is written under a temp name of this process, checked, and only then renamed over `out`:
@@ -285,7 +289,7 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
 
 def export_cli(args) -> int:
     r = export(args.run, args.format, weights=args.weights, out=args.out, uint8_input=args.uint8_input,
-               opset=args.opset, tolerance=args.tolerance, tta=getattr(args, "tta", None))
+               opset=args.opset, tolerance=args.tolerance, tta=getattr(args, "tta", None), overwrite=args.overwrite)
     diff = "n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3g}"
     print(f"exported {r['format']}: {r['path']}{'' if r['tta'] == 'none' else ' (eval.tta=' + r['tta'] + ')'}\n"
           f"parity: max |logits difference| vs PyTorch = {diff} "

@@ -170,6 +170,7 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
     from torchsprint import runtime
     from torchsprint.config.schema import import_modules
     from torchsprint.train.run import build_training
+    from torchsprint.train.rundir import writable_file
 
     check_range(steps, start, end)
     if cfg.strategy.name == "ddp":
@@ -177,7 +178,8 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
                          "under DDP each step sees data.batch_size x processes, so scale the suggestion accordingly).")
     import_modules(cfg.imports)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="torchsprint-lr-find-"))
-    out.mkdir(parents=True, exist_ok=True)
+    for target in (out, out / "lr_find.json", out / "lr_find.png"):  # before the sweep, not found after it
+        writable_file(target, "--out", folder=target == out)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
         b = build_training(cfg, rt, log)

@@ -26,7 +26,8 @@ def expand_inputs(inputs: list[str | Path]) -> list[tuple[str, str | None]]:
     for item in inputs:
         p = Path(item)
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+            # not is_file(): a FIFO or a device named x.png is listed, and its row says why it is not read
+            files = sorted(f for f in p.rglob("*") if not f.is_dir() and f.suffix.lower() in IMAGE_EXTENSIONS)
             out += [(str(f), None) for f in files] or [(str(p), "folder contains no images")]
         elif not p.exists():
             out.append((str(p), "file not found"))
@@ -288,9 +289,10 @@ class Predictor:
 
     def _load_cpu(self, path: str) -> torch.Tensor:
         from torchsprint.data.sources.folders import ImageFiles
+        from torchsprint.runtime.files import MB
 
         files = ImageFiles([(path, 0)], "GRAY" if self.in_channels == 1 else "RGB", decoder=self.data_cfg.decoder,
-                           max_pixels=self.data_cfg.max_image_pixels)
+                           max_pixels=self.data_cfg.max_image_pixels, max_bytes=self.data_cfg.max_file_mb * MB)
         image, _, reason = files[0]
         if image is None:
             raise ValueError(reason.split(": ", 1)[-1] if reason else "unreadable image")
@@ -359,10 +361,8 @@ class Predictor:
 
 
 def write_images(results: list[dict], folder: Path) -> None:
-    """Save each result's output "image" as <folder>/<input stem>.png and replace it by that path.
-
-    Inputs that share a stem get an index suffix, so no output overwrites another.
-    """
+    """Save each result's output "image" as <folder>/<input stem>.png and replace it by that path (inputs that
+    share a stem get an index suffix, so no output overwrites another)."""
     from PIL import Image
 
     if not any("image" in r for r in results):
@@ -419,11 +419,11 @@ def predict_cli(args) -> int:
     from torchsprint.train.rundir import writable_file
 
     if args.out:  # checked before any prediction is computed
+        writable_file(args.out, "--out", overwrite=args.overwrite)
         if Path(args.out).suffix.lower() not in OUT_SUFFIXES:
             raise UsageError(f"--out {args.out}: unknown format '{Path(args.out).suffix}'; use a file ending in "
                              f"{', '.join(OUT_SUFFIXES)} (JSON lines or CSV).")
-        writable_file(args.out, "--out")
-    out_dir = Path(getattr(args, "out_dir", None) or "predictions")
+    out_dir = Path(args.out_dir or "predictions")
     target = Path(args.run)
     tta = getattr(args, "tta", None)
     if target.is_dir():
@@ -431,7 +431,7 @@ def predict_cli(args) -> int:
     else:
         predictor = Predictor.from_file(target, args.device, args.batch_size, tta=tta)
     if predictor.task.name == "image_to_image":
-        writable_file(out_dir / "probe.png", "--out-dir")
+        writable_file(out_dir, "--out-dir", folder=True)
     results = predictor.predict(args.inputs, topk=args.topk, threshold=getattr(args, "threshold", None))
     write_images(results, out_dir)
     table = Table(show_header=True)

@@ -197,7 +197,8 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
 
     run_dir = Path(run_dir)
     out = Path(out) if out else run_dir / "report"
-    writable_file(out / "report.html", "--out")
+    for target in (out, *(out / n for n in ("report.html", "curves.png", "confusion_matrix.png", "wrong.png"))):
+        writable_file(target, "--out", folder=target == out)  # --out <run>: its confusion_matrix.png is the run's own
     records, notes = read_records(run_dir)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)

@@ -91,6 +91,15 @@ class Config(Section):
         apply_defaults(self)
         return self
 
+    @model_validator(mode="after")
+    def _unfreeze_within_the_run(self):
+        # The start-up line promises the body's unfreeze after freeze_epochs; at or past run.epochs it never comes.
+        if self.model.freeze_epochs and self.model.freeze_epochs >= self.run.epochs:
+            raise UsageError(f"model.freeze_epochs={self.model.freeze_epochs} is not below run.epochs={self.run.epochs}: "
+                             "the body would never be unfrozen. Lower model.freeze_epochs or raise run.epochs; to train "
+                             "only the head for the whole run, set model.train_only to its parameter patterns.")
+        return self
+
     # What torchsprint chose for settings the config leaves unset and the data decides (data/detect.py): a list of
     # Choice dicts (setting, value, why, override), for the start-up summary and decisions.json. Not a config key:
     # the chosen values themselves are written into the config (config.yaml), so a resumed run reads them as set.

@@ -3,15 +3,45 @@ progressive and mix settings), distill and model. `torchsprint.config.schema` re
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from torchsprint.runtime.files import MAX_FILE_MB
+
+
+def bool_for_number(value: Any, annotation: Any) -> bool:
+    """Whether `value` holds a boolean where `annotation` means a number: int or float among its members and bool
+    not (a flag field, or `bool | 'auto'`, takes booleans), also inside a list or tuple of numbers."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return bool_for_number(value, args[0])
+    members = args if origin in (Union, UnionType) else (annotation,)
+    if isinstance(value, bool):
+        kinds = {m for m in members if isinstance(m, type)}
+        kinds |= {type(v) for m in members if get_origin(m) is Literal for v in get_args(m)}
+        return bool(kinds & {int, float}) and bool not in kinds
+    if isinstance(value, list | tuple):
+        items = [get_args(m)[0] for m in members if get_origin(m) in (list, tuple) and get_args(m)]
+        return any(bool_for_number(v, item) for item in items for v in value)
+    return False
+
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
+    """Base of every config section: unknown keys are errors, assignments are validated, numbers are numbers."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # inf/NaN: never a setting
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, v, info):
+        # pydantic takes true for 1 in an int or float field, and YAML reads `true` as a boolean: run.epochs=true was
+        # 1 epoch, run.max_time=true a 1-second budget, optim.lr=true 1.0. A number field takes numbers (1 for a float
+        # still is one).
+        if bool_for_number(v, cls.model_fields[info.field_name].annotation):
+            raise ValueError("a number is meant here, not true/false")
+        return v
 
 
 # A transform step: "hflip" or {"random_resized_crop": {"size": 224}} or {"resize": 256}.
@@ -173,6 +203,11 @@ class DataConfig(Section):
     max_image_pixels: int = Field(
         89_478_485, ge=1, description="Images with more pixels (width x height, read from the header) are bad samples; PIL's bomb limit."
     )
+    max_file_mb: float = Field(
+        MAX_FILE_MB, gt=0, description="The largest file read as an image, in MiB (2^20 bytes). Larger files, and "
+        "anything that is not a regular file (a FIFO, a device, a link to one), are never opened: listed in a folder "
+        "or a file list they are left out and counted among the skipped files (start-up summary, decisions.json); "
+        "read anyway (predict) they are bad samples. 512 holds an uncompressed RGB image at max_image_pixels (268 MB).")
     decoder: Literal["auto", "torchvision", "simplejpeg", "pil"] = Field(
         "auto", description="CPU JPEG decoder (auto: the fastest measured that is installed; see BENCHMARKS.md)."
     )

@@ -35,9 +35,10 @@ def file_size(path: str) -> tuple[int, int] | None:
     first 4 KiB, and up to HEADER_BYTES only when a JPEG's frame header comes later (after a large EXIF
     thumbnail or ICC profile)."""
     from torchsprint.data.preprocess.decode import BadImage, read_header
+    from torchsprint.runtime.files import open_regular
 
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO would block open(), a device never end
             head = f.read(4096)
             try:
                 h = read_header(head)

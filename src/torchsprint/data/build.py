@@ -59,8 +59,7 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
             name = step if isinstance(step, str) else next(iter(step), None) if isinstance(step, dict) else None
             if name in splits.label_changing:
                 raise UsageError(f"{where}: {name} on data.dataset={data_cfg.dataset} {splits.label_changing[name]}; remove it.")
-    if len(splits.train) == 0:
-        raise UsageError(f"dataset '{data_cfg.dataset}' has no training samples (root={data_cfg.root}).")
+    check_train_size(data_cfg, splits)
     if split == "test":
         if splits.test is None:
             raise UsageError(f"data.dataset={data_cfg.dataset} (root={data_cfg.root}) has no test split; image_folder "
@@ -107,6 +106,17 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     return splits.wrap(loaders)
 
 
+def check_train_size(data_cfg, splits: Splits) -> None:
+    """Refuse an empty training split, and an effective batch larger than it."""
+    if len(splits.train) == 0:
+        raise UsageError(f"dataset '{data_cfg.dataset}' has no training samples (root={data_cfg.root}).")
+    if (target := data_cfg.effective_batch_size) is not None and target > len(splits.train):
+        # every optimizer step would average all the epoch holds (an epoch of 1,437 at 2048: one step of 1,408)
+        raise UsageError(f"data.effective_batch_size={target} is more than the {len(splits.train):,} training images: "
+                         "an optimizer step could never see that many. Set it to at most the training set's size (much "
+                         "less, for more than one step per epoch), or leave it unset.")
+
+
 def balanced_train_weights(data_cfg, splits: Splits) -> torch.Tensor:
     """data.sampler=balanced: per-sample weights 1 / class count, from the training split's class-index labels."""
     labels = None if getattr(splits.train, "streaming", False) else _labels(splits.train)
@@ -117,6 +127,10 @@ def balanced_train_weights(data_cfg, splits: Splits) -> torch.Tensor:
     if data_cfg.repeated_aug > 1:
         raise UsageError(f"data.sampler=balanced with data.repeated_aug={data_cfg.repeated_aug}: both choose which samples "
                          "an epoch reads; use one of them.")
+    empty = [c for c, n in zip(splits.classes, torch.bincount(labels, minlength=len(splits.classes)).tolist()) if n == 0]
+    if empty:  # no draw can pick them: "every class equally often" would not hold (as loss.class_weights=auto refuses)
+        raise UsageError(f"data.sampler=balanced: class(es) {empty[:5]} have no training images, so no draw can pick "
+                         "them; add images, or remove data.sampler.")
     return balanced_weights(labels, len(splits.classes))
 
 
@@ -191,10 +205,12 @@ def sampled_modes(paths: list[str]) -> dict[str, int]:
 
     from PIL import Image
 
+    from torchsprint.runtime.files import open_regular
+
     modes: Counter = Counter()
     for p in paths:
-        try:
-            with Image.open(p) as im:
+        try:  # open_regular: never a FIFO (it would block) nor a device
+            with open_regular(p) as f, Image.open(f) as im:
                 modes[im.mode] += 1
         except Exception:  # noqa: BLE001 - an unreadable file is the loader's to report (data.on_bad_sample)
             modes["unreadable"] += 1

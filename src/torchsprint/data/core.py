@@ -151,6 +151,14 @@ def split_samples(samples: list, data_cfg, classes: list[str] | None = None, wit
         va = np.asarray(rest, dtype=np.int64)[va]
     else:
         tr, va = _stratified(labels, data_cfg, len(samples))
+    # A class of 2 among 2,000 images can get no validation image from the stratified split: said, like a single one.
+    validated = set(labels[va].tolist())
+    unseen = [int(c) for c in np.flatnonzero(counts > 1) if data_cfg.val_fraction > 0 and int(c) not in validated]
+    if unseen:
+        name = (lambda c: classes[c]) if classes is not None else str
+        notes.append(f"{len(unseen)} class(es) too small for a validation image at data.val_fraction="
+                     f"{data_cfg.val_fraction} ({', '.join(f'{name(c)}: {counts[c]} images' for c in unseen[:5])}"
+                     f"{' ...' if len(unseen) > 5 else ''}): trained on, not validated (raise data.val_fraction or add images)")
     out = [samples[i] for i in tr], [samples[i] for i in va]
     return (*out, notes) if with_notes else out
 

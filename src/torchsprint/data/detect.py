@@ -157,10 +157,12 @@ def measure(paths: list[str]) -> tuple[list[tuple[int, int]], list[str]]:
     """(width, height) and Pillow mode of each readable file (headers only); unreadable files are left to the loader."""
     from PIL import Image
 
+    from torchsprint.runtime.files import open_regular
+
     sizes, modes = [], []
     for p in paths:
-        try:
-            with Image.open(p) as im:
+        try:  # open_regular: a FIFO among the files would block open(), a device never end
+            with open_regular(p) as f, Image.open(f) as im:
                 sizes.append(im.size)
                 modes.append(im.mode)
         except Exception:  # noqa: BLE001 - data.on_bad_sample reports unreadable files when they load

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from torchsprint.errors import UsageError
 from torchsprint.observe.progress import Feedback
+from torchsprint.runtime.files import check_regular
 
 
 def numeric(values: dict[str, Any]) -> dict[str, float]:
@@ -154,6 +155,7 @@ class CsvSink:
         self.dir = Path(run_dir)
         self.rows: dict[str, list[dict]] = {}
         for path in self.dir.glob("metrics_*.csv"):  # a resumed run continues its files
+            check_regular(path, "a run's metric rows")  # a FIFO there would block the read below
             kind = path.stem.removeprefix("metrics_")
             text = path.read_text(encoding="utf-8", errors="replace")
             rows = list(csv.DictReader(text[: text.rfind("\n") + 1].splitlines()))  # without a row the crash cut off
@@ -325,6 +327,7 @@ class RunLogger:
         if not self.enabled or self.jsonl is not None:
             return
         path = Path(run_dir) / "metrics.jsonl"
+        check_regular(path, "the run's metric rows")  # opening a FIFO to append blocks until a reader comes
         if resumed_step is not None:
             kept, dropped, self.counts = cut_back_jsonl(path, resumed_step, resumed_counts)
             if dropped:

@@ -102,19 +102,25 @@ def launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv()
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """'auto' -> cuda:<local_rank> when CUDA is present, else cpu; validates explicit names."""
+def resolve_device(name: str, local_rank: int = 0, what: str = "run.device") -> torch.device:
+    """'auto' -> cuda:<local_rank> when CUDA is present, else cpu; validates explicit names: a device of this
+    machine (cpu, cuda, cuda:N of a GPU it has). `what` names the setting or flag in the error."""
     if name == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     try:
         dev = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"run.device '{name}' is not a device. Use auto, cpu, cuda or cuda:N.") from None
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):  # meta, mps, xla... would fail later, mid-run
+        raise UsageError(f"{what} '{name}' is not a device torchsprint runs on. Use auto, cpu, cuda or cuda:N.")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise UsageError(f"run.device={name} but this machine has no CUDA device. Use run.device=cpu (or auto).")
+            raise UsageError(f"{what}={name} but this machine has no CUDA device. Use {what}=cpu (or auto).")
         if dev.index is None:
             dev = torch.device(f"cuda:{local_rank}")
+        elif dev.index >= torch.cuda.device_count():
+            raise UsageError(f"{what}={name} but this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
     return dev
 
 

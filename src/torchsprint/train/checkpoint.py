@@ -21,6 +21,7 @@ from torch import nn
 
 from torchsprint.errors import UsageError
 from torchsprint.runtime.collectives import broadcast_object, gather_objects
+from torchsprint.runtime.files import read_regular
 from torchsprint.runtime.rng import rng_state
 
 FORMAT = "torchsprint-checkpoint"
@@ -280,7 +281,7 @@ class Saver:
     # -- status file
     def _read_status(self) -> dict[str, Any]:
         try:
-            status = json.loads(self.status_path.read_text())
+            status = json.loads(read_regular(self.status_path))  # a FIFO there: refused (an OSError), not read
             if not isinstance(status, dict) or not isinstance(status.get("checkpoints"), list) \
                     or not isinstance(status.get("history", []), list) \
                     or not all(isinstance(e, dict) and {"file", "epoch", "step"} <= e.keys() for e in status["checkpoints"]):

@@ -235,6 +235,11 @@ def input_too_small(error: RuntimeError, model, cfg, loaders) -> UsageError | No
 
     side = min_input_size(unwrap(model), loaders.info.in_channels)
     need = f"at least {side}x{side} pixels" if side else "larger images than 1024x1024"
+    start = cfg.data.progressive.start_size
+    if start is not None and (side is None or start < side):  # the first epochs' crops, not the eval batches, are small
+        return UsageError(f"data.progressive.start_size={start}: the first epochs train on {start}x{start} crops, but "
+                          f"model {cfg.model.name} needs inputs of {need}. Raise data.progressive.start_size to at least "
+                          f"{side or 1024} (a multiple of data.progressive.step), or remove data.progressive.")
     loaders.val.set_epoch(0)
     h, w = next(iter(loaders.val))[0].shape[-2:]  # the error path only: one batch to say what the data is
     size = f"{h}x{w}"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from torchsprint.errors import UsageError, disk_full
 from torchsprint.runtime.collectives import broadcast_object
+from torchsprint.runtime.files import read_regular
 from torchsprint.runtime.rng import set_rng_state
 from torchsprint.train.checkpoint import CKPT_RE, TrainState, load_checkpoint, parse_checkpoint_name
 
@@ -123,7 +124,7 @@ def decisions_at_start(resume_path) -> dict:
         return {}
     for folder in Path(resume_path).parents[:2]:
         try:
-            decided = json.loads((folder / "decisions.json").read_text())
+            decided = json.loads(read_regular(folder / "decisions.json"))  # a FIFO there: refused (an OSError), not read
         except (OSError, ValueError):
             continue
         if isinstance(decided, dict):

@@ -9,12 +9,14 @@ crashed run never leaves a stale lock behind, and a second process refuses at on
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
 from pathlib import Path
 
 from torchsprint.errors import UsageError
+from torchsprint.runtime.files import inside
 
 # What a finished or running torchsprint run leaves in its folder (checkpoints/ is a folder).
 RUN_FILES = ("config.yaml", "env.json", "decisions.json", "metrics.jsonl", "summary.json", "best.safetensors", "last.safetensors",
@@ -125,22 +127,65 @@ def set_aside(run_dir: Path) -> Path | None:
     return dest
 
 
-def writable_file(path: str | Path, option: str) -> Path:
-    """Check, before any work, that `path` can be written: its folder is created if needed and a probe file
-    is written and removed there (os.access says yes to root even on a read-only filesystem).
+# A run's own files: what training wrote and what resuming, eval, export and report read back. An output of
+# another command never replaces one (`average A B -o B/last.safetensors` replaced run B's weights), --overwrite
+# or not. report/ is not among them: `torchsprint report` writes it, and a new report replaces the last.
+OWN_FILES = (*(n for n in RUN_FILES if n != "report"), LOCK_NAME)
 
-    `option` names the flag or key in the error, e.g. '--out'.
+
+def run_file_of(path: Path) -> tuple[Path, str] | None:
+    """(run folder, the entry of it) when `path` is, or lies inside, one of a run's own files (OWN_FILES: its
+    weights, config.yaml, metrics.jsonl, checkpoints/...), through links too; else None."""
+    for p in dict.fromkeys((Path(os.path.abspath(path)), Path(os.path.realpath(path)))):
+        for folder in p.parents:
+            name = p.relative_to(folder).parts[0]
+            if name in OWN_FILES and holds_run(folder):
+                return folder, name
+    return None
+
+
+def writable_file(path: str | Path, option: str, overwrite: bool = True, folder: bool = False,
+                  create: bool = True) -> Path:
+    """The one check of an output path, made before any work: returns `path`, or raises UsageError naming the
+    option, the path and what to do. Every command's output flags (commands/args.py Output) and every writer call it.
+
+    Refused: a run's own file (run_file_of), even with --overwrite; an existing file unless `overwrite`; a folder
+    where a file is meant (`folder=False`) or a file where a folder is (`folder=True`); a place that cannot be
+    written (below a file, read-only: a probe file is written and removed there, as os.access says yes to root
+    even on a read-only filesystem).
+
+    Args:
+        path: the output file, or with `folder=True` the output folder.
+        option: the flag or key in the error, e.g. '--out' ('' where the caller names it).
+        overwrite: whether an existing file may be replaced (the command's --overwrite).
+        create: create the folder (`folder=True`) or the file's folder; False (a flag checked while parsing, before
+            the command runs) creates nothing and probes the nearest folder that exists.
     """
     path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"{option} {path} is a folder; give a file name.")
+    name = f"{option} {path}".strip()
+    own = run_file_of(path)
+    if own is not None:
+        raise UsageError(f"{name} is {own[1]} of the run in {own[0]}: writing there would replace the run's own file. "
+                         f"Choose a path outside the run's files, e.g. {Path(own[0].name + '-' + path.name)}.")
+    if folder and path.exists() and not path.is_dir():
+        raise UsageError(f"{name} is a file; give a folder.")
+    if not folder and path.is_dir():
+        raise UsageError(f"{name} is a folder; give a file name.")
+    if not folder and path.exists() and not overwrite:
+        raise UsageError(f"{name} already exists; add --overwrite to replace it, or choose another name.")
+    where = path if folder else path.parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.parent / f".write-test-{os.getpid()}"
+        if create:
+            where.mkdir(parents=True, exist_ok=True)
+        else:
+            where = next(p for p in (where, *where.parents) if p.exists())
+            if not where.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, f"{where} is a file")
+        probe = where / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"{option} {path}: cannot write there ({e.strerror or e}). Choose a writable folder.") from None
+        raise UsageError(f"{name}: cannot write there ({e.strerror or e}). Choose a writable folder.") from None
     return path
 
 
@@ -158,6 +203,7 @@ def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
     from torchsprint.train.resume import find_checkpoints
 
     path, explicit = planned_path(cfg.run)
+    outside_data(path, cfg.data.root)
     if not (explicit and holds_run(path)):
         return path, False, None
     # resume=auto in a folder whose results (weights, summary) outlived its checkpoints would train from scratch
@@ -188,6 +234,16 @@ def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
                          f"`torchsprint train --resume {path}`; to start over there (its files are moved into "
                          f"{path}/replaced-<time>/): add --overwrite; or choose another run.dir.")
     return path, True, lock
+
+
+def outside_data(run_dir: Path, data_root: str | None) -> None:
+    """Refuse a run folder inside the data folder: the next run would list its folders (checkpoints/, tb/, report/)
+    as classes and its PNG plots as images."""
+    if data_root is None or not Path(data_root).expanduser().is_dir():
+        return
+    if inside(run_dir, data_root):
+        raise UsageError(f"the run folder {run_dir} is inside data.root={data_root}: the next run would read its "
+                         "files (plots, checkpoints) as data. Set run.dir (or run.out_dir) to a folder outside data.root.")
 
 
 def results_of(path: Path) -> list[str]:

@@ -47,6 +47,7 @@ from torchsprint.commands.bench.variants import (  # noqa: F401  (re-exported)
 )
 from torchsprint.errors import UsageError
 from torchsprint.runtime.machine import cpu_info
+from torchsprint.train.rundir import writable_file
 
 
 def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, warmup: int = 5, repeats: int = 3,
@@ -64,7 +65,8 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
     decodes = decodes_files(user)
     base_overrides = list(overrides) + seeds_baseline(decodes)
     out = Path(out or Path("bench") / time.strftime("%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    for target in (out, out / "config.yaml"):  # a run folder as --out: its config.yaml is the run's own
+        writable_file(target, "--out", folder=target == out)
     all_variants = variants(user, decodes)
     if only:
         names = {v.name for v in all_variants}

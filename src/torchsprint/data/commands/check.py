@@ -249,9 +249,11 @@ def check(cfg, batches: int = 10, out: Path | None = None, progress: bool = True
     import tempfile
 
     from torchsprint.data.core import DATASETS
+    from torchsprint.train.rundir import writable_file
 
     out = Path(out) if out else Path(tempfile.mkdtemp(prefix="torchsprint-data-check-"))
-    out.mkdir(parents=True, exist_ok=True)
+    for target in (out, out / "check.json", out / "samples.png"):  # before every file is read, not after
+        writable_file(target, "--out", folder=target == out)
     splits = DATASETS.get(cfg.data.dataset)(cfg.data)
     named = {"train": splits.train, "val": splits.val}
     if getattr(splits, "test", None) is not None:
@@ -269,6 +271,8 @@ def check(cfg, batches: int = 10, out: Path | None = None, progress: bool = True
             bar.stop()
     report = analyse(scans, splits.classes, splits.task)
     report |= {"dataset": cfg.data.dataset, "root": cfg.data.root, "classes": splits.classes}
+    # files the source left out (hidden, other extensions, FIFOs and devices, over data.max_file_mb), as train says
+    report["skipped"] = {why: {"count": len(paths), "examples": paths[:3]} for why, paths in splits.skipped.items()}
     loading = loader_check(cfg, batches)
     report["loader"] = {k: v for k, v in loading.items() if k not in ("problems", "backend", "backend_why")}
     report |= {"backend": loading["backend"], "backend_why": loading["backend_why"], "backend_config": cfg.data.backend}
@@ -295,6 +299,8 @@ def check_cli(args) -> int:
             if s["min_size"] else ""
         print(f"{name:>5}: {s['samples']} samples, unreadable {s['unreadable']}{size}")
         print(f"       class counts: {s['class_counts']}")
+    for why, v in r["skipped"].items():
+        print(f"left out {v['count']:,} {why}, e.g. {', '.join(v['examples'])}")
     for b in r["bad"]:
         print(f"unreadable: {b['split']}: {b['path']}: {b['reason']}")
     for group in r["shared"]:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from torchsprint.errors import UsageError
+from torchsprint.runtime.files import MAX_FILE_MB, MB, inside, read_regular
 from torchsprint.train.checkpoint import atomic_write
 from torchsprint.train.rundir import RunLock
 
@@ -142,7 +143,7 @@ def write_shard(out: Path, shard: dict, rec_file: Path) -> dict:
         with wds.TarWriter(f, mtime=0) as w:  # fixed mtime: byte-identical shards for the same plan
             for key, path, label, ext in shard["samples"]:
                 try:
-                    data = Path(path).read_bytes()
+                    data = read_regular(path, MAX_FILE_MB * MB)  # a FIFO would block, a device never end
                 except OSError as e:
                     raise UsageError(f"{path}: cannot read it ({e.strerror}). Fix or remove it, then rerun.") from None
                 w.write({"__key__": key, ext: data, "cls": str(label)})
@@ -187,6 +188,9 @@ def shard(src: str, out: str, shard_size: str = "1GB", seed: int = 0, progress: 
 
     require_webdataset()
     src_p, out_p = Path(src).expanduser(), Path(out).expanduser()
+    if src_p.is_dir() and inside(out_p, src_p):  # shards among the images: SRC would then be detected as shards
+        raise UsageError(f"OUT {out} is {'SRC itself' if inside(src_p, out_p) else 'inside SRC'} ({src}): the shards "
+                         "and index.json would be written among its images. Choose an OUT folder outside SRC.")
     size = parse_size(shard_size)
     classes, splits = list_source(src_p)
     plan = make_plan(classes, splits, size, seed)

@@ -18,6 +18,7 @@ import torch
 
 from torchsprint.errors import UsageError
 from torchsprint.registry import Registry
+from torchsprint.runtime.files import MAX_FILE_MB, MB, read_regular
 
 DECODERS = Registry("decoder")
 
@@ -325,7 +326,7 @@ def decode_bytes(data: bytes, *, channels: int = 3, decoder: str = "torchvision"
     return apply_orientation(img, header.orientation)
 
 
-def read_bytes(path: str) -> bytes:
-    """A file's bytes (raises OSError with the path on I/O problems)."""
-    with open(path, "rb") as f:
-        return f.read()
+def read_bytes(path: str, max_bytes: int | None = MAX_FILE_MB * MB) -> bytes:
+    """A file's bytes (raises OSError with the path on I/O problems). Only a regular file of at most `max_bytes`
+    is read (files.RefusedFile, an OSError, otherwise): a FIFO would block, a device or a sparse file never end."""
+    return read_regular(path, max_bytes)

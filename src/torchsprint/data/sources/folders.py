@@ -17,6 +17,7 @@ from torchsprint.data.core import (
     split_samples,
 )
 from torchsprint.errors import UsageError
+from torchsprint.runtime.files import MAX_FILE_MB, MB, unreadable
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
@@ -29,15 +30,16 @@ class ImageFiles(torch.utils.data.Dataset):
         mode: "RGB" or "GRAY".
         decoder: a DECODERS name ('auto' picks the fastest installed).
         max_pixels: larger images are bad samples (data.max_image_pixels).
+        max_bytes: larger files, and anything but a regular file, are bad samples, never read (data.max_file_mb).
         min_size_for: optional (h, w) -> (min_h, min_w) hint from the preprocessing, which lets JPEG
             decoders scale in the DCT when the pipeline would shrink the image anyway.
     """
 
     def __init__(self, samples: list[tuple[str, int]], mode: str = "RGB", *, decoder: str = "auto",
-                 max_pixels: int = 89_478_485, min_size_for=None):
+                 max_pixels: int = 89_478_485, max_bytes: int = MAX_FILE_MB * MB, min_size_for=None):
         from torchsprint.data.preprocess.decode import resolve_decoder
 
-        self.samples, self.mode = samples, mode
+        self.samples, self.mode, self.max_bytes = samples, mode, max_bytes
         self.decoder, self.max_pixels, self.min_size_for = resolve_decoder(decoder), max_pixels, min_size_for
 
     @property
@@ -46,7 +48,8 @@ class ImageFiles(torch.utils.data.Dataset):
 
     def with_min_size(self, min_size_for) -> ImageFiles:
         """A copy that passes a decode-size hint to the decoder (see `min_size_for`)."""
-        return ImageFiles(self.samples, self.mode, decoder=self.decoder, max_pixels=self.max_pixels, min_size_for=min_size_for)
+        return ImageFiles(self.samples, self.mode, decoder=self.decoder, max_pixels=self.max_pixels,
+                          max_bytes=self.max_bytes, min_size_for=min_size_for)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -56,14 +59,14 @@ class ImageFiles(torch.utils.data.Dataset):
         from torchsprint.data.preprocess.decode import read_bytes
 
         path, label = self.samples[i]
-        return read_bytes(path), label, path
+        return read_bytes(path, self.max_bytes), label, path
 
     def __getitem__(self, i: int):
         from torchsprint.data.preprocess.decode import BadImage, decode_bytes, read_bytes
 
         path, label = self.samples[i]
         try:
-            image = decode_bytes(read_bytes(path), channels=self.channels, decoder=self.decoder,
+            image = decode_bytes(read_bytes(path, self.max_bytes), channels=self.channels, decoder=self.decoder,
                                  max_pixels=self.max_pixels, min_size_for=self.min_size_for)
             return image, label, path
         except (BadImage, OSError) as e:
@@ -71,8 +74,9 @@ class ImageFiles(torch.utils.data.Dataset):
 
 
 def image_files(samples, data_cfg, mode: str = "RGB") -> ImageFiles:
-    """ImageFiles configured from the data section (decoder, pixel limit)."""
-    return ImageFiles(samples, mode, decoder=data_cfg.decoder, max_pixels=data_cfg.max_image_pixels)
+    """ImageFiles configured from the data section (decoder, pixel and file size limits)."""
+    return ImageFiles(samples, mode, decoder=data_cfg.decoder, max_pixels=data_cfg.max_image_pixels,
+                      max_bytes=data_cfg.max_file_mb * MB)
 
 
 # Why a file below data.root is not a sample (FolderScan.skipped's keys, the start-up summary's words).
@@ -81,6 +85,7 @@ NOT_IMAGE = f"not images by their extension (images: {', '.join(IMAGE_EXTENSIONS
 BROKEN_LINK = "broken symbolic links (to nothing)"
 LINK_LOOP = "links to a folder already listed (a loop, or a second way in: its images are listed once)"
 LOOSE = "files beside the class folders (in no class folder)"
+# and files.NOT_REGULAR, files.TOO_LARGE: FIFOs and devices, files over data.max_file_mb (never opened)
 
 
 @dataclass
@@ -97,11 +102,12 @@ def _note(skipped: dict[str, list[str]], reason: str, path) -> None:
     skipped.setdefault(reason, []).append(str(path))
 
 
-def list_images(folder: Path, skipped: dict[str, list[str]], seen: set[str]) -> tuple[list[Path], int]:
+def list_images(folder: Path, skipped: dict[str, list[str]], seen: set[str],
+                max_bytes: int = MAX_FILE_MB * MB) -> tuple[list[Path], int]:
     """Image files below `folder` (sorted), following links to files and folders, each folder once.
 
     Everything else is recorded in `skipped` by reason (hidden files and folders, other extensions,
-    broken links, links back to a folder already listed). `seen` holds the real paths of the folders
+    broken links, links back to a folder already listed, FIFOs and devices, files over `max_bytes`). `seen` holds the real paths of the folders
     listed so far (shared across class folders, so a link from one class into another lists nothing
     twice). Returns (images, how many of them were reached through a link).
     """
@@ -136,6 +142,8 @@ def list_images(folder: Path, skipped: dict[str, list[str]], seen: set[str]) -> 
                 _note(skipped, BROKEN_LINK, full)
             elif full.suffix.lower() not in IMAGE_EXTENSIONS:
                 _note(skipped, NOT_IMAGE, full)
+            elif why := unreadable(full, max_bytes):
+                _note(skipped, why, full)
             else:
                 found.append(full)
                 linked += via_link or full.is_symlink()
@@ -143,7 +151,7 @@ def list_images(folder: Path, skipped: dict[str, list[str]], seen: set[str]) -> 
     return sorted(found), linked
 
 
-def scan_folder(root: Path, seen: set[str] | None = None) -> FolderScan:
+def scan_folder(root: Path, seen: set[str] | None = None, max_bytes: int = MAX_FILE_MB * MB) -> FolderScan:
     """Class names (sorted subfolder names) and (path, class index) for every image below them.
 
     A class folder without images is left out with a warning (a class with no samples cannot be
@@ -173,7 +181,7 @@ def scan_folder(root: Path, seen: set[str] | None = None) -> FolderScan:
     seen.add(os.path.realpath(root))  # a link from a class folder back up to root would list every class inside one
     found, linked = {}, 0
     for c in folders:
-        found[c], n = list_images(root / c, skipped, seen)
+        found[c], n = list_images(root / c, skipped, seen, max_bytes)
         linked += n
     empty = [c for c in folders if not found[c]]
     classes = [c for c in folders if found[c]]
@@ -278,20 +286,20 @@ def image_folder(data_cfg) -> Splits:
     root = existing_folder(need_root(data_cfg, "folder with train/ and val/ class subfolders"))
     mode = data_cfg.options.get("mode", "RGB")
     layout = find_layout(root)
-    test, seen, notes = None, set(), []
+    test, seen, notes, limit = None, set(), [], data_cfg.max_file_mb * MB
     if layout["train"] is not None:
-        scans = [scan_folder(layout["train"], seen)]
+        scans = [scan_folder(layout["train"], seen, limit)]
         classes, train = scans[0].classes, scans[0].samples
         if layout["val"] is not None:
-            scans.append(scan_folder(layout["val"], seen))
+            scans.append(scan_folder(layout["val"], seen, limit))
             val = _same_classes(scans[-1], layout["val"], classes, layout["train"])
         else:
             train, val, notes = split_samples(train, data_cfg, classes, with_notes=True)
         if layout["test"] is not None:
-            scans.append(scan_folder(layout["test"], seen))
+            scans.append(scan_folder(layout["test"], seen, limit))
             test = image_files(_same_classes(scans[-1], layout["test"], classes, layout["train"]), data_cfg, mode)
     else:
-        scans = [scan_folder(root, seen)]
+        scans = [scan_folder(root, seen, limit)]
         classes = scans[0].classes
         train, val, notes = split_samples(scans[0].samples, data_cfg, classes, with_notes=True)
     linked = sum(s.linked for s in scans)
@@ -369,6 +377,10 @@ def label_classes(labels: list[str], names: list[str] | None) -> tuple[list[str]
         if min(ints) < 0:
             raise UsageError(f"file_list: negative label {min(ints)}; integer labels are class indices 0..K-1.")
         k = max(ints) + 1
+        if names is None and k > len(labels):  # a list of class names up to a label of 10**9 is a MemoryError
+            raise UsageError(f"file_list: label {k - 1} means {k:,} classes (integer labels are class indices 0..K-1), "
+                             f"but the lists have {len(labels):,} rows, so most classes would have no image. Renumber "
+                             "the labels 0..K-1, or write class names as labels.")
         if names is not None and len(names) < k:
             raise UsageError(f"file_list: labels go up to {k - 1} but data.options.classes names only {len(names)} classes.")
         classes = list(names) if names is not None else [str(i) for i in range(k)]
@@ -418,10 +430,18 @@ def file_list(data_cfg) -> Splits:
     train_rows = read_file_list(train_path)
     val_rows = read_file_list(val_path) if val_path is not None else []
     classes, index = label_classes([r[1] for r in train_rows + val_rows], opts.get("classes"))
-    train = [(p, index[lab]) for p, lab in train_rows]
-    val = [(p, index[lab]) for p, lab in val_rows]
+    skipped: dict[str, list[str]] = {}  # rows naming a FIFO, a device or a file over data.max_file_mb: never read
+    train, val = ([(p, index[lab]) for p, lab in rows if not _skip(p, data_cfg, skipped)] for rows in (train_rows, val_rows))
     if val_path is None:
         train, val = split_samples(train, data_cfg)
     mode = opts.get("mode", "RGB")
     return Splits(image_files(train, data_cfg, mode), image_files(val, data_cfg, mode), classes,
-                  in_channels=1 if mode == "GRAY" else 3)
+                  in_channels=1 if mode == "GRAY" else 3, skipped=skipped)
+
+
+def _skip(path: str, data_cfg, skipped: dict[str, list[str]]) -> bool:
+    """Whether a listed file is left out (files.unreadable), noted in `skipped` by reason."""
+    why = unreadable(path, data_cfg.max_file_mb * MB)
+    if why:
+        _note(skipped, why, path)
+    return bool(why)

@@ -1,0 +1,153 @@
+"""Values taken for what they are not: each is refused in one line naming the setting, or said at start-up.
+Bugs caught (c32f344): booleans read as numbers (run.max_time=true a 1-second budget, run.epochs=true 1 epoch,
+optim.lr=true 1.0); data.effective_batch_size=2048 accepted on 1,437 training images; data.progressive.start_size=1
+blamed the eval batches' size; data.sampler=balanced accepted a class with no training image; model.freeze_epochs
+>= run.epochs promised an unfreeze that never came; `data shard SRC SRC` wrote shards among the images; a class of
+2 images among 100 got no validation image and nothing said so. The real CLI runs in this process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import make_image_folder
+from torchsprint import config
+
+FAST = ["run.epochs=1", "log.tensorboard=false", "log.progress=false", "model.args={width: 4}"]
+
+
+def refused(r, *fragments) -> str:
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    for f in fragments:
+        assert f in errors[0], (f, errors[0])
+    return errors[0]
+
+
+def numeric_fields() -> list[tuple[str, str]]:
+    """(dotted key, a value holding `true` where a number is meant) of every number field of the schema, read from
+    its JSON Schema (not from the validator under test): a field whose types include integer or number but not
+    boolean, and lists and tuples of numbers (optim.betas, sched.milestones)."""
+    schema = config.Config.model_json_schema()
+    defs = schema.get("$defs", {})
+
+    def resolve(s):
+        return defs[s["$ref"].split("/")[-1]] if "$ref" in s else s
+
+    def types(s) -> set[str]:
+        s = resolve(s)
+        out = {s["type"]} if isinstance(s.get("type"), str) else set(s.get("type", []))
+        out |= {{bool: "boolean", int: "integer", float: "number", str: "string"}.get(type(v), "null")
+                for v in s.get("enum", []) + ([s["const"]] if "const" in s else [])}
+        for member in s.get("anyOf", []) + s.get("oneOf", []):
+            out |= types(member)
+        return out
+
+    def numbers(ts):
+        return bool(ts & {"integer", "number"}) and "boolean" not in ts
+
+    found = []
+
+    def walk(s, prefix):
+        for name, prop in resolve(s).get("properties", {}).items():
+            key, target = f"{prefix}{name}", resolve(prop)
+            if "properties" in target:
+                walk(target, key + ".")
+            elif numbers(types(prop)):
+                found.append((key, "true"))
+            else:
+                for member in [prop, *prop.get("anyOf", [])]:
+                    member = resolve(member)
+                    items = member.get("prefixItems") or ([member["items"]] if "items" in member else [])
+                    if member.get("type") == "array" and items and all(numbers(types(i)) for i in items):
+                        found.append((key, "[" + ", ".join(["true", *["0.5"] * (len(items) - 1)]) + "]"))
+                        break
+
+    walk(schema, "")
+    return found
+
+
+NUMERIC = numeric_fields()
+
+
+def test_the_schema_walk_finds_the_number_fields():
+    keys = {k for k, _ in NUMERIC}
+    assert {"run.epochs", "run.max_time", "optim.lr", "optim.betas", "sched.milestones", "data.progressive.start_size",
+            "data.batch_size", "data.max_file_mb", "swa.start"} <= keys, keys
+    assert not keys & {"run.deterministic", "speed.channels_last", "log.csv"}  # booleans (or bool | 'auto') stay
+    assert len(keys) >= 60, len(keys)
+
+
+@pytest.mark.parametrize("key,value", NUMERIC, ids=[k for k, _ in NUMERIC])
+def test_true_is_not_a_number(cli_in_process, key, value):
+    line = refused(cli_in_process("config", "show", f"{key}={value}"), f"{key}:")
+    assert "not true/false" in line or "(got True)" in line, line
+
+
+def test_numbers_still_load_as_numbers(tmp_path, cli_in_process):
+    """1 is a float's 1.0, YAML ints and floats load, and the booleans of flag fields stay booleans."""
+    (tmp_path / "c.yaml").write_text("optim: {lr: 1, betas: [0.9, 1]}\nsched: {milestones: [1, 2.5]}\nrun: {max_time: 90}\n"
+                                     "speed: {channels_last: true}\nlog: {csv: false}\n")
+    r = cli_in_process("config", "show", "-c", tmp_path / "c.yaml")
+    assert r.returncode == 0, r.stderr
+    for text in ("lr: 1.0", "betas: [0.9, 1.0]", "milestones: [1.0, 2.5]", "max_time: 90", "channels_last: true"):
+        assert text in r.stdout, text
+
+
+def test_an_effective_batch_larger_than_the_training_set(tmp_path, cli_in_process):
+    """Digits: 1,437 training images; 2048 made every optimizer step average an epoch's 1,408."""
+    refused(cli_in_process("train", *FAST, "data.effective_batch_size=2048", f"run.dir={tmp_path / 'r'}"),
+            "data.effective_batch_size=2048 is more than the 1,437 training images")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_progressive_start_below_what_the_model_takes_names_the_setting(tmp_path, cli_in_process):
+    """Before: 'small_cnn needs inputs of at least 2x2 pixels, but the batches are 8x8' (the eval batches)."""
+    refused(cli_in_process("train", *FAST, "run.epochs=2", "data.train.transforms=[random_resized_crop: 8]",
+                           "data.progressive.start_size=1", "data.progressive.step=1", "data.progressive.end_epoch=2",
+                           f"run.dir={tmp_path / 'r'}"),
+            "data.progressive.start_size=1: the first epochs train on 1x1 crops", "at least 2x2")
+
+
+def test_balanced_sampling_with_a_class_without_training_images(tmp_path, cli_in_process):
+    """Integer labels 0 and 2 make three classes; class 1 has no image. loss.class_weights=auto refused it,
+    data.sampler=balanced drew the other two and called it balanced."""
+    root = make_image_folder(tmp_path / "imgs", per_class=4, splits=("train",))
+    files = sorted((root / "train").rglob("*.jpg"))
+    (tmp_path / "list.csv").write_text("".join(f"{p},{2 * (i % 2)}\n" for i, p in enumerate(files)))
+    base = [*FAST, "data.dataset=file_list", f"data.root={tmp_path / 'list.csv'}", "data.val_fraction=0.5",
+            "data.train.transforms=[resize: [16, 16]]", "data.eval.transforms=[resize: [16, 16]]"]
+    refused(cli_in_process("train", *base, "data.sampler=balanced", f"run.dir={tmp_path / 'r'}"),
+            "data.sampler=balanced: class(es) ['1'] have no training images")
+    refused(cli_in_process("train", *base, "loss.class_weights=auto", f"run.dir={tmp_path / 'r2'}"),
+            "class(es) ['1'] have no training images")
+
+
+@pytest.mark.parametrize("freeze,epochs", [(3, 3), (5, 2)])
+def test_freeze_epochs_that_never_unfreeze(cli_in_process, freeze, epochs):
+    refused(cli_in_process("config", "show", f"model.freeze_epochs={freeze}", f"run.epochs={epochs}"),
+            f"model.freeze_epochs={freeze} is not below run.epochs={epochs}", "never be unfrozen")
+    assert cli_in_process("config", "show", "model.freeze_epochs=2", "run.epochs=3").returncode == 0
+
+
+def test_shards_are_not_written_into_their_source(tmp_path, cli_in_process):
+    pytest.importorskip("webdataset")
+    root = make_image_folder(tmp_path / "imgs", per_class=2)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    refused(cli_in_process("data", "shard", root, root), "is SRC itself", "outside SRC")
+    refused(cli_in_process("data", "shard", root, root / "shards"), "is inside SRC")
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
+def test_a_class_too_small_for_a_validation_image_is_said(tmp_path, cli_in_process):
+    """100 images of one class and 2 of another at val_fraction 0.2: the stratified split gives the small class
+    no validation image (21 of 102: 20.6 and 0.4 share out as 21 and 0)."""
+    root = tmp_path / "imgs"
+    make_image_folder(root, classes=("many",), per_class=100, size=(8, 8), splits=("train",))
+    make_image_folder(root, classes=("two",), per_class=2, size=(8, 8), splits=("train",))
+    r = cli_in_process("train", *FAST, "data.dataset=image_folder", f"data.root={root}", f"run.dir={tmp_path / 'r'}")
+    assert r.returncode == 0, r.stderr
+    note = "1 class(es) too small for a validation image at data.val_fraction=0.2 (two: 2 images): trained on, not validated"
+    assert note in r.stdout, r.stdout
+    assert any(note in n for n in json.loads((tmp_path / "r" / "decisions.json").read_text())["notes"])

@@ -237,7 +237,7 @@ EXTENSIONS = {"onnx": ".onnx", "safetensors": ".safetensors", "torchscript": ".p
 
 
 def default_out(run_dir: str | Path, fmt: str, uint8_input: bool, tta: str) -> Path:
-    """<run>/export/model[-uint8][-tta-NAME].<ext>: one file per input type and eval.tta (a graph holds its TTA)."""
+    """`<run>/export/model[-uint8][-tta-NAME].<ext>`: one file per input type and eval.tta (a graph holds its TTA)."""
     return Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{'' if tta == 'none' else '-tta-' + tta}{EXTENSIONS[fmt]}"
 
 

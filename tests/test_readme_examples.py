@@ -1,5 +1,6 @@
-"""The README's "Where things go" examples run as written: every code block is written to the file its first
-line names, every command runs, and each registered name really drives the run it is named in."""
+"""docs/extending.md's examples (the README's "Where things go" until the docs moved) run as written: every code
+block is written to the file its first line names, every command runs, and each registered name really drives the
+run it is named in."""
 
 from __future__ import annotations
 
@@ -14,19 +15,16 @@ import yaml
 
 from torchsprint import cli
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
 
 def where_things_go() -> tuple[dict[str, str], list[str]]:
-    """({relative file: code} of the section's python blocks, [commands] of its bash blocks)."""
-    text = README.read_text()
-    start = text.index("### Where things go")
-    section = text[start : text.index("\n### ", start + 1)]
+    """({relative file: code} of the page's python blocks, [commands] of its bash blocks)."""
     files, commands = {}, []
-    for lang, body in re.findall(r"```(python|bash)\n(.*?)```", section, flags=re.S):
+    for lang, body in re.findall(r"```(python|bash)\n(.*?)```", PAGE.read_text(), flags=re.S):
         if lang == "python":
             first = body.splitlines()[0]
-            assert first.startswith("# my_project/"), f"a README example must start with its file name: {first}"
+            assert first.startswith("# my_project/"), f"an example of docs/extending.md must start with its file name: {first}"
             files[first[2:].strip()] = body
         else:
             commands += [c.strip() for c in body.replace("\\\n", " ").splitlines() if c.strip()]

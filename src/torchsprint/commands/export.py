@@ -215,7 +215,7 @@ def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bo
         # The check for an engine: the same top-1 class as PyTorch on every image whose top-1 is not a near
         # tie. TensorRT picks its own kernels, TF32 by default (10-bit mantissa, ~1e-3 relative), so a class
         # within 1% of the image's logit range of the top one may swap. 1% is 10x TF32's rounding, not a
-        # measured figure: TensorRT has not run in this project's tests yet (issue 12's GPU session).
+        # measured figure: TensorRT has not run in this project's tests yet (no GPU session has had it).
         top2 = ref.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.01 * (ref.max(-1).values - ref.min(-1).values)
         wrong = (got.argmax(-1) != ref.argmax(-1)) & clear
@@ -237,7 +237,7 @@ EXTENSIONS = {"onnx": ".onnx", "safetensors": ".safetensors", "torchscript": ".p
 
 
 def default_out(run_dir: str | Path, fmt: str, uint8_input: bool, tta: str) -> Path:
-    """<run>/export/model[-uint8][-tta-NAME].<ext>: one file per input type and eval.tta (a graph holds its TTA)."""
+    """`<run>/export/model[-uint8][-tta-NAME].<ext>`: one file per input type and eval.tta (a graph holds its TTA)."""
     return Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{'' if tta == 'none' else '-tta-' + tta}{EXTENSIONS[fmt]}"
 
 

@@ -116,9 +116,9 @@ MEASURE_FILES = 256  # files sampled (evenly through the training split) at most
 # MEASURE_BATCHES of the run's batch size: see measure_backends
 MEASURE_BATCHES = 2  # the sample holds at least this many batches of data.batch_size (when the split has them): a
 # backend's cost per image depends on the batch size (the memory backend's batched ops have a cost per batch; with the
-# wall clock, issue 31's folder read memory 176 -> 486 img/s: BENCHMARKS.md, "data.backend auto ... re-measured")
+# wall clock, a user's folder of grey PNGs read memory 176 -> 486 img/s: BENCHMARKS.md, "data.backend auto ... re-measured")
 MEMORY_MARGIN = 0.10  # the memory backend must save this share of the cpu backend's estimated loading time: it also
-# holds the decoded images (its peak memory was 1.7x the cpu backend's on issue 31's photos), so a near tie streams
+# holds the decoded images (its peak memory was 1.7x the cpu backend's on a user's photos), so a near tie streams
 
 
 def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None, *, epochs: int = 1,
@@ -271,7 +271,7 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
 
     The clock is what the run will pay. With data.num_workers=0 (and on CUDA) the batches are made on the training
     thread between steps: the wall clock (a sync per batch on CUDA), which counts a batched op's threads once and a
-    slow disk's waits (the CPU time of the process counted the memory backend's two threads twice on issue 31's
+    slow disk's waits (the CPU time of the process counted the memory backend's two threads twice on a user's
     photos, and a read's wait not at all). With workers on a CPU device the batches are made beside the training
     step on the same cores: the CPU time of this process (the work each backend takes from the model's cores).
     Bound: the probe, each build (the memory backend's decode of the sample), one untimed batch each and

@@ -128,7 +128,7 @@ def tile_grid(rows: list[list[tuple[torch.Tensor, str]]], title: str, row_labels
 
 def tile_grid_figure(rows: list[list[tuple[torch.Tensor, str]]], title: str, row_labels: list[str] | None = None,
                      min_side: int = 128, col_labels: list[str] | None = None):
-    """A grid of labelled tiles: rows[i][j] = (uint8 CHW image, caption). Empty cells stay blank.
+    """A grid of labelled tiles: `rows[i][j] = (uint8 CHW image, caption)`. Empty cells stay blank.
 
     Args:
         rows: the tiles, row by row (rows may differ in length; None leaves a cell blank).

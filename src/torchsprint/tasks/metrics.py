@@ -26,7 +26,7 @@ class ClassificationMetrics:
     balanced_accuracy_score), f1_macro (the mean F1 over the classes present in targets or predictions,
     scikit-learn's f1_score(average="macro")), min_recall and min_recall_class (the weakest class present),
     and class_imbalance (largest / smallest class count among the targets). On imbalanced data top-1 hides a
-    model that answers the majority class; these do not (issue 31: 65% top-1, two classes never predicted).
+    model that answers the majority class; these do not (a user's run on an imbalanced folder: 65% top-1, two classes never predicted).
     """
 
     def __init__(self, num_classes: int, topk: int, per_class: bool, device: torch.device,
@@ -53,7 +53,7 @@ class ClassificationMetrics:
         # whose states are equal after the first update, and top-k's per-class counts equal precision's
         # whenever no image of the first batch has its class in the top k but not at top 1 (a batch of one
         # class, or all correct). Top-k was then computed from top-1's counts for the rest of the
-        # evaluation (issue 30: top-5 printed 67.2% = top-1, true 98.6%). Precision, recall and F1 share
+        # evaluation (top-5 printed 67.2% = top-1, true 98.6%; found beside BENCHMARKS.md, "Backends agree"). Precision, recall and F1 share
         # one stat-scores state by construction (same class, num_classes and average).
         groups = [["precision", "recall", "f1"]] if per_class else []
         groups += [[k] for k in m if k not in ("precision", "recall", "f1")]

@@ -257,5 +257,5 @@ def dali_cannot_run(rt) -> str | None:
 
 
 # Registered whether or not DALI imports, so that `data.backend: dali` on a machine without it says why and
-# honours data.fallback like any backend that cannot run here. Not considered by `auto` until measured (issue 27).
+# honours data.fallback like any backend that cannot run here. Not considered by `auto` until measured on a GPU.
 LOADERS.register("dali")(Backend(dali_loader, cannot_run=dali_cannot_run))

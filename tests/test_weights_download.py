@@ -212,10 +212,13 @@ def test_bytes_that_are_not_the_published_ones_are_not_kept(online, server, r18,
 
 
 @pytest.mark.parametrize("env", ["TORCHSPRINT_OFFLINE", "HF_HUB_OFFLINE"])
-@pytest.mark.parametrize("kind", ["torchvision", "url", "hf-hub"])
+@pytest.mark.parametrize("kind", ["torchvision", "url", "hf-hub", "timm-github"])
 def test_offline_no_connection_is_attempted(online, server, monkeypatch, cli_in_process, env, kind):
     # Catches: a connection attempted although the user said offline (the server would count it); an offline refusal
-    # that is a traceback or does not say where to put the file and where it comes from.
+    # that is a traceback or does not say where to put the file and where it comes from; a timm tag published on
+    # GitHub only (no Hugging Face repo) sent to a repo that does not exist instead of torch.hub's cache and its URL.
+    if kind == "timm-github":
+        pytest.importorskip("timm")
     monkeypatch.setenv("TORCHSPRINT_WEIGHTS_MIRROR", server.url)
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     monkeypatch.setenv(env, "1")
@@ -225,8 +228,11 @@ def test_offline_no_connection_is_attempted(online, server, monkeypatch, cli_in_
         "url": (f"{server.url}/w/r18.pth", online / "torch/hub/checkpoints/r18.pth", f"{server.url}/w/r18.pth"),
         "hf-hub": (f"hf-hub:{HF_REPO}", online / "hf/hub/models--timm--resnet18.a1_in1k/snapshots/main/model.safetensors",
                    f"https://huggingface.co/{HF_PATH[1:]}"),
+        "timm-github": ("timm:gcvit_tiny.in1k", online / "torch/hub/checkpoints/gcvit_tiny_224_nvidia-ac783954.pth",
+                        "https://github.com/rwightman/pytorch-image-models/releases/download/v0.1-weights-morevit/"
+                        "gcvit_tiny_224_nvidia-ac783954.pth"),
     }[kind]
-    r = cli_in_process("weights", "get", spec, "--model", "resnet18")
+    r = cli_in_process("weights", "get", spec, *(["--model", "resnet18"] if kind == "torchvision" else []))
     assert r.returncode == 2 and r.stdout == "", r.stderr
     line = r.stderr.strip()
     assert "\n" not in line and f"offline: {env}=1" in line and f"put the file at {target} " in line, line

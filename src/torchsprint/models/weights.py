@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -139,6 +139,8 @@ def timm_source(spec: str, model_name: str | None, key: str = "model.pretrained"
     if model_name is not None and model_name.removeprefix("timm/") != arch:
         raise UsageError(f"{key}={spec} are weights of timm's {arch}, but model.name={model_name}; set "
                          f"model.name=timm/{arch}.")
+    if not cfg.hf_hub_id and cfg.url:  # a few tags live on GitHub releases only: timm fetches them through torch.hub
+        return replace(url_source(cfg.url, key), spec=spec)
     files = (cfg.hf_hub_filename,) if cfg.hf_hub_filename else HF_FILES
     return _hf_source(spec, "timm", cfg.hf_hub_id or f"timm/{tag}", "main", files)
 

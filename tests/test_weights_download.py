@@ -184,6 +184,21 @@ def test_a_download_cut_short_leaves_nothing_and_a_retry_succeeds(online, server
     assert fetch(spec, None).read_bytes() == r18.pth and checkpoints(online) == ["plain.pth"]  # run again: it works
 
 
+def test_torchvision_weights_through_torch_hub_land_under_their_name(online, server, r18):
+    # Catches: torch.hub's download (the path torchvision: specs take) not landing at the cached name, or a temp file
+    # left beside it. torchvision's own enums carry fixed hashes (resnet18-f37072fd) that no served test file can
+    # have, so the source is the one torchvision_source would build, for the bytes this server has.
+    from torchsprint.models.download import fetch_torchvision
+    from torchsprint.models.weights import WeightsSource, hub_checkpoints
+
+    name = f"resnet18-{sha256(r18.pth)[:8]}.pth"
+    server.files[f"/models/{name}"] = r18.pth
+    src = WeightsSource("torchvision:test", "torchvision", hub_checkpoints() / name, url=f"{server.url}/models/{name}",
+                        hash_prefix=sha256(r18.pth)[:8])
+    fetch_torchvision(src, "model.pretrained", progress=False)
+    assert (online / "torch/hub/checkpoints" / name).read_bytes() == r18.pth and checkpoints(online) == [name]
+
+
 @pytest.mark.parametrize("kind, how", [("torchvision", "other"), ("torchvision", "drop"), ("url", "other"),
                                        ("hf-hub", "other")])
 def test_bytes_that_are_not_the_published_ones_are_not_kept(online, server, r18, monkeypatch, kind, how):

@@ -21,6 +21,12 @@ import torchsprint  # noqa: F401  (sets CUBLAS_WORKSPACE_CONFIG before any test 
 # Two cores on CI: keep each test process to one intra-op thread so xdist workers don't oversubscribe.
 torch.set_num_threads(1)
 
+# The suite never downloads from the internet: library weights (model.pretrained=torchvision:..., timm:..., URLs)
+# that a test has not put in its cache are refused as offline (models/download.py) instead of fetched from
+# download.pytorch.org or huggingface.co on a machine that has network. tests/test_weights_download.py turns it off
+# for its downloads, which go to a server of its own on 127.0.0.1.
+os.environ.setdefault("TORCHSPRINT_OFFLINE", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 
 # The harness's own test (test_test_harness.py) runs a pytest inside a pytest on a CPU machine with this set, to

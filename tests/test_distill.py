@@ -226,7 +226,7 @@ def test_paused_and_resumed_distillation_equals_an_uninterrupted_run(teacher_run
 
 def test_teacher_from_a_weights_file_and_a_library_cache(teacher_run, tmp_path, monkeypatch):
     """A torchsprint weights file names its model; a plain state dict needs teacher.model; torchvision's cached
-    file is found where torchvision keeps it (TORCH_HOME), never downloaded."""
+    file is found where torchvision keeps it (TORCH_HOME); offline (tests/conftest.py), a missing one is refused."""
     import torchvision
 
     best = teacher_run / "best.safetensors"

@@ -8,14 +8,14 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
   data         core (registries, sampler) < preprocess/: decode < transforms/normalize/batch_ops (the spec)
                < augment/mix; < sources/ (one file per dataset family; shard_stream reads shards) < backends/
                (one file per loader backend) < auto (data.backend: auto, measured), build (build_loaders)
-  models       core (MODELS registry) < nets, init
+  models       core (MODELS registry) < nets, weights (where pretrained weights live), download (fetching them), init
   tasks        what a run learns (metrics, losses, artifacts per task)
   config       the schema (fills task defaults)
   plan         the run plan: every run-time decision of a run, resolved once (RunPlan, decisions.json)
   engine       validation (evaluations, best weights), the only loop; batch_size (data.batch_size: auto, with real
                train steps)
   run          the flow of one run
-  commands     trained, export, predict, bench, report, launch, data/commands/ (check, compare, shard)
+  commands     trained, export, predict, bench, report, weights, launch, data/commands/ (check, compare, shard)
   cli          the `torchsprint` command and the types of its flags (commands/args.py)
 
 A module may import from its own layer or below. A package's __init__.py is its face for users: it
@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data.backends", ["data.backends.*"]),
     ("data.build", ["data.auto", "data.build", "data.detect"]),
     ("models.core", ["models.core"]),
-    ("models", ["models.nets", "models.init"]),
+    ("models", ["models.nets", "models.weights", "models.download", "models.init"]),
     ("tasks", ["tasks.core", "tasks.tta"]),
     ("config", ["config.files", "config.sections", "config.training", "config.schema", "config.saved"]),
     ("plan", ["train.plan"]),

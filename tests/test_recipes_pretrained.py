@@ -1,7 +1,8 @@
 """Library pretrained weights from the library's own cache, offline: torchvision weight enums and timm tags.
 
-No network: each test writes the cached file itself (a randomly initialised 1000-class model's state
-dict) at the exact path the library would have downloaded it to, under a temporary TORCH_HOME / HF_HOME.
+No network (tests/conftest.py sets TORCHSPRINT_OFFLINE=1): each test writes the cached file itself (a randomly
+initialised 1000-class model's state dict) at the exact path the library would have downloaded it to, under a
+temporary TORCH_HOME / HF_HOME. Downloads: tests/test_weights_download.py.
 """
 
 from __future__ import annotations

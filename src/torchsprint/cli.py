@@ -1,6 +1,6 @@
 """The `torchsprint` command: train | eval | export | predict | data (check, compare, shard) | bench | lr-find | report |
-average |
-config (show, schema) | list. One table, COMMANDS: each entry names its arguments and the function it runs.
+average | weights (get, path) | config (show, schema) | list. One table, COMMANDS: each entry names its arguments and
+the function it runs.
 
 torch is imported lazily so that `torchsprint --help` answers in well under a second.
 """
@@ -166,6 +166,18 @@ def args_average(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoints", type=Count(2, " (an average of one is the checkpoint itself)"), default=None, metavar="N",
                    help="average the model weights of the one run's N newest checkpoints (checkpoints/ckpt-*.pt)")
     p.add_argument("--json", action="store_true", help="print each input's and the average's figures as JSON")
+
+
+def args_weights(p: argparse.ArgumentParser) -> None:
+    wsub = p.add_subparsers(dest="weights_command", metavar="ACTION", required=True)
+    for name, text in (("get", "download SPEC into the cache a run reads (torch.hub's for torchvision and URLs, the Hugging "
+                               "Face hub's for timm and hf-hub) unless it is there, and print the file's path"),
+                       ("path", "print where SPEC's file is or would be in the cache; exit 0 when it is there, 1 when not")):
+        s = wsub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ". See docs/pretrained.md.")
+        s.add_argument("spec", metavar="SPEC", help="a model.pretrained value: torchvision:<Enum>.<NAME>, torchvision:DEFAULT "
+                       "(with --model), timm:<arch>.<tag>, hf-hub:<org>/<name>[@rev], https://host/file.pth[#sha256=<hex>]")
+        s.add_argument("--model", metavar="NAME", help="the model.name the weights are for (torchvision:DEFAULT needs it)")
+        s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
 
 
 def args_config(p: argparse.ArgumentParser) -> None:
@@ -381,6 +393,10 @@ COMMANDS = [
             "run's training data; evaluate every input and the average on its validation split; write -o FILE with "
             "the metadata `eval/export/report --weights FILE` and `predict -r FILE` read.",
             args_average, lazy("torchsprint.commands.average", "average_cli"), imports=True),
+    Command("weights", "fetch pretrained weights into the library's cache, or say where they are",
+            "Pretrained weights (the values of model.pretrained) in the caches runs read: `get` downloads, `path` "
+            "looks.",
+            args_weights, lazy("torchsprint.commands.weights", "weights_cli"), imports=False),
     Command("config", "show the resolved config or its JSON Schema",
             "Inspect configs.",
             args_config, cmd_config, imports=False),

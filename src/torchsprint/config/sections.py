@@ -255,9 +255,9 @@ class TeacherConfig(Section):
     weights: str | None = Field(
         None, description="With `run`: best | last | ema (None: best). Otherwise the teacher's weights: a file "
         "(.safetensors, .pt, .pth: a state dict, a torchsprint checkpoint or weights file), or a library's published "
-        "weights from its local cache, as model.pretrained: torchvision:ResNet50_Weights.IMAGENET1K_V2, "
-        "torchvision:DEFAULT, timm:resnet50.a1_in1k (never downloaded: a missing file is refused, naming where to "
-        "put it). Loaded strictly: every key, every shape.")
+        "weights or a URL's, as model.pretrained: torchvision:ResNet50_Weights.IMAGENET1K_V2, torchvision:DEFAULT, "
+        "timm:resnet50.a1_in1k, hf-hub:<org>/<name>, https://... (downloaded into the library's cache unless "
+        "there; docs/pretrained.md). Loaded strictly: every key, every shape.")
 
 
 class DistillConfig(Section):
@@ -277,8 +277,10 @@ class ModelConfig(Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the model builder.")
     pretrained: str | None = Field(
         None, description="Weights loaded when not resuming: a file (.pt/.pth/.safetensors), torchvision's "
-        "(torchvision:ResNet18_Weights.IMAGENET1K_V1, torchvision:DEFAULT) or timm's (timm:resnet18.a1_in1k) from "
-        "the library's local cache (never downloaded). A head for another class count is replaced, and the run says so.")
+        "(torchvision:ResNet18_Weights.IMAGENET1K_V1, torchvision:DEFAULT), timm's (timm:resnet18.a1_in1k), a Hugging "
+        "Face repo's (hf-hub:<org>/<name>[@rev]) or a URL's (https://...[#sha256=<hex>]), downloaded into the "
+        "library's cache unless there (offline: TORCHSPRINT_OFFLINE=1; docs/pretrained.md). A head for another "
+        "class count is replaced, and the run says so.")
     strict: bool = Field(False, description="Any missing, unexpected or shape-mismatched key in `pretrained` is an error.")
     freeze: list[str] = Field(default_factory=list, description="Parameter-name patterns (glob, or regex with 're:' prefix) to freeze.")
     train_only: list[str] = Field(default_factory=list, description="Freeze everything except parameters matching these patterns.")

@@ -54,7 +54,7 @@ def _torchvision_provider():
 
     def make(fn_name):
         def build(num_classes: int, in_channels: int = 3, **args):
-            # weights=None: weights are never downloaded at run time; use model.pretrained=<file>.
+            # weights=None: library weights come through model.pretrained (models/download.py), after building.
             model = torchvision.models.get_model(fn_name, weights=None, num_classes=num_classes, **args)
             return adapt_in_channels(model, in_channels)
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -36,99 +34,15 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return strip_prefixes(state)
 
 
-def torchvision_weights_file(spec: str, model_name: str) -> tuple[Path, str]:
-    """(cached file, download URL) of `torchvision:<Enum>.<NAME>` or `torchvision:DEFAULT` for model `model_name`.
+def resolve_pretrained(spec: str, model_name: str | None, log=None, key: str = "model.pretrained") -> Path:
+    """The weights file behind model.pretrained: a path, or a library's or URL's file in its cache, downloaded into
+    that cache first when it is not there (models/download.py: torchvision:, timm:, hf-hub:, http(s)://).
 
-    The file is where torchvision's own loader caches it: torch.hub.get_dir()/checkpoints/<file name of
-    weights.url> (TORCH_HOME moves it). Nothing is downloaded.
+    Offline, or when the download fails, one UsageError names the exact path to put the file at and the URL.
     """
-    import torch.hub
-    import torchvision
+    from torchsprint.models.download import fetch
 
-    name = spec.split(":", 1)[1]
-    try:
-        enum = torchvision.models.get_model_weights(model_name)
-    except (ValueError, KeyError):
-        enum = None
-    if name == "DEFAULT":
-        if enum is None:
-            raise UsageError(f"model.pretrained={spec}: model.name={model_name} is not a torchvision model with weights; "
-                             "name the weights (torchvision:ResNet18_Weights.IMAGENET1K_V1) or pass a weights file.")
-        weights = enum.DEFAULT
-    else:
-        try:
-            weights = torchvision.models.get_weight(name)
-        except (ValueError, KeyError, AttributeError):
-            options = [f"torchvision:{type(w).__name__}.{w.name}" for w in enum] if enum is not None else []
-            raise UsageError(f"model.pretrained={spec}: torchvision has no weights '{name}'"
-                             f"{'; for ' + model_name + ': ' + ', '.join(options) if options else ''}.") from None
-        if enum is not None and type(weights) is not enum:
-            raise UsageError(f"model.pretrained={spec} are {type(weights).__name__}, not weights of model.name={model_name} "
-                             f"({enum.__name__}); use torchvision:{enum.__name__}.DEFAULT or another model.name.")
-    url = weights.url
-    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(url).path), url
-
-
-def hf_hub_cache() -> Path:
-    """The Hugging Face hub cache, read from the environment now (HF_HUB_CACHE, else HF_HOME/hub)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    return Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub"
-
-
-def timm_weights_file(spec: str, model_name: str) -> tuple[Path | None, Path, str]:
-    """(cached file or None, where to put it, download URL) of `timm:<architecture>.<tag>`.
-
-    Looks in the Hugging Face hub cache the way timm's loader does (huggingface_hub.try_to_load_from_cache:
-    no network), for model.safetensors then pytorch_model.bin. A file put at <cache>/models--timm--<name>/
-    snapshots/main/model.safetensors is found there.
-    """
-    try:
-        import timm
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        raise UsageError(f"model.pretrained={spec}: timm is not installed (pip install 'torchsprint[timm]').") from None
-    tag = spec.split(":", 1)[1]
-    try:
-        cfg = timm.models.get_pretrained_cfg(tag) if "." in tag else None
-    except RuntimeError:  # timm: "Invalid pretrained tag (...) for <arch>"
-        cfg = None
-    arch = tag.split(".")[0]
-    if cfg is None:
-        known = timm.list_pretrained(f"{arch}.*")[:8]
-        raise UsageError(f"model.pretrained={spec}: timm has no pretrained weights '{tag}'"
-                         f"{'; for ' + arch + ': ' + ', '.join('timm:' + k for k in known) if known else ''}.")
-    if model_name.removeprefix("timm/") != arch:
-        raise UsageError(f"model.pretrained={spec} are weights of timm's {arch}, but model.name={model_name}; set "
-                         f"model.name=timm/{arch}.")
-    repo = cfg.hf_hub_id or f"timm/{tag}"
-    cache = hf_hub_cache()
-    for filename in ([cfg.hf_hub_filename] if cfg.hf_hub_filename else ["model.safetensors", "pytorch_model.bin"]):
-        found = try_to_load_from_cache(repo, filename, cache_dir=str(cache))
-        if isinstance(found, str) and Path(found).is_file():
-            return Path(found), Path(found), ""
-    first = cfg.hf_hub_filename or "model.safetensors"
-    target = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / "main" / first
-    return None, target, f"https://huggingface.co/{repo}/resolve/main/{first}"
-
-
-def resolve_pretrained(spec: str, model_name: str) -> Path:
-    """The weights file behind model.pretrained: a path, or a library's cached file (torchvision:..., timm:...).
-
-    A library's file that is not in its cache is one UsageError naming the exact path to put it at and the
-    URL to download it from (on a machine with network): nothing is ever downloaded here.
-    """
-    if spec.startswith("torchvision:"):
-        path, url = torchvision_weights_file(spec, model_name)
-        where = path
-    elif spec.startswith("timm:"):
-        path, where, url = timm_weights_file(spec, model_name)
-    else:
-        return Path(spec)
-    if path is None or not path.is_file():
-        raise UsageError(f"model.pretrained={spec}: not in the local cache (no download here): put the file at {where} "
-                         f"(download it on a machine with network from {url}).")
-    return path
+    return fetch(spec, model_name, key, log)
 
 
 def compare_state(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, list[str]]:
@@ -242,7 +156,7 @@ def init_model(model: nn.Module, model_cfg, resume_ckpt: dict | None, log, recor
             log(f"model.pretrained={model_cfg.pretrained} not loaded: the resumed checkpoint's weights come first")
         return "checkpoint"
     if model_cfg.pretrained:
-        path = resolve_pretrained(model_cfg.pretrained, model_cfg.name)
+        path = resolve_pretrained(model_cfg.pretrained, model_cfg.name, log)
         report = load_pretrained(model, path, model_cfg.strict)
         head = head_keys(report, model.state_dict(), num_classes)
         if head:
@@ -252,11 +166,13 @@ def init_model(model: nn.Module, model_cfg, resume_ckpt: dict | None, log, recor
         if record is not None:
             record.update(source=model_cfg.pretrained, file=str(path), head_replaced=head,
                           **{k: v[:20] for k, v in report.items()})
-        names = {"missing": "missing (left randomly initialised)", "unexpected": "unexpected (ignored)",
-                 "mismatched": "skipped for a shape mismatch (left randomly initialised)"}
-        for kind, keys in report.items():
-            if keys:
-                log(f"pretrained: {len(keys)} key(s) {names[kind]}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}")
+        beyond = {**report, "mismatched": [m for m in report["mismatched"] if m.split(":")[0] not in head]}
+        if any(beyond.values()):  # one line: what of the file and the model did not meet, beyond the head
+            names = {"missing": "missing (left randomly initialised)", "unexpected": "unexpected (ignored)",
+                     "mismatched": "skipped for a shape mismatch (left randomly initialised)"}
+            log("pretrained: not loaded: " + "; ".join(
+                f"{len(keys)} key(s) {names[kind]}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
+                for kind, keys in beyond.items() if keys) + " (model.strict=true makes this an error)")
         return "pretrained"
     return "random"
 

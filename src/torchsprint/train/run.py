@@ -15,6 +15,7 @@ from torchsprint import config as config_mod
 from torchsprint.config.saved import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
 from torchsprint.config.schema import import_modules
 from torchsprint.errors import UsageError
+from torchsprint.models.download import fetch_run_weights
 from torchsprint.observe.logging import replace_file
 from torchsprint.runtime.machine import environment
 from torchsprint.tasks.tta import plan_tta, with_loading_spec
@@ -101,6 +102,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     task.check(cfg)
     mixing = check_mix(cfg.mix, cfg.task, task.targets, cfg.loss)
     distilling = check_distill(cfg, task.targets)
+    fetch_run_weights(cfg.model, cfg.distill.teacher if distilling else None, rt, log, resuming=ckpt is not None)
     batch = choose_batch(cfg, rt, log, ckpt)  # before anything of the run is built: the search leaves nothing behind
     cfg = resolved_config(cfg, batch)
     check_imbalance(cfg, task.targets)

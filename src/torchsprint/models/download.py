@@ -1,0 +1,266 @@
+"""Fetching pretrained weights into the libraries' own caches: torchvision's through torch.hub, timm's and hf-hub's
+through huggingface_hub, URLs into torch.hub's cache; offline modes, timeouts, one rank per machine downloading.
+
+Every download lands under a temporary name and is renamed into place only once its size and hash are checked, so
+an interrupted or corrupt download never leaves a file that a later run trusts (torch.hub and huggingface_hub do the
+same: `<file>.<uuid>.partial`, `<blob>.<id>.incomplete`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.client
+import os
+import re
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from urllib.error import HTTPError, URLError
+from urllib.request import Request, urlopen
+
+from torchsprint.errors import UsageError, disk_full
+from torchsprint.models.weights import WeightsSource, hf_endpoint, hf_hub_cache, is_remote, locate
+
+OFFLINE_ENVS = ("TORCHSPRINT_OFFLINE", "HF_HUB_OFFLINE")
+TIMEOUT_ENV = "TORCHSPRINT_DOWNLOAD_TIMEOUT"
+DEFAULT_TIMEOUT_S = 10.0  # huggingface_hub's own default (HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT)
+
+
+def offline() -> str | None:
+    """The variable that forbids downloads ("TORCHSPRINT_OFFLINE=1"), or None (read now, as huggingface_hub's
+    truthy values: 1, true, yes, on)."""
+    for name in OFFLINE_ENVS:
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{name}={os.environ[name]}"
+    return None
+
+
+def timeout_s() -> float:
+    """Seconds to wait for a connection, and for each read once connected (TORCHSPRINT_DOWNLOAD_TIMEOUT, default 10)."""
+    value = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        return float(value) if value else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise UsageError(f"{TIMEOUT_ENV}={value}: not a number of seconds; set e.g. {TIMEOUT_ENV}=30 or unset it.") from None
+
+
+def missing(src: WeightsSource, key: str, why: str, model_name: str | None = None) -> UsageError:
+    """The one line for weights that are not in the cache and cannot be fetched: where to put them, where from."""
+    get = f"torchsprint weights get {src.spec}" + (f" --model {model_name}" if model_name and src.spec.endswith(":DEFAULT")
+                                                   else "")
+    return UsageError(f"{key}={src.spec}: not in the local cache ({why}): put the file at {src.target} (download it on "
+                      f"a machine with network from {src.published}, or run `{get}` there).")
+
+
+def network_reason(error: BaseException, url: str) -> str | None:
+    """Why a download from `url` failed, in a few words, when the cause is the network or the server; else None."""
+    if isinstance(error, HTTPError):
+        return f"{url} answered HTTP {error.code} {error.reason}"
+    if isinstance(error, (TimeoutError, socket.timeout)) or "timed out" in str(error):
+        return f"no answer from {url} within {timeout_s():g} s ({TIMEOUT_ENV})"
+    if isinstance(error, URLError):
+        return f"cannot reach {url}: {error.reason}"
+    if isinstance(error, (ConnectionError, http.client.HTTPException)):
+        return f"the connection to {url} failed: {type(error).__name__}: {error}"
+    if type(error).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "requests", "urllib3"):
+        return f"cannot reach {url}: {type(error).__name__}: {error}"  # huggingface_hub's HTTP client
+    return None
+
+
+def hash_mismatch(key: str, src: WeightsSource, url: str, expected: str, got: str) -> UsageError:
+    return UsageError(f"{key}={src.spec}: the bytes downloaded from {url} do not have the published sha256 (expected "
+                      f"{expected[:8]}..., got {got[:8]}...): the download broke off or the server sent another file; "
+                      f"nothing was kept in the cache. Run again to retry, or check the address ({src.url}).")
+
+
+@contextlib.contextmanager
+def socket_timeout(seconds: float):
+    """A default socket timeout for the duration: torch.hub's urlopen takes none, and would wait forever on a server
+    that accepts and never answers. Process-wide while it lasts (a download happens before the run's threads)."""
+    before = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(seconds)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(before)
+
+
+def fetch_torchvision(src: WeightsSource, key: str, progress: bool) -> None:
+    """torchvision's file through torch.hub.download_url_to_file: its temp name, its sha256-prefix check, its bar."""
+    import torch.hub
+
+    src.target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with socket_timeout(timeout_s()):
+            torch.hub.download_url_to_file(src.url, str(src.target), src.hash_prefix, progress=progress)
+    except RuntimeError as e:  # torch.hub: 'invalid hash value (expected "f37072fd", got "<sha256>")'
+        found = re.search(r'expected "(\w+)", got "(\w+)"', str(e))
+        if not found:
+            raise
+        raise hash_mismatch(key, src, src.url, *found.groups()) from None
+
+
+def fetch_url(src: WeightsSource, key: str, progress: bool) -> None:
+    """An http(s) file into torch.hub's cache: written to a temp name, its size checked against Content-Length and
+    its sha256 against `#sha256=` when given, then renamed. Not torch.hub.download_url_to_file: http.client ends a
+    body cut short without an error (HTTPResponse.read(n) returns what came), and without a hash to check torch.hub
+    would keep the truncated file."""
+    from torch.hub import tqdm
+
+    dst = src.target
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f"{dst.name}.{uuid.uuid4().hex}.partial")
+    sha, size = hashlib.sha256(), 0
+    try:
+        with urlopen(Request(src.url, headers={"User-Agent": "torchsprint"}), timeout=timeout_s()) as r, open(tmp, "wb") as f:
+            total = int(r.headers["Content-Length"]) if r.headers.get("Content-Length") else None
+            with tqdm(total=total, disable=not progress, unit="B", unit_scale=True, unit_divisor=1024) as bar:
+                while chunk := r.read(1 << 20):
+                    f.write(chunk)
+                    sha.update(chunk)
+                    size += len(chunk)
+                    bar.update(len(chunk))
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the name says it is complete
+        if total is not None and size != total:
+            raise ConnectionError(f"the body broke off after {size:,} of {total:,} bytes")
+        if src.hash_prefix and not sha.hexdigest().startswith(src.hash_prefix):
+            raise hash_mismatch(key, src, src.url, src.hash_prefix, sha.hexdigest())
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def fetch_hf(src: WeightsSource, key: str, progress: bool) -> Path:
+    """A Hugging Face repo's weights file through huggingface_hub.hf_hub_download, into the hub cache (HF_ENDPOINT:
+    a mirror). First one HEAD with our timeout and no retries (huggingface_hub retries a timed-out HEAD for a
+    minute): it says fast whether the network is there and which of the candidate files the repo has.
+    huggingface_hub's own progress bar shows on a terminal only (`progress` is not needed: only local rank 0
+    downloads)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.utils import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    endpoint = hf_endpoint()
+    for filename in src.filenames:
+        url = hf_hub_url(src.repo, filename, revision=src.revision, endpoint=endpoint)
+        try:
+            get_hf_file_metadata(url, timeout=timeout_s())
+        except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+            raise UsageError(f"{key}={src.spec}: {endpoint} has no repo {src.repo} at revision {src.revision} "
+                             f"({type(e).__name__}); check the name (and a token for a private repo: HF_TOKEN).") from None
+        except HfHubHTTPError as e:
+            if e.response is not None and e.response.status_code == 404:
+                continue  # not this file name: the next candidate
+            raise
+        path = Path(hf_hub_download(src.repo, filename, revision=src.revision, cache_dir=str(hf_hub_cache()),
+                                    endpoint=endpoint, etag_timeout=timeout_s()))
+        check_hf_blob(path, src, key, url)
+        return path
+    raise UsageError(f"{key}={src.spec}: the repo {src.repo} has none of {', '.join(src.filenames)} at revision "
+                     f"{src.revision}; pass the weights file's URL or path instead.")
+
+
+def check_hf_blob(path: Path, src: WeightsSource, key: str, url: str) -> None:
+    """huggingface_hub checks a download's size only; an LFS file's blob is named by its sha256 (the ETag): check it,
+    and on a mismatch remove the blob and its snapshot link, so that no later run trusts them."""
+    blob = path.resolve()
+    if not re.fullmatch(r"[0-9a-f]{64}", blob.name):
+        return  # a small git file (named by its git sha1): nothing published to compare with
+    sha = hashlib.sha256()
+    with open(blob, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    if sha.hexdigest() != blob.name:
+        blob.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        raise hash_mismatch(key, src, url, blob.name, sha.hexdigest())
+
+
+def download(src: WeightsSource, key: str, log, progress: bool, model_name: str | None = None) -> Path:
+    """Fetch `src` into its cache (a network or server failure: one UsageError naming where to put the file)."""
+    fetchers = {"torchvision": fetch_torchvision, "url": fetch_url}
+    where = src.url or src.published
+    log(f"pretrained: downloading {src.spec} from {where}")
+    start = time.perf_counter()
+    try:
+        if src.kind in ("timm", "hf-hub"):
+            path = fetch_hf(src, key, progress)
+        else:
+            fetchers[src.kind](src, key, progress)
+            path = src.target
+    except UsageError:
+        raise
+    except Exception as e:
+        if disk_full(e):
+            raise UsageError(f"{key}={src.spec}: {disk_full(e, str(src.target))}; free space there (or move the cache: "
+                             "TORCH_HOME, HF_HOME) and run again.") from None
+        reason = network_reason(e, where)
+        if reason is None and type(e).__module__.startswith("huggingface_hub"):
+            reason = f"huggingface_hub: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if reason is None:
+            raise
+        raise missing(src, key, f"the download failed: {reason}", model_name) from None
+    log(f"pretrained: {path} ({path.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - start:.1f} s)")
+    return path
+
+
+def fetch(spec: str, model_name: str | None, key: str = "model.pretrained", log=None, download_ok: bool = True,
+          progress: bool | None = None) -> Path:
+    """The local file of a model.pretrained value, downloaded into the library's cache when it is not there yet.
+
+    Args:
+        spec: a file path, torchvision:<weights>, timm:<arch.tag>, hf-hub:<repo>[@rev], or an http(s) URL.
+        model_name: the model the weights are for (torchvision:DEFAULT needs it); None: not checked.
+        key: the setting named in messages.
+        log: one-line messages (what is downloaded, from where); default stderr.
+        download_ok: False: the cache only (a rank whose local rank 0 downloaded).
+        progress: a progress bar (default: when stderr is a terminal).
+    Offline (TORCHSPRINT_OFFLINE=1, HF_HUB_OFFLINE=1), no connection is attempted; a file that is not cached is
+    then, as after a failed download, one UsageError naming the path to put it at and the URL.
+    """
+    src = locate(spec, model_name, key)
+    if src.kind == "file" or src.cached is not None:
+        return src.cached or src.target
+    if not download_ok:
+        raise missing(src, key, "the rank that downloads did not leave it there", model_name)
+    if (why := offline()) is not None:
+        raise missing(src, key, f"offline: {why}", model_name)
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    return download(src, key, log, sys.stderr.isatty() if progress is None else progress, model_name)
+
+
+def fetch_for_run(spec: str, model_name: str | None, rt, log, key: str = "model.pretrained") -> Path:
+    """fetch() under DDP: local rank 0 of each machine downloads (the bar on global rank 0 only), the others wait at
+    a barrier and then read the file from the cache. A failure on the downloading rank is raised on it after the
+    barrier (so no rank hangs); the others then find no file and say so.
+
+    The barrier waits at most strategy.timeout_s: a download longer than that fails the waiting ranks; fetch the
+    file first (`torchsprint weights get`) or raise the timeout.
+    """
+    if not rt.distributed:
+        return fetch(spec, model_name, key, log)
+    if rt.local_rank != 0:
+        rt.barrier()
+        return fetch(spec, model_name, key, log, download_ok=False)
+    error = None
+    try:
+        path = fetch(spec, model_name, key, log, progress=rt.is_main and sys.stderr.isatty())
+    except Exception as e:  # raised after the barrier: the other ranks must not wait for a rank that left
+        error = e
+    rt.barrier()
+    if error is not None:
+        raise error
+    return path
+
+
+def fetch_run_weights(model_cfg, teacher_cfg, rt, log, resuming: bool = False) -> None:
+    """The library or URL weights a run will load, fetched into their caches before anything is built (fetch_for_run:
+    local rank 0 downloads): model.pretrained unless a checkpoint comes first, and the distillation teacher's
+    (`teacher_cfg`: distill.teacher when distilling, else None). The builders then find the files in the cache."""
+    if not resuming and is_remote(model_cfg.pretrained):
+        fetch_for_run(model_cfg.pretrained, model_cfg.name, rt, log)
+    if teacher_cfg is not None and teacher_cfg.model and not teacher_cfg.run and is_remote(teacher_cfg.weights):
+        fetch_for_run(teacher_cfg.weights, teacher_cfg.model, rt, log, key="distill.teacher.weights")

@@ -205,8 +205,9 @@ def test_documented_command_runs(documented, workspace, tmp_path, cli_in_process
     also = f" (also {', '.join(UNIQUE[documented])})" if UNIQUE[documented] else ""
     if documented.not_run:
         pytest.skip(f"{documented}{also}: not run, as its page says: {documented.not_run}")
-    for entry in workspace.iterdir():
-        if entry.name != "runs":
+    outputs = {documented.argv[i + 1] for i, tok in enumerate(documented.argv[:-1]) if tok in ("-o", "--out")}
+    for entry in workspace.iterdir():  # the stand-ins, except what this command writes (`average -o soup.safetensors`
+        if entry.name != "runs" and entry.name not in outputs:  # would meet the one `eval --weights` reads, and refuse)
             (tmp_path / entry.name).symlink_to(entry.resolve())
     argv = kept_short([materialize(tok, workspace, tmp_path) for tok in documented.argv])
     if argv[0] == "bench":  # measured in this process: the variants' own processes are tests/test_bench.py's

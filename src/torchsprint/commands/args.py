@@ -1,5 +1,5 @@
-"""The types of the commands' flags, checked while the command line is parsed, as the config schema checks its
-fields: whole numbers where counts are meant, finite numbers in range, devices this machine has, output paths
+"""The commands' flags: the arguments each command takes (`args_<command>`, named in cli.COMMANDS) and their
+types, checked while the command line is parsed, as the config schema checks its fields: whole numbers where counts are meant, finite numbers in range, devices this machine has, output paths
 that can be written. A bad value is one line (`error: torchsprint predict: argument --batch-size: ...`, exit
 code 2) before any work starts: `predict --batch-size 0`, `--topk -1` and `--device cuda` without a GPU were
 tracebacks, `lr-find --out` on a file was found only after the whole sweep, `--nproc-per-node 0` ran one process.
@@ -109,3 +109,181 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+# ---------------------------------------------------------------- each command's arguments (cli.COMMANDS names them)
+
+FAMILIES = ("models", "optimizers", "schedulers", "losses", "datasets", "loaders", "transforms", "tasks")
+
+
+WEIGHTS = ["best", "last", "ema", "swa"]
+WEIGHTS_HELP = ("which saved weights of the run: best (by checkpoint.monitor; the EMA's when it monitors an ema/ metric), "
+                "last (the model at the end), ema (the EMA at the end; runs with ema.enabled=true), swa (the SWA "
+                "average; runs with swa.enabled=true), or a .safetensors file of the same model (e.g. from "
+                "`torchsprint average`)")
+
+
+def weights_arg(value: str) -> str:
+    """--weights: one of WEIGHTS or the path of a .safetensors file."""
+    if value in WEIGHTS or value.endswith(".safetensors"):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(WEIGHTS)}, or a .safetensors file)")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="run config file (.yaml, .json or .toml); defaults: digits + small CNN")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=0.05 run.epochs=3")
+
+
+def args_train(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest valid checkpoint")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check everything (config, data, model, optimizer) and report, without writing anything")
+    p.add_argument("--overwrite", action="store_true",
+                   help="run.dir holds another run: move its files into run.dir/replaced-<time>/ and start over there")
+    p.add_argument("--nproc-per-node", type=Count(1), default=None, metavar="N",
+                   help="launch N DDP worker processes on this machine through torchrun (sets strategy=ddp)")
+    p.add_argument("--nnodes", type=nnodes, default=None, metavar="N", help="number of machines (torchrun --nnodes, e.g. 2 or 1:4)")
+    p.add_argument("--node-rank", type=Count(0), default=None, metavar="R", help="this machine's rank (torchrun --node-rank)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous address for several machines")
+    p.add_argument("--rdzv-backend", choices=["static", "c10d"], default=None,
+                   help="rendezvous: static (fixed --node-rank; default with --nnodes > 1) or c10d (elastic: ranks "
+                        "assigned on arrival, restarted nodes rejoin)")
+    p.add_argument("--max-restarts", type=Count(0), default=0, metavar="K",
+                   help="when a worker dies, restart the worker group up to K times; each restart resumes from the "
+                        "newest valid checkpoint (save them often: checkpoint.every_steps)")
+
+
+def args_eval(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
+    p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
+    p.add_argument("--split", choices=["val", "test"], default="val",
+                   help="which split: val, or test (image_folder: the test/ folder beside train/)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. data.eval_batch_size=256 or eval.tta=hflip (test-time augmentation)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+
+
+def args_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
+    p.add_argument("--format", choices=["onnx", "safetensors", "torchscript", "tensorrt"], default="onnx", help="output format")
+    p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
+    p.add_argument("--out", type=Output(), metavar="PATH", help="output file (default: <run>/export/model.<ext>)")
+    p.add_argument("--overwrite", action="store_true", help="--out may replace an existing file (never a run's own)")
+    p.add_argument("--uint8-input", action="store_true", help="fold normalisation into the graph: input is uint8 NCHW")
+    p.add_argument("--opset", type=Count(1), default=None, help="ONNX opset version")
+    p.add_argument("--tolerance", type=Number(0), default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
+    p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
+                   help="test-time augmentation held in the exported graph (default: the run's eval.tta)")
+
+
+def args_predict(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-r", "--run", required=True, metavar="RUN_DIR|MODEL_FILE", help="run folder or exported model file")
+    p.add_argument("inputs", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files or folders of images")
+    p.add_argument("--topk", type=Count(1), default=5, help="classes to report per image")
+    p.add_argument("--threshold", type=Number(0, 1), default=None,
+                   help="task=multilabel: report labels with probability >= this (default: the run's eval.threshold)")
+    p.add_argument("--out-dir", type=Output(folder=True), default=None, metavar="FOLDER",
+                   help="task=image_to_image: folder for the output images (default: ./predictions)")
+    p.add_argument("--backend", choices=["torch", "onnx"], default="torch", help="inference engine")
+    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (cuda also decodes JPEGs on the GPU)")
+    p.add_argument("--batch-size", type=Count(1), default=64, help="images per forward pass")
+    p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
+    p.add_argument("--out", type=Output(), metavar="FILE", help="write results to FILE (.jsonl or .csv)")
+    p.add_argument("--overwrite", action="store_true", help="--out may replace an existing file (never a run's own)")
+    p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
+    p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
+                   help="test-time augmentation (default: the run's eval.tta; an exported graph's own)")
+
+
+def args_data(p: argparse.ArgumentParser) -> None:
+    dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    s = dsub.add_parser("check", help="read every file: unreadable ones, duplicates, train/val leaks, class counts, a sample grid",
+                        description="Read and decode every sample of every split (whatever data.on_bad_sample says) and "
+                        "report unreadable files, identical files, images shared between splits, class counts and "
+                        "sizes; load a few batches through the configured backend; write check.json and samples.png.")
+    _add_config_args(s)
+    s.add_argument("--batches", type=Count(1), default=10, help="batches to load per split")
+    s.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None, help="folder for the sample grid PNG (default: a temp folder)")
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+    s = dsub.add_parser("compare", help="run the eval preprocessing through every backend and compare pixels",
+                        description="Compare the CPU, GPU and DALI eval preprocessing on the same images.")
+    _add_config_args(s)
+    s.add_argument("--images", type=Count(1), default=64, help="number of validation images to compare")
+    s.add_argument("--run", metavar="RUN_DIR", default=None, help="also report top-1 agreement of this run's model")
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+    s = dsub.add_parser("shard", help="write an image folder or file list as shuffled WebDataset tar shards",
+                        description="Write SRC (an image folder, optionally with train/ and val/, or a `path,label` list) "
+                        "as shuffled tar shards plus index.json into OUT; resumable (finished shards are re-hashed and "
+                        "kept) and verified at the end (counts, keys, labels, checksums). Train on them with "
+                        "data.dataset=webdataset data.root=OUT.")
+    s.add_argument("src", metavar="SRC", help="image folder or file list")
+    s.add_argument("out", type=Output(folder=True), metavar="OUT", help="folder for the shards and index.json")
+    s.add_argument("--shard-size", type=shard_size, default="1GB", metavar="SIZE", help="largest shard, e.g. 1GB, 500MB, 64MiB (default 1GB)")
+    s.add_argument("--seed", type=Count(0), default=0, help="seed of the sample shuffle (default 0)")
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+
+
+def args_bench(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+    p.add_argument("--steps", type=Count(1), default=30, help="timed steps per variant (after warm-up)")
+    p.add_argument("--warmup", type=Count(0), default=5, help="untimed warm-up steps per variant")
+    p.add_argument("--repeats", type=Count(1), default=3, help="repetitions per variant (median, min-max reported)")
+    p.add_argument("--variants", default=None, help="comma-separated variant names to run (default: all that apply)")
+    p.add_argument("--to-accuracy", type=Number(), default=None, metavar="X",
+                   help="also measure time until the monitored val metric (checkpoint.monitor: top-1, mAP, PSNR) reaches X")
+    p.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None, help="bench folder (default: bench/<timestamp>)")
+
+
+def args_lr_find(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+    p.add_argument("--steps", type=Count(10, " (the suggestion drops the first tenth and the last 5 points)"), default=100, help="optimizer steps of the sweep (default 100; it stops early "
+                   "when the smoothed loss exceeds 4x its best)")
+    p.add_argument("--start", type=Number(0, above=True), default=1e-7, help="first learning rate (default 1e-7, as fastai)")
+    p.add_argument("--end", type=Number(0, above=True), default=10.0, help="last learning rate (default 10, as fastai)")
+    p.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None,
+                   help="folder for lr_find.png and lr_find.json (default: a temp folder)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def args_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
+    p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
+    p.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None, help="output folder (default: <run>/report)")
+    p.add_argument("--wrong", type=Count(0), default=24, help="how many confidently wrong validation images to show")
+
+
+def args_average(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders of the same model (or one, with --checkpoints)")
+    p.add_argument("-o", "--out", type=Output(), required=True, metavar="FILE", help="the averaged weights (.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="-o may replace an existing file (never a run's own)")
+    p.add_argument("--weights", choices=WEIGHTS, default="last",
+                   help="which weights file of each run is averaged (default last; best, ema, swa)")
+    p.add_argument("--checkpoints", type=Count(2, " (an average of one is the checkpoint itself)"), default=None, metavar="N",
+                   help="average the model weights of the one run's N newest checkpoints (checkpoints/ckpt-*.pt)")
+    p.add_argument("--json", action="store_true", help="print each input's and the average's figures as JSON")
+
+
+def args_weights(p: argparse.ArgumentParser) -> None:
+    wsub = p.add_subparsers(dest="weights_command", metavar="ACTION", required=True)
+    for name, text in (("get", "download SPEC into the cache a run reads (torch.hub's for torchvision and URLs, the Hugging "
+                               "Face hub's for timm and hf-hub) unless it is there, and print the file's path"),
+                       ("path", "print where SPEC's file is or would be in the cache; exit 0 when it is there, 1 when not")):
+        s = wsub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ". See docs/pretrained.md.")
+        s.add_argument("spec", metavar="SPEC", help="a model.pretrained value: torchvision:<Enum>.<NAME>, torchvision:DEFAULT "
+                       "(with --model), timm:<arch>.<tag>, hf-hub:<org>/<name>[@rev], https://host/file.pth[#sha256=<hex>]")
+        s.add_argument("--model", metavar="NAME", help="the model.name the weights are for (torchvision:DEFAULT needs it)")
+        s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+
+
+def args_config(p: argparse.ArgumentParser) -> None:
+    csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    s = csub.add_parser("show", help="print the fully resolved config (YAML)", description="Print the resolved config.")
+    _add_config_args(s)
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+    csub.add_parser("schema", help="print the config's JSON Schema (for editor completion)", description="Print the JSON Schema.")
+
+
+def args_list(p: argparse.ArgumentParser) -> None:
+    p.add_argument("family", choices=FAMILIES, help="which registry to list")

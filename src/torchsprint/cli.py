@@ -1,4 +1,4 @@
-"""The `torchsprint` command: train | eval | export | predict | data (check, compare, shard) | bench | lr-find | report |
+"""The `torchsprint` command: train | eval | export | predict | serve | data (check, compare, shard) | bench | lr-find | report |
 average |
 config (show, schema) | list. One table, COMMANDS: each entry names its arguments and the function it runs.
 
@@ -94,6 +94,12 @@ def args_predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict", action="store_true", help="exit non-zero if any input fails")
     p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
                    help="test-time augmentation (default: the run's eval.tta; an exported graph's own)")
+
+
+def args_serve(p: argparse.ArgumentParser) -> None:
+    from torchsprint.commands.serve import add_serve_args  # stdlib only at import: --help stays fast
+
+    add_serve_args(p, weights_arg, WEIGHTS_HELP)
 
 
 def args_data(p: argparse.ArgumentParser) -> None:
@@ -354,6 +360,11 @@ COMMANDS = [
     Command("predict", "predict with a run or an exported model (classes, labels or images)",
             "Predict with the eval preprocessing stored with the model.",
             args_predict, lazy("torchsprint.commands.predict", "predict_cli"), imports=True),
+    Command("serve", "serve a run or an exported model over HTTP: dynamic batching, metrics, a page to try it",
+            "Answer POST /predict with the top-k classes of each image (the run's own eval preprocessing, batched "
+            "across requests), with /health, /ready, /metrics (Prometheus), the OpenAPI page at /docs and a page to "
+            "drop images on at /. Listens on 127.0.0.1 unless told otherwise. docs/serve.md.",
+            args_serve, lazy("torchsprint.commands.serve", "serve_cli"), imports=True),
     Command("data", "check a dataset and loader, or compare CPU/GPU preprocessing",
             "Inspect the data pipeline of a config.",
             args_data, cmd_data, imports=False),

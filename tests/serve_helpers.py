@@ -12,6 +12,11 @@ import httpx
 import numpy as np
 from PIL import Image
 
+# |serve - predict| of any probability: measured 4.5e-8 over batches of 1-32 (padded to powers of two or not) and 1
+# or 2 torch threads, against predict's batch of 64 (the digits small_cnn, AMD EPYC; benchmarks/serve_tolerance.py).
+# Two different images' probability vectors differ by >= 4e-3 there: an answer swapped between requests fails.
+TOL = 1e-6
+
 
 class ThreadServer:
     """`torchsprint serve`'s app (commands/serve_app.py) on a real uvicorn, listening on 127.0.0.1 at a free port, in

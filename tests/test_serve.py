@@ -19,25 +19,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_helpers import ThreadServer, digit_images, encode, metric, unusual_files, wait_until
+from serve_helpers import TOL, ThreadServer, digit_images, encode, metric, unusual_files, wait_until
 from torchsprint import cli
 from torchsprint.commands.predict import Predictor
 from torchsprint.commands.serve_engine import GATE_ENV, bucket, powers_of_two
 
-# |serve - predict| of any probability: measured 4.5e-8 over batches of 1-32 (padded to powers of two or not) and 1
-# or 2 torch threads, against predict's batch of 64 (the digits small_cnn, AMD EPYC; benchmarks/serve_tolerance.py).
-# Two different images' probability vectors differ by >= 4e-3 there: an answer swapped between requests fails.
-TOL = 1e-6
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A tiny digits run whose saved config carries a serve section (serve.topk=7: the settings test reads it)."""
-    d = tmp_path_factory.mktemp("serve") / "run"
-    assert cli.main(["train", "run.epochs=1", "model.args={width: 8}", f"run.dir={d}", "log.tensorboard=false",
-                     "log.progress=false", "serve.topk=7"]) == 0
-    return d
+def run(serve_run):
+    """A tiny digits run (conftest.py) whose saved config says serve.topk=7."""
+    return serve_run
 
 
 @pytest.fixture(scope="module")
@@ -408,7 +401,7 @@ def test_sigterm_stops_accepting_answers_what_was_accepted_and_exits_0(run, file
     the signal (uvicorn re-raises it) instead of 0, a server that keeps accepting while it drains."""
     proc, url = serve_process(run, "serve.max_wait_ms=0", "--max-batch", "1", env={GATE_ENV: str(gate)})
     try:
-        wait_until(lambda: _up(url) and httpx.get(url + "/ready").status_code == 200, 120, "ready")
+        wait_until(lambda: _ready(proc, url), 120, "ready")
         paths = list(files)[:3]
         boxes = [in_background(post, url, p) for p in paths]
         wait_until(lambda: (m := httpx.get(url + "/metrics").text) and metric(m, "torchsprint_serve_in_flight") == 3
@@ -424,6 +417,11 @@ def test_sigterm_stops_accepting_answers_what_was_accepted_and_exits_0(run, file
         assert proc.wait(60) == 0
     finally:
         proc.kill()
+
+
+def _ready(proc: subprocess.Popen, url: str) -> bool:
+    assert proc.poll() is None, f"the server exited with {proc.returncode}"
+    return _up(url) and httpx.get(url + "/ready").status_code == 200
 
 
 def _up(url: str) -> bool:
@@ -501,7 +499,7 @@ def test_workers_share_the_port_and_metrics_add_up(run, files):
     workers>1 ignored or metrics of one process only."""
     proc, url = serve_process(run, "--workers", "2")
     try:
-        wait_until(lambda: _up(url) and httpx.get(url + "/ready").status_code == 200, 180, "ready")
+        wait_until(lambda: _ready(proc, url), 180, "ready")
         children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid]
         assert len(children) >= 2, children
         for p in list(files)[:20]:  # new connections: the kernel spreads them over both workers

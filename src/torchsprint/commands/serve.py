@@ -183,6 +183,7 @@ def run_one(cfg, predictor, name: str, sock: socket.socket) -> int:
 
 
 def run_workers(cfg, target: Path, args, sock: socket.socket) -> int:
+    import inspect
     import shutil
     import tempfile
 
@@ -195,7 +196,9 @@ def run_workers(cfg, target: Path, args, sock: socket.socket) -> int:
                                        "tta": args.tta})
     config = uvicorn_config("torchsprint.commands.serve:worker_app", cfg, factory=True, workers=cfg.workers)
     try:
-        Multiprocess(config, target=uvicorn.Server(config).run, sockets=[sock]).run()
+        # uvicorn before 0.30 takes the worker's function as `target`; later versions build it themselves.
+        old = "target" in inspect.signature(Multiprocess).parameters
+        Multiprocess(config, sockets=[sock], **({"target": uvicorn.Server(config).run} if old else {})).run()
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0

@@ -88,8 +88,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(kind: str, run: Path, device: str, log: Path) -> tuple[subprocess.Popen, str]:
-    """Start one server process; (process, base URL) once its health check answers."""
+def start_server(kind: str, run: Path, device: str, log: Path, threads: int | None = None) -> tuple[subprocess.Popen, str]:
+    """Start one server process; (process, base URL) once its health check answers. `threads`: the baselines' torch
+    threads (torchsprint measures its own)."""
     py = sys.executable
     if kind == "torchsprint":
         cmd = [py, "-m", "torchsprint", "serve", str(run), "--port", "0", "--max-batch", str(MAX_BATCH),
@@ -97,7 +98,8 @@ def start_server(kind: str, run: Path, device: str, log: Path) -> tuple[subproce
         health = "/ready"
     else:
         port = free_port()
-        cmd = [py, __file__, f"--{kind}-server", str(run), "--port", str(port), "--device", device]
+        cmd = [py, __file__, f"--{kind}-server", str(run), "--port", str(port), "--device", device,
+               *(["--threads", str(threads)] if threads else [])]
         health = "/health"
     out = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -131,18 +133,16 @@ def stop_server(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
-def same_threads(device: str) -> None:
-    """The baselines run torch with torchsprint serve's intra-op thread count (serve_engine.cpu_threads): the
-    comparison is of the serving, not of a thread setting."""
-    if device == "cpu":
+def same_threads(threads: int | None) -> None:
+    """The baselines run torch with the intra-op thread count torchsprint serve measured best (its /ready says):
+    the comparison is of the serving, not of a thread setting."""
+    if threads:
         import torch
 
-        from torchsprint.commands.serve_engine import cpu_threads
-
-        torch.set_num_threads(cpu_threads()[0])
+        torch.set_num_threads(threads)
 
 
-def plain_server(run: str, port: int, device: str) -> None:
+def plain_server(run: str, port: int, device: str, threads: int | None) -> None:
     """(a) The hand-written endpoint: read the body, preprocess, one forward per request, top-5."""
     import torch
     import uvicorn
@@ -155,10 +155,10 @@ def plain_server(run: str, port: int, device: str) -> None:
 
     pred = Predictor.from_run(run, device=device)
     decoder = Decoder(pred, 40_000_000)
-    same_threads(device)
     app = FastAPI()
 
     def infer(data: bytes):
+        same_threads(threads)  # per thread: OpenMP's count is a thread's own
         x = decoder.prepare(data, 5).image[None]
         with torch.inference_mode():
             return pred.task.postprocess(pred.logits(x), pred.classes, {"topk": 5})[0]
@@ -183,9 +183,9 @@ if ls is not None:
     class LitImageAPI(ls.LitAPI):
         """(b) LitServe with its batching: decode in decode_request, stack in batch, one forward per batch."""
 
-        def __init__(self, run: str, device: str, **kw):
+        def __init__(self, run: str, device: str, threads: int | None, **kw):
             super().__init__(**kw)
-            self.run, self.device_name = run, device
+            self.run, self.device_name, self.threads = run, device, threads
 
         def setup(self, dev):
             from torchsprint.commands.predict import Predictor
@@ -193,7 +193,7 @@ if ls is not None:
 
             self.pred = Predictor.from_run(self.run, device=self.device_name)
             self.decoder = Decoder(self.pred, 40_000_000)
-            same_threads(self.device_name)
+            same_threads(self.threads)
 
         def decode_request(self, request):
             return self.decoder.prepare(base64.b64decode(request["image"]), 5).image
@@ -213,10 +213,10 @@ if ls is not None:
             return {"predictions": self.pred.task.postprocess(row[None], self.pred.classes, {"topk": 5})}
 
 
-def litserve_server(run: str, port: int, device: str) -> None:
+def litserve_server(run: str, port: int, device: str, threads: int | None) -> None:
     if ls is None:
         raise SystemExit("LitServe is not installed: pip install litserve")
-    api = LitImageAPI(run, device, max_batch_size=MAX_BATCH, batch_timeout=MAX_WAIT_MS / 1000)
+    api = LitImageAPI(run, device, threads, max_batch_size=MAX_BATCH, batch_timeout=MAX_WAIT_MS / 1000)
     server = ls.LitServer(api, accelerator="cuda" if device.startswith("cuda") else "cpu", workers_per_device=1)
     server.run(host="127.0.0.1", port=port, generate_client_file=False, log_level="warning", num_api_servers=1)
 
@@ -399,6 +399,8 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 
 def compare(args) -> dict:
+    import httpx
+
     tmp = Path(tempfile.mkdtemp(prefix="serve-load-"))
     cases = make_cases(tmp, args.configs.split(","))
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -406,8 +408,11 @@ def compare(args) -> dict:
     print("| case | server | concurrency | requests/s | images/s | p50 ms | p95 ms | p99 ms | non-200 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for case, (run, images, ctype) in cases.items():
+        threads = None
         for kind in args.servers.split(","):
-            proc, url = start_server(kind, run, args.device, tmp / f"{kind}.log")
+            proc, url = start_server(kind, run, args.device, tmp / f"{kind}.log", threads)
+            if kind == "torchsprint":
+                threads = httpx.get(url + "/ready").json().get("torch_threads")
             try:
                 reqs = [request_of(kind, data, ctype) for data in images]
                 prime(url, reqs)
@@ -454,11 +459,12 @@ def main() -> None:
     ap.add_argument("--fastapi-server", metavar="RUN", help=argparse.SUPPRESS)
     ap.add_argument("--litserve-server", metavar="RUN", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.fastapi_server:
-        return plain_server(args.fastapi_server, args.port, args.device)
+        return plain_server(args.fastapi_server, args.port, args.device, args.threads)
     if args.litserve_server:
-        return litserve_server(args.litserve_server, args.port, args.device)
+        return litserve_server(args.litserve_server, args.port, args.device, args.threads)
     out = run_soak(args) if args.soak is not None else compare(args)
     out["machine"] = machine()
     if args.json:

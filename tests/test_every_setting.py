@@ -555,7 +555,7 @@ PROBES = {
         "host": "test_settings_come_from_the_run_a_file_overrides_and_flags",
         "port": "test_bad_settings_are_one_line_errors",
         "max_batch": "test_concurrent_answers_equal_predict_however_batched",
-        "max_wait_ms": "test_max_wait_ms_holds_the_first_image_for_a_batch",
+        "max_wait_ms": "test_max_wait_ms_holds_an_image_for_one_on_its_way_and_no_longer",
         "queue_limit": "test_full_queue_answers_503_with_retry_after_then_recovers",
         "timeout_s": "test_timeout_answers_503_and_drops_the_queued_image",
         "workers": "test_workers_share_the_port_and_metrics_add_up",

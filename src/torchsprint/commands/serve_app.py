@@ -88,23 +88,17 @@ class Served:
     warm_up: str = ""
 
     def __post_init__(self):
-        from torchsprint.commands.serve_engine import cpu_threads, decode_pool
+        from torchsprint.commands.serve_engine import decode_pool, decode_threads
 
         c = self.cfg
-        torch_threads, decoders = cpu_threads()
-        if self.predictor.device.type == "cpu":
-            import torch
-
-            torch.set_num_threads(torch_threads)
         buckets = c.buckets == "on" or (c.buckets == "auto" and self.predictor.device.type == "cuda")
         self.decoder = Decoder(self.predictor, c.max_pixels)
         self.batcher = Batcher(self.decoder, max_batch=c.max_batch, max_wait_s=c.max_wait_ms / 1000,
                                queue_limit=c.queue_limit, buckets=buckets, metrics=self.metrics)
-        self.pool = decode_pool(decoders)
+        self.pool = decode_pool(decode_threads())
 
     def start(self) -> None:
-        self.warm_up = self.batcher.warm_up()
-        self.batcher.start()
+        self.warm_up = self.batcher.start()
         self.ready = True
 
     def stop(self) -> None:
@@ -196,26 +190,23 @@ async def images_of(request, body: bytes, most: int) -> list[tuple[str | None, b
     return out
 
 
-async def predict_images(s: Served, blobs: list[bytes], topk: int) -> list:
-    """Each image's result dict or exception. Images that never reached the model when this is cancelled (timeout,
-    the client left) are cancelled in the queue: their batch runs without them."""
-    try:
-        s.batcher.reserve(len(blobs))
-    except Overloaded as e:
-        raise Refusal(503, "queue_full", str(e), RETRY) from None
-    pending = [s.pool.submit(s.prepare_and_put, b, topk) for b in blobs]
-    try:
-        out = []
-        for f in pending:
-            try:
-                job = await asyncio.shield(asyncio.wrap_future(f))  # a decode always finishes: it owns its place
-                out.append(await asyncio.wrap_future(job.future))
-            except (ImageError, Overloaded) as e:
-                out.append(e)
-        return out
-    finally:
-        for f in pending:  # no-op for answered images; drops the queued images of a cancelled request
-            f.add_done_callback(lambda f: f.exception() is None and f.result().future.cancel())
+async def collect(pending: list) -> list:
+    """Each submitted image's result dict or exception, in order."""
+    out = []
+    for f in pending:
+        try:
+            job = await asyncio.shield(asyncio.wrap_future(f))  # a decode always finishes: it owns its place
+            out.append(await asyncio.wrap_future(job.future))
+        except (ImageError, Overloaded) as e:
+            out.append(e)
+    return out
+
+
+def drop_unanswered(pending: list) -> None:
+    """Cancel the queued images of a request that stopped waiting (timeout, the client left): a Job not yet in a
+    batch is dropped; one running or answered is left alone. A decode still running cancels its Job when done."""
+    for f in pending:
+        f.add_done_callback(lambda f: f.exception() is None and f.result().future.cancel())
 
 
 async def until_disconnected(request) -> None:
@@ -260,15 +251,26 @@ async def answer(s: Served, request, topk: int) -> JSONResponse:
 
 async def answer_within(s: Served, request, topk: int):
     """Read, parse and predict under the request's timeout; a client that leaves first gets its images dropped."""
-    body = await read_body(request, int(s.cfg.max_body_mb * 2**20))
-    items = await images_of(request, body, s.cfg.queue_limit)
-    work = asyncio.ensure_future(predict_images(s, [b for _, b in items], topk))
+    s.batcher.arriving(1)
+    try:
+        body = await read_body(request, int(s.cfg.max_body_mb * 2**20))
+        items = await images_of(request, body, s.cfg.queue_limit)
+        s.batcher.reserve(len(items))  # admitted before it stops arriving: a waiting batch never misses it
+    except Overloaded as e:
+        raise Refusal(503, "queue_full", str(e), RETRY) from None
+    finally:
+        s.batcher.arriving(-1)
+    # Submitted with no await after the reservation: every reserved place is either queued or given back.
+    pending = [s.pool.submit(s.prepare_and_put, data, topk) for _, data in items]
+    work = asyncio.ensure_future(collect(pending))
     gone = asyncio.ensure_future(until_disconnected(request))
     try:
         done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when the timeout cancels this: the request's queued images are dropped
-        work.cancel()
+    finally:  # also when the timeout cancels this
         gone.cancel()
+        if not work.done():
+            work.cancel()
+            drop_unanswered(pending)
     if work not in done:
         raise Refusal(499, "disconnected", "the client closed the connection")
     return items, work.result()
@@ -335,7 +337,7 @@ def build_app(s: Served) -> FastAPI:
             return JSONResponse({"error": "the model is loading or warming up", "kind": "not_ready"}, status_code=503,
                                 headers=RETRY)
         return {"status": "ready", "model": s.name, "task": s.predictor.task.name, "classes": len(s.predictor.classes),
-                "warm_up": s.warm_up}
+                "device": str(s.predictor.device), "torch_threads": s.batcher.torch_threads, "warm_up": s.warm_up}
 
     @app.get("/metrics", summary="Prometheus text format", response_class=Response)
     async def metrics(request: Request):

@@ -129,8 +129,9 @@ class Decoder:
 
 class Batcher:
     """The model thread and its queue. `reserve(n)` admits n images or says the queue is full; `put(job)` queues a
-    reserved image; the thread takes up to max_batch images of one shape once max_batch wait or the first waited
-    max_wait_s, runs them as one batch and answers each Job's future. A Job whose future was cancelled (the
+    reserved image; the thread takes up to max_batch images of one shape once max_batch wait, or the first waited
+    max_wait_s, or nothing more is on its way (no request being read, no image being decoded), runs them as one
+    batch and answers each Job's future. A Job whose future was cancelled (the
     request timed out or its client left) before its batch formed is dropped, never run."""
 
     def __init__(self, decoder: Decoder, *, max_batch: int, max_wait_s: float, queue_limit: int, buckets: bool,
@@ -141,12 +142,18 @@ class Batcher:
         self._cond = threading.Condition()
         self._waiting: deque[tuple[float, Job]] = deque()
         self._reserved = 0  # admitted images not yet taken into a batch: decoding or waiting
+        self._arriving = 0  # requests being read, not yet admitted
         self._stopping = False
         self._gate = os.environ.get(GATE_ENV)
         self._thread = threading.Thread(target=self._loop, name="torchsprint-serve-model", daemon=True)
+        self._warm = threading.Event()
+        self.warm_note, self.torch_threads = "", None
 
-    def start(self) -> None:
+    def start(self) -> str:
+        """Start the model thread; it warms up first. Returns once warm, with what the warm-up did."""
         self._thread.start()
+        self._warm.wait()
+        return self.warm_note
 
     def stop(self) -> None:
         """Answer every queued image, then end the thread."""
@@ -172,6 +179,13 @@ class Batcher:
         with self._cond:
             self._reserved -= n
             self.metrics.queue_depth.set(self._reserved)
+            self._cond.notify_all()
+
+    def arriving(self, n: int) -> None:
+        """A request started (+1) or stopped (-1) being read: while one is, a waiting batch may wait for it."""
+        with self._cond:
+            self._arriving += n
+            self._cond.notify_all()
 
     def put(self, job: Job) -> Job:
         with self._cond:
@@ -192,7 +206,10 @@ class Batcher:
             while not self._stopping:
                 ready = sum(1 for _, j in self._waiting if j.key() == head.key())
                 left = deadline - time.monotonic()
-                if ready >= self.max_batch or left <= 0:
+                # Wait only for images on their way (a request being read, an image being decoded): with
+                # nothing coming, waiting out max_wait_ms is latency for nothing (a lone client's every request).
+                coming = self._arriving > 0 or self._reserved > len(self._waiting)
+                if ready >= self.max_batch or left <= 0 or not coming:
                     break
                 self._cond.wait(left)
             batch, keep, dropped = [], deque(), 0
@@ -211,6 +228,10 @@ class Batcher:
             return batch
 
     def _loop(self) -> None:
+        try:
+            self.warm_note = self.warm_up()
+        finally:
+            self._warm.set()
         while (batch := self._take()) is not None:
             if batch:
                 self.metrics.in_model.set(len(batch))
@@ -296,8 +317,9 @@ class Batcher:
         return results
 
     def warm_up(self) -> str:
-        """Decode a generated PNG and JPEG (the decoders' first call imports and allocates: seconds) and run every
-        batch size the model will see (each bucket, or 1 and max_batch) before /ready says yes."""
+        """Decode a generated PNG and JPEG (the decoders' first call imports and allocates: seconds), choose the CPU
+        thread count, and run every batch size the model will see (each bucket, or 1 and max_batch). Runs on the
+        model thread (OpenMP's thread count is per thread), before /ready says yes."""
         import numpy as np
         from PIL import Image
 
@@ -305,25 +327,47 @@ class Batcher:
         files = []
         for fmt in ("PNG", "JPEG"):
             buf = io.BytesIO()
-            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, fmt)
+            # 32x32: the eval input when the spec fixes no size (small-image runs); a fixed-size spec resizes it
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buf, fmt)
             files.append(buf.getvalue())
         sizes = powers_of_two(self.max_batch) if self.buckets else sorted({1, self.max_batch})
         try:
             jobs = [self.decoder.prepare(data, 1) for data in files]
+            threads = self.choose_threads(jobs[0]) if self.predictor.device.type == "cpu" else ""
             for n in sizes:
                 self.infer([jobs[n % 2]] * n)
         except Exception as e:  # noqa: BLE001 - e.g. a model that takes only its training size: requests still run
             return f"warm-up stopped ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
-        return f"warmed up on batches of {', '.join(map(str, sizes))}"
+        return f"warmed up on batches of {', '.join(map(str, sizes))}{threads}"
+
+    def choose_threads(self, job: Job) -> str:
+        """Set torch's intra-op threads for this (the model) thread to the fastest of 1, half and all the cores on a
+        batch of max_batch of the warm-up image (the eval spec's size; 32x32 when it fixes none). Measured, not
+        assumed: a ResNet-18 batch gains from every core (on 2 busy cores: 74 ms an image with 1 thread, 44 with
+        2), while a small net's kernels can be too short to share (the digits CNN there: 2.5 ms a batch of one
+        with 1 thread, 200 ms with 2)."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        batch = [job] * self.max_batch
+        times = {}
+        for n in sorted({1, max(1, cores // 2), cores}):
+            torch.set_num_threads(n)
+            self.infer(batch)  # the first call at a thread count allocates
+            started = time.perf_counter()
+            for _ in range(2):
+                self.infer(batch)
+            times[n] = (time.perf_counter() - started) / 2
+        best = min(times, key=times.get)
+        torch.set_num_threads(best)
+        self.torch_threads = best
+        return f"; torch threads {best} (a batch of {self.max_batch}: " + ", ".join(
+            f"{1000 * t:.1f} ms with {n}" for n, t in times.items()) + ")"
 
 
-def cpu_threads() -> tuple[int, int]:
-    """(torch intra-op threads, decode threads) of a CPU server: half the cores each. The model thread, the decoders
-    and the event loop share the cores; torch's default (every core) makes its OpenMP threads wait on each other
-    when the decoders hold some (measured on 2 busy cores: a batch of 1 of the digits CNN took 200 ms with 2
-    threads, 2.5 ms with 1)."""
+def decode_threads() -> int:
+    """Threads that decode request images: one per core, at most 8 (the model thread's own count is measured at
+    warm-up: Batcher.choose_threads)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // 2), max(1, min(8, cores - cores // 2))
+    return max(1, min(8, cores))
 
 
 def decode_pool(threads: int) -> ThreadPoolExecutor:

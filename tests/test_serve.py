@@ -392,6 +392,24 @@ def test_onnxruntime_answers_equal_predict_on_onnx(run, files):
         server.close()
 
 
+def test_an_exported_file_is_served_with_the_settings_it_carries(run, files, tmp_path, capsys):
+    """A .safetensors file from `torchsprint export` (no run folder): answers equal predict's on the run, and the
+    serve section inside the file applies (serve.topk=7). Bug caught: MODEL_FILE refused or read without its
+    config; its serve settings lost on export."""
+    from torchsprint.commands.export import export
+
+    path = Path(export(run, "safetensors", out=tmp_path / "model.safetensors")["path"])
+    server = ThreadServer(path)
+    try:
+        for p in list(files)[:3]:
+            answer = post(server.url, p).json()["predictions"][0]
+            same_as_predict(answer, _top(files[p], 7))
+    finally:
+        server.close()
+    assert cli.main(["serve", str(path), "--runtime", "onnxruntime", "--port", "0"]) == 2
+    assert "a .safetensors file runs on torch" in capsys.readouterr().err
+
+
 def test_short_soak_mix_has_no_5xx_and_no_lost_request(run, files):
     """A few seconds of benchmarks/serve_load.py's soak mix (concurrency 64, 5% bad requests). Bugs caught: a 5xx or
     a dropped connection under load, a bad request answered 200 or a good one refused."""

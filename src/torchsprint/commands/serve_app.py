@@ -175,13 +175,17 @@ async def images_of(request, body: bytes, most: int) -> list[tuple[str | None, b
             raise Refusal(413, "too_many_images", f"more images than serve.queue_limit={most} in one request") from None
         raise Refusal(400, "bad_multipart", f"malformed multipart form: {e}") from None
     out = []
-    for key, value in form.multi_items():
-        if key != FIELD:
-            raise Refusal(400, "wrong_field", f"multipart field '{key}' is not expected: send each image as a file in "
-                          f"field '{FIELD}' (curl -F {FIELD}=@cat.jpg)")
-        if isinstance(value, str):
-            raise Refusal(400, "wrong_field", f"field '{FIELD}' must be a file upload (curl -F {FIELD}=@cat.jpg), not text")
-        out.append((value.filename, await value.read()))
+    try:
+        for key, value in form.multi_items():
+            if key != FIELD:
+                raise Refusal(400, "wrong_field", f"multipart field '{key}' is not expected: send each image as a file "
+                              f"in field '{FIELD}' (curl -F {FIELD}=@cat.jpg)")
+            if isinstance(value, str):
+                raise Refusal(400, "wrong_field", f"field '{FIELD}' must be a file upload (curl -F {FIELD}=@cat.jpg), "
+                              "not text")
+            out.append((value.filename, await value.read()))
+    finally:
+        await form.close()  # the parts' spooled temporary files
     if not out:
         raise Refusal(400, "empty_body", f"no '{FIELD}' file in the form")
     for name, data in out:

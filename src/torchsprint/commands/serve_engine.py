@@ -168,7 +168,9 @@ class Batcher:
     def reserve(self, n: int) -> None:
         """Admit n images, or raise Overloaded (the queue would pass queue_limit, or the server is stopping)."""
         with self._cond:
-            if self._stopping or self._reserved + n > self.queue_limit:
+            if self._stopping:
+                raise Overloaded("the server is stopping; retry on another replica or later")
+            if self._reserved + n > self.queue_limit:
                 raise Overloaded(f"the queue is full ({self._reserved} images waiting, serve.queue_limit="
                                  f"{self.queue_limit}); retry later")
             self._reserved += n

@@ -420,7 +420,7 @@ def test_short_soak_mix_has_no_5xx_and_no_lost_request(run, files):
     try:
         images = [p.read_bytes() for p in list(files)[:24]]
         out = asyncio.run(soak(server.url, images, "image/png", 3.0, concurrency=64, pid=os.getpid(), windows=3))
-        assert out["requests"] > 64 and out["bad_sent"] > 0, out
+        assert out["requests"] >= 64 and out["bad_sent"] > 0, out  # every client answered at least once
         assert (out["5xx"], out["no_answer"], out["wrong_status"]) == (0, 0, 0), out
     finally:
         server.close()

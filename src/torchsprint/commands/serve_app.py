@@ -6,9 +6,12 @@ a 500. No endpoint reads a path on the server: images arrive only as request bod
 Why FastAPI + uvicorn and not LitServe (both measured by benchmarks/serve_load.py): the batching must answer
 each image from the run's own preprocessing, drop a request that timed out or left before its batch runs, refuse
 at once when the queue is full (503 + Retry-After) and drain on SIGTERM; that is the engine's own code here, in
-one process with the model thread beside the event loop. LitServe runs the model in other processes behind
-queues (a pickled payload per request: JSON or form data, not raw bytes), has no queue limit, and its batching
-cannot drop a cancelled request; on the loopback load test it was also slower (BENCHMARKS.md).
+one process with the model thread beside the event loop. LitServe runs the model in another process behind
+queues (a pickled payload per request: JSON or form data, not a raw image body), has no queue limit, and its
+batching cannot drop a cancelled request. Measured on the loopback load test (a shared 2-core VM at load 6-10,
+2026-11-28, 4 s per level: figures to redo on a quiet machine), LitServe served the digits net at 142 images/s
+at concurrency 32 where this server served 336 (44 vs 148 at concurrency 1); on ResNet-18 at 224 both were
+bound by the busy CPU (13 vs 8 images/s at 32, 11 vs 8 at 8, neither reliable there).
 """
 
 from __future__ import annotations

@@ -222,3 +222,15 @@ def make_image_folder(root: Path, classes=("circle", "square"), per_class: int =
 @pytest.fixture
 def image_folder(tmp_path):
     return make_image_folder(tmp_path / "images")
+
+
+@pytest.fixture(scope="session")
+def serve_run(tmp_path_factory):
+    """One tiny trained digits run for tests/test_serve*.py; its saved config carries a serve section
+    (serve.topk=7), which the settings test reads back."""
+    from torchsprint import cli
+
+    d = tmp_path_factory.mktemp("serve") / "run"
+    assert cli.main(["train", "run.epochs=1", "model.args={width: 8}", f"run.dir={d}", "log.tensorboard=false",
+                     "log.progress=false", "serve.topk=7"]) == 0
+    return d

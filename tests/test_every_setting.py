@@ -565,6 +565,23 @@ PROBES = {
     "eval.threshold": lambda t: refused("eval.threshold=0.7", match="task=classification does not use it"),
     "eval.tta": lambda t: elsewhere("test_tta.py::test_validation_during_training_uses_tta_and_tta_changes_the_figures")
     or refused("eval.tta=five_crop", match="must end with center_crop"),
+    # `torchsprint serve`'s settings act on a real server: each is proved by a test of tests/test_serve.py.
+    **{f"serve.{field}": lambda t, test=test: elsewhere(f"test_serve.py::{test}") for field, test in {
+        "host": "test_settings_come_from_the_run_a_file_overrides_and_flags",
+        "port": "test_bad_settings_are_one_line_errors",
+        "max_batch": "test_concurrent_answers_equal_predict_however_batched",
+        "max_wait_ms": "test_max_wait_ms_holds_an_image_for_one_on_its_way_and_no_longer",
+        "queue_limit": "test_full_queue_answers_503_with_retry_after_then_recovers",
+        "timeout_s": "test_timeout_answers_503_and_drops_the_queued_image",
+        "workers": "test_workers_share_the_port_and_metrics_add_up",
+        "runtime": "test_onnxruntime_answers_equal_predict_on_onnx",
+        "device": "test_bad_settings_are_one_line_errors",
+        "token": "test_token_is_required_where_it_guards_and_the_api_is_described",
+        "max_body_mb": "test_bad_input_gets_one_line_4xx_and_batch_mates_are_unaffected",
+        "max_pixels": "test_bad_input_gets_one_line_4xx_and_batch_mates_are_unaffected",
+        "topk": "test_token_is_required_where_it_guards_and_the_api_is_described",
+        "buckets": "test_concurrent_answers_equal_predict_however_batched",
+    }.items()},
 }
 def probe_wandb(tmp, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is optional; the dev extra installs it")

@@ -15,7 +15,8 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
   engine       validation (evaluations, best weights), the only loop; batch_size (data.batch_size: auto, with real
                train steps)
   run          the flow of one run
-  commands     trained, export, predict, bench, report, weights, launch, data/commands/ (check, compare, shard)
+  commands     trained, export, predict, serve (engine, app, page), bench, report, weights, launch, data/commands/
+               (check, compare, shard)
   cli          the `torchsprint` command and the types of its flags (commands/args.py)
 
 A module may import from its own layer or below. A package's __init__.py is its face for users: it
@@ -52,7 +53,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("models.core", ["models.core"]),
     ("models", ["models.nets", "models.weights", "models.download", "models.init"]),
     ("tasks", ["tasks.core", "tasks.tta"]),
-    ("config", ["config.files", "config.sections", "config.training", "config.schema", "config.saved"]),
+    ("config", ["config.files", "config.sections", "config.training", "config.serve", "config.schema",
+                "config.saved"]),
     ("plan", ["train.plan"]),
     ("engine", ["train.context", "train.validation", "train.engine", "train.batch_size", "train.distill"]),
     ("run", ["train.evaluation", "train.run"]),

@@ -1,6 +1,6 @@
-"""The `torchsprint` command: train | eval | export | predict | data (check, compare, shard) | bench | lr-find | report |
-average | weights (get, path) | config (show, schema) | list. One table, COMMANDS: each entry names its arguments and
-the function it runs.
+"""The `torchsprint` command: train | eval | export | predict | serve | data (check, compare, shard) | bench | lr-find |
+report | average | weights (get, path) | config (show, schema) | list. One table, COMMANDS: each entry names its
+arguments and the function it runs.
 
 torch is imported lazily so that `torchsprint --help` answers in well under a second.
 """
@@ -27,6 +27,7 @@ from torchsprint.commands.args import (  # noqa: F401  (FAMILIES, WEIGHTS: read 
     args_lr_find,
     args_predict,
     args_report,
+    args_serve,
     args_train,
     args_weights,
 )
@@ -212,6 +213,11 @@ COMMANDS = [
     Command("predict", "predict with a run or an exported model (classes, labels or images)",
             "Predict with the eval preprocessing stored with the model.",
             args_predict, lazy("torchsprint.commands.predict", "predict_cli"), imports=True),
+    Command("serve", "serve a run or an exported model over HTTP: dynamic batching, metrics, a page to try it",
+            "Answer POST /predict with the top-k classes of each image (the run's own eval preprocessing, batched "
+            "across requests), with /health, /ready, /metrics (Prometheus), the OpenAPI page at /docs and a page to "
+            "drop images on at /. Listens on 127.0.0.1 unless told otherwise. docs/serve.md.",
+            args_serve, lazy("torchsprint.commands.serve", "serve_cli"), imports=True),
     Command("data", "check a dataset and loader, or compare CPU/GPU preprocessing",
             "Inspect the data pipeline of a config.",
             args_data, cmd_data, imports=False),

@@ -197,6 +197,12 @@ def args_predict(p: argparse.ArgumentParser) -> None:
                    help="test-time augmentation (default: the run's eval.tta; an exported graph's own)")
 
 
+def args_serve(p: argparse.ArgumentParser) -> None:
+    from torchsprint.commands.serve import add_serve_args  # stdlib only at import: --help stays fast
+
+    add_serve_args(p, weights_arg, WEIGHTS_HELP)
+
+
 def args_data(p: argparse.ArgumentParser) -> None:
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     s = dsub.add_parser("check", help="read every file: unreadable ones, duplicates, train/val leaks, class counts, a sample grid",

@@ -34,6 +34,7 @@ from torchsprint.config.sections import (  # noqa: F401  (every section re-expor
     TeacherConfig,
     TransformSpec,
 )
+from torchsprint.config.serve import ServeConfig  # noqa: F401  (re-exported, as above)
 from torchsprint.config.training import (  # noqa: F401  (re-exported, as above)
     CheckpointConfig,
     EarlyStopConfig,
@@ -82,6 +83,8 @@ class Config(Section):
     early_stop: EarlyStopConfig = Field(default_factory=EarlyStopConfig, description="Stop when checkpoint.monitor stops improving.")
     log: LogConfig = Field(default_factory=LogConfig, description="Console, JSONL and TensorBoard logging.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation metrics.")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="`torchsprint serve`: the HTTP server's address, "
+                               "dynamic batching, limits and token (docs/serve.md).")
 
     @model_validator(mode="after")
     def _task_defaults(self):

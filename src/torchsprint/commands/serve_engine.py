@@ -1,0 +1,374 @@
+"""`torchsprint serve`'s engine: image bytes -> the run's exact eval input (a thread pool), and the model thread that
+gathers waiting images into batches (max_batch / max_wait_ms, one shape per batch, power-of-two buckets), runs
+them and answers each request's future. Nothing here knows HTTP (commands/serve_app.py does).
+
+Exactness: an image is decoded by data/preprocess/decode.py's `decode_bytes` with the run's data.decoder and then
+the eval spec's CPU pipeline, the calls `Predictor._load_cpu` makes for a file (on CUDA, nvJPEG and the GPU spec:
+`Predictor._decode_gpu`, as `predict --device cuda`), normalised and run by the same `Predictor.logits`, and
+turned into top-k by the task's own postprocess. Only the batch it shares differs from predict's: the logits of
+a row do not depend on the other rows in eval mode, up to float rounding (tests/test_serve.py states the bound).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+# Tests only: the model thread waits before each forward until this file exists, so a test can hold a batch in
+# the model and know, without timing, that later requests queue (overload, timeout, disconnect, SIGTERM tests).
+# Unset (always, outside tests): never read again.
+GATE_ENV = "TORCHSPRINT_TEST_SERVE_GATE"
+
+
+class ImageError(Exception):
+    """An image the server cannot use (not an image, truncated, too many pixels, a size the model refuses): 422."""
+
+    def __init__(self, message: str, kind: str = "bad_image"):
+        super().__init__(message)
+        self.kind = kind
+
+
+class Overloaded(Exception):
+    """The queue is full or the server is stopping: 503 with Retry-After."""
+
+
+def powers_of_two(limit: int) -> list[int]:
+    """The batch buckets: 1, 2, 4, ... below `limit`, and `limit` itself (the largest batch)."""
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return [*out, limit]
+
+
+def bucket(n: int, limit: int) -> int:
+    """The smallest bucket that holds n images."""
+    return next(b for b in powers_of_two(limit) if b >= n)
+
+
+@dataclass
+class Job:
+    """One image waiting for the model: its preprocessed uint8 CHW tensor (or its JPEG bytes for nvJPEG), the
+    request's top-k, and the future the model thread answers (a result dict, or an ImageError)."""
+
+    image: torch.Tensor | None
+    jpeg: torch.Tensor | None
+    topk: int
+    future: Future = field(default_factory=Future)
+
+    def key(self) -> tuple:
+        """Images batch together only with their own shape (an eval spec without a resize keeps each file's)."""
+        return ("jpeg",) if self.image is None else tuple(self.image.shape)
+
+
+class Decoder:
+    """File bytes -> the run's eval input, exactly as `predict` loads a file (see the module docstring)."""
+
+    def __init__(self, predictor, max_pixels: int):
+        from torchsprint.data.preprocess.decode import resolve_decoder
+
+        self.predictor, self.max_pixels = predictor, max_pixels
+        self.decoder = resolve_decoder(predictor.data_cfg.decoder)
+        self.channels = 1 if predictor.in_channels == 1 else 3
+        # nvJPEG batches need one output size: only specs that fix it take the GPU path.
+        self.gpu = predictor.gpu_pipeline is not None and predictor.pipeline.out_size is not None
+
+    def check_pixels(self, data: bytes, header) -> None:
+        """Refuse more than max_pixels before decoding: the header's size (JPEG, PNG), else Pillow's lazy open."""
+        h, w = header.height, header.width
+        if h is None:
+            from PIL import Image
+
+            try:
+                with Image.open(io.BytesIO(data)) as im:  # reads the header only
+                    w, h = im.size
+            except Exception:  # noqa: BLE001 - not Pillow's format: decode_bytes reports what it is
+                return
+        if h * w > self.max_pixels:
+            raise ImageError(f"{w}x{h} = {w * h:,} pixels > serve.max_pixels={self.max_pixels:,}; send a smaller image",
+                             "too_many_pixels")
+
+    def cpu_path(self, data: bytes) -> torch.Tensor:
+        """predict's `_load_cpu` on bytes: decode_bytes with data.decoder, then the eval spec's CPU pipeline."""
+        from torchsprint.data.preprocess.decode import BadImage, decode_bytes
+
+        try:
+            image = decode_bytes(data, channels=self.channels, decoder=self.decoder, max_pixels=self.max_pixels)
+        except BadImage as e:
+            raise ImageError(str(e).replace("data.max_image_pixels", "serve.max_pixels")) from None
+        cpu = self.predictor.pipeline.cpu
+        return cpu(image) if cpu is not None else image
+
+    def prepare(self, data: bytes, topk: int) -> Job:
+        """A Job for these bytes, or ImageError (runs in the decode pool, off the event loop)."""
+        from torchsprint.data.preprocess.decode import BadImage, read_header
+
+        try:
+            header = read_header(data)
+            self.check_pixels(data, header)
+            if self.gpu:
+                from torchsprint.data.preprocess.on_device import nvjpeg_ok
+
+                if nvjpeg_ok(header):
+                    return Job(None, torch.frombuffer(bytearray(data), dtype=torch.uint8), topk)
+            return Job(self.cpu_path(data), None, topk)
+        except BadImage as e:
+            raise ImageError(str(e).replace("data.max_image_pixels", "serve.max_pixels")) from None
+        except ImageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a file that breaks a decoder or transform is the sender's, never a 500
+            raise ImageError(f"cannot read this image ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+class Batcher:
+    """The model thread and its queue. `reserve(n)` admits n images or says the queue is full; `put(job)` queues a
+    reserved image; the thread takes up to max_batch images of one shape once max_batch wait, or the first waited
+    max_wait_s, or nothing more is on its way (no request being read, no image being decoded), runs them as one
+    batch and answers each Job's future. A Job whose future was cancelled (the request timed out or its client
+    left) before its batch formed is dropped, never run."""
+
+    def __init__(self, decoder: Decoder, *, max_batch: int, max_wait_s: float, queue_limit: int, buckets: bool,
+                 metrics):
+        self.decoder, self.predictor = decoder, decoder.predictor
+        self.max_batch, self.max_wait_s = max_batch, max_wait_s
+        self.queue_limit, self.buckets, self.metrics = queue_limit, buckets, metrics
+        self._cond = threading.Condition()
+        self._waiting: deque[tuple[float, Job]] = deque()
+        self._reserved = 0  # admitted images not yet taken into a batch: decoding or waiting
+        self._arriving = 0  # requests being read, not yet admitted
+        self._stopping = False
+        self._gate = os.environ.get(GATE_ENV)
+        self._thread = threading.Thread(target=self._loop, name="torchsprint-serve-model", daemon=True)
+        self._warm = threading.Event()
+        self.warm_note, self.torch_threads = "", None
+
+    def start(self) -> str:
+        """Start the model thread; it warms up first. Returns once warm, with what the warm-up did."""
+        self._thread.start()
+        self._warm.wait()
+        return self.warm_note
+
+    def stop(self) -> None:
+        """Answer every queued image, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def reserve(self, n: int) -> None:
+        """Admit n images, or raise Overloaded (the queue would pass queue_limit, or the server is stopping)."""
+        with self._cond:
+            if self._stopping:
+                raise Overloaded("the server is stopping; retry on another replica or later")
+            if self._reserved + n > self.queue_limit:
+                raise Overloaded(f"the queue is full ({self._reserved} images waiting, serve.queue_limit="
+                                 f"{self.queue_limit}); retry later")
+            self._reserved += n
+            self.metrics.queue_depth.set(self._reserved)
+
+    def release(self, n: int) -> None:
+        """Give back reserved places that will never be queued (an image that failed to decode)."""
+        with self._cond:
+            self._reserved -= n
+            self.metrics.queue_depth.set(self._reserved)
+            self._cond.notify_all()
+
+    def arriving(self, n: int) -> None:
+        """A request started (+1) or stopped (-1) being read: while one is, a waiting batch may wait for it."""
+        with self._cond:
+            self._arriving += n
+            self._cond.notify_all()
+
+    def put(self, job: Job) -> Job:
+        with self._cond:
+            self._waiting.append((time.monotonic(), job))
+            self.metrics.waiting.set(len(self._waiting))
+            self._cond.notify_all()
+        return job
+
+    def _take(self) -> list[Job] | None:
+        """The next batch: up to max_batch live jobs of the first waiting job's shape; None when stopped and empty."""
+        with self._cond:
+            while not self._waiting and not self._stopping:
+                self._cond.wait()
+            if not self._waiting:
+                return None
+            since, head = self._waiting[0]
+            deadline = since + self.max_wait_s
+            while not self._stopping:
+                ready = sum(1 for _, j in self._waiting if j.key() == head.key())
+                left = deadline - time.monotonic()
+                # Wait only for images on their way (a request being read, an image being decoded): with
+                # nothing coming, waiting out max_wait_ms is latency for nothing (a lone client's every request).
+                coming = self._arriving > 0 or self._reserved > len(self._waiting)
+                if ready >= self.max_batch or left <= 0 or not coming:
+                    break
+                self._cond.wait(left)
+            batch, keep, dropped = [], deque(), 0
+            for item in self._waiting:
+                if len(batch) < self.max_batch and item[1].key() == head.key():
+                    if item[1].future.set_running_or_notify_cancel():
+                        batch.append(item[1])
+                    else:
+                        dropped += 1  # cancelled while waiting: its place goes back, it never runs
+                else:
+                    keep.append(item)
+            self._waiting = keep
+            self._reserved -= len(batch) + dropped
+            self.metrics.queue_depth.set(self._reserved)
+            self.metrics.waiting.set(len(keep))
+            return batch
+
+    def _loop(self) -> None:
+        try:
+            self.warm_note = self.warm_up()
+        finally:
+            self._warm.set()
+        while (batch := self._take()) is not None:
+            if batch:
+                self.metrics.in_model.set(len(batch))
+                try:
+                    self._answer(batch)
+                except Exception as e:  # noqa: BLE001 - the model thread never dies: the batch gets the error
+                    for job in batch:
+                        if not job.future.done():
+                            job.future.set_exception(e)
+                self.metrics.in_model.set(0)
+
+    def _answer(self, batch: list[Job]) -> None:
+        """Run a batch; if it fails, run its images one at a time, so an image the model refuses fails alone."""
+        try:
+            results = self.run(batch)
+        except Exception as e:  # noqa: BLE001 - isolated below; a single image's failure is that image's answer
+            if len(batch) > 1:
+                for job in batch:
+                    self._answer([job])
+                return
+            results = [self._refused(batch[0], e)]
+        for job, r in zip(batch, results):
+            if isinstance(r, Exception):
+                job.future.set_exception(r)
+            else:
+                job.future.set_result(r)
+
+    @staticmethod
+    def _refused(job: Job, e: Exception) -> Exception:
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            return Overloaded("the GPU ran out of memory; retry later (or lower serve.max_batch)")
+        shape = "x".join(map(str, job.image.shape)) if job.image is not None else "a JPEG"
+        return ImageError(f"the model cannot take this image ({shape} after the eval preprocessing): "
+                          f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", "model_refused")
+
+    def images(self, batch: list[Job]) -> list[torch.Tensor | Exception]:
+        """Each job's uint8 CHW eval input: the CPU path's tensor, or nvJPEG + the GPU spec for JPEG bytes (a file
+        nvJPEG rejects decodes on the CPU here, as predict does)."""
+        out: list = [j.image for j in batch]
+        jpegs = [i for i, j in enumerate(batch) if j.image is None]
+        if jpegs:
+            p = self.predictor
+            decoded = p._decode_gpu([f"request image {i}" for i in jpegs], [batch[i].jpeg for i in jpegs])
+            for i, img in zip(jpegs, decoded):
+                if img is None:
+                    try:
+                        out[i] = self.decoder.cpu_path(bytes(batch[i].jpeg.numpy()))
+                    except ImageError as e:
+                        out[i] = e
+                else:
+                    out[i] = img
+        return out
+
+    def run(self, batch: list[Job]) -> list[dict | Exception]:
+        """One forward pass for the batch (padded to its bucket), each row through the task's postprocess."""
+        while self._gate is not None and not os.path.exists(self._gate):
+            time.sleep(0.01)
+        return self.infer(batch, record=True)
+
+    def infer(self, batch: list[Job], record: bool = False) -> list[dict | Exception]:
+        images = self.images(batch)
+        good = [i for i, x in enumerate(images) if torch.is_tensor(x)]
+        results: list = list(images)
+        if not good:
+            return results
+        device = self.predictor.device
+        rows = [images[i].to(device) for i in good]
+        n = len(rows)
+        size = bucket(n, self.max_batch) if self.buckets else n
+        x = torch.stack(rows + [torch.zeros_like(rows[0])] * (size - n))  # pad rows: never read back
+        started = time.perf_counter()
+        logits = self.predictor.logits(x)[:n]
+        if record:
+            self.metrics.forward_seconds.observe(time.perf_counter() - started)
+            self.metrics.batch_size.observe(n)
+        # The task's own postprocess, once for the batch (softmax and top-k are per row) at the largest top-k
+        # asked; each request keeps its own first k (top-k is sorted).
+        p = self.predictor
+        outs = p.task.postprocess(logits, p.classes, {"topk": max(batch[i].topk for i in good), "threshold": p.threshold})
+        for row, i in enumerate(good):
+            r = outs[row]
+            results[i] = {**r, "top": r["top"][: batch[i].topk]} if "top" in r else r
+        return results
+
+    def warm_up(self) -> str:
+        """Decode a generated PNG and JPEG (the decoders' first call imports and allocates: seconds), choose the CPU
+        thread count, and run every batch size the model will see (each bucket, or 1 and max_batch). Runs on the
+        model thread (OpenMP's thread count is per thread), before /ready says yes."""
+        import numpy as np
+        from PIL import Image
+
+        rng = np.random.default_rng(0)
+        files = []
+        for fmt in ("PNG", "JPEG"):
+            buf = io.BytesIO()
+            # 32x32: the eval input when the spec fixes no size (small-image runs); a fixed-size spec resizes it
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buf, fmt)
+            files.append(buf.getvalue())
+        sizes = powers_of_two(self.max_batch) if self.buckets else sorted({1, self.max_batch})
+        try:
+            jobs = [self.decoder.prepare(data, 1) for data in files]
+            threads = self.choose_threads(jobs[0]) if self.predictor.device.type == "cpu" else ""
+            for n in sizes:
+                self.infer([jobs[n % 2]] * n)
+        except Exception as e:  # noqa: BLE001 - e.g. a model that takes only its training size: requests still run
+            return f"warm-up stopped ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+        return f"warmed up on batches of {', '.join(map(str, sizes))}{threads}"
+
+    def choose_threads(self, job: Job) -> str:
+        """Set torch's intra-op threads for this (the model) thread to the fastest of 1, half and all the cores on a
+        batch of max_batch of the warm-up image (the eval spec's size; 32x32 when it fixes none). Measured, not
+        assumed: a ResNet-18 batch gains from every core (on 2 busy cores: 74 ms an image with 1 thread, 44 with
+        2), while a small net's kernels can be too short to share (the digits CNN there: 2.5 ms a batch of one
+        with 1 thread, 200 ms with 2)."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        batch = [job] * self.max_batch
+        times = {}
+        for n in sorted({1, max(1, cores // 2), cores}):
+            torch.set_num_threads(n)
+            self.infer(batch)  # the first call at a thread count allocates
+            started = time.perf_counter()
+            for _ in range(2):
+                self.infer(batch)
+            times[n] = (time.perf_counter() - started) / 2
+        best = min(times, key=times.get)
+        torch.set_num_threads(best)
+        self.torch_threads = best
+        return f"; torch threads {best} (a batch of {self.max_batch}: " + ", ".join(
+            f"{1000 * t:.1f} ms with {n}" for n, t in times.items()) + ")"
+
+
+def decode_threads() -> int:
+    """Threads that decode request images: one per core, at most 8 (the model thread's own count is measured at
+    warm-up: Batcher.choose_threads)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores))
+
+
+def decode_pool(threads: int) -> ThreadPoolExecutor:
+    """The threads that decode and preprocess request images (off the event loop)."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="torchsprint-serve-decode")

@@ -1,0 +1,137 @@
+"""Helpers of tests/test_serve*.py: a real uvicorn server of a run in a thread of the test process, its /metrics
+read back, the images the tests send (distinct digits, and files predict decodes in its own ways)."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+# |serve - predict| of any probability: measured 4.5e-8 over batches of 1-32 (padded to powers of two or not) and 1
+# or 2 torch threads, against predict's batch of 64 (the digits small_cnn, AMD EPYC; benchmarks/serve_tolerance.py).
+# Two different images' probability vectors differ by >= 4e-3 there: an answer swapped between requests fails.
+TOL = 1e-6
+
+
+class ThreadServer:
+    """`torchsprint serve`'s app (commands/serve_app.py) on a real uvicorn, listening on 127.0.0.1 at a free port, in
+    a thread; the same objects serve_cli builds (settings, Predictor, bind, uvicorn config). `settings`: serve.*
+    values, applied as the flags are."""
+
+    def __init__(self, run: Path, **settings):
+        import uvicorn
+
+        from torchsprint.commands.serve import bind, load_predictor, resolve_settings, uvicorn_config
+        from torchsprint.commands.serve_app import Metrics, Served, build_app
+
+        cfg = resolve_settings(Path(run), None, [], {"port": 0, **settings})  # as flags: over the run's serve section
+        self.served = Served(cfg, load_predictor(Path(run), cfg), str(run), Metrics(cfg.max_batch))
+        sock = bind(cfg.host, 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn_config(build_app(self.served), cfg))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: get(self.url + "/ready") == 200, 120, "the server never became ready")
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", headers=self.auth(), timeout=30).text
+
+    def metric(self, name: str, labels: str = "") -> float:
+        return metric(self.metrics(), name, labels)
+
+    def auth(self) -> dict:
+        token = self.served.cfg.token
+        return {"authorization": f"Bearer {token}"} if token else {}
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+def get(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=10).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """A sample's value from Prometheus text (0 when absent): metric(text, "torchsprint_serve_errors_total",
+    '{kind="timeout"}')."""
+    for line in text.splitlines():
+        if line.startswith(f"{name}{labels} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_until(condition, timeout: float = 60, what: str = "condition") -> None:
+    """Poll `condition` (an event the test waits for, never a fixed sleep) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting: {what}"
+        time.sleep(0.02)
+
+
+def encode(arr: np.ndarray, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def digit_images(n: int) -> list[np.ndarray]:
+    """n distinct 8x8 uint8 digits (scikit-learn's, scaled to 0-255): the default run's own kind of image."""
+    from sklearn.datasets import load_digits
+
+    return [(img * 255 / 16).round().astype(np.uint8) for img in load_digits().images[:n]]
+
+
+def unusual_files(folder: Path) -> list[Path]:
+    """Files that predict decodes its own way (each must come back from serve exactly as predict reads it):
+    RGB and CMYK JPEGs (to grey), a 16-bit PNG (the top byte), a grey+alpha PNG, an EXIF-rotated JPEG (turned
+    upright: 6x8 -> 8x6), a BMP (Pillow) and a larger PNG (its own batch shape)."""
+    rng = np.random.default_rng(1)
+    folder.mkdir(parents=True, exist_ok=True)
+    rgb = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    files = {"rgb.jpg": encode(rgb, "JPEG", quality=95),
+             "cmyk.jpg": _cmyk(rng),
+             "grey16.png": encode(rng.integers(0, 65536, (8, 8), dtype=np.uint16), "PNG"),
+             "grey_alpha.png": _grey_alpha(rng),
+             "rotated.jpg": _rotated(rng),
+             "bmp.bmp": encode(rng.integers(0, 256, (8, 8), dtype=np.uint8), "BMP"),
+             "big.png": encode(rng.integers(0, 256, (12, 10), dtype=np.uint8), "PNG")}
+    if Image.open(io.BytesIO(files["cmyk.jpg"])).mode != "CMYK":
+        raise AssertionError("Pillow did not write a CMYK JPEG")
+    paths = []
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+        paths.append(folder / name)
+    return paths
+
+
+def _cmyk(rng) -> bytes:
+    im = Image.frombytes("CMYK", (8, 8), rng.integers(0, 256, (8, 8, 4), dtype=np.uint8).tobytes())
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", quality=95)
+    return buf.getvalue()
+
+
+def _grey_alpha(rng) -> bytes:
+    im = Image.fromarray(rng.integers(0, 256, (8, 8, 2), dtype=np.uint8), "LA")
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _rotated(rng) -> bytes:
+    im = Image.fromarray(rng.integers(0, 256, (6, 8), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", exif=exif.tobytes(), quality=95)
+    return buf.getvalue()

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import base64
 import io
 import json
 import os
 import platform
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -102,7 +104,10 @@ def start_server(kind: str, run: Path, device: str, log: Path, threads: int | No
                *(["--threads", str(threads)] if threads else [])]
         health = "/health"
     out = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
+    # Its own process group: LitServe's worker processes go down with it (stop_server signals the group), and so
+    # does everything if this script dies (atexit); terminating the parent alone left LitServe's workers running.
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    STARTED.append(proc)
     deadline = time.monotonic() + 300
     url = None
     import httpx
@@ -120,17 +125,36 @@ def start_server(kind: str, run: Path, device: str, log: Path, threads: int | No
             except httpx.HTTPError:
                 pass
         time.sleep(0.3)
-    proc.kill()
+    stop_server(proc, sig=signal.SIGKILL)
     raise RuntimeError(f"{kind} server did not start: {log.read_text()[-2000:]}")
 
 
-def stop_server(proc: subprocess.Popen) -> int:
-    proc.terminate()
+STARTED: list[subprocess.Popen] = []
+
+
+def stop_server(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
+    """SIGTERM to the server's process group (its workers too), SIGKILL after 60 s; the server's exit code."""
+    def group(s):
+        try:
+            os.killpg(proc.pid, s)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    group(sig)
     try:
-        return proc.wait(60)
+        code = proc.wait(60)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
+        group(signal.SIGKILL)
+        code = proc.wait()
+    group(signal.SIGKILL)  # any worker still alive after its parent exited
+    return code
+
+
+@atexit.register
+def _stop_all() -> None:
+    for proc in STARTED:
+        if proc.poll() is None:
+            stop_server(proc, sig=signal.SIGKILL)
 
 
 def same_threads(threads: int | None) -> None:

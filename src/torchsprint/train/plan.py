@@ -57,7 +57,7 @@ def decide_speed(speed_cfg, strategy_cfg, model: nn.Module, device: torch.device
     why = f"speed.channels_last={str(setting).lower()}" + (
         (": the model has 2-D convolutions" if has_conv2d(model) else ": no 2-D convolutions") if setting == "auto" else "")
     return SpeedPlan(channels_last_on(setting, model), why, speed_cfg.compile, speed_cfg.compile_mode,
-                     speed_cfg.compile_backend, speed_cfg.fullgraph, graphs, setting == "auto", static_shapes)
+                     speed_cfg.compile_backend, speed_cfg.fullgraph, graphs, speed_cfg.cuda_graphs == "auto", static_shapes)
 
 
 def decide_input_format(speed_cfg) -> tuple[bool, str]:

@@ -185,6 +185,18 @@ def test_a_run_too_short_by_its_first_timed_step_stops_there(bf16):
     assert "run too short (~10 s in fp32 NHWC: 10,000 steps x 1 ms; measured from 60 s)" in a.precision_why
 
 
+def test_a_slice_of_a_run_counts_as_what_this_invocation_trains(bf16):
+    # run.stop_after_steps and run.max_time end this invocation: a long run trained in slices (the tests' runs that
+    # stop after a few steps, a job's time budget) pays for a probe only where the slice can. bug caught: the probe
+    # sized by run.epochs alone (a test stopping at step 8 of 2,000 epochs measured, on CPUs with bf16 only)
+    calls = []
+    a = decide("run.stop_after_steps=8", times=ALL, calls=calls)
+    assert not calls and "run too short (8 training steps" in a.precision_why
+    b = decide("run.max_time=30s", times=ALL, calls=calls)  # 100,000 steps x 1 s, but 30 s of them
+    assert calls == ["fp32 NHWC"] * (speed_probe.WARMUP_STEPS + 1)
+    assert "run too short (~30 s run.max_time; measured from 60 s)" in b.precision_why
+
+
 def test_a_resumed_run_keeps_what_it_began_with(bf16):
     # bug caught: a resumed run measured again (another mode on top of the first one's optimizer state and numerics)
     calls = []

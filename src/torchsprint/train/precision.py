@@ -1,6 +1,7 @@
 """Precision: autocast(), prepare(model), backward(loss), step(opt) and a checkpointable state, for every mode.
 
-Modes (apex levels as aliases in config/training.py: O0 = fp32, O1 = amp_fp16, O2 = fp16):
+Modes (apex levels as aliases in config/training.py: O0 = fp32, O1 = amp_fp16, O2 = fp16; `auto`, the default, is
+resolved to one of them before a Precision is built: train/speed_probe.py):
   fp32      everything fp32; autocast is a null context, the scaler is disabled (off is a no-op object).
   amp_fp16  fp32 weights, fp16 autocast, dynamic loss scaling (GradScaler). CUDA only.
   amp_bf16  fp32 weights, bf16 autocast, no scaling (bf16 has fp32's exponent range). CUDA and CPU.

@@ -128,25 +128,31 @@ def not_measured(cfg, rt, cands: list[Candidate], distilling: bool, run_batches:
 
 
 def run_batches(cfg, batches_per_epoch: int) -> int:
-    """Training batches (micro-batches) the run will take: every epoch's, or up to run.max_steps."""
+    """Training batches (micro-batches) this invocation will take: every epoch's, or up to run.max_steps or
+    run.stop_after_steps (a slice of a longer run pays for its own probe: a resume measures nothing)."""
     total = batches_per_epoch * cfg.run.epochs
-    if cfg.run.max_steps is not None:
-        total = min(total, cfg.run.max_steps * cfg.optim.accum_steps)
+    for steps in (cfg.run.max_steps, cfg.run.stop_after_steps):
+        if steps is not None:
+            total = min(total, steps * cfg.optim.accum_steps)
     return total
 
 
-def measure(cands: list[Candidate], step, batches: int) -> tuple[dict | None, str | None]:
+def measure(cands: list[Candidate], step, batches: int, budget_s: float | None = None) -> tuple[dict | None, str | None]:
     """Time the candidates (`step(candidate)` -> seconds of one real training step; cands[0] the baseline):
-    (figures, None), or (None, why not) when the baseline's first timed step says the run is too short for it."""
+    (figures, None), or (None, why not) when the baseline's first timed step says the run (`batches` steps, within
+    run.max_time's `budget_s`) is too short for it."""
     t_all = time.perf_counter()
     base = cands[0]
     for _ in range(WARMUP_STEPS):
         step(base)
     first = step(base)
     estimate = first * batches
+    if budget_s is not None and budget_s < estimate:
+        estimate, how = budget_s, "run.max_time"
+    else:
+        how = f"in {base.name}: {batches:,} steps x {1000 * first:.0f} ms"
     if estimate < MEASURE_MIN_S:
-        return None, (f"run too short (~{estimate:.0f} s in {base.name}: {batches:,} steps x {1000 * first:.0f} ms; "
-                      f"measured from {MEASURE_MIN_S:.0f} s)")
+        return None, f"run too short (~{estimate:.0f} s {how}; measured from {MEASURE_MIN_S:.0f} s)"
     for c in cands[1:]:
         for _ in range(WARMUP_STEPS):
             step(c)
@@ -260,7 +266,7 @@ def decide_auto(cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict 
         try:
             batch = next(iter(loader)) if step is None else None
             images = len(batch[0]) if batch is not None else cfg.data.batch_size
-            measured, why_not = measure(cands, step or ProbeSteps(cfg, model, loss_fn, batch), batches)
+            measured, why_not = measure(cands, step or ProbeSteps(cfg, model, loss_fn, batch), batches, budget_s(cfg))
         finally:
             batch = step = None
             gc.collect()  # the copies, their optimizer state and activations, before the run builds its own
@@ -269,6 +275,13 @@ def decide_auto(cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict 
         return unmeasured(asked, cands, setting, why_not, notes)
     chosen, margin = pick(measured["times"], base)
     return chosen_speed(asked, base, chosen, setting, figures(measured, base, chosen, margin, images, batches), notes)
+
+
+def budget_s(cfg) -> float | None:
+    """run.max_time in seconds (None: no budget): a run that stops there trains no longer than that."""
+    from torchsprint.runtime.preempt import parse_duration
+
+    return None if cfg.run.max_time is None else parse_duration(cfg.run.max_time)
 
 
 def as_began(ckpt: dict, asked: str, setting: bool | str) -> AutoSpeed:

@@ -317,8 +317,7 @@ def chosen_speed(asked: str, base: Candidate, chosen: Candidate, setting: bool |
     if len(rates) == 2:  # the format was measured (speed.channels_last=auto, a model with 2-D convolutions)
         cl_why = (f"speed.channels_last=auto: {'on' if chosen.channels_last else 'off'}, measured NHWC "
                   f"{rates[True]:.0f} vs NCHW {rates[False]:.0f} img/s in {chosen.precision}"
-                  + (" (the rule's choice; nothing faster by the margin)" if chosen.channels_last == base.channels_last
-                     else "") + f"; to choose otherwise: speed.channels_last={str(not chosen.channels_last).lower()}")
+                  + (" (the rule's choice)" if chosen.channels_last == base.channels_last else "") + f"; to choose otherwise: speed.channels_last={str(not chosen.channels_last).lower()}")
     # Measured NCHW faster: false in the run's config (config.yaml, a resume); else auto stays (the rule's NHWC).
     resolved = False if setting == "auto" and not chosen.channels_last else setting
     return AutoSpeed(asked, chosen.precision, prec_why, resolved, cl_why, m)

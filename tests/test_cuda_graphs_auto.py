@@ -99,6 +99,17 @@ def test_build_training_reads_one_decision(tmp_path, monkeypatch):
     assert (d["cuda_graphs"], d["cuda_graphs_why"]) == (True, said.why)
 
 
+@pytest.mark.parametrize("over, by_auto", [(["speed.channels_last=false"], True), (["speed.cuda_graphs=true"], False),
+                                           ([], True)])
+def test_graphs_by_auto_reads_the_cuda_graphs_setting(over, by_auto):
+    """graphs_by_auto (a failed capture becomes one line naming speed.cuda_graphs) follows speed.cuda_graphs, not
+    another setting: it once read speed.channels_last's, so cuda_graphs=true with channels_last=auto said auto chose it,
+    and auto's own failures under channels_last=false were raised as CUDA tracebacks."""
+    cfg = config.load(None, over)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    assert decide_speed(cfg.speed, cfg.strategy, net, CUDA).graphs_by_auto is by_auto  # CUDA: only .type is read
+
+
 def test_wrap_model_follows_the_decision_it_is_given(monkeypatch):
     """wrap_model captures exactly when the speed plan's decision says so, whatever the config held (no second
     decision inside wrap_model)."""

@@ -66,8 +66,12 @@ def test_recipe_trains_a_few_steps(tmp_path, name):
     assert summary["global_step"] == 2
     saved = config.load(run_dir / "config.yaml", [])
     recipe = config.load(RECIPES / name, [])
-    # the recipe's techniques really ran: the saved config keeps them
+    # the recipe's techniques really ran: the saved config keeps them; a recipe's precision=auto is saved as the mode
+    # that ran (decisions.json says it came from auto)
+    decided = json.loads((run_dir / "decisions.json").read_text())
+    assert decided["precision_config"] == recipe.precision.mode and decided["precision"] == saved.precision.mode
+    ran = recipe.precision.model_copy(update={"mode": decided["precision"]})
     assert (saved.model.name, saved.optim, saved.loss, saved.precision, saved.mix, saved.ema) == (
-        recipe.model.name, recipe.optim, recipe.loss, recipe.precision, recipe.mix, recipe.ema)
+        recipe.model.name, recipe.optim, recipe.loss, ran, recipe.mix, recipe.ema)
     if not any(o.startswith("data.train.transforms") for o in data):
         assert saved.data.train == recipe.data.train  # the recipe's own augmentation ran

@@ -148,7 +148,7 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     from torchsprint.config.saved import load_run_config, naming_imports
     from torchsprint.tasks.core import get_task
     from torchsprint.train.checkpoint import save_weights
-    from torchsprint.train.precision import Precision
+    from torchsprint.train.precision import Precision, concrete_mode
     from torchsprint.train.rundir import writable_file
     from torchsprint.train.swa import recompute_bn
     from torchsprint.train.validation import evaluate
@@ -172,7 +172,7 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
         loaders, model, loss_fn = run_objects(cfg, first_run, rt, task)
-        info, prec = loaders.info, Precision(cfg.precision.mode, rt.device)
+        info, prec = loaders.info, Precision(concrete_mode(cfg.precision.mode), rt.device)
         if info.classes != first_meta["classes"]:
             raise UsageError(f"the data of {first_run} now has {len(info.classes)} classes, the weights "
                              f"{len(first_meta['classes'])}: the dataset changed since training; average with the "

@@ -183,6 +183,7 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
         b = build_training(cfg, rt, log)
+        cfg = b.cfg  # batch_size=auto and precision=auto as they ran (the log line and lr_find.json say them)
         log(f"lr-find: {steps} steps, learning rate {start:g} -> {end:g} (exponential), batch {cfg.data.batch_size} x "
             f"accum {cfg.optim.accum_steps}, precision {cfg.precision.mode}; the run folder is not touched")
         result = sweep(b, cfg, steps, start, end)

@@ -86,8 +86,11 @@ def _shorthand(field: str):
 
 
 class PrecisionConfig(Section):
-    mode: Literal["fp32", "amp_fp16", "amp_bf16", "fp16", "bf16", "fp64"] = Field(
-        "fp32", description="fp32 | amp_fp16 | amp_bf16 | fp16 | bf16 | fp64; apex levels O0/O1/O2 are aliases. fp64 "
+    mode: Literal["auto", "fp32", "amp_fp16", "amp_bf16", "fp16", "bf16", "fp64"] = Field(
+        "auto", description="auto | fp32 | amp_fp16 | amp_bf16 | fp16 | bf16 | fp64; apex levels O0/O1/O2 are aliases. "
+        "auto: fp32 on CUDA; on a CPU, fp32 unless a few real training steps of the run's own model and batch measured "
+        "amp_bf16 faster by a margin (only on a CPU with native bf16, AVX-512 BF16 or AMX, and only in a run long enough "
+        "for the measurement to pay); the run's config.yaml records the mode that ran, decisions.json why. fp64 "
         "(Lightning's precision='64-true'): weights, activations and loss in float64, many times slower; for checking "
         "that two computations agree where fp32 rounding, amplified over training steps, would blur them."
     )
@@ -126,7 +129,9 @@ class StrategyConfig(Section):
 class SpeedConfig(Section):
     channels_last: bool | Literal["auto"] = Field(
         "auto", description="channels_last (NHWC) memory format. true: model and input batches; auto: the model when it has "
-        "2-D convolutions (oneDNN and cuDNN run them in NHWC; the first convolution reorders the NCHW batch), else off; false: off.")
+        "2-D convolutions (oneDNN and cuDNN run them in NHWC; the first convolution reorders the NCHW batch), else off, "
+        "except where precision=auto's measurement on a CPU (see precision.mode) found NCHW faster by its margin "
+        "(then off, and config.yaml says false); false: off.")
     compile: bool = Field(False, description="torch.compile the model.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = Field(
         None, description="torch.compile mode (None: torch's default). reduce-overhead adds CUDA graphs (GPU).")

@@ -372,7 +372,7 @@ def probe_trial(cfg, rt) -> tuple[Trial, object]:
     from torchsprint.train.ema import build_ema
     from torchsprint.train.engine import set_train_mode
     from torchsprint.train.plan import decide_input_format
-    from torchsprint.train.precision import Precision
+    from torchsprint.train.precision import Precision, concrete_mode
 
     task, device = get_task(cfg.task), rt.device
     splits = DATASETS.get(cfg.data.dataset)(cfg.data)
@@ -401,7 +401,7 @@ def probe_trial(cfg, rt) -> tuple[Trial, object]:
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     ema = build_ema(cfg.ema, model, device, channels_last)  # its copy of the weights takes memory in the run too
-    prec = Precision(cfg.precision.mode, device, on_nonfinite=cfg.precision.on_nonfinite)
+    prec = Precision(concrete_mode(cfg.precision.mode), device, on_nonfinite=cfg.precision.on_nonfinite)
     model = prec.prepare(model)
     ema.attach(model)
     opt = build_optimizer(cfg.optim, model)

@@ -127,7 +127,7 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     from torchsprint.models import build_model
     from torchsprint.runtime.parallel import channels_last_on
     from torchsprint.train.plan import decide_input_format
-    from torchsprint.train.precision import Precision
+    from torchsprint.train.precision import Precision, concrete_mode
     from torchsprint.train.resume import check_same_classes
     from torchsprint.train.validation import evaluate
 
@@ -164,7 +164,7 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
         materialize_lazy(model, loaders.val, plan)
         if channels_last_on(cfg.speed.channels_last, model):
             model = model.to(memory_format=torch.channels_last)
-    prec = Precision(cfg.precision.mode, rt.device)
+    prec = Precision(concrete_mode(cfg.precision.mode), rt.device)  # a run's config.yaml names it (auto: an override)
     if cfg.precision.mode == "fp64":  # float64 weights loaded into float64 parameters, not rounded to fp32
         model = model.double()
     try:

@@ -45,19 +45,21 @@ NO_SPEED = SpeedPlan(False, "off", False, None, "inductor", False, GraphsDecisio
 
 
 def decide_speed(speed_cfg, strategy_cfg, model: nn.Module, device: torch.device, world_size: int = 1, *,
-                 accum_steps: int = 1, graphs: GraphsDecision | None = None, static_shapes: bool = False) -> SpeedPlan:
+                 accum_steps: int = 1, graphs: GraphsDecision | None = None, static_shapes: bool = False,
+                 channels_last_why: str | None = None) -> SpeedPlan:
     """speed.* resolved for `model` (the unwrapped model) after check_speed refused what cannot run here.
 
     `graphs`: the run's decide_cuda_graphs result when it was made earlier (Precision needs it first); None:
-    decided here. `static_shapes`: the input size changes between epochs (data.progressive).
+    decided here. `static_shapes`: the input size changes between epochs (data.progressive). `channels_last_why`:
+    speed_probe's words where it measured the format (`speed_cfg` then holds what it resolved); None: the rule's.
     """
     check_speed(speed_cfg, strategy_cfg, device, accum_steps)
     graphs = graphs or decide_cuda_graphs(speed_cfg, strategy_cfg, device, world_size)
     setting = speed_cfg.channels_last
-    why = f"speed.channels_last={str(setting).lower()}" + (
+    why = channels_last_why or f"speed.channels_last={str(setting).lower()}" + (
         (": the model has 2-D convolutions" if has_conv2d(model) else ": no 2-D convolutions") if setting == "auto" else "")
     return SpeedPlan(channels_last_on(setting, model), why, speed_cfg.compile, speed_cfg.compile_mode,
-                     speed_cfg.compile_backend, speed_cfg.fullgraph, graphs, setting == "auto", static_shapes)
+                     speed_cfg.compile_backend, speed_cfg.fullgraph, graphs, speed_cfg.cuda_graphs == "auto", static_shapes)
 
 
 def decide_input_format(speed_cfg) -> tuple[bool, str]:
@@ -126,6 +128,12 @@ class RunPlan:
     train_sizes: str | None = None  # data.progressive: the training crop's side per epoch (from 1), in words; None: off
     swa: dict | None = None  # swa.enabled: the epoch SWA starts averaging (1-based), its lr and anneal; None: off
     distill: dict | None = None  # the teacher distill.build_teacher loaded (model, file, fingerprint...); None: off
+    # precision.mode as set (auto or a mode) and why the run trains in `precision` (train/speed_probe.py)
+    precision_config: str = "fp32"
+    precision_why: str = "precision.mode"
+    # precision=auto / speed.channels_last=auto's measurement on a CPU (img/s of each candidate, the margin, the choice);
+    # None where nothing was measured (the why says why)
+    speed_measured: dict | None = None
 
     @property
     def channels_last(self) -> bool:
@@ -139,14 +147,16 @@ class RunPlan:
 
 def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torch.optim.Optimizer,
                inputs: tuple[bool, str] | None = None, batch=None, distill: dict | None = None,
-               swa=None) -> RunPlan:
+               swa=None, auto=None) -> RunPlan:
     """The RunPlan of a run whose objects exist: `cfg` with the batch resolved (batch_size.resolved_config),
     `info` the loaders' DataInfo (None: a loader without one, tests only), `train_batches` len(the training
     loader), `speed` what wrap_model applied, `opt` the built optimizer, `inputs` decide_input_format's result
-    the loaders were built with (None: decided here), `batch` the batch_size.BatchChoice (None: data.batch_size)."""
+    the loaders were built with (None: decided here), `batch` the batch_size.BatchChoice (None: data.batch_size),
+    `auto` speed_probe.AutoSpeed, what precision=auto became (None: cfg.precision.mode, auto read as fp32)."""
     from torchsprint.optim.optimizers import impl_in_use
     from torchsprint.tasks.core import get_task
     from torchsprint.tasks.tta import plan_tta
+    from torchsprint.train.precision import concrete_mode
 
     impl, impl_why = impl_in_use(opt, cfg.optim)
     inputs = inputs or decide_input_format(cfg.speed)
@@ -160,7 +170,10 @@ def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torc
         backend_fallback=(info.fallback or None) if info is not None else None,
         backend_measured=(getattr(info, "backend_measured", None) or None) if info is not None else None,
         speed=speed, channels_last_inputs=inputs[0], channels_last_inputs_why=inputs[1],
-        precision=cfg.precision.mode, optimizer_impl=impl, optimizer_impl_why=impl_why,
+        precision=auto.precision if auto is not None else concrete_mode(cfg.precision.mode),
+        precision_config=auto.asked if auto is not None else cfg.precision.mode,
+        precision_why=auto.precision_why if auto is not None else "precision.mode",
+        speed_measured=auto.measured if auto is not None else None, optimizer_impl=impl, optimizer_impl_why=impl_why,
         batch_size=cfg.data.batch_size, accum_steps=accum,
         effective_batch_size=cfg.data.batch_size * accum * rt.world_size,
         batch_size_why=batch.why if batch is not None else "data.batch_size",
@@ -193,6 +206,10 @@ def decisions(plan: RunPlan, facts: dict) -> dict:
         # estimated loading time of the run); None where nothing was measured (data.backend set, one candidate).
         "backend_measured": plan.backend_measured,
         "device": plan.device, "world_size": plan.world_size, "precision": plan.precision,
+        # precision as set (auto or a mode) and why the run trains in `precision`; auto's measurement on a CPU (images/s of
+        # each candidate, the margin, the choice: train/speed_probe.py), None where nothing was measured.
+        "precision_config": plan.precision_config, "precision_why": plan.precision_why,
+        "speed_measured": plan.speed_measured,
         "channels_last": plan.channels_last, "channels_last_why": plan.speed.channels_last_why,
         "cuda_graphs": plan.cuda_graphs.on, "cuda_graphs_why": plan.cuda_graphs.why,
         "optimizer_impl": plan.optimizer_impl, "optimizer_impl_why": plan.optimizer_impl_why,
@@ -262,6 +279,8 @@ def describe_decisions(d: dict) -> list[str]:
                  f"{'on' if d.get('channels_last') else 'off'} ({d.get('channels_last_why', '')}), batch {d['batch_size']} x "
                  f"accum {d['accum_steps']} x {d['world_size']} process(es) = effective batch {d['effective_batch_size']}, "
                  f"{d['steps_per_epoch']} steps per epoch, {d['epochs']} epochs")
+    if d.get("precision_config") == "auto":  # what auto became and why (measured: the figures; else why not)
+        lines.append(f"  {d['precision_why']}")
     if d.get("batch_size_why", "data.batch_size") != "data.batch_size":
         lines.append(f"  batch size: {d['batch_size_why']}")
     if d.get("train_sizes"):

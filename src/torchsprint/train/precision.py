@@ -1,6 +1,7 @@
 """Precision: autocast(), prepare(model), backward(loss), step(opt) and a checkpointable state, for every mode.
 
-Modes (apex levels as aliases in config/training.py: O0 = fp32, O1 = amp_fp16, O2 = fp16):
+Modes (apex levels as aliases in config/training.py: O0 = fp32, O1 = amp_fp16, O2 = fp16; `auto`, the default, is
+resolved to one of them before a Precision is built: train/speed_probe.py):
   fp32      everything fp32; autocast is a null context, the scaler is disabled (off is a no-op object).
   amp_fp16  fp32 weights, fp16 autocast, dynamic loss scaling (GradScaler). CUDA only.
   amp_bf16  fp32 weights, bf16 autocast, no scaling (bf16 has fp32's exponent range). CUDA and CPU.
@@ -67,6 +68,13 @@ class HalfModel(nn.Module):
         return tree_map(cast_out, self.module(*tree_map(cast_in, args), **tree_map(cast_in, kwargs)))
 
 
+def concrete_mode(mode: str) -> str:
+    """precision.mode where nothing measures it: `auto` is fp32 (train/speed_probe.py resolves a training run's auto
+    once, and its config.yaml records the result, so evaluation, export and resume read a concrete mode; auto reaches
+    here only as an override given to those, or before the probe: the batch-size search, the teacher)."""
+    return "fp32" if mode == "auto" else mode
+
+
 def check_mode(mode: str, device: torch.device) -> None:
     """Refuse a precision this device cannot run, naming what to use instead."""
     if mode in ("amp_fp16", "fp16") and device.type == "cpu":
@@ -81,7 +89,7 @@ class Precision:
     """Numeric precision of one run.
 
     Args:
-        mode: fp32 | amp_fp16 | amp_bf16 | fp16 | bf16 | fp64.
+        mode: fp32 | amp_fp16 | amp_bf16 | fp16 | bf16 | fp64 (never auto: see concrete_mode).
         device: the training device.
         on_nonfinite: 'skip' (skip and count a step with non-finite gradients) or 'stop' (raise at the
             next check); see the module docstring for what each costs.
@@ -89,6 +97,8 @@ class Precision:
     """
 
     def __init__(self, mode: str, device: torch.device, *, on_nonfinite: str = "skip", graph_safe: bool = False):
+        if mode == "auto":  # a bug of ours, not a user's: auto is resolved (speed_probe) or read as concrete_mode
+            raise ValueError("Precision('auto'): resolve precision.mode first (train/speed_probe.py, concrete_mode)")
         check_mode(mode, device)
         self.mode, self.device, self.on_nonfinite, self.graph_safe = mode, device, on_nonfinite, graph_safe
         self.dtype = _AUTOCAST.get(mode)

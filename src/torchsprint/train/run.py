@@ -89,7 +89,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.train.distill import DistillLoader, DistillLoss, check_distill, check_same_teacher
     from torchsprint.train.ema import build_ema
     from torchsprint.train.plan import build_plan, decide_input_format, decide_speed
-    from torchsprint.train.precision import Precision
+    from torchsprint.train.precision import Precision, concrete_mode
     from torchsprint.train.resume import check_resumed_classes
     from torchsprint.train.swa import build_swa
 
@@ -97,7 +97,8 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     progressive = cfg.data.progressive.start_size is not None  # the input size changes between epochs
     graphs = decide_cuda_graphs(cfg.speed, cfg.strategy, rt.device, rt.world_size, cfg.data.drop_last,
                                 cfg.model.freeze_epochs, progressive)
-    prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=graphs.on)
+    prec = Precision(concrete_mode(cfg.precision.mode), rt.device, on_nonfinite=cfg.precision.on_nonfinite,
+                     graph_safe=graphs.on)  # precision=auto: fp32 until the model exists and speed_probe decides
     task = get_task(cfg.task)
     task.check(cfg)
     mixing = check_mix(cfg.mix, cfg.task, task.targets, cfg.loss)
@@ -121,8 +122,9 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     init = init_and_freeze(model, cfg.model, ckpt, resume_path, info.num_classes, log)
     check_freeze_epochs(cfg, graphs)
     head = head_only(model, cfg.model, log)  # the body's parameters, before wrapping (they stay the same tensors)
+    cfg, prec, auto, loss_fn = decide_precision_and_format(cfg, rt, model, loaders, task, prec, ckpt, distilling, log)
     speed = decide_speed(cfg.speed, cfg.strategy, model, rt.device, rt.world_size, accum_steps=cfg.optim.accum_steps,
-                         graphs=graphs, static_shapes=progressive)  # what wrap_model applies and the plan reports
+                         graphs=graphs, static_shapes=progressive, channels_last_why=auto.channels_last_why)
     ema = build_ema(cfg.ema, model, rt.device, speed.channels_last)  # copied before wrap_model: plain and fp32
     swa = build_swa(cfg.swa, model, cfg.run.epochs, rt.device, speed.channels_last)  # the same
     model = wrap_model(model, cfg.strategy, rt, speed=speed, prec=prec, log=log,
@@ -141,15 +143,29 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     opt = build_optimizer(cfg.optim, model)
     say_param_groups(cfg.optim, opt, log)
     prec.attach(opt)  # half-weight modes: resumed optimizer state stays fp32
-    plan = build_plan(cfg, rt, info=info, train_batches=len(loaders.train), speed=speed, opt=opt, inputs=inputs,
-                      batch=batch, distill=distill, swa=swa)
+    plan = build_plan(cfg, rt, info=info, train_batches=len(loaders.train), speed=speed, opt=opt, batch=batch,
+                      inputs=decide_input_format(cfg.speed), distill=distill, swa=swa, auto=auto)
     sched = swa.schedule(build_schedule(cfg, opt, plan.steps_per_epoch), opt)  # swa.enabled: SWALR from swa.start
-    loss_fn = build_run_loss(cfg, task.targets, info, log).to(rt.device)
     if distilling:  # training batches carry the teacher's logits; evaluation's plain targets get the task loss alone
         loss_fn = DistillLoss(loss_fn, cfg.distill.temperature, cfg.distill.alpha)
     check_monitor(cfg, ema)
     head.apply(0)  # built as epoch 1 trains (fit sets it again at every epoch, resumed or not)
     return Built(loaders, model, frozen_norms, opt, sched, prec, loss_fn, ema, init, cfg, batch, head, plan, swa)
+
+
+def decide_precision_and_format(cfg, rt, model, loaders, task, prec, ckpt, distilling: bool, log) -> tuple:
+    """precision=auto and speed.channels_last=auto decided once (train/speed_probe.py): (the config saying what runs,
+    for config.yaml, the Precision that trains, the AutoSpeed for the plan, the run's loss). The batches stay NCHW
+    under auto and under the false it may become: the loaders built before stand."""
+    from torchsprint.train.precision import Precision
+    from torchsprint.train.speed_probe import decide_auto
+
+    loss_fn = build_run_loss(cfg, task.targets, loaders.info, log).to(rt.device)  # before the probe: it trains with it
+    auto = decide_auto(cfg, rt, model, loaders.train, loss_fn, ckpt=ckpt, distilling=distilling)
+    cfg = auto.resolved(cfg)
+    if auto.precision != prec.mode:  # never under distillation (not measured): the teacher's Precision is the first
+        prec = Precision(auto.precision, rt.device, on_nonfinite=cfg.precision.on_nonfinite, graph_safe=prec.graph_safe)
+    return cfg, prec, auto, loss_fn
 
 
 def check_data_and_teacher(cfg, rt, task, info, prec, distilling: bool, log) -> tuple:

@@ -1,6 +1,6 @@
 """torchsprint beside timm's train.py on the same CPU job: ResNet-18 from scratch on generated JPEGs.
 
-The job (issue 39 point 5): 2,000 train / 500 val generated 160x160 JPEGs of 10 classes (torchsprint's
+The job: 2,000 train / 500 val generated 160x160 JPEGs of 10 classes (torchsprint's
 synthetic_jpeg generator; both sides read the same files), RandomResizedCrop 112 (scale 0.08-1, bilinear) + hflip,
 eval resize 128 + centre crop 112, ImageNet normalisation, batch 32, SGD (Nesterov, momentum 0.9, weight decay
 5e-4) lr 0.1, cosine, no warm-up, 3 epochs, evaluation after every epoch, on the CPU.

@@ -10,6 +10,7 @@ import pytest
 from torchsprint.commands.bench.main import COLUMNS, INPUT_BOUND, Variant, best_combination, slug, summarize
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 def test_bench_cli_writes_every_output(cli_in_process, tmp_path):
     """The bench command through cli.main in this process (a `python -m torchsprint` costs ~3 s of imports); the
     variants still run in processes of their own, as bench always measures them (isolate)."""

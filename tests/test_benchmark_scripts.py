@@ -87,6 +87,7 @@ def test_merge_results_refuses_two_devices():
         merge([{"device": "H100", "torch": "2.11", "date": "d"}, {"device": "H200", "torch": "2.11", "date": "d"}])
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 @pytest.mark.skipif(not shutil.which("xz"), reason="needs xz (run_all.sh unpacks DALI's parts with it)")
 def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
     """The DALI install of benchmarks/gpu/run_all.sh (parts made the way fetch_wheels.sh --dali makes them, a

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.dist
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 def test_comm_hooks_two_processes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO / 'tests'}")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

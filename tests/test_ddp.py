@@ -119,6 +119,7 @@ def test_cli_nproc_per_node_syncbn_matches_one_process(tmp_path, run_cli):
     assert summary["final"]["val/count"] == worker.VAL_SIZE
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 def test_cli_two_machines_static_rendezvous(tmp_path):
     """`--nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT` on two "machines" (two launchers on localhost,
     one process each): the multi-node path through torchrun's static rendezvous, against one process."""

@@ -38,6 +38,7 @@ def steps_logged(run_dir: Path) -> list[int]:
     return [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 def test_sigkilled_rank_restarts_and_ends_with_the_uninterrupted_weights(tmp_path):
     """The restarted run is given no run.dir (run.out_dir + run.name): without run.dir each attempt would make its
     own timestamped folder and the restarted workers would find no checkpoint; the launcher creates the folder once
@@ -108,6 +109,7 @@ def children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 def test_c10d_two_nodes_dead_node_is_reported_and_the_survivor_stops(tmp_path):
     timeout_s = 20  # strategy.timeout_s: rendezvous join timeout and collective timeout
     endpoint = f"127.0.0.1:{free_port()}"

@@ -255,6 +255,7 @@ def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 @pytest.mark.dist
 def test_ddp_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """2 gloo processes; SIGTERM reaches rank 1 only. Both stop after the same step (otherwise rank 0 would wait in

@@ -71,6 +71,7 @@ def test_repeated_aug_changes_training_and_resumes_exactly(tmp_path):
     assert full["global_step"] == 2 * (1437 // 256 * 256 // 32)  # digits' 1437 training images: timm's epoch, 40 steps
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 @pytest.mark.dist
 def test_ddp_repeated_aug_copies_differ_and_ema_follows_the_unwrapped_model(tmp_path):
     """2 gloo processes: the copies of a sample are on different ranks with different augmentations; the EMA of a

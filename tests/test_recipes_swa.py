@@ -281,6 +281,7 @@ def test_average_bad_input_is_refused(two_runs, runs, kw, says):
     assert not out.exists()
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 @pytest.mark.dist
 def test_swa_under_ddp_is_the_same_on_every_rank(tmp_path):
     """Two gloo ranks: each rank's average (weights and recomputed BatchNorm statistics, which start from each

@@ -45,6 +45,7 @@ print(create_unique(planned), flush=True)
 """
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 def test_two_runs_with_one_name_started_together_get_their_own_folders(tmp_path):
     """Same run.name in the same second: one folder each (exclusive creation + suffix), never shared files."""
     # The race itself, made certain: 4 processes claim one planned folder at the same moment; each gets its own.

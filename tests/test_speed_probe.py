@@ -160,7 +160,7 @@ def test_native_bf16_agrees_with_the_cpu_and_pytorch():
     (SimpleNamespace(device=torch.device("cuda"), world_size=1), {}, "on cuda the existing choice stands"),
     (SimpleNamespace(device=torch.device("cpu"), world_size=2), {}, "2 processes share the cores"),
     (CPU, {"distilling": True}, "distillation"),
-    (CPU, {"loader": [None] * 20}, "run too short (200 training steps; measuring takes 17, which pays from 567"),
+    (CPU, {"loader": [None] * 10}, "run too short (100 training steps; measuring takes 17, which pays from 170"),
 ])
 def test_not_measured_where_it_cannot_pay_or_would_not_be_the_run_s(bf16, rt, kw, why):
     # bug caught: CUDA runs measured (their choices stand), DDP ranks deciding apart, a short run (every test's) paying

@@ -15,6 +15,7 @@ CLIPS = ["data.train.transforms=[{random_clip: {frames: 6, stride: 1}}, {random_
          "data.eval.transforms=[{center_clip: {frames: 6}}, {center_crop: 20}]"]
 
 
+@pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 def test_learns_direction_above_chance(tmp_path):
     from torchsprint.train.run import train
 

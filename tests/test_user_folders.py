@@ -275,8 +275,16 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
     # What the user sets wins: their transforms keep everything (and small_cnn); their model keeps the chosen size.
     mine = config.load(None, [f"data.root={root}", "data.train.transforms=[{resize: 40}]"])
     assert (mine.data.train.transforms, mine.data.eval.transforms, mine.model.name) == ([{"resize": 40}], [], "small_cnn")
+    assert mine.optim.lr == pytest.approx(0.1 * 64 / 256)  # the images are photo-sized: the photos' lr rule
     mine = config.load(None, [f"data.root={root}", "run.device=cpu", "model.name=mobilenet_v3_small"])
     assert mine.model.name == "mobilenet_v3_small" and mine.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
+    # ... and the photos' lr rule, as the picked model gets it (it applied only to the picked model before: a named
+    # resnet50 on photos trained at digits' 0.1 and stayed at the majority class), with the user's transforms too.
+    assert mine.optim.lr == pytest.approx(0.1 * 64 / 256) and mine.sched.warmup_epochs == 1.0
+    assert "optim.lr" in [c["setting"] for c in mine.chosen()]
+    mine = config.load(None, [f"data.root={root}", "run.device=cpu", "model.name=resnet34", "data.train.transforms=[{resize: 40}]"])
+    assert mine.optim.lr == pytest.approx(0.1 * 64 / 256)
+    assert config.load(None, [f"data.root={root}", "model.name=resnet34", "optim.lr=0.5"]).optim.lr == 0.5
     # Digits-sized images of one size keep the native size and small_cnn (the fixture's 24x20 JPEGs).
     from conftest import make_image_folder
 

@@ -198,8 +198,6 @@ def args_predict(p: argparse.ArgumentParser) -> None:
 
 
 def args_serve(p: argparse.ArgumentParser) -> None:
-    from torchsprint.commands.serve import add_serve_args  # stdlib only at import: --help stays fast
-
     add_serve_args(p, weights_arg, WEIGHTS_HELP)
 
 
@@ -293,3 +291,40 @@ def args_config(p: argparse.ArgumentParser) -> None:
 
 def args_list(p: argparse.ArgumentParser) -> None:
     p.add_argument("family", choices=FAMILIES, help="which registry to list")
+
+
+# The flags that set a serve.* field, as (field, type, help); None when not given. Each is checked against
+# config/serve.py's ServeConfig by tests/test_serve.py. Here, not in
+# commands/serve.py, so that `torchsprint --help` imports no server code (socket, signal).
+# Numbers checked while the command line is parsed (commands/args.py), with the serve section's bounds.
+SERVE_FLAGS = (
+    ("host", str, "address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)"),
+    ("port", Count(0), "TCP port (default 8000; 0: a free one, printed at start)"),
+    ("max_batch", Count(1), "most images per forward pass (default 32)"),
+    ("max_wait_ms", Number(0, 10_000), "how long an image waits for others to batch with (default 5)"),
+    ("queue_limit", Count(1), "most images waiting; more get 503 + Retry-After (default 256)"),
+    ("timeout_s", Number(0, above=True), "a request not answered in this many seconds gets 503 (default 30)"),
+    ("workers", Count(1), "server processes, each with its own copy of the model (default 1)"),
+    ("runtime", str, "auto, torch or onnxruntime (default auto: by the file)"),
+    ("device", str, "auto, cpu, cuda or cuda:N (default auto)"),
+    ("token", str, "bearer token /predict and /metrics require (or env TORCHSPRINT_SERVE_TOKEN)"),
+    ("max_body_mb", Number(0, above=True), "largest request body in MiB (default 20)"),
+    ("max_pixels", Count(1), "largest image in pixels, from its header (default 40000000)"),
+    ("topk", Count(1), "classes per image unless the request says ?topk=N (default 5)"),
+    ("buckets", str, "auto, on or off: pad batches to powers of two (default auto: on CUDA)"),
+)
+FLAGS = tuple(name for name, _, _ in SERVE_FLAGS)
+
+
+def add_serve_args(p, weights_arg, weights_help: str) -> None:
+    """`torchsprint serve`'s arguments (cli.py's args_serve)."""
+    p.add_argument("target", metavar="RUN_DIR|MODEL_FILE", help="run folder, or a .onnx/.safetensors file from export")
+    p.add_argument("-c", "--config", help="a config file whose `serve:` section applies (over the run's own)")
+    p.add_argument("overrides", nargs="*", metavar="serve.KEY=VALUE",
+                   help="dotted overrides, e.g. serve.max_batch=64 (before the --flags)")
+    p.add_argument("--weights", type=weights_arg, default="best", help=weights_help)
+    p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
+                   help="test-time augmentation (default: the run's eval.tta; an exported graph's own)")
+    g = p.add_argument_group("settings (each sets the serve.* key of its name; docs/serve.md describes them)")
+    for name, kind, text in SERVE_FLAGS:
+        g.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=text)

@@ -216,6 +216,9 @@ def photo_defaults(cfg) -> list[Choice]:
                              "digits) trained 3.7 img/s at 300 px (BENCHMARKS.md, \"Defaults for your own photos: the "
                              "model\")",
                              "set model.name (`torchsprint list models`)"))
+    if median > DIGITS_SIZED:
+        # Any model on photos, the one picked here or one the user named: the default lr (0.1, made for small_cnn on
+        # digits at batch 64) is as wrong for a user's resnet50 as for the picked ResNet-18.
         chosen += photo_schedule(cfg)
     if modes and all(m in GREY_MODES for m in modes) and "mode" not in data.options and data.dataset != "webdataset":
         chosen.append(Choice("data.options.mode", "RGB", f"all {len(modes)} sampled images are grey: each is read as 3 "
@@ -225,7 +228,7 @@ def photo_defaults(cfg) -> list[Choice]:
 
 
 def photo_schedule(cfg) -> list[Choice]:
-    """optim.lr and sched.warmup_epochs for the photo model, where the config leaves the optimizer's name, its lr
+    """optim.lr and sched.warmup_epochs for a model trained on photos (picked or named), where the config leaves the optimizer's name, its lr
     and the warm-up unset (PHOTO_LR_PER_256, PHOTO_WARMUP_EPOCHS): the batch of one optimizer step, data.batch_size x
     optim.accum_steps x the DDP processes, or data.effective_batch_size when set (data.batch_size=auto: 64, the
     default batch)."""

@@ -1,4 +1,4 @@
-"""precision=auto and speed.channels_last=auto (issue 39.2): the decision against a stubbed step timer (which candidate
+"""precision=auto and speed.channels_last=auto: the decision against a stubbed step timer (which candidate
 wins, the margin, ties, what is never a candidate, when nothing is measured), this machine's bf16 support, and a real
 run that measures: its records say what ran, and its weights are bit for bit those of a run that named the choice."""
 
@@ -46,6 +46,12 @@ def decide(*over: str, times=None, model=CONV, rt=CPU, loader=LONG, calls=None, 
     cfg = config.load(None, list(over))
     step = stub(times or {}, calls)
     return decide_auto(cfg, rt, model, loader, None, step=step, **kw)
+
+
+@pytest.fixture(autouse=True)
+def probing(monkeypatch):
+    """The suite turns the probe off (tests/conftest.py: TORCHSPRINT_SPEED_PROBE=off); these tests measure on purpose."""
+    monkeypatch.delenv(speed_probe.OFF_ENV, raising=False)
 
 
 @pytest.fixture
@@ -241,3 +247,16 @@ def test_a_measured_run_records_it_and_trains_as_the_run_that_named_its_choice(t
     assert json.loads((tmp_path / "named" / "decisions.json").read_text())["speed_measured"] is None
     a, b = (load_file(str(tmp_path / r / "last.safetensors")) for r in ("auto", "named"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("value, off", [("off", True), ("0", True), ("false", True), ("on", False), ("", False)])
+def test_the_environment_switch_turns_the_probe_off(bf16, monkeypatch, value, off):
+    # bug caught: the suite's switch ignored (a loaded CI machine makes a test's run look long enough to measure, and it
+    # then trains in amp_bf16 on a CPU with native bf16 only), or any value turning it off
+    monkeypatch.setenv(speed_probe.OFF_ENV, value)
+    calls = []
+    a = decide("run.epochs=10", times=ALL | {f"{B16} NHWC": 0.1}, calls=calls)
+    if off:
+        assert not calls and a.precision == "fp32" and f"{speed_probe.OFF_ENV}={value}" in a.precision_why
+    else:
+        assert calls and a.precision == B16

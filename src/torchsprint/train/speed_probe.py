@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -47,6 +48,10 @@ MIN_MARGIN = 0.05  # the least speedup that replaces the baseline, whatever the 
 # the run (1.34x small_cnn, 1.73x ResNet-18: BENCHMARKS.md "amp_bf16 on a CPU with native bf16"), so a tenth is
 # repaid many times; 3% left the photo defaults' own job (250 steps) and a 3-epoch ResNet-18 (188) unmeasured.
 MAX_PROBE_SHARE = 0.10
+# TORCHSPRINT_SPEED_PROBE=off: never measure (the baseline: fp32, or the precision named, in the rule's format), so
+# runs train the same on CPUs with and without native bf16 whatever their length or the machine's load. The test
+# suite sets it (tests/conftest.py): a loaded CI machine can make a test's run look long enough to measure.
+OFF_ENV = "TORCHSPRINT_SPEED_PROBE"
 MEASURE_MIN_S = 60.0  # ...and the run's fp32 training is estimated at this long at least: below, a few percent of it
 # is seconds, not worth a decision that differs between machines (and below it no test's run measures anything)
 RULE = ("median step time of each candidate over interleaved rounds; the fastest replaces the baseline (fp32, or the "
@@ -115,6 +120,8 @@ def not_measured(cfg, rt, cands: list[Candidate], distilling: bool, run_batches:
     """Why the candidates are not measured in this run (module docstring), or None: measure them."""
     if rt.device.type != "cpu":
         return f"on {rt.device.type} the existing choices stand"
+    if os.environ.get(OFF_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return f"{OFF_ENV}={os.environ[OFF_ENV]}"
     if len(cands) < 2:
         return "nothing to compare"
     if rt.world_size > 1:

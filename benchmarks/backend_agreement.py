@@ -58,8 +58,8 @@ def digits_overrides(args, backend: str, seed: int) -> list[str]:
     return [f"data.backend={backend}", f"run.seed={seed}", *QUIET]
 
 
-def run_one(overrides: list[str]) -> dict:
-    """Train one run in a temporary folder; its final validation figures and wall time."""
+def train_once(overrides: list[str]) -> tuple[dict, float]:
+    """Train one run in a temporary folder: (its summary, wall seconds). bf16_parity.py uses it too."""
     from torchsprint import config
     from torchsprint.train.run import train
 
@@ -67,7 +67,12 @@ def run_one(overrides: list[str]) -> dict:
         cfg = config.load(None, [*overrides, f"run.dir={d}/run"])
         t = time.perf_counter()
         s = train(cfg, quiet=True)
-        seconds = time.perf_counter() - t
+        return s, time.perf_counter() - t
+
+
+def run_one(overrides: list[str]) -> dict:
+    """Train one run; its final validation figures and wall time."""
+    s, seconds = train_once(overrides)
     final = s["final"]
     return {"top1": final["val/top1"], "loss": final.get("val/loss"), "seconds": seconds}
 

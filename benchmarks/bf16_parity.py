@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backend_agreement import compare, mean_std, strict  # noqa: E402
+from backend_agreement import compare, mean_std, strict, train_once  # noqa: E402
 from photo_folder import make_folder  # noqa: E402
 
 QUIET = ["log.tensorboard=false", "log.progress=false", "checkpoint.every_epochs=null"]
@@ -33,14 +32,7 @@ PRECISIONS = ("fp32", "amp_bf16")
 
 
 def run_one(overrides: list[str]) -> dict:
-    from torchsprint import config
-    from torchsprint.train.run import train
-
-    with tempfile.TemporaryDirectory() as d:
-        cfg = config.load(None, [*overrides, f"run.dir={d}/run"])
-        t = time.perf_counter()
-        s = train(cfg, quiet=True)
-        seconds = time.perf_counter() - t
+    s, seconds = train_once(overrides)
     final = s["final"]
     return {"top1": final.get("val/top1"), "balanced_accuracy": final.get("val/balanced_acc"),
             "macro_f1": final.get("val/f1_macro"), "train_images_per_s": s.get("train_images_per_s"),

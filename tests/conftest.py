@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,10 @@ torch.set_num_threads(1)
 # download.pytorch.org or huggingface.co on a machine that has network. tests/test_weights_download.py turns it off
 # for its downloads, which go to a server of its own on 127.0.0.1.
 os.environ.setdefault("TORCHSPRINT_OFFLINE", "1")
+# A developer's own torch.hub cache (~/.cache/torch) must not change what a folder of photos chooses (models/start.py
+# fine-tunes the picked model's weights when they are cached): the suite's cache starts empty, and the tests that
+# need weights put them in a TORCH_HOME of their own.
+os.environ["TORCH_HOME"] = tempfile.mkdtemp(prefix="torchsprint-tests-torch-")
 # precision=auto / speed.channels_last=auto never measure in the suite (train/speed_probe.py): a test's run that a
 # loaded machine makes look long could otherwise pick amp_bf16 on a CPU with native bf16 and not on another.
 # tests/test_speed_probe.py lifts it where it measures on purpose.

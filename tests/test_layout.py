@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data.backends", ["data.backends.*"]),
     ("data.build", ["data.auto", "data.build", "data.detect"]),
     ("models.core", ["models.core"]),
-    ("models", ["models.nets", "models.weights", "models.download", "models.init"]),
+    ("models", ["models.nets", "models.weights", "models.download", "models.init", "models.start"]),
     ("tasks", ["tasks.core", "tasks.tta"]),
     ("config", ["config.files", "config.sections", "config.training", "config.serve", "config.schema",
                 "config.saved"]),

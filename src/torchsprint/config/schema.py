@@ -113,10 +113,11 @@ class Config(Section):
         # Only with a data.root: the default run (digits) and saved run configs (everything set) never scan files.
         if self.data.root is not None:
             from torchsprint.data.detect import resolve
+            from torchsprint.models.start import photo_start
 
             # A later re-validation (validate_assignment) finds the chosen values set and keeps the first record.
             have = {c["setting"] for c in self._chosen}
-            self._chosen = [*self._chosen, *(c.as_dict() for c in resolve(self) if c.setting not in have)]
+            self._chosen = [*self._chosen, *(c.as_dict() for c in resolve(self, photo_start) if c.setting not in have)]
         return self
 
     def chosen(self) -> list[dict]:

@@ -170,8 +170,12 @@ def measure(paths: list[str]) -> tuple[list[tuple[int, int]], list[str]]:
     return sizes, modes
 
 
-def photo_defaults(cfg) -> list[Choice]:
+def photo_defaults(cfg, start=None) -> list[Choice]:
     """data.train/eval.transforms, model.name and the grey-channel decision for a folder of larger images.
+
+    `start(cfg, chosen)`: how a model on photo-sized images starts, given what was chosen so far (models/start.py's
+    `photo_start` from config validation: published weights fine-tuned, or from scratch); None: photo_schedule,
+    from scratch.
 
     Applied where the config leaves them unset: the transforms when neither data.train.transforms nor
     data.eval.transforms is set and the images are larger than DIGITS_SIZED or of different sizes; the model
@@ -216,27 +220,23 @@ def photo_defaults(cfg) -> list[Choice]:
                              "digits) trained 3.7 img/s at 300 px (BENCHMARKS.md, \"Defaults for your own photos: the "
                              "model\")",
                              "set model.name (`torchsprint list models`)"))
-    if median > DIGITS_SIZED:
-        # Any model on photos, the one picked here or one the user named: the default lr (0.1, made for small_cnn on
-        # digits at batch 64) is as wrong for a user's resnet50 as for the picked ResNet-18.
-        chosen += photo_schedule(cfg)
     if modes and all(m in GREY_MODES for m in modes) and "mode" not in data.options and data.dataset != "webdataset":
         chosen.append(Choice("data.options.mode", "RGB", f"all {len(modes)} sampled images are grey: each is read as 3 "
                              "identical channels, which every registered model and pretrained weights take",
                              "data.options.mode=GRAY keeps 1 channel (a third of the memory; models get in_channels=1)"))
+    if median > DIGITS_SIZED:
+        # Any model on photos, the one picked here or one the user named: the default lr (0.1, made for small_cnn on
+        # digits at batch 64) is as wrong for a user's resnet50 as for the picked ResNet-18.
+        chosen += start(cfg, chosen) if start is not None else photo_schedule(cfg)
     return chosen
 
 
-def photo_schedule(cfg) -> list[Choice]:
-    """optim.lr and sched.warmup_epochs for a model trained on photos (picked or named), where the config leaves the optimizer's name, its lr
-    and the warm-up unset (PHOTO_LR_PER_256, PHOTO_WARMUP_EPOCHS): the batch of one optimizer step, data.batch_size x
-    optim.accum_steps x the DDP processes, or data.effective_batch_size when set (data.batch_size=auto: 64, the
-    default batch)."""
+def step_batch(cfg) -> tuple[int, str]:
+    """The batch of one optimizer step and how it was read: data.batch_size x optim.accum_steps x the DDP processes,
+    or data.effective_batch_size when set (data.batch_size=auto: 64, the default batch)."""
     from torchsprint.runtime.core import launch_env
 
-    optim, sched, chosen = cfg.optim, cfg.sched, []
-    if "name" in optim.model_fields_set or "lr" in optim.model_fields_set:
-        return chosen
+    optim = cfg.optim
     # DDP: every process trains data.batch_size, so one optimizer step sees world x that (the launcher's WORLD_SIZE,
     # which each worker has when its config is read); data.effective_batch_size is that global figure already.
     world = launch_env().world_size if cfg.strategy.name == "ddp" else 1
@@ -247,6 +247,22 @@ def photo_schedule(cfg) -> list[Choice]:
         batch, which = cfg.data.batch_size * optim.accum_steps * world, f"data.batch_size x optim.accum_steps{times}"
     else:
         batch, which = 64 * world, f"data.batch_size=auto: taken as 64{times}"
+    return batch, which
+
+
+def lr_unset(cfg) -> bool:
+    """Whether the config leaves the optimizer and its learning rate to the defaults (the lr rules may set it)."""
+    return "name" not in cfg.optim.model_fields_set and "lr" not in cfg.optim.model_fields_set
+
+
+def photo_schedule(cfg) -> list[Choice]:
+    """optim.lr and sched.warmup_epochs for a model trained from scratch on photos (picked or named), where the config
+    leaves the optimizer's name, its lr and the warm-up unset (PHOTO_LR_PER_256 x step_batch / 256,
+    PHOTO_WARMUP_EPOCHS)."""
+    optim, sched, chosen = cfg.optim, cfg.sched, []
+    if not lr_unset(cfg):
+        return chosen
+    batch, which = step_batch(cfg)
     optim.lr = round(PHOTO_LR_PER_256 * batch / 256, 12)
     chosen.append(Choice("optim.lr", optim.lr, f"{PHOTO_LR_PER_256} per 256 images of the batch (torchvision's ResNet "
                          f"recipe, the linear scaling rule) x {batch} ({which}); the default 0.1 is made for small_cnn on "
@@ -259,11 +275,12 @@ def photo_schedule(cfg) -> list[Choice]:
     return chosen
 
 
-def resolve(cfg) -> list[Choice]:
+def resolve(cfg, start=None) -> list[Choice]:
     """Fill what the config leaves unset and the data decides; returns what was chosen (applied to `cfg`).
 
     data.dataset: when data.root is set without it (an explicit data.dataset always wins; no data.root:
-    the default digits run). Then, for image files on disk, photo_defaults (transforms, model, channels).
+    the default digits run). Then, for image files on disk, photo_defaults (transforms, model, channels, and how the
+    model starts: `start`, see photo_defaults).
     """
     chosen = []
     data = cfg.data
@@ -272,5 +289,5 @@ def resolve(cfg) -> list[Choice]:
         data.dataset = name
         chosen.append(Choice("data.dataset", name, f"detected: {found}", "set data.dataset"))
     if data.root is not None and cfg.task in ("classification", "multilabel"):
-        chosen += photo_defaults(cfg)
+        chosen += photo_defaults(cfg, start)
     return chosen

@@ -51,8 +51,10 @@ def missing(src: WeightsSource, key: str, why: str, model_name: str | None = Non
     """The one line for weights that are not in the cache and cannot be fetched: where to put them, where from."""
     get = f"torchsprint weights get {src.spec}" + (f" --model {model_name}" if model_name and src.spec.endswith(":DEFAULT")
                                                    else "")
-    return UsageError(f"{key}={src.spec}: not in the local cache ({why}): put the file at {src.target} (download it on "
-                      f"a machine with network from {src.published}, or run `{get}` there).")
+    error = UsageError(f"{key}={src.spec}: not in the local cache ({why}): put the file at {src.target} (download it "
+                       f"on a machine with network from {src.published}, or run `{get}` there).")
+    error.reason = why  # models/start.py words its own line from it
+    return error
 
 
 def network_reason(error: BaseException, url: str) -> str | None:

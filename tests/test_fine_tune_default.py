@@ -1,0 +1,200 @@
+"""Fine-tuning as the photo default (models/start.py, issue 37.2): a folder of photos given alone fine-tunes the
+picked model's published weights when they are cached or downloadable, else trains from scratch and says how to
+get them. No internet: the cache is a tmp TORCH_HOME holding a real resnet18 state dict under torchvision's file
+name, and downloads come from a real HTTP server on 127.0.0.1 (tests/test_weights_download.py's Server).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+from safetensors.torch import load_file
+
+from test_weights_download import Server, sha256
+from torchsprint import config
+from torchsprint.models import start
+from torchsprint.train.run import train
+
+TV_FILE = "resnet18-f37072fd.pth"  # torchvision's ResNet18_Weights.DEFAULT (IMAGENET1K_V1) file name
+IMAGENET = "imagenet"
+FAST = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.device=cpu"]
+
+
+def photos(root: Path, per_class: int = 4, size=(72, 64)) -> Path:
+    """Two class folders of small RGB JPEGs (train/val): larger than digits, so the photo defaults apply."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                arr = rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+                arr[..., 0 if c == "a" else 2] = 255
+                Image.fromarray(arr).save(root / split / c / f"{i}.jpg", quality=90)
+    return root
+
+
+@pytest.fixture(scope="module")
+def r18_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    return torchvision.models.resnet18(weights=None).state_dict()
+
+
+@pytest.fixture
+def online(tmp_path, monkeypatch):
+    """Downloads allowed (tests/conftest.py sets TORCHSPRINT_OFFLINE=1), TORCH_HOME in tmp_path, no DDP world."""
+    for name in ("TORCHSPRINT_OFFLINE", "HF_HUB_OFFLINE", "TORCHSPRINT_WEIGHTS_MIRROR", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    return tmp_path
+
+
+def cache(tmp_path: Path, state) -> Path:
+    folder = tmp_path / "torch" / "hub" / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(state, folder / TV_FILE)
+    return folder / TV_FILE
+
+
+def chosen(cfg) -> dict:
+    return {c["setting"]: c for c in cfg.chosen()}
+
+
+def test_cached_weights_are_fine_tuned_with_their_normalisation_lr_and_head_first(online, r18_state):
+    # Catches: the default not choosing cached weights; the weights chosen but not loaded into the body; inputs not
+    # normalised as the weights were trained (the body sees [0, 1] pixels); the from-scratch lr (0.025, ten times
+    # the fine-tuning rate) or its warm-up kept; the head not trained first; the choices missing from decisions.json.
+    path = cache(online, r18_state)
+    root = photos(online / "p")
+    cfg = config.load(None, [f"data.root={root}", *FAST])
+    got = chosen(cfg)
+    assert (cfg.model.name, cfg.model.pretrained) == ("resnet18", "torchvision:DEFAULT")
+    assert cfg.data.train.transforms[-1] == {"normalize": IMAGENET} == cfg.data.eval.transforms[-1]
+    assert got["data.train.transforms"]["value"][-1] == {"normalize": IMAGENET}  # the record says so too
+    assert cfg.optim.lr == pytest.approx(0.01 * 64 / 256) and cfg.sched.warmup_epochs == 0
+    assert cfg.model.freeze_epochs == 1 and "sched.warmup_epochs" not in got
+    assert str(path) in got["model.pretrained"]["why"] and "model.pretrained=null" in got["model.pretrained"]["override"]
+    # ImageNet's statistics are what torchvision publishes with the weights, read from it (not typed here).
+    t = torchvision.models.ResNet18_Weights.DEFAULT.transforms()
+    assert start.normalization("torchvision:DEFAULT", "resnet18") == (list(t.mean), list(t.std))
+
+    run = online / "run"
+    summary = train(config.load(None, [f"data.root={root}", *FAST, "run.epochs=2", "run.max_steps=1",
+                                       f"run.dir={run}", "checkpoint.every_epochs=null"]), quiet=True)
+    assert summary["init"]["file"] == str(path) and summary["init"]["head_replaced"] == ["fc.weight", "fc.bias"]
+    trained = load_file(str(run / "last.safetensors"))
+    # One step in the head-only epoch: the body is the file's, bit for bit (BatchNorm statistics too: frozen BN
+    # layers stay in eval mode); the new 2-class head moved.
+    for k, v in r18_state.items():
+        if not k.startswith("fc."):
+            assert torch.equal(trained[k], v), k
+    assert trained["fc.weight"].shape == (2, 512)
+    import json
+
+    decided = {c["setting"]: c["value"] for c in json.loads((run / "decisions.json").read_text())["chosen"]}
+    assert decided["model.pretrained"] == "torchvision:DEFAULT" and decided["model.freeze_epochs"] == 1
+
+
+def served_default(monkeypatch, server: Server, body: bytes, how: list[str] | None = None) -> str:
+    """PHOTO_WEIGHTS pointed at `body` on the test's server (torchvision's own fixed hash, f37072fd, cannot be met by
+    a test file; its torch.hub path is tested in test_weights_download.py)."""
+    name = f"resnet18-{sha256(body)[:8]}.pth"
+    server.files[f"/models/{name}"] = body
+    if how:
+        server.misbehave[f"/models/{name}"] = how
+    spec = f"{server.url}/models/{name}#sha256={sha256(body)}"
+    monkeypatch.setattr(start, "PHOTO_WEIGHTS", spec)
+    return spec
+
+
+def pth(state) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def test_weights_not_cached_are_downloaded_then_fine_tuned(online, r18_state, monkeypatch):
+    # Catches: "downloadable" treated as "not there" (the user with network trains from scratch); the download left
+    # under a temporary name; a second run downloading again.
+    server = Server()
+    try:
+        spec = served_default(monkeypatch, server, body := pth(r18_state))
+        root = photos(online / "p")
+        cfg = config.load(None, [f"data.root={root}", *FAST])
+        assert cfg.model.pretrained == spec and "downloaded" in chosen(cfg)["model.pretrained"]["why"]
+        assert cfg.model.freeze_epochs == 1 and cfg.optim.lr == pytest.approx(0.0025)
+        # A URL does not say how its weights were trained: no normalisation is added (a torchsprint run's own
+        # weights keep that run's transforms).
+        assert not any("normalize" in str(s) for s in cfg.data.train.transforms)
+        files = sorted(p.name for p in (online / "torch/hub/checkpoints").iterdir())
+        assert files == [f"resnet18-{sha256(body)[:8]}.pth"]
+        config.load(None, [f"data.root={root}", *FAST])
+        assert server.gets(f"/models/{files[0]}") == 1  # the second run read the cache
+    finally:
+        server.http.shutdown()
+        server.http.server_close()
+
+
+@pytest.mark.parametrize("how", ["drop", "other", "offline", "ddp"])
+def test_no_weights_to_be_had_trains_from_scratch_and_says_how_to_get_them(online, r18_state, monkeypatch, how):
+    # Catches: a failed or refused download stopping the run (the default must fall back, not fail); a connection
+    # attempted offline or from a DDP worker; the fine-tuning settings applied to a model that starts from random
+    # weights; a broken file kept in the cache; the line not naming `torchsprint weights get`.
+    server = Server()
+    try:
+        served_default(monkeypatch, server, pth(r18_state), [how] if how in ("drop", "other") else None)
+        if how == "offline":
+            monkeypatch.setenv("TORCHSPRINT_OFFLINE", "1")
+        if how == "ddp":
+            monkeypatch.setenv("WORLD_SIZE", "2")
+        cfg = config.load(None, [f"data.root={photos(online / 'p')}", *FAST])
+        line = chosen(cfg)["model.pretrained"]
+        assert cfg.model.pretrained is None and line["value"] is None and "from scratch" in line["why"]
+        assert "torchsprint weights get" in line["override"] and "\n" not in line["why"]
+        assert cfg.optim.lr == pytest.approx(0.1 * 64 / 256)  # the from-scratch rule (no strategy.name=ddp here)
+        assert cfg.sched.warmup_epochs == 1.0 and cfg.model.freeze_epochs == 0
+        assert not any("normalize" in str(s) for s in cfg.data.train.transforms)
+        folder = online / "torch/hub/checkpoints"
+        assert not folder.is_dir() or not list(folder.iterdir())
+        if how in ("offline", "ddp"):
+            assert server.requests == []
+            assert ("TORCHSPRINT_OFFLINE=1" if how == "offline" else "DDP") in line["why"]
+    finally:
+        server.http.shutdown()
+        server.http.server_close()
+
+
+def test_what_the_user_sets_wins(online, r18_state):
+    # Catches: the default overriding a named model, weights=null, an lr, freeze_epochs or transforms; normalisation
+    # appended to transforms the user wrote.
+    cache(online, r18_state)
+    root = photos(online / "p")
+    base = [f"data.root={root}", *FAST]
+    assert config.load(None, [*base, "model.pretrained=null"]).model.pretrained is None
+    assert config.load(None, [*base, "model.name=resnet34"]).model.pretrained is None  # a named model: not picked
+    mine = config.load(None, [*base, "optim.lr=0.05", "model.freeze_epochs=0"])
+    assert (mine.model.pretrained, mine.optim.lr, mine.model.freeze_epochs) == ("torchvision:DEFAULT", 0.05, 0)
+    own = config.load(None, [*base, "model.name=resnet18", "model.pretrained=torchvision:DEFAULT",
+                             "data.train.transforms=[resize: 64]", "data.eval.transforms=[resize: 64]"])
+    assert own.data.train.transforms == [{"resize": 64}] and own.model.freeze_epochs == 1  # named weights: fine-tuned
+    assert own.optim.lr == pytest.approx(0.0025)
+    short = config.load(None, [*base, "run.epochs=1"])  # one epoch: no room for a head-only epoch
+    assert short.model.pretrained == "torchvision:DEFAULT" and short.model.freeze_epochs == 0
+
+
+def test_a_saved_run_config_reads_back_unchanged(online, r18_state, tmp_path):
+    # Catches: the normalisation appended a second time, or the default re-decided, when a run's config.yaml is read
+    # again (resume, predict, export read it).
+    cache(online, r18_state)
+    cfg = config.load(None, [f"data.root={photos(online / 'p')}", *FAST])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config.dump_yaml(cfg))  # what a run writes as its config.yaml
+    again = config.load(saved, [])
+    assert again.data.train.transforms == cfg.data.train.transforms and again.model.freeze_epochs == 1
+    assert (again.model.pretrained, again.optim.lr) == (cfg.model.pretrained, cfg.optim.lr)

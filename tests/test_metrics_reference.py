@@ -21,7 +21,7 @@ from torchsprint.config.schema import EvalConfig, LossConfig
 from torchsprint.data.core import DataInfo
 from torchsprint.optim import build_loss
 from torchsprint.tasks.core import get_task
-from torchsprint.tasks.metrics import ClassificationMetrics
+from torchsprint.tasks.metrics import MultilabelMetrics
 from torchsprint.train.precision import Precision
 from torchsprint.train.validation import evaluate
 
@@ -274,9 +274,22 @@ def test_video_accuracy_is_the_mean_of_each_videos_clip_logits():
 
 def test_metrics_collection_never_infers_compute_groups():
     """Structural guard beside the property tests: only groups that share a state by construction."""
-    m = ClassificationMetrics(10, topk=5, per_class=True, device=CPU)
+    m = MultilabelMetrics(4, 0.5, CPU)
     assert sorted(sorted(g) for g in m.metrics.compute_groups.values()) == [
-        ["confusion"], ["f1", "precision", "recall"], ["top1"], ["top5"]]
+        ["f1", "f1_macro", "precision", "recall"], ["mAP"]]
+
+
+def test_classification_metrics_do_not_import_torchmetrics():
+    # Catches: the classification evaluator pulling torchmetrics (and scipy) back into every run: ~70 MB of resident
+    # memory and ~1 s of start-up (BENCHMARKS.md "torchsprint beside timm's train.py").
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from torchsprint.tasks.metrics import ClassificationMetrics as M; "
+            "m = M(3, 5, True, torch.device('cpu')); m.update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]), "
+            "torch.tensor(1.0)); m.compute(); print('torchmetrics' in sys.modules, 'scipy' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == \
+        ["False", "False"]
 
 
 def test_multilabel_logits_inside_zero_one_are_still_logits():

@@ -1,4 +1,4 @@
-"""Metrics on torchmetrics, one class per task (classification, multilabel, restoration), and writers."""
+"""Metrics, one class per task: classification counted here, multilabel and restoration on torchmetrics; and writers."""
 
 from __future__ import annotations
 
@@ -12,67 +12,76 @@ from torchsprint.observe.logging import replace_file
 
 
 class ClassificationMetrics:
-    """Accumulates on the device; `compute()` syncs across DDP ranks (torchmetrics) and returns floats.
+    """Accumulates on the device; `compute()` sums over DDP ranks and returns floats.
 
     Args:
         num_classes: number of classes.
         topk: also report top-k accuracy when num_classes > k.
         per_class: also report per-class precision/recall/F1 and the confusion matrix.
-        device: where the metric states live.
+        device: where the counts live.
         classes: class names, for naming the weakest class (indices when not given).
 
-    Always reported beside top-1, from the confusion matrix (kept on the device whatever per_class says):
-    balanced_acc (the mean recall over the classes present in the targets, scikit-learn's
-    balanced_accuracy_score), f1_macro (the mean F1 over the classes present in targets or predictions,
-    scikit-learn's f1_score(average="macro")), min_recall and min_recall_class (the weakest class present),
-    and class_imbalance (largest / smallest class count among the targets). On imbalanced data top-1 hides a
-    model that answers the majority class; these do not (a user's run on an imbalanced folder: 65% top-1, two classes never predicted).
+    Every figure is a count: the (true, predicted) confusion matrix (one bincount per batch) and the number of
+    samples whose class is among the k highest logits. top1 is the matrix's diagonal over its sum; precision, recall
+    and F1 per class are TP / predicted, TP / support and 2 TP / (support + predicted), 0 where the denominator is
+    (scikit-learn's zero_division=0). Hand-counted rather than torchmetrics' Multiclass* metrics: importing
+    torchmetrics (scipy with it) cost every run ~70 MB of resident memory and ~1 s of start-up (BENCHMARKS.md
+    "torchsprint beside timm's train.py"); tests/test_metrics_reference.py checks these counts against scikit-learn
+    in any batch composition.
+
+    Always reported beside top-1, from the confusion matrix: balanced_acc (the mean recall over the classes present in
+    the targets, scikit-learn's balanced_accuracy_score), f1_macro (the mean F1 over the classes present in targets
+    or predictions, scikit-learn's f1_score(average="macro")), min_recall and min_recall_class (the weakest class
+    present), and class_imbalance (largest / smallest class count among the targets). On imbalanced data top-1 hides
+    a model that answers the majority class; these do not (a user's run on an imbalanced folder: 65% top-1, two
+    classes never predicted).
     """
 
     def __init__(self, num_classes: int, topk: int, per_class: bool, device: torch.device,
                  classes: list[str] | None = None):
-        from torchmetrics import MetricCollection
-        from torchmetrics.classification import (
-            MulticlassAccuracy,
-            MulticlassConfusionMatrix,
-            MulticlassF1Score,
-            MulticlassPrecision,
-            MulticlassRecall,
-        )
-
-        m = {"top1": MulticlassAccuracy(num_classes, top_k=1, average="micro")}
-        if num_classes > topk:
-            m[f"top{topk}"] = MulticlassAccuracy(num_classes, top_k=topk, average="micro")
-        if per_class:
-            m["precision"] = MulticlassPrecision(num_classes, average=None)
-            m["recall"] = MulticlassRecall(num_classes, average=None)
-            m["f1"] = MulticlassF1Score(num_classes, average=None)
-        m["confusion"] = MulticlassConfusionMatrix(num_classes)
-        self.per_class, self.classes = per_class, classes or [str(i) for i in range(num_classes)]
-        # Compute groups named, never inferred: torchmetrics' default (compute_groups=True) merges metrics
-        # whose states are equal after the first update, and top-k's per-class counts equal precision's
-        # whenever no image of the first batch has its class in the top k but not at top 1 (a batch of one
-        # class, or all correct). Top-k was then computed from top-1's counts for the rest of the
-        # evaluation (top-5 printed 67.2% = top-1, true 98.6%; found beside BENCHMARKS.md, "Backends agree"). Precision, recall and F1 share
-        # one stat-scores state by construction (same class, num_classes and average).
-        groups = [["precision", "recall", "f1"]] if per_class else []
-        groups += [[k] for k in m if k not in ("precision", "recall", "f1")]
-        self.metrics = MetricCollection(m, compute_groups=groups).to(device)
+        self.num_classes, self.per_class = num_classes, per_class
+        self.topk = topk if num_classes > topk else None  # top-k of k or fewer classes is always 1: not reported
+        self.classes = classes or [str(i) for i in range(num_classes)]
+        self.confusion = torch.zeros(num_classes * num_classes, device=device, dtype=torch.int64)
+        self.topk_hits = torch.zeros((), device=device, dtype=torch.int64)
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         self.count = torch.zeros((), device=device, dtype=torch.int64)
 
     def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
-        self.metrics.update(logits.float(), target)
+        logits, target = logits.float(), target.long()  # half logits are ranked in fp32
+        c = self.num_classes
+        self.confusion += torch.bincount(target * c + logits.argmax(1), minlength=c * c)
+        if self.topk is not None:
+            self.topk_hits += (logits.topk(self.topk, dim=1).indices == target[:, None]).any(1).sum()
         self.loss_sum += loss.double() * target.shape[0]
         self.count += target.shape[0]
 
     def compute(self) -> dict:
         """{'top1': float, 'loss': float, 'count': int, 'balanced_acc': float, ..., 'precision': [..], ...,
         'confusion': [[..]]} over all ranks."""
-        out = _compute(self.metrics, self.loss_sum, self.count)
-        out.update(balanced_figures(torch.tensor(out["confusion"], dtype=torch.float64), self.classes))
-        if not self.per_class:
-            del out["confusion"]
+        from torchsprint.runtime.collectives import all_reduce_sum
+
+        c = self.num_classes
+        # One reduction, in float64 (counts stay exact below 2^53): the matrix, top-k hits, loss sum and count.
+        sums = torch.cat([self.confusion.double(), self.topk_hits.double().view(1), self.loss_sum.view(1),
+                          self.count.double().view(1)])
+        all_reduce_sum(sums)  # note: a device sync point, once per evaluation
+        sums = sums.cpu()
+        confusion = sums[: c * c].view(c, c)
+        total = confusion.sum().item()
+        hits, support, predicted = confusion.diagonal(), confusion.sum(1), confusion.sum(0)
+        out = {"top1": hits.sum().item() / total if total else 0.0}
+        if self.topk is not None:
+            out[f"top{self.topk}"] = sums[c * c].item() / total if total else 0.0
+        if self.per_class:
+            ratio = lambda num, den: torch.where(den > 0, num / den.clamp(min=1), torch.zeros_like(num)).tolist()  # noqa: E731
+            out["precision"], out["recall"] = ratio(hits, predicted), ratio(hits, support)
+            out["f1"] = ratio(2 * hits, support + predicted)
+            out["confusion"] = confusion.long().tolist()
+        count = int(sums[-1].item())
+        out["loss"] = sums[-2].item() / max(count, 1)
+        out["count"] = count
+        out.update(balanced_figures(confusion, self.classes))
         return out
 
 
@@ -126,7 +135,10 @@ class MultilabelMetrics:
             m = {"mAP": tm.MultilabelAveragePrecision(num_labels, average="macro"),
                  "f1_macro": tm.MultilabelF1Score(average="macro", **kw), "f1": tm.MultilabelF1Score(average=None, **kw),
                  "precision": tm.MultilabelPrecision(average=None, **kw), "recall": tm.MultilabelRecall(average=None, **kw)}
-        groups = [["mAP"], [k for k in m if k != "mAP"]]  # named, never inferred: see ClassificationMetrics
+        # Compute groups named, never inferred: torchmetrics' default (compute_groups=True) merges metrics whose states
+        # are equal after the first update, which once computed top-5 from top-1's counts for the rest of an
+        # evaluation (top-5 printed 67.2% = top-1, true 98.6%). The F1/precision/recall share one state by construction.
+        groups = [["mAP"], [k for k in m if k != "mAP"]]
         self.metrics = MetricCollection(m, compute_groups=groups).to(device)
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         self.count = torch.zeros((), device=device, dtype=torch.int64)
@@ -164,7 +176,7 @@ class RestorationMetrics:
         self.metrics = MetricCollection({
             "psnr": PeakSignalNoiseRatio(data_range=1.0, reduction="elementwise_mean", dim=(1, 2, 3)),
             "ssim": StructuralSimilarityIndexMeasure(data_range=1.0),
-        }, compute_groups=False).to(device)  # never inferred: see ClassificationMetrics
+        }, compute_groups=False).to(device)  # never inferred: see MultilabelMetrics
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         self.count = torch.zeros((), device=device, dtype=torch.int64)
 

@@ -260,3 +260,27 @@ def test_the_environment_switch_turns_the_probe_off(bf16, monkeypatch, value, of
         assert not calls and a.precision == "fp32" and f"{speed_probe.OFF_ENV}={value}" in a.precision_why
     else:
         assert calls and a.precision == B16
+
+
+def test_one_copy_steps_every_candidate_in_its_own_memory_format():
+    # Catches: a channels_last candidate timed on NCHW weights (or the reverse) after the single copy's format switch,
+    # so the probe would compare a layout with itself; the optimizer's momentum left in the other layout; the run's
+    # own model trained or converted by the probe; a second copy made per format (the probe's peak memory).
+    from torchsprint.optim.losses import build_loss
+    from torchsprint.train.speed_probe import ProbeSteps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    model(torch.zeros(1, 3, 8, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = config.load(None, ["optim.momentum=0.9"])
+    steps = ProbeSteps(cfg, model, build_loss(cfg.loss), (torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 0])))
+    for c in (Candidate("fp32", True), Candidate("fp32", False), Candidate("fp32", True)):
+        assert steps(c) > 0
+        copy, opt, _ = steps.copy
+        fmt = torch.channels_last if c.channels_last else torch.contiguous_format
+        weight = copy[0].weight
+        assert weight.is_contiguous(memory_format=fmt)  # (the step leaves no gradient: set to None)
+        assert opt.state[weight]["momentum_buffer"].is_contiguous(memory_format=fmt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model[0].weight.is_contiguous() and len(steps.trainables) == 2

@@ -206,34 +206,45 @@ def measured_text(m: dict) -> str:
 
 
 class ProbeSteps:
-    """Real training steps of the candidates on deep copies of the run's model: one copy per memory format (the
-    precisions of a format share it: autocast leaves the weights alone), each with an optimizer built as the run's and
-    a Precision of its own. Called with a candidate: one step of `batch` (engine.train_step), its seconds."""
+    """Real training steps of the candidates on one deep copy of the run's model, with an optimizer built as the run's
+    and a Precision per candidate (the precisions share the weights: autocast leaves them alone). Between candidates
+    of different memory formats the copy and its optimizer state are converted in place, outside the timing: one copy
+    rather than one per format keeps the probe's peak memory a model, its gradients and its optimizer state lower
+    (135 MB for ResNet-18; BENCHMARKS.md "torchsprint beside timm's train.py"). Called with a candidate: one step of
+    `batch` (engine.train_step), its seconds."""
 
     def __init__(self, cfg, model: torch.nn.Module, loss_fn, batch: tuple):
         self.cfg, self.model, self.loss_fn, self.batch = cfg, model, loss_fn, batch
         self.device = next(iter(model.parameters())).device
-        self.copies: dict[bool, tuple] = {}  # channels_last -> (the prepared copy, its optimizer)
+        self.copy: tuple | None = None  # (the prepared copy, its optimizer, whether it is channels_last now)
         self.trainables: dict[Candidate, object] = {}
 
     def trainable(self, c: Candidate):
-        """The candidate's (model, loss, optimizer, Precision), built on first use."""
+        """The candidate's (model, loss, optimizer, Precision), built on first use; the copy in c's memory format."""
         from torchsprint.models.init import frozen_norm_layers
         from torchsprint.optim.optimizers import build_optimizer
         from torchsprint.train.context import Trainable
         from torchsprint.train.precision import Precision
         from torchsprint.train.validation import set_train_mode
 
+        prec = None
         if c not in self.trainables:
             prec = Precision(c.precision, self.device, on_nonfinite=self.cfg.precision.on_nonfinite)
-            if c.channels_last not in self.copies:
-                model = copy.deepcopy(self.model)  # the run's model is never trained here
-                if c.channels_last:
-                    model = model.to(memory_format=torch.channels_last)
-                model = prec.prepare(model)  # half-weight modes (named): the copy in fp16/bf16 with fp32 masters
-                set_train_mode(model, frozen_norm_layers(model) if self.cfg.model.freeze_bn_stats else [])
-                self.copies[c.channels_last] = (model, build_optimizer(self.cfg.optim, model))
-            model, opt = self.copies[c.channels_last]
+        if self.copy is None:
+            model = copy.deepcopy(self.model)  # the run's model is never trained here
+            model = prec.prepare(model)  # half-weight modes (named): the copy in fp16/bf16 with fp32 masters
+            set_train_mode(model, frozen_norm_layers(model) if self.cfg.model.freeze_bn_stats else [])
+            self.copy = (model, build_optimizer(self.cfg.optim, model), False)
+        model, opt, channels_last = self.copy
+        if channels_last != c.channels_last:
+            fmt = torch.channels_last if c.channels_last else torch.contiguous_format
+            model.to(memory_format=fmt)  # weights, buffers and gradients, in place (the parameters stay the same objects)
+            for state in opt.state.values():
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.dim() == 4:
+                        state[k] = v.contiguous(memory_format=fmt)
+            self.copy = (model, opt, c.channels_last)
+        if prec is not None:
             prec.attach(opt)
             self.trainables[c] = Trainable(model, self.loss_fn, opt, prec)
         return self.trainables[c]
@@ -241,7 +252,7 @@ class ProbeSteps:
     def __call__(self, c: Candidate) -> float:
         from torchsprint.train.engine import train_step
 
-        t = self.trainable(c)
+        t = self.trainable(c)  # a format change happens here, before the clock starts
         t0 = time.perf_counter()  # a CPU device: the step's kernels have finished when train_step returns
         train_step(t, [self.batch], self.cfg.optim.clip_grad_norm)
         return time.perf_counter() - t0

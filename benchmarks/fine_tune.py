@@ -1,12 +1,13 @@
 """Fine-tuning against training from scratch on a small folder of photos, without the internet (issue 37.4).
 
-1. Pretrain: torchsprint's photo defaults (ResNet-18 from scratch, offline) on set A, generated photos of 10 classes
-   (torchsprint's synthetic_jpeg look: a shape of a class hue on a gradient; 160x160, 1,500 train / 300 val).
+1. Pretrain: torchsprint's photo defaults (ResNet-18 from scratch, offline) on set A: generated photos of 8 kinds of
+   shape (disc, triangle, square, cross, ring, star, hexagon, L) of random colour, place, size and rotation on blurred
+   noise, --size px square, --pretrain-per-class per class for training, 40 for validation.
 2. Serve A's best.safetensors from an HTTP server on 127.0.0.1 (this process), as a user's weights would come from
    a hub; the fine-tuning runs name it as model.pretrained=http://127.0.0.1:<port>/<file>#sha256=<hex>, so they go
    through the download path (TORCH_HOME in the work folder).
-3. Fine-tune on set B, different: 4 classes told by shape alone (disc, square, triangle, cross of any colour on blurred
-   noise; 160x160), `--per-class` training images per class (e.g. 20 and 100), 100 validation images per class.
+3. Fine-tune on set B: 4 kinds of shape set A does not have (pentagon, T, ellipse, diamond), drawn the same way,
+   `--per-class` training images per class (e.g. 20 and 100), --val-per-class validation images per class.
    Cases per size, each the real CLI (`python -m torchsprint train data.root=B ...`):
    - fine_tune: the defaults with the weights: head alone for one epoch (model.freeze_epochs=1), then everything,
      lr 0.01 per 256 images (models/start.py);
@@ -38,38 +39,70 @@ from pathlib import Path
 
 import numpy as np
 
-SHAPES = ("disc", "square", "triangle", "cross")
+# Twelve kinds of shape: set A (pretraining) has the first eight, set B (fine-tuning) the other four, so what the
+# weights learned (edges, corners, curvature) carries over, but none of B's classes was seen.
+SHAPES_A = ("disc", "triangle", "square", "cross", "ring", "star", "hexagon", "ell")
+SHAPES_B = ("pentagon", "tee", "ellipse", "diamond")
 
 
-def make_set_b(root: Path, per_class: int, val_per_class: int, size: int = 160, seed: int = 1) -> Path:
-    """root/{train,val}/<shape>/*.jpg: a shape of random colour, place and size on blurred noise (the class is the
-    shape alone). The validation images depend on `seed` only, so every --per-class size is judged on the same set."""
+def polygon(x: float, y: float, r: float, n: int, turn: float = 0.0, inner: float | None = None) -> list[tuple]:
+    """The corners of a regular n-gon (or an n-pointed star with `inner` x r as its inner radius) around (x, y)."""
+    import math
+
+    pts = []
+    for k in range(n * (2 if inner else 1)):
+        a = turn + math.pi * 2 * k / (n * (2 if inner else 1)) - math.pi / 2
+        rr = r * (inner if inner and k % 2 else 1)
+        pts.append((x + rr * math.cos(a), y + rr * math.sin(a)))
+    return pts
+
+
+def draw_shape(rng, kind: str, size: int):
+    """One size x size picture: `kind` in a random colour, place, size and rotation on blurred noise."""
     from PIL import Image, ImageDraw
 
-    def draw(rng, c: int) -> Image.Image:
-        bg = rng.integers(0, 140, (size // 8, size // 8, 3), dtype=np.uint8)
-        im = Image.fromarray(bg).resize((size, size), Image.BILINEAR)
-        d = ImageDraw.Draw(im)
-        r = int(rng.integers(size // 8, size // 3))
-        x, y = int(rng.integers(r, size - r)), int(rng.integers(r, size - r))
-        col = tuple(int(v) for v in rng.integers(110, 256, 3))
-        if c == 0:
-            d.ellipse([x - r, y - r, x + r, y + r], fill=col)
-        elif c == 1:
-            d.rectangle([x - r, y - r, x + r, y + r], fill=col)
-        elif c == 2:
-            d.polygon([(x, y - r), (x - r, y + r), (x + r, y + r)], fill=col)
-        else:
-            d.rectangle([x - r, y - r // 4, x + r, y + r // 4], fill=col)
-            d.rectangle([x - r // 4, y - r, x + r // 4, y + r], fill=col)
-        return im
+    bg = rng.integers(0, 140, (size // 8, size // 8, 3), dtype=np.uint8)
+    im = Image.fromarray(bg).resize((size, size), Image.BILINEAR)
+    d = ImageDraw.Draw(im)
+    r = int(rng.integers(size // 7, size // 3))
+    x, y = int(rng.integers(r, size - r)), int(rng.integers(r, size - r))
+    col = tuple(int(v) for v in rng.integers(110, 256, 3))
+    turn = float(rng.uniform(-0.3, 0.3))
+    w = max(2, r // 3)
+    if kind == "disc":
+        d.ellipse([x - r, y - r, x + r, y + r], fill=col)
+    elif kind == "ring":
+        d.ellipse([x - r, y - r, x + r, y + r], outline=col, width=w)
+    elif kind == "ellipse":
+        d.ellipse([x - r, y - r // 2, x + r, y + r // 2], fill=col)
+    elif kind in ("triangle", "square", "pentagon", "hexagon"):
+        n = {"triangle": 3, "square": 4, "pentagon": 5, "hexagon": 6}[kind]
+        d.polygon(polygon(x, y, r, n, turn + (np.pi / 4 if n == 4 else 0)), fill=col)
+    elif kind == "diamond":
+        d.polygon([(x, y - r), (x + r // 2, y), (x, y + r), (x - r // 2, y)], fill=col)
+    elif kind == "star":
+        d.polygon(polygon(x, y, r, 5, turn, inner=0.45), fill=col)
+    elif kind == "cross":
+        d.rectangle([x - r, y - w // 2, x + r, y + w // 2], fill=col)
+        d.rectangle([x - w // 2, y - r, x + w // 2, y + r], fill=col)
+    elif kind == "tee":
+        d.rectangle([x - r, y - r, x + r, y - r + w], fill=col)
+        d.rectangle([x - w // 2, y - r, x + w // 2, y + r], fill=col)
+    elif kind == "ell":
+        d.rectangle([x - r, y - r, x - r + w, y + r], fill=col)
+        d.rectangle([x - r, y + r - w, x + r, y + r], fill=col)
+    return im
 
+
+def make_set(root: Path, kinds: tuple[str, ...], per_class: int, val_per_class: int, size: int, seed: int) -> Path:
+    """root/{train,val}/<kind>/*.jpg (class = the kind of shape alone). The validation images depend on `seed` only,
+    so every --per-class size is judged on the same images."""
     for split, n, s in (("val", val_per_class, seed), ("train", per_class, seed + 1000)):
         rng = np.random.default_rng(s)
-        for c, name in enumerate(SHAPES):
-            (root / split / name).mkdir(parents=True, exist_ok=True)
+        for kind in kinds:
+            (root / split / kind).mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                draw(rng, c).save(root / split / name / f"{i:05d}.jpg", quality=90)
+                draw_shape(rng, kind, size).save(root / split / kind / f"{i:05d}.jpg", quality=90)
     return root
 
 
@@ -114,6 +147,10 @@ def main() -> None:
     ap.add_argument("--per-class", default="20,100")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--pretrain-epochs", type=int, default=6)
+    ap.add_argument("--size", type=int, default=96, help="the images' side in pixels (the photo defaults train at it)")
+    ap.add_argument("--pretrain-per-class", type=int, default=200)
+    ap.add_argument("--val-per-class", type=int, default=50)
+    ap.add_argument("--lr-sizes", default="100", help="the --per-class sizes that get the --lrs sweep")
     ap.add_argument("--lrs", default="", help="extra fine-tuning rates per 256 images, e.g. 0.003,0.03,0.1")
     ap.add_argument("--cases", default="fine_tune,fine_tune_all,scratch")
     ap.add_argument("--work", default=None, help="work folder (default: a temporary one, removed)")
@@ -129,15 +166,15 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import torch
 
-    from torchsprint.data.sources.synthetic import generate_synthetic_jpeg
     from torchsprint.runtime.machine import cpu_info
 
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
                          capture_output=True, text=True).stdout.strip()
     result |= {"cpu": cpu_info(), "torch": torch.__version__, "revision": rev}
 
-    set_a = generate_synthetic_jpeg(work / "set_a", num_images=1500, val_images=300, size=(160, 160), classes=10,
-                                    quality=90, seed=0)
+    set_a = work / "set_a"
+    if not (set_a / "val").is_dir():
+        make_set(set_a, SHAPES_A, args.pretrain_per_class, 40, args.size, seed=0)
     pre_dir = work / "pretrain"
     if not (pre_dir / "best.safetensors").is_file():
         print("pretraining on set A ...", flush=True)
@@ -157,7 +194,7 @@ def main() -> None:
     cases = args.cases.split(",")
     lrs = [float(x) for x in args.lrs.split(",") if x]
     for n in [int(x) for x in args.per_class.split(",")]:
-        root = make_set_b(work / f"set_b_{n}", n, 100)
+        root = make_set(work / f"set_b_{n}", SHAPES_B, n, args.val_per_class, args.size, seed=1)
         common = [f"run.epochs={args.epochs}", "model.name=resnet18"]  # named: weights alone do not pick the model
         ft = None
 
@@ -172,7 +209,7 @@ def main() -> None:
             ft = one("fine_tune", [f"model.pretrained={spec}"])
         if "fine_tune_all" in cases:
             one("fine_tune_all", [f"model.pretrained={spec}", "model.freeze_epochs=0"])
-        for lr in lrs:
+        for lr in lrs if str(n) in args.lr_sizes.split(",") else []:
             one(f"lr_{lr:g}", [f"model.pretrained={spec}", f"optim.lr={lr * 64 / 256:g}"])
         if "scratch" in cases:
             limit = [f"run.max_time={int(ft['wall_s'])}s"] if ft and ft.get("rc") == 0 else []

@@ -95,7 +95,8 @@ def test_checkpoint_holds_everything_needed_to_continue(tmp_path):
                                  "epoch_correct": 70, "epoch_samples": 160, "stop_best": None, "stop_wait": 0,
                                  "stopped_epoch": None, "best_step": None}
     assert ck["sampler"] == {"epoch": 1, "batches_done": 10, "batch_size": 32, "accum_steps": 2, "world_size": 1, "seed": 3,
-                             "repeated_aug": 1, "data_sampler": "shuffle"}
+                             "repeated_aug": 1, "data_sampler": "shuffle",
+                             "data_sampler_from_epoch": 1}
     assert set(ck["rng"][0]) == {"python", "numpy", "torch"}  # + "cuda" when training on a GPU
     assert ck["config"]["run"]["seed"] == 3 and ck["classes"] == ["a", "b"]
 

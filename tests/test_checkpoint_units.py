@@ -70,7 +70,7 @@ def test_parse_checkpoint_name():
 def test_data_geometry_lists_what_fixes_a_data_position():
     cfg = config.load(None, ["data.batch_size=48", "optim.accum_steps=3", "run.seed=11", "data.repeated_aug=2"])
     assert data_geometry(cfg, 4) == {"batch_size": 48, "accum_steps": 3, "world_size": 4, "seed": 11, "repeated_aug": 2,
-                                     "data_sampler": "shuffle"}
+                                     "data_sampler": "shuffle", "data_sampler_from_epoch": 1}
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -442,7 +442,8 @@ def test_save_writes_the_full_checkpoint_and_status(tmp_path):
     ck = load_checkpoint(path)
     assert ck["format"] == FORMAT and ck["version"] == 1 and ck["metric"] == 0.25
     assert ck["sampler"] == {"epoch": 2, "batches_done": 12, "batch_size": 16, "accum_steps": 3, "world_size": 1,
-                             "seed": 5, "repeated_aug": 1, "data_sampler": "shuffle"}
+                             "seed": 5, "repeated_aug": 1, "data_sampler": "shuffle",
+                             "data_sampler_from_epoch": 1}
     assert ck["scaler"] == prec.state_dict() and ck["classes"] == ["a", "b"] and "ema" not in ck
     assert ck["config"]["checkpoint"]["monitor"] == "val/loss"
     raw = (tmp_path / "checkpoints" / "status.json").read_text()

@@ -42,6 +42,7 @@ class Splits:
     source: str = ""  # where the splits come from, in words (the start-up summary prints it)
     train_weights: torch.Tensor | None = None  # per-sample draw weights of the training split (data.sampler=balanced|sqrt)
     train_draw: ClassDraw | None = None  # what train_weights were made from: the class power and the first weighted epoch
+    sampler_why: str = ""  # data.sampler=auto resolved to shuffle: why (a ClassDraw says it otherwise)
     skipped: dict[str, list[str]] = field(default_factory=dict)  # why -> files below data.root that are not samples
     notes: list[str] = field(default_factory=list)  # other facts of the listing for the start-up summary
 
@@ -191,6 +192,9 @@ class DataInfo:
     backend_config: str = ""  # data.backend as configured (auto, gpu, ...)
     fallback: str = ""  # why the configured backend could not run here ("" when it runs); then data.fallback ran
     facts: dict = field(default_factory=dict)  # what build.describe_data found (counts, sizes, source)
+    # The training order that runs (data.sampler, or what `auto` resolved to) and, for auto, why; set in build_loaders.
+    sampler: str = "shuffle"
+    sampler_why: str = ""
     backend_measured: dict = field(default_factory=dict)  # data.backend=auto's measurement (auto.measure_backends)
 
     @property
@@ -382,12 +386,33 @@ class ClassDraw:
 
     power: float  # 1.0 balanced, 0.5 sqrt
     start_epoch: int = 0  # data.sampler_from_epoch - 1
+    sampler: str = ""  # the sampler's name (balanced, sqrt)
+    why: str = ""  # data.sampler=auto: why it drew this way
 
     def weights(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
         return balanced_weights(labels, num_classes, self.power)
 
 
 SAMPLER_POWER = {"balanced": 1.0, "sqrt": 0.5}  # data.sampler -> balanced_weights' power
+
+# data.sampler=auto draws by square-root frequency from this ratio of the largest to the smallest training class
+# (BENCHMARKS.md, "Imbalanced classes: what the default counters with, 2026-11-29": the threshold and the winner).
+AUTO_SAMPLER = "sqrt"
+AUTO_SAMPLER_RATIO = 4.0
+
+
+def auto_sampler(labels: torch.Tensor | None, classes: list[str]) -> tuple[str, str]:
+    """data.sampler=auto resolved from the training labels: (AUTO_SAMPLER or "shuffle", why in words)."""
+    if labels is None:
+        return "shuffle", "data.sampler=auto: no per-sample class labels to balance"
+    counts = torch.bincount(labels, minlength=len(classes)).tolist()
+    present = [(n, c) for n, c in zip(counts, classes) if n > 0]
+    (big, big_name), (small, small_name) = max(present), min(present)
+    ratio = big / small
+    found = (f"the training classes are {ratio:.1f}x imbalanced ({big_name} {big:,} images, {small_name} {small:,}), "
+             f"{'at least' if ratio >= AUTO_SAMPLER_RATIO else 'under'} the {AUTO_SAMPLER_RATIO:g}x from which "
+             "data.sampler=auto counters it")
+    return (AUTO_SAMPLER, found) if ratio >= AUTO_SAMPLER_RATIO else ("shuffle", found)
 
 
 def draw_start(splits: Splits) -> int:

@@ -27,30 +27,6 @@ def materialize_lazy(model, loader, tta=None) -> None:
             model(first_view(images[:1], tta))
 
 
-def check_imbalance(cfg, targets: str) -> None:
-    """Refuse data.sampler=balanced|sqrt, data.sampler_from_epoch, loss.class_weights=auto and loss.logit_adjust where
-    they have no meaning (before any data is read)."""
-    asked = [s for s, on in ((f"data.sampler={cfg.data.sampler}", cfg.data.sampler != "shuffle"),
-                             ("loss.class_weights=auto", cfg.loss.class_weights == "auto"),
-                             (f"loss.logit_adjust={cfg.loss.logit_adjust:g}", cfg.loss.logit_adjust > 0)) if on]
-    if asked and targets != "class_index":
-        raise UsageError(f"{' and '.join(asked)} balance classes, but task={cfg.task} has no single class per image "
-                         f"(its targets are {targets}); remove {' and '.join(s.split('=')[0] for s in asked)}.")
-    if cfg.data.sampler_from_epoch > cfg.run.epochs:
-        raise UsageError(f"data.sampler_from_epoch={cfg.data.sampler_from_epoch} is after the run's last epoch "
-                         f"(run.epochs={cfg.run.epochs}), so data.sampler={cfg.data.sampler} would never apply; set it to "
-                         f"at most {cfg.run.epochs}.")
-    for setting, on in (("loss.class_weights=auto", cfg.loss.class_weights == "auto"),
-                        (f"loss.logit_adjust={cfg.loss.logit_adjust:g}", cfg.loss.logit_adjust > 0)):
-        if on and (cfg.loss.terms or cfg.loss.name != "cross_entropy"):
-            raise UsageError(f"{setting} changes cross_entropy, but the loss is "
-                             f"{'loss.terms' if cfg.loss.terms else cfg.loss.name}; use loss.name=cross_entropy"
-                             + (", or give per-class weights in the loss's own args." if "weights" in setting else
-                                ", or remove loss.logit_adjust."))
-    if cfg.loss.class_weights == "auto" and "weight" in cfg.loss.args:
-        raise UsageError("loss.class_weights=auto and loss.args.weight both set the per-class weights; keep one.")
-
-
 def build_run_loss(cfg, targets: str, info, log=lambda *_: None):
     """build_loss of the run, with loss.class_weights=auto and loss.logit_adjust resolved from the training counts in
     `info.facts` (training and every later evaluation of the run use the same loss)."""
@@ -77,6 +53,15 @@ def class_weights(info) -> torch.Tensor:
     """loss.class_weights=auto: inverse training frequency per class, normalised to mean 1 (float32, class order)."""
     inv = 1.0 / torch.tensor(training_counts(info, "loss.class_weights=auto"), dtype=torch.float64)
     return (inv / inv.mean()).float()
+
+
+def decide_run_loss(cfg, targets: str, info, device, log) -> tuple:
+    """(the config the run trains with, its loss on `device`): data.sampler=auto as build_loaders resolved it, and the
+    monitor that goes with it (train/imbalance.py's after_data), first, so that config.yaml and the records agree."""
+    from torchsprint.train.imbalance import after_data
+
+    cfg = after_data(cfg, info)
+    return cfg, build_run_loss(cfg, targets, info, log).to(device)
 
 
 def training_counts(info, setting: str) -> list[int]:

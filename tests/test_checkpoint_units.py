@@ -68,9 +68,10 @@ def test_parse_checkpoint_name():
 
 
 def test_data_geometry_lists_what_fixes_a_data_position():
-    cfg = config.load(None, ["data.batch_size=48", "optim.accum_steps=3", "run.seed=11", "data.repeated_aug=2"])
+    cfg = config.load(None, ["data.batch_size=48", "optim.accum_steps=3", "run.seed=11", "data.repeated_aug=2",
+                             "data.sampler=shuffle"])
     assert data_geometry(cfg, 4) == {"batch_size": 48, "accum_steps": 3, "world_size": 4, "seed": 11, "repeated_aug": 2,
-                                     "data_sampler": "shuffle"}
+                                     "data_sampler": "shuffle", "data_sampler_from_epoch": 1}
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -434,7 +435,8 @@ def test_a_non_main_rank_does_not_touch_the_folder(tmp_path):
 
 def test_save_writes_the_full_checkpoint_and_status(tmp_path):
     saver, (model, opt, sched, prec) = make_saver(tmp_path, "checkpoint.monitor=val/loss", "checkpoint.mode=min",
-                                                  "optim.accum_steps=3", "data.batch_size=16", "run.seed=5")
+                                                  "optim.accum_steps=3", "data.batch_size=16", "run.seed=5",
+                                                  "data.sampler=shuffle")  # a run resolves auto before saving
     t0 = time.time()
     path = saver.save(TrainState(epoch=2, step_in_epoch=4, global_step=30), model, opt, sched, prec, metric=0.25)
     t1 = time.time()
@@ -442,7 +444,8 @@ def test_save_writes_the_full_checkpoint_and_status(tmp_path):
     ck = load_checkpoint(path)
     assert ck["format"] == FORMAT and ck["version"] == 1 and ck["metric"] == 0.25
     assert ck["sampler"] == {"epoch": 2, "batches_done": 12, "batch_size": 16, "accum_steps": 3, "world_size": 1,
-                             "seed": 5, "repeated_aug": 1, "data_sampler": "shuffle"}
+                             "seed": 5, "repeated_aug": 1, "data_sampler": "shuffle",
+                             "data_sampler_from_epoch": 1}
     assert ck["scaler"] == prec.state_dict() and ck["classes"] == ["a", "b"] and "ema" not in ck
     assert ck["config"]["checkpoint"]["monitor"] == "val/loss"
     raw = (tmp_path / "checkpoints" / "status.json").read_text()

@@ -372,6 +372,8 @@ PROBES = {
     "data.drop_last": lambda t: differs(lambda c, b: len(b.loaders.train), "data.drop_last=false"),
     "data.sampler": lambda t: differs(lambda c, b: b.loaders.train.sampler.indices()[:20], "data.sampler=balanced")
     or elsewhere("test_imbalance.py::test_loader_draws_classes_equally_on_every_backend"),
+    "data.sampler_from_epoch": lambda t: elsewhere(
+        "test_imbalance.py::test_deferred_sampler_switches_at_its_epoch_as_a_function_of_the_epoch"),
     "data.repeated_aug": lambda t: differs(lambda c, b: (len(b.loaders.train), b.loaders.train.sampler.indices()[:20]),
                                            "data.repeated_aug=3"),
     "data.on_bad_sample": probe_bad_sample,
@@ -444,6 +446,7 @@ PROBES = {
     "model.freeze_epochs": lambda t: elsewhere("test_freeze_epochs.py::test_body_frozen_then_trained_and_resume_is_exact_across_the_switch"),
     "model.head": lambda t: refused("model.head=['7.*']", match="set model.freeze_epochs"),
     "loss.class_weights": lambda t: elsewhere("test_imbalance.py::test_class_weights_equal_sklearn_and_reach_the_loss"),
+    "loss.logit_adjust": lambda t: elsewhere("test_imbalance.py::test_logit_adjusted_loss_equals_a_hand_computation"),
     "loss.label_smoothing": lambda t: differs(lambda c, b: float(b.loss_fn(torch.eye(10) * 5, torch.arange(10))),
                                               "loss.label_smoothing=0.2"),
     "loss.args": lambda t: differs(lambda c, b: float(b.loss_fn(torch.randn(10, 10, generator=torch.Generator().manual_seed(0)),

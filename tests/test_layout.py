@@ -58,7 +58,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("plan", ["train.plan"]),
     ("engine", ["train.context", "train.validation", "train.engine", "train.batch_size", "train.speed_probe",
                 "train.distill"]),
-    ("run", ["train.evaluation", "train.run"]),
+    ("run", ["train.imbalance", "train.evaluation", "train.run"]),
     ("commands", ["commands.*", "commands.bench.*", "runtime.launch", "data.commands.*"]),
     ("cli", ["cli", "__main__"]),
 ]

@@ -120,6 +120,12 @@ class Config(Section):
             self._chosen = [*self._chosen, *(c.as_dict() for c in resolve(self, photo_start) if c.setting not in have)]
         return self
 
+    def set_by_user(self, dotted: str) -> bool:
+        """Whether the config (a file, an override) set `dotted` (section.field), not the schema or the task's default
+        (tasks/core.py's apply_defaults fills those without marking them set)."""
+        section, name = dotted.split(".")
+        return name in getattr(self, section).model_fields_set
+
     def chosen(self) -> list[dict]:
         """The settings chosen from the data (data/detect.py), each {setting, value, why, override}."""
         return list(self._chosen)

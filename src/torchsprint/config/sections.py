@@ -193,12 +193,22 @@ class DataConfig(Section):
         1, ge=1, description="Repeated-augmentation sampling (DeiT's RASampler, timm's --aug-repeats): each chosen sample "
         "appears this many times per epoch, differently augmented and spread over the DDP ranks; an epoch keeps the "
         "length of one without repeats (timm's RepeatAugSampler). 1: off.")
-    sampler: Literal["shuffle", "balanced"] = Field(
-        "shuffle", description="Training order: shuffle (a seeded permutation per epoch) or balanced (class-balanced: "
+    sampler: Literal["auto", "shuffle", "balanced", "sqrt"] = Field(
+        "auto", description="Training order: auto (sqrt where the training classes' largest / smallest count is at "
+        "least 4x and no loss.class_weights / loss.logit_adjust is set, the best measured trade on imbalanced classes, "
+        "with checkpoint.monitor=val/balanced_acc unless set; shuffle otherwise; the start-up summary and "
+        "decisions.json say what it chose and why, config.yaml keeps the result), shuffle (a seeded permutation per "
+        "epoch), balanced (class-balanced: "
         "each epoch draws as many samples as the training set holds, with replacement, sample i with probability "
-        "proportional to 1 / its class's count, so every class is drawn equally often in expectation; seeded by "
-        "run.seed and the epoch, exact across resume, DDP ranks take disjoint shards of one draw). Tasks with one class "
-        "per image only.")
+        "proportional to 1 / its class's count n_c, so every class is drawn equally often in expectation) or sqrt "
+        "(square-root frequency: probability proportional to 1 / sqrt(n_c), so class c's share of the draws is "
+        "sqrt(n_c) / sum_k sqrt(n_k), between shuffle's and balanced's). balanced and sqrt are seeded by run.seed and "
+        "the epoch, exact across resume, DDP ranks take disjoint shards of one draw; tasks with one class per image "
+        "only (auto: shuffle for the others).")
+    sampler_from_epoch: int = Field(
+        1, ge=1, description="data.sampler=balanced or sqrt from this epoch on (1-based); the epochs before it shuffle. "
+        "Deferred re-sampling (Cao et al. 2019, 'LDAM-DRW'): learn features from the natural frequencies first, then "
+        "re-balance the classifier. 1: from the start. Needs data.sampler=balanced or sqrt.")
     on_bad_sample: Literal["skip", "error"] = Field("error", description="Unreadable image: skip it (counted and logged) or stop.")
     max_image_pixels: int = Field(
         89_478_485, ge=1, description="Images with more pixels (width x height, read from the header) are bad samples; PIL's bomb limit."

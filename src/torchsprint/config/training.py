@@ -71,6 +71,12 @@ class LossConfig(Section):
         None, description="auto: cross_entropy's per-class weight from the training set's class counts, inverse frequency "
         "normalised to mean 1 (w_c = (1/n_c) / mean_k(1/n_k)); the start-up log prints them. None: unweighted (or "
         "loss.args.weight, one value per class). Tasks with one class per image only.")
+    logit_adjust: float = Field(
+        0.0, ge=0, description="Logit-adjusted loss (Menon et al. 2021, 'Long-tail learning via logit adjustment'): "
+        "cross_entropy of logits + tau * log(prior), tau this value and prior each class's share of the training "
+        "images, so rare classes need a larger margin to be right; predictions (argmax of the plain logits) are "
+        "unchanged, and validation's loss is the adjusted one. 1.0 is the paper's choice; 0: off. Tasks with one "
+        "class per image, loss.name=cross_entropy only.")
 
 
 _PRECISION_ALIASES = {"O0": "fp32", "O1": "amp_fp16", "O2": "fp16", "amp": "amp_fp16", "bf16_amp": "amp_bf16"}

@@ -17,10 +17,12 @@ from torchsprint.data.auto import check_memory_size, choose_backend, file_sizes,
 from torchsprint.data.core import (
     DATASETS,
     LOADERS,
+    SAMPLER_POWER,
+    ClassDraw,
     Loaders,
     Splits,
     as_backend,
-    balanced_weights,
+    auto_sampler,
     runs_anywhere,
 )
 from torchsprint.data.preprocess.progressive import train_schedule
@@ -67,8 +69,7 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
         splits = replace(splits, val=splits.test)
     elif split != "val":
         raise UsageError(f"--split {split}: choose val or test.")
-    if data_cfg.sampler == "balanced":
-        splits = replace(splits, train_weights=balanced_train_weights(data_cfg, splits))
+    splits = with_class_draw(data_cfg, splits)
     kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
     configured = data_cfg.backend
     name, why = configured, "set in the config (data.backend)"
@@ -102,6 +103,8 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     # Recorded once, here: every writer (decisions.json, the start-up summary, data check, the engine's hint) reads it.
     info.backend, info.backend_why, info.backend_config, info.fallback = name, why, configured, fallback or ""
     info.backend_measured = measured
+    draw = splits.train_draw
+    info.sampler, info.sampler_why = (draw.sampler, draw.why) if draw is not None else ("shuffle", splits.sampler_why)
     loaders.info.facts = describe_data(splits)
     return splits.wrap(loaders)
 
@@ -117,21 +120,41 @@ def check_train_size(data_cfg, splits: Splits) -> None:
                          "less, for more than one step per epoch), or leave it unset.")
 
 
-def balanced_train_weights(data_cfg, splits: Splits) -> torch.Tensor:
-    """data.sampler=balanced: per-sample weights 1 / class count, from the training split's class-index labels."""
+def with_class_draw(data_cfg, splits: Splits) -> Splits:
+    """`splits` with the training split's per-sample draw weights of data.sampler=balanced|sqrt (and the epoch they
+    start, data.sampler_from_epoch); unchanged under shuffle, where data.sampler_from_epoch is refused. auto is
+    resolved here, the one place that reads the training labels first (data/core.py's auto_sampler)."""
+    sampler, why = data_cfg.sampler, ""
+    if sampler == "auto":
+        streamed = getattr(splits.train, "streaming", False) or data_cfg.repeated_aug > 1
+        sampler, why = ("shuffle", "data.sampler=auto: streamed shards or data.repeated_aug choose the samples") \
+            if streamed else auto_sampler(_labels(splits.train), splits.classes)
+    if sampler != "shuffle":
+        draw = ClassDraw(SAMPLER_POWER[sampler], data_cfg.sampler_from_epoch - 1, sampler, why)
+        return replace(splits, train_weights=balanced_train_weights(data_cfg, splits, draw), train_draw=draw)
+    if data_cfg.sampler_from_epoch != 1:
+        raise UsageError(f"data.sampler_from_epoch={data_cfg.sampler_from_epoch} says when data.sampler=balanced or sqrt "
+                         f"starts, but data.sampler={data_cfg.sampler}{f' ({why})' if why else ''}; set data.sampler="
+                         "balanced (or sqrt), or remove data.sampler_from_epoch.")
+    return replace(splits, sampler_why=why)
+
+
+def balanced_train_weights(data_cfg, splits: Splits, draw: ClassDraw) -> torch.Tensor:
+    """data.sampler=balanced|sqrt: per-sample weights class count ** -power, from the training split's class-index
+    labels."""
     labels = None if getattr(splits.train, "streaming", False) else _labels(splits.train)
     if labels is None:
-        raise UsageError(f"data.sampler=balanced draws samples by their class, but data.dataset={data_cfg.dataset} has no "
+        raise UsageError(f"data.sampler={draw.sampler} draws samples by their class, but data.dataset={data_cfg.dataset} has no "
                          "per-sample class labels to draw from (streamed shards, or targets that are not one class per "
                          "image). Remove data.sampler, or use an indexed dataset (image_folder, file_list).")
     if data_cfg.repeated_aug > 1:
-        raise UsageError(f"data.sampler=balanced with data.repeated_aug={data_cfg.repeated_aug}: both choose which samples "
+        raise UsageError(f"data.sampler={draw.sampler} with data.repeated_aug={data_cfg.repeated_aug}: both choose which samples "
                          "an epoch reads; use one of them.")
     empty = [c for c, n in zip(splits.classes, torch.bincount(labels, minlength=len(splits.classes)).tolist()) if n == 0]
     if empty:  # no draw can pick them: "every class equally often" would not hold (as loss.class_weights=auto refuses)
-        raise UsageError(f"data.sampler=balanced: class(es) {empty[:5]} have no training images, so no draw can pick "
+        raise UsageError(f"data.sampler={draw.sampler}: class(es) {empty[:5]} have no training images, so no draw can pick "
                          "them; add images, or remove data.sampler.")
-    return balanced_weights(labels, len(splits.classes))
+    return draw.weights(labels, len(splits.classes))
 
 
 def check_data_fields(data_cfg) -> None:

@@ -40,7 +40,9 @@ class Splits:
     label_changing: dict[str, str] = field(default_factory=dict)  # spec step -> why it would change a label's meaning
     test: Any = None  # a held-out test split (image_folder's test/), evaluated on request only
     source: str = ""  # where the splits come from, in words (the start-up summary prints it)
-    train_weights: torch.Tensor | None = None  # per-sample draw weights of the training split (data.sampler=balanced)
+    train_weights: torch.Tensor | None = None  # per-sample draw weights of the training split (data.sampler=balanced|sqrt)
+    train_draw: ClassDraw | None = None  # what train_weights were made from: the class power and the first weighted epoch
+    sampler_why: str = ""  # data.sampler=auto resolved to shuffle: why (a ClassDraw says it otherwise)
     skipped: dict[str, list[str]] = field(default_factory=dict)  # why -> files below data.root that are not samples
     notes: list[str] = field(default_factory=list)  # other facts of the listing for the start-up summary
 
@@ -190,6 +192,9 @@ class DataInfo:
     backend_config: str = ""  # data.backend as configured (auto, gpu, ...)
     fallback: str = ""  # why the configured backend could not run here ("" when it runs); then data.fallback ran
     facts: dict = field(default_factory=dict)  # what build.describe_data found (counts, sizes, source)
+    # The training order that runs (data.sampler, or what `auto` resolved to) and, for auto, why; set in build_loaders.
+    sampler: str = "shuffle"
+    sampler_why: str = ""
     backend_measured: dict = field(default_factory=dict)  # data.backend=auto's measurement (auto.measure_backends)
 
     @property
@@ -300,19 +305,22 @@ class EpochSampler(torch.utils.data.Sampler):
     (shuffle=False, pad=False): disjoint contiguous-stride shards with no sample counted twice.
     `start_batch` skips batches already consumed (exact mid-epoch resume) without loading them.
     `repeats` > 1 (train mode): repeated-augmentation sampling (data.repeated_aug), see repeat_aug_positions.
-    `weights` (train mode, data.sampler=balanced): the epoch's order is n draws with replacement, sample i drawn
+    `weights` (train mode, data.sampler=balanced|sqrt): the epoch's order is n draws with replacement, sample i drawn
     with probability weights[i] / sum(weights) (torch's WeightedRandomSampler with num_samples=n), from the same
     (seed, epoch) generator as the shuffle; ranks take disjoint shards of that one global draw as above. A sample
     drawn twice is augmented differently: the augmentation key is the draw's position, not the sample index.
+    `weights_from` (0-based epoch, data.sampler_from_epoch - 1): the epochs before it shuffle, as without weights;
+    which kind an epoch gets is a function of its number alone, so a resumed run draws what the uninterrupted one did.
     """
 
     def __init__(self, n: int, *, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, pad: bool = True,
-                 repeats: int = 1, weights: torch.Tensor | None = None):
+                 repeats: int = 1, weights: torch.Tensor | None = None, weights_from: int = 0):
         self.n, self.seed, self.shuffle, self.pad = n, seed, shuffle, pad
         self.rank, self.world_size, self.repeats = rank, world_size, repeats
         if weights is not None and (len(weights) != n or repeats > 1 or not shuffle):
             raise ValueError("weights: one per sample, train mode (shuffle) only, without repeats")
         self.weights = None if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+        self.weights_from = weights_from
         self.epoch = 0
         self.start = 0  # samples to skip at the start of this epoch (per rank)
 
@@ -322,7 +330,7 @@ class EpochSampler(torch.utils.data.Sampler):
     def permutation(self) -> list[int]:
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            if self.weights is not None:
+            if self.weighted():
                 return torch.multinomial(self.weights, self.n, replacement=True, generator=g).tolist()
             return torch.randperm(self.n, generator=g).tolist()
         return list(range(self.n))
@@ -336,7 +344,7 @@ class EpochSampler(torch.utils.data.Sampler):
             pos = repeat_aug_positions(self.n, self.repeats, self.rank, self.world_size)
             return [order[i // self.repeats] for i in pos], [order[i // self.repeats] * self.repeats + i % self.repeats
                                                              for i in pos]
-        keys = list(range(len(order))) if self.weights is not None else order  # a draw's position (see the class doc)
+        keys = list(range(len(order))) if self.weighted() else order  # a draw's position (see the class doc)
         if self.pad and self.world_size > 1:
             total = math.ceil(self.n / self.world_size) * self.world_size
             order = (order * math.ceil(total / max(1, self.n)))[:total]
@@ -345,6 +353,10 @@ class EpochSampler(torch.utils.data.Sampler):
 
     def indices(self) -> list[int]:
         return self.keyed_indices()[0]
+
+    def weighted(self) -> bool:
+        """Whether this epoch's order is the weighted draw (train mode, weights given, epoch >= weights_from)."""
+        return self.shuffle and self.weights is not None and self.epoch >= self.weights_from
 
     def keys(self) -> tuple[list[int], list[int]]:
         """This epoch's sample indices from `start` on, and their augmentation seeds (two lists)."""
@@ -360,11 +372,52 @@ class EpochSampler(torch.utils.data.Sampler):
         return len(self.indices()) - self.start
 
 
-def balanced_weights(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Per-sample weights 1 / (its class's training count): every class has total weight 1, so a weighted draw
-    picks each class equally often in expectation (data.sampler=balanced)."""
+def balanced_weights(labels: torch.Tensor, num_classes: int, power: float = 1.0) -> torch.Tensor:
+    """Per-sample weights n_c ** -power, n_c the training count of the sample's class. power=1 (data.sampler=balanced):
+    every class has total weight 1, so a weighted draw picks each class equally often in expectation; power=0.5
+    (data.sampler=sqrt): class c's total weight is n_c ** 0.5, its share of the draws sqrt(n_c) / sum_k sqrt(n_k)."""
     counts = torch.bincount(labels, minlength=num_classes).double()
-    return 1.0 / counts[labels]
+    return counts[labels] ** -power
+
+
+@dataclass(frozen=True)
+class ClassDraw:
+    """data.sampler=balanced|sqrt resolved: the power of balanced_weights and the first weighted epoch (0-based)."""
+
+    power: float  # 1.0 balanced, 0.5 sqrt
+    start_epoch: int = 0  # data.sampler_from_epoch - 1
+    sampler: str = ""  # the sampler's name (balanced, sqrt)
+    why: str = ""  # data.sampler=auto: why it drew this way
+
+    def weights(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+        return balanced_weights(labels, num_classes, self.power)
+
+
+SAMPLER_POWER = {"balanced": 1.0, "sqrt": 0.5}  # data.sampler -> balanced_weights' power
+
+# data.sampler=auto draws by square-root frequency from this ratio of the largest to the smallest training class
+# (BENCHMARKS.md, "Imbalanced classes: what the default counters with, 2026-11-29": the threshold and the winner).
+AUTO_SAMPLER = "sqrt"
+AUTO_SAMPLER_RATIO = 4.0
+
+
+def auto_sampler(labels: torch.Tensor | None, classes: list[str]) -> tuple[str, str]:
+    """data.sampler=auto resolved from the training labels: (AUTO_SAMPLER or "shuffle", why in words)."""
+    if labels is None:
+        return "shuffle", "data.sampler=auto: no per-sample class labels to balance"
+    counts = torch.bincount(labels, minlength=len(classes)).tolist()
+    present = [(n, c) for n, c in zip(counts, classes) if n > 0]
+    (big, big_name), (small, small_name) = max(present), min(present)
+    ratio = big / small
+    found = (f"the training classes are {ratio:.1f}x imbalanced ({big_name} {big:,} images, {small_name} {small:,}), "
+             f"{'at least' if ratio >= AUTO_SAMPLER_RATIO else 'under'} the {AUTO_SAMPLER_RATIO:g}x from which "
+             "data.sampler=auto counters it")
+    return (AUTO_SAMPLER, found) if ratio >= AUTO_SAMPLER_RATIO else ("shuffle", found)
+
+
+def draw_start(splits: Splits) -> int:
+    """The first epoch (0-based) of the training split's weighted draw (EpochSampler's weights_from); 0 without one."""
+    return splits.train_draw.start_epoch if splits.train_draw is not None else 0
 
 
 def repeat_aug_positions(n: int, repeats: int, rank: int, world_size: int, selected_round: int = 256) -> list[int]:

@@ -70,6 +70,21 @@ def smooth_l1(**args):
     return nn.SmoothL1Loss(**args)
 
 
+class LogitAdjusted(nn.Module):
+    """loss(logits + tau * log(prior), target): Menon et al. 2021's logit-adjusted loss (loss.logit_adjust), written
+    here because torch has none. `prior` (K,) is each class's share of the training images; the shift is a
+    constant per class, so it moves the decision boundary during training only: the model's plain logits predict.
+    """
+
+    def __init__(self, loss: nn.Module, prior: torch.Tensor, tau: float):
+        super().__init__()
+        self.loss = loss
+        self.register_buffer("shift", tau * torch.log(prior.double()).float(), persistent=False)  # (K,)
+
+    def forward(self, logits, target):
+        return self.loss(logits + self.shift.to(logits.dtype), target)
+
+
 class WeightedSum(nn.Module):
     """sum_i w_i * loss_i(output, target): the seeds' list of criteria, as one loss."""
 

@@ -101,14 +101,18 @@ def get_task(name: str) -> Task:
 
 
 def apply_defaults(cfg) -> None:
-    """Fill the task's default loss and checkpoint.monitor/mode where the config does not set them."""
+    """Fill the task's default loss and checkpoint.monitor/mode where the config does not set them.
+
+    Written into the section's __dict__, past pydantic's validating __setattr__ (the values are the task's own
+    constants), so that they stay unset in `model_fields_set`: a default the task fills is not the user's choice
+    (Config.set_by_user; train/imbalance.py changes the monitor only where the user set none)."""
     task = get_task(cfg.task)
     if "name" not in cfg.loss.model_fields_set and not cfg.loss.terms:
-        cfg.loss.name = task.loss
+        cfg.loss.__dict__["name"] = task.loss
     if "monitor" not in cfg.checkpoint.model_fields_set:
-        cfg.checkpoint.monitor = task.monitor
+        cfg.checkpoint.__dict__["monitor"] = task.monitor
     if "mode" not in cfg.checkpoint.model_fields_set:
-        cfg.checkpoint.mode = task.mode
+        cfg.checkpoint.__dict__["mode"] = task.mode
 
 
 def check_data_task(cfg, info) -> None:

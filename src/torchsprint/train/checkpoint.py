@@ -215,7 +215,7 @@ def data_geometry(cfg, world_size: int) -> dict[str, int | str]:
     """What fixes the meaning of a mid-epoch data position: batch size, accumulation, ranks, seed."""
     return {"batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
             "world_size": world_size, "seed": cfg.run.seed, "repeated_aug": cfg.data.repeated_aug,
-            "data_sampler": cfg.data.sampler}
+            "data_sampler": cfg.data.sampler, "data_sampler_from_epoch": cfg.data.sampler_from_epoch}
 
 
 def epoch_number(state: TrainState) -> int:

@@ -27,27 +27,10 @@ def materialize_lazy(model, loader, tta=None) -> None:
             model(first_view(images[:1], tta))
 
 
-def check_imbalance(cfg, targets: str) -> None:
-    """Refuse data.sampler=balanced and loss.class_weights=auto where they have no meaning (before any data is read)."""
-    asked = [s for s, on in (("data.sampler=balanced", cfg.data.sampler == "balanced"),
-                             ("loss.class_weights=auto", cfg.loss.class_weights == "auto")) if on]
-    if asked and targets != "class_index":
-        raise UsageError(f"{' and '.join(asked)} balance classes, but task={cfg.task} has no single class per image "
-                         f"(its targets are {targets}); remove {' and '.join(s.split('=')[0] for s in asked)}.")
-    if cfg.loss.class_weights != "auto":
-        return
-    if cfg.loss.terms or cfg.loss.name != "cross_entropy":
-        raise UsageError(f"loss.class_weights=auto sets cross_entropy's per-class weight, but the loss is "
-                         f"{'loss.terms' if cfg.loss.terms else cfg.loss.name}; use loss.name=cross_entropy, or give "
-                         "per-class weights in the loss's own args.")
-    if "weight" in cfg.loss.args:
-        raise UsageError("loss.class_weights=auto and loss.args.weight both set the per-class weights; keep one.")
-
-
 def build_run_loss(cfg, targets: str, info, log=lambda *_: None):
-    """build_loss of the run, with loss.class_weights=auto resolved from the training counts in `info.facts`
-    (training and every later evaluation of the run use the same weighted loss)."""
-    from torchsprint.optim.losses import build_loss
+    """build_loss of the run, with loss.class_weights=auto and loss.logit_adjust resolved from the training counts in
+    `info.facts` (training and every later evaluation of the run use the same loss)."""
+    from torchsprint.optim.losses import LogitAdjusted, build_loss
 
     loss_cfg = cfg.loss
     if cfg.loss.class_weights == "auto":
@@ -56,21 +39,42 @@ def build_run_loss(cfg, targets: str, info, log=lambda *_: None):
         log("loss.class_weights=auto: cross_entropy weight per class (1 / training count, mean 1): "
             + ", ".join(f"{c} {w:.3g}" for c, w in list(zip(info.classes, weight.tolist()))[:10])
             + (f", ... {len(weight) - 10} more" if len(weight) > 10 else ""))
-    return build_loss(loss_cfg, targets, info.num_classes)
+    loss_fn = build_loss(loss_cfg, targets, info.num_classes)
+    if cfg.loss.logit_adjust > 0:
+        counts = torch.tensor(training_counts(info, f"loss.logit_adjust={cfg.loss.logit_adjust:g}"), dtype=torch.float64)
+        loss_fn = LogitAdjusted(loss_fn, counts / counts.sum(), cfg.loss.logit_adjust)
+        log(f"loss.logit_adjust={cfg.loss.logit_adjust:g}: training logits shifted by tau x log(class share): "
+            + ", ".join(f"{c} {s:+.2f}" for c, s in list(zip(info.classes, loss_fn.shift.tolist()))[:10])
+            + (f", ... {len(counts) - 10} more" if len(counts) > 10 else ""))
+    return loss_fn
 
 
 def class_weights(info) -> torch.Tensor:
     """loss.class_weights=auto: inverse training frequency per class, normalised to mean 1 (float32, class order)."""
+    inv = 1.0 / torch.tensor(training_counts(info, "loss.class_weights=auto"), dtype=torch.float64)
+    return (inv / inv.mean()).float()
+
+
+def decide_run_loss(cfg, targets: str, info, device, log) -> tuple:
+    """(the config the run trains with, its loss on `device`): data.sampler=auto as build_loaders resolved it, and the
+    monitor that goes with it (train/imbalance.py's after_data), first, so that config.yaml and the records agree."""
+    from torchsprint.train.imbalance import after_data
+
+    cfg = after_data(cfg, info)
+    return cfg, build_run_loss(cfg, targets, info, log).to(device)
+
+
+def training_counts(info, setting: str) -> list[int]:
+    """The training images per class (info.facts), every one > 0; else a UsageError naming `setting`."""
     counts = info.facts.get("class_counts", {}).get("per_class")
     if counts is None:
-        raise UsageError("loss.class_weights=auto needs the training set's class counts, which this dataset does not "
-                         "give (no per-sample class labels); set loss.args.weight (one value per class) instead.")
+        raise UsageError(f"{setting} needs the training set's class counts, which this dataset does not give (no "
+                         "per-sample class labels); remove it (or set loss.args.weight, one value per class).")
     empty = [c for c, n in zip(info.classes, counts) if n == 0]
     if empty:
-        raise UsageError(f"loss.class_weights=auto: class(es) {empty[:5]} have no training images, so their inverse "
-                         "frequency is infinite; add images, or set loss.args.weight (one value per class) instead.")
-    inv = 1.0 / torch.tensor(counts, dtype=torch.float64)
-    return (inv / inv.mean()).float()
+        raise UsageError(f"{setting}: class(es) {empty[:5]} have no training images, so their frequency is 0 (its "
+                         "inverse and its log are infinite); add images, or remove it.")
+    return counts
 
 
 def evaluate_test(cfg, b, ctx, step: int) -> dict:

@@ -249,8 +249,8 @@ def describe_decisions(d: dict) -> list[str]:
         lo, hi = cc["smallest"], cc["largest"]
         ratio = hi[1] / max(lo[1], 1)
         extra.append(f"smallest class {lo[0]} ({lo[1]:,}), largest {hi[0]} ({hi[1]:,}): {ratio:.1f}x imbalance"
-                     + (" (validation reports balanced accuracy and the weakest class's recall beside top-1; to "
-                        "balance training: data.sampler=balanced or loss.class_weights=auto)" if ratio >= IMBALANCED else ""))
+                     + (" (validation reports balanced accuracy and the weakest class's recall beside top-1; what "
+                        "counters it: docs/recipes.md, 'Imbalanced classes')" if ratio >= IMBALANCED else ""))
     if size:
         lo, hi = size["min"], size["max"]
         extra.append(f"image size {lo[1]}x{lo[0]}" + (f" to {hi[1]}x{hi[0]}" if lo != hi else "")

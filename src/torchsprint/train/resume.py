@@ -96,7 +96,7 @@ def restore(ckpt: dict, opt, sched, prec, rt, geometry: dict[str, int], log) -> 
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
         raise UsageError(f"the checkpoint was saved in the middle of epoch {state.epoch + 1} (step {state.global_step}) "
                          f"and this run changes {what}: the data position would no longer match. Resume with the "
-                         "same data.batch_size, optim.accum_steps, number of processes, run.seed, data.repeated_aug and data.sampler, or from a "
+                         "same data.batch_size, optim.accum_steps, number of processes, run.seed, data.repeated_aug, data.sampler and data.sampler_from_epoch, or from a "
                          "checkpoint saved at an epoch boundary.")
     try:
         opt.load_state_dict(ckpt["optimizer"])

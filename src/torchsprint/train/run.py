@@ -22,8 +22,7 @@ from torchsprint.tasks.tta import plan_tta, with_loading_spec
 from torchsprint.train.context import RunContext
 from torchsprint.train.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BACKENDS: re-exported for callers of run)
     EVAL_BACKENDS,
-    build_run_loss,
-    check_imbalance,
+    decide_run_loss,
     evaluate_run,
     evaluate_test,
     finish_swa,
@@ -31,6 +30,7 @@ from torchsprint.train.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BA
     materialize_lazy,
     not_deterministic,
 )
+from torchsprint.train.imbalance import before_data
 from torchsprint.train.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
 from torchsprint.train.swa import NoSwa
 
@@ -106,7 +106,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     fetch_run_weights(cfg.model, cfg.distill.teacher if distilling else None, rt, log, resuming=ckpt is not None)
     batch = choose_batch(cfg, rt, log, ckpt)  # before anything of the run is built: the search leaves nothing behind
     cfg = resolved_config(cfg, batch)
-    check_imbalance(cfg, task.targets)
+    cfg = before_data(cfg, task.targets)  # data.sampler=auto: shuffle where it has nothing to do; refusals
     inputs = decide_input_format(cfg.speed)  # (channels_last batches, why): the loaders and the plan read this
     # eval.tta=five_crop/ten_crop loads larger eval images, to crop from (tta.loading_spec); training is unchanged
     loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), rt, seed=cfg.run.seed, channels_last=inputs[0],
@@ -154,13 +154,13 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
 
 
 def decide_precision_and_format(cfg, rt, model, loaders, task, prec, ckpt, distilling: bool, log) -> tuple:
-    """precision=auto and speed.channels_last=auto decided once (train/speed_probe.py): (the config saying what runs,
-    for config.yaml, the Precision that trains, the AutoSpeed for the plan, the run's loss). The batches stay NCHW
-    under auto and under the false it may become: the loaders built before stand."""
+    """The imbalance default (train/imbalance.py), precision=auto and speed.channels_last=auto (train/speed_probe.py)
+    decided once: (the config saying what runs, for config.yaml, the Precision that trains, the AutoSpeed for the plan,
+    the run's loss). The batches stay NCHW under auto and the false it may become: the loaders built before stand."""
     from torchsprint.train.precision import Precision
     from torchsprint.train.speed_probe import decide_auto
 
-    loss_fn = build_run_loss(cfg, task.targets, loaders.info, log).to(rt.device)  # before the probe: it trains with it
+    cfg, loss_fn = decide_run_loss(cfg, task.targets, loaders.info, rt.device, log)  # before the probe: it trains with it
     auto = decide_auto(cfg, rt, model, loaders.train, loss_fn, ckpt=ckpt, distilling=distilling)
     cfg = auto.resolved(cfg)
     if auto.precision != prec.mode:  # never under distillation (not measured): the teacher's Precision is the first

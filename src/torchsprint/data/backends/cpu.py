@@ -11,6 +11,7 @@ from torchsprint.data.core import (
     EpochSampler,
     Loaders,
     TensorImages,
+    draw_start,
 )
 from torchsprint.data.prefetch import prefetch_to_device
 from torchsprint.data.preprocess.normalize import DeviceNormalize
@@ -214,7 +215,7 @@ class DeviceLoader:
 
 
 def make_loaders(raws: list, pipelines: list, data_cfg, rt, *, seed, channels_last, dtype,
-                 train_weights: torch.Tensor | None = None) -> list[DeviceLoader]:
+                 train_weights: torch.Tensor | None = None, weights_from: int = 0) -> list[DeviceLoader]:
     """A DeviceLoader per split (the first one trains), all drawing from one DataLoader and its workers."""
     workers = data_cfg.num_workers
     shared = torch.utils.data.DataLoader(
@@ -234,7 +235,7 @@ def make_loaders(raws: list, pipelines: list, data_cfg, rt, *, seed, channels_la
         train = split == 0
         sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
                                repeats=data_cfg.repeated_aug if train else 1,
-                           weights=train_weights if train else None)
+                           weights=train_weights if train else None, weights_from=weights_from)
         batch_size = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop_last = train and data_cfg.drop_last and len(sampler) >= data_cfg.batch_size
         norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last, recycle=True)
@@ -280,7 +281,7 @@ def cpu_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.f
         val = make_stream_loader(val_raw, eval_p, data_cfg, rt, train=False, **kw)
     else:
         train, val = make_loaders([train_raw, val_raw], [train_p, eval_p], data_cfg, rt, **kw,
-                                  train_weights=splits.train_weights)
+                                  train_weights=splits.train_weights, weights_from=draw_start(splits))
     train.resolution = attach_schedule(data_cfg, train_p.cpu.transforms if train_p.cpu is not None else [])
     info = DataInfo(splits.classes, splits.in_channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=train, val=val, info=info)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torchsprint.data.core import LOADERS, Backend, DataInfo, EpochSampler, Loaders, cuda_missing
+from torchsprint.data.core import LOADERS, Backend, DataInfo, EpochSampler, Loaders, cuda_missing, draw_start
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.preprocess.batch_ops import Flip
 from torchsprint.data.preprocess.decode import BadImage, check_size, decode_bytes, read_header
@@ -239,7 +239,7 @@ def dali_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.
     for raw, pipe, train in ((splits.train, train_p, True), (splits.val, eval_p, False)):
         sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
                            repeats=data_cfg.repeated_aug if train else 1,
-                           weights=splits.train_weights if train else None)
+                           weights=splits.train_weights if train else None, weights_from=draw_start(splits))
         bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop = train and data_cfg.drop_last and len(sampler) >= bs
         out.append(DaliLoader(raw, pipe, sampler, bs, drop, rt, norm, max(2, data_cfg.num_workers), data_cfg.prefetch_factor,

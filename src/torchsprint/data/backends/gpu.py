@@ -64,6 +64,7 @@ from torchsprint.data.core import (
     EpochSampler,
     Loaders,
     cuda_missing,
+    draw_start,
 )
 from torchsprint.data.prefetch import AheadIterator, prefetch_to_device, stage, stage_params  # noqa: F401  (stage: tests)
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
@@ -400,7 +401,7 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
         fraction = torch.tensor([start], dtype=torch.float64).share_memory_()
         sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
                            repeats=data_cfg.repeated_aug if train else 1,
-                           weights=splits.train_weights if train else None)
+                           weights=splits.train_weights if train else None, weights_from=draw_start(splits))
         bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop = train and data_cfg.drop_last and len(sampler) >= bs
         workers = data_cfg.num_workers

@@ -15,7 +15,7 @@ from torchsprint.data.core import (
     DataInfo,
     EpochSampler,
     Loaders,
-    balanced_weights,
+    draw_start,
     memory_budget,
     sample_seeds,
     size_text,
@@ -144,8 +144,9 @@ def memory_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torc
         fits_on_device(images.numel(), rt.device)
         sampler = EpochSampler(len(targets), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
                                repeats=data_cfg.repeated_aug if train else 1,
-                               weights=balanced_weights(targets, len(splits.classes))
-                               if train and splits.train_weights is not None else None)  # skipped samples are not in targets
+                               weights=splits.train_draw.weights(targets, len(splits.classes))
+                               if train and splits.train_draw is not None else None,  # skipped samples are not in targets
+                               weights_from=draw_start(splits))
         bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop = train and data_cfg.drop_last and len(sampler) >= bs
         loader = MemoryLoader(images.to(rt.device), targets.to(rt.device), pipe, sampler, bs, drop, norm)

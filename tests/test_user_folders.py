@@ -248,8 +248,7 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
     assert cfg.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
     assert cfg.model.name == "resnet18"
     assert [c["setting"] for c in cfg.chosen()] == ["data.dataset", "data.train.transforms", "data.eval.transforms",
-                                                   "model.name", "model.pretrained", "optim.lr", "sched.warmup_epochs",
-                                                   "model.args.zero_init_residual"]
+                                                   "model.name", "model.pretrained", "optim.lr", "sched.warmup_epochs"]
     # Offline (tests/conftest.py) and nothing cached: from scratch, saying how to get the weights (models/start.py).
     assert cfg.model.pretrained is None and "weights get" in cfg.chosen()[4]["override"]
     assert all(c["why"] and c["override"] for c in cfg.chosen())
@@ -327,7 +326,7 @@ def test_cli_photo_defaults_are_in_the_summary_and_the_run_folder(tmp_path, caps
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["model"]["name"] == "resnet18" and saved["data"]["eval"]["transforms"][-1] == {"center_crop": 64}
     decided = json.loads((tmp_path / "run" / "decisions.json").read_text())
-    assert [c["setting"] for c in decided["chosen"]][-5:] == ["model.name", "model.pretrained", "optim.lr",
-                                                              "sched.warmup_epochs", "model.args.zero_init_residual"]
+    assert [c["setting"] for c in decided["chosen"]][-4:] == ["model.name", "model.pretrained", "optim.lr",
+                                                              "sched.warmup_epochs"]
     # The optimizer that ran used the chosen peak lr (0.1 x batch 4 / 256), recorded in config.yaml for resume/eval
     assert saved["optim"]["lr"] == pytest.approx(0.1 * 4 / 256) and saved["sched"]["warmup_epochs"] == 1.0

@@ -11,8 +11,8 @@ Config.chosen (the start-up summary and decisions.json), each with why and how t
 - with weights (picked or named): the weights' normalisation appended to the transforms torchsprint picked, the
   fine-tuning learning rate (FINE_TUNE_LR_PER_256 per 256 images of the batch) with no warm-up, and the new head
   trained first with the body frozen for FREEZE_EPOCHS (fastai's fine_tune: `freeze_epochs=1`).
-- without: data/detect.py's photo_schedule (the from-scratch lr and warm-up), and for torchvision's ResNets each
-  residual block's last BatchNorm started at zero (model.args.zero_init_residual, ZERO_INIT).
+- without: data/detect.py's photo_schedule (the from-scratch lr and warm-up); a torchvision ResNet trained with no
+  warm-up starts each residual block's last BatchNorm at zero (model.args.zero_init_residual, ZERO_INIT).
 """
 
 from __future__ import annotations
@@ -64,15 +64,18 @@ def photo_start(cfg, chosen: list[Choice]) -> list[Choice]:
 
 
 def zero_init(cfg) -> list[Choice]:
-    """model.args.zero_init_residual=true for a torchvision ResNet trained from scratch, where model.args leaves it."""
+    """model.args.zero_init_residual=true for a torchvision ResNet trained from scratch without a warm-up (the run starts
+    at its peak lr), where model.args leaves it. With a warm-up (the photo defaults' lr rule) it is left off: there it
+    slowed learning (BENCHMARKS.md "Zero-initialised residuals: with and without a warm-up")."""
     model = cfg.model
-    if model.name not in ZERO_INIT or "zero_init_residual" in model.args:
+    if model.name not in ZERO_INIT or "zero_init_residual" in model.args or cfg.sched.warmup_epochs > 0:
         return []
     model.args = {**model.args, "zero_init_residual": True}
-    return [Choice("model.args.zero_init_residual", True, "from scratch: each residual block's last BatchNorm starts "
-                   "at zero, so the network starts as a chain of identities (Goyal et al. 2017; timm's ResNets do so by "
-                   "default); on ResNet-18 at lr 0.1 without warm-up it lifted val top-1 from 0.33-0.44 to 0.96 "
-                   "(BENCHMARKS.md \"torchsprint beside timm's train.py\")", "model.args={zero_init_residual: false}")]
+    return [Choice("model.args.zero_init_residual", True, "from scratch with no warm-up: each residual block's last "
+                   "BatchNorm starts at zero, so the network starts as a chain of identities (Goyal et al. 2017; timm's "
+                   "ResNets do so by default) and the first steps at the peak lr do not diverge; on ResNet-18 at lr 0.1 "
+                   "without warm-up it lifted val top-1 from 0.33-0.44 to 0.96 (BENCHMARKS.md \"torchsprint beside "
+                   "timm's train.py\")", "model.args={zero_init_residual: false}")]
 
 
 def available(spec: str, model_name: str) -> tuple[str | None, str]:

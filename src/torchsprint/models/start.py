@@ -17,7 +17,6 @@ Config.chosen (the start-up summary and decisions.json), each with why and how t
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 
 from torchsprint.data.detect import Choice, lr_unset, photo_schedule, step_batch
@@ -97,7 +96,7 @@ def available(spec: str, model_name: str) -> tuple[str | None, str]:
         return None, (f"{model_name}'s published weights are not in the cache ({src.target}); a DDP run fine-tunes by "
                       "default only from cached weights")
     try:
-        path = fetch(spec, model_name, log=lambda line: print(line, file=sys.stderr, flush=True))
+        path = fetch(spec, model_name)  # its log: what is downloaded from where, on stderr
     except UsageError as e:
         return None, (f"{model_name}'s published weights are not in the cache and {getattr(e, 'reason', e)} (a machine "
                       "without network: TORCHSPRINT_OFFLINE=1 skips the attempt)")

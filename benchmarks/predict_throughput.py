@@ -90,7 +90,7 @@ def main() -> None:
     for name, (run, paths, bs) in cases.items():
         export(run, "onnx")
         preds = {b: Predictor.from_run(run, backend=b, device=args.device, batch_size=bs) for b in ("torch", "onnx")}
-        batch = torch.stack(preds["torch"]._load_many(paths[:bs]))
+        batch = torch.stack([img for _, img in preds["torch"]._stream(paths[:bs])])
         for p in preds.values():  # warm-up: first-call allocations, onnxruntime graph optimisation
             p.predict(paths[:bs])
         e2e = {b: [] for b in preds}

@@ -7,11 +7,14 @@ center_crop 224), random weights (speed does not depend on them). Servers, each 
                and preprocessing (torchsprint's decoder and eval spec)
   litserve     LitServe with its batching (max_batch_size, batch_timeout as above); requests are JSON with the image
                in base64, LitServe's usual way (its default handler parses JSON or form data, not a raw body)
+Each server may carry a precision (`torchsprint:fp32`, `fastapi:bf16`): torchsprint without one runs its default
+(serve.precision auto: bf16 on a CPU with native bf16, as the runs say they trained; see TRAINED), the baselines
+fp32 (the model as loaded). The default list puts torchsprint's default and its fp32 beside the fp32 baselines.
 The load generator (aiohttp: httpx's AsyncClient itself topped out near 100 requests/s at 32 connections here,
 where aiohttp made 2,200; `concurrency` requests always in flight) runs in this process and shares
 the machine's cores with the server: on a small machine it takes a share of them from every server alike.
 
-    python benchmarks/serve_load.py [--configs digits,resnet18] [--servers torchsprint,fastapi,litserve]
+    python benchmarks/serve_load.py [--configs digits,resnet18] [--servers torchsprint,torchsprint:fp32,fastapi,litserve]
         [--concurrency 1,8,32,128] [--duration 10] [--device cpu] [--json out.json]
     python benchmarks/serve_load.py --soak [SECONDS]   # torchsprint alone, concurrency 64, 5% bad requests
 
@@ -41,6 +44,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MAX_BATCH, MAX_WAIT_MS = 32, 5.0  # the same batching settings for torchsprint and LitServe
+# The runs' saved config says what `precision: auto` chose when training both models on a CPU with native bf16
+# (BENCHMARKS.md "precision auto: what the speed probe measured"): amp_bf16 in channels_last. `serve` (precision
+# auto) then runs them in bf16 on such a CPU and in fp32 elsewhere; `torchsprint:fp32` forces fp32.
+TRAINED = ["precision=amp_bf16", "speed.channels_last=true"]
 
 
 # ---------------------------------------------------------------- the cases and their images
@@ -52,14 +59,14 @@ def make_cases(tmp: Path, which: list[str]) -> dict:
 
     cases = {}
     if "digits" in which:
-        run = make_run(tmp / "digits", "small_cnn", [], 1, 10)
+        run = make_run(tmp / "digits", "small_cnn", [], 1, 10, TRAINED)
         files = make_images(tmp / "png", 64, (8, 8), True, ".png")
         cases["digits small_cnn 8x8 PNG"] = (run, [Path(f).read_bytes() for f in files], "image/png")
     if "resnet18" in which:
         spec = [{"resize": 256}, {"center_crop": 224}, {"normalize": "imagenet"}]
         files = make_images(tmp / "jpg" / "c0", 32, (500, 375), False, ".jpg")
         run = make_run(tmp / "r18", "resnet18", spec, 3, 1000,
-                       ["data.dataset=image_folder", f"data.root={tmp / 'jpg'}", f"data.train.transforms={spec}"])
+                       ["data.dataset=image_folder", f"data.root={tmp / 'jpg'}", f"data.train.transforms={spec}", *TRAINED])
         cases["resnet18 224 JPEG 500x375"] = (run, [Path(f).read_bytes() for f in files], "image/jpeg")
     return cases
 
@@ -90,18 +97,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(kind: str, run: Path, device: str, log: Path, threads: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(entry: str, run: Path, device: str, log: Path, threads: int | None = None) -> tuple[subprocess.Popen, str]:
     """Start one server process; (process, base URL) once its health check answers. `threads`: the baselines' torch
     threads (torchsprint measures its own)."""
     py = sys.executable
+    kind, precision = server_kind(entry)
     if kind == "torchsprint":
         cmd = [py, "-m", "torchsprint", "serve", str(run), "--port", "0", "--max-batch", str(MAX_BATCH),
-               "--max-wait-ms", str(MAX_WAIT_MS), "--device", device, "--queue-limit", "1024"]
+               "--max-wait-ms", str(MAX_WAIT_MS), "--device", device, "--queue-limit", "1024",
+               *(["--precision", precision] if precision else [])]
         health = "/ready"
     else:
         port = free_port()
         cmd = [py, __file__, f"--{kind}-server", str(run), "--port", str(port), "--device", device,
-               *(["--threads", str(threads)] if threads else [])]
+               "--precision", precision or "fp32", *(["--threads", str(threads)] if threads else [])]
         health = "/health"
     out = open(log, "w")
     # Its own process group: LitServe's worker processes go down with it (stop_server signals the group), and so
@@ -130,6 +139,15 @@ def start_server(kind: str, run: Path, device: str, log: Path, threads: int | No
 
 
 STARTED: list[subprocess.Popen] = []
+
+
+def server_kind(entry: str) -> tuple[str, str | None]:
+    """'torchsprint', 'fastapi:bf16' -> (server, precision or None). None: torchsprint's own default (auto); the
+    baselines run fp32 then (a hand-written endpoint runs the model as loaded)."""
+    kind, _, precision = entry.partition(":")
+    if kind not in ("torchsprint", "fastapi", "litserve") or precision not in ("", "auto", "fp32", "bf16"):
+        raise SystemExit(f"--servers {entry}: use torchsprint, fastapi or litserve, each optionally :fp32, :bf16 or :auto")
+    return kind, precision or None
 
 
 def stop_server(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
@@ -166,7 +184,7 @@ def same_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def plain_server(run: str, port: int, device: str, threads: int | None) -> None:
+def plain_server(run: str, port: int, device: str, threads: int | None, precision: str) -> None:
     """(a) The hand-written endpoint: read the body, preprocess, one forward per request, top-5."""
     import torch
     import uvicorn
@@ -177,7 +195,7 @@ def plain_server(run: str, port: int, device: str, threads: int | None) -> None:
     from torchsprint.commands.predict import Predictor
     from torchsprint.commands.serve_engine import Decoder
 
-    pred = Predictor.from_run(run, device=device)
+    pred = Predictor.from_run(run, device=device, precision=precision)
     decoder = Decoder(pred, 40_000_000)
     app = FastAPI()
 
@@ -207,15 +225,15 @@ if ls is not None:
     class LitImageAPI(ls.LitAPI):
         """(b) LitServe with its batching: decode in decode_request, stack in batch, one forward per batch."""
 
-        def __init__(self, run: str, device: str, threads: int | None, **kw):
+        def __init__(self, run: str, device: str, threads: int | None, precision: str, **kw):
             super().__init__(**kw)
-            self.run, self.device_name, self.threads = run, device, threads
+            self.run, self.device_name, self.threads, self.precision = run, device, threads, precision
 
         def setup(self, dev):
             from torchsprint.commands.predict import Predictor
             from torchsprint.commands.serve_engine import Decoder
 
-            self.pred = Predictor.from_run(self.run, device=self.device_name)
+            self.pred = Predictor.from_run(self.run, device=self.device_name, precision=self.precision)
             self.decoder = Decoder(self.pred, 40_000_000)
             same_threads(self.threads)
 
@@ -237,10 +255,10 @@ if ls is not None:
             return {"predictions": self.pred.task.postprocess(row[None], self.pred.classes, {"topk": 5})}
 
 
-def litserve_server(run: str, port: int, device: str, threads: int | None) -> None:
+def litserve_server(run: str, port: int, device: str, threads: int | None, precision: str) -> None:
     if ls is None:
         raise SystemExit("LitServe is not installed: pip install litserve")
-    api = LitImageAPI(run, device, threads, max_batch_size=MAX_BATCH, batch_timeout=MAX_WAIT_MS / 1000)
+    api = LitImageAPI(run, device, threads, precision, max_batch_size=MAX_BATCH, batch_timeout=MAX_WAIT_MS / 1000)
     server = ls.LitServer(api, accelerator="cuda" if device.startswith("cuda") else "cpu", workers_per_device=1)
     server.run(host="127.0.0.1", port=port, generate_client_file=False, log_level="warning", num_api_servers=1)
 
@@ -418,7 +436,7 @@ def verdicts(rows: list[dict]) -> list[str]:
         for c in dict.fromkeys(r["concurrency"] for r in rows if r["case"] == case):
             at = {r["server"]: r for r in rows if r["case"] == case and r["concurrency"] == c}
             ours = at.get("torchsprint")
-            others = [r for k, r in at.items() if k != "torchsprint" and r["images_per_s"] > 0]
+            others = [r for k, r in at.items() if not k.startswith("torchsprint") and r["images_per_s"] > 0]
             if ours is None or not others:
                 continue
             best = max(others, key=lambda r: r["images_per_s"])
@@ -444,19 +462,22 @@ def compare(args) -> dict:
     print("|---|---|---|---|---|---|---|---|---|")
     for case, (run, images, ctype) in cases.items():
         threads = None
-        for kind in args.servers.split(","):
-            proc, url = start_server(kind, run, args.device, tmp / f"{kind}.log", threads)
+        for entry in args.servers.split(","):
+            kind, _ = server_kind(entry)
+            proc, url = start_server(entry, run, args.device, tmp / f"{entry.replace(':', '-')}.log", threads)
             if kind == "torchsprint":
-                threads = httpx.get(url + "/ready").json().get("torch_threads")
+                ready = httpx.get(url + "/ready").json()
+                threads = threads or ready.get("torch_threads")
+                print(f"<!-- {entry}: precision {ready.get('precision')}, torch threads {ready.get('torch_threads')} -->")
             try:
                 reqs = [request_of(kind, data, ctype) for data in images]
                 prime(url, reqs)
                 for c in levels:
                     r = asyncio.run(load(url, reqs, c, args.duration, args.warmup))
-                    r.update(case=case, server=kind)
+                    r.update(case=case, server=entry)
                     rows.append(r)
                     bad = sum(v for k, v in r["statuses"].items() if k != "200")
-                    print(f"| {case} | {kind} | {c} | {r['requests_per_s']:.0f} | {r['images_per_s']:.0f} | "
+                    print(f"| {case} | {entry} | {c} | {r['requests_per_s']:.0f} | {r['images_per_s']:.0f} | "
                           f"{r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {bad} |", flush=True)
             finally:
                 stop_server(proc)
@@ -483,7 +504,9 @@ def run_soak(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="digits,resnet18", help="digits, resnet18 (comma-separated)")
-    ap.add_argument("--servers", default="torchsprint,fastapi,litserve", help="which servers (comma-separated)")
+    ap.add_argument("--servers", default="torchsprint,torchsprint:fp32,fastapi,litserve",
+                    help="which servers (comma-separated), each optionally :fp32, :bf16 or :auto (its precision; "
+                    "torchsprint without one: its default, auto; the others: fp32)")
     ap.add_argument("--concurrency", default="1,8,32,128", help="requests in flight (comma-separated levels)")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per level")
     ap.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each level")
@@ -495,11 +518,12 @@ def main() -> None:
     ap.add_argument("--litserve-server", metavar="RUN", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.fastapi_server:
-        return plain_server(args.fastapi_server, args.port, args.device, args.threads)
+        return plain_server(args.fastapi_server, args.port, args.device, args.threads, args.precision)
     if args.litserve_server:
-        return litserve_server(args.litserve_server, args.port, args.device, args.threads)
+        return litserve_server(args.litserve_server, args.port, args.device, args.threads, args.precision)
     out = run_soak(args) if args.soak is not None else compare(args)
     out["machine"] = machine()
     if args.json:

@@ -585,6 +585,8 @@ PROBES = {
         "topk": "test_token_is_required_where_it_guards_and_the_api_is_described",
         "buckets": "test_concurrent_answers_equal_predict_however_batched",
     }.items()},
+    "serve.precision": lambda t: elsewhere(
+        "test_inference_precision.py::test_serve_in_bf16_answers_as_predict_does_however_batched"),
 }
 def probe_wandb(tmp, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is optional; the dev extra installs it")

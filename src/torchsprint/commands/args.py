@@ -189,6 +189,8 @@ def args_predict(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["torch", "onnx"], default="torch", help="inference engine")
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (cuda also decodes JPEGs on the GPU)")
     p.add_argument("--batch-size", type=Count(1), default=64, help="images per forward pass")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="fp32 or bf16 autocast; auto: bf16 where the run trained in bf16 and the CPU computes it natively")
     p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", type=Output(), metavar="FILE", help="write results to FILE (.jsonl or .csv)")
     p.add_argument("--overwrite", action="store_true", help="--out may replace an existing file (never a run's own)")
@@ -312,6 +314,7 @@ SERVE_FLAGS = (
     ("max_pixels", Count(1), "largest image in pixels, from its header (default 40000000)"),
     ("topk", Count(1), "classes per image unless the request says ?topk=N (default 5)"),
     ("buckets", str, "auto, on or off: pad batches to powers of two (default auto: on CUDA)"),
+    ("precision", str, "auto, fp32 or bf16 (default auto: bf16 where the run trained in it and the CPU has it natively)"),
 )
 FLAGS = tuple(name for name, _, _ in SERVE_FLAGS)
 

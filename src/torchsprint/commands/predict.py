@@ -9,12 +9,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from torchsprint.commands.inference import FP32
 from torchsprint.errors import UsageError
 
 
@@ -74,13 +76,14 @@ class Predictor:
             except UsageError:
                 self.gpu_pipeline = None  # a step the GPU path lacks: decode and preprocess on the CPU
         self.cpu_fallbacks = 0  # JPEGs nvJPEG rejected, decoded on the CPU instead
+        self.inference = FP32  # from_trained's choice replaces it (commands/inference.py)
 
     @classmethod
     def from_run(cls, run_dir: str | Path, weights: str = "best", backend: str = "torch", device: str = "cpu",
-                 batch_size: int = 64, tta: str | None = None) -> Predictor:
+                 batch_size: int = 64, tta: str | None = None, precision: str = "auto") -> Predictor:
         """Use a run folder's best/last weights (torch) or export them to ONNX first (onnx).
 
-        `tta`: eval.tta for these predictions (None: the run's own eval.tta)."""
+        `tta`: eval.tta for these predictions (None: the run's own eval.tta); `precision`: commands/inference.py."""
         if backend == "onnx":
             from torchsprint.commands.export import default_out, export
             from torchsprint.config.saved import load_run_config
@@ -89,27 +92,29 @@ class Predictor:
             path = default_out(run_dir, "onnx", False, tta)  # one file per eval.tta: the graph holds it
             if not path.is_file():
                 export(run_dir, "onnx", weights=weights, out=path, tta=tta)
-            return cls.from_file(path, device=device, batch_size=batch_size, tta=tta)
+            return cls.from_file(path, device=device, batch_size=batch_size, tta=tta, precision=precision)
         from torchsprint.commands.trained import load_run
 
-        return cls.from_trained(load_run(run_dir, weights, device), device, batch_size, tta=tta)
+        return cls.from_trained(load_run(run_dir, weights, device), device, batch_size, tta=tta, precision=precision)
 
     @classmethod
-    def from_trained(cls, trained, device: str = "cpu", batch_size: int = 64, tta: str | None = None) -> Predictor:
-        """`tta`: eval.tta for these predictions (None: the config's eval.tta)."""
-        dev = torch.device(device)
-        model = trained.model.to(dev).eval()
+    def from_trained(cls, trained, device: str = "cpu", batch_size: int = 64, tta: str | None = None,
+                     precision: str = "auto") -> Predictor:
+        """`tta`: eval.tta for these predictions (None: the config's eval.tta); `precision`: auto, fp32 or bf16
+        (commands/inference.py: auto is bf16 where the run validated in bf16 and this CPU computes it natively)."""
+        from torchsprint.commands.inference import choose, forward_of
 
-        @torch.inference_mode()
-        def forward(x):
-            return model(x).float()
-
-        return cls(forward, trained.classes, trained.in_channels, trained.cfg.data.eval.transforms, trained.cfg.data,
-                   dev, batch_size, task=trained.cfg.task, threshold=trained.cfg.eval.threshold,
-                   tta=tta or trained.cfg.eval.tta)
+        dev, c = torch.device(device), trained.cfg
+        how = choose(precision, c.precision.mode, c.speed.channels_last, dev)
+        p = cls(forward_of(trained.model.to(dev).eval(), dev, how), trained.classes, trained.in_channels,
+                c.data.eval.transforms, c.data, dev, batch_size, task=c.task, threshold=c.eval.threshold,
+                tta=tta or c.eval.tta)
+        p.inference = how
+        return p
 
     @classmethod
-    def from_file(cls, path: str | Path, device: str = "cpu", batch_size: int = 64, tta: str | None = None) -> Predictor:
+    def from_file(cls, path: str | Path, device: str = "cpu", batch_size: int = 64, tta: str | None = None,
+                  precision: str = "auto") -> Predictor:
         """An exported .onnx (onnxruntime) or .safetensors (torch) file with torchsprint metadata.
 
         `tta`: eval.tta (None: the file's own). An ONNX graph holds its eval.tta (export --tta): another is refused."""
@@ -118,9 +123,12 @@ class Predictor:
         if path.suffix == ".safetensors":
             from torchsprint.commands.trained import load_weights_file
 
-            return cls.from_trained(load_weights_file(path, device), device, batch_size, tta=tta)
+            return cls.from_trained(load_weights_file(path, device), device, batch_size, tta=tta, precision=precision)
         if path.suffix != ".onnx":
             raise UsageError(f"{path}: predict takes a run folder, a .onnx or a .safetensors file.")
+        if precision == "bf16":
+            raise UsageError(f"precision=bf16: {path.name} runs in onnxruntime in float32; use precision fp32 or auto "
+                             "(or the run folder / a .safetensors export for bf16).")
         if not path.is_file():
             raise UsageError(f"model file not found: {path}")
         import onnxruntime as ort
@@ -149,26 +157,6 @@ class Predictor:
                    metadata_entry(meta, "eval_transforms", path),
                    cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8, task=cfg.task, threshold=cfg.eval.threshold,
                    tta=in_graph, tta_in_forward=True)
-
-    def _load_many(self, paths: list[str]) -> list[torch.Tensor | str]:
-        """Decode and apply the eval spec to each file, exactly as the eval loader does; on self.device.
-
-        Returns an image or an error message per path. On CUDA, 3-component JPEGs decode with nvJPEG in
-        batches of batch_size and the eval spec runs on the padded batch (the gpu backend's own code:
-        ordered decode, fused crop+resize); a file nvJPEG rejects, and every other file, takes the CPU path.
-        """
-        out: list[torch.Tensor | str | None] = [None] * len(paths)
-        if self.gpu_pipeline is not None:
-            for s in range(0, len(paths), self.batch_size):
-                for j, img in zip(range(s, len(paths)), self._load_gpu(paths[s : s + self.batch_size])):
-                    out[j] = img
-        for j, path in enumerate(paths):
-            if out[j] is None:
-                try:
-                    out[j] = self._load_cpu(path).to(self.device)
-                except Exception as e:  # noqa: BLE001 - every bad file becomes an error entry, others go on
-                    out[j] = str(e) or type(e).__name__
-        return out
 
     # Files are read (and on the CPU path decoded) this many batches ahead of the model, by READERS threads.
     AHEAD = 3
@@ -243,26 +231,6 @@ class Predictor:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         return out, ready
-
-    def _load_gpu(self, paths: list[str]) -> list[torch.Tensor | None]:
-        """nvJPEG decode + the eval spec on the GPU for the files it takes; None for the others."""
-        from torchsprint.data.preprocess.decode import BadImage, read_bytes, read_header
-        from torchsprint.data.preprocess.on_device import nvjpeg_ok
-
-        take, data = [], []
-        for j, path in enumerate(paths):
-            try:
-                blob = read_bytes(path)
-                ok = nvjpeg_ok(read_header(blob))
-            except (BadImage, OSError):
-                continue  # the CPU path reports it
-            if ok:
-                take.append(j)
-                data.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-        out: list[torch.Tensor | None] = [None] * len(paths)
-        for j, img in zip(take, self._decode_gpu([paths[j] for j in take], data)):
-            out[j] = img
-        return out
 
     def _decode_gpu(self, paths: list[str], data: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """nvJPEG batch decode of `data` (the bytes of `paths`) + the eval spec on the GPU; None where nvJPEG failed."""
@@ -427,9 +395,11 @@ def predict_cli(args) -> int:
     target = Path(args.run)
     tta = getattr(args, "tta", None)
     if target.is_dir():
-        predictor = Predictor.from_run(target, args.weights, args.backend, args.device, args.batch_size, tta=tta)
+        predictor = Predictor.from_run(target, args.weights, args.backend, args.device, args.batch_size, tta=tta,
+                                       precision=args.precision)
     else:
-        predictor = Predictor.from_file(target, args.device, args.batch_size, tta=tta)
+        predictor = Predictor.from_file(target, args.device, args.batch_size, tta=tta, precision=args.precision)
+    print(predictor.inference.note, file=sys.stderr)
     if predictor.task.name == "image_to_image":
         writable_file(out_dir, "--out-dir", folder=True)
     results = predictor.predict(args.inputs, topk=args.topk, threshold=getattr(args, "threshold", None))

@@ -93,14 +93,14 @@ def load_predictor(target: Path, cfg, weights: str = "best", tta: str | None = N
     runtime = cfg.runtime
     if target.is_dir():
         backend = "onnx" if runtime == "onnxruntime" else "torch"
-        predictor = Predictor.from_run(target, weights, backend, device, cfg.max_batch, tta=tta)
+        predictor = Predictor.from_run(target, weights, backend, device, cfg.max_batch, tta=tta, precision=cfg.precision)
     else:
         implied = "onnxruntime" if target.suffix == ".onnx" else "torch"
         if runtime not in ("auto", implied):
             raise UsageError(f"serve.runtime={runtime} cannot run {target.name}: a {target.suffix} file runs on {implied}"
                              f" (export the run again with `torchsprint export --format "
                              f"{'onnx' if runtime == 'onnxruntime' else 'safetensors'}`, or serve its run folder).")
-        predictor = Predictor.from_file(target, device, cfg.max_batch, tta=tta)
+        predictor = Predictor.from_file(target, device, cfg.max_batch, tta=tta, precision=cfg.precision)
     if predictor.task.name not in TASKS:
         raise UsageError(f"task={predictor.task.name}: serve answers with labels and probabilities (tasks "
                          f"{', '.join(TASKS)}); use `torchsprint predict` for this run.")
@@ -156,7 +156,7 @@ def serve_cli(args) -> int:
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     print(f"serving {target} ({predictor.task.name}, {len(predictor.classes)} classes, {predictor.device}, "
           f"{'onnxruntime' if hasattr(predictor.forward, 'session') else 'torch'}) on http://{host}:{port} "
-          f"with {cfg.workers} worker(s): POST /predict, page /, API /docs", flush=True)
+          f"with {cfg.workers} worker(s): POST /predict, page /, API /docs; {predictor.inference.note}", flush=True)
     # uvicorn re-raises the stop signal after its graceful shutdown; a handled SIGTERM then ends `serve` with 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     if cfg.workers == 1:

@@ -356,7 +356,8 @@ def build_app(s: Served) -> FastAPI:
             return JSONResponse({"error": "the model is loading or warming up", "kind": "not_ready"}, status_code=503,
                                 headers=RETRY)
         return {"status": "ready", "model": s.name, "task": s.predictor.task.name, "classes": len(s.predictor.classes),
-                "device": str(s.predictor.device), "torch_threads": s.batcher.torch_threads, "warm_up": s.warm_up}
+                "device": str(s.predictor.device), "precision": s.predictor.inference.precision,
+                "torch_threads": s.batcher.torch_threads, "warm_up": s.warm_up}
 
     @app.get("/metrics", summary="Prometheus text format", response_class=Response)
     async def metrics(request: Request):

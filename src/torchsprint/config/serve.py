@@ -40,6 +40,11 @@ class ServeConfig(Section):
     max_pixels: int = Field(40_000_000, ge=1, description="Largest image in pixels (width x height), checked from "
                             "the file's header before decoding: decompression bombs get 422, not the server's memory.")
     topk: int = Field(5, ge=1, description="Classes returned per image when the request does not say (?topk=N).")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="How the torch model runs: fp32, or bf16 (bfloat16 autocast, channels_last where the run "
+        "trained so). auto: bf16 where the run trained and validated in bf16 and this CPU computes bf16 natively "
+        "(AVX-512 BF16, AMX), else fp32; `predict --precision` makes the same choice, so answers equal predict's. "
+        "An ONNX file runs in fp32.")
     buckets: Literal["auto", "on", "off"] = Field(
         "auto", description="Pad each batch to the next power of two up to max_batch, so the model sees a few fixed "
         "shapes (what compiled graphs and CUDA graphs need). auto: on for CUDA, off on the CPU (padding costs CPU "

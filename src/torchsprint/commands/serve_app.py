@@ -20,6 +20,7 @@ import asyncio
 import gc
 import hmac
 import time
+from concurrent.futures import Future, InvalidStateError
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -117,14 +118,27 @@ class Served:
         self.pool.shutdown(wait=True)
         gc.unfreeze()  # a server run inside another program (the tests) gives its objects back to the collector
 
-    def prepare_and_put(self, data: bytes, topk: int):
+    def submit(self, data: bytes, topk: int) -> Future:
+        """The image's answer: one Future that the model thread answers, or the decode's refusal (a single hop back
+        to the event loop per image). Cancelled before its batch forms (the request timed out or left), it is
+        dropped, never run; cancelled while decoding, the model thread drops it when it would take it."""
+        answer: Future = Future()
+        self.pool.submit(self._prepare_and_put, data, topk, answer)
+        return answer
+
+    def _prepare_and_put(self, data: bytes, topk: int, answer: Future) -> None:
         """Pool thread: decode + preprocess, then queue for the model (its reserved place given back on failure)."""
         try:
             job = self.decoder.prepare(data, topk)
-        except BaseException:
+        except BaseException as e:  # noqa: BLE001 - the image's own answer (refusal_of)
             self.batcher.release(1)
-            raise
-        return self.batcher.put(job)
+            try:
+                answer.set_exception(e)
+            except InvalidStateError:  # cancelled meanwhile: nobody waits for it
+                pass
+            return
+        job.future = answer
+        self.batcher.put(job)
 
 
 class Refusal(Exception):
@@ -136,6 +150,7 @@ class Refusal(Exception):
 
 
 RETRY = {"Retry-After": "1"}
+WATCH_AFTER_S = 0.05  # a request not answered by then starts watching for its client leaving
 
 
 def refusal_of(e: Exception) -> Refusal:
@@ -205,25 +220,6 @@ async def images_of(request, body: bytes, most: int) -> list[tuple[str | None, b
     return out
 
 
-async def collect(pending: list) -> list:
-    """Each submitted image's result dict or exception, in order."""
-    out = []
-    for f in pending:
-        try:
-            job = await asyncio.shield(asyncio.wrap_future(f))  # a decode always finishes: it owns its place
-            out.append(await asyncio.wrap_future(job.future))
-        except Exception as e:  # noqa: BLE001 - the image's own answer (refusal_of); the others go on
-            out.append(e)
-    return out
-
-
-def drop_unanswered(pending: list) -> None:
-    """Cancel the queued images of a request that stopped waiting (timeout, the client left): a Job not yet in a
-    batch is dropped; one running or answered is left alone. A decode still running cancels its Job when done."""
-    for f in pending:
-        f.add_done_callback(lambda f: f.exception() is None and f.result().future.cancel())
-
-
 async def until_disconnected(request) -> None:
     """Returns when the client closes the connection (the body is read by then: only http.disconnect comes)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -253,7 +249,7 @@ async def answer(s: Served, request, topk: int) -> JSONResponse:
     if not authorized(s, request):
         return refused(s, Refusal(401, "unauthorized", *UNAUTHORIZED))
     try:
-        items, results = await asyncio.wait_for(answer_within(s, request, topk), s.cfg.timeout_s)
+        items, results = await within(answer_within(s, request, topk), s.cfg.timeout_s)
     except Refusal as r:
         return refused(s, r)
     except ClientDisconnect:
@@ -262,6 +258,14 @@ async def answer(s: Served, request, topk: int) -> JSONResponse:
         return refused(s, Refusal(503, "timeout", f"not answered within serve.timeout_s={s.cfg.timeout_s:g} s; retry "
                                   "later", RETRY))
     return respond(s, items, results)
+
+
+async def within(coro, seconds: float):
+    """`coro` under a timeout: asyncio.timeout where it exists (Python 3.11: no extra task, as wait_for makes)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await coro
+    return await asyncio.wait_for(coro, seconds)
 
 
 async def answer_within(s: Served, request, topk: int):
@@ -276,16 +280,21 @@ async def answer_within(s: Served, request, topk: int):
     finally:
         s.batcher.arriving(-1)
     # Submitted with no await after the reservation: every reserved place is either queued or given back.
-    pending = [s.pool.submit(s.prepare_and_put, data, topk) for _, data in items]
-    work = asyncio.ensure_future(collect(pending))
-    gone = asyncio.ensure_future(until_disconnected(request))
+    # Each image's result dict or exception, in order; cancelling `work` cancels every image not yet in a batch.
+    work = asyncio.gather(*(asyncio.wrap_future(s.submit(data, topk)) for _, data in items), return_exceptions=True)
     try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        # Most answers come within WATCH_AFTER_S: only a request still waiting then gets a task that watches for
+        # its client leaving (a task per request cost the event loop time a lone client waits for).
+        done, _ = await asyncio.wait({work}, timeout=WATCH_AFTER_S)
+        if not done:
+            gone = asyncio.ensure_future(until_disconnected(request))
+            try:
+                done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
     finally:  # also when the timeout cancels this
-        gone.cancel()
         if not work.done():
             work.cancel()
-            drop_unanswered(pending)
     if work not in done:
         raise Refusal(499, "disconnected", "the client closed the connection")
     return items, work.result()

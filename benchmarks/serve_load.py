@@ -44,9 +44,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MAX_BATCH, MAX_WAIT_MS = 32, 5.0  # the same batching settings for torchsprint and LitServe
-# The runs' saved config says what `precision: auto` chose when training both models on a CPU with native bf16
-# (BENCHMARKS.md "precision auto: what the speed probe measured"): amp_bf16 in channels_last. `serve` (precision
-# auto) then runs them in bf16 on such a CPU and in fp32 elsewhere; `torchsprint:fp32` forces fp32.
+# What `precision: auto` chose when training ResNet-18 on photos on a CPU with native bf16 (BENCHMARKS.md "precision
+# auto: what the speed probe measured"): amp_bf16 in channels_last, as the ResNet-18 run's saved config says. `serve`
+# (precision auto) then runs it in bf16 on such a CPU and in fp32 elsewhere; `torchsprint:fp32` forces fp32. The
+# digits run says fp32: the default run is too short for the probe and trains in fp32.
 TRAINED = ["precision=amp_bf16", "speed.channels_last=true"]
 
 
@@ -59,7 +60,7 @@ def make_cases(tmp: Path, which: list[str]) -> dict:
 
     cases = {}
     if "digits" in which:
-        run = make_run(tmp / "digits", "small_cnn", [], 1, 10, TRAINED)
+        run = make_run(tmp / "digits", "small_cnn", [], 1, 10)  # precision fp32: as the default run trains
         files = make_images(tmp / "png", 64, (8, 8), True, ".png")
         cases["digits small_cnn 8x8 PNG"] = (run, [Path(f).read_bytes() for f in files], "image/png")
     if "resnet18" in which:
@@ -102,6 +103,8 @@ def start_server(entry: str, run: Path, device: str, log: Path, threads: int | N
     threads (torchsprint measures its own)."""
     py = sys.executable
     kind, precision = server_kind(entry)
+    if isinstance(threads, dict):  # torchsprint's choice per batch size: a batch of one for the one-per-request
+        threads = threads["1" if kind == "fastapi" else str(MAX_BATCH)]  # endpoint, max_batch for LitServe's
     if kind == "torchsprint":
         cmd = [py, "-m", "torchsprint", "serve", str(run), "--port", "0", "--max-batch", str(MAX_BATCH),
                "--max-wait-ms", str(MAX_WAIT_MS), "--device", device, "--queue-limit", "1024",
@@ -176,8 +179,9 @@ def _stop_all() -> None:
 
 
 def same_threads(threads: int | None) -> None:
-    """The baselines run torch with the intra-op thread count torchsprint serve measured best (its /ready says):
-    the comparison is of the serving, not of a thread setting."""
+    """The baselines run torch with the intra-op thread count torchsprint serve measured best for their batches (its
+    /ready says, per batch size): the hand-written endpoint its batch-of-one count, LitServe its max_batch count. The
+    comparison is of the serving, not of a thread setting."""
     if threads:
         import torch
 

@@ -47,6 +47,9 @@ def test_auto_follows_the_run_and_the_cpu_and_a_named_precision_stands(asked, ru
     if asked == "bf16" and not native:
         assert "slower than fp32" in how.note
     assert not choose(asked, run_precision, False, torch.device(device), native=native).channels_last
+    # speed.channels_last=auto trained channels_last by the rule (on for 2-D convolutions): inference follows it
+    assert choose(asked, run_precision, "auto", torch.device(device), native=native).channels_last == want[1]
+    assert not choose(asked, run_precision, "auto", torch.device(device), native=native, conv2d=False).channels_last
 
 
 def test_an_unknown_precision_is_refused():

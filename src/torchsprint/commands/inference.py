@@ -3,11 +3,13 @@
 
   fp32  the model as saved, NCHW, float32: what predict did before this setting existed.
   bf16  bfloat16 autocast (torch.autocast, as the run's validation used it under precision=amp_bf16), the model and
-        batches in channels_last where the run trained so (speed.channels_last resolved true): on a CPU with
+        batches in channels_last where the run trained so (speed.channels_last true, or auto on a model with 2-D
+        convolutions): on a CPU with
         native bf16 this is what the run's own validation figures were measured in.
   auto  (the default) bf16 where the run trained and validated in bf16 (precision amp_bf16 or bf16) and this CPU
         computes bf16 natively (AVX-512 BF16 or AMX: runtime/machine.py's native_bf16), else fp32. On CUDA fp32:
         bf16 inference there is not yet measured on a GPU (the GPU issue's window), so the existing choice stands.
+        A run too short for the speed probe trained in fp32 (the default digits run), so it predicts in fp32.
 
 Why a choice and not always fp32: on a CPU with native bf16 a convolutional net forwards far more images a second
 in bf16 + channels_last (ResNet-18 at 224: BENCHMARKS.md "torchsprint serve under load"), and a run trained with
@@ -42,16 +44,17 @@ FP32 = Inference("fp32", False, "precision fp32")  # an ONNX graph in onnxruntim
 
 
 def choose(asked: str, run_precision: str, run_channels_last, device: torch.device,
-           native: bool | None = None) -> Inference:
+           native: bool | None = None, conv2d: bool = True) -> Inference:
     """`asked`: auto, fp32 or bf16; `run_precision`: the run's resolved precision.mode; `run_channels_last`: its
-    resolved speed.channels_last; `native`: whether this CPU computes bf16 natively (None: read /proc/cpuinfo)."""
+    speed.channels_last as saved (true, false, or auto: the rule, on for a model with 2-D convolutions, `conv2d`);
+    `native`: whether this CPU computes bf16 natively (None: read /proc/cpuinfo)."""
     if asked not in PRECISIONS:
         raise UsageError(f"precision={asked}: use one of {', '.join(PRECISIONS)}.")
     if native is None:
         from torchsprint.runtime.machine import native_bf16
 
         native = native_bf16()
-    cl = run_channels_last is True
+    cl = run_channels_last is True or (run_channels_last == "auto" and conv2d)
     if asked == "fp32":
         return Inference("fp32", False, "precision fp32 (asked)")
     if asked == "bf16":

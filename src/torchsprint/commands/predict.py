@@ -105,7 +105,8 @@ class Predictor:
         from torchsprint.commands.inference import choose, forward_of
 
         dev, c = torch.device(device), trained.cfg
-        how = choose(precision, c.precision.mode, c.speed.channels_last, dev)
+        how = choose(precision, c.precision.mode, c.speed.channels_last, dev,
+                     conv2d=any(isinstance(m, torch.nn.Conv2d) for m in trained.model.modules()))
         p = cls(forward_of(trained.model.to(dev).eval(), dev, how), trained.classes, trained.in_channels,
                 c.data.eval.transforms, c.data, dev, batch_size, task=c.task, threshold=c.eval.threshold,
                 tta=tta or c.eval.tta)

@@ -120,10 +120,13 @@ class Served:
 
     def submit(self, data: bytes, topk: int) -> Future:
         """The image's answer: one Future that the model thread answers, or the decode's refusal (a single hop back
-        to the event loop per image). Cancelled before its batch forms (the request timed out or left), it is
+        to the event loop per image); decoded by the model thread itself when it is idle (Batcher.put_if_idle). Cancelled before its batch forms (the request timed out or left), it is
         dropped, never run; cancelled while decoding, the model thread drops it when it would take it."""
+        from torchsprint.commands.serve_engine import Job
+
         answer: Future = Future()
-        self.pool.submit(self._prepare_and_put, data, topk, answer)
+        if not self.batcher.put_if_idle(Job(None, None, topk, answer, data)):
+            self.pool.submit(self._prepare_and_put, data, topk, answer)
         return answer
 
     def _prepare_and_put(self, data: bytes, topk: int, answer: Future) -> None:

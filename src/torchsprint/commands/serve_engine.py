@@ -56,15 +56,20 @@ def bucket(n: int, limit: int) -> int:
 @dataclass
 class Job:
     """One image waiting for the model: its preprocessed uint8 CHW tensor (or its JPEG bytes for nvJPEG), the
-    request's top-k, and the future the model thread answers (a result dict, or an ImageError)."""
+    request's top-k, and the future the model thread answers (a result dict, or an ImageError). A job queued while
+    the model thread is idle carries the request's bytes instead (`data`): the model thread decodes it itself."""
 
     image: torch.Tensor | None
     jpeg: torch.Tensor | None
     topk: int
     future: Future = field(default_factory=Future)
+    data: bytes | None = None  # not yet decoded (Batcher.put_if_idle)
+    error: Exception | None = None  # its decode's refusal, once decoded on the model thread
 
     def key(self) -> tuple:
         """Images batch together only with their own shape (an eval spec without a resize keeps each file's)."""
+        if self.data is not None:
+            return ("bytes",)
         return ("jpeg",) if self.image is None else tuple(self.image.shape)
 
 
@@ -144,10 +149,13 @@ class Batcher:
         self._reserved = 0  # admitted images not yet taken into a batch: decoding or waiting
         self._arriving = 0  # requests being read, not yet admitted
         self._stopping = False
+        self._busy = False  # a batch is being run
+        self._forming = False  # the model thread waits for images on their way to join a batch
         self._gate = os.environ.get(GATE_ENV)
         self._thread = threading.Thread(target=self._loop, name="torchsprint-serve-model", daemon=True)
         self._warm = threading.Event()
-        self.warm_note, self.torch_threads = "", None
+        self.warm_note = ""
+        self.torch_threads: dict[int, int] = {}  # batch size -> torch threads, measured at warm-up on a CPU
 
     def start(self) -> str:
         """Start the model thread; it warms up first. Returns once warm, with what the warm-up did."""
@@ -178,13 +186,29 @@ class Batcher:
         with self._cond:
             self._reserved -= n
             self.metrics.queue_depth.set(self._reserved)
-            self._cond.notify_all()
+            if self._forming:
+                self._cond.notify_all()
 
     def arriving(self, n: int) -> None:
-        """A request started (+1) or stopped (-1) being read: while one is, a waiting batch may wait for it."""
+        """A request started (+1) or stopped (-1) being read: while one is, a waiting batch may wait for it. Only a
+        batch being formed cares that one stopped (it may stop waiting): the model thread is woken for nothing
+        else, which at concurrency 1 were two context switches a request on a 2-core machine."""
         with self._cond:
             self._arriving += n
+            if n < 0 and self._forming:
+                self._cond.notify_all()
+
+    def put_if_idle(self, job: Job) -> bool:
+        """Queue a not-yet-decoded job (its bytes) if the model thread has nothing else to do: no batch running or
+        waiting, no other image admitted or request arriving. The model thread then decodes it itself: a lone
+        client's request touches two threads (the event loop's and the model's), not three, as a hand-written
+        endpoint's does. Otherwise False: the decode pool takes it (under load, decoding overlaps the model)."""
+        with self._cond:
+            if self._stopping or self._busy or self._waiting or self._reserved != 1 or self._arriving:
+                return False
+            self._waiting.append((time.monotonic(), job))
             self._cond.notify_all()
+            return True
 
     def put(self, job: Job) -> Job:
         with self._cond:
@@ -202,6 +226,7 @@ class Batcher:
                 return None
             since, head = self._waiting[0]
             deadline = since + self.max_wait_s
+            self._forming = True
             while not self._stopping:
                 ready = sum(1 for _, j in self._waiting if j.key() == head.key())
                 left = deadline - time.monotonic()
@@ -211,6 +236,7 @@ class Batcher:
                 if ready >= self.max_batch or left <= 0 or not coming:
                     break
                 self._cond.wait(left)
+            self._forming = False
             batch, keep, dropped = [], deque(), 0
             for item in self._waiting:
                 if len(batch) < self.max_batch and item[1].key() == head.key():
@@ -221,6 +247,7 @@ class Batcher:
                 else:
                     keep.append(item)
             self._waiting = keep
+            self._busy = bool(batch)
             self._reserved -= len(batch) + dropped
             self.metrics.queue_depth.set(self._reserved)
             self.metrics.waiting.set(len(keep))
@@ -241,6 +268,8 @@ class Batcher:
                         if not job.future.done():
                             job.future.set_exception(e)
                 self.metrics.in_model.set(0)
+            with self._cond:
+                self._busy = False
 
     def _answer(self, batch: list[Job]) -> None:
         """Run a batch; if it fails, run its images one at a time, so an image the model refuses fails alone."""
@@ -268,9 +297,17 @@ class Batcher:
 
     def images(self, batch: list[Job]) -> list[torch.Tensor | Exception]:
         """Each job's uint8 CHW eval input: the CPU path's tensor, or nvJPEG + the GPU spec for JPEG bytes (a file
-        nvJPEG rejects decodes on the CPU here, as predict does)."""
-        out: list = [j.image for j in batch]
-        jpegs = [i for i, j in enumerate(batch) if j.image is None]
+        nvJPEG rejects decodes on the CPU here, as predict does). A job that came as bytes is decoded first, here."""
+        for j in batch:
+            if j.data is not None:
+                try:
+                    ready = self.decoder.prepare(j.data, j.topk)
+                    j.image, j.jpeg = ready.image, ready.jpeg
+                except ImageError as e:
+                    j.error = e
+                j.data = None
+        out: list = [j.error or j.image for j in batch]
+        jpegs = [i for i, j in enumerate(batch) if j.image is None and j.error is None]
         if jpegs:
             p = self.predictor
             decoded = p._decode_gpu([f"request image {i}" for i in jpegs], [batch[i].jpeg for i in jpegs])
@@ -301,6 +338,8 @@ class Batcher:
         n = len(rows)
         size = bucket(n, self.max_batch) if self.buckets else n
         x = torch.stack(rows + [torch.zeros_like(rows[0])] * (size - n))  # pad rows: never read back
+        if self.torch_threads and torch.get_num_threads() != (want := self.threads_for(n)):
+            torch.set_num_threads(want)  # this thread's OpenMP team size for this batch size (choose_threads)
         started = time.perf_counter()
         logits = self.predictor.logits(x)[:n]
         if record:
@@ -340,26 +379,39 @@ class Batcher:
         return f"warmed up on batches of {', '.join(map(str, sizes))}{threads}"
 
     def choose_threads(self, job: Job) -> str:
-        """Set torch's intra-op threads for this (the model) thread to the fastest of 1, half and all the cores on a
-        batch of max_batch of the warm-up image (the eval spec's size; 32x32 when it fixes none). Measured, not
-        assumed: a ResNet-18 batch gains from every core (on 2 busy cores: 74 ms an image with 1 thread, 44 with
-        2), while a small net's kernels can be too short to share (the digits CNN there: 2.5 ms a batch of one
-        with 1 thread, 200 ms with 2)."""
+        """Choose torch's intra-op threads for this (the model) thread per batch size: the fastest of 1, half and all
+        the cores on a batch of one and on a batch of max_batch of the warm-up image (the eval spec's size; 32x32
+        when it fixes none); a batch takes the choice of the measured size nearer its own (threads_for). Measured,
+        not assumed, and per size: a ResNet-18 batch gains from every core (on 2 busy cores: 74 ms an image with 1
+        thread, 44 with 2), while a small net's kernels can be too short to share, most of all at batch 1, where a
+        lone client's every request runs (the digits CNN: 2 threads won at a batch of 32, 1 thread at a batch of 1,
+        where its second thread's spinning took the core the client needed)."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        batch = [job] * self.max_batch
-        times = {}
-        for n in sorted({1, max(1, cores // 2), cores}):
-            torch.set_num_threads(n)
-            self.infer(batch)  # the first call at a thread count allocates
-            started = time.perf_counter()
-            for _ in range(2):
-                self.infer(batch)
-            times[n] = (time.perf_counter() - started) / 2
-        best = min(times, key=times.get)
-        torch.set_num_threads(best)
-        self.torch_threads = best
-        return f"; torch threads {best} (a batch of {self.max_batch}: " + ", ".join(
-            f"{1000 * t:.1f} ms with {n}" for n, t in times.items()) + ")"
+        counts = sorted({1, max(1, cores // 2), cores})
+        notes, chosen = [], {}
+        for size in sorted({1, self.max_batch}):
+            batch, times = [job] * size, {}
+            for n in counts:
+                torch.set_num_threads(n)
+                self.infer(batch)  # the first call at a thread count allocates
+                started, reps = time.perf_counter(), 0
+                while reps < 2 or (reps < 50 and time.perf_counter() - started < 0.05):  # short batches: repeated
+                    self.infer(batch)
+                    reps += 1
+                times[n] = (time.perf_counter() - started) / reps
+            chosen[size] = min(times, key=times.get)
+            notes.append(f"{chosen[size]} for a batch of {size} (" + ", ".join(
+                f"{1000 * t:.2f} ms with {n}" for n, t in times.items()) + ")")
+        self.torch_threads = chosen  # infer follows it from now on (during the measurement: the count being timed)
+        torch.set_num_threads(self.threads_for(self.max_batch))
+        return "; torch threads " + ", ".join(notes)
+
+    def threads_for(self, n: int) -> int:
+        """The thread count chosen for the measured batch size nearer n (by ratio: n <= sqrt(max_batch) -> 1's)."""
+        if not self.torch_threads:
+            return torch.get_num_threads()
+        small = n * n <= self.max_batch
+        return self.torch_threads[1 if small or self.max_batch == 1 else self.max_batch]
 
 
 def decode_threads() -> int:

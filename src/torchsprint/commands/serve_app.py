@@ -391,10 +391,17 @@ def build_app(s: Served) -> FastAPI:
         s.metrics.latency.observe(time.perf_counter() - started)
         return response
 
+    app.router.routes.insert(0, plain_route(s, predict))
+    return app
+
+
+def plain_route(s: Served, predict):
+    """What answers POST /predict: `predict` (build_app's endpoint) without FastAPI's per-request dependency solving
+    and validation (`topk` checked here, with the same bounds and one-line 422), which a lone client of a small net
+    waited for on every request. The decorated endpoint stays: it describes the route on the OpenAPI page."""
+    from starlette.routing import Route
+
     async def predict_plain(request: Request):
-        """What answers POST /predict: the endpoint above without FastAPI's per-request dependency solving and
-        validation (its `topk` checked here, with the same bounds and one-line 422), which a lone client of a small
-        net waited for on every request. The decorated endpoint stays: it describes the route on the OpenAPI page."""
         raw = request.query_params.get("topk")
         if raw is None:
             return await predict(request, None)
@@ -402,10 +409,7 @@ def build_app(s: Served) -> FastAPI:
             return refused(s, Refusal(422, "bad_request", f"query.topk: must be a whole number from 1 to 10000, not {raw!r}"))
         return await predict(request, int(raw))
 
-    from starlette.routing import Route
-
-    app.router.routes.insert(0, Route("/predict", predict_plain, methods=["POST"], include_in_schema=False))
-    return app
+    return Route("/predict", predict_plain, methods=["POST"], include_in_schema=False)
 
 
 PREDICT_OPENAPI = {"requestBody": {"required": True, "content": {

@@ -284,3 +284,18 @@ def test_one_copy_steps_every_candidate_in_its_own_memory_format():
         assert opt.state[weight]["momentum_buffer"].is_contiguous(memory_format=fmt)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert model[0].weight.is_contiguous() and len(steps.trainables) == 2
+
+
+def test_the_probe_times_half_the_batch_with_its_targets():
+    """speed_probe.half: the images and every tensor as long as them halved together, anything else kept. Bugs
+    caught: targets left at full length (the probe's loss would refuse the shapes), a one-image batch emptied, the
+    full batch timed (its fp32 activations were the run's peak memory)."""
+    from torchsprint.train.speed_probe import half
+
+    x, y, w = torch.zeros(8, 3, 4, 4), torch.arange(8), torch.tensor(1.0)
+    got = half((x, y, w))
+    assert isinstance(got, tuple) and got[0].shape[0] == 4 and torch.equal(got[1], torch.arange(4)) and got[2] is w
+    assert half([x[:1], y[:1]])[0].shape[0] == 1
+    batch = {"image": x}
+    assert half(batch) is batch  # not a sequence: kept as it is
+    assert isinstance(half([x, y]), list)

@@ -22,8 +22,9 @@ the run's, and the run's fp32 training estimated (one timed baseline step x the 
 more. Every test's run is far below that, so the suite trains the same on CPUs with and without native bf16.
 
 Nothing of the probe reaches the run: it trains deep copies of the initialised model, with their own optimizers and
-Precision objects, on one batch of the run's training loader, then puts the process's RNG states back (the run's
-weights are bit for bit those of a run that named the chosen settings: tests/test_speed_probe.py).
+Precision objects, on half of one batch of the run's training loader (`half`: less memory), then puts the process's
+RNG states back (the run's weights are bit for bit those of a run that named the chosen settings:
+tests/test_speed_probe.py).
 """
 
 from __future__ import annotations
@@ -285,7 +286,7 @@ def decide_auto(cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict 
 
         saved = rng_state(rt.device)  # the probe's draws (dropout, the loader's seed) must not move the run's
         try:
-            batch = next(iter(loader)) if step is None else None
+            batch = half(next(iter(loader))) if step is None else None
             images = len(batch[0]) if batch is not None else cfg.data.batch_size
             measured, why_not = measure(cands, step or ProbeSteps(cfg, model, loss_fn, batch), batches, budget_s(cfg))
         finally:
@@ -296,6 +297,18 @@ def decide_auto(cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict 
         return unmeasured(asked, cands, setting, why_not, notes)
     chosen, margin = pick(measured["times"], base)
     return chosen_speed(asked, base, chosen, setting, figures(measured, base, chosen, margin, images, batches), notes)
+
+
+def half(batch):
+    """The first half of a training batch (of every tensor in it as long as the images): the probe times the
+    candidates on it. An fp32 candidate's activations at the run's full batch were the run's peak memory, above the
+    bf16 training that follows (ResNet-18, batch 32 at 112 px: 1,307 MiB peak against 1,111 naming the precision;
+    BENCHMARKS.md "torchsprint beside timm's train.py"); each candidate's time per image at half the batch ranks
+    them as at the full one for the convolutional nets measured there."""
+    if not isinstance(batch, (tuple, list)) or not torch.is_tensor(batch[0]) or len(batch[0]) < 2:
+        return batch
+    n = len(batch[0])
+    return type(batch)(x[: n // 2] if torch.is_tensor(x) and x.dim() > 0 and len(x) == n else x for x in batch)
 
 
 def budget_s(cfg) -> float | None:

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from torchsprint.commands.serve_engine import Batcher, Decoder, ImageError, Overloaded
+from torchsprint.commands.serve_engine import Batcher, Decoder, ImageError, Job, Overloaded
 from torchsprint.commands.serve_page import page_html
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -120,10 +120,9 @@ class Served:
 
     def submit(self, data: bytes, topk: int) -> Future:
         """The image's answer: one Future that the model thread answers, or the decode's refusal (a single hop back
-        to the event loop per image); decoded by the model thread itself when it is idle (Batcher.put_if_idle). Cancelled before its batch forms (the request timed out or left), it is
-        dropped, never run; cancelled while decoding, the model thread drops it when it would take it."""
-        from torchsprint.commands.serve_engine import Job
-
+        to the event loop per image); decoded by the model thread itself when it is idle (Batcher.put_if_idle).
+        Cancelled before its batch forms (the request timed out or left), it is dropped, never run; cancelled while
+        decoding, the model thread drops it when it would take it."""
         answer: Future = Future()
         if not self.batcher.put_if_idle(Job(None, None, topk, answer, data)):
             self.pool.submit(self._prepare_and_put, data, topk, answer)

@@ -197,7 +197,7 @@ def plain_server(run: str, port: int, device: str, threads: int | None, precisio
     from fastapi.responses import JSONResponse
 
     from torchsprint.commands.predict import Predictor
-    from torchsprint.commands.serve_engine import Decoder
+    from torchsprint.commands.serve_decode import Decoder
 
     pred = Predictor.from_run(run, device=device, precision=precision)
     decoder = Decoder(pred, 40_000_000)
@@ -235,7 +235,7 @@ if ls is not None:
 
         def setup(self, dev):
             from torchsprint.commands.predict import Predictor
-            from torchsprint.commands.serve_engine import Decoder
+            from torchsprint.commands.serve_decode import Decoder
 
             self.pred = Predictor.from_run(self.run, device=self.device_name, precision=self.precision)
             self.decoder = Decoder(self.pred, 40_000_000)

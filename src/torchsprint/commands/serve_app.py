@@ -29,7 +29,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from torchsprint.commands.serve_engine import Batcher, Decoder, ImageError, Job, Overloaded
+from torchsprint.commands.serve_decode import Decoder, ImageError, Job
+from torchsprint.commands.serve_engine import Batcher, Overloaded
 from torchsprint.commands.serve_page import page_html
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -93,7 +94,7 @@ class Served:
     warm_up: str = ""
 
     def __post_init__(self):
-        from torchsprint.commands.serve_engine import decode_pool, decode_threads
+        from torchsprint.commands.serve_decode import decode_pool, decode_threads
 
         c = self.cfg
         buckets = c.buckets == "on" or (c.buckets == "auto" and self.predictor.device.type == "cuda")

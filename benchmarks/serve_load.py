@@ -15,7 +15,7 @@ where aiohttp made 2,200; `concurrency` requests always in flight) runs in this 
 the machine's cores with the server: on a small machine it takes a share of them from every server alike.
 
     python benchmarks/serve_load.py [--configs digits,resnet18] [--servers torchsprint,torchsprint:fp32,fastapi,litserve]
-        [--concurrency 1,8,32,128] [--duration 10] [--device cpu] [--json out.json]
+        [--concurrency 1,8,32,128] [--duration 10] [--rounds 1] [--device cpu] [--json out.json]
     python benchmarks/serve_load.py --soak [SECONDS]   # torchsprint alone, concurrency 64, 5% bad requests
 
 Soak: counts of 5xx (must be 0), requests without an answer (0), requests answered with the wrong status, the
@@ -349,10 +349,16 @@ async def load(url: str, requests: list[dict], concurrency: int, seconds: float,
 
     async with session(concurrency) as http:
         await asyncio.gather(*(client(i, http) for i in range(concurrency)))
+    return summary(concurrency, latencies, statuses, seconds)
+
+
+def summary(concurrency: int, latencies: list[float], statuses: dict[str, int], seconds: float) -> dict:
+    """One level's figures from its measured requests (pooled over rounds: `seconds` is their total)."""
     ok = statuses.get("200", 0)
     return {"concurrency": concurrency, "requests": len(latencies), "requests_per_s": len(latencies) / seconds,
             "images_per_s": ok / seconds, "p50_ms": 1000 * percentile(latencies, 50),
-            "p95_ms": 1000 * percentile(latencies, 95), "p99_ms": 1000 * percentile(latencies, 99), "statuses": statuses}
+            "p95_ms": 1000 * percentile(latencies, 95), "p99_ms": 1000 * percentile(latencies, 99), "statuses": statuses,
+            "_latencies": latencies}
 
 
 def rss_mb(pid: int) -> float:
@@ -465,6 +471,9 @@ def compare(args) -> dict:
     print("| case | server | concurrency | requests/s | images/s | p50 ms | p95 ms | p99 ms | non-200 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for case, (run, images, ctype) in cases.items():
+        if args.rounds > 1:
+            rows += interleaved(args, case, run, images, ctype, levels, tmp)
+            continue
         threads = None
         for entry in args.servers.split(","):
             kind, _ = server_kind(entry)
@@ -480,15 +489,101 @@ def compare(args) -> dict:
                     r = asyncio.run(load(url, reqs, c, args.duration, args.warmup))
                     r.update(case=case, server=entry)
                     rows.append(r)
-                    bad = sum(v for k, v in r["statuses"].items() if k != "200")
-                    print(f"| {case} | {entry} | {c} | {r['requests_per_s']:.0f} | {r['images_per_s']:.0f} | "
-                          f"{r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {bad} |", flush=True)
+                    print_row(r)
             finally:
                 stop_server(proc)
+    for r in rows:
+        r.pop("_latencies", None)
     lines = verdicts(rows)
     print("\n".join(lines))
     return {"rows": rows, "goals": lines, "settings": {"max_batch": MAX_BATCH, "max_wait_ms": MAX_WAIT_MS,
-                                                      "duration_s": args.duration, "device": args.device}}
+                                                      "duration_s": args.duration, "rounds": args.rounds,
+                                                      "device": args.device}}
+
+
+def print_row(r: dict) -> None:
+    bad = sum(v for k, v in r["statuses"].items() if k != "200")
+    print(f"| {r['case']} | {r['server']} | {r['concurrency']} | {r['requests_per_s']:.0f} | {r['images_per_s']:.0f} | "
+          f"{r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {bad} |", flush=True)
+
+
+def interleaved(args, case: str, run: Path, images: list[bytes], ctype: str, levels: list[int], tmp: Path) -> list[dict]:
+    """--rounds N: every server of the case up at once; each round measures every level on every server in turn
+    (args.duration / N seconds each), so that a slow spell of a shared machine falls on all servers alike rather
+    than on whichever ran then. A level's figures pool its rounds' requests. Only the server being measured runs:
+    the others are stopped (SIGSTOP to their process groups), since an idle LitServe polls its queues (13% of a
+    core measured here; printed at the start)."""
+    import httpx
+
+    up, threads = {}, None
+    try:
+        for entry in args.servers.split(","):
+            kind, _ = server_kind(entry)
+            proc, url = start_server(entry, run, args.device, tmp / f"{entry.replace(':', '-')}.log", threads)
+            if kind == "torchsprint":
+                ready = httpx.get(url + "/ready").json()
+                threads = threads or ready.get("torch_threads")
+                print(f"<!-- {entry}: precision {ready.get('precision')}, torch threads {ready.get('torch_threads')} -->")
+            reqs = [request_of(kind, data, ctype) for data in images]
+            prime(url, reqs)
+            up[entry] = (proc, url, reqs)
+        idle = idle_cpu([proc.pid for proc, _, _ in up.values()], 3.0)
+        print(f"<!-- idle CPU share of each server over 3 s (all up, none loaded): "
+              f"{dict(zip(up, (round(x, 3) for x in idle)))}; each is stopped (SIGSTOP) while another is measured -->")
+        pooled: dict = {}
+        seconds = args.duration / args.rounds
+        for _ in range(args.rounds):
+            for c in levels:
+                for entry, (_, url, reqs) in up.items():
+                    for other, (proc, _, _) in up.items():  # LitServe's workers poll their queues when idle
+                        os.killpg(proc.pid, signal.SIGCONT if other == entry else signal.SIGSTOP)
+                    r = asyncio.run(load(url, reqs, c, seconds, args.warmup))
+                    p = pooled.setdefault((entry, c), {"latencies": [], "statuses": {}})
+                    p["latencies"] += r["_latencies"]
+                    for k, v in r["statuses"].items():
+                        p["statuses"][k] = p["statuses"].get(k, 0) + v
+    finally:
+        for proc, _, _ in up.values():
+            os.killpg(proc.pid, signal.SIGCONT)
+            stop_server(proc)
+    rows = []
+    for (entry, c), p in pooled.items():
+        rows.append({**summary(c, p["latencies"], p["statuses"], args.duration), "case": case, "server": entry,
+                     "rounds": args.rounds})
+        print_row(rows[-1])
+    return rows
+
+
+def idle_cpu(pids: list[int], seconds: float) -> list[float]:
+    """Each process tree's CPU time over `seconds` as a share of one core (its children's too: LitServe's workers)."""
+    def tree_cpu(pid: int) -> float:
+        total = 0.0
+        for p in [pid, *children(pid)]:
+            try:
+                fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    before = [tree_cpu(p) for p in pids]
+    time.sleep(seconds)
+    return [(tree_cpu(p) - b) / seconds for p, b in zip(pids, before)]
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of a process (from /proc/<pid>/task/*/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(x) for x in (task / "children").read_text().split()]
+            except OSError:
+                kids = []
+            out += kids
+            todo += kids
+    return out
 
 
 def run_soak(args) -> dict:
@@ -514,6 +609,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32,128", help="requests in flight (comma-separated levels)")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per level")
     ap.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each level")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="split each level's --duration into this many rounds, the servers (all up at once) taking "
+                    "turns within each round: a shared machine's slow spells then fall on every server alike")
     ap.add_argument("--device", default="cpu", help="cpu or cuda, for every server")
     ap.add_argument("--soak", type=float, nargs="?", const=600.0, default=None, metavar="SECONDS",
                     help="soak mode instead: torchsprint alone, concurrency 64, 5%% bad requests (default 600 s)")

@@ -7,6 +7,7 @@ events, never races against a sleep."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -456,6 +457,84 @@ def test_the_long_lived_objects_are_frozen_out_of_the_collector_while_serving(ru
     finally:
         server.close()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_lone_request_is_answered_on_the_event_loop_when_the_model_is_fast(run, files, monkeypatch):
+    """Batcher.run_lone: a request alone on an idle server, of a model measured fast at warm-up and a small body, is
+    answered on the event loop (no hand-off to the model thread and back); a big body or a slow model goes through
+    the model thread; either way, and when both paths mix under concurrency, every answer equals predict's. The
+    warm-up's measured time is set here (it depends on the machine's load). Bugs caught: the fast path never taken
+    (a lone client pays two thread hand-offs a request), taken for a slow model or a big body (the loop held while
+    other requests wait), taken right after requests overlapped (the first of a wave answered alone, its batch
+    split), many clients' requests each answered on the loop and never batched (none ever awaits, so no overlap is
+    ever seen: the concurrent part checks that one was), a lone answer that differs from predict's or belongs to
+    another request."""
+    from PIL.PngImagePlugin import PngInfo
+
+    from torchsprint.commands import serve_app
+    from torchsprint.commands.serve_engine import LONE_MAX_BYTES, LONE_MAX_S
+
+    server = ThreadServer(run)
+    batcher = server.served.batcher
+    try:
+        batcher.lone_s = LONE_MAX_S / 2
+        paths = [p for p in files if p.suffix == ".png"][:6]
+        for p in paths:
+            r = post(server.url, p)
+            assert r.status_code == 200, r.text
+            same_as_predict(r.json()["predictions"][0], _top(files[p], 7))
+        m = server.metrics()
+        assert metric(m, "torchsprint_serve_lone_images_total") == len(paths)
+        assert metric(m, "torchsprint_serve_batch_size_count") == len(paths)  # still counted as batches of one
+
+        # The same digit with a text chunk that makes its body bigger than LONE_MAX_BYTES: the model thread answers.
+        info = PngInfo()
+        info.add_text("padding", "x" * (LONE_MAX_BYTES + 1))
+        from PIL import Image
+
+        with Image.open(paths[0]) as im:
+            big = io.BytesIO()
+            im.save(big, "PNG", pnginfo=info)
+        assert len(big.getvalue()) > LONE_MAX_BYTES
+        r = post(server.url, content=big.getvalue(), headers={"content-type": "image/png"})
+        assert r.status_code == 200, r.text
+        same_as_predict(r.json()["predictions"][0], _top(files[paths[0]], 7))
+        batcher.lone_s = LONE_MAX_S * 2  # a model measured slow
+        assert post(server.url, paths[1]).status_code == 200
+        assert server.metric("torchsprint_serve_lone_images_total") == len(paths)
+
+        # Both paths under concurrency: every answer still its own file's, and the overlap is seen (LONE_QUIET_S made
+        # long so that it is still remembered below, however slow this machine).
+        monkeypatch.setattr(serve_app, "LONE_QUIET_S", 3600.0)
+        batcher.lone_s = LONE_MAX_S / 2
+        order = [p for p in files if p.suffix == ".png"] * 2
+
+        async def send_all():
+            async with httpx.AsyncClient(timeout=120) as http:
+                sem = asyncio.Semaphore(4)
+
+                async def one(p):
+                    async with sem:
+                        return p, await http.post(server.url + "/predict?topk=10", content=p.read_bytes(),
+                                                  headers={"content-type": "image/png"})
+
+                return await asyncio.gather(*(one(p) for p in order))
+
+        for p, r in asyncio.run(send_all()):
+            assert r.status_code == 200, r.text
+            same_as_predict(r.json()["predictions"][0], files[p])
+
+        # Right after requests overlapped (within LONE_QUIET_S), a lone-looking request may be the first of a wave:
+        # the model thread answers it. Once quiet again, the loop does.
+        assert server.served.overlapped_at > float("-inf")
+        lone = server.metric("torchsprint_serve_lone_images_total")
+        assert post(server.url, paths[2]).status_code == 200
+        assert server.metric("torchsprint_serve_lone_images_total") == lone
+        server.served.overlapped_at = float("-inf")
+        assert post(server.url, paths[2]).status_code == 200
+        assert server.metric("torchsprint_serve_lone_images_total") == lone + 1
+    finally:
+        server.close()
 
 
 def serve_process(run: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:

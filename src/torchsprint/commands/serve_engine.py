@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 
 import torch
 
@@ -20,6 +21,12 @@ from torchsprint.commands.serve_decode import Decoder, ImageError, Job
 # the model and know, without timing, that later requests queue (overload, timeout, disconnect, SIGTERM tests).
 # Unset (always, outside tests): never read again.
 GATE_ENV = "TORCHSPRINT_TEST_SERVE_GATE"
+
+# A lone request runs on the event loop itself (Batcher.run_lone) only where the model's batch of one was measured
+# at warm-up within LONE_MAX_S and its body is at most LONE_MAX_BYTES (its decode is then short too): the loop is
+# never held longer than about that. A bigger model or image goes through the model thread as every batch does.
+LONE_MAX_S = 0.002
+LONE_MAX_BYTES = 256 * 1024
 
 
 class Overloaded(Exception):
@@ -64,6 +71,7 @@ class Batcher:
         self._warm = threading.Event()
         self.warm_note = ""
         self.torch_threads: dict[int, int] = {}  # batch size -> torch threads, measured at warm-up on a CPU
+        self.lone_s: float | None = None  # a batch of one's measured time (CPU), for run_lone
 
     def start(self) -> str:
         """Start the model thread; it warms up first. Returns once warm, with what the warm-up did."""
@@ -117,6 +125,36 @@ class Batcher:
             self._waiting.append((time.monotonic(), job))
             self._cond.notify_all()
             return True
+
+    def run_lone(self, job: Job) -> Future | None:
+        """Answer a not-yet-decoded job on the calling thread (the event loop's) when it is the only image in the
+        server: nothing running, waiting, admitted or arriving, a CPU model measured fast (LONE_MAX_S) and a small
+        body. Returns its answered future, or None (then it goes through the model thread). Why: a lone client's
+        request otherwise wakes the model thread and waits for it to wake the loop: two thread hand-offs, measured
+        as the gap to a hand-written endpoint at concurrency 1 (BENCHMARKS.md, "torchsprint serve under load").
+        Nothing else can arrive meanwhile (the loop is busy here), so no batch waits for it; whether requests
+        arrive too often for the loop to take one (they overlapped lately) is serve_app.answer_within's call."""
+        with self._cond:
+            if (self._stopping or self._busy or self._waiting or self._reserved != 1 or self._arriving
+                    or self.lone_s is None or self.lone_s > LONE_MAX_S or self._gate is not None
+                    or job.data is None or len(job.data) > LONE_MAX_BYTES):
+                return None
+            self._busy = True
+            self._reserved -= 1
+            self.metrics.queue_depth.set(self._reserved)
+        self.metrics.lone.inc()
+        self.metrics.in_model.set(1)
+        try:
+            job.future.set_running_or_notify_cancel()
+            self._answer([job])
+        except Exception as e:  # noqa: BLE001 - as the model thread: the image gets the error, the server goes on
+            if not job.future.done():
+                job.future.set_exception(e)
+        finally:
+            self.metrics.in_model.set(0)
+            with self._cond:
+                self._busy = False
+        return job.future
 
     def put(self, job: Job) -> Job:
         with self._cond:
@@ -308,6 +346,8 @@ class Batcher:
                     reps += 1
                 times[n] = (time.perf_counter() - started) / reps
             chosen[size] = min(times, key=times.get)
+            if size == 1:
+                self.lone_s = times[chosen[size]]
             notes.append(f"{chosen[size]} for a batch of {size} (" + ", ".join(
                 f"{1000 * t:.2f} ms with {n}" for n, t in times.items()) + ")")
         self.torch_threads = chosen  # infer follows it from now on (during the measurement: the count being timed)

@@ -332,6 +332,10 @@ def _two_rank_worker(rank: int, run_dir: str, results: str) -> None:
         {"path": str(path), "found": str(found), "files": files_after_save, "rng_ok": rng_ok, "n_rng": len(ck["rng"]),
          "error": error}))
     dist.destroy_process_group()
+    # What this test checks is written. Once in ~14 runs here rank 0 then died of SIGABRT ("terminate called without an
+    # active exception": a joinable C++ thread destroyed, gloo's, on 2026-11-29); if that comes from the destructors
+    # that run at interpreter exit (not verified), leaving without them keeps it from failing a checkpoint test.
+    os._exit(0)
 
 
 @pytest.mark.dist

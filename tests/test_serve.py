@@ -154,6 +154,40 @@ def test_concurrent_answers_equal_predict_however_batched(run, files, gate):
         server.close()
 
 
+@pytest.mark.gpu
+def test_on_cuda_concurrent_answers_equal_predict_on_cuda(run, files, gate, figure):
+    """serve.device=cuda (buckets on, its default there): distinct images batched together behind a held batch;
+    every answer equals `predict --device cuda` on its own file. Bugs caught: answers crossed between requests on
+    the GPU path, padding rows read back, a device copy that changes an image. The bound is provisional (no GPU in
+    the session that wrote it; the GPU window's FIGURE line gives the measured difference): 1e-3, where two
+    different digits' probabilities differ by >= 4e-3 (serve_helpers.TOL), so a swapped answer still fails."""
+    paths = [p for p in files if p.suffix == ".png"][:12]
+    on_gpu = Predictor.from_run(run, device="cuda").predict([str(p) for p in paths], topk=10)
+    expected = {p: {t["class"]: t["prob"] for t in r["top"]} for p, r in zip(paths, on_gpu)}
+    server = ThreadServer(run, device="cuda", max_batch=8, max_wait_ms=50)
+    try:
+        async def send_all():
+            async with httpx.AsyncClient(timeout=120) as http:
+                return await asyncio.gather(*(http.post(server.url + "/predict?topk=10", content=p.read_bytes(),
+                                                        headers={"content-type": "image/png"}) for p in paths))
+
+        box = in_background(asyncio.run, send_all())
+        wait_until(lambda: server.metric("torchsprint_serve_in_flight") == len(paths), what="every request in flight")
+        gate.touch()
+        worst = 0.0
+        for p, r in zip(paths, result(box)):
+            assert r.status_code == 200, r.text
+            got = {t["class"]: t["prob"] for t in r.json()["predictions"][0]["top"]}
+            assert got.keys() == expected[p].keys()
+            worst = max(worst, *(abs(got[c] - expected[p][c]) for c in got))
+        figure("serve_cuda_vs_predict_cuda_max_prob_diff", worst, "digits small_cnn, batches of 1-8 padded to buckets")
+        assert worst <= 1e-3
+        assert server.metric("torchsprint_serve_batch_size_bucket", '{le="1.0"}') < server.metric(
+            "torchsprint_serve_batch_size_count")  # at least one batch of more than one
+    finally:
+        server.close()
+
+
 def test_max_wait_ms_holds_an_image_for_one_on_its_way_and_no_longer(run, files):
     """max_wait_ms=10000, max_batch=2. While B's body is still arriving, A (decoded, waiting) waits for it: the two
     run as one batch as soon as B is in. With nothing on its way, a lone request runs at once, not after 10 s.

@@ -191,6 +191,19 @@ def test_a_run_too_short_by_its_first_timed_step_stops_there(bf16):
     assert "run too short (~10 s in fp32 NHWC: 10,000 steps x 1 ms; measured from 60 s)" in a.precision_why
 
 
+def test_the_estimate_scales_the_half_batch_step_to_the_run_s_batch():
+    """measure(scale=...): the probe steps half a batch, so its step time is scaled by the run's batch over the
+    probe's before it estimates the run's length. Bug caught: the half-batch step estimating a run at half its time
+    (ResNet-18, batch 32 at 112 px, 3 epochs: 52 s estimated, 'too short', where its fp32 training took ~100 s)."""
+    from torchsprint.train.speed_probe import measure
+
+    cands = [Candidate("fp32", True), Candidate(B16, True)]
+    per_step = speed_probe.MEASURE_MIN_S / 200 * 0.75  # 200 steps of it: 3/4 of the threshold
+    assert measure(cands, lambda c: per_step, 200)[1].startswith("run too short")
+    figures, why_not = measure(cands, lambda c: per_step, 200, scale=2.0)
+    assert why_not is None and figures["estimate_s"] == pytest.approx(1.5 * speed_probe.MEASURE_MIN_S)
+
+
 def test_a_slice_of_a_run_counts_as_what_this_invocation_trains(bf16):
     # run.stop_after_steps and run.max_time end this invocation: a long run trained in slices (the tests' runs that
     # stop after a few steps, a job's time budget) pays for a probe only where the slice can. bug caught: the probe

@@ -148,20 +148,23 @@ def run_batches(cfg, batches_per_epoch: int) -> int:
     return total
 
 
-def measure(cands: list[Candidate], step, batches: int, budget_s: float | None = None) -> tuple[dict | None, str | None]:
+def measure(cands: list[Candidate], step, batches: int, budget_s: float | None = None,
+            scale: float = 1.0) -> tuple[dict | None, str | None]:
     """Time the candidates (`step(candidate)` -> seconds of one real training step; cands[0] the baseline):
     (figures, None), or (None, why not) when the baseline's first timed step says the run (`batches` steps, within
-    run.max_time's `budget_s`) is too short for it."""
+    run.max_time's `budget_s`) is too short for it. `scale`: the run's batch over the probe's (the probe steps half
+    a batch: `half`), so that its step time estimates the run's."""
     t_all = time.perf_counter()
     base = cands[0]
     for _ in range(WARMUP_STEPS):
         step(base)
-    first = step(base)
+    first = step(base) * scale
     estimate = first * batches
     if budget_s is not None and budget_s < estimate:
         estimate, how = budget_s, "run.max_time"
     else:
-        how = f"in {base.name}: {batches:,} steps x {1000 * first:.0f} ms"
+        how = f"in {base.name}: {batches:,} steps x {1000 * first:.0f} ms" + (
+            f" (from a step of 1/{scale:g} of a batch)" if scale != 1 else "")
     if estimate < MEASURE_MIN_S:
         return None, f"run too short (~{estimate:.0f} s {how}; measured from {MEASURE_MIN_S:.0f} s)"
     for c in cands[1:]:
@@ -286,11 +289,14 @@ def decide_auto(cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict 
 
         saved = rng_state(rt.device)  # the probe's draws (dropout, the loader's seed) must not move the run's
         try:
-            batch = half(next(iter(loader))) if step is None else None
+            whole = next(iter(loader)) if step is None else None
+            batch = half(whole) if whole is not None else None
             images = len(batch[0]) if batch is not None else cfg.data.batch_size
-            measured, why_not = measure(cands, step or ProbeSteps(cfg, model, loss_fn, batch), batches, budget_s(cfg))
+            scale = len(whole[0]) / images if batch is not None and batch is not whole else 1.0
+            measured, why_not = measure(cands, step or ProbeSteps(cfg, model, loss_fn, batch), batches, budget_s(cfg),
+                                        scale)
         finally:
-            batch = step = None
+            whole = batch = step = None
             gc.collect()  # the copies, their optimizer state and activations, before the run builds its own
             set_rng_state(saved, rt.device)
     if why_not is not None:

@@ -462,8 +462,6 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 
 def compare(args) -> dict:
-    import httpx
-
     tmp = Path(tempfile.mkdtemp(prefix="serve-load-"))
     cases = make_cases(tmp, args.configs.split(","))
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -476,15 +474,8 @@ def compare(args) -> dict:
             continue
         threads = None
         for entry in args.servers.split(","):
-            kind, _ = server_kind(entry)
-            proc, url = start_server(entry, run, args.device, tmp / f"{entry.replace(':', '-')}.log", threads)
-            if kind == "torchsprint":
-                ready = httpx.get(url + "/ready").json()
-                threads = threads or ready.get("torch_threads")
-                print(f"<!-- {entry}: precision {ready.get('precision')}, torch threads {ready.get('torch_threads')} -->")
+            proc, url, reqs, threads = start_primed(entry, run, images, ctype, args.device, tmp, threads)
             try:
-                reqs = [request_of(kind, data, ctype) for data in images]
-                prime(url, reqs)
                 for c in levels:
                     r = asyncio.run(load(url, reqs, c, args.duration, args.warmup))
                     r.update(case=case, server=entry)
@@ -501,6 +492,22 @@ def compare(args) -> dict:
                                                       "device": args.device}}
 
 
+def start_primed(entry: str, run: Path, images: list[bytes], ctype: str, device: str, tmp: Path, threads):
+    """Start one server of a case and prime it: (process, URL, its requests, the torch threads the baselines get:
+    torchsprint's measured counts, read from its /ready, once the first torchsprint server is up)."""
+    import httpx
+
+    kind, _ = server_kind(entry)
+    proc, url = start_server(entry, run, device, tmp / f"{entry.replace(':', '-')}.log", threads)
+    if kind == "torchsprint":
+        ready = httpx.get(url + "/ready").json()
+        threads = threads or ready.get("torch_threads")
+        print(f"<!-- {entry}: precision {ready.get('precision')}, torch threads {ready.get('torch_threads')} -->")
+    reqs = [request_of(kind, data, ctype) for data in images]
+    prime(url, reqs)
+    return proc, url, reqs, threads
+
+
 def print_row(r: dict) -> None:
     bad = sum(v for k, v in r["statuses"].items() if k != "200")
     print(f"| {r['case']} | {r['server']} | {r['concurrency']} | {r['requests_per_s']:.0f} | {r['images_per_s']:.0f} | "
@@ -513,19 +520,10 @@ def interleaved(args, case: str, run: Path, images: list[bytes], ctype: str, lev
     than on whichever ran then. A level's figures pool its rounds' requests. Only the server being measured runs:
     the others are stopped (SIGSTOP to their process groups), since an idle LitServe polls its queues (13% of a
     core measured here; printed at the start)."""
-    import httpx
-
     up, threads = {}, None
     try:
         for entry in args.servers.split(","):
-            kind, _ = server_kind(entry)
-            proc, url = start_server(entry, run, args.device, tmp / f"{entry.replace(':', '-')}.log", threads)
-            if kind == "torchsprint":
-                ready = httpx.get(url + "/ready").json()
-                threads = threads or ready.get("torch_threads")
-                print(f"<!-- {entry}: precision {ready.get('precision')}, torch threads {ready.get('torch_threads')} -->")
-            reqs = [request_of(kind, data, ctype) for data in images]
-            prime(url, reqs)
+            proc, url, reqs, threads = start_primed(entry, run, images, ctype, args.device, tmp, threads)
             up[entry] = (proc, url, reqs)
         idle = idle_cpu([proc.pid for proc, _, _ in up.values()], 3.0)
         print(f"<!-- idle CPU share of each server over 3 s (all up, none loaded): "

@@ -296,7 +296,7 @@ async def answer_within(s: Served, request, topk: int):
     # therefore goes through the model thread, awaiting it, and the loop reads whatever waits meanwhile; a second
     # request in flight then marks the overlap.
     if len(items) == 1 and s.lone_streak < LONE_PROBE_EVERY and time.monotonic() - s.overlapped_at > LONE_QUIET_S:
-        done = s.batcher.run_lone(Job(None, None, topk, Future(), items[0][1]))
+        done = s.batcher.run_lone(Job(None, None, topk, data=items[0][1]))
         if done is not None:
             s.lone_streak += 1
             return items, [done.exception() or done.result()]

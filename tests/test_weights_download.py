@@ -67,6 +67,7 @@ class Server:
     def __init__(self):
         self.files: dict[str, bytes] = {}
         self.misbehave: dict[str, list[str]] = {}
+        self.slow: dict[str, float] = {}  # path -> seconds over which a GET's body is sent, in four parts
         self.requests: list[tuple[str, str]] = []
         state = self
 
@@ -103,7 +104,13 @@ class Server:
                      "Content-Type": "application/octet-stream"}.items():
             h.send_header(k, v)
         h.end_headers()
-        if not head:
+        if not head and path in self.slow:
+            quarter = -(-len(data) // 4)
+            for i in range(0, len(data), quarter):
+                time.sleep(self.slow[path] / 4)
+                h.wfile.write(data[i : i + quarter])
+                h.wfile.flush()
+        elif not head:
             h.wfile.write(data[: len(data) // 3] if how == "drop" else data)
             h.wfile.flush()
 
@@ -339,3 +346,20 @@ def test_under_ddp_local_rank_0_downloads_and_the_others_wait(online, server, r1
     assert Path(r0["path"]).read_bytes() == r18.pth
     assert server.gets("/w/r18.pth") == 1 and server.gets("/w/gone.pth") == 1
     assert "HTTP 404" in r0["error"] and "the rank that downloads did not leave it there" in r1["error"]
+
+
+@pytest.mark.dist
+def test_under_ddp_the_other_ranks_wait_for_a_download_longer_than_the_runs_timeout(online, server, r18):
+    # Catches: the waiting rank's barrier bounded by strategy.timeout_s (the process group's timeout, 2 s here): a
+    # download that progresses for 4 s failed rank 1 with a gloo timeout while rank 0 was still receiving bytes.
+    server.files["/w/r18.pth"] = r18.pth
+    server.slow["/w/r18.pth"] = 4.0
+    out = online / "out"
+    out.mkdir()
+    from weights_ddp_worker import rank_waits
+
+    torch.multiprocessing.spawn(rank_waits, args=(str(online / "pg"), f"{server.url}/w/r18.pth", 2.0, str(out)),
+                                nprocs=2, join=True)
+    r0, r1 = (json.loads((out / f"{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1 == {"path": str(online / "torch/hub/checkpoints/r18.pth")}, (r0, r1)
+    assert Path(r0["path"]).read_bytes() == r18.pth and server.gets("/w/r18.pth") == 1

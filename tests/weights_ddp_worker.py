@@ -4,6 +4,7 @@ spawned rank imports torch and torchsprint's download module only, not the test 
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -23,5 +24,18 @@ def rank(r: int, pg: str, good: str, bad: str, out: str) -> None:
         fetch_for_run(bad, None, rt, lambda _: None)
     except UsageError as e:
         result["error"] = str(e)
+    Path(out, f"{r}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def rank_waits(r: int, pg: str, url: str, timeout_s: float, out: str) -> None:
+    """One gloo rank whose process group times out after `timeout_s` (strategy.timeout_s): fetch_for_run a URL the
+    server sends more slowly than that; each rank's path, or its error, in out/<rank>.json."""
+    dist.init_process_group("gloo", init_method=f"file://{pg}", rank=r, world_size=2, timeout=timedelta(seconds=timeout_s))
+    rt = Runtime(torch.device("cpu"), rank=r, world_size=2, local_rank=r)
+    try:
+        result = {"path": str(fetch_for_run(url, None, rt, lambda _: None))}
+    except Exception as e:  # the test reads it (a timeout on the waiting rank was the bug)
+        result = {"error": f"{type(e).__name__}: {e}"[:500]}
     Path(out, f"{r}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
@@ -26,6 +27,9 @@ from torchsprint.models.weights import WeightsSource, hf_endpoint, hf_hub_cache,
 
 OFFLINE_ENVS = ("TORCHSPRINT_OFFLINE", "HF_HUB_OFFLINE")
 TIMEOUT_ENV = "TORCHSPRINT_DOWNLOAD_TIMEOUT"
+# How long the ranks that do not download wait for the one that does (fetch_for_run): long, since a download that
+# progresses may take hours on a slow link; a dead downloading rank is seen within seconds regardless.
+DOWNLOAD_WAIT_S = 24 * 3600.0
 DEFAULT_TIMEOUT_S = 10.0  # huggingface_hub's own default (HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT)
 
 
@@ -239,23 +243,32 @@ def fetch_for_run(spec: str, model_name: str | None, rt, log, key: str = "model.
     a barrier and then read the file from the cache. A failure on the downloading rank is raised on it after the
     barrier (so no rank hangs); the others then find no file and say so.
 
-    The barrier waits at most strategy.timeout_s: a download longer than that fails the waiting ranks; fetch the
-    file first (`torchsprint weights get`) or raise the timeout.
+    The barrier is on a gloo group of its own whose limit is DOWNLOAD_WAIT_S, not strategy.timeout_s (the run's
+    collectives' limit, 300 s by default): a large file on a slow link may take longer than that, and the waiting
+    ranks must not give up on a download that progresses. A downloading rank that dies closes its sockets, so the
+    others stop within seconds (as for any collective); one that stalls is bounded by the download's own timeout
+    between bytes (TORCHSPRINT_DOWNLOAD_TIMEOUT).
     """
     if not rt.distributed:
         return fetch(spec, model_name, key, log)
-    if rt.local_rank != 0:
-        rt.barrier()
-        return fetch(spec, model_name, key, log, download_ok=False)
-    error = None
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=DOWNLOAD_WAIT_S))  # every rank, in this order
     try:
-        path = fetch(spec, model_name, key, log, progress=rt.is_main and sys.stderr.isatty())
-    except Exception as e:  # raised after the barrier: the other ranks must not wait for a rank that left
-        error = e
-    rt.barrier()
-    if error is not None:
-        raise error
-    return path
+        if rt.local_rank != 0:
+            dist.barrier(group=group)
+            return fetch(spec, model_name, key, log, download_ok=False)
+        error = None
+        try:
+            path = fetch(spec, model_name, key, log, progress=rt.is_main and sys.stderr.isatty())
+        except Exception as e:  # raised after the barrier: the other ranks must not wait for a rank that left
+            error = e
+        dist.barrier(group=group)
+        if error is not None:
+            raise error
+        return path
+    finally:
+        dist.destroy_process_group(group)
 
 
 def fetch_run_weights(model_cfg, teacher_cfg, rt, log, resuming: bool = False) -> None:

@@ -188,8 +188,23 @@ def materialize(tok: str, workspace: Path, cwd: Path) -> str:
     return tok
 
 
+MULTI_MACHINE = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend")
+
+
 def kept_short(argv: list[str]) -> list[str]:
     command = argv[0] if argv else ""
+    if command == "train" and ("--nproc-per-node" in argv or "--nnodes" in argv):
+        # A launch dry-runs in real workers (runtime/launch.py): two of them on this machine alone, the other
+        # machines' flags left out (their rendezvous would wait for machines that are not there).
+        out, skip = [], False
+        for tok in argv:
+            if skip:
+                skip = False
+            elif tok in MULTI_MACHINE:
+                skip = True
+            else:
+                out.append("2" if out and out[-1] == "--nproc-per-node" else tok)
+        argv = out
     if command == "train" and "--dry-run" not in argv:
         return [*argv, "--dry-run"]
     if command == "bench":  # argparse keeps the last of a repeated option

@@ -74,7 +74,7 @@ def cmd_train(args) -> int:
 
         raise UsageError("--max-restarts/--rdzv-backend configure torchrun's launcher: add --nproc-per-node N "
                          "(and --nnodes for several machines).")
-    if (args.nproc_per_node or args.nnodes) and not args.dry_run:
+    if args.nproc_per_node or args.nnodes:  # a dry run too: each worker checks its part (rank, shard, group)
         from torchsprint.runtime.launch import launch
 
         return launch(args)

@@ -139,7 +139,9 @@ def args_train(p: argparse.ArgumentParser) -> None:
     _add_config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest valid checkpoint")
     p.add_argument("--dry-run", action="store_true",
-                   help="check everything (config, data, model, optimizer) and report, without writing anything")
+                   help="check everything (config, data, model, optimizer) and report, without writing anything; "
+                        "with --nproc-per-node each worker checks its part (rank, data shard, process group); with --nnodes, "
+                        "run it on every machine, as the run itself")
     p.add_argument("--overwrite", action="store_true",
                    help="run.dir holds another run: move its files into run.dir/replaced-<time>/ and start over there")
     p.add_argument("--nproc-per-node", type=Count(1), default=None, metavar="N",

@@ -149,6 +149,8 @@ def worker_args(args) -> list[str]:
         out += ["--resume", args.resume]
     if getattr(args, "overwrite", False):
         out.append("--overwrite")
+    if getattr(args, "dry_run", False):
+        out.append("--dry-run")
     if getattr(args, "debug", False):
         out.append("--debug")
     return out + list(args.overrides) + ["strategy.name=ddp"]
@@ -254,7 +256,8 @@ def launch(args) -> int:
                              "the restarted workers resume from its newest checkpoint, whichever machine rank 0 is on.")
         from torchsprint.train.rundir import create_unique, planned_path
 
-        extra = [f"run.dir={create_unique(planned_path(cfg.run)[0])}"]  # one folder for every attempt
+        if not getattr(args, "dry_run", False):  # a dry run writes nothing
+            extra = [f"run.dir={create_unique(planned_path(cfg.run)[0])}"]  # one folder for every attempt
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

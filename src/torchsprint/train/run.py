@@ -304,8 +304,8 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
         b = build_training(cfg, rt, logger.info, ckpt, resume_path)
         cfg = b.cfg  # data.batch_size and optim.accum_steps resolved (auto, effective_batch_size): config.yaml says them
         if dry_run:
-            logger.info(f"dry run: everything checked; would train in {run_dir}{' (resuming)' if ckpt else ''}; "
-                        "nothing was written")
+            logger.info(f"dry run: everything checked ({rt.world_size} process(es)); would train in {run_dir}"
+                        f"{' (resuming)' if ckpt else ''}; nothing was written")
             clean = True
             return {"dry_run": True, "run_dir": str(run_dir), "resume": str(resume_path) if resume_path else None}
         if not exists:  # only now, with everything validated: a folder no other run can get, locked

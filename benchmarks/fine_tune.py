@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--lr-sizes", default="100", help="the --per-class sizes that get the --lrs sweep")
     ap.add_argument("--lrs", default="", help="extra fine-tuning rates per 256 images, e.g. 0.003,0.03,0.1")
     ap.add_argument("--cases", default="fine_tune,fine_tune_all,scratch")
+    ap.add_argument("--seed", type=int, default=0, help="run.seed of every fine-tuning and scratch run (set B's images "
+                    "and the pretraining stay the same): repeat with 1, 2 ... for the spread between seeds")
     ap.add_argument("--work", default=None, help="work folder (default: a temporary one, removed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -170,7 +172,7 @@ def main() -> None:
 
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
                          capture_output=True, text=True).stdout.strip()
-    result |= {"cpu": cpu_info(), "torch": torch.__version__, "revision": rev}
+    result |= {"cpu": cpu_info(), "torch": torch.__version__, "revision": rev, "seed": args.seed}
 
     set_a = work / "set_a"
     if not (set_a / "val").is_dir():
@@ -195,7 +197,8 @@ def main() -> None:
     lrs = [float(x) for x in args.lrs.split(",") if x]
     for n in [int(x) for x in args.per_class.split(",")]:
         root = make_set(work / f"set_b_{n}", SHAPES_B, n, args.val_per_class, args.size, seed=1)
-        common = [f"run.epochs={args.epochs}", "model.name=resnet18"]  # named: weights alone do not pick the model
+        common = [f"run.epochs={args.epochs}", "model.name=resnet18",  # named: weights alone do not pick the model
+                  f"run.seed={args.seed}"]
         ft = None
 
         def one(case: str, over: list[str], environ=env, n=n, root=root, common=common) -> dict:

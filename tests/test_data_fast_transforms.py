@@ -4,6 +4,8 @@ shared memory against a single-process loader."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torchvision.transforms import v2
@@ -99,8 +101,10 @@ def test_cpu_backend_batches_from_workers_equal_single_process(image_folder):
 
     ref, got = batches(0), batches(2)
     assert len(ref) == len(got) > 2
-    for (a, ya), (b, yb) in zip(ref, got):
-        assert torch.equal(a, b) and torch.equal(ya, yb)
+    for i, ((a, ya), (b, yb)) in enumerate(zip(ref, got)):
+        threads = sorted(t.name for t in threading.enumerate())  # another thread on the global generator (conftest)
+        assert torch.equal(ya, yb), f"batch {i}: labels differ (the order): {ya} vs {yb}; threads {threads}"
+        assert torch.equal(a, b), f"batch {i}: images differ (the augmentation); threads {threads}"
 
 
 def test_recycled_normalize_buffers_never_overwrite_a_batch_still_referenced():

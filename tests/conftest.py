@@ -105,18 +105,6 @@ def restore_torch_flags():
     torch.utils.deterministic.fill_uninitialized_memory = saved[6]
 
 
-@pytest.fixture(autouse=True)
-def no_producer_outlives_its_test():
-    """A gpu-backend loader left mid-epoch keeps its producer thread (data/prefetch.py) assembling batches until its
-    queue is full or the iterator is collected: augmentation on torch's global CPU generator, on another thread. The
-    next test in the process must not share that generator with it (a main-process loader reseeds it per sample:
-    seen once as tests/test_data_fast_transforms.py's workers-vs-one-process batches differing under -n 2)."""
-    yield
-    prefetch = sys.modules.get("torchsprint.data.prefetch")
-    if prefetch is not None:
-        prefetch._close_live()
-
-
 # Files whose tests compare numbers from two computations within a tolerance, or check where training lands: the
 # ones `.ci/kernels` runs under every set of CPU kernels PyTorch can pick here (ATEN_CPU_CAPABILITY=default, avx2,
 # avx512 where the CPU has it), so a bound measured on one kind of CPU is seen to hold on the others (TESTING.md,

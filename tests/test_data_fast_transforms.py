@@ -102,7 +102,7 @@ def test_cpu_backend_batches_from_workers_equal_single_process(image_folder):
     ref, got = batches(0), batches(2)
     assert len(ref) == len(got) > 2
     for i, ((a, ya), (b, yb)) in enumerate(zip(ref, got)):
-        threads = sorted(t.name for t in threading.enumerate())  # another thread on the global generator (conftest)
+        threads = sorted(t.name for t in threading.enumerate())  # another thread drawing from the global generator?
         assert torch.equal(ya, yb), f"batch {i}: labels differ (the order): {ya} vs {yb}; threads {threads}"
         assert torch.equal(a, b), f"batch {i}: images differ (the augmentation); threads {threads}"
 

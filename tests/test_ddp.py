@@ -123,15 +123,14 @@ def test_cli_nproc_per_node_dry_run_checks_each_worker_and_writes_nothing(tmp_pa
     """Before: `train --nproc-per-node 2 --dry-run` checked in this one process, so a config saying strategy: ddp
     was refused ("start it with `torchsprint train --nproc-per-node N`", which the user had) and any other was planned
     as one process (world size 1, another batch per step). Now the launcher starts the workers and each dry-runs."""
-    run_dir = tmp_path / "ddp"
-    proc = run_cli("train", "--nproc-per-node", "2", "--dry-run", *worker.COMMON, f"data.batch_size={worker.B}",
-                   "strategy.name=ddp", f"run.dir={run_dir}", "--import", "test_ddp_worker",
+    proc = run_cli("train", "--nproc-per-node", "2", "--max-restarts", "2", "--dry-run", *worker.COMMON,
+                   f"data.batch_size={worker.B}", "strategy.name=ddp", "--import", "test_ddp_worker",
                    env={"PYTHONPATH": str(Path(__file__).parent)}, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = proc.stdout + proc.stderr
-    assert "launching 2 DDP process(es)" in out, out[-3000:]
+    assert "launching 2 DDP process(es)" in out and "--max-restarts=0" in out, out[-3000:]  # nothing to restart
     assert out.count("dry run: everything checked (2 process(es))") == 1, out[-3000:]  # rank 0 reports
-    assert not run_dir.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # no run folder (restarts: one)
 
 
 @pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)

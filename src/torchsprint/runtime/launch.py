@@ -258,6 +258,8 @@ def launch(args) -> int:
 
         if not getattr(args, "dry_run", False):  # a dry run writes nothing
             extra = [f"run.dir={create_unique(planned_path(cfg.run)[0])}"]  # one folder for every attempt
+    if getattr(args, "dry_run", False):
+        restarts = 0  # checked above as for the run; a dry run trains nothing to restart, nor retries a failed check
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

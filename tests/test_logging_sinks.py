@@ -159,3 +159,43 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_step(tmp_path):
         assert [(r["step"], r["train/loss"]) for r in csv.DictReader(f)] == [("1", "2.0"), ("3", "1.5"), ("4", "1.3")]
     with open(tmp_path / "metrics_test.csv", newline="") as f:
         assert list(csv.DictReader(f)) == []
+
+
+def test_tensorboard_shows_each_record_of_the_checkpoint_step_once_after_a_resume(tmp_path):
+    """A step checkpoint at an epoch's last step (3), then that epoch's row and evaluation logged at the same step,
+    then a crash before the epoch's own checkpoint: the resumed run logs the row and evaluation of step 3 again.
+    Before: purge_step = 4 kept the first file's step-3 events, and TensorBoard's reader showed the epoch's loss and
+    the evaluation's top-1 at step 3 twice; hiding step 3 wholesale would lose the training loss logged before the
+    checkpoint, which the resumed run does not log again. Read with TensorBoard's own reader."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from torchsprint.observe.logging import RunLogger
+
+    cfg = config.load(None, ["log.tensorboard=true"]).log
+    first = RunLogger(tmp_path, cfg, console=False)
+    for step in (1, 2, 3):
+        first.scalars(step, {"train/loss": 3.0 - step / 2}, "train")
+    counts = dict(first.counts)  # what the step-3 checkpoint saves (train: 3)
+    first.scalars(3, {"epoch/loss": 2.0}, "epoch")
+    first.scalars(3, {"val/top1": 0.5}, "eval")
+    first.tb.flush()  # the crash: the files stay as written, nothing closes them
+    time.sleep(1.1)  # the event file's name holds the second: the resumed run's sorts after it
+
+    second = RunLogger(None, cfg, console=False)
+    second.open_files(tmp_path, resumed_step=3, resumed_counts=counts)
+    second.scalars(3, {"epoch/loss": 2.1}, "epoch")
+    second.scalars(3, {"val/top1": 0.6}, "eval")
+    second.scalars(4, {"train/loss": 1.2}, "train")
+    second.close(finished=True)
+
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    seen = {tag: ([e.step for e in tb.Scalars(tag)], [e.value for e in tb.Scalars(tag)])
+            for tag in ("train/loss", "epoch/loss", "val/top1")}
+    assert seen["train/loss"][0] == [1, 2, 3, 4] and seen["train/loss"][1] == pytest.approx([2.5, 2.0, 1.5, 1.2])
+    assert seen["epoch/loss"][0] == [3] and seen["epoch/loss"][1] == pytest.approx([2.1])  # float32 in the file
+    assert seen["val/top1"][0] == [3] and seen["val/top1"][1] == pytest.approx([0.6])
+    assert [json.loads(x)["kind"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        ["train"] * 3 + ["epoch", "eval", "train"]

@@ -92,7 +92,8 @@ class Covered:
         return self.seen[kind] <= int(self.counts.get(kind, 0))
 
 
-def cut_back_jsonl(path: Path, resumed_step: int, counts: dict | None = None) -> tuple[int, int, dict]:
+def cut_back_jsonl(path: Path, resumed_step: int, counts: dict | None = None,
+                   at_step: list | None = None) -> tuple[int, int, dict]:
     """Cut a metrics.jsonl back to what the checkpoint of `resumed_step` covers (`counts`: its records per kind, see
     Covered), before a resumed run appends.
 
@@ -100,7 +101,7 @@ def cut_back_jsonl(path: Path, resumed_step: int, counts: dict | None = None) ->
     line the crash cut off gets the first new record glued onto it. Keeps, in their order, the complete
     records that Covered keeps; drops later ones, a cut-off last line and lines that are not a JSON
     record. The file is replaced atomically (a crash now leaves the old or the new file). Returns (kept, dropped,
-    the records kept per kind).
+    the records kept per kind); `at_step` (a list) receives the values of the kept records at `resumed_step`.
     """
     if not path.is_file():
         return 0, 0, {}
@@ -121,6 +122,8 @@ def cut_back_jsonl(path: Path, resumed_step: int, counts: dict | None = None) ->
             if ok:
                 kept.append(raw)
                 per_kind[kind] = per_kind.get(kind, 0) + 1
+                if at_step is not None and int(row["step"]) == resumed_step:
+                    at_step.append({k: v for k, v in row.items() if k not in ("kind", "step", "time")})
             else:
                 dropped += 1
     if dropped:
@@ -329,7 +332,8 @@ class RunLogger:
         path = Path(run_dir) / "metrics.jsonl"
         check_regular(path, "the run's metric rows")  # opening a FIFO to append blocks until a reader comes
         if resumed_step is not None:
-            kept, dropped, self.counts = cut_back_jsonl(path, resumed_step, resumed_counts)
+            at_step: list[dict] = []  # TensorBoard's records at the checkpoint's step (below)
+            kept, dropped, self.counts = cut_back_jsonl(path, resumed_step, resumed_counts, at_step)
             if dropped:
                 self.info(f"metrics.jsonl: {dropped} record(s) after the checkpoint of step {resumed_step} (or cut off by "
                           f"the crash) removed; {kept} kept. The resumed run logs those steps again.")
@@ -337,12 +341,15 @@ class RunLogger:
         if self.cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step: TensorBoard hides the events of earlier files at steps >= it (the steps logged after the
-            # checkpoint), which this run writes again.
+            # purge_step: TensorBoard hides earlier files' events at steps >= it. At the checkpoint's step, records
+            # logged before it (kept) and after it (an epoch's row and evaluation after a step checkpoint at its last
+            # step, logged again) share the step: all are hidden, and the kept ones written again from metrics.jsonl.
             if resumed_step is not None:
                 after_earlier_event_files(Path(run_dir) / "tb")
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"),
-                                    purge_step=None if resumed_step is None else resumed_step + 1)
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resumed_step)
+            for row in at_step if resumed_step is not None else []:
+                for k, v in numeric(row).items():
+                    self.tb.add_scalar(k, v, resumed_step)
         if self.cfg.csv:
             self.sinks.append(CsvSink(run_dir, resumed_step, resumed_counts))
         if self.cfg.mlflow:

@@ -176,3 +176,31 @@ def test_multi_clip_eval_k1_equals_center_clip_and_export_takes_one_clip(tmp_pat
     assert r["max_abs_diff"] <= 1e-3 and r["images_checked"] == 8
     dims = onnx.load(r["path"]).graph.input[0].type.tensor_type.shape.dim
     assert [d.dim_value for d in dims][1:] == [4, 3, 14, 14]
+
+
+def test_a_video_folder_says_what_it_left_out(tmp_path):
+    """Files that are not samples are counted by why, as image_folder does, never read. Before: a FIFO named .mp4
+    and a notes file were dropped without a word, and a macOS ._ copy was listed, decoded and failed as a bad
+    sample."""
+    import os
+
+    from torchsprint.data import DATASETS
+    from torchsprint.data.sources.folders import HIDDEN
+    from torchsprint.data.sources.video import NOT_VIDEO
+    from torchsprint.runtime.files import NOT_REGULAR
+
+    g = np.random.default_rng(0)
+    root = tmp_path / "v"
+    for c in ("a", "b"):
+        for i in range(2):
+            write(root / "train" / c / f"{i}.mp4", g.integers(0, 255, (8, 24, 24, 3), dtype=np.uint8))
+    os.mkfifo(root / "train" / "a" / "fifo.mp4")
+    (root / "train" / "b" / "notes.txt").write_text("shot on a phone")
+    (root / "train" / "b" / "._0.mp4").write_bytes(b"\x00\x05\x16\x07" * 8)
+    cfg = config.load(None, ["task=video", "data.dataset=video_folder", f"data.root={root}", "data.val_fraction=0.5",
+                             *CLIPS])
+    splits = DATASETS.get("video_folder")(cfg.data)
+    assert splits.skipped == {NOT_REGULAR: [str(root / "train/a/fifo.mp4")], NOT_VIDEO: [str(root / "train/b/notes.txt")],
+                              HIDDEN: [str(root / "train/b/._0.mp4")]}
+    listed = sorted(p for p, _ in splits.train.samples + splits.val.samples)
+    assert listed == sorted(str(root / "train" / c / f"{i}.mp4") for c in "ab" for i in range(2))

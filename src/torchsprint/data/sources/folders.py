@@ -102,9 +102,10 @@ def _note(skipped: dict[str, list[str]], reason: str, path) -> None:
     skipped.setdefault(reason, []).append(str(path))
 
 
-def list_images(folder: Path, skipped: dict[str, list[str]], seen: set[str],
-                max_bytes: int = MAX_FILE_MB * MB) -> tuple[list[Path], int]:
-    """Image files below `folder` (sorted), following links to files and folders, each folder once.
+def list_images(folder: Path, skipped: dict[str, list[str]], seen: set[str], max_bytes: int | None = MAX_FILE_MB * MB,
+                extensions: tuple[str, ...] = IMAGE_EXTENSIONS, other: str = NOT_IMAGE) -> tuple[list[Path], int]:
+    """Image files below `folder` (sorted), following links to files and folders, each folder once (the video
+    folders list theirs with `extensions` and `other`, their reason for the rest, and no size limit).
 
     Everything else is recorded in `skipped` by reason (hidden files and folders, other extensions,
     broken links, links back to a folder already listed, FIFOs and devices, files over `max_bytes`). `seen` holds the real paths of the folders
@@ -140,8 +141,8 @@ def list_images(folder: Path, skipped: dict[str, list[str]], seen: set[str],
                 _note(skipped, HIDDEN, full)
             elif full.is_symlink() and not full.exists():
                 _note(skipped, BROKEN_LINK, full)
-            elif full.suffix.lower() not in IMAGE_EXTENSIONS:
-                _note(skipped, NOT_IMAGE, full)
+            elif full.suffix.lower() not in extensions:
+                _note(skipped, other, full)
             elif why := unreadable(full, max_bytes):
                 _note(skipped, why, full)
             else:

@@ -28,6 +28,7 @@ from torchsprint.data.preprocess.transforms import TRANSFORMS, parse_step
 from torchsprint.errors import UsageError
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".m4v")
+NOT_VIDEO = f"not videos by their extension (videos: {', '.join(VIDEO_EXTENSIONS)})"  # a skipped-files reason (folders.NOT_IMAGE's)
 CLIP_STEPS = ("random_clip", "center_clip", "multi_clip")
 
 
@@ -156,16 +157,23 @@ class VideoFiles(torch.utils.data.Dataset):
         return video, label, path
 
 
-def scan_video_folders(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
+def scan_video_folders(root: Path) -> tuple[list[str], list[tuple[str, int]], dict[str, list[str]]]:
+    """(class names, (path, class index) samples, what was left out by why) below `root`, listed as image_folder
+    lists images (folders.list_images): hidden files (macOS ._ copies of videos), other extensions, broken links and
+    FIFOs or devices are counted and said at start-up, never read. Before, the others were dropped without a word
+    and a ._ copy was decoded, to fail as a bad sample."""
+    from torchsprint.data.sources.folders import list_images
+
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise UsageError(f"{root}: no class subfolders. video_folder expects <root>/<class>/<video> files.")
-    samples = []
+    samples, skipped, seen = [], {}, set()
     for ci, c in enumerate(classes):
-        samples += [(str(p), ci) for p in sorted((root / c).rglob("*")) if p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS]
+        files, _ = list_images(root / c, skipped, seen, max_bytes=None, extensions=VIDEO_EXTENSIONS, other=NOT_VIDEO)
+        samples += [(str(p), ci) for p in files]
     if not samples:
         raise UsageError(f"{root}: no videos ({', '.join(VIDEO_EXTENSIONS)}) in the class subfolders {classes[:5]}.")
-    return classes, samples
+    return classes, samples, skipped
 
 
 def video_splits(root: Path, data_cfg) -> Splits:
@@ -180,17 +188,21 @@ def video_splits(root: Path, data_cfg) -> Splits:
                          f"{eval_clip.frames}); the model sees T frames in both.")
     channels = 1 if data_cfg.options.get("mode", "RGB") == "GRAY" else 3
     if (root / "train").is_dir():
-        classes, train = scan_video_folders(root / "train")
-        val = scan_video_folders(root / "val")[1] if (root / "val").is_dir() else []
+        classes, train, skipped = scan_video_folders(root / "train")
+        val = []
+        if (root / "val").is_dir():
+            _, val, more = scan_video_folders(root / "val")
+            for why, paths in more.items():
+                skipped.setdefault(why, []).extend(paths)
     else:
-        classes, train = scan_video_folders(root)
+        classes, train, skipped = scan_video_folders(root)
         val = []
     if not val:
         from torchsprint.data.core import split_samples
 
         train, val = split_samples(train, data_cfg)
     return Splits(VideoFiles(train, train_clip.span, channels), VideoFiles(val, eval_clip.span, channels), classes,
-                  in_channels=channels, task="video")
+                  in_channels=channels, task="video", skipped=skipped)
 
 
 @DATASETS.register("video_folder")

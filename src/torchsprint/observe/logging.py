@@ -331,8 +331,8 @@ class RunLogger:
             return
         path = Path(run_dir) / "metrics.jsonl"
         check_regular(path, "the run's metric rows")  # opening a FIFO to append blocks until a reader comes
+        at_step: list[dict] = []  # a resumed run: the kept records at the checkpoint's step, for TensorBoard (below)
         if resumed_step is not None:
-            at_step: list[dict] = []  # TensorBoard's records at the checkpoint's step (below)
             kept, dropped, self.counts = cut_back_jsonl(path, resumed_step, resumed_counts, at_step)
             if dropped:
                 self.info(f"metrics.jsonl: {dropped} record(s) after the checkpoint of step {resumed_step} (or cut off by "
@@ -347,7 +347,7 @@ class RunLogger:
             if resumed_step is not None:
                 after_earlier_event_files(Path(run_dir) / "tb")
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resumed_step)
-            for row in at_step if resumed_step is not None else []:
+            for row in at_step:
                 for k, v in numeric(row).items():
                     self.tb.add_scalar(k, v, resumed_step)
         if self.cfg.csv:

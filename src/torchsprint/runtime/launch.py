@@ -249,6 +249,7 @@ def launch(args) -> int:
     check_nproc(nproc, device_type, gpus)
     memory = check_memory(nproc)
     restarts, backend = check_restarts(args, nnodes, endpoint)
+    dry = getattr(args, "dry_run", False)
     extra = []
     if restarts and not cfg.run.dir:
         if nnodes != "1":
@@ -256,9 +257,9 @@ def launch(args) -> int:
                              "the restarted workers resume from its newest checkpoint, whichever machine rank 0 is on.")
         from torchsprint.train.rundir import create_unique, planned_path
 
-        if not getattr(args, "dry_run", False):  # a dry run writes nothing
+        if not dry:  # a dry run writes nothing
             extra = [f"run.dir={create_unique(planned_path(cfg.run)[0])}"]  # one folder for every attempt
-    if getattr(args, "dry_run", False):
+    if dry:
         restarts = 0  # checked above as for the run; a dry run trains nothing to restart, nor retries a failed check
 
     from torch.distributed.elastic.multiprocessing.api import SignalException

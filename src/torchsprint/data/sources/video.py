@@ -157,12 +157,12 @@ class VideoFiles(torch.utils.data.Dataset):
         return video, label, path
 
 
-def scan_video_folders(root: Path) -> tuple[list[str], list[tuple[str, int]], dict[str, list[str]]]:
-    """(class names, (path, class index) samples, what was left out by why) below `root`, listed as image_folder
-    lists images (folders.list_images): hidden files (macOS ._ copies of videos), other extensions, broken links and
-    FIFOs or devices are counted and said at start-up, never read. Before, the others were dropped without a word
-    and a ._ copy was decoded, to fail as a bad sample."""
-    from torchsprint.data.sources.folders import list_images
+def scan_video_folders(root: Path):
+    """The classes, (path, class index) samples and what was left out by why below `root` (a folders.FolderScan),
+    listed as image_folder lists images (folders.list_images): hidden files (macOS ._ copies of videos), other
+    extensions, broken links and FIFOs or devices are counted and said at start-up, never read. Before, the others
+    were dropped without a word and a ._ copy was decoded, to fail as a bad sample."""
+    from torchsprint.data.sources.folders import FolderScan, list_images
 
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
@@ -173,7 +173,7 @@ def scan_video_folders(root: Path) -> tuple[list[str], list[tuple[str, int]], di
         samples += [(str(p), ci) for p in files]
     if not samples:
         raise UsageError(f"{root}: no videos ({', '.join(VIDEO_EXTENSIONS)}) in the class subfolders {classes[:5]}.")
-    return classes, samples, skipped
+    return FolderScan(classes, samples, skipped)
 
 
 def video_splits(root: Path, data_cfg) -> Splits:
@@ -187,16 +187,13 @@ def video_splits(root: Path, data_cfg) -> Splits:
         raise UsageError(f"the train and eval clip steps take different frame counts ({train_clip.frames} vs "
                          f"{eval_clip.frames}); the model sees T frames in both.")
     channels = 1 if data_cfg.options.get("mode", "RGB") == "GRAY" else 3
-    if (root / "train").is_dir():
-        classes, train, skipped = scan_video_folders(root / "train")
-        val = []
-        if (root / "val").is_dir():
-            _, val, more = scan_video_folders(root / "val")
-            for why, paths in more.items():
-                skipped.setdefault(why, []).extend(paths)
-    else:
-        classes, train, skipped = scan_video_folders(root)
-        val = []
+    from torchsprint.data.sources.folders import merge_skipped
+
+    scans = [scan_video_folders(root / "train" if (root / "train").is_dir() else root)]
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        scans.append(scan_video_folders(root / "val"))
+    classes, train, skipped = scans[0].classes, scans[0].samples, merge_skipped(*scans)
+    val = scans[1].samples if len(scans) > 1 else []
     if not val:
         from torchsprint.data.core import split_samples
 

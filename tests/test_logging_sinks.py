@@ -199,3 +199,43 @@ def test_tensorboard_shows_each_record_of_the_checkpoint_step_once_after_a_resum
     assert seen["val/top1"][0] == [3] and seen["val/top1"][1] == pytest.approx([0.6])
     assert [json.loads(x)["kind"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
         ["train"] * 3 + ["epoch", "eval", "train"]
+
+
+def test_a_step_checkpoint_before_anything_was_logged_still_cuts_the_epoch_row_logged_after_it(tmp_path):
+    """kill -9 between an epoch's row and its own checkpoint, where the step checkpoint at that epoch's last step came
+    before any record (checkpoint.every_steps=2 on the default run: the first train record is at step 50, the first
+    epoch ends at 22). The checkpoint's record count is then {} and must be kept as a count. Before, `{}` was left out
+    of the checkpoint as if unknown, the resume cut by step, kept the epoch row and evaluation of step 22, logged
+    them again, and metrics.jsonl held both twice. The real RunLogger and Saver (flush_logs=logger.flush)."""
+    import torch
+    from torch import nn
+
+    from torchsprint.observe.logging import RunLogger
+    from torchsprint.runtime.core import Runtime
+    from torchsprint.train.checkpoint import Saver, TrainState, data_geometry
+    from torchsprint.train.precision import Precision
+
+    cfg = config.load(None, ["log.tensorboard=false", "checkpoint.every_steps=2"])
+    rt = Runtime(device=torch.device("cpu"))
+    first = RunLogger(None, cfg.log, console=False)
+    first.open_files(tmp_path)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    saver = Saver(tmp_path, cfg.checkpoint, rt, {"classes": ["a", "b"]}, geometry=data_geometry(cfg, 1),
+                  log=lambda m: None, flush_logs=first.flush)
+    saver.save(TrainState(epoch=0, step_in_epoch=22, global_step=22), model, opt, sched, Precision("fp32", rt.device),
+               metric=None)
+    first.scalars(22, {"train/epoch_loss": 1.0}, "epoch")
+    first.scalars(22, {"val/top1": 0.5}, "eval")
+    first.flush()  # the crash: the records are on disk, the epoch's own checkpoint never written
+
+    ckpt = torch.load(sorted((tmp_path / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=False)
+    assert ckpt["log_records"] == {}
+    second = RunLogger(None, cfg.log, console=False)
+    second.open_files(tmp_path, resumed_step=22, resumed_counts=ckpt.get("log_records"))
+    second.scalars(22, {"train/epoch_loss": 1.1}, "epoch")  # the resumed run ends the epoch again
+    second.scalars(22, {"val/top1": 0.6}, "eval")
+    second.close(finished=True)
+    assert [(r["kind"], r["step"]) for r in jsonl(tmp_path)] == [("epoch", 22), ("eval", 22)]
+    assert jsonl(tmp_path)[0]["train/epoch_loss"] == 1.1

@@ -394,7 +394,10 @@ class Saver:
                         **self.geometry},
             "rng": rngs,
             "metric": metric,
-            **({"log_records": logged} if logged else {}),  # metrics.jsonl's records per kind (logging.Covered)
+            # metrics.jsonl's records per kind (logging.Covered). {} is a count too (nothing logged yet, e.g. a step
+            # checkpoint before the first log step): left out, a resume fell back to cutting by step and kept the
+            # epoch row logged after a step checkpoint at the epoch's last step, which it then logged again.
+            **({"log_records": logged} if logged is not None else {}),
             **({"ema": self.ema.state_dict()} if self.ema is not None and self.ema.enabled else {}),
             **({"swa": self.swa.state_dict()} if self.swa is not None and self.swa.enabled else {}),
             **self.meta,

@@ -151,3 +151,38 @@ def test_a_class_too_small_for_a_validation_image_is_said(tmp_path, cli_in_proce
     note = "1 class(es) too small for a validation image at data.val_fraction=0.2 (two: 2 images): trained on, not validated"
     assert note in r.stdout, r.stdout
     assert any(note in n for n in json.loads((tmp_path / "r" / "decisions.json").read_text())["notes"])
+
+
+@pytest.mark.parametrize(("model", "key", "value"), [
+    ("resnet18", "zero_init_residual", "maybe"), ("resnet18", "zero_init_residual", 2),
+    ("resnet18", "zero_init_residual", "false"), ("timm/resnet18", "zero_init_last", "no"),
+    ("small_cnn", "width", 8.5), ("small_cnn", "width", True), ("small_cnn", "dropout", "0.1"),
+])
+def test_model_args_of_the_wrong_kind_are_refused(model, key, value):
+    """torchvision tests `if zero_init_residual:`, so a string or 2 turned the zero init on without a word. A key the
+    builder declares as a boolean (or a number) is read as one: the builder's own signature, or the library class
+    that its **kwargs reach (ResNet.__init__). Bugs caught: no check (the model builds), a check of the builder's
+    signature only (torchvision's **kwargs), truthiness instead of a type."""
+    from torchsprint.errors import UsageError
+    from torchsprint.models.core import build_model
+
+    cfg = config.load(None, [f"model.name={model}"]).model
+    cfg.args = {key: value}
+    with pytest.raises(UsageError, match=rf"^model\.args\.{key}=.*: model '{model}' takes (a boolean|an integer|a number)"):
+        build_model(cfg, 3, 3)
+
+
+def test_model_args_of_the_right_kind_still_reach_the_library():
+    """The check must not refuse a real boolean or an int where a float is declared; zero_init_residual=True then does
+    what torchvision says (each block's last BatchNorm weight at zero), False leaves it at one."""
+    from torch import nn
+
+    from torchsprint.models.core import build_model
+
+    cfg = config.load(None, ["model.name=resnet18"]).model
+    for on in (True, False):
+        cfg.args = {"zero_init_residual": on}
+        last_bn = build_model(cfg, 3, 3).layer1[0].bn2
+        assert isinstance(last_bn, nn.BatchNorm2d) and float(last_bn.weight.abs().sum()) == (0.0 if on else 64.0)
+    small = config.load(None, ["model.args={width: 8, dropout: 0}"]).model
+    assert build_model(small, 3, 3) is not None

@@ -59,6 +59,7 @@ def _torchvision_provider():
             return adapt_in_channels(model, in_channels)
 
         build.__doc__ = f"torchvision.models.{fn_name}"
+        build.source = torchvision.models.get_model_builder(fn_name)  # whose module declares model.args (check_args)
         return build
 
     return {n: make(n) for n in torchvision.models.list_models(module=torchvision.models)}
@@ -74,6 +75,7 @@ def _timm_provider():
             return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels, **args)
 
         build.__doc__ = f"timm.create_model('{name}')"
+        build.source = lambda: timm.models.model_entrypoint(name)  # looked up when checked (check_args)
         return build
 
     return {f"timm/{n}": make(n) for n in timm.list_models()}
@@ -90,6 +92,7 @@ def _torchvision_video_provider():
             return FramesFirst(torchvision.models.get_model(fn_name, weights=None, num_classes=num_classes, **args))
 
         build.__doc__ = f"torchvision.models.video.{fn_name} (task=video; input (N, T, C, H, W) clips)"
+        build.source = torchvision.models.get_model_builder(fn_name)
         return build
 
     return {n: make(n) for n in torchvision.models.list_models(module=torchvision.models.video)}
@@ -111,6 +114,52 @@ RESERVED_ARGS = {
 }
 
 
+def declared_type(builder, key: str):
+    """The type a model builder declares for keyword `key` (bool, int, float), or None when nothing says.
+
+    Looked up in the builder's own signature (the built-in nets), then in the library function it wraps
+    (`build.source`) and the nn.Module classes of that function's module: torchvision's resnet18 takes **kwargs and
+    passes them to ResNet.__init__, which declares `zero_init_residual: bool = False`."""
+    import inspect
+    import sys
+
+    source = getattr(builder, "source", None)
+    if source is not None and getattr(source, "__name__", "") == "<lambda>":
+        source = source()
+    targets = [builder] + ([source] if source is not None else [])
+    if source is not None and (module := sys.modules.get(source.__module__)) is not None:
+        targets += [c.__init__ for c in vars(module).values()
+                    if isinstance(c, type) and issubclass(c, nn.Module) and c.__module__ == module.__name__]
+    for target in targets:
+        try:
+            param = inspect.signature(target).parameters.get(key)
+        except (TypeError, ValueError):
+            continue
+        if param is None:
+            continue
+        kind = param.annotation if param.annotation is not inspect.Parameter.empty else type(param.default)
+        kind = {"bool": bool, "int": int, "float": float}.get(kind, kind) if isinstance(kind, str) else kind
+        if kind in (bool, int, float):
+            return kind
+    return None
+
+
+def check_args(name: str, builder, args: dict) -> None:
+    """Refuse a model.args value of the wrong kind where the builder declares one. Why: a library tests a flag with
+    `if zero_init_residual:`, so `maybe`, `2` or a quoted "false" would silently turn it on."""
+    from torchsprint.errors import UsageError
+
+    for key, value in args.items():
+        kind = declared_type(builder, key)
+        if kind is bool and not isinstance(value, bool):
+            raise UsageError(f"model.args.{key}={value!r}: model '{name}' takes a boolean there (any other value would "
+                             f"turn it on); write {key}: true or {key}: false, unquoted.")
+        if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                     or (kind is int and not isinstance(value, int))):
+            raise UsageError(f"model.args.{key}={value!r}: model '{name}' takes {'an integer' if kind is int else 'a number'} "
+                             f"there; write e.g. {key}: {1 if kind is int else 0.5}.")
+
+
 def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
     """Instantiate `model_cfg.name` for the data's class and channel counts (random initialisation).
 
@@ -126,6 +175,7 @@ def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
         if key in RESERVED_ARGS:
             raise UsageError(f"model.args.{key}: torchsprint sets this itself ({RESERVED_ARGS[key]}); remove it from "
                              "model.args.")
+    check_args(model_cfg.name, builder, model_cfg.args)
     try:
         model = builder(num_classes=num_classes, in_channels=in_channels, **model_cfg.args)
     except TypeError as e:

@@ -197,3 +197,22 @@ def test_gpu_decode_predict_agrees_with_cpu_path(tmp_path):
     gpu = Predictor.from_run(run, device="cuda").predict(files, topk=1)
     agree = np.mean([a["top"][0]["class"] == b["top"][0]["class"] for a, b in zip(cpu, gpu)])
     assert agree >= 0.995, agree
+
+
+def test_predict_on_a_fixed_size_onnx_gives_an_image_of_another_size_one_error_row(digits_run, tmp_path, capsys):
+    """The ONNX graph of a run whose eval spec keeps each file's size is fixed at the validation images' 8x8 (export
+    fixes H and W): a 10x12 file gets one row `error: ...` naming the graph's input and the image's size after the
+    eval preprocessing and the resize to add; the 8x8 files around it are predicted; the CLI exits 0 without a
+    traceback. Bug caught: onnxruntime's InvalidArgument escaping predict as a traceback (every file lost)."""
+    path = export(digits_run, "onnx", out=tmp_path / "m.onnx")["path"]
+    good = tmp_path / "good.png"
+    Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(good)
+    wide = tmp_path / "wide.png"
+    Image.fromarray(np.zeros((10, 12), dtype=np.uint8)).save(wide)
+    rows = Predictor.from_file(path).predict([str(good), str(wide), str(good)])
+    assert ["top" in r for r in rows] == [True, False, True], rows
+    error = rows[1]["error"]
+    assert "Nx1x8x8" in error and "1x10x12" in error and "data.eval.transforms" in error and "\n" not in error, error
+    assert cli.main(["predict", "-r", path, str(good), str(wide)]) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and "1 predicted, 1 failed" in out.out, out

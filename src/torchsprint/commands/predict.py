@@ -77,6 +77,22 @@ class Predictor:
                 self.gpu_pipeline = None  # a step the GPU path lacks: decode and preprocess on the CPU
         self.cpu_fallbacks = 0  # JPEGs nvJPEG rejected, decoded on the CPU instead
         self.inference = FP32  # from_trained's choice replaces it (commands/inference.py)
+        self.graph_input: tuple | None = None  # an ONNX graph's input dims (int: fixed, None: dynamic); from_file
+
+    def input_refusal(self, shape) -> str | None:
+        """Why the model cannot take an image of this CHW shape (after the eval preprocessing), or None. An ONNX
+        graph's fixed dims are checked here, before it runs, for predict and serve alike: `export` fixes H and W
+        at its example's size, so a run whose eval spec keeps each file's size gets a graph that takes one size,
+        and onnxruntime's refusal of another was a traceback (predict) or its exception text (serve)."""
+        fixed = self.graph_input
+        if fixed is None or (len(fixed) == len(shape) + 1 and all(f is None or f == s for f, s in zip(fixed[1:], shape))):
+            return None
+        takes = "x".join("N" if f is None else str(f) for f in fixed)
+        hw = [f for f in fixed[2:] if f is not None]
+        resize = f"resize: [{', '.join(map(str, hw))}]" if len(hw) == 2 else "a resize"
+        return (f"the model (an ONNX graph) takes {takes}; this image is {'x'.join(map(str, shape))} after the eval "
+                f"preprocessing: add {resize} to data.eval.transforms and export again, or run the model in torch (the "
+                "run folder or a .safetensors export)")
 
     @classmethod
     def from_run(cls, run_dir: str | Path, weights: str = "best", backend: str = "torch", device: str = "cpu",
@@ -154,10 +170,12 @@ class Predictor:
 
         forward.session = sess  # which providers ran (benchmarks/predict_throughput.py)
 
-        return cls(forward, metadata_entry(meta, "classes", path), metadata_entry(meta, "in_channels", path),
-                   metadata_entry(meta, "eval_transforms", path),
-                   cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8, task=cfg.task, threshold=cfg.eval.threshold,
-                   tta=in_graph, tta_in_forward=True)
+        p = cls(forward, metadata_entry(meta, "classes", path), metadata_entry(meta, "in_channels", path),
+                metadata_entry(meta, "eval_transforms", path),
+                cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8, task=cfg.task, threshold=cfg.eval.threshold,
+                tta=in_graph, tta_in_forward=True)
+        p.graph_input = tuple(d if isinstance(d, int) and d > 0 else None for d in sess.get_inputs()[0].shape)
+        return p
 
     # Files are read (and on the CPU path decoded) this many batches ahead of the model, by READERS threads.
     AHEAD = 3
@@ -310,6 +328,10 @@ class Predictor:
                 results[i].update(r)
 
         def add(i: int, img: torch.Tensor) -> None:
+            refused = self.input_refusal(tuple(img.shape))  # checked before running: one row, the others go on
+            if refused is not None:
+                results[i]["error"] = refused
+                return
             group = by_shape.setdefault(tuple(img.shape), [])
             group.append((i, img))
             if len(group) == self.batch_size:

@@ -284,3 +284,19 @@ def test_sigkill_after_a_log_line_then_resume_records_each_step_once(reference, 
     assert [e.step for e in tb.Scalars("train/loss")] == list(range(1, ref["global_step"] + 1))
     assert [e.value for e in tb.Scalars("train/loss")] == pytest.approx(
         [r["train/loss"] for r in want if r["kind"] == "train"], rel=1e-6)  # float32 in the event file: ~6e-8 relative
+
+
+def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path):
+    """A resume refused after the run is built (a mid-epoch checkpoint and another batch size) must change nothing.
+    Before, config.yaml, env.json and decisions.json were rewritten (and a TensorBoard file added) before the
+    checkpoint was restored, so the refused batch size stood in config.yaml and predict/serve read it as the run's.
+    Every file compared byte for byte, except the run folder's lock (it names its holder)."""
+    from torchsprint.errors import UsageError
+
+    run(tmp_path, "run.stop_after_steps=3", "log.tensorboard=true")  # a checkpoint at step 3, mid-epoch
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file() and p.name != ".lock"}
+    with pytest.raises(UsageError, match="saved in the middle of epoch 1"):
+        run(tmp_path, "checkpoint.resume=auto", "data.batch_size=64", "log.tensorboard=true")
+    after = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file() and p.name != ".lock"}
+    assert sorted(after) == sorted(before)
+    assert [p.name for p in before if before[p] != after[p]] == []

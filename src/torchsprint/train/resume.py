@@ -115,6 +115,20 @@ def restore(ckpt: dict, opt, sched, prec, rt, geometry: dict[str, int], log) -> 
     return state
 
 
+def restore_run(ckpt: dict | None, built, rt, geometry: dict[str, int], resume_path, log) -> TrainState:
+    """The TrainState a run starts from: `restore` of `ckpt` into `built`'s optimizer, schedule and precision, and
+    its EMA and SWA states, when resuming; a fresh TrainState otherwise. Raises every refusal of the resume and
+    writes nothing: the run's flow calls it before the run's records are written (a refused resume leaves them)."""
+    if ckpt is None:
+        return TrainState()
+    state = restore(ckpt, built.opt, built.sched, built.prec, rt, geometry, log)
+    built.ema.load_state_dict(ckpt.get("ema"), log)
+    built.swa.load_state_dict(ckpt.get("swa"), state.epoch, log)
+    log(f"resuming at epoch {state.epoch + 1}, step {state.global_step} ({state.step_in_epoch} step(s) into the "
+        f"epoch) from {resume_path}")
+    return state
+
+
 def decisions_at_start(resume_path) -> dict:
     """The decisions.json a resumed run wrote when it started (beside checkpoints/, or beside the checkpoint
     itself), or {} when there is none: what a resume must keep as it began (the backend `auto` chose, the teacher)."""

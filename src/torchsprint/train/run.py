@@ -275,7 +275,8 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
     from torchsprint.observe.logging import RunLogger, check_sinks
     from torchsprint.runtime.preempt import Stopper, check_requeue, requeue, stop_launcher
     from torchsprint.tasks.core import get_task
-    from torchsprint.train.resume import disk_full_error, find_resume
+    from torchsprint.train.checkpoint import data_geometry
+    from torchsprint.train.resume import disk_full_error, find_resume, restore_run
     from torchsprint.train.rundir import RunLock, create_unique, make_folder
 
     t0 = time.monotonic()  # run.max_time counts from here: building the data and model is part of the budget
@@ -313,8 +314,13 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             if rt.is_main:
                 lock = RunLock(run_dir)
         rt.barrier()
+        # Every refusal of a resume (another batch size mid-epoch, an optimizer or master weights that do not fit)
+        # comes before the first file is written: a refused command leaves config.yaml, env.json, decisions.json,
+        # the logs and TensorBoard as they were (they were rewritten first, and predict/serve then read the refused
+        # settings as the run's).
+        state = restore_run(ckpt, b, rt, data_geometry(cfg, rt.world_size), resume_path, logger.info)
         write_run_records(cfg, rt, b, run_dir, logger, ckpt)
-        state, saver, weights_meta = resume_and_saver(cfg, rt, b, run_dir, ckpt, resume_path, logger)
+        saver, weights_meta = make_saver(cfg, rt, b, run_dir, ckpt, state, logger)
         # Stop signals are handled (a flag, no exception) from the first step until the run's files are written.
         stop = Stopper(cfg.run, state.global_step, t0, hold=hold_signals)
         ctx = RunContext(rt, run_dir, logger, saver, stop, weights_meta=weights_meta, task=task,
@@ -382,27 +388,18 @@ def write_run_records(cfg, rt, b: Built, run_dir: Path, logger, ckpt: dict | Non
     logger.expect(cfg, decided | {"batch_shape": b.loaders.info.image_size})  # for the run's time estimate
 
 
-def resume_and_saver(cfg, rt, b: Built, run_dir: Path, ckpt: dict | None, resume_path, logger) -> tuple:
-    """(TrainState, checkpoint.Saver, the weights files' metadata): the state restored from `ckpt` when resuming."""
-    from torchsprint.train.checkpoint import Saver, TrainState, data_geometry
-    from torchsprint.train.resume import restore
+def make_saver(cfg, rt, b: Built, run_dir: Path, ckpt: dict | None, state, logger) -> tuple:
+    """(checkpoint.Saver, the weights files' metadata), once the run is accepted and its records written."""
+    from torchsprint.train.checkpoint import Saver, data_geometry
 
     info = b.loaders.info
-    geometry = data_geometry(cfg, rt.world_size)
-    state = TrainState()
-    if ckpt is not None:
-        state = restore(ckpt, b.opt, b.sched, b.prec, rt, geometry, logger.info)
-        b.ema.load_state_dict(ckpt.get("ema"), logger.info)
-        b.swa.load_state_dict(ckpt.get("swa"), state.epoch, logger.info)
-        logger.info(f"resuming at epoch {state.epoch + 1}, step {state.global_step} "
-                    f"({state.step_in_epoch} step(s) into the epoch) from {resume_path}")
     resolved = config_mod.to_dict(cfg)
-    saver = Saver(run_dir, cfg.checkpoint, rt, {"classes": info.classes, "config": resolved}, geometry=geometry,
-                  resumed_step=state.global_step if ckpt is not None else None, log=logger.info, ema=b.ema,
-                  flush_logs=logger.flush, swa=b.swa)
+    saver = Saver(run_dir, cfg.checkpoint, rt, {"classes": info.classes, "config": resolved},
+                  geometry=data_geometry(cfg, rt.world_size), resumed_step=state.global_step if ckpt is not None else None,
+                  log=logger.info, ema=b.ema, flush_logs=logger.flush, swa=b.swa)
     weights_meta = {"classes": json.dumps(info.classes), "model": cfg.model.name, "in_channels": str(info.in_channels),
                     "format": "torchsprint", "task": cfg.task, "config": json.dumps(resolved)}
-    return state, saver, weights_meta
+    return saver, weights_meta
 
 
 def fit_explained(cfg, b: Built, state, ctx: RunContext) -> dict:

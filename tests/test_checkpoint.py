@@ -465,3 +465,38 @@ def test_a_real_full_disk_mid_run_is_one_line_and_resume_finishes(tmp_path, caps
         assert_whole_and_once(run_dir)
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_resume_on_a_full_disk_is_only_the_line_and_leaves_no_empty_event_file(tmp_path, capsys):
+    """A run folder on a full filesystem (a 4 MiB tmpfs, root only; skipped elsewhere), resumed with TensorBoard on:
+    the first write of the resumed run is TensorBoard's file-version event, from tensorboard's writer thread. Before,
+    the right one-line error came with "Exception in thread Thread-1:" and a cut traceback (the thread's re-raise
+    through threading.excepthook), and a 0-byte event file stayed in tb/. After the space is freed, the resume
+    finishes with every file whole."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()[:120]}): needs root")
+    try:
+        run_dir = disk / "run"
+        tb = ["log.tensorboard=true", "eval.per_class=false"]
+        assert cli.main(["train", *ROOMY, *tb, "run.epochs=1", f"run.dir={run_dir}"]) == 0
+        events = sorted((run_dir / "tb").iterdir())
+        with open(disk / "filler", "wb") as f, pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        resumed = subprocess.run([sys.executable, "-m", "torchsprint", "train", "--resume", str(run_dir), "run.epochs=2"],
+                                 capture_output=True, text=True, cwd=tmp_path)
+        assert resumed.returncode == 2, resumed.stderr[-3000:]
+        assert "Traceback" not in resumed.stderr and "Exception in thread" not in resumed.stderr, resumed.stderr[-3000:]
+        (line,) = resumed.stderr.strip().splitlines()
+        assert line.startswith("error: the disk is full (No space left on device): writing "), line
+        assert sorted((run_dir / "tb").iterdir()) == events  # no empty event file left
+        (disk / "filler").unlink()
+        assert cli.main(["train", "--resume", str(run_dir), "run.epochs=2"]) == 0, capsys.readouterr().err[-2000:]
+        assert_whole_and_once(run_dir)
+        assert all(p.stat().st_size > 0 for p in (run_dir / "tb").iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

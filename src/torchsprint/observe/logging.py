@@ -21,6 +21,7 @@ from rich.table import Table
 
 from torchsprint.errors import UsageError
 from torchsprint.observe.progress import Feedback
+from torchsprint.observe.tensorboard import open_writer
 from torchsprint.runtime.files import check_regular
 
 
@@ -339,14 +340,12 @@ class RunLogger:
                           f"the crash) removed; {kept} kept. The resumed run logs those steps again.")
         self.jsonl = open(path, "a", buffering=1)
         if self.cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             # purge_step: TensorBoard hides earlier files' events at steps >= it. At the checkpoint's step, records
             # logged before it (kept) and after it (an epoch's row and evaluation after a step checkpoint at its last
             # step, logged again) share the step: all are hidden, and the kept ones written again from metrics.jsonl.
             if resumed_step is not None:
                 after_earlier_event_files(Path(run_dir) / "tb")
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resumed_step)
+            self.tb = open_writer(Path(run_dir) / "tb", resumed_step)  # a failed write: one OSError, no empty file
             for row in at_step:
                 for k, v in numeric(row).items():
                     self.tb.add_scalar(k, v, resumed_step)

@@ -8,7 +8,13 @@ from torchsprint.errors import UsageError, disk_full
 from torchsprint.runtime.collectives import broadcast_object
 from torchsprint.runtime.files import read_regular
 from torchsprint.runtime.rng import set_rng_state
-from torchsprint.train.checkpoint import CKPT_RE, TrainState, load_checkpoint, parse_checkpoint_name
+from torchsprint.train.checkpoint import (
+    CKPT_RE,
+    TrainState,
+    data_geometry,
+    load_checkpoint,
+    parse_checkpoint_name,
+)
 
 
 def find_checkpoints(run_dir: Path) -> list[Path]:
@@ -115,13 +121,13 @@ def restore(ckpt: dict, opt, sched, prec, rt, geometry: dict[str, int], log) -> 
     return state
 
 
-def restore_run(ckpt: dict | None, built, rt, geometry: dict[str, int], resume_path, log) -> TrainState:
+def restore_run(ckpt: dict | None, built, rt, resume_path, log) -> TrainState:
     """The TrainState a run starts from: `restore` of `ckpt` into `built`'s optimizer, schedule and precision, and
     its EMA and SWA states, when resuming; a fresh TrainState otherwise. Raises every refusal of the resume and
     writes nothing: the run's flow calls it before the run's records are written (a refused resume leaves them)."""
     if ckpt is None:
         return TrainState()
-    state = restore(ckpt, built.opt, built.sched, built.prec, rt, geometry, log)
+    state = restore(ckpt, built.opt, built.sched, built.prec, rt, data_geometry(built.cfg, rt.world_size), log)
     built.ema.load_state_dict(ckpt.get("ema"), log)
     built.swa.load_state_dict(ckpt.get("swa"), state.epoch, log)
     log(f"resuming at epoch {state.epoch + 1}, step {state.global_step} ({state.step_in_epoch} step(s) into the "

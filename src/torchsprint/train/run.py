@@ -275,7 +275,6 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
     from torchsprint.observe.logging import RunLogger, check_sinks
     from torchsprint.runtime.preempt import Stopper, check_requeue, requeue, stop_launcher
     from torchsprint.tasks.core import get_task
-    from torchsprint.train.checkpoint import data_geometry
     from torchsprint.train.resume import disk_full_error, find_resume, restore_run
     from torchsprint.train.rundir import RunLock, create_unique, make_folder
 
@@ -314,11 +313,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
             if rt.is_main:
                 lock = RunLock(run_dir)
         rt.barrier()
-        # Every refusal of a resume (another batch size mid-epoch, an optimizer or master weights that do not fit)
-        # comes before the first file is written: a refused command leaves config.yaml, env.json, decisions.json,
-        # the logs and TensorBoard as they were (they were rewritten first, and predict/serve then read the refused
-        # settings as the run's).
-        state = restore_run(ckpt, b, rt, data_geometry(cfg, rt.world_size), resume_path, logger.info)
+        state = restore_run(ckpt, b, rt, resume_path, logger.info)  # its refusals before any file is written
         write_run_records(cfg, rt, b, run_dir, logger, ckpt)
         saver, weights_meta = make_saver(cfg, rt, b, run_dir, ckpt, state, logger)
         # Stop signals are handled (a flag, no exception) from the first step until the run's files are written.

@@ -114,3 +114,25 @@ def test_shards_train_and_a_damaged_shard_is_rewritten(tmp_path):
     with pytest.raises(UsageError, match="--shard-size"):
         parse_size("big")
     assert parse_size("1GB") == 10**9 and parse_size("64MiB") == 64 * 2**20 and parse_size("500 MB") == 5 * 10**8
+
+
+def test_what_data_shard_leaves_out_is_said(tmp_path, cli_in_process):
+    """A sparse file over data.max_file_mb (512 MiB apparent size, no disk used), a FIFO named .jpg and a hidden
+    file in a class folder: the shards hold the images only, and `data shard` says what it left out and why, as
+    training's start-up summary does. Before, each was dropped without a word (scan_class_folders reported
+    nothing), so a user's huge file was silently missing from the shards."""
+    src = tmp_path / "src"
+    make_image_folder(src, splits=("train",))
+    images = source_set(src)  # before the files that are not samples (reading them would block or take 512 MiB)
+    huge = src / "train" / "circle" / "huge.jpg"
+    with open(huge, "wb") as f:
+        f.truncate(513 * 1024 * 1024)
+    os.mkfifo(src / "train" / "square" / "pipe.jpg")
+    (src / "train" / "square" / ".hidden.jpg").write_bytes(b"x")
+    r = cli_in_process("data", "shard", str(src), str(tmp_path / "out"), "--shard-size", "64KB")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "left out 3 file(s) of SRC that are not samples:" in out, out
+    assert f"1 larger than data.max_file_mb (never read whole into memory), e.g. {huge}" in out, out
+    assert "1 hidden" in out and "pipe.jpg" in out, out
+    assert {(c, d) for _, c, d in shard_set(tmp_path / "out")} == {(c, d) for _, c, d in images}

@@ -61,29 +61,37 @@ def parse_size(text: str) -> int:
     return value
 
 
-def list_source(src: Path) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
-    """(class names, {split: [(path, class index)]}) of an image folder (<src>/train, <src>/val, or class
-    folders directly, all taken as train) or a file list (`path,label` lines; see folders.read_file_list)."""
-    from torchsprint.data.sources.folders import label_classes, read_file_list, scan_class_folders
+def list_source(src: Path) -> tuple[list[str], dict[str, list[tuple[str, int]]], dict[str, list[str]]]:
+    """(class names, {split: [(path, class index)]}, {why: paths left out}) of an image folder (<src>/train,
+    <src>/val, or class folders directly, all taken as train) or a file list (`path,label` lines; see
+    folders.read_file_list). What is left out (hidden files, other extensions, FIFOs, files over the size limit) is
+    returned by why, as training's start-up summary says it: never dropped without a word."""
+    from torchsprint.data.sources.folders import label_classes, merge_skipped, read_file_list, scan_folder
+    from torchsprint.runtime.files import unreadable
 
     if src.is_file():
-        rows = read_file_list(src)
+        rows, skipped = [], {}
+        for path, label in read_file_list(src):
+            if why := unreadable(path, MAX_FILE_MB * MB):  # a device would never end, a huge file fill the shard
+                skipped.setdefault(why, []).append(path)
+            else:
+                rows.append((path, label))
         classes, index = label_classes([r[1] for r in rows], None)
-        return classes, {"train": [(p, index[lab]) for p, lab in rows]}
+        return classes, {"train": [(p, index[lab]) for p, lab in rows]}, skipped
     if not src.is_dir():
         raise UsageError(f"{src}: no such folder or file list. SRC is an image folder (class subfolders, optionally "
                          "under train/ and val/) or a .csv/.txt list of `path,label` lines.")
     if (src / "train").is_dir():
-        classes, train = scan_class_folders(src / "train")
-        out = {"train": train}
+        train = scan_folder(src / "train")
+        out, scans = {"train": train.samples}, [train]
         if (src / "val").is_dir():
-            val_classes, val = scan_class_folders(src / "val")
-            if val_classes != classes:
-                raise UsageError(f"{src}: train/ and val/ have different class folders: {classes} vs {val_classes}.")
-            out["val"] = val
-        return classes, out
-    classes, samples = scan_class_folders(src)
-    return classes, {"train": samples}
+            val = scan_folder(src / "val")
+            if val.classes != train.classes:
+                raise UsageError(f"{src}: train/ and val/ have different class folders: {train.classes} vs {val.classes}.")
+            out["val"], scans = val.samples, [train, val]
+        return train.classes, out, merge_skipped(*scans)
+    scan = scan_folder(src)
+    return scan.classes, {"train": scan.samples}, scan.skipped
 
 
 def make_plan(classes: list[str], splits: dict[str, list[tuple[str, int]]], shard_size: int, seed: int) -> dict:
@@ -192,7 +200,7 @@ def shard(src: str, out: str, shard_size: str = "1GB", seed: int = 0, progress: 
         raise UsageError(f"OUT {out} is {'SRC itself' if inside(src_p, out_p) else 'inside SRC'} ({src}): the shards "
                          "and index.json would be written among its images. Choose an OUT folder outside SRC.")
     size = parse_size(shard_size)
-    classes, splits = list_source(src_p)
+    classes, splits, skipped = list_source(src_p)
     plan = make_plan(classes, splits, size, seed)
     try:
         out_p.mkdir(parents=True, exist_ok=True)
@@ -202,7 +210,8 @@ def shard(src: str, out: str, shard_size: str = "1GB", seed: int = 0, progress: 
     lock = RunLock(out_p, role="data shard", hint="Another `torchsprint data shard` job is writing this OUT folder; "
                    "wait for it to end (rerun then to check it), or choose another OUT folder.")
     try:
-        return _shard_locked(src_p, out_p, classes, splits, plan, size, seed, progress)
+        summary = _shard_locked(src_p, out_p, classes, splits, plan, size, seed, progress)
+        return summary | {"skipped": {why: {"count": len(paths), "examples": paths[:3]} for why, paths in skipped.items()}}
     finally:
         lock.release()
 
@@ -266,5 +275,9 @@ def shard_cli(args) -> int:
     per = ", ".join(f"{k} {v}" for k, v in r["samples"].items())
     print(f"{r['shards']} shards ({r['written']} written, {r['kept']} kept from an earlier run), samples: {per}, "
           f"{r['bytes'] / 1e6:.1f} MB, verified; index: {Path(r['out']) / 'index.json'}")
+    if r["skipped"]:
+        print(f"left out {sum(v['count'] for v in r['skipped'].values()):,} file(s) of SRC that are not samples:")
+        for why, v in r["skipped"].items():
+            print(f"  {v['count']:,} {why}, e.g. {', '.join(v['examples'])}")
     print(f"train on them with: data.dataset=webdataset data.root={r['out']}")
     return 0

@@ -248,12 +248,15 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
     assert cfg.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
     assert cfg.model.name == "resnet18"
     assert [c["setting"] for c in cfg.chosen()] == ["data.dataset", "data.train.transforms", "data.eval.transforms",
-                                                   "model.name", "model.pretrained", "optim.lr", "sched.warmup_epochs"]
+                                                   "model.name", "data.batch_size", "model.pretrained", "optim.lr",
+                                                   "sched.warmup_epochs"]
     # Offline (tests/conftest.py) and nothing cached: from scratch, saying how to get the weights (models/start.py).
-    assert cfg.model.pretrained is None and "weights get" in cfg.chosen()[4]["override"]
+    assert cfg.model.pretrained is None and "weights get" in cfg.chosen()[5]["override"]
     assert all(c["why"] and c["override"] for c in cfg.chosen())
-    # The photo model's lr: 0.1 per 256 images of the batch (torchvision's rule), worked by hand; a warm-up epoch.
-    assert (cfg.optim.lr, cfg.sched.warmup_epochs) == (0.1 * 64 / 256, 1.0)
+    # 6 training images: the tiny-folder batch (test_a_tiny_photo_folder_trains_at_a_batch_that_gives_steps), and the
+    # photo model's lr: 0.1 per 256 images of the batch (torchvision's rule), worked by hand; a warm-up epoch.
+    assert cfg.data.batch_size == 8
+    assert (cfg.optim.lr, cfg.sched.warmup_epochs) == (0.1 * 8 / 256, 1.0)
     for extra, lr in ((["data.batch_size=32", "optim.accum_steps=4"], 0.05), (["data.effective_batch_size=512"], 0.2),
                       (["data.batch_size=auto"], 0.025)):
         assert config.load(None, [f"data.root={root}", "run.device=cpu", *extra]).optim.lr == pytest.approx(lr), extra
@@ -267,7 +270,7 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
             c["why"] for c in ddp.chosen() if c["setting"] == "optim.lr")
         assert config.load(None, [f"data.root={root}", "run.device=cpu", "strategy.name=ddp",
                                   "data.effective_batch_size=256"]).optim.lr == pytest.approx(0.1)  # global already
-        assert config.load(None, [f"data.root={root}", "run.device=cpu"]).optim.lr == pytest.approx(0.025)  # not ddp
+        assert config.load(None, [f"data.root={root}", "run.device=cpu"]).optim.lr == pytest.approx(0.1 * 8 / 256)  # not ddp
     # The user's optimizer, lr or warm-up wins (and the project's 0.1 stays for small_cnn and digits).
     assert config.load(None, [f"data.root={root}", "run.device=cpu", "optim.lr=0.3"]).optim.lr == 0.3
     theirs = config.load(None, [f"data.root={root}", "run.device=cpu", "optim.name=adamw"])
@@ -277,21 +280,43 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
     # What the user sets wins: their transforms keep everything (and small_cnn); their model keeps the chosen size.
     mine = config.load(None, [f"data.root={root}", "data.train.transforms=[{resize: 40}]"])
     assert (mine.data.train.transforms, mine.data.eval.transforms, mine.model.name) == ([{"resize": 40}], [], "small_cnn")
-    assert mine.optim.lr == pytest.approx(0.1 * 64 / 256)  # the images are photo-sized: the photos' lr rule
+    assert mine.optim.lr == pytest.approx(0.1 * 8 / 256)  # the images are photo-sized: the photos' lr rule
     mine = config.load(None, [f"data.root={root}", "run.device=cpu", "model.name=mobilenet_v3_small"])
     assert mine.model.name == "mobilenet_v3_small" and mine.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
     # ... and the photos' lr rule, as the picked model gets it (it applied only to the picked model before: a named
     # resnet50 on photos trained at digits' 0.1 and stayed at the majority class), with the user's transforms too.
-    assert mine.optim.lr == pytest.approx(0.1 * 64 / 256) and mine.sched.warmup_epochs == 1.0
+    assert mine.optim.lr == pytest.approx(0.1 * 8 / 256) and mine.sched.warmup_epochs == 1.0
     assert "optim.lr" in [c["setting"] for c in mine.chosen()]
     mine = config.load(None, [f"data.root={root}", "run.device=cpu", "model.name=resnet34", "data.train.transforms=[{resize: 40}]"])
-    assert mine.optim.lr == pytest.approx(0.1 * 64 / 256)
+    assert mine.optim.lr == pytest.approx(0.1 * 8 / 256)
     assert config.load(None, [f"data.root={root}", "model.name=resnet34", "optim.lr=0.5"]).optim.lr == 0.5
     # Digits-sized images of one size keep the native size and small_cnn (the fixture's 24x20 JPEGs).
     from conftest import make_image_folder
 
     small = config.load(None, [f"data.root={make_image_folder(tmp_path / 's', per_class=2)}"])
     assert (small.data.train.transforms, small.model.name, len(small.chosen())) == ([], "small_cnn", 1)
+
+
+def test_a_tiny_photo_folder_trains_at_a_batch_that_gives_steps(tmp_path):
+    """20 photos per class (3 classes, 80/20 split: 48 training images) trained at the default batch of 64 made one
+    optimizer step an epoch. The batch now gives about 8 steps (a power of two, at least 8): 48 -> 8 (6 steps), and
+    the lr rule follows it; said as a choice. A set batch, a DDP run or a folder of 512+ training images keeps its
+    batch. Bugs caught: no rule (64), the lr worked out from 64, the rule over a batch the user set."""
+    root = tmp_path / "tiny"
+    for c in ("a", "b", "c"):
+        for i in range(20):
+            save(root / c / f"{i}.png", (100, 80), "RGB", i)
+    cfg = config.load(None, [f"data.root={root}", "run.device=cpu"])
+    assert cfg.data.batch_size == 8 and cfg.optim.lr == pytest.approx(0.1 * 8 / 256)
+    (why,) = [c["why"] for c in cfg.chosen() if c["setting"] == "data.batch_size"]
+    assert why.startswith("48 training images: at the default 64 an epoch would be 1 optimizer step(s); 8 gives 6")
+    assert config.load(None, [f"data.root={root}", "data.batch_size=64"]).data.batch_size == 64
+    assert config.load(None, [f"data.root={root}", "data.val_fraction=0.5"]).data.batch_size == 8  # 30 -> 3 -> 8
+    for i in range(20, 220):  # 660 images, 528 for training: the default batch gives 8 steps already
+        for c in ("a", "b", "c"):
+            save(root / c / f"{i}.png", (100, 80), "RGB", i)
+    big = config.load(None, [f"data.root={root}", "run.device=cpu"])
+    assert big.data.batch_size == 64 and "data.batch_size" not in [c["setting"] for c in big.chosen()]
 
 
 def test_grey_images_are_read_as_three_equal_channels_and_said_so(tmp_path):

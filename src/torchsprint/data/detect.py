@@ -153,6 +153,66 @@ def sample_paths(data_cfg, n: int = SAMPLED) -> list[str]:
     return []
 
 
+# A tiny folder (fewer than TINY_STEPS x the default batch of training images) trains at a batch that gives each
+# epoch TINY_STEPS optimizer steps, at least TINY_MIN_BATCH: at the default 64, 32 training images made one step an
+# epoch (ten steps in a default run). The lr rules scale with the batch (step_batch), so they follow it.
+TINY_STEPS = 8
+TINY_MIN_BATCH = 8
+DEFAULT_BATCH = 64
+
+
+def training_images(data_cfg, limit: int) -> int | None:
+    """The training images of an image_folder or file_list (the val_fraction share taken off where the data has no
+    val split), counted up to `limit` (a large folder is not listed whole); None for other datasets."""
+    import os
+
+    from torchsprint.data.sources.folders import IMAGE_EXTENSIONS, _find_list, find_layout, read_file_list
+
+    root = Path(data_cfg.root).expanduser()
+    n, split = 0, False
+    if data_cfg.dataset == "image_folder" and root.is_dir():
+        try:
+            layout = find_layout(root)
+        except UsageError:
+            return None
+        split = layout["val"] is not None
+        for _dirpath, dirs, files in os.walk(layout["train"] or root, followlinks=False):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            n += sum(1 for f in files if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS)
+            if n >= limit:
+                return n
+    elif data_cfg.dataset == "file_list":
+        lst = root if root.is_file() else _find_list(root, "train") if root.is_dir() else None
+        if lst is None:
+            return None
+        try:
+            n = len(read_file_list(lst))
+        except UsageError:
+            return None
+        split = root.is_dir() and _find_list(root, "val") is not None
+    else:
+        return None
+    return n if split else int(n * (1 - data_cfg.val_fraction))
+
+
+def tiny_folder_batch(cfg) -> list[Choice]:
+    """data.batch_size for a tiny folder (TINY_STEPS), where the config sets no batch and one process trains."""
+    data = cfg.data
+    if ("batch_size" in data.model_fields_set or data.effective_batch_size is not None or cfg.strategy.name == "ddp"
+            or cfg.optim.accum_steps != 1):
+        return []
+    n = training_images(data, TINY_STEPS * DEFAULT_BATCH)
+    if n is None or n >= TINY_STEPS * DEFAULT_BATCH:
+        return []
+    batch = max(TINY_MIN_BATCH, 1 << max(0, (n // TINY_STEPS).bit_length() - 1))  # a power of two, n/8 or below
+    if batch >= DEFAULT_BATCH:
+        return []
+    data.batch_size = batch
+    return [Choice("data.batch_size", batch, f"{n} training images: at the default {DEFAULT_BATCH} an epoch would be "
+                   f"{max(1, n // DEFAULT_BATCH)} optimizer step(s); {batch} gives {n // batch} (rule: about {TINY_STEPS} "
+                   f"steps an epoch, a power of two, at least {TINY_MIN_BATCH})", "set data.batch_size")]
+
+
 def measure(paths: list[str]) -> tuple[list[tuple[int, int]], list[str]]:
     """(width, height) and Pillow mode of each readable file (headers only); unreadable files are left to the loader."""
     from PIL import Image
@@ -225,6 +285,7 @@ def photo_defaults(cfg, start=None) -> list[Choice]:
                              "identical channels, which every registered model and pretrained weights take",
                              "data.options.mode=GRAY keeps 1 channel (a third of the memory; models get in_channels=1)"))
     if median > DIGITS_SIZED:
+        chosen += tiny_folder_batch(cfg)  # before the lr rules, which scale with the batch
         # Any model on photos, the one picked here or one the user named: the default lr (0.1, made for small_cnn on
         # digits at batch 64) is as wrong for a user's resnet50 as for the picked ResNet-18.
         chosen += start(cfg, chosen) if start is not None else photo_schedule(cfg)

@@ -35,6 +35,8 @@ TV_PATH = "/models/resnet18-f37072fd.pth"  # torchvision's ResNet18_Weights.IMAG
 HF_REPO = "timm/resnet18.a1_in1k"
 HF_PATH = f"/{HF_REPO}/resolve/main/model.safetensors"
 HEAD_AND_STEM = {"conv1.weight", "fc.weight", "fc.bias"}  # digits: 1 channel (conv1 adapted), 10 classes (fc)
+LOGIN_PAGE = (b"<!DOCTYPE html>\n<html><head><title>Sign in - Example SSO</title></head>"
+              b"<body><form action='/login'>user <input name=u></form></body></html>\n")
 
 
 def sha256(data: bytes) -> str:
@@ -62,12 +64,15 @@ class Server:
     """A threaded HTTP server on 127.0.0.1: `files` (path -> bytes) answered to HEAD and GET with the headers
     huggingface_hub reads (Content-Length, ETag = the file's sha256 as the hub's LFS files have, X-Repo-Commit),
     404 otherwise. `misbehave[path]` lists what successive GETs of that path do: "drop" (the full Content-Length
-    announced, a third of the body sent, the connection closed) or "other" (the bytes reversed: same length)."""
+    announced, a third of the body sent, the connection closed), "cut" (no Content-Length, a third sent, closed),
+    "other" (the bytes reversed: same length) or "html" (200 text/html: LOGIN_PAGE, as a proxy's or a mirror's login
+    page answers). `redirect[path]`: a 302 to that location."""
 
     def __init__(self):
         self.files: dict[str, bytes] = {}
         self.misbehave: dict[str, list[str]] = {}
         self.slow: dict[str, float] = {}  # path -> seconds over which a GET's body is sent, in four parts
+        self.redirect: dict[str, str] = {}
         self.requests: list[tuple[str, str]] = []
         state = self
 
@@ -91,6 +96,12 @@ class Server:
     def answer(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         path = urlsplit(h.path).path
         self.requests.append((h.command, path))
+        if path in self.redirect:
+            h.send_response(302)
+            h.send_header("Location", self.redirect[path])
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
         body = self.files.get(path)
         if body is None:
             h.send_response(404)
@@ -98,11 +109,13 @@ class Server:
             h.end_headers()
             return
         how = self.misbehave.get(path, []).pop(0) if not head and self.misbehave.get(path) else "ok"
-        data = body[::-1] if how == "other" else body
+        data = {"other": body[::-1], "html": LOGIN_PAGE}.get(how, body)
         h.send_response(200)
-        for k, v in {"Content-Length": str(len(body)), "ETag": f'"{sha256(body)}"', "X-Repo-Commit": COMMIT,
-                     "Content-Type": "application/octet-stream"}.items():
-            h.send_header(k, v)
+        headers = {"Content-Length": str(len(data)), "ETag": f'"{sha256(body)}"', "X-Repo-Commit": COMMIT,
+                   "Content-Type": "text/html; charset=utf-8" if how == "html" else "application/octet-stream"}
+        for k, v in headers.items():
+            if not (how == "cut" and k == "Content-Length"):  # HTTP/1.0: the body then ends where the server closes
+                h.send_header(k, v)
         h.end_headers()
         if not head and path in self.slow:
             quarter = -(-len(data) // 4)
@@ -111,7 +124,7 @@ class Server:
                 h.wfile.write(data[i : i + quarter])
                 h.wfile.flush()
         elif not head:
-            h.wfile.write(data[: len(data) // 3] if how == "drop" else data)
+            h.wfile.write(data[: len(data) // 3] if how in ("drop", "cut") else data)
             h.wfile.flush()
 
 

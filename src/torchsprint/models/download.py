@@ -1,9 +1,10 @@
 """Fetching pretrained weights into the libraries' own caches: torchvision's through torch.hub, timm's and hf-hub's
 through huggingface_hub, URLs into torch.hub's cache; offline modes, timeouts, one rank per machine downloading.
 
-Every download lands under a temporary name and is renamed into place only once its size and hash are checked, so
-an interrupted or corrupt download never leaves a file that a later run trusts (torch.hub and huggingface_hub do the
-same: `<file>.<uuid>.partial`, `<blob>.<id>.incomplete`).
+Every download lands under a temporary name and is renamed into place only once its size and hash are checked and
+it loads as weights (models/weights_cache.py), so an interrupted or corrupt download, or a login page, never leaves a
+file that a later run trusts (torch.hub and huggingface_hub do the same: `<file>.<uuid>.partial`,
+`<blob>.<id>.incomplete`); a file found in the cache is checked before it is used.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ from urllib.request import Request, urlopen
 
 from torchsprint.errors import UsageError, disk_full
 from torchsprint.models.weights import WeightsSource, hf_endpoint, hf_hub_cache, is_remote, locate
+from torchsprint.models.weights_cache import (
+    HEAD_BYTES,
+    NotWeights,
+    cached_problem,
+    html_page,
+    looks_like_html,
+    read_state,
+)
 
 OFFLINE_ENVS = ("TORCHSPRINT_OFFLINE", "HF_HUB_OFFLINE")
 TIMEOUT_ENV = "TORCHSPRINT_DOWNLOAD_TIMEOUT"
@@ -82,6 +91,50 @@ def hash_mismatch(key: str, src: WeightsSource, url: str, expected: str, got: st
                       f"nothing was kept in the cache. Run again to retry, or check the address ({src.url}).")
 
 
+def not_weights(key: str, src: WeightsSource, url: str, what: str) -> UsageError:
+    return UsageError(f"{key}={src.spec}: {url} sent {what}, not weights; nothing was kept in the cache. Check the "
+                      f"address (a file behind a login: download it in a browser and set {key} to its path), or run "
+                      "again if the download broke off.")
+
+
+def bad_cached(src: WeightsSource, key: str, problem: str, why: str, model_name: str | None = None) -> UsageError:
+    """The one line for a file in the cache that must not be used, where it cannot be downloaded again now."""
+    get = f"torchsprint weights get {src.spec}" + (f" --model {model_name}" if model_name and src.spec.endswith(":DEFAULT")
+                                                   else "")
+    return UsageError(f"{key}={src.spec}: the cached file at {src.cached} {problem}; it was not used ({why}): remove "
+                      f"it and run again where downloads are allowed, or put the weights there (from {src.published}, "
+                      f"or `{get}` on a machine with network).")
+
+
+def sha256_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def temp_name(dst: Path) -> Path:
+    return dst.with_name(f"{dst.name}.{uuid.uuid4().hex}.partial")
+
+
+def accept(tmp: Path, src: WeightsSource, key: str, digest: str | None = None) -> None:
+    """A complete body at `tmp` renamed to src.target once it is what was asked for: not a web page, the pinned
+    sha256 when there is one (`digest`: computed while it came, else here), loading as weights as the run will
+    load it (read_state, by the name it will have). Else one UsageError naming the URL and what came back."""
+    with open(tmp, "rb") as f:
+        head = f.read(HEAD_BYTES)
+    if looks_like_html(head):  # before the hash: "a login page" says more than "another sha256"
+        raise not_weights(key, src, src.url, html_page(head, tmp.stat().st_size))
+    if src.hash_prefix and not (digest := digest or sha256_of(tmp)).startswith(src.hash_prefix):
+        raise hash_mismatch(key, src, src.url, src.hash_prefix, digest)
+    try:
+        read_state(tmp, src.target.suffix)
+    except NotWeights as e:
+        raise not_weights(key, src, src.url, str(e)) from None
+    os.replace(tmp, src.target)
+
+
 @contextlib.contextmanager
 def socket_timeout(seconds: float):
     """A default socket timeout for the duration: torch.hub's urlopen takes none, and would wait forever on a server
@@ -95,18 +148,19 @@ def socket_timeout(seconds: float):
 
 
 def fetch_torchvision(src: WeightsSource, key: str, progress: bool) -> None:
-    """torchvision's file through torch.hub.download_url_to_file: its temp name, its sha256-prefix check, its bar."""
+    """torchvision's file through torch.hub.download_url_to_file (its urlopen, its bar) to a temporary name of ours,
+    then checked as every download is (accept: the sha256 prefix of its name included). Not torch.hub's own hash
+    check: it removes the bytes before anything can say that they were a mirror's login page."""
     import torch.hub
 
     src.target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(src.target)
     try:
         with socket_timeout(timeout_s()):
-            torch.hub.download_url_to_file(src.url, str(src.target), src.hash_prefix, progress=progress)
-    except RuntimeError as e:  # torch.hub: 'invalid hash value (expected "f37072fd", got "<sha256>")'
-        found = re.search(r'expected "(\w+)", got "(\w+)"', str(e))
-        if not found:
-            raise
-        raise hash_mismatch(key, src, src.url, *found.groups()) from None
+            torch.hub.download_url_to_file(src.url, str(tmp), None, progress=progress)
+        accept(tmp, src, key)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def fetch_url(src: WeightsSource, key: str, progress: bool) -> None:
@@ -116,12 +170,14 @@ def fetch_url(src: WeightsSource, key: str, progress: bool) -> None:
     would keep the truncated file."""
     from torch.hub import tqdm
 
-    dst = src.target
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f"{dst.name}.{uuid.uuid4().hex}.partial")
+    src.target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(src.target)
     sha, size = hashlib.sha256(), 0
     try:
         with urlopen(Request(src.url, headers={"User-Agent": "torchsprint"}), timeout=timeout_s()) as r, open(tmp, "wb") as f:
+            if r.headers.get_content_type() in ("text/html", "application/xhtml+xml"):  # a login or error page
+                page = html_page(r.read(HEAD_BYTES))
+                raise not_weights(key, src, src.url, f"{page} (Content-Type {r.headers.get_content_type()})")
             total = int(r.headers["Content-Length"]) if r.headers.get("Content-Length") else None
             with tqdm(total=total, disable=not progress, unit="B", unit_scale=True, unit_divisor=1024) as bar:
                 while chunk := r.read(1 << 20):
@@ -133,9 +189,7 @@ def fetch_url(src: WeightsSource, key: str, progress: bool) -> None:
             os.fsync(f.fileno())  # on disk before the name says it is complete
         if total is not None and size != total:
             raise ConnectionError(f"the body broke off after {size:,} of {total:,} bytes")
-        if src.hash_prefix and not sha.hexdigest().startswith(src.hash_prefix):
-            raise hash_mismatch(key, src, src.url, src.hash_prefix, sha.hexdigest())
-        os.replace(tmp, dst)
+        accept(tmp, src, key, sha.hexdigest())
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -145,7 +199,8 @@ def fetch_hf(src: WeightsSource, key: str, progress: bool) -> Path:
     a mirror). First one HEAD with our timeout and no retries (huggingface_hub retries a timed-out HEAD for a
     minute): it says fast whether the network is there and which of the candidate files the repo has.
     huggingface_hub's own progress bar shows on a terminal only (`progress` is not needed: only local rank 0
-    downloads)."""
+    downloads). The file is checked as every download is (check_hf_blob); huggingface_hub locks a download of its
+    own, so two processes downloading the same blob fetch it once."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.utils import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -171,27 +226,44 @@ def fetch_hf(src: WeightsSource, key: str, progress: bool) -> Path:
 
 def check_hf_blob(path: Path, src: WeightsSource, key: str, url: str) -> None:
     """huggingface_hub checks a download's size only; an LFS file's blob is named by its sha256 (the ETag): check it,
-    and on a mismatch remove the blob and its snapshot link, so that no later run trusts them."""
+    and that it loads as weights; on a failure remove the blob and its snapshot link, so that no later run trusts
+    them."""
     blob = path.resolve()
-    if not re.fullmatch(r"[0-9a-f]{64}", blob.name):
-        return  # a small git file (named by its git sha1): nothing published to compare with
-    sha = hashlib.sha256()
-    with open(blob, "rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-    if sha.hexdigest() != blob.name:
+    error = None
+    if re.fullmatch(r"[0-9a-f]{64}", blob.name) and (digest := sha256_of(blob)) != blob.name:
+        error = hash_mismatch(key, src, url, blob.name, digest)  # (a small git file is named by its git sha1)
+    else:
+        try:
+            read_state(blob, path.suffix)
+        except NotWeights as e:
+            error = not_weights(key, src, url, str(e))
+    if error is not None:
         blob.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
-        raise hash_mismatch(key, src, url, blob.name, sha.hexdigest())
+        raise error
+
+
+def remove_cached(src: WeightsSource) -> None:
+    """A cached file that must not be used, removed: for the Hugging Face cache its blob too (else huggingface_hub
+    would link the same bytes again rather than download them)."""
+    if src.kind in ("timm", "hf-hub"):
+        src.cached.resolve().unlink(missing_ok=True)
+    src.cached.unlink(missing_ok=True)
 
 
 def download(src: WeightsSource, key: str, log, progress: bool, model_name: str | None = None) -> Path:
     """Fetch `src` into its cache (a network or server failure: one UsageError naming where to put the file)."""
     fetchers = {"torchvision": fetch_torchvision, "url": fetch_url}
     where = src.url or src.published
-    log(f"pretrained: downloading {src.spec} from {where}")
     start = time.perf_counter()
     try:
+        src = locate(src.spec, model_name, key)  # again, now: another process may have downloaded it meanwhile
+        if src.cached is not None:
+            if (problem := cached_problem(src.cached)) is None:
+                return src.cached
+            log(f"pretrained: the cached file at {src.cached} {problem}: removed, downloading it again")
+            remove_cached(src)
+        log(f"pretrained: downloading {src.spec} from {where}")
         if src.kind in ("timm", "hf-hub"):
             path = fetch_hf(src, key, progress)
         else:
@@ -228,11 +300,16 @@ def fetch(spec: str, model_name: str | None, key: str = "model.pretrained", log=
     then, as after a failed download, one UsageError naming the path to put it at and the URL.
     """
     src = locate(spec, model_name, key)
-    if src.kind == "file" or src.cached is not None:
-        return src.cached or src.target
-    if not download_ok:
+    if src.kind == "file":
+        return src.target
+    if src.cached is not None:  # a cached file is checked before it is used (a page renamed there by an older version)
+        if (problem := cached_problem(src.cached)) is None:
+            return src.cached
+        if (why := "a rank that does not download" if not download_ok else offline()) is not None:
+            raise bad_cached(src, key, problem, f"offline: {why}" if download_ok else why, model_name)
+    elif not download_ok:
         raise missing(src, key, "the rank that downloads did not leave it there", model_name)
-    if (why := offline()) is not None:
+    elif (why := offline()) is not None:
         raise missing(src, key, f"offline: {why}", model_name)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     return download(src, key, log, sys.stderr.isatty() if progress is None else progress, model_name)

@@ -12,25 +12,17 @@ from torchsprint.train.checkpoint import strip_prefixes
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """A state dict from .safetensors or .pt/.pth (weights_only: never executes code from the file)."""
+    """A state dict from .safetensors or .pt/.pth (weights_only: never executes code from the file), read as
+    models/weights_cache.py checks a download; a file that is not weights is named for what it is (an HTML page)."""
+    from torchsprint.models.weights_cache import NotWeights, read_state
+
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"model.pretrained: file not found: {path}")
     try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(f"model.pretrained: cannot read {path} as weights ({type(e).__name__}: {str(e)[:200]})") from None
-    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
-        state = state["model"]  # a torchsprint checkpoint
-    elif isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]  # Lightning and many reference scripts
-    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-        raise UsageError(f"model.pretrained: {path} holds no state dict of tensors.")
+        state = read_state(path)
+    except NotWeights as e:
+        raise UsageError(f"model.pretrained: cannot read {path} as weights: it is {e}.") from None
     return strip_prefixes(state)
 
 

@@ -1,0 +1,104 @@
+"""The weights cache trusts only weights (models/download.py, models/weights_cache.py): an HTML page or a body cut
+short is refused before it takes the cache's name, a file found in the cache is checked before it is used (that it
+loads as weights; a URL's #sha256= pin), a cache folder that is not writable is one line, a redirect loop is one
+line, and two processes downloading the same file fetch it once. The server and fixtures are those of
+tests/test_weights_download.py: a real HTTP server on 127.0.0.1 counting what it is asked, real torch.save'd
+weights, TORCH_HOME / HF_HOME in tmp folders.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from test_weights_download import LOGIN_PAGE, TV_PATH, build, checkpoints, sha256
+from torchsprint.errors import UsageError
+from torchsprint.models.download import fetch
+
+pytest_plugins = ("test_weights_download",)  # its fixtures: online, server, r18
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+    msg = str(error.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def saved(state) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- 1. only weights take the cache's name
+
+
+@pytest.mark.parametrize("kind", ["url", "url-pinned", "torchvision"])
+def test_an_html_login_page_is_refused_and_nothing_is_cached(online, server, r18, monkeypatch, kind):
+    """Bug: a 200 text/html answer (a proxy's or a mirror's login page) was renamed into the cache under the weights'
+    name (a URL without a pin), or refused as a hash mismatch that did not say it was a page (a URL's pin,
+    torchvision's name through TORCHSPRINT_WEIGHTS_MIRROR); every later run then failed on the cached page, blaming
+    weights_only. Now: refused before it takes the name, in one line naming the URL and the page."""
+    monkeypatch.setenv("TORCHSPRINT_WEIGHTS_MIRROR", server.url)
+    path, spec = {"url": ("/w/r18.pth", f"{server.url}/w/r18.pth"),
+                  "url-pinned": ("/w/r18.pth", f"{server.url}/w/r18.pth#sha256={sha256(r18.pth)}"),
+                  "torchvision": (TV_PATH, "torchvision:ResNet18_Weights.IMAGENET1K_V1")}[kind]
+    server.files[path] = r18.pth
+    server.misbehave[path] = ["html"]
+    with pytest.raises(UsageError) as e:
+        fetch(spec, "resnet18", log=lambda _: None)
+    msg = one_line(e)
+    assert f"{server.url}{path}" in msg and "HTML page" in msg and "'Sign in - Example SSO'" in msg, msg
+    assert "nothing was kept in the cache" in msg and "weights_only" not in msg, msg
+    assert checkpoints(online) == []
+    if kind != "torchvision":  # the page is gone from the server: run again, and the weights come
+        assert fetch(spec, None, log=lambda _: None).read_bytes() == r18.pth and checkpoints(online) == ["r18.pth"]
+
+
+def test_a_body_cut_without_content_length_is_refused(online, server, r18):
+    """Bug: a server answering 200 with no Content-Length that closes half-way: http.client ends the body without an
+    error, and with no size to compare and no pin the third of a file was renamed into the cache, where every later
+    run read it. Now: the body is loaded as weights before it takes the name; one line naming the URL and what came."""
+    server.files["/w/plain.pth"] = r18.pth
+    server.misbehave["/w/plain.pth"] = ["cut"]
+    spec = f"{server.url}/w/plain.pth"
+    with pytest.raises(UsageError) as e:
+        fetch(spec, None, log=lambda _: None)
+    msg = one_line(e)
+    assert spec in msg and f"{len(r18.pth) // 3:,} bytes" in msg and "cut short" in msg, msg
+    assert "nothing was kept in the cache" in msg and checkpoints(online) == []
+    assert fetch(spec, None, log=lambda _: None).read_bytes() == r18.pth and checkpoints(online) == ["plain.pth"]
+
+
+def test_a_cached_file_that_is_not_weights_is_one_line_then_replaced(online, server, r18, monkeypatch,
+                                                                     cli_in_process, tmp_path):
+    """Bug: a page already in the cache under the weights' name (left there by the bug above, or copied by hand) was
+    used by every run, which failed with torch's weights_only text (never saying the file was a page), and was never
+    fetched again. Now: offline, one line saying the cached file at PATH is not weights and to remove it (`weights
+    get` and a run alike); with downloads allowed it is removed and downloaded again. A local file that is a page
+    says so too."""
+    cached = online / "torch" / "hub" / "checkpoints" / "r18.pth"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(LOGIN_PAGE)
+    server.files["/w/r18.pth"] = r18.pth
+    spec = f"{server.url}/w/r18.pth"
+    monkeypatch.setenv("TORCHSPRINT_OFFLINE", "1")
+    r = cli_in_process("weights", "get", spec)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    line = r.stderr.strip()
+    for msg in (line, one_line(pytest.raises(UsageError, build, f"model.pretrained={spec}"))):
+        assert "\n" not in msg and f"the cached file at {cached} is not weights" in msg, msg
+        assert "HTML page" in msg and "remove it" in msg and "weights_only" not in msg, msg
+    assert server.requests == [] and cached.read_bytes() == LOGIN_PAGE
+    page = tmp_path / "page.pth"  # model.pretrained=<a file>: never removed, but named for what it is
+    page.write_bytes(LOGIN_PAGE)
+    msg = one_line(pytest.raises(UsageError, build, f"model.pretrained={page}"))
+    assert f"cannot read {page} as weights" in msg and "HTML page" in msg and "weights_only" not in msg, msg
+
+    monkeypatch.delenv("TORCHSPRINT_OFFLINE")
+    logs: list[str] = []
+    assert fetch(spec, None, log=logs.append) == cached and cached.read_bytes() == r18.pth
+    assert server.gets("/w/r18.pth") == 1 and checkpoints(online) == ["r18.pth"]
+    assert any(f"the cached file at {cached} is not weights" in m and "downloading it again" in m for m in logs), logs

@@ -4,6 +4,9 @@ read back, the images the tests send (distinct digits, and files predict decodes
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,6 +19,7 @@ from PIL import Image
 # or 2 torch threads, against predict's batch of 64 (the digits small_cnn, AMD EPYC; benchmarks/serve_tolerance.py).
 # Two different images' probability vectors differ by >= 4e-3 there: an answer swapped between requests fails.
 TOL = 1e-6
+REPO = Path(__file__).resolve().parents[1]
 
 
 class ThreadServer:
@@ -76,6 +80,73 @@ def wait_until(condition, timeout: float = 60, what: str = "condition") -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting: {what}"
         time.sleep(0.02)
+
+
+def in_background(fn, *args, **kw) -> dict:
+    """Run fn in a thread; the returned dict gets "result" (or "error") when it ends."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn(*args, **kw)
+        except Exception as e:  # noqa: BLE001 - reported by the test that reads the box
+            box["error"] = e
+
+    box["thread"] = threading.Thread(target=target, daemon=True)
+    box["thread"].start()
+    return box
+
+
+def result(box: dict, timeout: float = 60):
+    box["thread"].join(timeout)
+    assert "result" in box, box.get("error", "still running")
+    return box["result"]
+
+
+class CliServer:
+    """`python -m torchsprint serve TARGET ARGS --port 0` with this tree's torchsprint, in its own process: every line
+    it prints kept in `lines` (stdout and stderr), `url` on 127.0.0.1 (whatever --host), ready once built."""
+
+    def __init__(self, target: Path, *args: str, env: dict | None = None, drop_env: tuple = ()):
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **(env or {})}
+        for name in drop_env:
+            env.pop(name, None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "torchsprint", "serve", str(target), *args, "--port", "0"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        wait_until(lambda: self.serving() is not None or self.proc.poll() is not None, 180, "the serving line")
+        line = self.serving()
+        assert line is not None, "\n".join(self.lines)
+        self.url = "http://127.0.0.1:" + line.split("http://")[1].split()[0].rsplit(":", 1)[1]
+        wait_until(lambda: self.up() and get(self.url + "/ready") == 200, 120, "ready")
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def serving(self) -> str | None:
+        return next((x for x in list(self.lines) if x.startswith("serving ") and " on http://" in x), None)
+
+    def up(self) -> bool:
+        assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}: " + "\n".join(self.lines)
+        return get(self.url + "/health") == 200
+
+    def peak_rss_mb(self) -> float:
+        """The server process's peak resident memory so far (VmHWM), MiB."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(next(x for x in status.splitlines() if x.startswith("VmHWM:")).split()[1]) / 1024
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(60)
+
+
+def large_png(width: int, height: int) -> bytes:
+    """A grey PNG of width x height zeros: millions of pixels in a few KB (6000x6000: ~35 KB)."""
+    buf = io.BytesIO()
+    Image.new("L", (width, height)).save(buf, "PNG")
+    return buf.getvalue()
 
 
 def encode(arr: np.ndarray, fmt: str, **kw) -> bytes:

@@ -7,7 +7,6 @@ events, never races against a sleep."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import os
 import signal
@@ -21,7 +20,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_helpers import TOL, ThreadServer, digit_images, encode, metric, unusual_files, wait_until
+from serve_helpers import (
+    TOL,
+    ThreadServer,
+    digit_images,
+    encode,
+    in_background,
+    metric,
+    result,
+    unusual_files,
+    wait_until,
+)
 from torchsprint import cli
 from torchsprint.commands.predict import Predictor
 from torchsprint.commands.serve_engine import GATE_ENV, bucket, powers_of_two
@@ -59,27 +68,6 @@ def post(url: str, path: Path | None = None, timeout: float = 60, **kw) -> httpx
     if path is not None:
         kw = {"content": path.read_bytes(), "headers": {"content-type": "application/octet-stream"}, **kw}
     return httpx.post(url + "/predict", timeout=timeout, **kw)
-
-
-def in_background(fn, *args, **kw) -> dict:
-    """Run fn in a thread; the returned dict gets "result" (or "error") when it ends."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = fn(*args, **kw)
-        except Exception as e:  # noqa: BLE001 - reported by the test that reads the box
-            box["error"] = e
-
-    box["thread"] = threading.Thread(target=target, daemon=True)
-    box["thread"].start()
-    return box
-
-
-def result(box: dict, timeout: float = 60):
-    box["thread"].join(timeout)
-    assert "result" in box, box.get("error", "still running")
-    return box["result"]
 
 
 @pytest.fixture
@@ -493,81 +481,42 @@ def test_the_long_lived_objects_are_frozen_out_of_the_collector_while_serving(ru
     assert gc.get_freeze_count() == 0
 
 
-def test_a_lone_request_is_answered_on_the_event_loop_when_the_model_is_fast(run, files, monkeypatch):
-    """Batcher.run_lone: a request alone on an idle server, of a model measured fast at warm-up and a small body, is
-    answered on the event loop (no hand-off to the model thread and back); a big body or a slow model goes through
-    the model thread; either way, and when both paths mix under concurrency, every answer equals predict's. The
-    warm-up's measured time is set here (it depends on the machine's load). Bugs caught: the fast path never taken
-    (a lone client pays two thread hand-offs a request), taken for a slow model or a big body (the loop held while
-    other requests wait), taken right after requests overlapped (the first of a wave answered alone, its batch
-    split), many clients' requests each answered on the loop and never batched (none ever awaits, so no overlap is
-    ever seen: the concurrent part checks that one was), a lone answer that differs from predict's or belongs to
-    another request."""
-    from PIL.PngImagePlugin import PngInfo
-
-    from torchsprint.commands import serve_app
-    from torchsprint.commands.serve_engine import LONE_MAX_BYTES, LONE_MAX_S
-
+def test_a_lone_request_runs_on_the_model_thread_while_health_answers(run, files):
+    """A request alone on an idle server is decoded and run by the model thread itself (Batcher.put_if_idle: two
+    threads, not three), counted by torchsprint_serve_lone_images_total; while its forward pass runs (held here by
+    a forward that waits for the test's event: no timing), /health and /ready answer. Bugs caught: a forward pass
+    (or a decode) on the event loop (serve_engine's former run_lone: a 6000x6000 PNG of 35 KB held /health for
+    over 10 minutes), the lone path never taken (the decode pool's extra hop), a lone answer that differs from
+    predict's."""
     server = ThreadServer(run)
-    batcher = server.served.batcher
+    predictor = server.served.predictor
+    forward, entered, release, threads = predictor.forward, threading.Event(), threading.Event(), []
+
+    def held(x):
+        threads.append(threading.current_thread().name)
+        entered.set()
+        assert release.wait(120), "the test never released the forward"
+        return forward(x)
+
     try:
-        batcher.lone_s = LONE_MAX_S / 2
-        paths = [p for p in files if p.suffix == ".png"][:6]
-        for p in paths:
-            r = post(server.url, p)
-            assert r.status_code == 200, r.text
-            same_as_predict(r.json()["predictions"][0], _top(files[p], 7))
-        m = server.metrics()
-        assert metric(m, "torchsprint_serve_lone_images_total") == len(paths)
-        assert metric(m, "torchsprint_serve_batch_size_count") == len(paths)  # still counted as batches of one
-
-        # The same digit with a text chunk that makes its body bigger than LONE_MAX_BYTES: the model thread answers.
-        info = PngInfo()
-        info.add_text("padding", "x" * (LONE_MAX_BYTES + 1))
-        from PIL import Image
-
-        with Image.open(paths[0]) as im:
-            big = io.BytesIO()
-            im.save(big, "PNG", pnginfo=info)
-        assert len(big.getvalue()) > LONE_MAX_BYTES
-        r = post(server.url, content=big.getvalue(), headers={"content-type": "image/png"})
+        p = next(p for p in files if p.suffix == ".png")
+        predictor.forward = held
+        box = in_background(post, server.url, p)
+        assert entered.wait(60), "the forward never started"
+        try:
+            assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "alive"}
+            assert httpx.get(server.url + "/ready", timeout=30).status_code == 200
+        finally:
+            release.set()
+        r = result(box)
         assert r.status_code == 200, r.text
-        same_as_predict(r.json()["predictions"][0], _top(files[paths[0]], 7))
-        batcher.lone_s = LONE_MAX_S * 2  # a model measured slow
-        assert post(server.url, paths[1]).status_code == 200
-        assert server.metric("torchsprint_serve_lone_images_total") == len(paths)
-
-        # Both paths under concurrency: every answer still its own file's, and the overlap is seen (LONE_QUIET_S made
-        # long so that it is still remembered below, however slow this machine).
-        monkeypatch.setattr(serve_app, "LONE_QUIET_S", 3600.0)
-        batcher.lone_s = LONE_MAX_S / 2
-        order = [p for p in files if p.suffix == ".png"] * 2
-
-        async def send_all():
-            async with httpx.AsyncClient(timeout=120) as http:
-                sem = asyncio.Semaphore(4)
-
-                async def one(p):
-                    async with sem:
-                        return p, await http.post(server.url + "/predict?topk=10", content=p.read_bytes(),
-                                                  headers={"content-type": "image/png"})
-
-                return await asyncio.gather(*(one(p) for p in order))
-
-        for p, r in asyncio.run(send_all()):
-            assert r.status_code == 200, r.text
-            same_as_predict(r.json()["predictions"][0], files[p])
-
-        # Right after requests overlapped (within LONE_QUIET_S), a lone-looking request may be the first of a wave:
-        # the model thread answers it. Once quiet again, the loop does.
-        assert server.served.overlapped_at > float("-inf")
-        lone = server.metric("torchsprint_serve_lone_images_total")
-        assert post(server.url, paths[2]).status_code == 200
-        assert server.metric("torchsprint_serve_lone_images_total") == lone
-        server.served.overlapped_at = float("-inf")
-        assert post(server.url, paths[2]).status_code == 200
-        assert server.metric("torchsprint_serve_lone_images_total") == lone + 1
+        same_as_predict(r.json()["predictions"][0], _top(files[p], 7))
+        assert threads == ["torchsprint-serve-model"]
+        m = server.metrics()
+        assert metric(m, "torchsprint_serve_lone_images_total") == 1
+        assert metric(m, "torchsprint_serve_batch_size_count") == 1
     finally:
+        predictor.forward = forward
         server.close()
 
 
@@ -645,11 +594,14 @@ def test_settings_come_from_the_run_a_file_overrides_and_flags(run, tmp_path, mo
     values = {"host": "0.0.0.0", "port": "9999", "max_batch": "5", "max_wait_ms": "7.5", "queue_limit": "9",
               "timeout_s": "3", "workers": "2", "runtime": "onnxruntime", "device": "cpu", "token": "t",
               "max_body_mb": "2", "max_pixels": "1234", "topk": "3", "buckets": "off", "precision": "fp32"}
-    assert set(values) == set(FLAGS) == set(ServeConfig.model_fields)
+    assert set(values) == set(FLAGS)
+    # serve.max_model_pixels (auto or a number) has no flag yet (commands/args.py): a serve.KEY=VALUE override.
+    assert set(ServeConfig.model_fields) - set(FLAGS) == {"max_model_pixels"}
+    assert resolve_settings(run, None, ["serve.max_model_pixels=5000"], {}).max_model_pixels == 5000
     args = cli.build_parser().parse_args(["serve", str(run), *[x for k, v in values.items()
                                                               for x in (f"--{k.replace('_', '-')}", v)]])
     got = resolve_settings(run, None, [], {k: getattr(args, k) for k in FLAGS}).model_dump()
-    assert {k: str(v) for k, v in got.items()} == {**values, "max_wait_ms": "7.5", "timeout_s": "3.0",
+    assert {k: str(v) for k, v in got.items() if k in FLAGS} == {**values, "max_wait_ms": "7.5", "timeout_s": "3.0",
                                                      "max_body_mb": "2.0"}
 
 

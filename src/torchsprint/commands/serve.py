@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 
 from torchsprint.commands.args import FLAGS
+from torchsprint.commands.serve_limits import graph_note, resolve_limits
 from torchsprint.errors import UsageError
 
 TOKEN_ENV = "TORCHSPRINT_SERVE_TOKEN"
@@ -152,11 +153,15 @@ def serve_cli(args) -> int:
     cfg = resolve_settings(target, args.config, list(args.overrides), flags)
     sock = bind(cfg.host, cfg.port)
     predictor = load_predictor(target, cfg, args.weights, args.tta)  # also with workers: errors here, in one line
+    limits = resolve_limits(cfg, predictor, target)  # a serve.max_model_pixels no image could meet: refused here
     port = sock.getsockname()[1]
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     print(f"serving {target} ({predictor.task.name}, {len(predictor.classes)} classes, {predictor.device}, "
           f"{'onnxruntime' if hasattr(predictor.forward, 'session') else 'torch'}) on http://{host}:{port} "
           f"with {cfg.workers} worker(s): POST /predict, page /, API /docs; {predictor.inference.note}", flush=True)
+    print(limits.describe(cfg.max_batch), flush=True)
+    if (note := graph_note(predictor)) is not None:
+        print(note, flush=True)
     # uvicorn re-raises the stop signal after its graceful shutdown; a handled SIGTERM then ends `serve` with 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     if cfg.workers == 1:

@@ -52,8 +52,9 @@ class Metrics:
         self.requests = Counter("torchsprint_serve_requests", "HTTP requests answered, by status code", ["code"], registry=r)
         self.errors = Counter("torchsprint_serve_errors", "Refused requests and images, by kind", ["kind"], registry=r)
         self.images = Counter("torchsprint_serve_images", "Images answered with a prediction", registry=r)
-        self.lone = Counter("torchsprint_serve_lone_images", "Images answered on the event loop itself: a lone request "
-                            "on an idle server, the model measured fast (serve_engine.Batcher.run_lone)", registry=r)
+        self.lone = Counter("torchsprint_serve_lone_images", "Images of a lone request on an idle server, handed to the "
+                            "model thread undecoded: it decodes them itself, no decode-pool hop (Batcher.put_if_idle)",
+                            registry=r)
         self.latency = Histogram("torchsprint_serve_request_seconds", "Time from a /predict request's arrival to its "
                                  "answer", buckets=LATENCY_BUCKETS, registry=r)
         self.forward_seconds = Histogram("torchsprint_serve_forward_seconds", "Time of one batch's forward pass",
@@ -92,18 +93,20 @@ class Served:
     decoder: Decoder = field(init=False)
     batcher: Batcher = field(init=False)
     pool: object = field(init=False)
+    limits: object = field(init=False)  # serve_limits.Limits: what one image and one batch may cost
     ready: bool = False
     warm_up: str = ""
-    requests: int = 0  # /predict requests in this process now (the event loop's own count)
-    overlapped_at: float = float("-inf")  # when two requests were last in flight at once (time.monotonic)
-    lone_streak: int = 0  # requests answered on the loop since one last went through the model thread
 
     def __post_init__(self):
+        from pathlib import Path
+
         from torchsprint.commands.serve_decode import decode_pool, decode_threads
+        from torchsprint.commands.serve_limits import resolve_limits
 
         c = self.cfg
         buckets = c.buckets == "on" or (c.buckets == "auto" and self.predictor.device.type == "cuda")
-        self.decoder = Decoder(self.predictor, c.max_pixels)
+        self.limits = resolve_limits(c, self.predictor, Path(self.name))
+        self.decoder = Decoder(self.predictor, self.limits)
         self.batcher = Batcher(self.decoder, max_batch=c.max_batch, max_wait_s=c.max_wait_ms / 1000,
                                queue_limit=c.queue_limit, buckets=buckets, metrics=self.metrics)
         self.pool = decode_pool(decode_threads())
@@ -158,8 +161,6 @@ class Refusal(Exception):
 
 
 RETRY = {"Retry-After": "1"}
-LONE_QUIET_S = 1.0  # no two requests in flight at once for this long: a lone client (Batcher.run_lone)
-LONE_PROBE_EVERY = 16  # at most this many requests in a row answered on the loop, then one through the model thread
 WATCH_AFTER_S = 0.05  # a request not answered by then starts watching for its client leaving
 
 
@@ -289,18 +290,8 @@ async def answer_within(s: Served, request, topk: int):
         raise Refusal(503, "queue_full", str(e), RETRY) from None
     finally:
         s.batcher.arriving(-1)
-    # Answered here if it is the server's only image and the model is fast (run_lone), unless requests overlapped in
-    # the last LONE_QUIET_S. A request answered on the loop never yields to it, so the requests still unread in
-    # other sockets stay unseen: many clients would each look lone and be answered one by one, never batched (the
-    # digits net at concurrency 32: 1,485 images/s, against 1,870 batched). Every LONE_PROBE_EVERY-th request
-    # therefore goes through the model thread, awaiting it, and the loop reads whatever waits meanwhile; a second
-    # request in flight then marks the overlap.
-    if len(items) == 1 and s.lone_streak < LONE_PROBE_EVERY and time.monotonic() - s.overlapped_at > LONE_QUIET_S:
-        done = s.batcher.run_lone(Job(None, None, topk, data=items[0][1]))
-        if done is not None:
-            s.lone_streak += 1
-            return items, [done.exception() or done.result()]
-    s.lone_streak = 0
+    # Never decoded nor run here: the event loop answers /health and /ready while the model thread works (a forward
+    # pass once ran here for a lone request, and a 35 KB PNG of 6000x6000 held /health for over 10 minutes).
     # Submitted with no await after the reservation: every reserved place is either queued or given back.
     # Each image's result dict or exception, in order; cancelling `work` cancels every image not yet in a batch.
     work = asyncio.gather(*(asyncio.wrap_future(s.submit(data, topk)) for _, data in items), return_exceptions=True)
@@ -402,13 +393,9 @@ def build_app(s: Served) -> FastAPI:
                                                                   description="classes per image (default serve.topk)")):
         started = time.perf_counter()
         s.metrics.in_flight.inc()
-        s.requests += 1
-        if s.requests > 1:
-            s.overlapped_at = time.monotonic()
         try:
             response = await answer(s, request, topk or s.cfg.topk)
         finally:
-            s.requests -= 1
             s.metrics.in_flight.dec()
         s.metrics.requests.labels(str(response.status_code)).inc()
         s.metrics.latency.observe(time.perf_counter() - started)

@@ -21,7 +21,8 @@ import torch
 
 
 class ImageError(Exception):
-    """An image the server cannot use (not an image, truncated, too many pixels, a size the model refuses): 422."""
+    """An image the server cannot use (not an image, truncated, too many pixels to decode or for the model, a size
+    the model refuses): 422."""
 
     def __init__(self, message: str, kind: str = "bad_image"):
         super().__init__(message)
@@ -51,17 +52,23 @@ class Job:
 class Decoder:
     """File bytes -> the run's eval input, exactly as `predict` loads a file (see the module docstring)."""
 
-    def __init__(self, predictor, max_pixels: int):
+    def __init__(self, predictor, limits):
+        """`limits`: commands/serve_limits.py's Limits (serve.max_pixels, serve.max_model_pixels), or a number of
+        pixels: the decode bound alone (benchmarks/serve_load.py's reference endpoints)."""
+        from torchsprint.commands.serve_limits import Limits
         from torchsprint.data.preprocess.decode import resolve_decoder
 
-        self.predictor, self.max_pixels = predictor, max_pixels
+        if isinstance(limits, int):
+            limits = Limits.decode_only(limits)
+        self.predictor, self.limits, self.max_pixels = predictor, limits, limits.max_pixels
         self.decoder = resolve_decoder(predictor.data_cfg.decoder)
         self.channels = 1 if predictor.in_channels == 1 else 3
         # nvJPEG batches need one output size: only specs that fix it take the GPU path.
         self.gpu = predictor.gpu_pipeline is not None and predictor.pipeline.out_size is not None
 
     def check_pixels(self, data: bytes, header) -> None:
-        """Refuse more than max_pixels before decoding: the header's size (JPEG, PNG), else Pillow's lazy open."""
+        """Refuse more than max_pixels, or a model input over serve.max_model_pixels, before decoding: the header's
+        size (JPEG, PNG), else Pillow's lazy open."""
         h, w = header.height, header.width
         if h is None:
             from PIL import Image
@@ -74,6 +81,20 @@ class Decoder:
         if h * w > self.max_pixels:
             raise ImageError(f"{w}x{h} = {w * h:,} pixels > serve.max_pixels={self.max_pixels:,}; send a smaller image",
                              "too_many_pixels")
+        refused = self.limits.too_many(h, w)  # the model input's size, from the header: never decoded to be refused
+        if refused is not None:
+            raise ImageError(refused, "too_many_pixels")
+
+    def check_model(self, image: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """The eval input, or ImageError: its exact pixels against serve.max_model_pixels (a file whose header
+        said nothing), and the model's own input size (an ONNX graph's fixed dims: Predictor.input_refusal)."""
+        refused = self.limits.too_many(h, w, tuple(image.shape[-2:]))
+        if refused is not None:
+            raise ImageError(refused, "too_many_pixels")
+        refused = self.predictor.input_refusal(tuple(image.shape))
+        if refused is not None:
+            raise ImageError(refused, "model_refused")
+        return image
 
     def cpu_path(self, data: bytes) -> torch.Tensor:
         """predict's `_load_cpu` on bytes: decode_bytes with data.decoder, then the eval spec's CPU pipeline."""
@@ -84,7 +105,7 @@ class Decoder:
         except BadImage as e:
             raise ImageError(str(e).replace("data.max_image_pixels", "serve.max_pixels")) from None
         cpu = self.predictor.pipeline.cpu
-        return cpu(image) if cpu is not None else image
+        return self.check_model(cpu(image) if cpu is not None else image, *image.shape[-2:])
 
     def prepare(self, data: bytes, topk: int) -> Job:
         """A Job for these bytes, or ImageError (runs in the decode pool, off the event loop)."""

@@ -1,7 +1,9 @@
 """`torchsprint serve`'s engine: the model thread that gathers waiting images into batches (max_batch / max_wait_ms,
-one shape per batch, power-of-two buckets), runs them and answers each request's future, and its warm-up. Images
-arrive decoded by commands/serve_decode.py (exactly as predict reads a file; its docstring says how). Nothing here
-knows HTTP (commands/serve_app.py does).
+one shape per batch, at most the batch pixel budget of commands/serve_limits.py, power-of-two buckets), runs them and
+answers each request's future, and its warm-up. Images arrive decoded by commands/serve_decode.py (exactly as
+predict reads a file; its docstring says how), or as bytes that the model thread decodes itself when it is idle.
+Nothing here knows HTTP (commands/serve_app.py does), and no decode or forward pass runs on the event loop: the
+event loop answers /health and /ready while the model thread works.
 """
 
 from __future__ import annotations
@@ -11,22 +13,15 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 
 import torch
 
 from torchsprint.commands.serve_decode import Decoder, ImageError, Job
 
-# Tests only: the model thread waits before each forward until this file exists, so a test can hold a batch in
-# the model and know, without timing, that later requests queue (overload, timeout, disconnect, SIGTERM tests).
-# Unset (always, outside tests): never read again.
+# Tests only: the model thread waits before each forward pass (after its images are decoded) until this file
+# exists, so a test can hold a batch in the model and know, without timing, that later requests queue (overload,
+# timeout, disconnect, SIGTERM tests). Unset (always, outside tests): never read again.
 GATE_ENV = "TORCHSPRINT_TEST_SERVE_GATE"
-
-# A lone request runs on the event loop itself (Batcher.run_lone) only where the model's batch of one was measured
-# at warm-up within LONE_MAX_S and its body is at most LONE_MAX_BYTES (its decode is then short too): the loop is
-# never held longer than about that. A bigger model or image goes through the model thread as every batch does.
-LONE_MAX_S = 0.002
-LONE_MAX_BYTES = 256 * 1024
 
 
 class Overloaded(Exception):
@@ -49,15 +44,16 @@ def bucket(n: int, limit: int) -> int:
 
 class Batcher:
     """The model thread and its queue. `reserve(n)` admits n images or says the queue is full; `put(job)` queues a
-    reserved image; the thread takes up to max_batch images of one shape once max_batch wait, or the first waited
-    max_wait_s, or nothing more is on its way (no request being read, no image being decoded), runs them as one
-    batch and answers each Job's future. A Job whose future was cancelled (the request timed out or its client
+    reserved image; the thread takes up to max_batch images of one shape (fewer where their pixels would pass
+    batch_pixels) once that many wait, or the first waited max_wait_s, or nothing more is on its way (no request
+    being read, no image being decoded), runs them as one batch and answers each Job's future. A Job whose future was cancelled (the request timed out or its client
     left) before its batch formed is dropped, never run."""
 
     def __init__(self, decoder: Decoder, *, max_batch: int, max_wait_s: float, queue_limit: int, buckets: bool,
                  metrics):
         self.decoder, self.predictor = decoder, decoder.predictor
         self.max_batch, self.max_wait_s = max_batch, max_wait_s
+        self.batch_pixels = decoder.limits.batch_pixels  # most pixels in one forward pass (serve_limits.Limits)
         self.queue_limit, self.buckets, self.metrics = queue_limit, buckets, metrics
         self._cond = threading.Condition()
         self._waiting: deque[tuple[float, Job]] = deque()
@@ -71,7 +67,6 @@ class Batcher:
         self._warm = threading.Event()
         self.warm_note = ""
         self.torch_threads: dict[int, int] = {}  # batch size -> torch threads, measured at warm-up on a CPU
-        self.lone_s: float | None = None  # a batch of one's measured time (CPU), for run_lone
 
     def start(self) -> str:
         """Start the model thread; it warms up first. Returns once warm, with what the warm-up did."""
@@ -118,43 +113,15 @@ class Batcher:
         """Queue a not-yet-decoded job (its bytes) if the model thread has nothing else to do: no batch running or
         waiting, no other image admitted or request arriving. The model thread then decodes it itself: a lone
         client's request touches two threads (the event loop's and the model's), not three, as a hand-written
-        endpoint's does. Otherwise False: the decode pool takes it (under load, decoding overlaps the model)."""
+        endpoint's does, and the event loop never decodes nor runs the model. Otherwise False: the decode pool takes
+        it (under load, decoding overlaps the model). Counted by torchsprint_serve_lone_images_total."""
         with self._cond:
             if self._stopping or self._busy or self._waiting or self._reserved != 1 or self._arriving:
                 return False
             self._waiting.append((time.monotonic(), job))
             self._cond.notify_all()
-            return True
-
-    def run_lone(self, job: Job) -> Future | None:
-        """Answer a not-yet-decoded job on the calling thread (the event loop's) when it is the only image in the
-        server: nothing running, waiting, admitted or arriving, a CPU model measured fast (LONE_MAX_S) and a small
-        body. Returns its answered future, or None (then it goes through the model thread). Why: a lone client's
-        request otherwise wakes the model thread and waits for it to wake the loop: two thread hand-offs, measured
-        as the gap to a hand-written endpoint at concurrency 1 (BENCHMARKS.md, "torchsprint serve under load").
-        Nothing else can arrive meanwhile (the loop is busy here), so no batch waits for it; whether requests
-        arrive too often for the loop to take one (they overlapped lately) is serve_app.answer_within's call."""
-        with self._cond:
-            if (self._stopping or self._busy or self._waiting or self._reserved != 1 or self._arriving
-                    or self.lone_s is None or self.lone_s > LONE_MAX_S or self._gate is not None
-                    or job.data is None or len(job.data) > LONE_MAX_BYTES):
-                return None
-            self._busy = True
-            self._reserved -= 1
-            self.metrics.queue_depth.set(self._reserved)
         self.metrics.lone.inc()
-        self.metrics.in_model.set(1)
-        try:
-            job.future.set_running_or_notify_cancel()
-            self._answer([job])
-        except Exception as e:  # noqa: BLE001 - as the model thread: the image gets the error, the server goes on
-            if not job.future.done():
-                job.future.set_exception(e)
-        finally:
-            self.metrics.in_model.set(0)
-            with self._cond:
-                self._busy = False
-        return job.future
+        return True
 
     def put(self, job: Job) -> Job:
         with self._cond:
@@ -171,7 +138,7 @@ class Batcher:
             if not self._waiting:
                 return None
             since, head = self._waiting[0]
-            deadline = since + self.max_wait_s
+            deadline, most = since + self.max_wait_s, self.most(head)
             self._forming = True
             while not self._stopping:
                 ready = sum(1 for _, j in self._waiting if j.key() == head.key())
@@ -179,13 +146,13 @@ class Batcher:
                 # Wait only for images on their way (a request being read, an image being decoded): with
                 # nothing coming, waiting out max_wait_ms is latency for nothing (a lone client's every request).
                 coming = self._arriving > 0 or self._reserved > len(self._waiting)
-                if ready >= self.max_batch or left <= 0 or not coming:
+                if ready >= most or left <= 0 or not coming:
                     break
                 self._cond.wait(left)
             self._forming = False
             batch, keep, dropped = [], deque(), 0
             for item in self._waiting:
-                if len(batch) < self.max_batch and item[1].key() == head.key():
+                if len(batch) < most and item[1].key() == head.key():
                     if item[1].future.set_running_or_notify_cancel():
                         batch.append(item[1])
                     else:
@@ -198,6 +165,14 @@ class Batcher:
             self.metrics.queue_depth.set(self._reserved)
             self.metrics.waiting.set(len(keep))
             return batch
+
+    def most(self, head: Job) -> int:
+        """The most images of head's shape in one batch: max_batch, fewer where their pixels would pass batch_pixels
+        (an eval spec that keeps each file's size: 32 images near serve.max_model_pixels never share a forward)."""
+        if head.image is None:  # bytes (a lone job) or JPEG bytes for nvJPEG (a fixed-size spec): max_batch
+            return self.max_batch
+        pixels = head.image.shape[-2] * head.image.shape[-1]
+        return max(1, min(self.max_batch, self.batch_pixels // max(1, pixels)))
 
     def _loop(self) -> None:
         try:
@@ -269,16 +244,17 @@ class Batcher:
 
     def run(self, batch: list[Job]) -> list[dict | Exception]:
         """One forward pass for the batch (padded to its bucket), each row through the task's postprocess."""
-        while self._gate is not None and not os.path.exists(self._gate):
-            time.sleep(0.01)
         return self.infer(batch, record=True)
 
     def infer(self, batch: list[Job], record: bool = False) -> list[dict | Exception]:
+        """The batch's answers (record: a request's batch, timed and counted; the warm-up's is not)."""
         images = self.images(batch)
         good = [i for i, x in enumerate(images) if torch.is_tensor(x)]
         results: list = list(images)
         if not good:
             return results
+        while record and self._gate is not None and not os.path.exists(self._gate):
+            time.sleep(0.01)
         device = self.predictor.device
         rows = [images[i].to(device) for i in good]
         n = len(rows)
@@ -311,8 +287,9 @@ class Batcher:
         files = []
         for fmt in ("PNG", "JPEG"):
             buf = io.BytesIO()
-            # 32x32: the eval input when the spec fixes no size (small-image runs); a fixed-size spec resizes it
-            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buf, fmt)
+            # 32x32 (an ONNX graph's fixed size, or less within serve.max_model_pixels; serve_limits.Limits.warm):
+            # the eval input when the spec fixes no size (small-image runs); a fixed-size spec resizes it
+            Image.fromarray(rng.integers(0, 256, (*self.decoder.limits.warm, 3), dtype=np.uint8)).save(buf, fmt)
             files.append(buf.getvalue())
         sizes = powers_of_two(self.max_batch) if self.buckets else sorted({1, self.max_batch})
         try:
@@ -346,8 +323,6 @@ class Batcher:
                     reps += 1
                 times[n] = (time.perf_counter() - started) / reps
             chosen[size] = min(times, key=times.get)
-            if size == 1:
-                self.lone_s = times[chosen[size]]
             notes.append(f"{chosen[size]} for a batch of {size} (" + ", ".join(
                 f"{1000 * t:.2f} ms with {n}" for n, t in times.items()) + ")")
         self.torch_threads = chosen  # infer follows it from now on (during the measurement: the count being timed)

@@ -1,5 +1,6 @@
 """The config schema's `serve` section: how `torchsprint serve` answers HTTP requests (address, batching, limits,
-authentication). `torchsprint.config.schema` re-exports it; every field is also a `torchsprint serve` flag."""
+authentication). `torchsprint.config.schema` re-exports it; every field but max_model_pixels is also a `torchsprint
+serve` flag (max_model_pixels: a serve.max_model_pixels=N override or the config's serve section)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ class ServeConfig(Section):
     max_body_mb: float = Field(20.0, gt=0, description="Largest request body in MiB (413 above it, read no further).")
     max_pixels: int = Field(40_000_000, ge=1, description="Largest image in pixels (width x height), checked from "
                             "the file's header before decoding: decompression bombs get 422, not the server's memory.")
+    max_model_pixels: int | Literal["auto"] = Field(
+        "auto", description="Largest model input in pixels (height x width after the eval preprocessing): a larger "
+        "image gets 422 (too_many_pixels), and a batch never holds more pixels than this. It applies where "
+        "data.eval.transforms keeps each file's size (no resize to [H, W] or crop): there a forward pass costs memory "
+        "and time in proportion to the image's pixels. auto: 4x the largest training image the run's decisions.json "
+        "records (or the training crop, if larger), and at least 512x512; a model file, which records no image "
+        "sizes, gets the training crop's rule or 512x512. Where the eval spec fixes the size, that size is the model "
+        "input: a value below it is refused (every image would be).")
     topk: int = Field(5, ge=1, description="Classes returned per image when the request does not say (?topk=N).")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="How the torch model runs: fp32, or bf16 (bfloat16 autocast, channels_last where the run "
@@ -55,4 +64,11 @@ class ServeConfig(Section):
     def _token(cls, v: str | None) -> str | None:
         if v is not None and (not v.strip() or v != v.strip()):
             raise ValueError("must be a non-empty token without surrounding spaces (null: no authentication)")
+        return v
+
+    @field_validator("max_model_pixels")
+    @classmethod
+    def _model_pixels(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("must be 'auto' or a number of pixels >= 1")
         return v

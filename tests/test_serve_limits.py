@@ -192,6 +192,23 @@ def test_max_model_pixels_auto_follows_the_run_and_a_fixed_eval_size_is_not_unde
     assert err.startswith("error: ") and "\n" not in err and "serve.max_model_pixels=100" in err and "12x12" in err, err
 
 
+def test_serve_of_a_safetensors_whose_config_is_not_json_is_predicts_one_line(serve_run, exported, tmp_path, capsys):
+    """A .safetensors file whose metadata `config` is not JSON: `serve` exits 2 with the very line `predict` gives,
+    before it binds its port (a port in use is not what it reports). Bugs caught: a JSONDecodeError traceback from
+    serve's reading of the file's serve section, the port bound (or a model loaded) before the file is checked."""
+    bad = rewrite_metadata(exported, tmp_path / "bad.safetensors", config="{not json")
+    image = tmp_path / "d.png"
+    image.write_bytes(encode(digit_images(1)[0], "PNG"))
+    assert cli.main(["predict", "-r", str(bad), str(image)]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("error: ") and "'config' is not valid JSON" in said, said
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert cli.main(["serve", str(bad), "--port", str(busy.getsockname()[1])]) == 2
+    assert capsys.readouterr().err.strip() == said
+
+
 def test_onnxruntime_says_its_fixed_input_size_at_start_up_and_refuses_another_in_predicts_line(serve_run, tmp_path):
     """serve --runtime onnxruntime of the keep-size digits run: the exported graph takes 8x8 only, so the start-up
     says so (the size, and which images will be refused where the torch runtime answers them); a 10x12 image gets

@@ -22,8 +22,9 @@ TASKS = ("classification", "multilabel")  # the tasks whose predictions are labe
 
 
 def saved_serve_section(target: Path) -> dict:
-    """The `serve` section stored with the model: the run folder's config.yaml, or a model file's metadata."""
-    from torchsprint.config.saved import load_run_config
+    """The `serve` section stored with the model: the run folder's config.yaml, or a model file's metadata (its
+    `config` entry read by config/saved.py's metadata_entry, as predict reads it: a damaged one is predict's line)."""
+    from torchsprint.config.saved import load_run_config, metadata_entry
 
     if target.is_dir():
         return load_run_config(target).serve.model_dump()
@@ -45,7 +46,8 @@ def saved_serve_section(target: Path) -> dict:
         raw = meta.get("config")
     else:
         raise UsageError(f"{target}: serve takes a run folder, a .onnx or a .safetensors file.")
-    serve = json.loads(raw).get("serve") if raw else None
+    config = metadata_entry({"config": raw}, "config", target) if raw is not None else None
+    serve = config.get("serve") if config else None
     return serve if isinstance(serve, dict) else {}
 
 

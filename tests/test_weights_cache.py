@@ -102,3 +102,29 @@ def test_a_cached_file_that_is_not_weights_is_one_line_then_replaced(online, ser
     assert fetch(spec, None, log=logs.append) == cached and cached.read_bytes() == r18.pth
     assert server.gets("/w/r18.pth") == 1 and checkpoints(online) == ["r18.pth"]
     assert any(f"the cached file at {cached} is not weights" in m and "downloading it again" in m for m in logs), logs
+
+
+# ---------------------------------------------------------------- 2. a #sha256= pin holds for a cached file too
+
+
+def test_a_pinned_url_checks_the_file_already_in_the_cache(online, server, r18, monkeypatch):
+    """Bug: with `#sha256=` a file already in the cache under the URL's name was used without being hashed: another
+    model's weights loaded with exit 0, the log claiming the pinned hash. Now: the cached file is hashed against the
+    pin: offline, one line naming the path and both hashes; with downloads allowed, downloaded again (once)."""
+    other = saved({"encoder.weight": torch.ones(4, 3), "encoder.bias": torch.zeros(4)})  # another model's weights
+    cached = online / "torch" / "hub" / "checkpoints" / "r18.pth"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(other)
+    server.files["/w/r18.pth"] = r18.pth
+    spec = f"{server.url}/w/r18.pth#sha256={sha256(r18.pth)}"
+    monkeypatch.setenv("TORCHSPRINT_OFFLINE", "1")
+    msg = one_line(pytest.raises(UsageError, fetch, spec, None))
+    assert f"the cached file at {cached} does not have the pinned sha256" in msg, msg
+    assert f"expected {sha256(r18.pth)[:8]}" in msg and f"got {sha256(other)[:8]}" in msg and "remove it" in msg, msg
+    assert server.requests == [] and cached.read_bytes() == other
+
+    monkeypatch.delenv("TORCHSPRINT_OFFLINE")
+    logs: list[str] = []
+    assert fetch(spec, None, log=logs.append) == cached and cached.read_bytes() == r18.pth
+    assert any("does not have the pinned sha256" in m and "downloading it again" in m for m in logs), logs
+    assert fetch(spec, None, log=logs.append) == cached and server.gets("/w/r18.pth") == 1  # now it holds: the cache

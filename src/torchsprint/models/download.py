@@ -30,8 +30,10 @@ from torchsprint.models.weights_cache import (
     NotWeights,
     cached_problem,
     html_page,
+    known_good,
     looks_like_html,
     read_state,
+    sha256_of,
 )
 
 OFFLINE_ENVS = ("TORCHSPRINT_OFFLINE", "HF_HUB_OFFLINE")
@@ -106,12 +108,10 @@ def bad_cached(src: WeightsSource, key: str, problem: str, why: str, model_name:
                       f"or `{get}` on a machine with network).")
 
 
-def sha256_of(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-    return sha.hexdigest()
+def pin(src: WeightsSource) -> str | None:
+    """The sha256 prefix a cached file must have: a URL's `#sha256=`. Not torchvision's name's: as torch.hub's loader,
+    a file in the cache under that name is used as it is (a file put there by hand, as the docs say one may)."""
+    return src.hash_prefix if src.kind == "url" else None
 
 
 def temp_name(dst: Path) -> Path:
@@ -133,6 +133,7 @@ def accept(tmp: Path, src: WeightsSource, key: str, digest: str | None = None) -
     except NotWeights as e:
         raise not_weights(key, src, src.url, str(e)) from None
     os.replace(tmp, src.target)
+    known_good(src.target, pin(src))
 
 
 @contextlib.contextmanager
@@ -259,7 +260,7 @@ def download(src: WeightsSource, key: str, log, progress: bool, model_name: str 
     try:
         src = locate(src.spec, model_name, key)  # again, now: another process may have downloaded it meanwhile
         if src.cached is not None:
-            if (problem := cached_problem(src.cached)) is None:
+            if (problem := cached_problem(src.cached, pin(src))) is None:
                 return src.cached
             log(f"pretrained: the cached file at {src.cached} {problem}: removed, downloading it again")
             remove_cached(src)
@@ -303,7 +304,7 @@ def fetch(spec: str, model_name: str | None, key: str = "model.pretrained", log=
     if src.kind == "file":
         return src.target
     if src.cached is not None:  # a cached file is checked before it is used (a page renamed there by an older version)
-        if (problem := cached_problem(src.cached)) is None:
+        if (problem := cached_problem(src.cached, pin(src))) is None:
             return src.cached
         if (why := "a rank that does not download" if not download_ok else offline()) is not None:
             raise bad_cached(src, key, problem, f"offline: {why}" if download_ok else why, model_name)

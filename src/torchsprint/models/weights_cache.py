@@ -1,12 +1,13 @@
 """Whether a file is weights, for the weights cache: loaded as a run loads it (models/init.py's read_weights reads
 through `read_state`), and when it is not, what it is instead in a few words (an HTML login page, a zip archive cut
 short, a pickle of Python objects) rather than torch's weights_only text. models/download.py checks every download
-with it before the file takes the cache's name, and every file it finds in the cache before a run uses it.
-No network here.
+with it before the file takes the cache's name, and every file it finds in the cache before a run uses it (a URL's
+`#sha256=` pin included). No network here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -86,23 +87,42 @@ def read_state(path: Path, suffix: str | None = None, mmap: bool = False) -> dic
     return state
 
 
-# Cached files found good in this process, by (path, size, mtime, inode): a run asks for its weights more than once
-# (fetched before anything is built, then read by the model's initialisation), and checks each file once.
+def sha256_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+# Cached files found good in this process, by (path, size, mtime, inode, pin): a run asks for its weights more than
+# once (fetched before anything is built, then read by the model's initialisation), and checks each file once.
 _GOOD: set[tuple] = set()
 
 
-def cached_problem(path: Path, suffix: str | None = None) -> str | None:
-    """Why the cached file at `path` must not be used ("is not weights: it is an HTML page ..."), or None.
+def known_good(path: Path, pin: str | None = None) -> None:
+    """`path` was just checked whole (a download: hashed and loaded): the next look at it in this process is free."""
+    st = path.stat()
+    _GOOD.add((str(path), st.st_size, st.st_mtime_ns, st.st_ino, pin))
 
-    Its structure is checked (read_state with mmap: milliseconds, not a second load of every tensor); the run's
-    own load then reads it whole.
+
+def cached_problem(path: Path, pin: str | None = None) -> str | None:
+    """Why the cached file at `path` must not be used ("is not weights: it is an HTML page ...", "does not have the
+    pinned sha256 ..."), or None.
+
+    `pin`: the start of the sha256 the file must have (a URL's `#sha256=`): the whole file is hashed (about a second
+    a GB), since another file under the same name loads as weights all the same. Its structure is checked too
+    (read_state with mmap: milliseconds, not a second load of every tensor); the run's own load then reads it.
     """
     st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, pin)
     if key in _GOOD:
         return None
+    if pin and not (digest := sha256_of(path)).startswith(pin):
+        return (f"does not have the pinned sha256 (expected {pin[:8]}..., got {digest[:8]}...): another file under "
+                "the URL's name")
     try:
-        read_state(path, suffix, mmap=True)
+        read_state(path, mmap=True)
     except NotWeights as e:
         return f"is not weights: it is {e}"
     _GOOD.add(key)

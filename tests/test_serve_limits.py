@@ -209,6 +209,24 @@ def test_serve_of_a_safetensors_whose_config_is_not_json_is_predicts_one_line(se
     assert capsys.readouterr().err.strip() == said
 
 
+def test_a_host_other_than_loopback_without_a_token_warns_at_start_up(serve_run):
+    """--host 0.0.0.0 and no token: one warning line at start-up (anyone who can reach the machine can use the model;
+    serve.token / TORCHSPRINT_SERVE_TOKEN), and the server serves (a warning, not a refusal). 127.0.0.1, ::1 or a
+    token: no warning. Bug caught: the model exposed to the network without a word."""
+    from torchsprint.commands.serve import exposure_warning
+
+    server = CliServer(serve_run, "--host", "0.0.0.0", drop_env=(TOKEN_ENV,))
+    try:
+        warnings = [x for x in server.lines if x.startswith("warning: ")]
+        assert len(warnings) == 1, server.lines
+        assert all(w in warnings[0] for w in ("0.0.0.0", "serve.token", TOKEN_ENV)), warnings
+        assert predict_post(server.url, encode(digit_images(1)[0], "PNG")).status_code == 200
+    finally:
+        server.close()
+    assert exposure_warning("192.168.1.7", None) is not None
+    assert [exposure_warning(a, t) for a, t in (("127.0.0.1", None), ("::1", None), ("0.0.0.0", "s3cret"))] == [None] * 3
+
+
 def test_onnxruntime_says_its_fixed_input_size_at_start_up_and_refuses_another_in_predicts_line(serve_run, tmp_path):
     """serve --runtime onnxruntime of the keep-size digits run: the exported graph takes 8x8 only, so the start-up
     says so (the size, and which images will be refused where the torch runtime answers them); a 10x12 image gets

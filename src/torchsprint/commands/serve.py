@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 from torchsprint.commands.args import FLAGS
@@ -164,12 +165,29 @@ def serve_cli(args) -> int:
     print(limits.describe(cfg.max_batch), flush=True)
     if (note := graph_note(predictor)) is not None:
         print(note, flush=True)
+    if (warning := exposure_warning(sock.getsockname()[0], cfg.token)) is not None:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     # uvicorn re-raises the stop signal after its graceful shutdown; a handled SIGTERM then ends `serve` with 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     if cfg.workers == 1:
         return run_one(cfg, predictor, str(target), sock)
     del predictor  # each worker loads its own copy
     return run_workers(cfg, target, args, sock)
+
+
+def exposure_warning(address: str, token: str | None) -> str | None:
+    """What to say when the bound address is not a loopback one and no token guards /predict, or None."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        loopback = False
+    if token is not None or loopback:
+        return None
+    return (f"serving on {address} without a token: anyone who can reach this machine's port can use the model and "
+            f"read /metrics; set serve.token (--token) or {TOKEN_ENV} to require one, or --host 127.0.0.1 for this "
+            "machine only")
 
 
 def uvicorn_config(app, cfg, **kw):

@@ -9,11 +9,18 @@ weights, TORCH_HOME / HF_HOME in tmp folders.
 from __future__ import annotations
 
 import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from test_weights_download import LOGIN_PAGE, TV_PATH, build, checkpoints, sha256
+from test_weights_download import HF_PATH, HF_REPO, LOGIN_PAGE, TV_PATH, build, checkpoints, sha256
 from torchsprint.errors import UsageError
 from torchsprint.models.download import fetch
 
@@ -128,3 +135,102 @@ def test_a_pinned_url_checks_the_file_already_in_the_cache(online, server, r18, 
     assert fetch(spec, None, log=logs.append) == cached and cached.read_bytes() == r18.pth
     assert any("does not have the pinned sha256" in m and "downloading it again" in m for m in logs), logs
     assert fetch(spec, None, log=logs.append) == cached and server.gets("/w/r18.pth") == 1  # now it holds: the cache
+
+
+# ---------------------------------------------------------------- 3. a cache folder that is not writable
+
+
+# Run in a child process, whose file system the test makes read-only: each case is (name, TORCH_HOME, spec); what
+# fetch returned or refused is printed as JSON. Any other exception is a traceback and a non-zero exit.
+READONLY_CHILD = """
+import json, os, sys
+from torchsprint.errors import UsageError
+from torchsprint.models.download import fetch
+out = {}
+for name, torch_home, spec in json.loads(sys.argv[1]):
+    os.environ["TORCH_HOME"] = torch_home
+    try:
+        out[name] = {"path": str(fetch(spec, "resnet18", log=lambda _: None))}
+    except UsageError as e:
+        out[name] = {"error": str(e)}
+print(json.dumps(out))
+"""
+
+
+def readonly_child(how: str, base: Path) -> list[str]:
+    """The command prefix that runs a child for which `base` cannot be written, for real.
+
+    erofs: `base` bind-mounted read-only in a mount namespace of the child's own (unshare; -r as a user: a user
+    namespace), so every write there is EROFS, root's too. eacces: the folders chmod 0o555; root ignores permission
+    bits, so as root the child runs as nobody (setpriv to uid 65534), for whom they hold. Skipped where the child
+    cannot be made so (no unshare or setpriv, or a Python that nobody cannot run)."""
+    probe = base / "probe"
+    probe.mkdir()
+    if how == "erofs":
+        unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+        prefix = [*unshare, "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(base)]
+    else:
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        probe.chmod(0o555)
+    touch = f"import torchsprint, pathlib, sys\ntry: pathlib.Path('{probe}/x').touch()\nexcept OSError: sys.exit(3)"
+    try:
+        ok = subprocess.run([*prefix, sys.executable, "-c", touch], capture_output=True, timeout=60).returncode == 3
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    probe.chmod(0o755)
+    probe.rmdir()
+    if not ok:
+        pytest.skip(f"cannot make a folder read-only for a child process here ({how})")
+    return prefix
+
+
+@pytest.fixture
+def readonly_base():
+    """A folder outside pytest's tmp folder (which is 0o700: a child running as nobody could not reach it)."""
+    base = Path(tempfile.mkdtemp(prefix="torchsprint-readonly-"))
+    base.chmod(0o755)
+    yield base
+    for folder, dirs, _ in os.walk(base):
+        for d in dirs:
+            (Path(folder) / d).chmod(0o755)
+    shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("how", ["erofs", "eacces"])
+def test_a_cache_folder_that_is_not_writable_is_one_line(server, r18, readonly_base, how):
+    """Bug: a read-only TORCH_HOME (a shared cache mounted read-only on compute nodes, or one without write
+    permission) was a traceback, `OSError: [Errno 30] Read-only file system`, from download.py's mkdir or open;
+    huggingface_hub's into a read-only HF_HOME likewise. Now: one line saying the cache folder is not writable,
+    where, and what to do (TORCH_HOME / HF_HOME, or `torchsprint weights get` where it is writable). Weights already
+    in the read-only cache are still used (nothing is written to read them)."""
+    base = readonly_base
+    checkpoints_dir = base / "torch" / "hub" / "checkpoints"
+    checkpoints_dir.mkdir(parents=True)
+    (checkpoints_dir / "good.pth").write_bytes(r18.pth)
+    (base / "empty").mkdir()
+    (base / "hf").mkdir()
+    server.files["/w/r18.pth"] = server.files[TV_PATH] = r18.pth
+    server.files[HF_PATH] = r18.safetensors
+    prefix = readonly_child(how, base)
+    if how == "eacces":
+        for folder in (checkpoints_dir, checkpoints_dir.parent, base / "torch", base / "empty", base / "hf"):
+            folder.chmod(0o555)
+    torch_home = str(base / "torch")
+    cases = [("url", torch_home, f"{server.url}/w/r18.pth"), ("fresh", str(base / "empty"), f"{server.url}/w/r18.pth"),
+             ("torchvision", torch_home, "torchvision:DEFAULT"), ("hf-hub", torch_home, f"hf-hub:{HF_REPO}"),
+             ("cached", torch_home, f"{server.url}/w/good.pth#sha256={sha256(r18.pth)}")]
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHSPRINT_OFFLINE", "HF_HUB_OFFLINE", "HF_HUB_CACHE")}
+    env.update(HF_HOME=str(base / "hf"), HF_ENDPOINT=server.url, TORCHSPRINT_WEIGHTS_MIRROR=server.url,
+               NO_PROXY="127.0.0.1,localhost", HOME=str(base), CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([*prefix, sys.executable, "-c", READONLY_CHILD, json.dumps(cases)], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["cached"] == {"path": str(checkpoints_dir / "good.pth")}, out
+    for name, folder, setting in (("url", checkpoints_dir, "TORCH_HOME"), ("fresh", base / "empty", "TORCH_HOME"),
+                                  ("torchvision", checkpoints_dir, "TORCH_HOME"), ("hf-hub", base / "hf", "HF_HOME")):
+        msg = out[name].get("error", "")
+        assert "\n" not in msg and "is not writable" in msg and str(folder) in msg, (name, msg)
+        assert f"set {setting}" in msg and "to a writable folder" in msg and "`torchsprint weights get" in msg, (name, msg)
+    assert server.gets("/w/r18.pth") == server.gets(TV_PATH) == server.gets(HF_PATH) == 0
+    assert sorted(p.name for p in checkpoints_dir.iterdir()) == ["good.pth"]

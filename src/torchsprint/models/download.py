@@ -10,6 +10,7 @@ file that a later run trusts (torch.hub and huggingface_hub do the same: `<file>
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import http.client
 import os
@@ -118,6 +119,31 @@ def temp_name(dst: Path) -> Path:
     return dst.with_name(f"{dst.name}.{uuid.uuid4().hex}.partial")
 
 
+def discard(tmp: Path) -> None:
+    """A temporary file removed, if it is there; an error doing so (a read-only folder: EROFS even for a file that
+    is not there) never hides the error that the download itself met."""
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
+
+
+# A folder a write was refused in (a read-only mount, no permission); a full disk is errors.disk_full.
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def not_writable(error: BaseException, src: WeightsSource, key: str, model_name: str | None) -> UsageError | None:
+    """The one line for a cache folder that cannot be written (what, where, what to do), None for other errors."""
+    if not isinstance(error, OSError) or error.errno not in NOT_WRITABLE:
+        return None
+    hf = src.kind in ("timm", "hf-hub")
+    folder, setting = (hf_hub_cache(), "HF_HOME (or HF_HUB_CACHE)") if hf else (src.target.parent, "TORCH_HOME")
+    where = f"{error.filename}: " if error.filename else ""
+    get = f"torchsprint weights get {src.spec}" + (f" --model {model_name}" if model_name and src.spec.endswith(":DEFAULT")
+                                                   else "")
+    return UsageError(f"{key}={src.spec}: the weights cache {folder} is not writable ({where}{error.strerror}): set "
+                      f"{setting} to a writable folder, or run `{get}` where that folder is writable (a login node: "
+                      f"this run then finds the file at {src.target}).")
+
+
 def accept(tmp: Path, src: WeightsSource, key: str, digest: str | None = None) -> None:
     """A complete body at `tmp` renamed to src.target once it is what was asked for: not a web page, the pinned
     sha256 when there is one (`digest`: computed while it came, else here), loading as weights as the run will
@@ -157,11 +183,12 @@ def fetch_torchvision(src: WeightsSource, key: str, progress: bool) -> None:
     src.target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(src.target)
     try:
+        tmp.touch()  # torch.hub connects before it opens its file: a folder that cannot be written fails first here
         with socket_timeout(timeout_s()):
             torch.hub.download_url_to_file(src.url, str(tmp), None, progress=progress)
         accept(tmp, src, key)
     finally:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
 
 
 def fetch_url(src: WeightsSource, key: str, progress: bool) -> None:
@@ -175,7 +202,8 @@ def fetch_url(src: WeightsSource, key: str, progress: bool) -> None:
     tmp = temp_name(src.target)
     sha, size = hashlib.sha256(), 0
     try:
-        with urlopen(Request(src.url, headers={"User-Agent": "torchsprint"}), timeout=timeout_s()) as r, open(tmp, "wb") as f:
+        # the file first: a cache folder that cannot be written fails before a connection is made
+        with open(tmp, "wb") as f, urlopen(Request(src.url, headers={"User-Agent": "torchsprint"}), timeout=timeout_s()) as r:
             if r.headers.get_content_type() in ("text/html", "application/xhtml+xml"):  # a login or error page
                 page = html_page(r.read(HEAD_BYTES))
                 raise not_weights(key, src, src.url, f"{page} (Content-Type {r.headers.get_content_type()})")
@@ -192,7 +220,7 @@ def fetch_url(src: WeightsSource, key: str, progress: bool) -> None:
             raise ConnectionError(f"the body broke off after {size:,} of {total:,} bytes")
         accept(tmp, src, key, sha.hexdigest())
     finally:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
 
 
 def fetch_hf(src: WeightsSource, key: str, progress: bool) -> Path:
@@ -273,6 +301,8 @@ def download(src: WeightsSource, key: str, log, progress: bool, model_name: str 
     except UsageError:
         raise
     except Exception as e:
+        if (refused := not_writable(e, src, key, model_name)) is not None:
+            raise refused from None
         if disk_full(e):
             raise UsageError(f"{key}={src.spec}: {disk_full(e, str(src.target))}; free space there (or move the cache: "
                              "TORCH_HOME, HF_HOME) and run again.") from None

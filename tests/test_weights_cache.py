@@ -234,3 +234,20 @@ def test_a_cache_folder_that_is_not_writable_is_one_line(server, r18, readonly_b
         assert f"set {setting}" in msg and "to a writable folder" in msg and "`torchsprint weights get" in msg, (name, msg)
     assert server.gets("/w/r18.pth") == server.gets(TV_PATH) == server.gets(HF_PATH) == 0
     assert sorted(p.name for p in checkpoints_dir.iterdir()) == ["good.pth"]
+
+
+# ---------------------------------------------------------------- 4. a redirect loop; two processes, one download
+
+
+@pytest.mark.parametrize("kind", ["url", "torchvision"])
+def test_a_redirect_loop_is_one_line(online, server, monkeypatch, kind):
+    """Bug: a server redirecting in a loop gave urllib's HTTPError text in the message, over three lines ("The HTTP
+    server returned a redirect error that would lead to an infinite loop.\\nThe last 30x error message was:\\nFound").
+    Now: one line saying the address redirects in a loop."""
+    monkeypatch.setenv("TORCHSPRINT_WEIGHTS_MIRROR", server.url)
+    path, spec = {"url": ("/w/loop.pth", f"{server.url}/w/loop.pth"),
+                  "torchvision": (TV_PATH, "torchvision:ResNet18_Weights.IMAGENET1K_V1")}[kind]
+    server.redirect[path] = path
+    msg = one_line(pytest.raises(UsageError, fetch, spec, "resnet18", log=lambda _: None))
+    assert f"{server.url}{path} redirects in a loop" in msg and "put the file at" in msg, msg
+    assert checkpoints(online) == []

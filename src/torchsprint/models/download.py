@@ -22,7 +22,7 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 from urllib.error import HTTPError, URLError
-from urllib.request import Request, urlopen
+from urllib.request import HTTPRedirectHandler, Request, urlopen
 
 from torchsprint.errors import UsageError, disk_full
 from torchsprint.models.weights import WeightsSource, hf_endpoint, hf_hub_cache, is_remote, locate
@@ -76,7 +76,11 @@ def missing(src: WeightsSource, key: str, why: str, model_name: str | None = Non
 def network_reason(error: BaseException, url: str) -> str | None:
     """Why a download from `url` failed, in a few words, when the cause is the network or the server; else None."""
     if isinstance(error, HTTPError):
-        return f"{url} answered HTTP {error.code} {error.reason}"
+        if 300 <= error.code < 400:  # urllib's HTTPRedirectHandler: its reason is a paragraph over three lines
+            return (f"{url} redirects in a loop (HTTP {error.code} to {error.headers.get('Location', '?')} again and "
+                    f"again; urllib stops at {HTTPRedirectHandler.max_repeats} to one address, "
+                    f"{HTTPRedirectHandler.max_redirections} in all)")
+        return f"{url} answered HTTP {error.code} {' '.join(str(error.reason).split())}"
     if isinstance(error, (TimeoutError, socket.timeout)) or "timed out" in str(error):
         return f"no answer from {url} within {timeout_s():g} s ({TIMEOUT_ENV})"
     if isinstance(error, URLError):

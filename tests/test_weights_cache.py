@@ -251,3 +251,46 @@ def test_a_redirect_loop_is_one_line(online, server, monkeypatch, kind):
     msg = one_line(pytest.raises(UsageError, fetch, spec, "resnet18", log=lambda _: None))
     assert f"{server.url}{path} redirects in a loop" in msg and "put the file at" in msg, msg
     assert checkpoints(online) == []
+
+
+# Each of two child processes: ready once imported, both start fetch together, each loads what it got.
+LOCK_CHILD = """
+import json, sys, time
+from pathlib import Path
+import torch
+from torchsprint.models.download import fetch
+spec, ready, me = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+(ready / me).touch()
+while len(list(ready.iterdir())) < 2:
+    time.sleep(0.005)
+logs = []
+path = fetch(spec, None, log=logs.append)
+state = torch.load(path, map_location="cpu", weights_only=True)
+print(json.dumps({"path": str(path), "tensors": len(state), "logs": logs}))
+"""
+
+
+def test_two_processes_downloading_the_same_weights_fetch_them_once(online, server, r18, tmp_path):
+    """Bug: two runs starting at once with the same weights not cached each downloaded a copy (the server saw two
+    GETs), each under its own temporary name. Now: a flock on <target>.lock beside the cache target: the second
+    process says once that it waits for the other, then finds the file cached and downloads nothing. Both get a
+    file that loads; no lock file is left where a loader would look."""
+    server.files["/w/r18.pth"] = r18.pth
+    server.slow["/w/r18.pth"] = 3.0  # the body over 3 s: the second process asks while the first downloads
+    spec = f"{server.url}/w/r18.pth#sha256={sha256(r18.pth)}"
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TORCHSPRINT_OFFLINE"}
+    children = [subprocess.Popen([sys.executable, "-c", LOCK_CHILD, spec, str(ready), str(i)], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (0, 1)]
+    outs = []
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        outs.append(json.loads(out))
+    cached = online / "torch" / "hub" / "checkpoints" / "r18.pth"
+    assert [o["path"] for o in outs] == [str(cached)] * 2 and [o["tensors"] for o in outs] == [len(r18.state)] * 2
+    assert server.gets("/w/r18.pth") == 1, server.requests
+    waits = [m for o in outs for m in o["logs"] if "waiting for another process downloading" in m]
+    assert len(waits) == 1 and spec in waits[0], [o["logs"] for o in outs]
+    assert cached.read_bytes() == r18.pth and checkpoints(online) == ["r18.pth"]  # no lock file, no temp file

@@ -4,7 +4,8 @@ through huggingface_hub, URLs into torch.hub's cache; offline modes, timeouts, o
 Every download lands under a temporary name and is renamed into place only once its size and hash are checked and
 it loads as weights (models/weights_cache.py), so an interrupted or corrupt download, or a login page, never leaves a
 file that a later run trusts (torch.hub and huggingface_hub do the same: `<file>.<uuid>.partial`,
-`<blob>.<id>.incomplete`); a file found in the cache is checked before it is used.
+`<blob>.<id>.incomplete`); a file found in the cache is checked before it is used. Into torch.hub's cache one process
+at a time downloads a file (weights_cache.download_lock); huggingface_hub locks its own.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torchsprint.models.weights_cache import (
     HEAD_BYTES,
     NotWeights,
     cached_problem,
+    download_lock,
     html_page,
     known_good,
     looks_like_html,
@@ -285,23 +287,14 @@ def remove_cached(src: WeightsSource) -> None:
 
 
 def download(src: WeightsSource, key: str, log, progress: bool, model_name: str | None = None) -> Path:
-    """Fetch `src` into its cache (a network or server failure: one UsageError naming where to put the file)."""
-    fetchers = {"torchvision": fetch_torchvision, "url": fetch_url}
-    where = src.url or src.published
-    start = time.perf_counter()
+    """Fetch `src` into its cache (a network or server failure: one UsageError naming where to put the file; a
+    folder that cannot be written, a full disk: one line each)."""
     try:
-        src = locate(src.spec, model_name, key)  # again, now: another process may have downloaded it meanwhile
-        if src.cached is not None:
-            if (problem := cached_problem(src.cached, pin(src))) is None:
-                return src.cached
-            log(f"pretrained: the cached file at {src.cached} {problem}: removed, downloading it again")
-            remove_cached(src)
-        log(f"pretrained: downloading {src.spec} from {where}")
-        if src.kind in ("timm", "hf-hub"):
-            path = fetch_hf(src, key, progress)
-        else:
-            fetchers[src.kind](src, key, progress)
-            path = src.target
+        if src.kind not in ("torchvision", "url"):  # huggingface_hub locks a download of its own
+            return locked_download(src, key, log, progress, model_name)
+        src.target.parent.mkdir(parents=True, exist_ok=True)
+        with download_lock(src.target, src.spec, log):
+            return locked_download(src, key, log, progress, model_name)
     except UsageError:
         raise
     except Exception as e:
@@ -310,12 +303,33 @@ def download(src: WeightsSource, key: str, log, progress: bool, model_name: str 
         if disk_full(e):
             raise UsageError(f"{key}={src.spec}: {disk_full(e, str(src.target))}; free space there (or move the cache: "
                              "TORCH_HOME, HF_HOME) and run again.") from None
+        where = src.url or src.published
         reason = network_reason(e, where)
         if reason is None and type(e).__module__.startswith("huggingface_hub"):
             reason = f"huggingface_hub: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if reason is None:
             raise
         raise missing(src, key, f"the download failed: {reason}", model_name) from None
+
+
+def locked_download(src: WeightsSource, key: str, log, progress: bool, model_name: str | None) -> Path:
+    """The download itself, under download_lock: first the cache looked at again, since another process may have
+    downloaded the file while this one waited (or left a file that must not be used: removed)."""
+    src = locate(src.spec, model_name, key)
+    if src.cached is not None:
+        if (problem := cached_problem(src.cached, pin(src))) is None:
+            log(f"pretrained: {src.cached} (downloaded meanwhile by another process)")
+            return src.cached
+        log(f"pretrained: the cached file at {src.cached} {problem}: removed, downloading it again")
+        remove_cached(src)
+    where = src.url or src.published
+    log(f"pretrained: downloading {src.spec} from {where}")
+    start = time.perf_counter()
+    if src.kind in ("timm", "hf-hub"):
+        path = fetch_hf(src, key, progress)
+    else:
+        {"torchvision": fetch_torchvision, "url": fetch_url}[src.kind](src, key, progress)
+        path = src.target
     log(f"pretrained: {path} ({path.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - start:.1f} s)")
     return path
 

@@ -2,12 +2,14 @@
 through `read_state`), and when it is not, what it is instead in a few words (an HTML login page, a zip archive cut
 short, a pickle of Python objects) rather than torch's weights_only text. models/download.py checks every download
 with it before the file takes the cache's name, and every file it finds in the cache before a run uses it (a URL's
-`#sha256=` pin included). No network here.
+`#sha256=` pin included); `download_lock` makes two processes downloading one file fetch it once. No network here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -127,3 +129,50 @@ def cached_problem(path: Path, pin: str | None = None) -> str | None:
         return f"is not weights: it is {e}"
     _GOOD.add(key)
     return None
+
+
+@contextlib.contextmanager
+def download_lock(target: Path, what: str, log):
+    """An exclusive flock on `<target>.lock` while this process downloads `target`, as train/rundir.py's RunLock
+    (the kernel releases it when the holder exits or is killed: no stale lock ever blocks a later run). A second
+    process waits for the first, saying so once, and then finds the file in the cache.
+
+    The lock file is removed on release, while still held, so none is left beside the weights: a process that
+    opened it meanwhile sees on waking that the name now points elsewhere (or nowhere) and opens it again, so two
+    processes never hold locks on two files of one name. Its open is the first write into the folder: a folder that
+    cannot be written fails here (OSError, for the caller's one line). Without fcntl (Windows) there is no lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    path = target.with_name(f"{target.name}.lock")
+    told = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not told:
+                    log(f"pretrained: waiting for another process downloading {what} (it holds {path})")
+                    told = True
+                fcntl.flock(fd, fcntl.LOCK_EX)  # as long as the other downloads: its own timeouts bound a stall
+            held = os.fstat(fd)
+            try:
+                named = os.stat(path)
+            except FileNotFoundError:
+                named = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if named is not None and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)  # the holder before us removed the file we locked: lock the one the name has now
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(fd)

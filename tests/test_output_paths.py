@@ -76,6 +76,29 @@ def test_an_existing_file_needs_overwrite(runs, tmp_path, cli_in_process):
     assert out.read_bytes() == b"mine"
 
 
+def test_an_earlier_report_lr_find_or_bench_in_out_needs_overwrite(runs, tmp_path, cli_in_process):
+    """report, lr-find and bench given an --out that holds their own earlier files (report.html, lr_find.json,
+    bench.json): refused without --overwrite, the files byte for byte as they were; with it, replaced. Before, each
+    replaced them without a word (writable_file was called with overwrite on). Their default folders (<run>/report,
+    a temp folder, bench/<timestamp>) stay theirs: a second `report RUN` needs no flag."""
+    a, _ = runs
+    cases = {"report": (["report", a, "--wrong", "0"], "report.html"),
+             "lr-find": (["lr-find", *FAST, "--steps", "10"], "lr_find.json"),
+             "bench": (["bench", *FAST, "--steps", "1", "--warmup", "0", "--repeats", "1", "--variants", "baseline (seeds)"],
+                       "bench.json")}
+    for name, (argv, own) in cases.items():
+        out = tmp_path / name
+        out.mkdir()
+        (out / own).write_text("an earlier result\n")
+        refused(cli_in_process(*argv, "--out", out), f"--out {out / own} already exists", "--overwrite")
+        assert (out / own).read_text() == "an earlier result\n", name
+        r = cli_in_process(*argv, "--out", out, "--overwrite")
+        assert r.returncode == 0, (name, r.stderr[-2000:])
+        assert (out / own).read_text() != "an earlier result\n", name
+    for _ in range(2):
+        assert cli_in_process("report", a, "--wrong", "0").returncode == 0
+
+
 def test_the_default_export_is_replaced_by_a_new_export(runs, cli_in_process):
     """<run>/export/ is export's own folder: exporting again there needs no --overwrite (as before)."""
     a, _ = runs

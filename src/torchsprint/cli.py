@@ -133,7 +133,7 @@ def cmd_lr_find(args) -> int:
     check_range(args.steps, args.start, args.end)  # before anything is built: a bad range costs nothing
     cfg = config.load(args.config, list(args.overrides), imports=args.imports)
     out = lr_find(cfg, steps=args.steps, start=args.start, end=args.end, out=args.out,
-                  log=(lambda *_: None) if args.json else print)
+                  log=(lambda *_: None) if args.json else print, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(out))
     return 0

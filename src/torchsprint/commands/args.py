@@ -242,6 +242,7 @@ def args_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to-accuracy", type=Number(), default=None, metavar="X",
                    help="also measure time until the monitored val metric (checkpoint.monitor: top-1, mAP, PSNR) reaches X")
     p.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None, help="bench folder (default: bench/<timestamp>)")
+    p.add_argument("--overwrite", action="store_true", help="--out may hold an earlier bench's files, which are replaced")
 
 
 def args_lr_find(p: argparse.ArgumentParser) -> None:
@@ -252,6 +253,7 @@ def args_lr_find(p: argparse.ArgumentParser) -> None:
     p.add_argument("--end", type=Number(0, above=True), default=10.0, help="last learning rate (default 10, as fastai)")
     p.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None,
                    help="folder for lr_find.png and lr_find.json (default: a temp folder)")
+    p.add_argument("--overwrite", action="store_true", help="--out may hold an earlier sweep's files, which are replaced")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -260,6 +262,7 @@ def args_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", type=Output(folder=True), metavar="DIR", default=None, help="output folder (default: <run>/report)")
     p.add_argument("--wrong", type=Count(0), default=24, help="how many confidently wrong validation images to show")
+    p.add_argument("--overwrite", action="store_true", help="--out may hold an earlier report's files, which are replaced")
 
 
 def args_average(p: argparse.ArgumentParser) -> None:

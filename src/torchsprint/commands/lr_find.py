@@ -156,7 +156,7 @@ def plot_figure(result: dict):
 
 
 def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, out: str | Path | None = None,
-            log=print) -> dict:
+            log=print, overwrite: bool = False) -> dict:
     """The range test of `cfg`'s run; writes lr_find.json and lr_find.png into `out` (a new temp folder when None).
 
     Args:
@@ -179,7 +179,7 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
     import_modules(cfg.imports)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="torchsprint-lr-find-"))
     for target in (out, out / "lr_find.json", out / "lr_find.png"):  # before the sweep, not found after it
-        writable_file(target, "--out", folder=target == out)
+        writable_file(target, "--out", folder=target == out, overwrite=overwrite)  # an earlier sweep's: --overwrite
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
         b = build_training(cfg, rt, log)

@@ -181,7 +181,8 @@ window.addEventListener("load", () => {{
 """
 
 
-def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = None, wrong: int = 24) -> Path:
+def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = None, wrong: int = 24,
+           overwrite: bool = False) -> Path:
     """Write <out>/report.html (default <run>/report/) and its PNGs; returns the HTML path.
 
     Args:
@@ -196,9 +197,13 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
     from torchsprint.train.rundir import writable_file
 
     run_dir = Path(run_dir)
+    # The default <run>/report is this command's own (a report is made again after more training); a folder given
+    # with --out keeps an earlier report's files unless --overwrite. --out <run>: its confusion_matrix.png is the
+    # run's own, refused either way.
+    replace = overwrite or not out
     out = Path(out) if out else run_dir / "report"
     for target in (out, *(out / n for n in ("report.html", "curves.png", "confusion_matrix.png", "wrong.png"))):
-        writable_file(target, "--out", folder=target == out)  # --out <run>: its confusion_matrix.png is the run's own
+        writable_file(target, "--out", folder=target == out, overwrite=replace)
     records, notes = read_records(run_dir)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
@@ -256,6 +261,6 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
 
 
 def report_cli(args) -> int:
-    path = report(args.run, args.weights, args.out, args.wrong)
+    path = report(args.run, args.weights, args.out, args.wrong, overwrite=args.overwrite)
     print(f"wrote {path} (and its plots as PNG beside it)")
     return 0

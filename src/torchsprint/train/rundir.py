@@ -139,6 +139,9 @@ def run_file_of(path: Path) -> tuple[Path, str] | None:
     for p in dict.fromkeys((Path(os.path.abspath(path)), Path(os.path.realpath(path)))):
         for folder in p.parents:
             name = p.relative_to(folder).parts[0]
+            # <run>/report/ holds report's own confusion_matrix.png (a run file's name): it is not a run folder
+            if folder.name == "report" and holds_run(folder.parent):
+                continue
             if name in OWN_FILES and holds_run(folder):
                 return folder, name
     return None

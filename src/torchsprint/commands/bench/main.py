@@ -52,21 +52,23 @@ from torchsprint.train.rundir import writable_file
 
 def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, warmup: int = 5, repeats: int = 3,
           only: list[str] | None = None, to_accuracy: float | None = None, out: str | Path | None = None,
-          isolate: bool = True) -> list[dict]:
+          isolate: bool = True, overwrite: bool = False) -> list[dict]:
     """Measure the matrix for a config; returns the rows and writes bench.{md,csv,json,png} into `out`.
 
     `isolate`: measure each variant in its own process (the CLI's way: memory figures are the variant's own,
     with its process tree's peak RSS). False measures in this process (the Python API for names registered
-    here rather than through `imports:`); the tree memory column is then empty.
+    here rather than through `imports:`); the tree memory column is then empty. An `out` given holding an earlier
+    bench's files is refused unless `overwrite` (the CLI's --overwrite); the default bench/<timestamp> is new.
     """
     import torch
 
     user = config_mod.load(config_path, overrides)
     decodes = decodes_files(user)
     base_overrides = list(overrides) + seeds_baseline(decodes)
+    keep = out is not None and not overwrite  # a run folder as --out: its config.yaml is the run's own, refused
     out = Path(out or Path("bench") / time.strftime("%Y%m%d-%H%M%S"))
-    for target in (out, out / "config.yaml"):  # a run folder as --out: its config.yaml is the run's own
-        writable_file(target, "--out", folder=target == out)
+    for target in (out, out / "config.yaml", *(out / f"bench.{x}" for x in ("json", "csv", "md", "png"))):
+        writable_file(target, "--out", folder=target == out, overwrite=not keep)
     all_variants = variants(user, decodes)
     if only:
         names = {v.name for v in all_variants}
@@ -137,7 +139,7 @@ def slug(name: str) -> str:
 def bench_cli(args) -> int:
     only = [s.strip() for s in args.variants.split(",")] if args.variants else None
     bench(args.config, args.overrides, steps=args.steps, warmup=args.warmup, repeats=args.repeats, only=only,
-          to_accuracy=args.to_accuracy, out=args.out)
+          to_accuracy=args.to_accuracy, out=args.out, overwrite=args.overwrite)
     return 0
 
 

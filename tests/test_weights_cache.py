@@ -64,6 +64,19 @@ def test_an_html_login_page_is_refused_and_nothing_is_cached(online, server, r18
         assert fetch(spec, None, log=lambda _: None).read_bytes() == r18.pth and checkpoints(online) == ["r18.pth"]
 
 
+def test_an_html_page_from_a_hub_mirror_is_one_line(online, server, r18, monkeypatch):
+    """Bug: an HF_ENDPOINT mirror answering the HEAD as the hub does and the GET with a login page: huggingface_hub
+    raised its size check as a bare OSError ("Consistency check failed: ...", over two lines), which escaped as a
+    traceback. Now: one line naming the URL and what came; no blob or snapshot link is left."""
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    server.files[HF_PATH] = r18.safetensors
+    server.misbehave[HF_PATH] = ["html"]
+    msg = one_line(pytest.raises(UsageError, fetch, f"hf-hub:{HF_REPO}", None, log=lambda _: None))
+    assert f"{server.url}{HF_PATH}" in msg and f"{len(LOGIN_PAGE):,} bytes" in msg, msg
+    assert "nothing was kept in the cache" in msg, msg
+    assert not list((online / "hf").rglob("model.safetensors")) and not list((online / "hf").glob("hub/*/blobs/*"))
+
+
 def test_a_body_cut_without_content_length_is_refused(online, server, r18):
     """Bug: a server answering 200 with no Content-Length that closes half-way: http.client ends the body without an
     error, and with no size to compare and no pin the third of a file was renamed into the cache, where every later
@@ -83,8 +96,9 @@ def test_a_cached_file_that_is_not_weights_is_one_line_then_replaced(online, ser
                                                                      cli_in_process, tmp_path):
     """Bug: a page already in the cache under the weights' name (left there by the bug above, or copied by hand) was
     used by every run, which failed with torch's weights_only text (never saying the file was a page), and was never
-    fetched again. Now: offline, one line saying the cached file at PATH is not weights and to remove it (`weights
-    get` and a run alike); with downloads allowed it is removed and downloaded again. A local file that is a page
+    fetched again; `weights path` said "in the cache". Now: offline, one line saying the cached file at PATH is not
+    weights and to remove it (`weights get` and a run alike; `weights path` says it, exit 1); with downloads allowed
+    it is removed and downloaded again. A local file that is a page
     says so too."""
     cached = online / "torch" / "hub" / "checkpoints" / "r18.pth"
     cached.parent.mkdir(parents=True)
@@ -98,6 +112,8 @@ def test_a_cached_file_that_is_not_weights_is_one_line_then_replaced(online, ser
     for msg in (line, one_line(pytest.raises(UsageError, build, f"model.pretrained={spec}"))):
         assert "\n" not in msg and f"the cached file at {cached} is not weights" in msg, msg
         assert "HTML page" in msg and "remove it" in msg and "weights_only" not in msg, msg
+    r = cli_in_process("weights", "path", spec)  # where it is, and that it is not weights: not "in the cache"
+    assert r.returncode == 1 and r.stdout.strip() == str(cached) and "is not weights" in r.stderr, r.stderr
     assert server.requests == [] and cached.read_bytes() == LOGIN_PAGE
     page = tmp_path / "page.pth"  # model.pretrained=<a file>: never removed, but named for what it is
     page.write_bytes(LOGIN_PAGE)

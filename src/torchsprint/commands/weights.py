@@ -16,9 +16,11 @@ def _model_for(spec: str, model: str | None) -> str | None:
 
 def weights_cli(args) -> int:
     """`weights get SPEC`: download into the cache (a no-op when there) and print the file's path on stdout.
-    `weights path SPEC`: print where the file is or would be; exit 0 when it is there, 1 when not (said on stderr)."""
-    from torchsprint.models.download import fetch
+    `weights path SPEC`: print where the file is or would be; exit 0 when it is there, 1 when not, or when the file
+    there must not be used (not weights, another sha256 than the URL's pin: said on stderr, as a run would refuse it)."""
+    from torchsprint.models.download import fetch, pin
     from torchsprint.models.weights import locate
+    from torchsprint.models.weights_cache import cached_problem
 
     model = _model_for(args.spec, args.model)
     if args.weights_command == "get":
@@ -30,10 +32,13 @@ def weights_cli(args) -> int:
         return 0
     src = locate(args.spec, model, key="weights")
     print(src.cached or src.target)
+    get = f"torchsprint weights get {args.spec}" + (f" --model {model}" if model else "")
     if src.cached is not None:
+        if src.kind != "file" and (problem := cached_problem(src.cached, pin(src))) is not None:
+            print(f"in the cache, but the file there {problem}: `{get}` downloads it again", file=sys.stderr)
+            return 1
         print("in the cache", file=sys.stderr)
         return 0
-    get = f"torchsprint weights get {args.spec}" + (f" --model {model}" if model else "")
     where = f"; `{get}` downloads it from {src.published}" if src.published else ""
     print(f"not there{where}", file=sys.stderr)
     return 1

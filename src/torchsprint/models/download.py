@@ -251,8 +251,15 @@ def fetch_hf(src: WeightsSource, key: str, progress: bool) -> Path:
             if e.response is not None and e.response.status_code == 404:
                 continue  # not this file name: the next candidate
             raise
-        path = Path(hf_hub_download(src.repo, filename, revision=src.revision, cache_dir=str(hf_hub_cache()),
-                                    endpoint=endpoint, etag_timeout=timeout_s()))
+        try:
+            path = Path(hf_hub_download(src.repo, filename, revision=src.revision, cache_dir=str(hf_hub_cache()),
+                                        endpoint=endpoint, etag_timeout=timeout_s()))
+        except OSError as e:  # its size check is a bare OSError: a mirror's login page, a body cut short
+            if e.errno is not None or "Consistency check failed" not in str(e):
+                raise
+            found = re.search(r"size (\d+) but has size (\d+)", str(e))
+            got = f"{int(found.group(2)):,} bytes where it announced {int(found.group(1)):,}" if found else "another size"
+            raise not_weights(key, src, url, f"{got} (huggingface_hub's size check)") from None
         check_hf_blob(path, src, key, url)
         return path
     raise UsageError(f"{key}={src.spec}: the repo {src.repo} has none of {', '.join(src.filenames)} at revision "

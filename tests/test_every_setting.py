@@ -587,6 +587,8 @@ PROBES = {
     }.items()},
     "serve.precision": lambda t: elsewhere(
         "test_inference_precision.py::test_serve_in_bf16_answers_as_predict_does_however_batched"),
+    "serve.max_model_pixels": lambda t: elsewhere(
+        "test_serve_limits.py::test_a_batch_never_holds_more_pixels_than_the_limit_and_larger_images_are_refused"),
 }
 def probe_wandb(tmp, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is optional; the dev extra installs it")

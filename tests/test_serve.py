@@ -593,11 +593,11 @@ def test_settings_come_from_the_run_a_file_overrides_and_flags(run, tmp_path, mo
     assert resolve_settings(run, None, [], {"token": "flag"}).token == "flag"
     values = {"host": "0.0.0.0", "port": "9999", "max_batch": "5", "max_wait_ms": "7.5", "queue_limit": "9",
               "timeout_s": "3", "workers": "2", "runtime": "onnxruntime", "device": "cpu", "token": "t",
-              "max_body_mb": "2", "max_pixels": "1234", "topk": "3", "buckets": "off", "precision": "fp32"}
-    assert set(values) == set(FLAGS)
-    # serve.max_model_pixels (auto or a number) has no flag yet (commands/args.py): a serve.KEY=VALUE override.
-    assert set(ServeConfig.model_fields) - set(FLAGS) == {"max_model_pixels"}
+              "max_body_mb": "2", "max_pixels": "1234", "max_model_pixels": "5000", "topk": "3", "buckets": "off",
+              "precision": "fp32"}
+    assert set(values) == set(FLAGS) == set(ServeConfig.model_fields)
     assert resolve_settings(run, None, ["serve.max_model_pixels=5000"], {}).max_model_pixels == 5000
+    assert cli.build_parser().parse_args(["serve", str(run), "--max-model-pixels", "auto"]).max_model_pixels == "auto"
     args = cli.build_parser().parse_args(["serve", str(run), *[x for k, v in values.items()
                                                               for x in (f"--{k.replace('_', '-')}", v)]])
     got = resolve_settings(run, None, [], {k: getattr(args, k) for k in FLAGS}).model_dump()

@@ -30,6 +30,13 @@ class Count:
         return value
 
 
+class CountOrAuto(Count):
+    """`auto`, or a whole number >= `minimum` (a setting whose default is worked out at start-up)."""
+
+    def __call__(self, text: str) -> int | str:
+        return "auto" if text == "auto" else super().__call__(text)
+
+
 class Number:
     """A finite number in [low, high] (`above`: low itself excluded)."""
 
@@ -317,6 +324,8 @@ SERVE_FLAGS = (
     ("token", str, "bearer token /predict and /metrics require (or env TORCHSPRINT_SERVE_TOKEN)"),
     ("max_body_mb", Number(0, above=True), "largest request body in MiB (default 20)"),
     ("max_pixels", Count(1), "largest image in pixels, from its header (default 40000000)"),
+    ("max_model_pixels", CountOrAuto(1), "largest model input in pixels where the eval spec keeps each file's size "
+     "(default auto: from what the run trained on; docs/serve.md)"),
     ("topk", Count(1), "classes per image unless the request says ?topk=N (default 5)"),
     ("buckets", str, "auto, on or off: pad batches to powers of two (default auto: on CUDA)"),
     ("precision", str, "auto, fp32 or bf16 (default auto: bf16 where the run trained in it and the CPU has it natively)"),

@@ -1,6 +1,5 @@
 """The config schema's `serve` section: how `torchsprint serve` answers HTTP requests (address, batching, limits,
-authentication). `torchsprint.config.schema` re-exports it; every field but max_model_pixels is also a `torchsprint
-serve` flag (max_model_pixels: a serve.max_model_pixels=N override or the config's serve section)."""
+authentication). `torchsprint.config.schema` re-exports it; every field is also a `torchsprint serve` flag."""
 
 from __future__ import annotations
 

@@ -65,10 +65,15 @@ def timeout_s() -> float:
         raise UsageError(f"{TIMEOUT_ENV}={value}: not a number of seconds; set e.g. {TIMEOUT_ENV}=30 or unset it.") from None
 
 
+def get_command(src: WeightsSource, model_name: str | None) -> str:
+    """The `torchsprint weights get` that fetches `src` (torchvision:DEFAULT needs its model)."""
+    return f"torchsprint weights get {src.spec}" + (f" --model {model_name}" if model_name and src.spec.endswith(":DEFAULT")
+                                                    else "")
+
+
 def missing(src: WeightsSource, key: str, why: str, model_name: str | None = None) -> UsageError:
     """The one line for weights that are not in the cache and cannot be fetched: where to put them, where from."""
-    get = f"torchsprint weights get {src.spec}" + (f" --model {model_name}" if model_name and src.spec.endswith(":DEFAULT")
-                                                   else "")
+    get = get_command(src, model_name)
     error = UsageError(f"{key}={src.spec}: not in the local cache ({why}): put the file at {src.target} (download it "
                        f"on a machine with network from {src.published}, or run `{get}` there).")
     error.reason = why  # models/start.py words its own line from it
@@ -108,8 +113,7 @@ def not_weights(key: str, src: WeightsSource, url: str, what: str) -> UsageError
 
 def bad_cached(src: WeightsSource, key: str, problem: str, why: str, model_name: str | None = None) -> UsageError:
     """The one line for a file in the cache that must not be used, where it cannot be downloaded again now."""
-    get = f"torchsprint weights get {src.spec}" + (f" --model {model_name}" if model_name and src.spec.endswith(":DEFAULT")
-                                                   else "")
+    get = get_command(src, model_name)
     return UsageError(f"{key}={src.spec}: the cached file at {src.cached} {problem}; it was not used ({why}): remove "
                       f"it and run again where downloads are allowed, or put the weights there (from {src.published}, "
                       f"or `{get}` on a machine with network).")
@@ -143,8 +147,7 @@ def not_writable(error: BaseException, src: WeightsSource, key: str, model_name:
     hf = src.kind in ("timm", "hf-hub")
     folder, setting = (hf_hub_cache(), "HF_HOME (or HF_HUB_CACHE)") if hf else (src.target.parent, "TORCH_HOME")
     where = f"{error.filename}: " if error.filename else ""
-    get = f"torchsprint weights get {src.spec}" + (f" --model {model_name}" if model_name and src.spec.endswith(":DEFAULT")
-                                                   else "")
+    get = get_command(src, model_name)
     return UsageError(f"{key}={src.spec}: the weights cache {folder} is not writable ({where}{error.strerror}): set "
                       f"{setting} to a writable folder, or run `{get}` where that folder is writable (a login node: "
                       f"this run then finds the file at {src.target}).")
@@ -353,7 +356,9 @@ def fetch(spec: str, model_name: str | None, key: str = "model.pretrained", log=
         download_ok: False: the cache only (a rank whose local rank 0 downloaded).
         progress: a progress bar (default: when stderr is a terminal).
     Offline (TORCHSPRINT_OFFLINE=1, HF_HUB_OFFLINE=1), no connection is attempted; a file that is not cached is
-    then, as after a failed download, one UsageError naming the path to put it at and the URL.
+    then, as after a failed download, one UsageError naming the path to put it at and the URL. A cached file is
+    checked before it is returned (weights_cache.cached_problem: it loads as weights, a URL's pin): one that fails
+    is downloaded again where downloads are allowed, else one UsageError (bad_cached).
     """
     src = locate(spec, model_name, key)
     if src.kind == "file":

@@ -1,4 +1,4 @@
-"""Fine-tuning as the photo default (models/start.py, issue 37.2): a folder of photos given alone fine-tunes the
+"""Fine-tuning as the photo default (models/start.py): a folder of photos given alone fine-tunes the
 picked model's published weights when they are cached or downloadable, else trains from scratch and says how to
 get them. No internet: the cache is a tmp TORCH_HOME holding a real resnet18 state dict under torchvision's file
 name, and downloads come from a real HTTP server on 127.0.0.1 (tests/test_weights_download.py's Server).
@@ -23,7 +23,9 @@ from torchsprint.train.run import train
 
 TV_FILE = "resnet18-f37072fd.pth"  # torchvision's ResNet18_Weights.DEFAULT (IMAGENET1K_V1) file name
 IMAGENET = "imagenet"
-FAST = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.device=cpu"]
+# data.batch_size named: these folders are tiny, and a tiny folder's own batch rule (data/detect.py tiny_folder_batch,
+# tested in test_user_folders.py) would move the lr figures worked out here at the default 64.
+FAST = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.device=cpu", "data.batch_size=64"]
 
 
 def photos(root: Path, per_class: int = 4, size=(72, 64)) -> Path:

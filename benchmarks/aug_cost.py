@@ -1,4 +1,4 @@
-"""Throughput cost of the recipe augmentations (issue 14): Mixup/CutMix and the automatic augmentations,
+"""Throughput cost of the recipe augmentations: Mixup/CutMix and the automatic augmentations,
 each added to a CIFAR-like run (32x32 JPEGs, random_crop + hflip, small_cnn), per data backend.
 
 Every figure is `torchsprint.commands.bench.main.measure`: the real engine step (`torchsprint bench` calls the same

@@ -1,4 +1,4 @@
-"""Issue 31.7's own case: does `data.backend: auto` pick the faster backend, end to end, on a folder like the user's?
+"""A user's reported case: does `data.backend: auto` pick the faster backend, end to end, on a folder like the user's?
 
 The issue's folder: 2,624 grey 300x300 PNGs in 4 class folders with a 14x imbalance, ResNet-18 at 128 px (the photo
 defaults), 8 epochs; there auto (then a rule on the size alone) chose the memory backend, which trained 8.8% slower

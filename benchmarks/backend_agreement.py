@@ -1,6 +1,6 @@
 """Do the loader backends train to the same accuracy? The same config on the cpu, memory and gpu backends, several seeds.
 
-Issue 30 point 4: ResNet-18 from scratch on generated JPEGs (synthetic_jpeg, 10 classes, validation
+The backends' agreement: ResNet-18 from scratch on generated JPEGs (synthetic_jpeg, 10 classes, validation
 sorted by class, eval batch 32) reached 67.2% top-1 on the cpu backend and 36.8% on the memory backend
 after 3 epochs. This script measures the seed-to-seed spread of the final validation top-1 per backend
 and says whether the backends' means differ by more than it.

@@ -6,7 +6,7 @@ times the candidate JPEG decoders one image at a time on one thread.
 
     .venv/bin/python benchmarks/data_throughput.py --images 512 --workers 2 --repeats 3
 
-On a GPU (`--device cuda`) it measures the loader backends that feed the GPU instead (issue 12, M2):
+On a GPU (`--device cuda`) it measures the loader backends that feed the GPU instead (the GPU job's M2):
 the cpu backend with --workers workers (and per core, by CPU time), the gpu backend with
 cpu_fraction 0 and auto, and DALI when it is installed; `--json` writes the figures.
 
@@ -73,7 +73,7 @@ def time_epoch(loader, epoch: int, warmup: int = 2, stats: dict | None = None) -
     """Images/s over one epoch after `warmup` batches (workers started, queues filled); on CUDA the clock
     stops after the device has finished the last batch. `stats` (a dict) receives
     `thread_cpu_ms_per_batch`: the consuming thread's own CPU time (time.thread_time) inside each next() of
-    the loader after the warm-up, per batch: the host work a training step waits on (issue 27: the gpu
+    the loader after the warm-up, per batch: the host work a training step waits on (the gpu
     backend's assembly ran there, 29 ms a batch of 256 on an H200's host; its producer thread now)."""
     import torch
 
@@ -137,7 +137,7 @@ def transfer_micro(paths: list[Path], batch: int = 256, batches: int = 8, worker
 
 
 def gpu_main(args) -> None:
-    """M2 of issue 12: the backends that feed a GPU, same JPEGs, same spec, images/s."""
+    """The GPU job's M2: the backends that feed a GPU, same JPEGs, same spec, images/s."""
     import torch
 
     from torchsprint.data.backends.dali import dali_available

@@ -1,4 +1,4 @@
-"""Fine-tuning against training from scratch on a small folder of photos, without the internet (issue 37.4).
+"""Fine-tuning against training from scratch on a small folder of photos, without the internet.
 
 1. Pretrain: torchsprint's photo defaults (ResNet-18 from scratch, offline) on set A: generated photos of 8 kinds of
    shape (disc, triangle, square, cross, ring, star, hexagon, L) of random colour, place, size and rotation on blurred

@@ -7,7 +7,7 @@ its DataLoader workers) from /proc and keeps the peaks of
     sharing it, so the sum counts it once: the memory the job really holds, copy-on-write copies included),
 and the per-process RSS split (anonymous / file / shmem) at the RSS peak, which says where a difference lives.
 
-The job (issue 19): ResNet-18 at 112 px, batch 32, 2 DataLoader workers, 3 epochs, on an image folder
+The job: ResNet-18 at 112 px, batch 32, 2 DataLoader workers, 3 epochs, on an image folder
 (train/ and val/, e.g. 2,000 + 200 JPEGs from torchsprint's synthetic_jpeg generator), CPU.
 
     python benchmarks/memory_footprint.py --data /tmp/memdata/jpeg2000 --tv-reference /tmp/tv_reference \

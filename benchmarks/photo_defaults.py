@@ -1,4 +1,4 @@
-"""Defaults for a user's own photos (issue 31.2): which model trains a folder of photo-sized images best per CPU minute.
+"""Defaults for a user's own photos: which model trains a folder of photo-sized images best per CPU minute.
 
 Generates a folder of 300x300 JPEG "photos" (4 classes of shapes on textured backgrounds, 25% kept apart for
 validation), then trains each candidate model with the default preprocessing torchsprint chooses for such a

@@ -1,4 +1,4 @@
-"""A new user's own photos through the real CLI (issue 31.5): feedback times, speed and accuracy, new defaults vs old.
+"""A new user's own photos through the real CLI: feedback times, speed and accuracy, new defaults vs old.
 
 Generates a folder of class folders (no split folders: the detected default, split by data.val_fraction) of
 photo-sized JPEGs: a disc, square, triangle or cross of random colour, place and scale on a blurred noise

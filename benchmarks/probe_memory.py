@@ -1,4 +1,4 @@
-"""Where the speed probe's extra peak memory comes from (issue 39.5: "peak memory no higher than timm's").
+"""Where the speed probe's extra peak memory comes from (the goal: "peak memory no higher than timm's").
 
 torchsprint's side of benchmarks/vs_timm.py's job (ResNet-18 from scratch, 2,000 generated 160x160 JPEGs, batch 32,
 RandomResizedCrop 112, 3 epochs) run by the CLI under GNU time, in variants that differ in one thing each:

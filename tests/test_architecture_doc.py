@@ -1,5 +1,5 @@
 """ARCHITECTURE.md names every module of src/torchsprint under the layer tests/test_layout.py places it in,
-and nothing that is not on disk: the page cannot drift from the tree (issue 26)."""
+and nothing that is not on disk: the page cannot drift from the tree."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def listed_sizes(text: str) -> set[str]:
 
 
 def test_every_file_and_function_over_the_size_limits_is_listed_with_its_seam():
-    """Issue 26: no file over 450 lines and no function over 80, or a row in ARCHITECTURE.md's "Sizes" saying
+    """No file over 450 lines and no function over 80, or a row in ARCHITECTURE.md's "Sizes" saying
     where it splits. A row for something back under the limit must go too (the table stays true)."""
     over, listed = set(oversized()), listed_sizes(PAGE.read_text())
     assert sorted(over - listed) == [], "over the size limits: split it, or add a row to ARCHITECTURE.md's Sizes"

@@ -1,4 +1,4 @@
-"""The cpu, memory and gpu backends give the model the same thing for the same config and seed (issue 30 point 4).
+"""The cpu, memory and gpu backends give the model the same thing for the same config and seed.
 
 What may differ, by design: the cpu backend draws each sample's crop and flip from torch's generator
 seeded with the sample's seed (so it equals torchvision's transforms), the batched backends from a

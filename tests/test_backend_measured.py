@@ -1,4 +1,4 @@
-"""data.backend=auto on image files measures its candidates on the user's own files (issue 31.7), weighs the memory
+"""data.backend=auto on image files measures its candidates on the user's own files, weighs the memory
 backend's up-front decode against what it saves per epoch, and picks the one a direct measurement says is faster.
 
 The reference: each backend built by name (data.backend=cpu / memory) over the same folder and timed over the run's
@@ -61,7 +61,7 @@ CASES = {
     "large jpegs, 1 epoch": (lambda root: photos(root, 5, 768, "jpg"), 1, "cpu",
                              ["data.train.transforms=[random_resized_crop: 48]",
                               "data.eval.transforms=[resize: 48, center_crop: 48]"]),
-    # Issue 31's photos (300x300 PNG, the default preprocessing for them: a random crop resized to 128 px), 1 epoch:
+    # A user's photos as reported (300x300 PNG, the default preprocessing for them: a random crop resized to 128 px), 1 epoch:
     # the memory backend's batches are faster than the cpu backend's, but not by enough to pay for its decode up
     # front (ignoring that decode picks the memory backend here).
     "photo pngs, 1 epoch": (lambda root: photos(root, 20, 300, "png"), 1, "cpu", []),

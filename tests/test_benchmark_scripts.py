@@ -68,7 +68,7 @@ def test_merge_results_adds_a_later_calls_dali_figures_to_m2_and_m3():
 
 
 def test_merge_results_names_the_fastest_jpeg_backend_over_every_call():
-    """M2["fastest_backend"] (what data.backend: auto's rule reads, issue 27.4) comes from the merged figures: DALI's,
+    """M2["fastest_backend"] (what data.backend: auto's rule reads) comes from the merged figures: DALI's,
     measured in the last call, must compete with the cpu and gpu backends' of an earlier call, and lose when slower."""
     merge = load(BENCH / "gpu" / "merge_results.py").merge
     env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"}
@@ -182,7 +182,7 @@ def test_gpu_measurements_run_end_to_end_on_the_cpu(tmp_path):
     assert {"resnet18 | fp32", "resnet18 | amp_bf16", "resnet18 | amp_bf16 + channels_last",
             "resnet50 | amp_bf16 + channels_last"} <= set(m["M1"]["images_per_s"])
     assert all(v > 0 for v in m["M1"]["images_per_s"].values())
-    # Issue 27.7: every measured variant beside the plain loop, timed in alternating windows, with its ratio.
+    # Every measured variant beside the plain loop, timed in alternating windows, with its ratio.
     assert set(m["M1"]["plain_images_per_s"]) == set(m["M1"]["ratio_to_plain"]) == set(m["M1"]["images_per_s"])
     for key, ratio in m["M1"]["ratio_to_plain"].items():
         model, variant = key.split(" | ")
@@ -225,7 +225,7 @@ def test_backend_agreement_smoke_run(tmp_path, monkeypatch, capsys):
 
 
 def test_photo_folder_parses_the_feedback_times_from_timestamped_cli_lines():
-    """benchmarks/photo_folder.py's figures for issue 31.5 come from the CLI's lines as they arrive: epoch 1's start is
+    """benchmarks/photo_folder.py's figures come from the CLI's lines as they arrive: epoch 1's start is
     the first heartbeat's arrival less its `elapsed` (a clock that may read M:SS), and each time is taken from the
     first matching line only. Canned lines (the shapes of a real run's, times in seconds since the process began)
     against times worked out by hand."""

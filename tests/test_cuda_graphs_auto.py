@@ -1,4 +1,4 @@
-"""speed.cuda_graphs=auto (issue 27.5): one decision (parallel.decide_cuda_graphs) that the capture, Precision,
+"""speed.cuda_graphs=auto: one decision (parallel.decide_cuda_graphs) that the capture, Precision,
 decisions.json and the start-up summary all read; on for one CUDA process where it is safe, off and explained
 elsewhere; nothing changes on CPU."""
 

@@ -1,4 +1,4 @@
-"""The gpu backend's host side (issue 27.3): batches assembled by a producer thread, the training thread
+"""The gpu backend's host side: batches assembled by a producer thread, the training thread
 only taking them; the same batches as the synchronous path, bit for bit; errors, early exits and garbage
 collection; one staging copy; and the `cpu_fraction: auto` rule on synthetic pipelines. Everything runs on
 the CPU device (torchvision's CPU decoder in place of nvJPEG), where the producer's decode is CPU work on
@@ -81,7 +81,7 @@ def same(a, b) -> bool:
 @pytest.mark.parametrize("case", ["synthetic-frac0", "synthetic-frac0.3-1worker", "mixed-frac0.3-skip"])
 def test_threaded_loader_yields_the_synchronous_batches_bit_for_bit(tmp_path, case):
     """The producer thread (ahead=2, the default prefetch_factor) against the same loader with ahead=0 (the
-    assembly on the iterating thread, the path before issue 27): every batch of train and val, two epochs
+    assembly on the iterating thread, the path before the producer thread): every batch of train and val, two epochs
     and a resumed one, equal exactly; the thread is gone after each epoch."""
     if case.startswith("mixed"):
         d = cfg(mixed_folder(tmp_path / "m"), "data.dataset=image_folder", "data.cpu_fraction=0.3", "data.on_bad_sample=skip")

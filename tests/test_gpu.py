@@ -1,4 +1,4 @@
-"""Issue 12 on a real GPU: each defect it lists has a test here that fails without its fix, and the
+"""The first GPU run's defects on a real GPU (../shared/gpu-runs/2026-11-26-h200): each defect has a test here that fails without its fix, and the
 behaviour it asks for (every backend trains, exact resume, AMP accuracy, no host sync, graphs and
 compile really used, GPU/CPU preprocessing parity, nvJPEG fallback, ONNX/TensorRT/predict on CUDA).
 

@@ -156,7 +156,7 @@ def test_refusal_is_one_line_exit_2(cli_in_process, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: data.sampler=balanced") and "task=multilabel" in lines[0], r.stderr
 
 
-# ---------------------------------------------------------------- issue 37.3: sqrt, deferred, logit adjustment, default
+# ---------------------------------------------------------------- sqrt, deferred, logit adjustment, default
 
 
 def test_sqrt_sampler_class_shares_follow_the_formula():

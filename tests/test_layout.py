@@ -192,7 +192,7 @@ def backend_problems(src: Path = SRC) -> list[str]:
 
 
 def test_no_backend_imports_a_sibling_or_calls_back_into_the_registry(tmp_path):
-    """Choosing, falling back and recording the backend happen in data/build.py alone (issue 26)."""
+    """Choosing, falling back and recording the backend happen in data/build.py alone."""
     assert backend_problems() == []
     bad = tmp_path / "torchsprint" / "data" / "backends"
     bad.mkdir(parents=True)

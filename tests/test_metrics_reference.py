@@ -1,7 +1,7 @@
 """Every figure the evaluator reports, fed through validation.evaluate in random batch compositions, against an
 independent computation on the concatenated outputs (scikit-learn, plain torch, torchmetrics' functional
 form on the whole set). Degenerate first batches (one class, all correct, all-zero labels, identical images)
-are drawn on purpose: they are what made torchmetrics merge top-5 into top-1's counts (issue 30).
+are drawn on purpose: they are what made torchmetrics merge top-5 into top-1's counts.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def check_balanced(out: dict, yy: np.ndarray, pred: np.ndarray) -> None:
 
 
 def test_majority_class_model_is_exposed_beside_top1():
-    """Issue 31: 57% of val in one class, a model that always answers it. top-1 says 0.57; the epoch line
+    """A user's report: 57% of val in one class, a model that always answers it. top-1 says 0.57; the epoch line
     must show what exposes it."""
     y = torch.tensor([0] * 57 + [1] * 30 + [2] * 10 + [3] * 3)
     logits = torch.zeros(100, 4)

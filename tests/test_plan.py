@@ -1,4 +1,4 @@
-"""The run plan (issue 26.1): every run-time decision made once, in plan.RunPlan; decisions.json and the start-up
+"""The run plan: every run-time decision made once, in plan.RunPlan; decisions.json and the start-up
 summary are written from it, and what ran (the model's and the batches' memory format, CUDA graphs, precision, the
 batch, the optimizer steps of an epoch, the logged steps) is what it says. Real training runs on CPU, no mocks: a
 spy around run.build_training only keeps the objects the run trains with, and hooks count what they do."""

@@ -1,4 +1,4 @@
-"""predict reads and decodes files ahead of the model (issue 27.6): the same outputs as loading everything first,
+"""predict reads and decodes files ahead of the model: the same outputs as loading everything first,
 bit for bit, and the reading overlaps the model."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Long runs (issue 28): stop signals (preemption) with exit code 75 and SLURM requeue, run.max_time,
+"""Long runs: stop signals (preemption) with exit code 75 and SLURM requeue, run.max_time,
 eval.every_steps, each compared with an uninterrupted run of the same config; and their bad inputs.
 
 Signals are real (os.kill to a real `python -m torchsprint train` process); SLURM itself is not here, so

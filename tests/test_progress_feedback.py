@@ -1,4 +1,4 @@
-"""Feedback within seconds (issue 31.3): where no progress bar can be drawn (a pipe, as in CI logs), a line at least
+"""Feedback within seconds: where no progress bar can be drawn (a pipe, as in CI logs), a line at least
 every HEARTBEAT_SECONDS with the epoch's steps, images/s and ETA; and once, early, the estimated time of the epoch and
 of the run, with advice when the run is long.
 

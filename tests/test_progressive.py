@@ -1,4 +1,4 @@
-"""Progressive resizing (data.progressive, issue 29.2): the training crop's side per epoch on every backend.
+"""Progressive resizing (data.progressive): the training crop's side per epoch on every backend.
 
 References: FFCV's get_resolution formula (the schedule), the same backend configured with a fixed crop of that
 epoch's size (each batch), an uninterrupted run (resume mid-ramp), a counting torch.compile backend (graphs).

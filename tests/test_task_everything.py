@@ -1,4 +1,4 @@
-"""Issue 8's "everything else applies" for multilabel, image_to_image and video: exact resume, amp_bf16,
+""""Everything else applies" for multilabel, image_to_image and video: exact resume, amp_bf16,
 2-process DDP and `bench`, each against an independent reference (an uninterrupted run, fp32, one process).
 
 Run under torchrun (`python -m torch.distributed.run --nproc-per-node 2 tests/test_task_everything.py DATA OUT`)

@@ -1,7 +1,7 @@
 """The harness itself: unmarked tests run on the CPU on a GPU machine too; gpu-marked tests see the GPU.
 
 On a CPU-only machine the first two are trivially true; on the GPU machine they prove that
-run.device=auto resolves to the CPU in process and in child processes (issue 12, item 6).
+run.device=auto resolves to the CPU in process and in child processes.
 """
 
 import os

@@ -1,4 +1,4 @@
-"""eval.tta (issue 29.3): test-time augmentation gives the independent plain-torch figures on every path.
+"""eval.tta: test-time augmentation gives the independent plain-torch figures on every path.
 
 Validation during training, `torchsprint eval`, `predict` (torch and ONNX Runtime) and the exported ONNX graph
 are compared with a reference written here without tasks/tta.py: the model on the image and its mirror

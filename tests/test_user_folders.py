@@ -168,7 +168,7 @@ def test_cli_start_up_summary_counts_what_was_left_out(tmp_path, capsys):
     assert decided["decoders"]["PNG"] == {"decoder": "torchvision", "files": 7}
 
 
-# ---------------------------------------------------------------- data.root given alone (issue 31.1)
+# ---------------------------------------------------------------- data.root given alone
 
 
 def detected(root, *over):
@@ -219,7 +219,7 @@ def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, capsys):
     assert code == 0 and json.loads(r.out)["count"] == 6, r.out + r.err
 
 
-# ---------------------------------------------------------------- defaults that fit the images (issue 31.2)
+# ---------------------------------------------------------------- defaults that fit the images
 
 
 @pytest.mark.parametrize("shorts, device, size", [

@@ -1,4 +1,4 @@
-"""Issue 12's GPU measurements M1-M6, written incrementally into one results JSON.
+"""The GPU job's measurements M1-M6, written incrementally into one results JSON.
 
     python benchmarks/gpu/measure.py --out results.json [--only M1,M5] [--deadline-s 540] [--quick]
     python benchmarks/gpu/measure.py --smoke-cpu --out /tmp/r.json   # every code path on the CPU, tiny sizes
@@ -485,7 +485,7 @@ def loader_rate(overrides: list[str], epochs: int) -> dict:
         if stats["thread_cpu_ms_per_batch"] is not None:
             thread_ms.append(stats["thread_cpu_ms_per_batch"])
     out = {"images_per_s": sorted(rates)[len(rates) // 2], "runs": rates,
-           # the consuming thread's own CPU per next() (issue 27: the gpu backend's goal is <= 1 ms a batch of 256)
+           # the consuming thread's own CPU per next() (the gpu backend's goal is <= 1 ms a batch of 256)
            "thread_cpu_ms_per_batch": sorted(thread_ms)[len(thread_ms) // 2] if thread_ms else None}
     for attr in ("cpu_fraction", "cpu_fallbacks"):
         if hasattr(tr, attr):
@@ -550,7 +550,7 @@ def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
             r = loader_rate(over, epochs)
             out["images_per_s"][name] = r["images_per_s"]
             out["details"][name] = r
-            # For data.backend: auto's rule (issue 27.4): images/s per backend for a folder of JPEGs on this device,
+            # For data.backend: auto's rule: images/s per backend for a folder of JPEGs on this device,
             # keyed by the backend's name; merge_results.py adds "fastest" once every call's figures are merged.
             out.setdefault("by_backend", {})[BACKEND_KEY[name.split(",")[0] if name.startswith("cpu") else name]] = \
                 r["images_per_s"]

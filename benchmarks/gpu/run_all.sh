@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The whole GPU job of issue 12 on a fresh device machine (Python 3.12, torch 2.11+cu130, torchvision 0.26,
+# The whole GPU job on a fresh device machine (Python 3.12, torch 2.11+cu130, torchvision 0.26,
 # no internet), in parts that each fit one 10-minute call of the device tool:
 #
 #   benchmarks/gpu/run_all.sh tests suite          # gpu/dali-marked tests (4 processes), then the rest (~6 min)
 #   benchmarks/gpu/run_all.sh bench M1,M4,M6       # model-only, memory backend, predict (~7 min)
 #   benchmarks/gpu/run_all.sh bench M2,M3,M5       # loaders, end to end, torchsprint bench (~8 min)
-#   benchmarks/gpu/run_all.sh recipes              # issue 14's switch costs on the memory and gpu backends (~5 min)
+#   benchmarks/gpu/run_all.sh recipes              # the recipe switches' costs on the memory and gpu backends (~5 min)
 #   benchmarks/gpu/run_all.sh dali                 # DALI's tests, loader rate and end to end (~4 min), once the
 #                                                  # .dali-* parts (fetch_wheels.sh --dali) have all been carried
 #   benchmarks/gpu/run_all.sh all                  # everything in one go (a machine without the call limit)
@@ -189,7 +189,7 @@ run_bench() {
   measure --only "$1" --deadline-s "${DEADLINE:-480}" $quick
 }
 
-run_recipes() {  # issue 14: what each recipe switch costs per backend on the GPU (the CPU figures are in BENCHMARKS.md)
+run_recipes() {  # what each recipe switch costs per backend on the GPU (the CPU figures are in BENCHMARKS.md)
   echo "== recipe switch costs $(date -u +%T)"
   timeout 280 "$PY" benchmarks/recipe_costs.py --backends memory,gpu --repeats 3 --steps 100 --root /tmp/recipe-costs \
     2>&1 | tee "$OUT/recipes_gpu.log" | tail -12

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU job in one 15-minute device window (issue 27.8): three calls of the device tool, back to back, each
+# The GPU job in one 15-minute device window: three calls of the device tool, back to back, each
 # `bash benchmarks/gpu/window.sh K` from the repository root, carrying what the table says. BENCHMARKS.md ("GPU job:
 # the plan") has the commands, the time budget per part and what to drop first.
 #

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -80,6 +81,16 @@ def wait_until(condition, timeout: float = 60, what: str = "condition") -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting: {what}"
         time.sleep(0.02)
+
+
+def listening(url: str) -> bool:
+    """Whether something accepts TCP connections at `url`'s host and port (http://HOST:PORT)."""
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        return True
+    except OSError:
+        return False
 
 
 def in_background(fn, *args, **kw) -> dict:

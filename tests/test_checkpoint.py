@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -417,6 +418,20 @@ def test_no_room_outside_the_checkpoint_write_is_one_line_and_resume_finishes(tm
     assert_whole_and_once(run_dir)
 
 
+@contextlib.contextmanager
+def small_tmpfs(tmp_path: Path):
+    """A real 4 MiB filesystem at tmp_path/disk for the duration (mounting one needs root: skipped elsewhere)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()[:120]}): needs root")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
 def test_a_real_full_disk_mid_run_is_one_line_and_resume_finishes(tmp_path, capsys):
     """A real full filesystem: a 4 MiB tmpfs (mounting one needs root; skipped elsewhere, where the file size limit
     test above stands in), filled by this test once the run's first checkpoint is on it. The run's next write (a
@@ -425,12 +440,7 @@ def test_a_real_full_disk_mid_run_is_one_line_and_resume_finishes(tmp_path, caps
     import errno as errno_mod
     import time
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()[:120]}): needs root")
-    try:
+    with small_tmpfs(tmp_path) as disk:
         run_dir = disk / "run"
         proc = subprocess.Popen([sys.executable, "-m", "torchsprint", "train", *ROOMY, "run.epochs=2", "eval.per_class=false",
                                  "data.batch_size=16", "log.every_steps=1", "checkpoint.every_steps=50", f"run.dir={run_dir}"],
@@ -463,8 +473,6 @@ def test_a_real_full_disk_mid_run_is_one_line_and_resume_finishes(tmp_path, caps
         assert cli.main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err[-2000:]
         assert json.loads((run_dir / "summary.json").read_text())["stopped"] == "completed"
         assert_whole_and_once(run_dir)
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def test_a_resume_on_a_full_disk_is_only_the_line_and_leaves_no_empty_event_file(tmp_path, capsys):
@@ -473,12 +481,7 @@ def test_a_resume_on_a_full_disk_is_only_the_line_and_leaves_no_empty_event_file
     the right one-line error came with "Exception in thread Thread-1:" and a cut traceback (the thread's re-raise
     through threading.excepthook), and a 0-byte event file stayed in tb/. After the space is freed, the resume
     finishes with every file whole."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()[:120]}): needs root")
-    try:
+    with small_tmpfs(tmp_path) as disk:
         run_dir = disk / "run"
         tb = ["log.tensorboard=true", "eval.per_class=false"]
         assert cli.main(["train", *ROOMY, *tb, "run.epochs=1", f"run.dir={run_dir}"]) == 0
@@ -498,5 +501,3 @@ def test_a_resume_on_a_full_disk_is_only_the_line_and_leaves_no_empty_event_file
         assert cli.main(["train", "--resume", str(run_dir), "run.epochs=2"]) == 0, capsys.readouterr().err[-2000:]
         assert_whole_and_once(run_dir)
         assert all(p.stat().st_size > 0 for p in (run_dir / "tb").iterdir())
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -26,6 +26,7 @@ from serve_helpers import (
     digit_images,
     encode,
     in_background,
+    listening,
     metric,
     result,
     unusual_files,
@@ -545,7 +546,7 @@ def test_sigterm_stops_accepting_answers_what_was_accepted_and_exits_0(run, file
                    and metric(m, "torchsprint_serve_in_model") == 1 and metric(m, "torchsprint_serve_queue_depth") == 2,
                    what="three requests accepted")
         proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: not _up(url), 60, "the listening socket closed")
+        wait_until(lambda: not listening(url), 60, "the listening socket closed")
         gate.touch()
         for p, box in zip(paths, boxes):
             r = result(box)
@@ -558,16 +559,7 @@ def test_sigterm_stops_accepting_answers_what_was_accepted_and_exits_0(run, file
 
 def _ready(proc: subprocess.Popen, url: str) -> bool:
     assert proc.poll() is None, f"the server exited with {proc.returncode}"
-    return _up(url) and httpx.get(url + "/ready").status_code == 200
-
-
-def _up(url: str) -> bool:
-    host, port = url.removeprefix("http://").split(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-        return True
-    except OSError:
-        return False
+    return listening(url) and httpx.get(url + "/ready").status_code == 200
 
 
 def test_settings_come_from_the_run_a_file_overrides_and_flags(run, tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ from serve_helpers import (
     encode,
     in_background,
     large_png,
+    listening,
     metric,
     result,
     wait_until,
@@ -36,15 +37,6 @@ BIG = (6000, 6000)
 
 def predict_post(url: str, body: bytes, timeout: float = 120) -> httpx.Response:
     return httpx.post(url + "/predict", content=body, headers=PNG, timeout=timeout)
-
-
-def listening(url: str) -> bool:
-    host, port = url.removeprefix("http://").split(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-        return True
-    except OSError:
-        return False
 
 
 def test_a_large_png_of_few_bytes_is_refused_before_it_costs_and_sigterm_still_ends_the_server(serve_run, tmp_path):

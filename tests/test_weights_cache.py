@@ -92,6 +92,14 @@ def test_a_body_cut_without_content_length_is_refused(online, server, r18):
     assert fetch(spec, None, log=lambda _: None).read_bytes() == r18.pth and checkpoints(online) == ["plain.pth"]
 
 
+def put_in_cache(home: Path, name: str, data: bytes) -> Path:
+    """`data` as torch.hub's cached file `name` under the test's TORCH_HOME (home/torch), as a user or a bug left it."""
+    cached = home / "torch" / "hub" / "checkpoints" / name
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_bytes(data)
+    return cached
+
+
 def test_a_cached_file_that_is_not_weights_is_one_line_then_replaced(online, server, r18, monkeypatch,
                                                                      cli_in_process, tmp_path):
     """Bug: a page already in the cache under the weights' name (left there by the bug above, or copied by hand) was
@@ -100,9 +108,7 @@ def test_a_cached_file_that_is_not_weights_is_one_line_then_replaced(online, ser
     weights and to remove it (`weights get` and a run alike; `weights path` says it, exit 1); with downloads allowed
     it is removed and downloaded again. A local file that is a page
     says so too."""
-    cached = online / "torch" / "hub" / "checkpoints" / "r18.pth"
-    cached.parent.mkdir(parents=True)
-    cached.write_bytes(LOGIN_PAGE)
+    cached = put_in_cache(online, "r18.pth", LOGIN_PAGE)
     server.files["/w/r18.pth"] = r18.pth
     spec = f"{server.url}/w/r18.pth"
     monkeypatch.setenv("TORCHSPRINT_OFFLINE", "1")
@@ -135,9 +141,7 @@ def test_a_pinned_url_checks_the_file_already_in_the_cache(online, server, r18, 
     model's weights loaded with exit 0, the log claiming the pinned hash. Now: the cached file is hashed against the
     pin: offline, one line naming the path and both hashes; with downloads allowed, downloaded again (once)."""
     other = saved({"encoder.weight": torch.ones(4, 3), "encoder.bias": torch.zeros(4)})  # another model's weights
-    cached = online / "torch" / "hub" / "checkpoints" / "r18.pth"
-    cached.parent.mkdir(parents=True)
-    cached.write_bytes(other)
+    cached = put_in_cache(online, "r18.pth", other)
     server.files["/w/r18.pth"] = r18.pth
     spec = f"{server.url}/w/r18.pth#sha256={sha256(r18.pth)}"
     monkeypatch.setenv("TORCHSPRINT_OFFLINE", "1")

@@ -59,7 +59,7 @@ def _torchvision_provider():
             return adapt_in_channels(model, in_channels)
 
         build.__doc__ = f"torchvision.models.{fn_name}"
-        build.source = torchvision.models.get_model_builder(fn_name)  # whose module declares model.args (check_args)
+        build.source = lambda: torchvision.models.get_model_builder(fn_name)  # its module declares model.args (check_args)
         return build
 
     return {n: make(n) for n in torchvision.models.list_models(module=torchvision.models)}
@@ -75,7 +75,7 @@ def _timm_provider():
             return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_channels, **args)
 
         build.__doc__ = f"timm.create_model('{name}')"
-        build.source = lambda: timm.models.model_entrypoint(name)  # looked up when checked (check_args)
+        build.source = lambda: timm.models.model_entrypoint(name)
         return build
 
     return {f"timm/{n}": make(n) for n in timm.list_models()}
@@ -92,7 +92,7 @@ def _torchvision_video_provider():
             return FramesFirst(torchvision.models.get_model(fn_name, weights=None, num_classes=num_classes, **args))
 
         build.__doc__ = f"torchvision.models.video.{fn_name} (task=video; input (N, T, C, H, W) clips)"
-        build.source = torchvision.models.get_model_builder(fn_name)
+        build.source = lambda: torchvision.models.get_model_builder(fn_name)
         return build
 
     return {n: make(n) for n in torchvision.models.list_models(module=torchvision.models.video)}
@@ -117,15 +117,14 @@ RESERVED_ARGS = {
 def declared_type(builder, key: str):
     """The type a model builder declares for keyword `key` (bool, int, float), or None when nothing says.
 
-    Looked up in the builder's own signature (the built-in nets), then in the library function it wraps
-    (`build.source`) and the nn.Module classes of that function's module: torchvision's resnet18 takes **kwargs and
-    passes them to ResNet.__init__, which declares `zero_init_residual: bool = False`."""
+    Looked up in the builder's own signature (the built-in nets), then in the library function a provider's builder
+    wraps (`build.source()`, looked up only when checked) and the nn.Module classes of that function's module:
+    torchvision's resnet18 takes **kwargs and passes them to ResNet.__init__, which declares
+    `zero_init_residual: bool = False`."""
     import inspect
     import sys
 
-    source = getattr(builder, "source", None)
-    if source is not None and getattr(source, "__name__", "") == "<lambda>":
-        source = source()
+    source = builder.source() if hasattr(builder, "source") else None  # a provider's: the library function it wraps
     targets = [builder] + ([source] if source is not None else [])
     if source is not None and (module := sys.modules.get(source.__module__)) is not None:
         targets += [c.__init__ for c in vars(module).values()

@@ -20,7 +20,7 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 # Chosen so every mutant's test run takes seconds: no full-length training runs, no subprocess CLIs.
 case "$module" in
   precision)
-    src=(src/torchsprint/train/precision.py)
+    src=(src/torchsprint/state/precision.py)
     tests=(tests/test_precision.py -k "not 98_percent and not cpu_is_refused")
     ;;
   optim)
@@ -36,7 +36,7 @@ case "$module" in
     tests=(tests/test_data_batch_ops.py tests/test_data_backends.py)
     ;;
   checkpoint)
-    src=(src/torchsprint/train/checkpoint.py)
+    src=(src/torchsprint/state/checkpoint.py)
     tests=(tests/test_checkpoint_units.py tests/test_checkpoint.py -k "not two_ranks")
     ;;
   engine)

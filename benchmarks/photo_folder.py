@@ -144,7 +144,7 @@ def eval_at_stop(run_dir: Path) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from torchsprint.train.checkpoint import strip_prefixes
+    from torchsprint.state.checkpoint import strip_prefixes
 
     status = json.loads((run_dir / "checkpoints" / "status.json").read_text())
     ckpt = torch.load(run_dir / "checkpoints" / status["latest"], map_location="cpu", weights_only=False)

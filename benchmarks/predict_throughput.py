@@ -32,7 +32,7 @@ from torchsprint.models import build_model
 
 def make_run(root: Path, model: str, eval_spec: list, in_channels: int, classes: int, data: list[str] = ()) -> Path:
     """A run folder with random weights and the given eval spec (what `train` would leave behind)."""
-    from torchsprint.train.checkpoint import save_weights
+    from torchsprint.state.checkpoint import save_weights
 
     cfg = config.load(None, [f"model.name={model}", f"data.eval.transforms={eval_spec}", *data])
     trained = Trained(build_model(cfg.model, classes, in_channels).eval(), [str(i) for i in range(classes)], in_channels,

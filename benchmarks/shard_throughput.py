@@ -101,7 +101,7 @@ def main() -> None:
 
     import torch
 
-    from torchsprint.data.commands.shard import shard
+    from torchsprint.commands.data.shard import shard
     from torchsprint.data.sources.synthetic import generate_synthetic_jpeg
 
     torch.set_num_threads(1)

@@ -39,7 +39,7 @@ from torchsprint.data import DATASETS
 from torchsprint.data.core import Splits, TensorImages
 from torchsprint.models import build_model
 from torchsprint.observe.logging import RunLogger
-from torchsprint.train.checkpoint import TrainState
+from torchsprint.state.checkpoint import TrainState
 from torchsprint.train.context import RunContext
 from torchsprint.train.engine import set_train_mode, train_one_epoch
 from torchsprint.train.run import build_training

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 from torchsprint import config
 from torchsprint.errors import UsageError
+from torchsprint.state.checkpoint import load_checkpoint
+from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.batch_size import (
     binsearch,
     check_batch_settings,
@@ -23,8 +25,6 @@ from torchsprint.train.batch_size import (
     power_of_two_floor,
     step_peak_bytes,
 )
-from torchsprint.train.checkpoint import load_checkpoint
-from torchsprint.train.resume import find_checkpoints
 from torchsprint.train.run import train
 
 OOM_MODULE = "batchauto_oom_net"

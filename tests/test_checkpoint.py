@@ -22,8 +22,8 @@ from torchsprint import cli, config
 from torchsprint.errors import UsageError
 from torchsprint.runtime.core import Runtime
 from torchsprint.runtime.rng import rng_isolated, rng_state, set_rng_state
-from torchsprint.train import checkpoint as ckpt_mod
-from torchsprint.train.checkpoint import (
+from torchsprint.state import checkpoint as ckpt_mod
+from torchsprint.state.checkpoint import (
     TEMP_RE,
     Saver,
     TrainState,
@@ -31,8 +31,8 @@ from torchsprint.train.checkpoint import (
     data_geometry,
     load_checkpoint,
 )
-from torchsprint.train.precision import Precision
-from torchsprint.train.resume import find_checkpoints, find_resume, restore
+from torchsprint.state.precision import Precision
+from torchsprint.state.resume import find_checkpoints, find_resume, restore
 from torchsprint.train.run import train
 
 CPU = Runtime(torch.device("cpu"))
@@ -262,7 +262,7 @@ def test_unwritable_run_folder_is_a_usage_error(tmp_path, capsys):
 
 
 class FullDisk:
-    """`open` for torchsprint.train.checkpoint on a disk with `free` bytes left: writes past that fail with ENOSPC."""
+    """`open` for torchsprint.state.checkpoint on a disk with `free` bytes left: writes past that fail with ENOSPC."""
 
     def __init__(self, free: int):
         self.free = free

@@ -1,4 +1,4 @@
-"""train/checkpoint.py function by function: names, atomic writes, safe loading, weights files, the saver's status
+"""state/checkpoint.py function by function: names, atomic writes, safe loading, weights files, the saver's status
 file, retention and set-aside. Real files, torch.save and safetensors; no training runs (each test takes well under
 a second), so that mutation testing (benchmarks/mutation.sh checkpoint) can run them for every mutant."""
 
@@ -23,8 +23,8 @@ from torch import nn
 from torchsprint import config
 from torchsprint.errors import UsageError
 from torchsprint.runtime.core import Runtime
-from torchsprint.train import checkpoint as ckpt_mod
-from torchsprint.train.checkpoint import (
+from torchsprint.state import checkpoint as ckpt_mod
+from torchsprint.state.checkpoint import (
     FORMAT,
     TEMP_RE,
     Saver,
@@ -37,8 +37,8 @@ from torchsprint.train.checkpoint import (
     save_weights,
     strip_prefixes,
 )
-from torchsprint.train.ema import ModelEma, NoEma
-from torchsprint.train.precision import Precision
+from torchsprint.state.ema import ModelEma, NoEma
+from torchsprint.state.precision import Precision
 
 CPU = Runtime(torch.device("cpu"))
 

@@ -18,8 +18,8 @@ import torch
 
 from conftest import make_image_folder
 from torchsprint import config
+from torchsprint.commands.data.shard import parse_size, shard
 from torchsprint.data import build_loaders
-from torchsprint.data.commands.shard import parse_size, shard
 from torchsprint.errors import UsageError
 from torchsprint.runtime.core import Runtime
 

@@ -233,7 +233,7 @@ def test_refusals(tmp_path):
 
 def test_data_check_reads_shards(tmp_path):
     """`data check` on shards: every sample read, the bad one named by shard#key, the sample grid drawn."""
-    from torchsprint.data.commands.check import check
+    from torchsprint.commands.data.check import check
 
     root = write_shards(tmp_path / "shards", [4, 3], bad={2})
     write_shards(root, [3], split="val", index=False, start=7)

@@ -95,7 +95,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
 
 
 def test_cli_nproc_per_node_syncbn_matches_one_process(tmp_path, run_cli):
-    """`torchsprint train --nproc-per-node 2` (runtime/launch.py -> torchrun) with SyncBatchNorm on."""
+    """`torchsprint train --nproc-per-node 2` (commands/launch.py -> torchrun) with SyncBatchNorm on."""
     ref = reference(tmp_path / "ref", "bn", ["model.args.width=8"])
     run_dir = tmp_path / "ddp"
     proc = run_cli("train", "--nproc-per-node", "2", *worker.COMMON, f"data.batch_size={worker.B}", "model.args.width=8",

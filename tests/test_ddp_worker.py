@@ -58,8 +58,8 @@ def evaluate_weights(weights: str) -> dict:
     from torchsprint.models import build_model
     from torchsprint.optim import build_loss
     from torchsprint.runtime.parallel import wrap_model
+    from torchsprint.state.precision import Precision
     from torchsprint.tasks.metrics import ClassificationMetrics
-    from torchsprint.train.precision import Precision
     from torchsprint.train.validation import evaluate
 
     cfg = config.load(None, [*COMMON, "strategy=ddp", "model.name=linear"])
@@ -105,11 +105,11 @@ def uneven_and_no_sync() -> dict:
     from torchsprint.observe.logging import RunLogger
     from torchsprint.runtime.collectives import agree_on_data
     from torchsprint.runtime.parallel import wrap_model
-    from torchsprint.train.checkpoint import TrainState
+    from torchsprint.state.checkpoint import TrainState
+    from torchsprint.state.precision import Precision
     from torchsprint.train.context import RunContext, Trainable
     from torchsprint.train.engine import train_one_epoch, train_step
     from torchsprint.train.plan import NO_SPEED, build_plan
-    from torchsprint.train.precision import Precision
 
     cfg = config.load(None, ["strategy=ddp", "log.every_steps=1000", "log.tensorboard=false", "checkpoint.every_steps=null"])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)

@@ -134,8 +134,8 @@ def test_colour_modes_become_the_same_rgb_uint8_from_every_decoder(case):
 def test_training_eval_predict_and_compare_see_the_same_upright_image(tmp_path):
     """The paths a file takes in training/evaluation (ImageFiles), predict and `data compare`."""
     from torchsprint import config
+    from torchsprint.commands.data.compare import _eval_paths
     from torchsprint.commands.predict import Predictor
-    from torchsprint.data.commands.compare import _eval_paths
     from torchsprint.data.sources.folders import ImageFiles
 
     (tmp_path / "val" / "a").mkdir(parents=True)

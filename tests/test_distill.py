@@ -158,7 +158,7 @@ def test_half_weight_precision_gives_the_teacher_half_weights_and_mixup_reaches_
     """precision=bf16 (half weights, as the student's): the teacher's convolutions in bf16, BatchNorm in fp32, logits
     fp32. With Mixup on, the teacher's logits are those of the mixed images the student sees."""
     from torchsprint.commands.trained import load_run
-    from torchsprint.train.precision import HalfModel
+    from torchsprint.state.precision import HalfModel
 
     plain = [f"distill.teacher.run={teacher_run}", "data.batch_size=32", "speed.channels_last=false"]
     _, b = build(*plain, "precision=bf16")

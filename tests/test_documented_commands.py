@@ -194,7 +194,7 @@ MULTI_MACHINE = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend")
 def kept_short(argv: list[str]) -> list[str]:
     command = argv[0] if argv else ""
     if command == "train" and ("--nproc-per-node" in argv or "--nnodes" in argv):
-        # A launch dry-runs in real workers (runtime/launch.py): two of them on this machine alone, the other
+        # A launch dry-runs in real workers (commands/launch.py): two of them on this machine alone, the other
         # machines' flags left out (their rendezvous would wait for machines that are not there).
         out, skip = [], False
         for tok in argv:

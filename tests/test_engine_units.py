@@ -26,10 +26,11 @@ from torchsprint.errors import Diverged, UsageError
 from torchsprint.models.init import NO_HEAD_ONLY
 from torchsprint.observe.logging import RunLogger
 from torchsprint.runtime.preempt import Stopper
+from torchsprint.state.checkpoint import Saver, TrainState, data_geometry
+from torchsprint.state.ema import build_ema
+from torchsprint.state.precision import Precision
 from torchsprint.tasks.core import get_task
-from torchsprint.train.checkpoint import Saver, TrainState, data_geometry
 from torchsprint.train.context import RunContext, Trainable
-from torchsprint.train.ema import build_ema
 from torchsprint.train.engine import (
     NO_EMA,
     EpochTotals,
@@ -42,7 +43,6 @@ from torchsprint.train.engine import (
     train_step,
 )
 from torchsprint.train.plan import NO_SPEED, build_plan
-from torchsprint.train.precision import Precision
 from torchsprint.train.validation import early_stop_check, evaluate, is_better, set_train_mode
 
 CPU = torch.device("cpu")

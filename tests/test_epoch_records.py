@@ -12,7 +12,7 @@ import math
 from safetensors.torch import load_file
 
 from torchsprint import config
-from torchsprint.train.resume import find_checkpoints
+from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.run import train
 
 FAST = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false",
@@ -92,7 +92,7 @@ def test_sigkill_after_an_epoch_line_at_a_checkpoint_step_then_resume_logs_each_
     from collections import Counter
 
     from test_resume import _temp_files, _wait
-    from torchsprint.train.checkpoint import SLOW_WRITE_ENV, load_checkpoint
+    from torchsprint.state.checkpoint import SLOW_WRITE_ENV, load_checkpoint
 
     over = ["run.epochs=2", "data.batch_size=449", "checkpoint.every_steps=2", "log.every_steps=1"]  # 2 steps per epoch
     _, ref = run(tmp_path, "ref", *over)

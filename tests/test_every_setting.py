@@ -320,7 +320,7 @@ def probe_stop_signals():
 
 
 def probe_run_name_out_dir_dir(tmp):
-    from torchsprint.train.rundir import planned_path
+    from torchsprint.state.rundir import planned_path
 
     assert planned_path(cfg_of("run.name=abc").run)[0].parent.name == "abc"
     assert planned_path(cfg_of(f"run.out_dir={tmp}").run)[0].parents[1] == tmp

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from torchsprint import config, runtime
 from torchsprint.errors import UsageError
-from torchsprint.train.resume import find_checkpoints
+from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.run import build_training, train
 
 # digits: 1437 training images, batch 64 -> 22 steps per epoch; the head of small_cnn is its last Linear ("7.").

@@ -230,10 +230,10 @@ def test_cuda_graphs_keep_frozen_batchnorm_in_eval_mode():
 def test_cuda_graphs_really_replay_in_training(tmp_path):
     """speed.cuda_graphs through wrap_model and train_step: every full training batch is a replay."""
     from torchsprint.runtime.parallel import wrap_model
+    from torchsprint.state.precision import Precision
     from torchsprint.train.context import Trainable
     from torchsprint.train.engine import train_step
     from torchsprint.train.plan import decide_speed
-    from torchsprint.train.precision import Precision
 
     cfg = config.load(None, ["speed.cuda_graphs=true", "precision=amp_bf16"])
     prec = Precision("amp_bf16", CUDA.device, graph_safe=True)
@@ -254,9 +254,9 @@ def test_compile_really_compiles_on_gpu(mode):
     from torch._dynamo.utils import counters
 
     from torchsprint.runtime.parallel import wrap_model
+    from torchsprint.state.precision import Precision
     from torchsprint.train.engine import train_step
     from torchsprint.train.plan import decide_speed
-    from torchsprint.train.precision import Precision
 
     torch._dynamo.reset()
     counters.clear()
@@ -438,8 +438,8 @@ def test_steady_state_train_step_never_syncs(mode, setup):
     """N steps of train_step under torch.cuda.set_sync_debug_mode("error") after warm-up: any host sync
     (an .item(), a bool() of a device tensor, a blocking copy) raises."""
     from torchsprint.optim import build_optimizer
+    from torchsprint.state.precision import Precision
     from torchsprint.train.engine import train_step
-    from torchsprint.train.precision import Precision
 
     name, *flags = setup.split("-")
     over = [f"optim.name={name}"] + (["optim.impl=foreach"] if "foreach" in flags else [])

@@ -13,9 +13,9 @@ from torchsprint import config
 from torchsprint.errors import UsageError
 from torchsprint.models.init import apply_freeze, frozen_norm_layers, init_model, load_pretrained
 from torchsprint.models.nets import small_cnn
-from torchsprint.train.checkpoint import load_checkpoint
+from torchsprint.state.checkpoint import load_checkpoint
+from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.engine import set_train_mode
-from torchsprint.train.resume import find_checkpoints
 from torchsprint.train.run import train
 
 FAST = ["model.args={width: 8}", "data.batch_size=128", "eval.per_class=false", "log.tensorboard=false",

@@ -15,7 +15,7 @@ Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies
   engine       validation (evaluations, best weights), the only loop; batch_size (data.batch_size: auto, with real
                train steps)
   run          the flow of one run
-  commands     trained, export, predict, serve (engine, app, page), bench, report, weights, launch, data/commands/
+  commands     trained, export, predict, serve (engine, app, page), bench, report, weights, launch, commands/data/
                (check, compare, shard)
   cli          the `torchsprint` command and the types of its flags (commands/args.py)
 
@@ -39,8 +39,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "registry", "version", "config.fields", "runtime.files"]),
     ("machine", ["runtime.machine", "runtime.core", "runtime.rng", "runtime.collectives", "runtime.preempt", "runtime.sync_bn",
                  "runtime.parallel", "observe.*"]),
-    ("numerics", ["train.precision", "train.ema", "train.swa", "train.checkpoint", "train.resume", "train.rundir",
-                  "tasks.metrics", "optim.*"]),
+    ("numerics", ["state.*", "tasks.metrics", "optim.*"]),
     ("data.core", ["data.core", "data.prefetch"]),
     ("data.decode", ["data.preprocess.decode"]),
     ("data.spec", ["data.preprocess.transforms", "data.preprocess.normalize", "data.preprocess.batch_geometry",
@@ -60,7 +59,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("engine", ["train.context", "train.validation", "train.engine", "train.batch_size", "train.speed_probe",
                 "train.distill"]),
     ("run", ["train.imbalance", "train.evaluation", "train.run"]),
-    ("commands", ["commands.*", "commands.bench.*", "runtime.launch", "data.commands.*"]),
+    ("commands", ["commands.*"]),
     ("cli", ["cli", "__main__"]),
 ]
 
@@ -164,7 +163,7 @@ def test_the_checker_flags_an_upward_import_and_a_face_import(tmp_path):
 
 @pytest.mark.parametrize("module", ["torchsprint.data", "torchsprint.models", "torchsprint.data.sources",
                                     "torchsprint.data.backends", "torchsprint.data.preprocess",
-                                    "torchsprint.data.commands", "torchsprint.optim", "torchsprint.config",
+                                    "torchsprint.commands.data", "torchsprint.optim", "torchsprint.config",
                                     "torchsprint.runtime", "torchsprint.observe", "torchsprint.tasks", "torchsprint.train",
                                     "torchsprint.commands", "torchsprint.commands.bench"])
 def test_package_faces_only_reexport(module):

@@ -212,8 +212,8 @@ def test_a_step_checkpoint_before_anything_was_logged_still_cuts_the_epoch_row_l
 
     from torchsprint.observe.logging import RunLogger
     from torchsprint.runtime.core import Runtime
-    from torchsprint.train.checkpoint import Saver, TrainState, data_geometry
-    from torchsprint.train.precision import Precision
+    from torchsprint.state.checkpoint import Saver, TrainState, data_geometry
+    from torchsprint.state.precision import Precision
 
     cfg = config.load(None, ["log.tensorboard=false", "checkpoint.every_steps=2"])
     rt = Runtime(device=torch.device("cpu"))

@@ -20,9 +20,9 @@ from torch.nn import functional as F
 from torchsprint.config.schema import EvalConfig, LossConfig
 from torchsprint.data.core import DataInfo
 from torchsprint.optim import build_loss
+from torchsprint.state.precision import Precision
 from torchsprint.tasks.core import get_task
 from torchsprint.tasks.metrics import MultilabelMetrics
-from torchsprint.train.precision import Precision
 from torchsprint.train.validation import evaluate
 
 CPU = torch.device("cpu")

@@ -9,9 +9,9 @@ from torch import nn
 
 from torchsprint import config
 from torchsprint.cli import main as cli_main
+from torchsprint.commands.launch import check_nproc, node_settings, torchrun_argv, worker_args
 from torchsprint.errors import UsageError
 from torchsprint.runtime.core import Runtime, check_strategy, first_slurm_host, launch_env, resolve_backend
-from torchsprint.runtime.launch import check_nproc, node_settings, torchrun_argv, worker_args
 from torchsprint.runtime.parallel import (
     GlooSyncBatchNorm,
     check_speed,
@@ -20,8 +20,8 @@ from torchsprint.runtime.parallel import (
     unwrap,
     wrap_model,
 )
+from torchsprint.state.precision import Precision
 from torchsprint.train.plan import decide_speed
-from torchsprint.train.precision import Precision
 from torchsprint.train.run import train
 
 CPU_RT = Runtime(device=torch.device("cpu"))

@@ -15,8 +15,8 @@ from torchsprint import config
 from torchsprint.observe.logging import RunLogger
 from torchsprint.runtime.core import Runtime
 from torchsprint.runtime.parallel import CudaGraphed, unwrap
+from torchsprint.state.checkpoint import TrainState
 from torchsprint.train import run
-from torchsprint.train.checkpoint import TrainState
 from torchsprint.train.context import RunContext
 from torchsprint.train.engine import set_train_mode, train_one_epoch
 from torchsprint.train.plan import decisions, describe_decisions

@@ -11,9 +11,9 @@ from torch import nn
 from torchsprint import config
 from torchsprint.cli import main as cli_main
 from torchsprint.errors import UsageError
+from torchsprint.state.precision import HalfModel, Precision
 from torchsprint.train.context import Trainable
 from torchsprint.train.engine import train_step
-from torchsprint.train.precision import HalfModel, Precision
 from torchsprint.train.run import train
 
 CPU = torch.device("cpu")
@@ -244,7 +244,7 @@ def test_masked_step_skips_bit_exactly_and_steps_like_opt_step(name, make):
     a skipped first step creates no state (as GradScaler's skip would)."""
     import copy
 
-    from torchsprint.train.precision import masked_step
+    from torchsprint.state.precision import masked_step
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
@@ -384,7 +384,7 @@ def test_check_mode_messages_and_what_each_device_accepts():
         Precision("fp16", CPU)
     assert str(e.value) == ("precision=fp16 needs a CUDA device (CPUs have no fast fp16 math); on CPU use "
                             "precision=amp_bf16 (CPU autocast), bf16 or fp32.")
-    from torchsprint.train.precision import check_mode
+    from torchsprint.state.precision import check_mode
 
     cuda = torch.device("cuda")  # check_mode only reads the device type: no GPU needed
     for mode in ("fp32", "amp_fp16", "fp16"):
@@ -456,7 +456,7 @@ def test_attach_rekeys_state_loaded_before_it_in_fp32_and_once():
 
 
 def test_masked_step_on_a_stateless_optimizer_runs_sync_free_after_its_first_step():
-    from torchsprint.train.precision import masked_step
+    from torchsprint.state.precision import masked_step
 
     p = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.5)
@@ -471,7 +471,7 @@ def test_masked_step_on_a_stateless_optimizer_runs_sync_free_after_its_first_ste
 
 
 def test_grad_max_abs_is_the_inf_norm_and_zero_without_gradients():
-    from torchsprint.train.precision import grad_max_abs
+    from torchsprint.state.precision import grad_max_abs
 
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([a, b], lr=1)
@@ -505,7 +505,7 @@ def test_bf16_step_after_unscale_keeps_the_gradients_and_unused_parameters_are_f
 
 
 def test_masked_step_runs_on_the_device_once_every_parameter_has_state():
-    from torchsprint.train.precision import masked_step
+    from torchsprint.state.precision import masked_step
 
     a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([a, b], lr=0.5, momentum=0.9)

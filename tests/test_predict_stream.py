@@ -14,7 +14,7 @@ from torchsprint import config
 from torchsprint.commands.predict import Predictor
 from torchsprint.commands.trained import Trained
 from torchsprint.models import build_model
-from torchsprint.train.checkpoint import save_weights
+from torchsprint.state.checkpoint import save_weights
 
 
 def make_run(root: Path, eval_spec: list) -> Path:

@@ -20,8 +20,8 @@ import pytest
 from test_resume import BASE, _records, _temp_files, _wait, assert_same_run, raw_train_steps
 from torchsprint import cli, config
 from torchsprint.runtime.preempt import EXIT_PREEMPTED
-from torchsprint.train.checkpoint import SLOW_WRITE_ENV, load_checkpoint, read_safetensors_metadata
-from torchsprint.train.resume import find_checkpoints
+from torchsprint.state.checkpoint import SLOW_WRITE_ENV, load_checkpoint, read_safetensors_metadata
+from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.run import train
 
 TOTAL_STEPS = 14  # BASE: 2 epochs x 7 steps

@@ -52,7 +52,7 @@ def main(out: Path, part: str) -> None:
     dist.all_gather_object(everyone, mine)
     # 3. The EMA of a BatchNorm model: per-rank statistics differ after local forwards; sync makes them rank 0's.
     from torchsprint.runtime.parallel import unwrap
-    from torchsprint.train.ema import ModelEma
+    from torchsprint.state.ema import ModelEma
 
     ema = ModelEma(unwrap(b.model), config.load(None, ["ema.enabled=true", "ema.decay=0.5"]).ema, rt.device)
     ema.attach(unwrap(b.model))

@@ -13,7 +13,7 @@ from torch import nn
 
 from torchsprint import config
 from torchsprint.errors import UsageError
-from torchsprint.train.ema import ModelEma
+from torchsprint.state.ema import ModelEma
 from torchsprint.train.run import evaluate_run, train
 
 timm_ema = pytest.importorskip("timm.utils.model_ema")

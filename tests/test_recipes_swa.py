@@ -193,7 +193,7 @@ def test_swa_refusals(tmp_path):
 
 def test_swa_start_as_a_fraction_and_early_stop_before_it(tmp_path):
     """swa.start=0.5 of 4 epochs averages epochs 3-4; a run that stops before its first averaged epoch says so."""
-    from torchsprint.train.swa import start_index
+    from torchsprint.state.swa import start_index
 
     assert start_index(config.load(None, ["swa.start=0.75"]).swa, 20) == 15  # epochs 16-20, as the schema says
     s = run(tmp_path / "frac", "run.epochs=4", "swa.enabled=true", "swa.lr=0.02", "swa.start=0.5")

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from torchsprint import config
-from torchsprint.train.checkpoint import SLOW_WRITE_ENV, TEMP_RE, load_checkpoint
-from torchsprint.train.resume import find_checkpoints
+from torchsprint.state.checkpoint import SLOW_WRITE_ENV, TEMP_RE, load_checkpoint
+from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.run import train
 
 STEPS_PER_EPOCH = 7  # digits with half held out for validation: 898 training images // batch 128 (drop_last)

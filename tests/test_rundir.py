@@ -36,7 +36,7 @@ def cli_env() -> dict:
 CLAIM = """
 import sys, time
 from pathlib import Path
-from torchsprint.train.rundir import create_unique
+from torchsprint.state.rundir import create_unique
 planned, go = Path(sys.argv[1]), Path(sys.argv[2])
 print("ready", flush=True)
 while not go.exists():
@@ -201,7 +201,7 @@ def test_resume_of_a_run_that_saved_nothing_starts_over_with_a_fresh_metrics_fil
 def test_a_run_stopped_by_max_steps_is_told_to_raise_max_steps(tmp_path, capsys):
     """The finished-run message names the limit that ended the run: run.max_steps here (it said run.epochs, which
     changes nothing), and its advice works."""
-    from torchsprint.train.rundir import how_to_continue
+    from torchsprint.state.rundir import how_to_continue
 
     run = tmp_path / "run"
     assert cli.main(["train", *FAST, "run.max_steps=3", f"run.dir={run}"]) == 0

@@ -215,4 +215,4 @@ def test_torch_load_calls_are_weights_only():
     for f in src.rglob("*.py"):
         for m in re.finditer(r"torch\.load\(([^)]*)\)", f.read_text()):
             assert "weights_only=True" in m.group(1), f"{f}: torch.load({m.group(1)})"
-    assert torch.load  # the grep above found the calls in train/checkpoint.py and models/init.py
+    assert torch.load  # the grep above found the calls in state/checkpoint.py and models/init.py

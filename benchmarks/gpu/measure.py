@@ -169,8 +169,8 @@ class TorchsprintSide:
         from torchsprint.models import build_model
         from torchsprint.optim import build_loss, build_optimizer
         from torchsprint.runtime.parallel import wrap_model
+        from torchsprint.state.precision import Precision
         from torchsprint.train.plan import decide_speed
-        from torchsprint.train.precision import Precision
 
         # speed.cuda_graphs=auto would capture on CUDA: a variant says when it wants graphs (same switches as its name).
         cfg = config.load(None, [f"model.name={model}", f"run.device={SIZE['device']}", "speed.cuda_graphs=false", *overrides])

@@ -75,12 +75,12 @@ def cmd_train(args) -> int:
         raise UsageError("--max-restarts/--rdzv-backend configure torchrun's launcher: add --nproc-per-node N "
                          "(and --nnodes for several machines).")
     if args.nproc_per_node or args.nnodes:  # a dry run too: each worker checks its part (rank, shard, group)
-        from torchsprint.runtime.launch import launch
+        from torchsprint.commands.launch import launch
 
         return launch(args)
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         # torchrun restarted this worker group after a worker died (--max-restarts): continue from the newest
-        # valid checkpoint of the run folder, which every attempt shares (runtime/launch.py).
+        # valid checkpoint of the run folder, which every attempt shares (commands/launch.py).
         overrides += ["checkpoint.resume=auto"]
     if args.resume and args.config is None:  # the run folder's own config: its `imports:` are not trusted
         from torchsprint.config.saved import resumed_run_config
@@ -114,14 +114,14 @@ def cmd_eval(args) -> int:
 
 def cmd_data(args) -> int:
     if args.data_command == "check":
-        from torchsprint.data.commands.check import check_cli
+        from torchsprint.commands.data.check import check_cli
 
         return check_cli(args)
     if args.data_command == "shard":
-        from torchsprint.data.commands.shard import shard_cli
+        from torchsprint.commands.data.shard import shard_cli
 
         return shard_cli(args)
-    from torchsprint.data.commands.compare import compare_cli
+    from torchsprint.commands.data.compare import compare_cli
 
     return compare_cli(args)
 

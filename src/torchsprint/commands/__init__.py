@@ -1,1 +1,1 @@
-"""The CLI's commands beyond train: eval helpers, export, predict, bench, report, average, lr-find."""
+"""The CLI's commands beyond train: export, predict, serve, bench, report, average, lr-find, weights, DDP launching, `data` (check, compare, shard)."""

@@ -82,7 +82,7 @@ def nnodes(text: str) -> str:
 
 def shard_size(text: str) -> str:
     """`data shard --shard-size`: a size such as 1GB, 500MB, 64MiB (shard.parse_size's rules)."""
-    from torchsprint.data.commands.shard import parse_size
+    from torchsprint.commands.data.shard import parse_size
     from torchsprint.errors import UsageError
 
     try:
@@ -102,7 +102,7 @@ class Output:
 
     def __call__(self, text: str) -> str:
         from torchsprint.errors import UsageError
-        from torchsprint.train.rundir import writable_file
+        from torchsprint.state.rundir import writable_file
 
         try:
             writable_file(text, "", folder=self.folder, create=False)

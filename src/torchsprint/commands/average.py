@@ -32,7 +32,7 @@ def input_files(runs: list[str], weights: str, checkpoints: int | None) -> list[
                              "given. Pass one run folder, or leave out --checkpoints to average the runs' --weights.")
         if checkpoints < 2:
             raise UsageError(f"--checkpoints {checkpoints}: an average needs at least 2 checkpoints.")
-        from torchsprint.train.resume import find_checkpoints
+        from torchsprint.state.resume import find_checkpoints
 
         run = Path(runs[0])
         found = find_checkpoints(run) if run.is_dir() else []  # newest first
@@ -56,7 +56,7 @@ def input_files(runs: list[str], weights: str, checkpoints: int | None) -> list[
 
 def read_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict, {model, classes}) of a safetensors weights file or a checkpoint file's model."""
-    from torchsprint.train.checkpoint import load_checkpoint, read_safetensors_metadata
+    from torchsprint.state.checkpoint import load_checkpoint, read_safetensors_metadata
 
     if path.suffix == ".pt":
         ckpt = load_checkpoint(path)
@@ -146,11 +146,11 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     from torchsprint import config as config_mod
     from torchsprint import runtime
     from torchsprint.config.saved import load_run_config, naming_imports
+    from torchsprint.state.checkpoint import save_weights
+    from torchsprint.state.precision import Precision, concrete_mode
+    from torchsprint.state.rundir import writable_file
+    from torchsprint.state.swa import recompute_bn
     from torchsprint.tasks.core import get_task
-    from torchsprint.train.checkpoint import save_weights
-    from torchsprint.train.precision import Precision, concrete_mode
-    from torchsprint.train.rundir import writable_file
-    from torchsprint.train.swa import recompute_bn
     from torchsprint.train.validation import evaluate
 
     out = Path(out)

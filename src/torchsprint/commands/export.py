@@ -12,7 +12,7 @@ from torch import nn
 
 from torchsprint.errors import UsageError
 from torchsprint.registry import Registry
-from torchsprint.train.checkpoint import atomic_path
+from torchsprint.state.checkpoint import atomic_path
 
 EXPORTERS = Registry("exporter")
 
@@ -103,7 +103,7 @@ def export_onnx(trained, out: Path, *, uint8_input: bool, opset: int | None, exa
 def export_safetensors(trained, out: Path, *, uint8_input: bool, opset, example, tta=None) -> Path:
     """Weights + metadata (classes, config, eval spec): loadable by safetensors alone or by torchsprint predict.
     The weights are the plain model's; eval.tta travels in the config (predict applies it)."""
-    from torchsprint.train.checkpoint import save_weights
+    from torchsprint.state.checkpoint import save_weights
 
     save_weights(out, trained.model, trained.metadata())
     return out
@@ -251,7 +251,7 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
     raises UsageError when the difference exceeds `tolerance`. `out` may replace an existing file only with
     `overwrite` (the CLI's --overwrite), and never a file of a run (rundir.writable_file).
     """
-    from torchsprint.train.rundir import writable_file
+    from torchsprint.state.rundir import writable_file
 
     if out is not None:  # before the run is loaded: a bad --out costs nothing
         out = writable_file(out, "--out", overwrite=overwrite)

@@ -169,8 +169,8 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
     """
     from torchsprint import runtime
     from torchsprint.config.schema import import_modules
+    from torchsprint.state.rundir import writable_file
     from torchsprint.train.run import build_training
-    from torchsprint.train.rundir import writable_file
 
     check_range(steps, start, end)
     if cfg.strategy.name == "ddp":

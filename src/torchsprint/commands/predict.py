@@ -407,7 +407,7 @@ def predict_cli(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from torchsprint.train.rundir import writable_file
+    from torchsprint.state.rundir import writable_file
 
     if args.out:  # checked before any prediction is computed
         writable_file(args.out, "--out", overwrite=args.overwrite)

@@ -194,7 +194,7 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
     from torchsprint.commands.trained import load_run
     from torchsprint.config.saved import naming_imports
     from torchsprint.observe import plots
-    from torchsprint.train.rundir import writable_file
+    from torchsprint.state.rundir import writable_file
 
     run_dir = Path(run_dir)
     # The default <run>/report is this command's own (a report is made again after more training); a folder given
@@ -232,7 +232,7 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
         except UsageError as e:
             sections.append(f'<h2>Validation pass</h2><p class="note">Not available: {html.escape(str(e))}</p>')
         else:
-            from torchsprint.train.checkpoint import read_safetensors_metadata
+            from torchsprint.state.checkpoint import read_safetensors_metadata
 
             matrix, rows = per_class(pred["preds"], pred["targets"], trained.classes)
             saved = read_safetensors_metadata(trained.weights_path).get("epoch")

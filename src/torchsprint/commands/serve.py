@@ -31,7 +31,7 @@ def saved_serve_section(target: Path) -> dict:
         return load_run_config(target).serve.model_dump()
     raw = None
     if target.suffix == ".safetensors":
-        from torchsprint.train.checkpoint import read_safetensors_metadata
+        from torchsprint.state.checkpoint import read_safetensors_metadata
 
         try:
             raw = read_safetensors_metadata(target).get("config")

@@ -12,7 +12,7 @@ from torch import nn
 from torchsprint import config as config_mod
 from torchsprint.config.saved import file_config, load_run_config, metadata_entry, naming_imports
 from torchsprint.errors import UsageError
-from torchsprint.train.checkpoint import read_safetensors_metadata
+from torchsprint.state.checkpoint import read_safetensors_metadata
 
 __all__ = ["Trained", "file_config", "load_run", "load_weights_file"]
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from torchsprint.errors import UsageError
-from torchsprint.train.checkpoint import strip_prefixes
+from torchsprint.state.checkpoint import strip_prefixes
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:

@@ -133,7 +133,7 @@ def cached_problem(path: Path, pin: str | None = None) -> str | None:
 
 @contextlib.contextmanager
 def download_lock(target: Path, what: str, log):
-    """An exclusive flock on `<target>.lock` while this process downloads `target`, as train/rundir.py's RunLock
+    """An exclusive flock on `<target>.lock` while this process downloads `target`, as state/rundir.py's RunLock
     (the kernel releases it when the holder exits or is killed: no stale lock ever blocks a later run). A second
     process waits for the first, saying so once, and then finds the file in the cache.
 

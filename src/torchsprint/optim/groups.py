@@ -106,7 +106,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool
     Frozen parameters (requires_grad=False) are not given to the optimizer at all. Groups come in order of
     decreasing lr_scale (group 0 carries the unscaled rate the log reports, when some group has it).
     """
-    from torchsprint.train.checkpoint import strip_prefixes
+    from torchsprint.state.checkpoint import strip_prefixes
 
     named = list(strip_prefixes(dict(model.named_parameters())).items())
     trainable = [(n, p) for n, p in named if p.requires_grad]

@@ -1,1 +1,1 @@
-"""Training: the plan, the loop, validation, precision, EMA, SWA, checkpoints and resume, the run folder, batch size, distillation, the run's flow."""
+"""Training: the plan, the loop, validation, batch size, the speed probe, distillation, the run's flow."""

@@ -368,11 +368,11 @@ def probe_trial(cfg, rt) -> tuple[Trial, object]:
     from torchsprint.optim.losses import build_loss
     from torchsprint.optim.optimizers import build_optimizer
     from torchsprint.runtime.parallel import channels_last_on
+    from torchsprint.state.ema import build_ema
+    from torchsprint.state.precision import Precision, concrete_mode
     from torchsprint.tasks.core import get_task
-    from torchsprint.train.ema import build_ema
     from torchsprint.train.engine import set_train_mode
     from torchsprint.train.plan import decide_input_format
-    from torchsprint.train.precision import Precision, concrete_mode
 
     task, device = get_task(cfg.task), rt.device
     splits = DATASETS.get(cfg.data.dataset)(cfg.data)
@@ -418,8 +418,8 @@ def probe_trial(cfg, rt) -> tuple[Trial, object]:
 def oom_message(error: BaseException, cfg, rt, step: int, run_dir: Path, evaluating: bool) -> str:
     """The one line a run that ran out of memory mid-training ends with: where, the batch size, what to lower,
     and the checkpoint that is left to resume."""
-    from torchsprint.train.checkpoint import parse_checkpoint_name
-    from torchsprint.train.resume import find_checkpoints
+    from torchsprint.state.checkpoint import parse_checkpoint_name
+    from torchsprint.state.resume import find_checkpoints
 
     b = cfg.data.batch_size
     where = (f"evaluating (data.eval_batch_size={cfg.data.eval_batch_size or 2 * b})" if evaluating

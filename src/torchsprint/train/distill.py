@@ -181,7 +181,7 @@ def _read_file(path: Path) -> dict:
 
 def _metadata(path: Path) -> dict[str, str]:
     """A .safetensors file's metadata ({} for other files); a truncated or corrupt file is one UsageError."""
-    from torchsprint.train.checkpoint import read_safetensors_metadata
+    from torchsprint.state.checkpoint import read_safetensors_metadata
 
     if path.suffix != ".safetensors":
         return {}
@@ -302,7 +302,7 @@ def load_teacher_model(teacher_cfg, num_classes: int, in_channels: int, classes:
 def half_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The teacher in a half-weight precision mode: weights and buffers in `dtype` except BatchNorm's (fp32, as
     Precision.prepare keeps the student's), wrapped so that inputs are cast in and logits out (HalfModel)."""
-    from torchsprint.train.precision import HalfModel
+    from torchsprint.state.precision import HalfModel
 
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -347,7 +347,7 @@ def build_teacher(distill_cfg, info, device: torch.device, prec, channels_last: 
 def check_same_teacher(record: dict | None, ckpt, resume_path) -> None:
     """A resumed run's teacher must be the file it began with (decisions.json's distill.sha256_16): a teacher file
     replaced or retrained between pause and resume would change what the rest of the run learns from, silently."""
-    from torchsprint.train.resume import decisions_at_start
+    from torchsprint.state.resume import decisions_at_start
 
     if record is None or ckpt is None:
         return

@@ -20,10 +20,10 @@ from torchsprint.runtime.core import fault_step, kill_self
 from torchsprint.runtime.parallel import no_sync, unwrap
 from torchsprint.runtime.preempt import Stopper
 from torchsprint.runtime.rng import rng_isolated
-from torchsprint.train.checkpoint import TrainState, save_weights
+from torchsprint.state.checkpoint import TrainState, save_weights
+from torchsprint.state.ema import NoEma
+from torchsprint.state.swa import NoSwa
 from torchsprint.train.context import RunContext
-from torchsprint.train.ema import NoEma
-from torchsprint.train.swa import NoSwa
 from torchsprint.train.validation import Validation, set_train_mode, weights_tag
 
 NO_EMA = NoEma()

@@ -113,7 +113,7 @@ def trained_classes(path: Path) -> list | None:
     """The classes a weights file's metadata says it was trained on (None when it does not say, or is unreadable:
     loading it says what is wrong)."""
     from torchsprint.config.saved import metadata_entry
-    from torchsprint.train.checkpoint import read_safetensors_metadata
+    from torchsprint.state.checkpoint import read_safetensors_metadata
 
     try:
         meta = read_safetensors_metadata(path)
@@ -130,9 +130,9 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     from torchsprint.data import build_loaders
     from torchsprint.models import build_model
     from torchsprint.runtime.parallel import channels_last_on
+    from torchsprint.state.precision import Precision, concrete_mode
+    from torchsprint.state.resume import check_same_classes
     from torchsprint.train.plan import decide_input_format
-    from torchsprint.train.precision import Precision, concrete_mode
-    from torchsprint.train.resume import check_same_classes
     from torchsprint.train.validation import evaluate
 
     run_dir = Path(run_dir)
@@ -183,7 +183,7 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     if cfg.precision.mode == "fp64":
         model = prec.prepare(model)  # batches cast to float64 on the way in, as in training
     out = evaluate(wrap_tta(model, plan), loaders.val, loss_fn, prec, metrics)
-    from torchsprint.train.checkpoint import read_safetensors_metadata
+    from torchsprint.state.checkpoint import read_safetensors_metadata
 
     meta = read_safetensors_metadata(wpath)  # which weights these are: the epoch and step they were saved at
     out["weights"], out["split"], out["tta"] = str(wpath), split, cfg.eval.tta
@@ -196,7 +196,7 @@ def finish_swa(cfg, b, ctx, summary: dict) -> None:
     """swa.enabled, after fit: BatchNorm statistics of the average (update_bn over the training data), its evaluation
     (swa/val/... in summary['final'] and the eval log) and swa.safetensors; summary['swa'] says what was averaged.
     `ctx`: the run's context.RunContext (rt, run_dir, task, logger, weights_meta)."""
-    from torchsprint.train.checkpoint import save_weights
+    from torchsprint.state.checkpoint import save_weights
     from torchsprint.train.validation import evaluate
 
     swa, rt, task, logger = b.swa, ctx.rt, ctx.task, ctx.logger

@@ -154,9 +154,9 @@ def build_plan(cfg, rt, *, info, train_batches: int, speed: SpeedPlan, opt: torc
     the loaders were built with (None: decided here), `batch` the batch_size.BatchChoice (None: data.batch_size),
     `auto` speed_probe.AutoSpeed, what precision=auto became (None: cfg.precision.mode, auto read as fp32)."""
     from torchsprint.optim.optimizers import impl_in_use
+    from torchsprint.state.precision import concrete_mode
     from torchsprint.tasks.core import get_task
     from torchsprint.tasks.tta import plan_tta
-    from torchsprint.train.precision import concrete_mode
 
     impl, impl_why = impl_in_use(opt, cfg.optim)
     inputs = inputs or decide_input_format(cfg.speed)

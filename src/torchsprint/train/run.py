@@ -18,6 +18,8 @@ from torchsprint.errors import UsageError
 from torchsprint.models.download import fetch_run_weights
 from torchsprint.observe.logging import replace_file
 from torchsprint.runtime.machine import environment
+from torchsprint.state.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
+from torchsprint.state.swa import NoSwa
 from torchsprint.tasks.tta import plan_tta, with_loading_spec
 from torchsprint.train.context import RunContext
 from torchsprint.train.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BACKENDS: re-exported for callers of run)
@@ -31,8 +33,6 @@ from torchsprint.train.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BA
     not_deterministic,
 )
 from torchsprint.train.imbalance import before_data
-from torchsprint.train.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
-from torchsprint.train.swa import NoSwa
 
 
 def on_main(rt, fn):
@@ -84,14 +84,14 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.optim.optimizers import build_optimizer
     from torchsprint.runtime.collectives import agree_on_data
     from torchsprint.runtime.parallel import decide_cuda_graphs, unwrap, wrap_model
+    from torchsprint.state.ema import build_ema
+    from torchsprint.state.precision import Precision, concrete_mode
+    from torchsprint.state.resume import check_resumed_classes
+    from torchsprint.state.swa import build_swa
     from torchsprint.tasks.core import get_task
     from torchsprint.train.batch_size import choose_batch, resolved_config
     from torchsprint.train.distill import DistillLoader, DistillLoss, check_distill, check_same_teacher
-    from torchsprint.train.ema import build_ema
     from torchsprint.train.plan import build_plan, decide_input_format, decide_speed
-    from torchsprint.train.precision import Precision, concrete_mode
-    from torchsprint.train.resume import check_resumed_classes
-    from torchsprint.train.swa import build_swa
 
     # speed.cuda_graphs decided once: the capture, autocast's cache and decisions.json all read `graphs`.
     progressive = cfg.data.progressive.start_size is not None  # the input size changes between epochs
@@ -157,7 +157,7 @@ def decide_precision_and_format(cfg, rt, model, loaders, task, prec, ckpt, disti
     """The imbalance default (train/imbalance.py), precision=auto and speed.channels_last=auto (train/speed_probe.py)
     decided once: (the config saying what runs, for config.yaml, the Precision that trains, the AutoSpeed for the plan,
     the run's loss). The batches stay NCHW under auto and the false it may become: the loaders built before stand."""
-    from torchsprint.train.precision import Precision
+    from torchsprint.state.precision import Precision
     from torchsprint.train.speed_probe import decide_auto
 
     cfg, loss_fn = decide_run_loss(cfg, task.targets, loaders.info, rt.device, log)  # before the probe: it trains with it
@@ -251,7 +251,7 @@ def check_monitor(cfg, ema) -> None:
 def backend_at_start(cfg, ckpt, resume_path) -> str | None:
     """The backend data.backend=auto chose when a resumed run started (its decisions.json beside checkpoints/), or None:
     a measured choice could differ now, and another backend augments differently."""
-    from torchsprint.train.resume import decisions_at_start
+    from torchsprint.state.resume import decisions_at_start
 
     if ckpt is None or cfg.data.backend != "auto":
         return None
@@ -274,9 +274,9 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
     from torchsprint import runtime
     from torchsprint.observe.logging import RunLogger, check_sinks
     from torchsprint.runtime.preempt import Stopper, check_requeue, requeue, stop_launcher
+    from torchsprint.state.resume import disk_full_error, find_resume, restore_run
+    from torchsprint.state.rundir import RunLock, create_unique, make_folder
     from torchsprint.tasks.core import get_task
-    from torchsprint.train.resume import disk_full_error, find_resume, restore_run
-    from torchsprint.train.rundir import RunLock, create_unique, make_folder
 
     t0 = time.monotonic()  # run.max_time counts from here: building the data and model is part of the budget
     import_modules(cfg.imports)
@@ -377,7 +377,7 @@ def write_run_records(cfg, rt, b: Built, run_dir: Path, logger, ckpt: dict | Non
     if rt.is_main:
         replace_file(run_dir / "decisions.json", json.dumps(decided, indent=1))
     if b.swa.enabled:
-        from torchsprint.train.swa import describe
+        from torchsprint.state.swa import describe
 
         logger.info(describe(b.swa, cfg.run.epochs))
     logger.expect(cfg, decided | {"batch_shape": b.loaders.info.image_size})  # for the run's time estimate
@@ -385,7 +385,7 @@ def write_run_records(cfg, rt, b: Built, run_dir: Path, logger, ckpt: dict | Non
 
 def make_saver(cfg, rt, b: Built, run_dir: Path, ckpt: dict | None, state, logger) -> tuple:
     """(checkpoint.Saver, the weights files' metadata), once the run is accepted and its records written."""
-    from torchsprint.train.checkpoint import Saver, data_geometry
+    from torchsprint.state.checkpoint import Saver, data_geometry
 
     info = b.loaders.info
     resolved = config_mod.to_dict(cfg)

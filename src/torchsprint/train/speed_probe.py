@@ -227,8 +227,8 @@ class ProbeSteps:
         """The candidate's (model, loss, optimizer, Precision), built on first use; the copy in c's memory format."""
         from torchsprint.models.init import frozen_norm_layers
         from torchsprint.optim.optimizers import build_optimizer
+        from torchsprint.state.precision import Precision
         from torchsprint.train.context import Trainable
-        from torchsprint.train.precision import Precision
         from torchsprint.train.validation import set_train_mode
 
         prec = None

@@ -14,8 +14,8 @@ from torch import nn
 from torchsprint.errors import UsageError
 from torchsprint.runtime.parallel import unwrap
 from torchsprint.runtime.rng import rng_isolated
+from torchsprint.state.checkpoint import TrainState, save_weights
 from torchsprint.tasks.tta import wrap_tta
-from torchsprint.train.checkpoint import TrainState, save_weights
 
 
 def set_train_mode(model: nn.Module, frozen_norms: list[nn.Module]) -> None:

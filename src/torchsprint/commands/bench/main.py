@@ -47,7 +47,7 @@ from torchsprint.commands.bench.variants import (  # noqa: F401  (re-exported)
 )
 from torchsprint.errors import UsageError
 from torchsprint.runtime.machine import cpu_info
-from torchsprint.train.rundir import writable_file
+from torchsprint.state.rundir import writable_file
 
 
 def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, warmup: int = 5, repeats: int = 3,

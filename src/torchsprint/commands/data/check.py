@@ -249,7 +249,7 @@ def check(cfg, batches: int = 10, out: Path | None = None, progress: bool = True
     import tempfile
 
     from torchsprint.data.core import DATASETS
-    from torchsprint.train.rundir import writable_file
+    from torchsprint.state.rundir import writable_file
 
     out = Path(out) if out else Path(tempfile.mkdtemp(prefix="torchsprint-data-check-"))
     for target in (out, out / "check.json", out / "samples.png"):  # before every file is read, not after

@@ -1,5 +1,5 @@
 """`torchsprint data compare`: the eval preprocessing through every decoder and backend, pixel by pixel
-(`data check` is in data/commands/check.py).
+(`data check` is in commands/data/check.py).
 
 torch is imported inside the functions so that `torchsprint --help` stays fast.
 """

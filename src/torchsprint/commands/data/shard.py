@@ -30,8 +30,8 @@ from pathlib import Path
 
 from torchsprint.errors import UsageError
 from torchsprint.runtime.files import MAX_FILE_MB, MB, inside, read_regular
-from torchsprint.train.checkpoint import atomic_write
-from torchsprint.train.rundir import RunLock
+from torchsprint.state.checkpoint import atomic_write
+from torchsprint.state.rundir import RunLock
 
 FORMAT = "torchsprint-shards/1"
 BLOCK, RECORD = 512, 10240  # tar: 512-byte blocks; Python's tarfile pads an archive to 20-block records

@@ -118,7 +118,7 @@ def preflight(args):
     from torchsprint import config
     from torchsprint.runtime.core import resolve_backend, resolve_device
     from torchsprint.runtime.parallel import check_speed
-    from torchsprint.train.precision import check_mode
+    from torchsprint.state.precision import check_mode
 
     path, overrides = config_source(args)
     if args.resume and args.config is None:  # the run folder's own config: its `imports:` are not trusted
@@ -255,7 +255,7 @@ def launch(args) -> int:
         if nnodes != "1":
             raise UsageError("--max-restarts with several machines needs run.dir=<a folder every machine shares>: "
                              "the restarted workers resume from its newest checkpoint, whichever machine rank 0 is on.")
-        from torchsprint.train.rundir import create_unique, planned_path
+        from torchsprint.state.rundir import create_unique, planned_path
 
         if not dry:  # a dry run writes nothing
             extra = [f"run.dir={create_unique(planned_path(cfg.run)[0])}"]  # one folder for every attempt

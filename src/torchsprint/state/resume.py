@@ -8,7 +8,7 @@ from torchsprint.errors import UsageError, disk_full
 from torchsprint.runtime.collectives import broadcast_object
 from torchsprint.runtime.files import read_regular
 from torchsprint.runtime.rng import set_rng_state
-from torchsprint.train.checkpoint import (
+from torchsprint.state.checkpoint import (
     CKPT_RE,
     TrainState,
     data_geometry,

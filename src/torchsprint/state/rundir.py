@@ -203,7 +203,7 @@ def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
     its files are moved into replaced-<time>/. A new folder is created later, after the whole run has
     been built (so a config error leaves nothing behind), exclusively (see rundir.create_unique).
     """
-    from torchsprint.train.resume import find_checkpoints
+    from torchsprint.state.resume import find_checkpoints
 
     path, explicit = planned_path(cfg.run)
     outside_data(path, cfg.data.root)

@@ -1,6 +1,6 @@
 """Saving: atomic checkpoint files, last-K/best-K retention with status.json, safetensors weights, TrainState.
 
-Resume discovery and restore are in train/resume.py; the RNG states a checkpoint carries in runtime/rng.py.
+Resume discovery and restore are in state/resume.py; the RNG states a checkpoint carries in runtime/rng.py.
 """
 
 from __future__ import annotations

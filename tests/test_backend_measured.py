@@ -79,24 +79,33 @@ def test_auto_picks_the_backend_a_direct_measurement_finds_faster(tmp_path, case
     info = chosen(overrides, epochs)
     cpu_s, memory_s = direct(overrides, "cpu", epochs), direct(overrides, "memory", epochs)
     faster = "cpu" if cpu_s < memory_s else "memory"
-    figure("slower / faster backend, direct wall seconds", max(cpu_s, memory_s) / min(cpu_s, memory_s))
-    # The cases are built so that one backend is clearly faster (measured here: 8.6x, 1.9x and 4.6x, in CASES' order);
-    # the test is about the choice, and a near tie would not say which is right.
-    assert max(cpu_s, memory_s) / min(cpu_s, memory_s) > 1.3, (cpu_s, memory_s)
-    assert faster == expected, (case, cpu_s, memory_s)
-    assert info.backend == faster, (info.backend_why, cpu_s, memory_s)
+    ratio = max(cpu_s, memory_s) / min(cpu_s, memory_s)
+    figure("slower / faster backend, direct wall seconds", ratio)
     m = info.backend_measured
-    assert set(m["backends"]) == {"cpu", "memory"} and m["chosen"] == faster and m["epochs"] == epochs
+    assert set(m["backends"]) == {"cpu", "memory"} and m["epochs"] == epochs
+    # The choice follows the figures it records: memory where its estimated loading time for the run is
+    # MEMORY_MARGIN under cpu's (it also holds every image decoded), else cpu.
+    est = {name: b["estimate_s"] for name, b in m["backends"].items()}
+    rule = "memory" if est["memory"] < (1 - auto.MEMORY_MARGIN) * est["cpu"] else "cpu"
+    assert m["chosen"] == info.backend == rule, (est, info.backend_why)
+    # Against the direct measurement only where one backend is clearly faster on this machine: the ratio is a
+    # property of the CPU, not of the code (measured 8.6x, 1.9x and 4.6x in CASES' order on an AVX-512 EPYC in
+    # 2026-11, and 1.0x for the photo pngs on another EPYC in 2026-12: a tie, where either choice is right). 2x
+    # keeps a loaded machine's noise (the estimates' 75% error below) from deciding.
+    if ratio > 2:
+        assert faster == expected, (case, cpu_s, memory_s)
+        assert info.backend == faster, (info.backend_why, cpu_s, memory_s)
     assert m["files"] <= auto.MEASURE_FILES
     assert all(b["images"] > 0 and b["images_per_s"] > 0 for b in m["backends"].values())
     assert "decode_images_per_s" in m["backends"]["memory"]
     # Each backend's estimated loading time for the run, from a few batches, against the direct measurement of the
     # whole run: est/direct 1.12-1.24 over the cases on a quiet machine, 0.57-1.60 with two busy processes beside it
-    # (2 cores: the estimate's few batches and the direct run meet different moments of the load); the bound is 2.5x
-    # the 75% error of the loaded machine.
+    # (2 cores: the estimate's few batches and the direct run meet different moments of the load). The bound, 4x, is
+    # wide enough for a loaded CI machine and still catches an estimate that forgets the epochs (15x in the last
+    # case) or the memory backend's decode (most of its time in the first).
     for name, direct_s in (("cpu", cpu_s), ("memory", memory_s)):
         figure(f"{name} estimate / direct", m["backends"][name]["estimate_s"] / direct_s)
-        assert 1 / 2.5 < m["backends"][name]["estimate_s"] / direct_s < 2.5, (name, m, direct_s)
+        assert 1 / 4 < m["backends"][name]["estimate_s"] / direct_s < 4, (name, m, direct_s)
     assert info.backend_why.startswith(f"measured on {m['files']} of the training files")
     n = info.facts["images"]["train"] + info.facts["images"]["val"]
     assert f"for {epochs} epoch(s) of {n:,} images" in info.backend_why

@@ -207,6 +207,15 @@ def cli_in_process(tmp_path, capfd):
     return run
 
 
+def load_resolved(path=None, overrides=(), imports=()):
+    """A config as a run trains it: `config.load` (files and overrides, validated: pure) and then the resolve phase
+    (train/resolve.py: the task's defaults, data.root's detection and the photo defaults)."""
+    from torchsprint import config
+    from torchsprint.train.resolve import resolve
+
+    return resolve(config.load(path, overrides, imports=imports))
+
+
 def make_image_folder(root: Path, classes=("circle", "square"), per_class: int = 6, size=(24, 20), splits=("train", "val")):
     """Real JPEG files: class 0 bright disc, class 1 dark square on noise (learnable, decodable)."""
     from PIL import Image, ImageDraw

@@ -139,3 +139,58 @@ def test_top_level_must_be_mapping(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("- 1\n- 2\n")
     assert "mapping" in error(config.load, p)
+
+
+def test_load_is_pure_and_resolve_is_the_phase_that_reads_the_data(tmp_path, monkeypatch):
+    """`config.load` reads the config's files and overrides only: no scan of data.root, no weights cache, no socket,
+    nothing written into its own sections; train/resolve.py's `resolve` is where the folder is read and the choices
+    recorded, once. Fails if a validator of the schema calls detection or the weights lookup again (the audit hook
+    sees the folder listed, or a socket opened), or if resolve forgets to record what it chose."""
+    import sys
+
+    from conftest import make_image_folder
+    from torchsprint.train.resolve import resolve
+
+    root = make_image_folder(tmp_path / "photos", size=(160, 120))  # photo-sized: the photo defaults run too
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # an empty cache: the lookup would try the network
+    monkeypatch.setenv("TORCHSPRINT_OFFLINE", "1")  # ...and is told not to, where resolve runs below
+    events: list[tuple[str, str]] = []
+    watching = [True]
+
+    def hook(event, args):
+        if not watching[0]:
+            return
+        if event in ("open", "os.listdir", "os.scandir") and args and str(root) in str(args[0]):
+            events.append((event, str(args[0])))
+        elif event in ("os.listdir", "os.scandir", "open") and args and str(tmp_path / "torch") in str(args[0]):
+            events.append((event, str(args[0])))
+        elif event.startswith("socket.") and event != "socket.__new__":
+            events.append((event, str(args)))
+
+    sys.addaudithook(hook)  # cannot be removed: `watching` switches it off at the end
+    try:
+        cfg = config.load(None, [f"data.root={root}"])
+        assert events == []
+        assert cfg.chosen() == [] and not cfg.resolved
+        assert "dataset" not in cfg.data.model_fields_set and cfg.data.dataset == config.DataConfig().dataset
+        again = resolve(cfg)
+        assert again is cfg and cfg.resolved
+        assert any(str(root) in path for _, path in events)  # the phase read the folder
+        assert cfg.data.dataset == "image_folder"
+        chosen = {c["setting"]: c for c in cfg.chosen()}
+        assert chosen["data.dataset"]["value"] == "image_folder" and chosen["data.dataset"]["why"].startswith("detected")
+        seen = len(events)
+        resolve(cfg)  # once per config: a second call reads nothing
+        assert len(events) == seen
+    finally:
+        watching[0] = False
+
+
+def test_an_unknown_task_is_refused_by_the_resolve_phase():
+    """config.load cannot know the task registry (config sits below tasks/); the phase before any run refuses it in
+    one line with the closest name. Fails if an unknown task name reached a run."""
+    from torchsprint.train.resolve import resolve
+
+    cfg = config.load(None, ["task=multilabl"])
+    with pytest.raises(UsageError, match="multilabel"):
+        resolve(cfg)

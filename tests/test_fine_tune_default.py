@@ -16,6 +16,7 @@ import torchvision
 from PIL import Image
 from safetensors.torch import load_file
 
+from conftest import load_resolved
 from test_weights_download import Server, sha256
 from torchsprint import config
 from torchsprint.models import start
@@ -74,7 +75,7 @@ def test_cached_weights_are_fine_tuned_with_their_normalisation_lr_and_head_firs
     # the fine-tuning rate) or its warm-up kept; the head not trained first; the choices missing from decisions.json.
     path = cache(online, r18_state)
     root = photos(online / "p")
-    cfg = config.load(None, [f"data.root={root}", *FAST])
+    cfg = load_resolved(None, [f"data.root={root}", *FAST])
     got = chosen(cfg)
     assert (cfg.model.name, cfg.model.pretrained) == ("resnet18", "torchvision:DEFAULT")
     assert cfg.data.train.transforms[-1] == {"normalize": IMAGENET} == cfg.data.eval.transforms[-1]
@@ -87,7 +88,7 @@ def test_cached_weights_are_fine_tuned_with_their_normalisation_lr_and_head_firs
     assert start.normalization("torchvision:DEFAULT", "resnet18") == (list(t.mean), list(t.std))
 
     run = online / "run"
-    summary = train(config.load(None, [f"data.root={root}", *FAST, "run.epochs=2", "run.max_steps=1",
+    summary = train(load_resolved(None, [f"data.root={root}", *FAST, "run.epochs=2", "run.max_steps=1",
                                        f"run.dir={run}", "checkpoint.every_epochs=null"]), quiet=True)
     assert summary["init"]["file"] == str(path) and summary["init"]["head_replaced"] == ["fc.weight", "fc.bias"]
     trained = load_file(str(run / "last.safetensors"))
@@ -128,7 +129,7 @@ def test_weights_not_cached_are_downloaded_then_fine_tuned(online, r18_state, mo
     try:
         spec = served_default(monkeypatch, server, body := pth(r18_state))
         root = photos(online / "p")
-        cfg = config.load(None, [f"data.root={root}", *FAST])
+        cfg = load_resolved(None, [f"data.root={root}", *FAST])
         assert cfg.model.pretrained == spec and "downloaded" in chosen(cfg)["model.pretrained"]["why"]
         assert cfg.model.freeze_epochs == 1 and cfg.optim.lr == pytest.approx(0.0025)
         # A URL does not say how its weights were trained: no normalisation is added (a torchsprint run's own
@@ -136,7 +137,7 @@ def test_weights_not_cached_are_downloaded_then_fine_tuned(online, r18_state, mo
         assert not any("normalize" in str(s) for s in cfg.data.train.transforms)
         files = sorted(p.name for p in (online / "torch/hub/checkpoints").iterdir())
         assert files == [f"resnet18-{sha256(body)[:8]}.pth"]
-        config.load(None, [f"data.root={root}", *FAST])
+        load_resolved(None, [f"data.root={root}", *FAST])
         assert server.gets(f"/models/{files[0]}") == 1  # the second run read the cache
     finally:
         server.http.shutdown()
@@ -155,7 +156,7 @@ def test_no_weights_to_be_had_trains_from_scratch_and_says_how_to_get_them(onlin
             monkeypatch.setenv("TORCHSPRINT_OFFLINE", "1")
         if how == "ddp":
             monkeypatch.setenv("WORLD_SIZE", "2")
-        cfg = config.load(None, [f"data.root={photos(online / 'p')}", *FAST])
+        cfg = load_resolved(None, [f"data.root={photos(online / 'p')}", *FAST])
         line = chosen(cfg)["model.pretrained"]
         assert cfg.model.pretrained is None and line["value"] is None and "from scratch" in line["why"]
         assert "torchsprint weights get" in line["override"] and "\n" not in line["why"]
@@ -178,15 +179,15 @@ def test_what_the_user_sets_wins(online, r18_state):
     cache(online, r18_state)
     root = photos(online / "p")
     base = [f"data.root={root}", *FAST]
-    assert config.load(None, [*base, "model.pretrained=null"]).model.pretrained is None
-    assert config.load(None, [*base, "model.name=resnet34"]).model.pretrained is None  # a named model: not picked
-    mine = config.load(None, [*base, "optim.lr=0.05", "model.freeze_epochs=0"])
+    assert load_resolved(None, [*base, "model.pretrained=null"]).model.pretrained is None
+    assert load_resolved(None, [*base, "model.name=resnet34"]).model.pretrained is None  # a named model: not picked
+    mine = load_resolved(None, [*base, "optim.lr=0.05", "model.freeze_epochs=0"])
     assert (mine.model.pretrained, mine.optim.lr, mine.model.freeze_epochs) == ("torchvision:DEFAULT", 0.05, 0)
-    own = config.load(None, [*base, "model.name=resnet18", "model.pretrained=torchvision:DEFAULT",
+    own = load_resolved(None, [*base, "model.name=resnet18", "model.pretrained=torchvision:DEFAULT",
                              "data.train.transforms=[resize: 64]", "data.eval.transforms=[resize: 64]"])
     assert own.data.train.transforms == [{"resize": 64}] and own.model.freeze_epochs == 1  # named weights: fine-tuned
     assert own.optim.lr == pytest.approx(0.0025)
-    short = config.load(None, [*base, "run.epochs=1"])  # one epoch: no room for a head-only epoch
+    short = load_resolved(None, [*base, "run.epochs=1"])  # one epoch: no room for a head-only epoch
     assert short.model.pretrained == "torchvision:DEFAULT" and short.model.freeze_epochs == 0
 
 
@@ -194,10 +195,10 @@ def test_a_saved_run_config_reads_back_unchanged(online, r18_state, tmp_path):
     # Catches: the normalisation appended a second time, or the default re-decided, when a run's config.yaml is read
     # again (resume, predict, export read it).
     cache(online, r18_state)
-    cfg = config.load(None, [f"data.root={photos(online / 'p')}", *FAST])
+    cfg = load_resolved(None, [f"data.root={photos(online / 'p')}", *FAST])
     saved = tmp_path / "config.yaml"
     saved.write_text(config.dump_yaml(cfg))  # what a run writes as its config.yaml
-    again = config.load(saved, [])
+    again = load_resolved(saved, [])
     assert again.data.train.transforms == cfg.data.train.transforms and again.model.freeze_epochs == 1
     assert (again.model.pretrained, again.optim.lr) == (cfg.model.pretrained, cfg.optim.lr)
 
@@ -213,16 +214,16 @@ def test_a_resnet_from_scratch_starts_each_block_as_the_identity(online, name, l
     root = photos(online / "p")
     # With the photo defaults' warm-up it stays off: there it slowed learning (val top-1 0.980 vs 1.000 after 10
     # epochs, BENCHMARKS.md "Zero-initialised residuals: with and without a warm-up").
-    assert config.load(None, [f"data.root={root}", *FAST, f"model.name={name}"]).model.args == {}
-    cfg = config.load(None, [f"data.root={root}", *FAST, f"model.name={name}", "optim.lr=0.1", "sched.warmup_epochs=0"])
+    assert load_resolved(None, [f"data.root={root}", *FAST, f"model.name={name}"]).model.args == {}
+    cfg = load_resolved(None, [f"data.root={root}", *FAST, f"model.name={name}", "optim.lr=0.1", "sched.warmup_epochs=0"])
     assert cfg.model.args == {"zero_init_residual": True}
     model = build_model(cfg.model, num_classes=2, in_channels=3)
     reference = torchvision.models.get_model(name, num_classes=2, zero_init_residual=True)  # torchvision's own switch
     zeros = {k for k, v in reference.state_dict().items() if k.endswith(f"{last_bn}.weight") and not v.any()}
     assert zeros and all(not model.state_dict()[k].any() for k in zeros)
     assert model.state_dict()["bn1.weight"].all()  # the stem's BatchNorm is not a block's last
-    off = config.load(None, [f"data.root={root}", *FAST, f"model.name={name}", "sched.warmup_epochs=0",
+    off = load_resolved(None, [f"data.root={root}", *FAST, f"model.name={name}", "sched.warmup_epochs=0",
                              "model.args={zero_init_residual: false}"])
     assert off.model.args == {"zero_init_residual": False}
-    assert config.load(None, [f"data.root={root}", *FAST, "model.name=resnet18", "sched.warmup_epochs=0",
+    assert load_resolved(None, [f"data.root={root}", *FAST, "model.name=resnet18", "sched.warmup_epochs=0",
                               "model.pretrained=x.safetensors"]).model.args == {}

@@ -1,28 +1,24 @@
-"""The package's layering holds: imports point downward, and no module imports its own package's face.
+"""The package's layering holds: the folders are the layers, imports between folders point downward, the modules of
+one folder import each other without a cycle, and no module imports its own package's face.
 
-Layers, lowest first, in the terms of ../shared/DESIGN.md ("Layout (dependencies point downward)"):
+Layers, lowest first, one folder each (../shared/DESIGN.md, "Layout (dependencies point downward)"):
 
-  foundation   errors, registry, version, settings, files: no torchsprint imports beyond these
-  machine      runtime (process group, seeds), rng, collectives, parallel (wrappers), progress, logging, plots
-  numerics     precision, checkpoint (saving), resume, rundir (the run folder and its lock), metrics, optim
-  data         core (registries, sampler) < preprocess/: decode < transforms/normalize/batch_ops (the spec)
-               < augment/mix; < sources/ (one file per dataset family; shard_stream reads shards) < backends/
-               (one file per loader backend) < auto (data.backend: auto, measured), build (build_loaders)
-  models       core (MODELS registry) < nets, weights (where pretrained weights live), download (fetching them), init
-  tasks        what a run learns (metrics, losses, artifacts per task)
-  config       the schema (fills task defaults)
-  plan         the run plan: every run-time decision of a run, resolved once (RunPlan, decisions.json)
-  engine       validation (evaluations, best weights), the only loop; batch_size (data.batch_size: auto, with real
-               train steps)
-  run          the flow of one run
-  commands     trained, export, predict, serve (engine, app, page), bench, report, weights, launch, commands/data/
-               (check, compare, shard)
-  cli          the `torchsprint` command and the types of its flags (commands/args.py)
+  foundation   errors, registry, version (the package's root files): nothing from torchsprint beyond these
+  runtime      the machine a run uses: user files, the CPU, device and ranks, seeds, collectives, preemption, wrapping
+  config       the schema and reading configs (pure: files and overrides in, a validated Config out)
+  observe      console, metric sinks, TensorBoard, plots
+  state        precision, EMA, SWA, checkpoints and resume, the run folder
+  optim        optimizers, schedules, losses, parameter groups
+  data         registries and sampler, preprocess/, sources/, backends/, building, detection
+  models       the registry and providers, nets, pretrained weights, init, how a model on photos starts
+  tasks        what a run learns: metrics, losses, artifacts per task, test-time augmentation
+  train        the resolve phase, the plan, the loop, validation, the run's flow
+  commands     export, predict, serve, bench/, report, average, lr-find, weights, launch, data/ (check, compare, shard)
+  cli          the `torchsprint` command
 
-A module may import from its own layer or below. A package's __init__.py is its face for users: it
-re-exports and registers, and no module inside that package imports names from it (a registry there
-would make every member import upward). Every module must be placed in a layer, so a new module is
-placed on purpose.
+A module may import from its own folder or a folder below. A package's __init__.py is its face for users: it
+re-exports and registers, and no module inside that package imports names from it (a registry there would make
+every member import upward). A new folder must be placed in LAYERS, so a new layer is placed on purpose.
 """
 
 from __future__ import annotations
@@ -36,29 +32,16 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["errors", "registry", "version", "config.fields", "runtime.files"]),
-    ("machine", ["runtime.machine", "runtime.core", "runtime.rng", "runtime.collectives", "runtime.preempt", "runtime.sync_bn",
-                 "runtime.parallel", "observe.*"]),
-    ("numerics", ["state.*", "tasks.metrics", "optim.*"]),
-    ("data.core", ["data.core", "data.prefetch"]),
-    ("data.decode", ["data.preprocess.decode"]),
-    ("data.spec", ["data.preprocess.transforms", "data.preprocess.normalize", "data.preprocess.batch_geometry",
-                   "data.preprocess.batch_pixel", "data.preprocess.batch_auto_augment", "data.preprocess.batch_ops",
-                   "data.preprocess.progressive"]),
-    ("data.augment", ["data.preprocess.augment", "data.preprocess.mix", "data.preprocess.on_device"]),
-    ("data.sources", ["data.sources.*"]),
-    ("data.backends", ["data.backends.*"]),
-    ("data.build", ["data.auto", "data.build", "data.detect"]),
-    ("models.core", ["models.core"]),
-    ("models", ["models.nets", "models.weights", "models.weights_cache", "models.download", "models.init",
-                "models.start"]),
-    ("tasks", ["tasks.core", "tasks.tta"]),
-    ("config", ["config.files", "config.sections", "config.training", "config.serve", "config.schema",
-                "config.saved"]),
-    ("plan", ["train.plan"]),
-    ("engine", ["train.context", "train.validation", "train.engine", "train.batch_size", "train.speed_probe",
-                "train.distill"]),
-    ("run", ["train.imbalance", "train.evaluation", "train.run"]),
+    ("foundation", ["errors", "registry", "version"]),
+    ("runtime", ["runtime.*"]),
+    ("config", ["config.*"]),
+    ("observe", ["observe.*"]),
+    ("state", ["state.*"]),
+    ("optim", ["optim.*"]),
+    ("data", ["data.*"]),
+    ("models", ["models.*"]),
+    ("tasks", ["tasks.*"]),
+    ("train", ["train.*"]),
     ("commands", ["commands.*"]),
     ("cli", ["cli", "__main__"]),
 ]
@@ -141,6 +124,47 @@ def test_imports_point_downward_and_never_into_an_own_package_face():
     assert violations(modules()) == []
 
 
+def folder_of(name: str) -> str:
+    parts = name.removeprefix("torchsprint.").split(".")
+    return parts[0] if len(parts) > 1 else ""
+
+
+def cycles(mods: dict[str, tuple[Path, bool]]) -> list[list[str]]:
+    """Import cycles among the modules of one folder, imports inside functions included: inside a folder the order
+    of the modules is free, a cycle is not (neither module could be read, tested or moved without the other)."""
+    graph = {name: sorted({t for _, t, _ in imports(name, path, False, mods) if t in mods and not mods[t][1]
+                           and t != name and folder_of(t) == folder_of(name)})
+             for name, (path, is_init) in mods.items() if not is_init}
+    found, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in graph.get(node, []):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in graph:
+        if node not in state:
+            visit(node, [])
+    return found
+
+
+def test_the_modules_of_a_folder_import_each_other_without_a_cycle(tmp_path):
+    assert cycles(modules()) == []
+    pkg = tmp_path / "torchsprint" / "train"  # the checker itself can fail: two modules importing each other
+    pkg.mkdir(parents=True)
+    (tmp_path / "torchsprint" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from torchsprint.train.b import g\n")
+    (pkg / "b.py").write_text("def g():\n    from torchsprint.train import a\n")
+    assert cycles(modules(tmp_path)) == [["torchsprint.train.a", "torchsprint.train.b", "torchsprint.train.a"]]
+
+
 def test_the_checker_flags_an_upward_import_and_a_face_import(tmp_path):
     """The checker itself can fail: a data module importing run, and a backend importing its package's face."""
     pkg = tmp_path / "torchsprint"
@@ -153,11 +177,11 @@ def test_the_checker_flags_an_upward_import_and_a_face_import(tmp_path):
     (pkg / "data" / "core.py").write_text("def f():\n    from torchsprint.train.run import train\n")
     (pkg / "data" / "backends" / "__init__.py").write_text("")
     (pkg / "data" / "backends" / "cpu.py").write_text("from torchsprint.data import LOADERS\n")
-    (pkg / "data" / "stray.py").write_text("")
+    (pkg / "stray.py").write_text("")  # at the root, beside the foundation: no layer holds it
     found = violations(modules(tmp_path))
-    assert any("torchsprint.data.core (layer data.core) imports torchsprint.train.run" in p for p in found), found
+    assert any("torchsprint.data.core (layer data) imports torchsprint.train.run" in p for p in found), found
     assert any("imports 'LOADERS' from its own package's face torchsprint.data" in p for p in found), found
-    assert any("torchsprint.data.stray: not placed" in p for p in found), found
+    assert any("torchsprint.stray: not placed" in p for p in found), found
     assert len(found) == 3, found
 
 
@@ -165,7 +189,7 @@ def test_the_checker_flags_an_upward_import_and_a_face_import(tmp_path):
                                     "torchsprint.data.backends", "torchsprint.data.preprocess",
                                     "torchsprint.commands.data", "torchsprint.optim", "torchsprint.config",
                                     "torchsprint.runtime", "torchsprint.observe", "torchsprint.tasks", "torchsprint.train",
-                                    "torchsprint.commands", "torchsprint.commands.bench"])
+                                    "torchsprint.state", "torchsprint.commands", "torchsprint.commands.bench"])
 def test_package_faces_only_reexport(module):
     """An __init__.py holds imports and __all__, no definitions (registries live beside their code)."""
     mods = modules()

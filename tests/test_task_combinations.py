@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchsprint import config
+from conftest import load_resolved
 from torchsprint.errors import UsageError
 from torchsprint.tasks.core import TASKS, get_task
 
@@ -12,7 +12,7 @@ from torchsprint.tasks.core import TASKS, get_task
 @pytest.mark.parametrize("task", TASKS.names())
 @pytest.mark.parametrize("backend", ["cpu", "memory", "gpu", "dali"])
 def test_backend_supported_or_refused_by_name(task, backend):
-    cfg = config.load(None, [f"task={task}", f"data.backend={backend}"])
+    cfg = load_resolved(None, [f"task={task}", f"data.backend={backend}"])
     t = get_task(task)
     if t.backends is None or backend in t.backends:
         t.check(cfg)
@@ -37,7 +37,7 @@ def test_channels_last_and_predict(task):
     from torchsprint.commands.predict import Predictor
 
     t = get_task(task)
-    cfg = config.load(None, [f"task={task}", "speed.channels_last=true"])
+    cfg = load_resolved(None, [f"task={task}", "speed.channels_last=true"])
     if t.channels_last:
         t.check(cfg)
     else:
@@ -50,6 +50,6 @@ def test_channels_last_and_predict(task):
 
 @pytest.mark.parametrize("task", TASKS.names())
 def test_defaults_name_a_metric_the_task_reports(task):
-    cfg = config.load(None, [f"task={task}"])
+    cfg = load_resolved(None, [f"task={task}"])
     assert cfg.checkpoint.monitor.startswith("val/") and cfg.checkpoint.mode in ("max", "min")
     assert cfg.loss.name == get_task(task).loss

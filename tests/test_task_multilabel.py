@@ -6,7 +6,8 @@ import csv
 
 import pytest
 
-from torchsprint import cli, config
+from conftest import load_resolved
+from torchsprint import cli
 from torchsprint.errors import UsageError
 from torchsprint.train.run import train
 
@@ -17,19 +18,19 @@ BASE = ["task=multilabel", "data.dataset=synthetic_multilabel", "log.tensorboard
 @pytest.fixture(scope="module")
 def ml_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ml")
-    cfg = config.load(None, BASE + [f"data.root={root / 'data'}", f"run.dir={root / 'run'}", "run.epochs=6"])
+    cfg = load_resolved(None, BASE + [f"data.root={root / 'data'}", f"run.dir={root / 'run'}", "run.epochs=6"])
     summary = train(cfg, quiet=True)
     return root / "run", summary, next((root / "data").glob("synthetic_multilabel-*"))
 
 
 def test_task_sets_loss_and_monitor_unless_given():
-    cfg = config.load(None, ["task=multilabel"])
+    cfg = load_resolved(None, ["task=multilabel"])
     assert (cfg.loss.name, cfg.checkpoint.monitor, cfg.checkpoint.mode) == ("bce_with_logits", "val/mAP", "max")
-    cfg = config.load(None, ["task=multilabel", "loss.name=mse", "checkpoint.monitor=val/loss", "checkpoint.mode=min"])
+    cfg = load_resolved(None, ["task=multilabel", "loss.name=mse", "checkpoint.monitor=val/loss", "checkpoint.mode=min"])
     assert (cfg.loss.name, cfg.checkpoint.monitor, cfg.checkpoint.mode) == ("mse", "val/loss", "min")
-    assert config.load(None, []).loss.name == "cross_entropy"
+    assert load_resolved(None, []).loss.name == "cross_entropy"
     with pytest.raises(UsageError, match="multilabel"):
-        config.load(None, ["task=multilabl"])
+        load_resolved(None, ["task=multilabl"])
 
 
 def test_learns_well_above_chance(ml_run):
@@ -77,7 +78,7 @@ def test_memory_backend_trains_multilabel(ml_run, tmp_path):
     """The memory backend learns the labels too (images and their label vectors kept aligned): 3 epochs on
     the fixture's data reach val/mAP 0.943 (measured), against a chance level of the labels' prevalence."""
     _, _, data = ml_run
-    cfg = config.load(None, BASE + [f"data.root={data.parent}", f"run.dir={tmp_path / 'run'}", "run.epochs=3",
+    cfg = load_resolved(None, BASE + [f"data.root={data.parent}", f"run.dir={tmp_path / 'run'}", "run.epochs=3",
                                     "data.backend=memory"])
     s = train(cfg, quiet=True)
     rows = list(csv.reader(open(data / "val.csv")))[1:]
@@ -93,7 +94,7 @@ def test_multilabel_csv_rows(tmp_path):
     for n in ("a", "b"):
         Image.new("RGB", (8, 8)).save(tmp_path / f"{n}.png")
     (tmp_path / "train.csv").write_text("path,labels\na.png,cat;dog\nb.png,\n")
-    cfg = config.load(None, ["task=multilabel", "data.dataset=multilabel_csv", f"data.root={tmp_path}", "data.val_fraction=0.5"])
+    cfg = load_resolved(None, ["task=multilabel", "data.dataset=multilabel_csv", f"data.root={tmp_path}", "data.val_fraction=0.5"])
     splits = multilabel_csv(cfg.data)
     assert splits.classes == ["cat", "dog"] and splits.task == "multilabel"
     targets = sorted(tuple(s[1].tolist()) for s in splits.train.samples + splits.val.samples)
@@ -105,6 +106,6 @@ def test_multilabel_csv_rows(tmp_path):
 
 
 def test_dataset_task_mismatch_is_refused(tmp_path):
-    cfg = config.load(None, BASE[1:] + [f"data.root={tmp_path / 'd'}", f"run.dir={tmp_path / 'r'}"])  # task left as classification
+    cfg = load_resolved(None, BASE[1:] + [f"data.root={tmp_path / 'd'}", f"run.dir={tmp_path / 'r'}"])  # task left as classification
     with pytest.raises(UsageError, match="task: multilabel"):
         train(cfg, quiet=True)

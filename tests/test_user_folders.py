@@ -11,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from torchsprint import cli, config
+from conftest import load_resolved
+from torchsprint import cli
 from torchsprint.data import DATASETS
 from torchsprint.data.build import describe_data
 from torchsprint.data.sources import folders
@@ -67,7 +68,7 @@ def bad_folder(tmp: Path) -> tuple[Path, set[str], dict[str, set[str]]]:
 
 
 def splits_of(root, *overrides):
-    return DATASETS.get("image_folder")(config.load(None, ["data.dataset=image_folder", f"data.root={root}", *overrides]).data)
+    return DATASETS.get("image_folder")(load_resolved(None, ["data.dataset=image_folder", f"data.root={root}", *overrides]).data)
 
 
 def test_every_entry_is_a_sample_or_counted_with_its_reason(tmp_path):
@@ -172,7 +173,7 @@ def test_cli_start_up_summary_counts_what_was_left_out(tmp_path, capsys):
 
 
 def detected(root, *over):
-    cfg = config.load(None, [f"data.root={root}", *over])
+    cfg = load_resolved(None, [f"data.root={root}", *over])
     return cfg.data.dataset, [c["why"] for c in cfg.chosen()]
 
 
@@ -195,7 +196,7 @@ def test_a_root_alone_is_detected_from_its_files(tmp_path):
     assert detected(tmp_path / "lists" / "train.csv")[0] == "file_list"
     # An explicit data.dataset always wins, and chooses nothing; no data.root is the default digits run.
     assert detected(tmp_path / "flat", "data.dataset=file_list") == ("file_list", [])
-    assert (config.load(None, []).data.dataset, config.load(None, []).chosen()) == ("digits", [])
+    assert (load_resolved(None, []).data.dataset, load_resolved(None, []).chosen()) == ("digits", [])
 
 
 def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, capsys):
@@ -243,7 +244,7 @@ def photo_folder(root: Path, size=(100, 80), mode="RGB", per_class=3) -> Path:
 
 def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
     root = photo_folder(tmp_path / "p")  # 100x80: median short side 80 -> 64
-    cfg = config.load(None, [f"data.root={root}", "run.device=cpu"])
+    cfg = load_resolved(None, [f"data.root={root}", "run.device=cpu"])
     assert cfg.data.train.transforms == [{"random_resized_crop": {"size": 64, "scale": [0.35, 1.0]}}, "hflip"]
     assert cfg.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
     assert cfg.model.name == "resnet18"
@@ -259,41 +260,41 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
     assert (cfg.optim.lr, cfg.sched.warmup_epochs) == (0.1 * 8 / 256, 1.0)
     for extra, lr in ((["data.batch_size=32", "optim.accum_steps=4"], 0.05), (["data.effective_batch_size=512"], 0.2),
                       (["data.batch_size=auto"], 0.025)):
-        assert config.load(None, [f"data.root={root}", "run.device=cpu", *extra]).optim.lr == pytest.approx(lr), extra
+        assert load_resolved(None, [f"data.root={root}", "run.device=cpu", *extra]).optim.lr == pytest.approx(lr), extra
     # Under DDP one optimizer step sees every process's batch: read from WORLD_SIZE, as each torchrun worker has it
     # when it reads the config (`torchsprint train --nproc-per-node 2` starts such workers).
     with pytest.MonkeyPatch.context() as m:
         m.setenv("WORLD_SIZE", "2")
-        ddp = config.load(None, [f"data.root={root}", "run.device=cpu", "strategy.name=ddp"])
+        ddp = load_resolved(None, [f"data.root={root}", "run.device=cpu", "strategy.name=ddp"])
         assert ddp.optim.lr == pytest.approx(0.1 * 64 * 2 / 256)
         assert "x 128 (data.batch_size x optim.accum_steps x 2 processes)" in next(
             c["why"] for c in ddp.chosen() if c["setting"] == "optim.lr")
-        assert config.load(None, [f"data.root={root}", "run.device=cpu", "strategy.name=ddp",
+        assert load_resolved(None, [f"data.root={root}", "run.device=cpu", "strategy.name=ddp",
                                   "data.effective_batch_size=256"]).optim.lr == pytest.approx(0.1)  # global already
-        assert config.load(None, [f"data.root={root}", "run.device=cpu"]).optim.lr == pytest.approx(0.1 * 8 / 256)  # not ddp
+        assert load_resolved(None, [f"data.root={root}", "run.device=cpu"]).optim.lr == pytest.approx(0.1 * 8 / 256)  # not ddp
     # The user's optimizer, lr or warm-up wins (and the project's 0.1 stays for small_cnn and digits).
-    assert config.load(None, [f"data.root={root}", "run.device=cpu", "optim.lr=0.3"]).optim.lr == 0.3
-    theirs = config.load(None, [f"data.root={root}", "run.device=cpu", "optim.name=adamw"])
+    assert load_resolved(None, [f"data.root={root}", "run.device=cpu", "optim.lr=0.3"]).optim.lr == 0.3
+    theirs = load_resolved(None, [f"data.root={root}", "run.device=cpu", "optim.name=adamw"])
     assert theirs.optim.lr == 0.1 and "optim.lr" not in [c["setting"] for c in theirs.chosen()]
-    assert config.load(None, [f"data.root={root}", "run.device=cpu", "sched.warmup_epochs=0"]).sched.warmup_epochs == 0
-    assert config.load(None, []).optim.lr == 0.1
+    assert load_resolved(None, [f"data.root={root}", "run.device=cpu", "sched.warmup_epochs=0"]).sched.warmup_epochs == 0
+    assert load_resolved(None, []).optim.lr == 0.1
     # What the user sets wins: their transforms keep everything (and small_cnn); their model keeps the chosen size.
-    mine = config.load(None, [f"data.root={root}", "data.train.transforms=[{resize: 40}]"])
+    mine = load_resolved(None, [f"data.root={root}", "data.train.transforms=[{resize: 40}]"])
     assert (mine.data.train.transforms, mine.data.eval.transforms, mine.model.name) == ([{"resize": 40}], [], "small_cnn")
     assert mine.optim.lr == pytest.approx(0.1 * 8 / 256)  # the images are photo-sized: the photos' lr rule
-    mine = config.load(None, [f"data.root={root}", "run.device=cpu", "model.name=mobilenet_v3_small"])
+    mine = load_resolved(None, [f"data.root={root}", "run.device=cpu", "model.name=mobilenet_v3_small"])
     assert mine.model.name == "mobilenet_v3_small" and mine.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
     # ... and the photos' lr rule, as the picked model gets it (it applied only to the picked model before: a named
     # resnet50 on photos trained at digits' 0.1 and stayed at the majority class), with the user's transforms too.
     assert mine.optim.lr == pytest.approx(0.1 * 8 / 256) and mine.sched.warmup_epochs == 1.0
     assert "optim.lr" in [c["setting"] for c in mine.chosen()]
-    mine = config.load(None, [f"data.root={root}", "run.device=cpu", "model.name=resnet34", "data.train.transforms=[{resize: 40}]"])
+    mine = load_resolved(None, [f"data.root={root}", "run.device=cpu", "model.name=resnet34", "data.train.transforms=[{resize: 40}]"])
     assert mine.optim.lr == pytest.approx(0.1 * 8 / 256)
-    assert config.load(None, [f"data.root={root}", "model.name=resnet34", "optim.lr=0.5"]).optim.lr == 0.5
+    assert load_resolved(None, [f"data.root={root}", "model.name=resnet34", "optim.lr=0.5"]).optim.lr == 0.5
     # Digits-sized images of one size keep the native size and small_cnn (the fixture's 24x20 JPEGs).
     from conftest import make_image_folder
 
-    small = config.load(None, [f"data.root={make_image_folder(tmp_path / 's', per_class=2)}"])
+    small = load_resolved(None, [f"data.root={make_image_folder(tmp_path / 's', per_class=2)}"])
     assert (small.data.train.transforms, small.model.name, len(small.chosen())) == ([], "small_cnn", 1)
 
 
@@ -306,22 +307,22 @@ def test_a_tiny_photo_folder_trains_at_a_batch_that_gives_steps(tmp_path):
     for c in ("a", "b", "c"):
         for i in range(20):
             save(root / c / f"{i}.png", (100, 80), "RGB", i)
-    cfg = config.load(None, [f"data.root={root}", "run.device=cpu"])
+    cfg = load_resolved(None, [f"data.root={root}", "run.device=cpu"])
     assert cfg.data.batch_size == 8 and cfg.optim.lr == pytest.approx(0.1 * 8 / 256)
     (why,) = [c["why"] for c in cfg.chosen() if c["setting"] == "data.batch_size"]
     assert why.startswith("48 training images: at the default 64 an epoch would be 1 optimizer step(s); 8 gives 6")
-    assert config.load(None, [f"data.root={root}", "data.batch_size=64"]).data.batch_size == 64
-    assert config.load(None, [f"data.root={root}", "data.val_fraction=0.5"]).data.batch_size == 8  # 30 -> 3 -> 8
+    assert load_resolved(None, [f"data.root={root}", "data.batch_size=64"]).data.batch_size == 64
+    assert load_resolved(None, [f"data.root={root}", "data.val_fraction=0.5"]).data.batch_size == 8  # 30 -> 3 -> 8
     for i in range(20, 220):  # 660 images, 528 for training: the default batch gives 8 steps already
         for c in ("a", "b", "c"):
             save(root / c / f"{i}.png", (100, 80), "RGB", i)
-    big = config.load(None, [f"data.root={root}", "run.device=cpu"])
+    big = load_resolved(None, [f"data.root={root}", "run.device=cpu"])
     assert big.data.batch_size == 64 and "data.batch_size" not in [c["setting"] for c in big.chosen()]
 
 
 def test_grey_images_are_read_as_three_equal_channels_and_said_so(tmp_path):
     root = photo_folder(tmp_path / "g", size=(40, 40), mode="L")
-    cfg = config.load(None, [f"data.root={root}"])
+    cfg = load_resolved(None, [f"data.root={root}"])
     grey = [c for c in cfg.chosen() if c["setting"] == "data.options.mode"]
     assert grey and grey[0]["value"] == "RGB" and "3 identical channels" in grey[0]["why"]
     s = DATASETS.get(cfg.data.dataset)(cfg.data)
@@ -329,7 +330,7 @@ def test_grey_images_are_read_as_three_equal_channels_and_said_so(tmp_path):
     reference = torch.from_numpy(np.array(Image.open(s.train.samples[0][0])))  # Pillow's own grey pixels
     assert image.shape[0] == 3 and all(torch.equal(image[c], reference) for c in range(3))
     # data.options.mode=GRAY keeps one channel, and then nothing is said about it.
-    cfg = config.load(None, [f"data.root={root}", "data.options={mode: GRAY}"])
+    cfg = load_resolved(None, [f"data.root={root}", "data.options={mode: GRAY}"])
     assert not [c for c in cfg.chosen() if c["setting"] == "data.options.mode"]
     assert DATASETS.get(cfg.data.dataset)(cfg.data).train[0][0].shape[0] == 1
 

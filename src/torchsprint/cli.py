@@ -145,7 +145,12 @@ def cmd_config(args) -> int:
     if args.config_command == "schema":
         print(json.dumps(config.json_schema(), indent=1))
     else:
-        print(config.dump_yaml(config.load(args.config, args.overrides)), end="")
+        cfg = config.load(args.config, args.overrides)
+        if args.resolved:  # the first phase of building a run, as train runs it (data.root scanned)
+            from torchsprint.train.resolve import resolve
+
+            cfg = resolve(cfg)
+        print(config.dump_yaml(cfg), end="")
     return 0
 
 

@@ -297,8 +297,13 @@ def args_weights(p: argparse.ArgumentParser) -> None:
 
 def args_config(p: argparse.ArgumentParser) -> None:
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    s = csub.add_parser("show", help="print the fully resolved config (YAML)", description="Print the resolved config.")
+    s = csub.add_parser("show", help="print the config as loaded (YAML); --resolved: as a run would train it",
+                        description="Print the config: the file and overrides, validated, every default written out. "
+                                    "With --resolved, also what the task and the data decide (data.root scanned, "
+                                    "the model's start looked up), as `train` records it in config.yaml.")
     _add_config_args(s)
+    s.add_argument("--resolved", action="store_true",
+                   help="add the defaults the task and the data decide (reads data.root and the weights cache)")
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
     csub.add_parser("schema", help="print the config's JSON Schema (for editor completion)", description="Print the JSON Schema.")
 

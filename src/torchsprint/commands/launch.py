@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from torchsprint.errors import UsageError
+from torchsprint.train.resolve import resolve
 
 DEFAULT_PORT = 29500
 
@@ -127,6 +128,7 @@ def preflight(args):
         cfg = resumed_run_config(args.resume, overrides, args.imports)
     else:
         cfg = config.load(path, overrides, imports=args.imports)
+    cfg = resolve(cfg)
     device = resolve_device(cfg.run.device)
     if device.type == "cuda" and cfg.run.device not in ("auto", "cuda"):
         raise UsageError(f"run.device={cfg.run.device} pins every DDP process to one GPU. Use run.device=auto (or cuda): "

@@ -170,6 +170,7 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
     from torchsprint import runtime
     from torchsprint.config.schema import import_modules
     from torchsprint.state.rundir import writable_file
+    from torchsprint.train.resolve import resolve
     from torchsprint.train.run import build_training
 
     check_range(steps, start, end)
@@ -177,6 +178,7 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
         raise UsageError("lr-find runs in one process: add strategy.name=single (its steps use data.batch_size images; "
                          "under DDP each step sees data.batch_size x processes, so scale the suggestion accordingly).")
     import_modules(cfg.imports)
+    cfg = resolve(cfg)  # what the task and the data decide, as train resolves it
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="torchsprint-lr-find-"))
     for target in (out, out / "lr_find.json", out / "lr_find.png"):  # before the sweep, not found after it
         writable_file(target, "--out", folder=target == out, overwrite=overwrite)  # an earlier sweep's: --overwrite

@@ -87,14 +87,6 @@ class Config(Section):
                                "dynamic batching, limits and token (docs/serve.md).")
 
     @model_validator(mode="after")
-    def _task_defaults(self):
-        # The task's default loss and monitor apply only where the config leaves them unset.
-        from torchsprint.tasks.core import apply_defaults
-
-        apply_defaults(self)
-        return self
-
-    @model_validator(mode="after")
     def _unfreeze_within_the_run(self):
         # The start-up line promises the body's unfreeze after freeze_epochs; at or past run.epochs it never comes.
         if self.model.freeze_epochs and self.model.freeze_epochs >= self.run.epochs:
@@ -106,29 +98,33 @@ class Config(Section):
     # What torchsprint chose for settings the config leaves unset and the data decides (data/detect.py): a list of
     # Choice dicts (setting, value, why, override), for the start-up summary and decisions.json. Not a config key:
     # the chosen values themselves are written into the config (config.yaml), so a resumed run reads them as set.
+    # Validation never fills it: loading a config reads files and overrides only (no scan of data.root, no weights
+    # cache, no network); train/resolve.py's `resolve` is the phase that decides and records, once per config.
     _chosen: list = PrivateAttr(default_factory=list)
-
-    @model_validator(mode="after")
-    def _data_defaults(self):
-        # Only with a data.root: the default run (digits) and saved run configs (everything set) never scan files.
-        if self.data.root is not None:
-            from torchsprint.data.detect import resolve
-            from torchsprint.models.start import photo_start
-
-            # A later re-validation (validate_assignment) finds the chosen values set and keeps the first record.
-            have = {c["setting"] for c in self._chosen}
-            self._chosen = [*self._chosen, *(c.as_dict() for c in resolve(self, photo_start) if c.setting not in have)]
-        return self
+    _resolved: bool = PrivateAttr(default=False)
 
     def set_by_user(self, dotted: str) -> bool:
         """Whether the config (a file, an override) set `dotted` (section.field), not the schema or the task's default
-        (tasks/core.py's apply_defaults fills those without marking them set)."""
+        (tasks/core.py's apply_defaults, in the resolve phase, fills those without marking them set)."""
         section, name = dotted.split(".")
         return name in getattr(self, section).model_fields_set
 
     def chosen(self) -> list[dict]:
         """The settings chosen from the data (data/detect.py), each {setting, value, why, override}."""
         return list(self._chosen)
+
+    def record_chosen(self, chosen: list[dict]) -> None:
+        """Add settings chosen for this config (a setting recorded before keeps its first record)."""
+        have = {c["setting"] for c in self._chosen}
+        self._chosen = [*self._chosen, *(c for c in chosen if c["setting"] not in have)]
+
+    @property
+    def resolved(self) -> bool:
+        """Whether train/resolve.py's phase has filled what the task and the data decide."""
+        return self._resolved
+
+    def mark_resolved(self) -> None:
+        self._resolved = True
 
 
 # ---------------------------------------------------------------- loading

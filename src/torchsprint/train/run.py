@@ -33,6 +33,7 @@ from torchsprint.train.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BA
     not_deterministic,
 )
 from torchsprint.train.imbalance import before_data
+from torchsprint.train.resolve import resolve
 
 
 def on_main(rt, fn):
@@ -280,7 +281,7 @@ def train(cfg, *, quiet: bool = False, overwrite: bool = False, dry_run: bool = 
 
     t0 = time.monotonic()  # run.max_time counts from here: building the data and model is part of the budget
     import_modules(cfg.imports)
-    task = get_task(cfg.task)
+    task = get_task(resolve(cfg).task)  # the first phase (cfg filled in place): what the task and the data decide
     check_sinks(cfg.log)
     check_requeue(cfg.run, cfg.checkpoint.resume)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)

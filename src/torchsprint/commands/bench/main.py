@@ -48,6 +48,7 @@ from torchsprint.commands.bench.variants import (  # noqa: F401  (re-exported)
 from torchsprint.errors import UsageError
 from torchsprint.runtime.machine import cpu_info
 from torchsprint.state.rundir import writable_file
+from torchsprint.train.resolve import resolve
 
 
 def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, warmup: int = 5, repeats: int = 3,
@@ -62,7 +63,7 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
     """
     import torch
 
-    user = config_mod.load(config_path, overrides)
+    user = resolve(config_mod.load(config_path, overrides))
     decodes = decodes_files(user)
     base_overrides = list(overrides) + seeds_baseline(decodes)
     keep = out is not None and not overwrite  # a run folder as --out: its config.yaml is the run's own, refused
@@ -82,7 +83,7 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
     def run_variant(v: Variant, extra: list[str]) -> None:
         cfg_over = base_overrides + extra
         try:
-            cfg = config_mod.load(config_path, cfg_over)
+            cfg = resolve(config_mod.load(config_path, cfg_over))
             (out / "variants").mkdir(exist_ok=True)
             path = out / "variants" / f"{slug(v.name)}.yaml"
             path.write_text(config_mod.dump_yaml(cfg))

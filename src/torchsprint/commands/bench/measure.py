@@ -17,6 +17,7 @@ from pathlib import Path
 
 from torchsprint import config as config_mod
 from torchsprint.errors import UsageError
+from torchsprint.train.resolve import resolve
 
 
 def peak_memory_reset(device) -> None:
@@ -231,7 +232,7 @@ def _worker(argv: list[str]) -> int:
     from torchsprint import runtime
 
     try:
-        cfg = config_mod.load(config_path)
+        cfg = resolve(config_mod.load(config_path))
         launched = runtime.launch_env()
         if launched.world_size > 1:
             # One process group for every repeat: re-creating the default group in a process under torchrun

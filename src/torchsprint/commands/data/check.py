@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from torchsprint.observe.logging import replace_file
+from torchsprint.train.resolve import resolve
 
 FEW = 5  # a class with fewer training images than this is warned about
 IMBALANCE = 10.0  # largest / smallest class ratio above which the report warns
@@ -289,7 +290,7 @@ def check_cli(args) -> int:
     """`torchsprint data check -c cfg [--batches N] [--out DIR]`: print the report; exit 1 on problems."""
     from torchsprint import config
 
-    cfg = config.load(args.config, args.overrides)
+    cfg = resolve(config.load(args.config, args.overrides))
     r = check(cfg, args.batches, args.out)
     k = len(r["classes"])
     print(f"dataset {r['dataset']} ({r['root'] or 'built in'}), {k} classes: {', '.join(r['classes'][:10])}"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torchsprint.train.resolve import resolve
+
 # ---------------------------------------------------------------- compare
 
 
@@ -141,7 +143,7 @@ def compare_cli(args) -> int:
     """`torchsprint data compare -c cfg [--images N] [--run RUN_DIR]`: print the difference table."""
     from torchsprint import config
 
-    cfg = config.load(args.config, args.overrides)
+    cfg = resolve(config.load(args.config, args.overrides))
     r = compare(cfg, args.images, args.run)
     print(f"eval preprocessing on {r['images']} images; reference: {r['reference']} (uint8 pixel units)")
     for row in r["rows"]:

@@ -137,6 +137,7 @@ def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
     assert "DALI: unpacked" not in setup()  # unpacked once: a later call on the same machine reuses it
 
 
+@pytest.mark.slow  # 15 s: a benchmark script's own run
 def test_data_throughput_runs_its_cpu_tables(tmp_path):
     """benchmarks/data_throughput.py end to end on 64 JPEGs: it reaches into the cpu backend's dataset and
     collate (the per-core CPU figure, also M2's on the GPU machine), which a refactor of the backend broke

@@ -89,6 +89,7 @@ def test_an_export_that_fails_its_parity_check_leaves_no_file(small_run, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # 13 s; the ONNX export race stays in the main suite
 def test_concurrent_torchscript_exports_of_one_run(small_run, tmp_path):
     """Two processes export the same run to the same file at once: both succeed and the file is a whole
     TorchScript module. Before, each wrote the name in place, and one could load the other's half-written

@@ -94,6 +94,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
     assert res["uneven"]["uneven_steps"] == 4 and res["uneven"]["finished"] is False
 
 
+@pytest.mark.slow  # 11 s; the CLI launch's dry run and the DDP equivalence test stay in the main suite
 def test_cli_nproc_per_node_syncbn_matches_one_process(tmp_path, run_cli):
     """`torchsprint train --nproc-per-node 2` (commands/launch.py -> torchrun) with SyncBatchNorm on."""
     ref = reference(tmp_path / "ref", "bn", ["model.args.width=8"])
@@ -163,6 +164,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # 9-19 s each (a rank waits out strategy.timeout_s)
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_failed_rank_makes_the_other_exit_within_timeout(tmp_path, how):
     """Two bare ranks (env:// like torchrun or srun set it, no agent to clean up): SIGKILL one rank

@@ -322,6 +322,7 @@ def test_cli_bad_teacher_exits_2_with_one_line(cli_in_process, tmp_path):
 # ---------------------------------------------------------------- DDP
 
 
+@pytest.mark.slow  # 12 s of DDP; one-process distillation stays in the main suite
 @pytest.mark.dist
 def test_ddp_distillation_matches_one_process(teacher_run, tmp_path, run_cli):
     """2 processes (gloo) with batch B each against one process with batch 2B over the same samples: each rank's

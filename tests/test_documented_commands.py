@@ -215,7 +215,16 @@ def kept_short(argv: list[str]) -> list[str]:
     return argv
 
 
-@pytest.mark.parametrize("documented", list(UNIQUE), ids=[f"{c.page}:{c.line}" for c in UNIQUE])
+# A launch dry-runs in two real worker processes (8-11 s each on 2 cores): the first documented launch runs in the
+# main suite, the other ones (the same path with other flags) in .ci/slow.
+LAUNCHES = [c for c in UNIQUE if "--nproc-per-node" in c.argv or "--nnodes" in c.argv]
+
+
+def as_param(c: Documented):
+    return pytest.param(c, id=f"{c.page}:{c.line}", marks=[pytest.mark.slow] if c in LAUNCHES[1:] else [])
+
+
+@pytest.mark.parametrize("documented", [as_param(c) for c in UNIQUE])
 def test_documented_command_runs(documented, workspace, tmp_path, cli_in_process, monkeypatch):
     also = f" (also {', '.join(UNIQUE[documented])})" if UNIQUE[documented] else ""
     if documented.not_run:

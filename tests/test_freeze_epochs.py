@@ -90,6 +90,7 @@ def test_bad_settings_are_refused(over, says):
         runtime.teardown(rt)
 
 
+@pytest.mark.slow  # 12 s of DDP; the one-process switch stays in the main suite
 @pytest.mark.dist
 def test_ddp_matches_one_process_and_resumes_exactly_across_the_switch(tmp_path):
     """strategy=ddp, 2 processes (gloo, SyncBatchNorm): the DDP reducer follows the head-only flags (over the head

@@ -242,6 +242,7 @@ def test_bce_loss_takes_the_soft_targets(tmp_path):
     assert np.isfinite(s["final"]["val/loss"])
 
 
+@pytest.mark.slow  # 11 s of DDP; one-process mixing stays in the main suite
 @pytest.mark.dist
 def test_ddp_two_processes_with_mixing(tmp_path, run_cli):
     """`torchsprint train --nproc-per-node 2` with Mixup/CutMix: each rank mixes its own batches with its

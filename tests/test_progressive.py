@@ -164,6 +164,7 @@ def test_resume_mid_ramp_is_bit_identical_to_an_uninterrupted_run(tmp_path, back
     assert done["final"] == ref["final"]
 
 
+@pytest.mark.slow  # 12 s of DDP; the one-process schedule stays in the main suite
 @pytest.mark.dist
 def test_two_ddp_ranks_follow_the_schedule_as_one_process_does(tmp_path, run_cli):
     """torchrun, 2 gloo processes x 64 images per step against one process x 128: the same samples per step, each

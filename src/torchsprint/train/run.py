@@ -94,7 +94,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     from torchsprint.train.distill import DistillLoader, DistillLoss, check_distill, check_same_teacher
     from torchsprint.train.plan import build_plan, decide_input_format, decide_speed
 
-    # speed.cuda_graphs decided once: the capture, autocast's cache and decisions.json all read `graphs`.
+    cfg = resolve(cfg)  # the first phase, a no-op after train(); then cuda_graphs, decided once for every reader
     progressive = cfg.data.progressive.start_size is not None  # the input size changes between epochs
     graphs = decide_cuda_graphs(cfg.speed, cfg.strategy, rt.device, rt.world_size, cfg.data.drop_last,
                                 cfg.model.freeze_epochs, progressive)

@@ -185,6 +185,14 @@ def args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tolerance", type=Number(0), default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
     p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
                    help="test-time augmentation held in the exported graph (default: the run's eval.tta)")
+    p.add_argument("--int8", action="store_true",
+                   help="--format onnx: also quantize the graph to int8 (onnxruntime static QDQ, per-channel int8 weights), "
+                        "calibrated on the run's training images; written as <run>/export/model[...]-int8.onnx")
+    p.add_argument("--calibration", type=Count(1, " (static quantization measures the activations' ranges on them)"),
+                   default=None, metavar="N", help="--int8: training images to calibrate on (default 256; a fixed "
+                   "sample seeded with the run's seed, so the same N gives the same file)")
+    p.add_argument("--int8-activations", choices=["u8", "s8"], default=None,
+                   help="--int8: uint8 (u8, the default: U8S8, the fast one on x86-64) or int8 (s8) activations")
 
 
 def args_predict(p: argparse.ArgumentParser) -> None:

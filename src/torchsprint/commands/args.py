@@ -165,8 +165,10 @@ def args_train(p: argparse.ArgumentParser) -> None:
 
 
 def args_eval(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
-    p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
+    p.add_argument("-r", "--run", required=True, metavar="RUN_DIR|MODEL_FILE",
+                   help="run folder printed by `torchsprint train`, or a .onnx (fp32 or int8), .pt or .safetensors "
+                        "file from `torchsprint export` (evaluated on its run's data)")
+    p.add_argument("--weights", type=weights_arg, default=None, help=WEIGHTS_HELP + " (default best; a run folder only)")
     p.add_argument("--split", choices=["val", "test"], default="val",
                    help="which split: val, or test (image_folder: the test/ folder beside train/)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",

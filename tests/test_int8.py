@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchsprint import config
-from torchsprint.commands import quantize
+from torchsprint.commands import int8_gate, quantize
 from torchsprint.errors import UsageError
 from torchsprint.train.run import train
 
@@ -24,6 +24,27 @@ def digits_run(tmp_path_factory):
     train(config.load(None, [f"run.dir={run}", "run.epochs=2", "log.tensorboard=false", "log.progress=false",
                              "model.args={width: 8}", "precision.mode=fp32"]), quiet=True)
     return run
+
+
+@pytest.fixture
+def int8_faster(monkeypatch):
+    """A stub clock (int8_gate.timed) that times the int8 graph at half fp32's time, whatever this CPU does: the
+    tests that are not about speed must not depend on a timing. Returns the labels it was asked for, in order."""
+    asked = []
+
+    def timed(label, run):
+        asked.append(label)
+        run()  # the graph still runs: a broken session fails here
+        return {"fp32": 0.02, "int8": 0.01}[label]
+
+    monkeypatch.setattr(int8_gate, "timed", timed)
+    return asked
+
+
+@pytest.fixture
+def int8_slower(monkeypatch):
+    """The stub clock the other way: int8 takes 1.25x fp32's time."""
+    monkeypatch.setattr(int8_gate, "timed", lambda label, run: {"fp32": 0.02, "int8": 0.025}[label])
 
 
 def meta_of(path) -> dict:
@@ -46,7 +67,7 @@ def test_calibration_images_are_the_seeded_training_sample_through_the_eval_spec
     assert quantize.calibration_indices(len(train_images), 100, seed=1) != idx
 
 
-def test_int8_export_is_bit_identical_for_the_same_run_and_n_and_records_how(digits_run, tmp_path):
+def test_int8_export_is_bit_identical_for_the_same_run_and_n_and_records_how(digits_run, tmp_path, int8_faster):
     """Bug caught: anything unseeded or timed in the file (a sample drawn from the global RNG, a timestamp or a
     temp path in the metadata): the two files differ. A different N must change the file (else N is ignored)."""
     a = quantize.export_int8(digits_run, out=tmp_path / "a.onnx", calibration=64)
@@ -67,7 +88,7 @@ def test_int8_export_is_bit_identical_for_the_same_run_and_n_and_records_how(dig
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops  # QDQ: the graph really is quantized
 
 
-def test_activation_type_is_honoured(digits_run, tmp_path):
+def test_activation_type_is_honoured(digits_run, tmp_path, int8_faster):
     """Bug caught: --int8-activations s8 recorded but not passed to quantize_static (the graph's activation
     zero points stay uint8)."""
     r = quantize.export_int8(digits_run, out=tmp_path / "s8.onnx", calibration=32, activations="s8")
@@ -100,3 +121,81 @@ def test_int8_settings_are_refused_in_one_line(digits_run, cli_in_process, args,
 def test_calibration_zero_is_refused_by_the_function_too(digits_run, tmp_path):
     with pytest.raises(UsageError, match="at least 1 training image"):
         quantize.export_int8(digits_run, out=tmp_path / "m.onnx", calibration=0)
+
+
+def test_the_gate_refuses_a_model_damaged_on_purpose_and_force_writes_it(digits_run, tmp_path, monkeypatch,
+                                                                          int8_faster):
+    """Calibrated on blank images (every activation's range measured on a constant grey image: the real ranges
+    clip), the int8 graph loses ~22 points of top-1 here (0.66 vs 0.88). Bug caught: a gate that compares the
+    int8 graph with itself, checks only speed, or reads the figures of the fp32 graph for both: it would write
+    the file. The damage is checked independently: `eval` of the forced file against the run's own eval."""
+    from torchsprint.commands.eval_export import evaluate_file
+    from torchsprint.train.run import evaluate_run
+
+    real = quantize.calibration_batches
+    monkeypatch.setattr(quantize, "calibration_batches",
+                        lambda *a, **k: [b * 0 for b in real(*a, **k)])  # same shapes and dtype, blank
+    out = tmp_path / "damaged.onnx"
+    with pytest.raises(UsageError, match=r"refused, .*damaged.onnx not written: its top-1 is [\d.]+ points below") as e:
+        quantize.export_int8(digits_run, out=out, calibration=64)
+    assert "not faster" not in str(e.value) and "\n" not in str(e.value)  # the stub clock made it faster
+    assert not out.exists()
+    r = quantize.export_int8(digits_run, out=out, calibration=64, force=True)
+    assert out.exists() and r["forced"] and not r["check"].passed
+    fp32_top1 = evaluate_run(digits_run)["top1"]
+    assert evaluate_file(out)["top1"] < fp32_top1 - 0.05  # the damage is real, not a gate artefact
+    assert r["check"].fp32["top1"] == pytest.approx(fp32_top1, abs=1.5 / 360)  # the fp32 side is the run's model
+
+
+def test_the_gate_refuses_an_int8_graph_that_is_not_faster_and_force_says_the_figures(digits_run, tmp_path,
+                                                                                      int8_slower, cli_in_process):
+    """The stub clock makes int8 1.25x slower. Bug caught: a gate that checks accuracy only, or compares the
+    speeds the wrong way round (int8 0.80x fp32's images/s written). --force writes it and prints the figures."""
+    out = tmp_path / "slow.onnx"
+    r = cli_in_process("export", "-r", digits_run, "--int8", "--calibration", "64", "--out", out)
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "it is not faster (0.80x fp32's images/s)" in line, line
+    assert "top-1 int8" in line and "img/s at batch 32" in line and "--force" in line
+    assert not out.exists()
+    r = cli_in_process("export", "-r", digits_run, "--int8", "--calibration", "64", "--out", out, "--force")
+    assert r.returncode == 0, r.stderr
+    assert out.exists()
+    assert "int8 check FAILED (it is not faster (0.80x fp32's images/s)), written anyway" in r.stdout, r.stdout
+    assert "(0.80x; medians of 15 interleaved runs after 3 warm-ups)" in r.stdout
+
+
+def test_speed_is_measured_interleaved_after_warm_ups_at_the_serving_batch(digits_run, tmp_path, int8_faster,
+                                                                           monkeypatch):
+    """Bug caught: one graph timed after the other (a machine that warms up or slows down favours one), no
+    warm-up, or a batch other than the run's serve.max_batch. The stub clock records which graph each timing was."""
+    calls = {"fp32": 0, "int8": 0}
+    real = int8_gate.measure_speed
+
+    def counting(runs, images, **kw):
+        assert images == 32  # serve.max_batch's default: the batch serve runs
+        counted = {k: (lambda k=k, f=f: (calls.__setitem__(k, calls[k] + 1), f())) for k, f in runs.items()}
+        return real(counted, images, **kw)
+
+    monkeypatch.setattr(int8_gate, "measure_speed", counting)
+    r = quantize.export_int8(digits_run, out=tmp_path / "m.onnx", calibration=32)
+    rounds = int8_gate.ROUNDS
+    assert int8_faster == ["fp32", "int8", "int8", "fp32"] * (rounds // 2) + ["fp32", "int8"] * (rounds % 2)
+    assert calls == {"fp32": rounds + int8_gate.WARMUP, "int8": rounds + int8_gate.WARMUP}
+    assert r["check"].ratio == pytest.approx(2.0) and r["check"].passed
+
+
+@pytest.mark.parametrize("int8, balanced, refused", [
+    ({"top1": 0.90, "balanced_acc": 0.90}, False, []),          # exactly 1 point: accepted
+    ({"top1": 0.8999, "balanced_acc": 0.90}, False, ["top-1"]),
+    ({"top1": 0.91, "balanced_acc": 0.85}, False, []),          # balanced accuracy not monitored: not held
+    ({"top1": 0.91, "balanced_acc": 0.85}, True, ["balanced accuracy"]),
+])
+def test_judge_holds_top1_and_monitored_balanced_accuracy_to_one_point(int8, balanced, refused):
+    """Bug caught: balanced accuracy ignored where the run monitors it (a majority-class model passes on top-1),
+    a drop of exactly 1 point refused (float rounding of 0.91 - 0.90), or the fraction read as points."""
+    fp32 = {"top1": 0.91, "balanced_acc": 0.91}
+    got = int8_gate.judge(fp32, int8, {"fp32": 100.0, "int8": 200.0}, balanced)
+    assert [next(n for n in ("balanced accuracy", "top-1") if n in r) for r in got] == refused
+    assert int8_gate.judge(fp32, fp32, {"fp32": 100.0, "int8": 100.0}, balanced) == [
+        "it is not faster (1.00x fp32's images/s)"]  # equal speed is not faster

@@ -195,6 +195,9 @@ def args_export(p: argparse.ArgumentParser) -> None:
                    "sample seeded with the run's seed, so the same N gives the same file)")
     p.add_argument("--int8-activations", choices=["u8", "s8"], default=None,
                    help="--int8: uint8 (u8, the default: U8S8, the fast one on x86-64) or int8 (s8) activations")
+    p.add_argument("--force", action="store_true",
+                   help="--int8: write the int8 file even when its check fails (top-1 more than 1 point below the fp32 "
+                        "graph's on the validation split, or not faster at the serving batch); the figures are printed")
 
 
 def args_predict(p: argparse.ArgumentParser) -> None:

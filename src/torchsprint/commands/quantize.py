@@ -186,15 +186,22 @@ def check_int8_settings(fmt: str, calibration: int, activations: str) -> None:
 
 def export_int8(run_dir: str | Path, *, weights: str = "best", out: str | Path | None = None, uint8_input: bool = False,
                 opset: int | None = None, tolerance: float = 1e-3, tta: str | None = None,
-                calibration: int = DEFAULT_CALIBRATION, activations: str = DEFAULT_ACTIVATIONS,
+                calibration: int = DEFAULT_CALIBRATION, activations: str = DEFAULT_ACTIVATIONS, force: bool = False,
                 overwrite: bool = True) -> dict:
     """An int8 ONNX export of a run: its fp32 ONNX export (parity-checked against PyTorch, as `export` does),
-    quantized on `calibration` training images (calibration_batches; the sample seeded with the run's seed).
+    quantized on `calibration` training images (calibration_batches; the sample seeded with the run's seed), and
+    written only where commands/int8_gate.py's check passes (within 1 point of fp32's top-1 on the validation
+    split, and faster at the serving batch) or with `force`.
 
-    Returns export's dict for the int8 file plus "quantization" (the record in its metadata) and "fp32" (the fp32
-    export's own parity figures). `out` (default default_int8_out) may replace a file only with `overwrite`.
+    Returns {"path", "format", "tta", "quantization" (the record in its metadata), "check" (Int8Check),
+    "written" (False: refused and not forced, raised instead), "max_abs_diff"/"images_checked" (the fp32 graph's
+    parity)}. Raises UsageError when refused without `force`. `out` (default default_int8_out) may replace a
+    file only with `overwrite`.
     """
+    import shutil
+
     from torchsprint.commands.export import export
+    from torchsprint.commands.int8_gate import check_int8, refusal
     from torchsprint.commands.trained import load_run
     from torchsprint.config.saved import naming_imports
     from torchsprint.state.checkpoint import atomic_path
@@ -208,6 +215,7 @@ def export_int8(run_dir: str | Path, *, weights: str = "best", out: str | Path |
         raise UsageError(f"--int8: task={trained.cfg.task} is not quantized (its accuracy check is top-1 of a classifier); "
                          "export it in fp32 (leave --int8 out).")
     tta = tta or trained.cfg.eval.tta
+    trained.cfg.eval.tta = tta  # the speed batch loads images as the graph takes them (multi-crop: the larger image)
     if out is None:
         out = writable_file(default_int8_out(run_dir, uint8_input, tta), "--out")
     with tempfile.TemporaryDirectory(prefix="torchsprint-int8-") as tmp:
@@ -216,15 +224,20 @@ def export_int8(run_dir: str | Path, *, weights: str = "best", out: str | Path |
         seed = trained.cfg.run.seed
         with naming_imports(trained.cfg.imports, run_dir):
             batches = calibration_batches(trained, calibration, seed, uint8_input, tta)
-        used = sum(len(b) for b in batches)
-        record = {"calibration_images": used, "calibration_split": "train", "seed": seed}
+            record = {"calibration_images": sum(len(b) for b in batches), "calibration_split": "train", "seed": seed}
+            int8 = Path(tmp) / "int8.onnx"
+            quantization = quantize_onnx(Path(fp32["path"]), int8, batches, activations, record)
+            check = check_int8(Path(fp32["path"]), int8, trained, uint8_input)
+        if not check.passed and not force:
+            raise UsageError(refusal(check, out))
         try:
             with atomic_path(out) as tmp_out:
-                quantization = quantize_onnx(Path(fp32["path"]), tmp_out, batches, activations, record)
+                shutil.copyfile(int8, tmp_out)
         except OSError as e:
             raise UsageError(f"could not write {out}: {e.strerror or e}. Free disk space or choose another --out.") from None
-    return {"path": str(out), "format": "onnx", "tta": tta, "quantization": quantization, "asked_calibration": calibration,
-            "max_abs_diff": fp32["max_abs_diff"], "images_checked": fp32["images_checked"]}
+    return {"path": str(out), "format": "onnx", "tta": tta, "quantization": quantization, "check": check,
+            "written": True, "forced": not check.passed, "max_abs_diff": fp32["max_abs_diff"],
+            "images_checked": fp32["images_checked"]}
 
 
 def describe_quantization(q: dict, asked: int | None = None) -> str:

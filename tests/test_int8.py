@@ -199,3 +199,83 @@ def test_judge_holds_top1_and_monitored_balanced_accuracy_to_one_point(int8, bal
     assert [next(n for n in ("balanced accuracy", "top-1") if n in r) for r in got] == refused
     assert int8_gate.judge(fp32, fp32, {"fp32": 100.0, "int8": 100.0}, balanced) == [
         "it is not faster (1.00x fp32's images/s)"]  # equal speed is not faster
+
+
+@pytest.fixture(scope="module")
+def val_pngs(digits_run, tmp_path_factory):
+    """The digits validation split as lossless PNGs in class folders: [(path, label)] in the split's order."""
+    from PIL import Image
+
+    from torchsprint import runtime
+    from torchsprint.data import build_loaders
+
+    cfg = config.load(digits_run / "config.yaml", ["data.backend=cpu"])
+    loaders = build_loaders(cfg.data, runtime.Runtime(torch.device("cpu")), seed=0)
+    loaders.val.set_epoch(0)
+    folder, out = tmp_path_factory.mktemp("val-png"), []
+    for images, labels, _ in loaders.val.loader:
+        for img, label in zip(images, labels.tolist()):
+            p = folder / str(label) / f"{len(out)}.png"
+            p.parent.mkdir(exist_ok=True)
+            Image.fromarray(img[0].numpy()).save(p)
+            out.append((p, label))
+    return out
+
+
+@pytest.mark.parametrize("uint8_input", [False, True])
+def test_predict_on_an_int8_file_equals_eval_of_it(digits_run, tmp_path, val_pngs, int8_faster, uint8_input):
+    """predict reads image files through its own decoder and batching, eval reads the split through the loader:
+    the same int8 graph must give the same class for every image, so the confusion matrices are equal. Bugs
+    caught: predict ranking tied logits by topk (the higher class index; eval's argmax takes the lower: 2 of these
+    360 images differed, int8 logits tie on their quantization grid), predict running the file's fp32 neighbour
+    or another preprocessing (normalised twice for a --uint8-input graph), or its note still saying fp32."""
+    from torchsprint.commands.eval_export import evaluate_file
+    from torchsprint.commands.predict import Predictor
+
+    path = quantize.export_int8(digits_run, out=tmp_path / "m.onnx", calibration=64, uint8_input=uint8_input)["path"]
+    ev = evaluate_file(path)
+    predictor = Predictor.from_file(path)
+    assert predictor.inference.precision == "int8" and "uint8 activations" in predictor.inference.note
+    results = predictor.predict([str(val_pngs[0][0].parent.parent)], topk=1)
+    by_path = {r["input"]: int(r["top"][0]["class"]) for r in results}
+    confusion = [[0] * 10 for _ in range(10)]
+    for p, label in val_pngs:
+        confusion[label][by_path[str(p)]] += 1
+    assert len(by_path) == ev["count"] == 360
+    assert confusion == ev["confusion"]
+    with pytest.raises(UsageError, match="is an int8 graph"):
+        Predictor.from_file(path, precision="fp32")
+
+
+def test_serve_answers_with_the_int8_file_as_predict_does(digits_run, tmp_path, val_pngs, int8_faster):
+    """serve takes the int8 file as any .onnx (onnxruntime runtime): its answers equal predict's on the same file,
+    /ready says int8. Bug caught: serve refusing the file or running another model than predict."""
+    import httpx
+
+    from serve_helpers import TOL, ThreadServer
+    from torchsprint.commands.predict import Predictor
+
+    path = quantize.export_int8(digits_run, out=tmp_path / "m.onnx", calibration=64)["path"]
+    paths = [p for p, _ in val_pngs[:4]]
+    ref = Predictor.from_file(path).predict([str(p) for p in paths], topk=10)
+    server = ThreadServer(path)
+    try:
+        assert httpx.get(server.url + "/ready", timeout=30).json()["precision"] == "int8"
+        for p, r in zip(paths, ref):
+            answer = httpx.post(server.url + "/predict", content=p.read_bytes(), params={"topk": 10}, timeout=60,
+                                headers={"content-type": "application/octet-stream"}).json()["predictions"][0]
+            got, want = ({t["class"]: t["prob"] for t in x["top"]} for x in (answer, r))
+            assert got.keys() == want.keys() and max(abs(got[c] - want[c]) for c in got) <= TOL
+    finally:
+        server.close()
+
+
+def test_predict_breaks_tied_logits_as_the_metrics_argmax_does():
+    """The tie rule on its own (the int8 test above meets ties only where training lands on some): equal logits go
+    to the lower class index, as the metrics' argmax. Bug caught: softmax(...).topk, which answered class 3 here."""
+    from torchsprint.tasks.core import get_task
+
+    logits = torch.tensor([[0.1, 0.5, 0.75, 0.75, 0.2], [0.9, 0.0, 0.9, 0.9, 0.9]])
+    top = get_task("classification").postprocess(logits, list("abcde"), {"topk": 3})
+    assert [[t["class"] for t in r["top"]] for r in top] == [["c", "d", "b"], ["a", "c", "d"]]
+    assert [r["top"][0]["class"] for r in top] == [list("abcde")[i] for i in logits.argmax(1).tolist()]

@@ -87,7 +87,9 @@ def open_onnx(path: Path, overrides) -> Exported:
         return torch.from_numpy(sess.run(None, {name: x.cpu().contiguous().numpy()})[0])
 
     forward.session = sess
-    quantization = json.loads(meta["quantization"]) if "quantization" in meta else None
+    from torchsprint.commands.quantize import quantization_record
+
+    quantization = quantization_record(meta, path)
     return Exported(path, forward, meta.get("input_dtype") == "uint8", cfg, metadata_entry(meta, "classes", path),
                     metadata_entry(meta, "in_channels", path), held_tta(meta, cfg, path), "onnxruntime", quantization)
 

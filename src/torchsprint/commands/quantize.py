@@ -251,3 +251,28 @@ def describe_quantization(q: dict, asked: int | None = None) -> str:
     if asked is not None and asked > q.get("calibration_images", asked):
         line += f": all of them (--calibration {asked} asked for more)"
     return line
+
+
+def int8_inference(meta: dict, path: Path, precision: str):
+    """The Inference of an int8 ONNX file (its `quantization` record, commands/quantize.py); precision=fp32 is
+    refused: the graph's weights are int8, there is no fp32 model in it to run."""
+    from torchsprint.commands.inference import Inference
+
+    if precision == "fp32":
+        raise UsageError(f"precision=fp32: {path.name} is an int8 graph (export --int8); use precision auto, or the "
+                         "fp32 export (model.onnx) or the run folder for fp32.")
+    return Inference("int8", False, f"onnxruntime, {describe_quantization(quantization_record(meta, path))}")
+
+
+def quantization_record(meta: dict, path) -> dict | None:
+    """The `quantization` entry of an ONNX file's metadata (None: not an int8 export); a damaged one is one line."""
+    if "quantization" not in meta:
+        return None
+    try:
+        record = json.loads(meta["quantization"])
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        raise UsageError(f"{path}: its metadata entry 'quantization' is not the JSON object torchsprint writes: the "
+                         "file is damaged or was edited. Export it again with `torchsprint export --int8`.")
+    return record

@@ -112,7 +112,7 @@ def restore_torch_flags():
 NUMERICS_FILES = {
     "test_auto_augment.py", "test_backend_agreement.py", "test_checkpoint.py", "test_comm_hooks.py",
     "test_data_backends.py", "test_data_batch_ops.py", "test_ddp.py", "test_distill.py", "test_engine.py",
-    "test_engine_units.py", "test_evaluation.py", "test_export_predict.py", "test_imbalance.py", "test_lr_find.py",
+    "test_engine_units.py", "test_eval_exported.py", "test_evaluation.py", "test_export_predict.py", "test_imbalance.py", "test_int8.py", "test_lr_find.py",
     "test_metrics.py", "test_metrics_reference.py", "test_mix.py", "test_optim.py", "test_parallel.py",
     "test_precision.py", "test_progressive.py", "test_readme_examples.py", "test_recipes_early_stop.py",
     "test_recipes_ema.py", "test_recipes_param_groups.py", "test_recipes_repeated_aug.py", "test_recipes_swa.py",

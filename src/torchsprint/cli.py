@@ -97,18 +97,30 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from torchsprint.commands.eval_export import describe_file, evaluate_file, is_exported
     from torchsprint.train.run import evaluate_run
 
-    out = evaluate_run(args.run, args.weights, args.overrides, split=args.split)
+    if is_exported(args.run):  # an exported model file (commands/eval_export.py)
+        if args.weights is not None:
+            from torchsprint.errors import UsageError
+
+            raise UsageError(f"--weights {args.weights}: {args.run} is one model file, it has no best/last weights to "
+                             "choose from; leave --weights out (or evaluate the run folder).")
+        out = evaluate_file(args.run, args.split, args.overrides)
+        header = describe_file(out)
+    else:
+        weights = args.weights or "best"
+        out = evaluate_run(args.run, weights, args.overrides, split=args.split)
+        saved = ", ".join(f"{k} {out[k]}" for k in ("epoch", "step") if out.get(k) is not None)
+        tta = "" if out.get("tta", "none") == "none" else f", test-time augmentation {out['tta']}"
+        header = f"{args.split} split, {weights} weights ({os.path.basename(out['weights'])}{', ' + saved if saved else ''}){tta}:"
     if args.json:
         print(json.dumps(out))
     else:
-        saved = ", ".join(f"{k} {out[k]}" for k in ("epoch", "step") if out.get(k) is not None)
-        tta = "" if out.get("tta", "none") == "none" else f", test-time augmentation {out['tta']}"
-        print(f"{args.split} split, {args.weights} weights ({os.path.basename(out['weights'])}{', ' + saved if saved else ''}){tta}:")
-        for k in ("top1", "top5", "loss", "count"):
+        print(header)
+        for k in ("top1", "top5", "balanced_acc", "loss", "count"):
             if k in out:
-                print(f"{k:>6}: {out[k]:.4f}" if isinstance(out[k], float) else f"{k:>6}: {out[k]}")
+                print(f"{k:>12}: {out[k]:.4f}" if isinstance(out[k], float) else f"{k:>12}: {out[k]}")
     return 0
 
 
@@ -209,8 +221,9 @@ COMMANDS = [
     Command("train", "train a model from a config",
             "Train a model from a config file and overrides.",
             args_train, cmd_train, imports=True, import_first=False),
-    Command("eval", "re-evaluate a run's saved weights",
-            "Re-evaluate saved weights on the validation (or test) split.",
+    Command("eval", "re-evaluate a run's saved weights or an exported model file",
+            "Re-evaluate saved weights, or an exported .onnx (fp32 or int8) / .pt / .safetensors file, on the "
+            "validation (or test) split of the run's data.",
             args_eval, cmd_eval, imports=True),
     Command("export", "export a run's model (ONNX, safetensors, TorchScript)",
             "Export weights with their preprocessing metadata and check parity.",

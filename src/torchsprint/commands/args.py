@@ -165,8 +165,10 @@ def args_train(p: argparse.ArgumentParser) -> None:
 
 
 def args_eval(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
-    p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
+    p.add_argument("-r", "--run", required=True, metavar="RUN_DIR|MODEL_FILE",
+                   help="run folder printed by `torchsprint train`, or a .onnx (fp32 or int8), .pt or .safetensors "
+                        "file from `torchsprint export` (evaluated on its run's data)")
+    p.add_argument("--weights", type=weights_arg, default=None, help=WEIGHTS_HELP + " (default best; a run folder only)")
     p.add_argument("--split", choices=["val", "test"], default="val",
                    help="which split: val, or test (image_folder: the test/ folder beside train/)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -185,6 +187,17 @@ def args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tolerance", type=Number(0), default=1e-3, help="max |logits difference| PyTorch vs runtime before failing")
     p.add_argument("--tta", default=None, metavar="none|hflip|five_crop|ten_crop",
                    help="test-time augmentation held in the exported graph (default: the run's eval.tta)")
+    p.add_argument("--int8", action="store_true",
+                   help="--format onnx: also quantize the graph to int8 (onnxruntime static QDQ, per-channel int8 weights), "
+                        "calibrated on the run's training images; written as <run>/export/model[...]-int8.onnx")
+    p.add_argument("--calibration", type=Count(1, " (static quantization measures the activations' ranges on them)"),
+                   default=None, metavar="N", help="--int8: training images to calibrate on (default 256; a fixed "
+                   "sample seeded with the run's seed, so the same N gives the same file)")
+    p.add_argument("--int8-activations", choices=["u8", "s8"], default=None,
+                   help="--int8: uint8 (u8, the default: U8S8, the fast one on x86-64) or int8 (s8) activations")
+    p.add_argument("--force", action="store_true",
+                   help="--int8: write the int8 file even when its check fails (top-1 more than 1 point below the fp32 "
+                        "graph's on the validation split, or not faster at the serving batch); the figures are printed")
 
 
 def args_predict(p: argparse.ArgumentParser) -> None:

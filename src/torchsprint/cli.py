@@ -227,7 +227,7 @@ COMMANDS = [
             args_eval, cmd_eval, imports=True),
     Command("export", "export a run's model (ONNX, safetensors, TorchScript)",
             "Export weights with their preprocessing metadata and check parity.",
-            args_export, lazy("torchsprint.commands.export", "export_cli"), imports=True),
+            args_export, lazy("torchsprint.commands.export_command", "export_cli"), imports=True),
     Command("predict", "predict with a run or an exported model (classes, labels or images)",
             "Predict with the eval preprocessing stored with the model.",
             args_predict, lazy("torchsprint.commands.predict", "predict_cli"), imports=True),

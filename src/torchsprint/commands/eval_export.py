@@ -87,7 +87,7 @@ def open_onnx(path: Path, overrides) -> Exported:
         return torch.from_numpy(sess.run(None, {name: x.cpu().contiguous().numpy()})[0])
 
     forward.session = sess
-    from torchsprint.commands.quantize import quantization_record
+    from torchsprint.commands.int8_file import quantization_record
 
     quantization = quantization_record(meta, path)
     return Exported(path, forward, meta.get("input_dtype") == "uint8", cfg, metadata_entry(meta, "classes", path),
@@ -223,7 +223,7 @@ def evaluate_file(path: str | Path, split: str = "val", overrides=()) -> dict:
 
 def describe_file(out: dict) -> str:
     """The header line of `eval` on a file: which file, run how."""
-    from torchsprint.commands.quantize import describe_quantization
+    from torchsprint.commands.int8_file import describe_quantization
 
     q = out.get("quantization")
     how = out["runtime"] + (f", {describe_quantization(q)}" if q else "")

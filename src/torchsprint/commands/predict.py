@@ -176,7 +176,7 @@ class Predictor:
                 tta=in_graph, tta_in_forward=True)
         p.graph_input = tuple(d if isinstance(d, int) and d > 0 else None for d in sess.get_inputs()[0].shape)
         if "quantization" in meta:  # an int8 graph (export --int8): it runs as quantized, never in fp32
-            from torchsprint.commands.quantize import int8_inference
+            from torchsprint.commands.int8_file import int8_inference
 
             p.inference = int8_inference(meta, path, precision)
         return p

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from fault_env import faults
 from torchsprint import config
 from torchsprint.errors import UsageError
 from torchsprint.runtime.core import Runtime
@@ -95,7 +96,7 @@ class Recorder(io.BytesIO):
 
 def test_normal_writes_pass_through_in_one_call():
     f = Recorder()
-    g = ckpt_mod._GuardedFile(f, 0.0)
+    g = ckpt_mod._GuardedFile(f)
     data = bytes(range(256)) * 40  # 10 KiB: more than one slow-disk chunk
     assert g.write(data) == len(data)
     assert f.calls == [len(data)] and f.getvalue() == data  # no 4 KiB chunking, no flushes off the slow-disk hook
@@ -103,9 +104,12 @@ def test_normal_writes_pass_through_in_one_call():
     assert f.calls[-1] == "flush"
 
 
-def test_slow_disk_hook_writes_4_kib_chunks_each_flushed_then_sleeps():
+def test_slow_disk_fault_writes_4_kib_chunks_each_flushed_then_sleeps(monkeypatch):
+    """The fault the kill-inside-a-write tests inject (tests/faults/sitecustomize.py slow_writes): it must really leave
+    a partly written file during its sleeps, or those tests kill between writes and prove nothing."""
+    faults().slow_writes(0.001, patch=monkeypatch.setattr)
     f = Recorder()
-    g = ckpt_mod._GuardedFile(f, 0.001)
+    g = ckpt_mod._GuardedFile(f)
     data = bytes(range(256)) * 40 + b"tail!"  # 2 full chunks of 4096, then 2053 bytes
     t0 = time.perf_counter()
     assert g.write(data) == len(data)
@@ -114,19 +118,10 @@ def test_slow_disk_hook_writes_4_kib_chunks_each_flushed_then_sleeps():
     assert f.getvalue() == data
 
 
-def test_atomic_write_slow_disk_env_goes_through_the_chunked_path(tmp_path, monkeypatch):
-    monkeypatch.setenv(ckpt_mod.SLOW_WRITE_ENV, "0.002")
-    sizes = []
-
-    def write(f):
-        f.write(b"x" * 9000)
-        sizes.append(f.delay_s)
-
-    assert atomic_write(tmp_path / "f.bin", write) == 9000
-    assert sizes == [0.002] and (tmp_path / "f.bin").read_bytes() == b"x" * 9000
-    monkeypatch.setenv(ckpt_mod.SLOW_WRITE_ENV, "")  # empty: off
-    atomic_write(tmp_path / "g.bin", lambda f: sizes.append(f.delay_s))
-    assert sizes[-1] == 0.0
+def test_atomic_write_under_the_slow_disk_fault_writes_the_same_bytes(tmp_path, monkeypatch):
+    faults().slow_writes(0.002, patch=monkeypatch.setattr)
+    assert atomic_write(tmp_path / "f.bin", lambda f: f.write(b"x" * 9000)) == 9000
+    assert (tmp_path / "f.bin").read_bytes() == b"x" * 9000
 
 
 def test_guarded_file_remembers_the_first_write_error():
@@ -138,7 +133,7 @@ def test_guarded_file_remembers_the_first_write_error():
         def write(self, data):
             raise self.errors.pop(0)
 
-    g = ckpt_mod._GuardedFile(Failing(), 0.0)
+    g = ckpt_mod._GuardedFile(Failing())
     assert g.error is None
     for expected in (errno.ENOSPC, errno.EIO):
         with pytest.raises(OSError) as info:

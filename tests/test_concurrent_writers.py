@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import make_image_folder
+from fault_env import fault_env
 from torchsprint import cli
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # PYTHONPATH, when set, is inherited
@@ -32,9 +33,9 @@ def test_a_second_shard_job_into_the_same_folder_is_refused(tmp_path, cli_in_pro
     src = make_image_folder(tmp_path / "src", classes=("a", "b", "c"), per_class=8)
     out = tmp_path / "out"
     args = ["data", "shard", str(src), str(out), "--shard-size", "12KB"]
-    # The first job is slowed (a test-only pause per sample: 48 samples, 24 s) so that it is still writing,
+    # The first job is slowed (the shard_pause_s fault, tests/faults/: 48 samples, 24 s) so that it is still writing,
     # however loaded the machine, when the second starts; once the second has been refused it is killed.
-    first = torchsprint(*args, env=dict(ENV, TORCHSPRINT_TEST_SHARD_PAUSE_S="0.5"))
+    first = torchsprint(*args, env=fault_env(ENV, shard_pause_s="0.5"))
     deadline = time.time() + 60
     while not any(out.glob("*.tar")) and time.time() < deadline and first.poll() is None:
         time.sleep(0.02)

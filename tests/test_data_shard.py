@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import make_image_folder
+from fault_env import fault_env
 from torchsprint import config
 from torchsprint.commands.data.shard import parse_size, shard
 from torchsprint.data import build_loaders
@@ -58,7 +59,7 @@ def test_killed_midway_then_rerun_is_complete_and_identical(tmp_path, cli_in_pro
     src = make_image_folder(tmp_path / "src", classes=("a", "b", "c"), per_class=12)
     ref = shard(str(src), str(tmp_path / "ref"), "12KB", seed=3, progress=False)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), TORCHSPRINT_TEST_SHARD_PAUSE_S="0.05", OMP_NUM_THREADS="1")
+    env = fault_env(dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1"), shard_pause_s="0.05")
     cmd = [sys.executable, "-m", "torchsprint", "data", "shard", str(src), str(out), "--shard-size", "12KB", "--seed", "3"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60

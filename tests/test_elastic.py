@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from fault_env import fault_env
+
 pytestmark = pytest.mark.dist
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200")
 # digits, 2 ranks x batch 16: ~45 steps per epoch, so steps 1-12 are mid-epoch; a checkpoint every 4 steps.
@@ -31,7 +33,7 @@ def train(tmp: Path, name: str | None, *flags, env=None, timeout=300) -> subproc
     run.name=elastic (no run.dir: the launcher makes the folder)."""
     where = [f"run.dir={tmp / name}"] if name else [f"run.out_dir={tmp / 'runs'}", "run.name=elastic"]
     return subprocess.run([sys.executable, "-m", "torchsprint", "train", "--nproc-per-node", "2", *flags, *RUN, *where],
-                          env=dict(ENV, **(env or {})), cwd=tmp, capture_output=True, text=True, timeout=timeout)
+                          env=fault_env(ENV, **(env or {})), cwd=tmp, capture_output=True, text=True, timeout=timeout)
 
 
 def steps_logged(run_dir: Path) -> list[int]:
@@ -46,7 +48,7 @@ def test_sigkilled_rank_restarts_and_ends_with_the_uninterrupted_weights(tmp_pat
     given, every attempt gets the same folder from the command line, with no code of its own to test.)"""
     plain = train(tmp_path, "plain")
     assert plain.returncode == 0, plain.stderr[-3000:]
-    killed = train(tmp_path, None, "--max-restarts", "1", env={"TORCHSPRINT_TEST_KILL_AT": "1:6"})
+    killed = train(tmp_path, None, "--max-restarts", "1", env={"kill_at": "1:6"})
     assert killed.returncode == 0, killed.stderr[-4000:]
     folders = list((tmp_path / "runs" / "elastic").iterdir())
     assert len(folders) == 1, folders  # one folder for both attempts
@@ -64,7 +66,7 @@ def test_sigkilled_rank_restarts_and_ends_with_the_uninterrupted_weights(tmp_pat
     assert steps_logged(tmp_path / "plain") == list(range(1, 13))
     # Without --max-restarts the same loss ends the run, naming the rank, the signal and its likely cause with the
     # launch's memory figures (it said only "rank 1 failed (signal 9)", where 64 workers had run a machine out of memory)
-    lost = train(tmp_path, "lost", env={"TORCHSPRINT_TEST_KILL_AT": "1:2"})
+    lost = train(tmp_path, "lost", env={"kill_at": "1:2"})
     assert lost.returncode == 128 + signal.SIGKILL and "rank 1 failed (signal 9)" in lost.stderr
     oom = re.search(r"most likely the kernel's out-of-memory killer \(2 workers x at least ~\d+ MiB = [\d.]+ GiB, with "
                     r"[\d.]+ GiB (available|left under the cgroup's memory limit)", lost.stderr)

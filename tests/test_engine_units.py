@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from fault_env import faults
 from torchsprint import config, runtime
 from torchsprint.data.build import build_loaders
 from torchsprint.data.core import Splits, TensorImages
@@ -532,17 +533,18 @@ def test_train_one_epoch_checkpoints_every_n_steps_with_the_epoch_sums_so_far(tm
         assert math.isclose(ts["epoch_loss_sum"], sum(want[:steps]), rel_tol=1e-15)  # float64 sums
 
 
-def test_train_one_epoch_calls_the_fault_injection_hook_after_each_step(tmp_path):
-    """TORCHSPRINT_TEST_KILL_AT=RANK:STEP (the elastic tests' hook) kills the process right after step STEP and its
-    checkpoint: run in a forked child, which must die by SIGKILL with the checkpoints of steps 1-3 only."""
+def test_the_kill_fault_lands_after_the_step_and_its_checkpoint(tmp_path):
+    """The elastic and resume tests' fault (tests/faults/sitecustomize.py kill_after, FAULT_KILL_AT=RANK:STEP) kills
+    the process right after step STEP and its checkpoint: run in a forked child, which must die by SIGKILL with the
+    checkpoints of steps 1-3 only (a kill before the save, or at another step, would test another moment)."""
     import multiprocessing
     import os
     import signal
 
     def child():
-        os.environ["TORCHSPRINT_TEST_KILL_AT"] = "0:3"
         os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)
         os.environ.pop("RANK", None)
+        faults().kill_after("0:3")  # in the forked child only
         one_epoch(setup(tmp_path, "checkpoint.every_steps=1", "checkpoint.keep_last=10", "log.every_steps=100"))
 
     p = multiprocessing.get_context("fork").Process(target=child)
@@ -554,7 +556,7 @@ def test_train_one_epoch_calls_the_fault_injection_hook_after_each_step(tmp_path
     assert p.exitcode == -signal.SIGKILL
     assert sorted(x.name for x in (tmp_path / "checkpoints").glob("*.pt")) == \
         [f"ckpt-e001-s000000{i}.pt" for i in (1, 2, 3)]
-    # Without the variable (here, in this process; mutmut also sees which engine functions the test calls):
+    # Without the fault (here, in this process; mutmut also sees which engine functions the test calls):
     r = setup(tmp_path / "plain", "log.every_steps=100")
     assert one_epoch(r)["finished_epoch"] and r.state.global_step == 5
 

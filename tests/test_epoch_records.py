@@ -91,14 +91,15 @@ def test_sigkill_after_an_epoch_line_at_a_checkpoint_step_then_resume_logs_each_
     import sys
     from collections import Counter
 
+    from fault_env import fault_env
     from test_resume import _temp_files, _wait
-    from torchsprint.state.checkpoint import SLOW_WRITE_ENV, load_checkpoint
+    from torchsprint.state.checkpoint import load_checkpoint
 
     over = ["run.epochs=2", "data.batch_size=449", "checkpoint.every_steps=2", "log.every_steps=1"]  # 2 steps per epoch
     _, ref = run(tmp_path, "ref", *over)
     run_dir = tmp_path / "run"
     # a slow disk: torch.save writes a checkpoint in ~220 calls here, so ~1 s per checkpoint, the time to see the write
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{SLOW_WRITE_ENV: "0.005"})
+    env = fault_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), slow_write_s="0.005")
     with open(tmp_path / "out.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "torchsprint", "train", *FAST, *over, f"run.dir={run_dir}"],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)

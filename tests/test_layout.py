@@ -221,3 +221,12 @@ def test_no_backend_imports_a_sibling_or_calls_back_into_the_registry(tmp_path):
     bad.mkdir(parents=True)
     (bad / "dali.py").write_text("from torchsprint.data.backends.gpu import x\n\ndef f():\n    return LOADERS.get('cpu')\n")
     assert backend_problems(tmp_path) == ["dali.py:1 imports torchsprint.data.backends.gpu", "dali.py:4 calls LOADERS.get"]
+
+
+def test_production_code_holds_no_test_hook():
+    """Faults are the tests' own (tests/faults/sitecustomize.py, imported by the processes a test starts): no module of
+    the package reads a variable that exists for tests. Fails when a TORCHSPRINT_TEST_ variable, or a FAULT_ one of
+    the tests' faults, is read by production code again."""
+    found = [f"{f.relative_to(SRC)}:{i}" for f in sorted((SRC / "torchsprint").rglob("*.py"))
+             for i, line in enumerate(f.read_text().splitlines(), 1) if "TORCHSPRINT_TEST_" in line or "FAULT_" in line]
+    assert found == []

@@ -42,6 +42,7 @@ def test_amp_bf16_autocasts_on_cpu_and_fp32_is_a_null_context():
     assert not Precision("amp_bf16", CPU).scaler.is_enabled()  # bf16 needs no loss scaling
 
 
+@pytest.mark.bf16_training
 def test_amp_bf16_trains_the_default_digits_run_to_98_percent(tmp_path):
     """The same threshold as the fp32 default run (tests/test_smoke.py)."""
     cfg = config.load(None, [f"run.dir={tmp_path}", "precision=amp_bf16", "log.tensorboard=false",

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from fault_env import fault_env
 from test_resume import BASE, _records, _temp_files, _wait, assert_same_run, raw_train_steps
 from torchsprint import cli, config
 from torchsprint.runtime.preempt import EXIT_PREEMPTED
-from torchsprint.state.checkpoint import SLOW_WRITE_ENV, load_checkpoint, read_safetensors_metadata
+from torchsprint.state.checkpoint import load_checkpoint, read_safetensors_metadata
 from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.run import train
 
@@ -58,7 +59,7 @@ def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(r
     ref_dir, ref = reference
     run_dir = tmp_path / "run"
     env, calls = fake_scontrol(tmp_path)
-    env[SLOW_WRITE_ENV] = "0.02"  # a slow disk: each checkpoint write takes ~0.1-0.3 s, so the second signals land in one
+    env = fault_env(env, slow_write_s="0.02")  # a slow disk: each checkpoint write takes ~0.1-0.3 s, so the second signals land in one
     args = [*CMD, *BASE, f"run.dir={run_dir}", "checkpoint.resume=auto", "run.requeue=true", "checkpoint.every_steps=4"]
     with open(tmp_path / "first.log", "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
@@ -184,7 +185,7 @@ def test_eval_every_steps_is_exact_after_a_crash_right_after_an_eval_step(every_
     run_dir = tmp_path / "run"
     # early_stop's count changes at every evaluation (better: reset; not: +1), so the step-6 checkpoint shows it
     over = [*BASE, *EVERY, f"run.dir={run_dir}", "checkpoint.every_steps=3", "early_stop.patience=20"]
-    first = subprocess.run([*CMD, *over], env=dict(ENV, TORCHSPRINT_TEST_KILL_AT="0:6"), cwd=tmp_path,
+    first = subprocess.run([*CMD, *over], env=fault_env(ENV, kill_at="0:6"), cwd=tmp_path,
                            capture_output=True, text=True, timeout=300)
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     ckpt = load_checkpoint(find_checkpoints(run_dir)[0])["train_state"]
@@ -264,7 +265,7 @@ def test_ddp_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     and `--resume` ends bit-identical to an uninterrupted 2-process run, each step logged once."""
     over = [*BASE, "data.batch_size=64", "strategy.timeout_s=60", "checkpoint.every_steps=4"]
     launch = [*CMD, "--nproc-per-node", "2"]
-    env = dict(ENV, **{SLOW_WRITE_ENV: "0.02"})  # ~0.1-0.3 s per checkpoint: time to signal mid-run
+    env = fault_env(ENV, slow_write_s="0.02")  # ~0.1-0.3 s per checkpoint: time to signal mid-run
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ref = subprocess.run([*launch, *over, f"run.dir={ref_dir}"], env=ENV, cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)
@@ -292,6 +293,7 @@ def test_ddp_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert_same_run(ref_dir, summary_of(ref_dir), run_dir, summary_of(run_dir))
 
 
+@pytest.mark.slow  # 9-11 s of a torchrun group; the one-process pause stays in the main suite
 @pytest.mark.dist
 def test_ddp_with_max_restarts_a_signal_to_one_rank_pauses_instead_of_restarting(tmp_path):
     """`--max-restarts 2`, SIGTERM to rank 1: the group pauses with its checkpoint and the launcher exits 75. torchrun's

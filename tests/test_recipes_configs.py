@@ -58,7 +58,12 @@ def test_recipe_names_its_source_and_reported_accuracy(name):
     config.load(RECIPES / name, [])  # validates as it is
 
 
-@pytest.mark.parametrize("name", sorted(DATA))
+def bf16_recipe(name: str) -> bool:
+    return config.load(RECIPES / name, []).precision.mode == "amp_bf16"
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.bf16_training) if bf16_recipe(n) else n
+                                  for n in sorted(DATA)])
 def test_recipe_trains_a_few_steps(tmp_path, name):
     run_dir, data = tmp_path / "run", DATA[name](tmp_path)
     assert cli.main(["train", "-c", str(RECIPES / name), *SHORT, *data, f"run.dir={run_dir}"]) == 0

@@ -20,8 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fault_env import fault_env
 from torchsprint import config
-from torchsprint.state.checkpoint import SLOW_WRITE_ENV, TEMP_RE, load_checkpoint
+from torchsprint.state.checkpoint import TEMP_RE, load_checkpoint
 from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.run import train
 
@@ -188,7 +189,7 @@ def test_sigkill_at_random_moments_then_resume_completes_exactly(reference, tmp_
     # Three kills keep it to four process start-ups (2-4 s of imports each on a busy 2-core machine).
     modes = ["in-write", "random", "in-write"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="250")
-    env[SLOW_WRITE_ENV] = "0.004"  # 4 ms per 4 KiB: ~0.1 s per checkpoint, so kills land inside writes
+    env = fault_env(env, slow_write_s="0.004")  # 4 ms per 4 KiB: ~0.1 s per checkpoint, so kills land inside writes
     killed, torn_temp_seen, expected_resume = [], 0, None
     for attempt, mode in enumerate([*modes, "finish"]):
         seen = max((s for s, _ in _steps_logged(run_dir)), default=0)
@@ -257,7 +258,7 @@ def test_sigkill_after_a_log_line_then_resume_records_each_step_once(reference, 
     ref_dir, ref = reference
     run_dir = tmp_path / "crash"
     sinks = ["log.tensorboard=true", "log.csv=true"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHSPRINT_TEST_KILL_AT="0:5")
+    env = fault_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), kill_at="0:5")
     cmd = [sys.executable, "-m", "torchsprint", "train"]
     first = subprocess.run([*cmd, *BASE, *sinks, f"run.dir={run_dir}"], env=env, capture_output=True, text=True,
                            cwd=tmp_path, timeout=300)

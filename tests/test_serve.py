@@ -1,6 +1,6 @@
 """`torchsprint serve`: real uvicorn servers on 127.0.0.1 (in a thread, or the CLI in a subprocess) driven by real
 HTTP clients. Answers are checked against `torchsprint predict` (Predictor) on the same files: the independent
-reference. Tests that hold a batch in the model use the TORCHSPRINT_TEST_SERVE_GATE hook (serve_engine.GATE_ENV:
+reference. Tests that hold a batch in the model inject the serve_gate fault (tests/faults/sitecustomize.py:
 the model thread waits for a file before each forward), so overload, timeout, disconnect and SIGTERM are certain
 events, never races against a sleep."""
 
@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fault_env import fault_env, faults
 from serve_helpers import (
     TOL,
     ThreadServer,
@@ -34,7 +35,7 @@ from serve_helpers import (
 )
 from torchsprint import cli
 from torchsprint.commands.predict import Predictor
-from torchsprint.commands.serve_engine import GATE_ENV, bucket, powers_of_two
+from torchsprint.commands.serve_engine import bucket, powers_of_two
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,9 +74,9 @@ def post(url: str, path: Path | None = None, timeout: float = 60, **kw) -> httpx
 
 @pytest.fixture
 def gate(tmp_path, monkeypatch):
-    """The test hook: servers built after this hold every forward until gate.touch()."""
+    """The serve_gate fault (tests/faults/): servers in this process hold every forward until gate.touch()."""
     path = tmp_path / "gate"
-    monkeypatch.setenv(GATE_ENV, str(path))
+    faults().serve_gate(str(path), patch=monkeypatch.setattr)
     return path
 
 
@@ -537,7 +538,7 @@ def test_sigterm_stops_accepting_answers_what_was_accepted_and_exits_0(run, file
     """The CLI under SIGTERM with three requests accepted (one in the model, two queued): new connections are
     refused, the three are answered exactly, the process exits 0. Bugs caught: accepted requests cut off, exit by
     the signal (uvicorn re-raises it) instead of 0, a server that keeps accepting while it drains."""
-    proc, url = serve_process(run, "serve.max_wait_ms=0", "--max-batch", "1", env={GATE_ENV: str(gate)})
+    proc, url = serve_process(run, "serve.max_wait_ms=0", "--max-batch", "1", env=fault_env({}, serve_gate=str(gate)))
     try:
         wait_until(lambda: _ready(proc, url), 120, "ready")
         paths = list(files)[:3]

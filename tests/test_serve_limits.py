@@ -1,6 +1,6 @@
 """What one request may cost `torchsprint serve` (commands/serve_limits.py), and what the server says at start-up:
 real servers on 127.0.0.1 (the CLI in its own process, or serve_helpers.ThreadServer) of real trained runs, real
-HTTP, real onnxruntime. The model thread is held with the TORCHSPRINT_TEST_SERVE_GATE hook (serve_engine.GATE_ENV),
+HTTP, real onnxruntime. The model thread is held with the serve_gate fault (tests/faults/sitecustomize.py),
 never timed: every bound below is one that a stalled server blows by minutes."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fault_env import fault_env, faults
 from serve_helpers import (
     CliServer,
     ThreadServer,
@@ -27,7 +28,6 @@ from serve_helpers import (
     wait_until,
 )
 from torchsprint import cli
-from torchsprint.commands.serve_engine import GATE_ENV
 
 TOKEN_ENV = "TORCHSPRINT_SERVE_TOKEN"
 PNG = {"content-type": "image/png"}
@@ -49,7 +49,7 @@ def test_a_large_png_of_few_bytes_is_refused_before_it_costs_and_sigterm_still_e
     that is not one line or does not say the limit, a server that SIGTERM does not end."""
     gate = tmp_path / "gate"
     gate.touch()  # forwards run freely until the test holds them
-    server = CliServer(serve_run, env={GATE_ENV: str(gate)}, drop_env=(TOKEN_ENV,))
+    server = CliServer(serve_run, env=fault_env({}, serve_gate=str(gate)), drop_env=(TOKEN_ENV,))
     try:
         big = large_png(*BIG)
         assert len(big) < 64 * 1024
@@ -92,7 +92,7 @@ def test_a_batch_never_holds_more_pixels_than_the_limit_and_larger_images_are_re
     from torchsprint.commands.predict import Predictor
 
     gate = tmp_path / "gate"
-    monkeypatch.setenv(GATE_ENV, str(gate))
+    faults().serve_gate(str(gate), patch=monkeypatch.setattr)
     digits = [encode(a, "PNG") for a in digit_images(6)]
     paths = []
     for i, data in enumerate(digits):

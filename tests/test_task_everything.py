@@ -223,7 +223,9 @@ def ddp_worker(data_root: Path, out: Path) -> None:
 # ---------------------------------------------------------------- bench
 
 
-@pytest.mark.parametrize("task", TASKS)
+# 10-12 s each on an AVX2-only CPU: classification and multilabel in the main suite, the other two in .ci/slow
+@pytest.mark.parametrize("task", [pytest.param(t, marks=pytest.mark.slow) if t in ("video", "image_to_image") else t
+                                  for t in TASKS])
 def test_bench_runs_or_refuses_by_name(task, straight, data_root, tmp_path):
     from torchsprint.commands.bench.main import bench
 

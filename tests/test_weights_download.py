@@ -361,6 +361,7 @@ def test_under_ddp_local_rank_0_downloads_and_the_others_wait(online, server, r1
     assert "HTTP 404" in r0["error"] and "the rank that downloads did not leave it there" in r1["error"]
 
 
+@pytest.mark.slow  # 8-12 s (ranks wait past strategy.timeout_s); the plain under-DDP download stays in the main suite
 @pytest.mark.dist
 def test_under_ddp_the_other_ranks_wait_for_a_download_longer_than_the_runs_timeout(online, server, r18):
     # Catches: the waiting rank's barrier bounded by strategy.timeout_s (the process group's timeout, 2 s here): a

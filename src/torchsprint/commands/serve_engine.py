@@ -18,11 +18,6 @@ import torch
 
 from torchsprint.commands.serve_decode import Decoder, ImageError, Job
 
-# Tests only: the model thread waits before each forward pass (after its images are decoded) until this file
-# exists, so a test can hold a batch in the model and know, without timing, that later requests queue (overload,
-# timeout, disconnect, SIGTERM tests). Unset (always, outside tests): never read again.
-GATE_ENV = "TORCHSPRINT_TEST_SERVE_GATE"
-
 
 class Overloaded(Exception):
     """The queue is full or the server is stopping: 503 with Retry-After."""
@@ -62,7 +57,6 @@ class Batcher:
         self._stopping = False
         self._busy = False  # a batch is being run
         self._forming = False  # the model thread waits for images on their way to join a batch
-        self._gate = os.environ.get(GATE_ENV)
         self._thread = threading.Thread(target=self._loop, name="torchsprint-serve-model", daemon=True)
         self._warm = threading.Event()
         self.warm_note = ""
@@ -253,8 +247,6 @@ class Batcher:
         results: list = list(images)
         if not good:
             return results
-        while record and self._gate is not None and not os.path.exists(self._gate):
-            time.sleep(0.01)
         device = self.predictor.device
         rows = [images[i].to(device) for i in good]
         n = len(rows)

@@ -267,26 +267,6 @@ def lost_peer(error: BaseException) -> str | None:
             "With --max-restarts K the group restarts from the newest checkpoint; --debug shows the traceback.")
 
 
-def fault_step() -> int | None:
-    """Test-only fault injection, read once per epoch (the per-step cost is one integer comparison): with
-    TORCHSPRINT_TEST_KILL_AT="RANK:STEP", the process of that RANK (torchrun's variable) is to SIGKILL itself right
-    after optimizer step STEP (kill_self), on a torchrun group's first attempt only (TORCHELASTIC_RESTART_COUNT 0
-    or unset), so tests can lose a worker mid-epoch exactly where they want and watch the restarted group
-    finish. None (never equal to a step) otherwise."""
-    spec = os.environ.get("TORCHSPRINT_TEST_KILL_AT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    rank, _, step = spec.partition(":")
-    return int(step) if rank == os.environ.get("RANK", "0") and step.isdigit() else None
-
-
-def kill_self() -> None:
-    """SIGKILL this process (fault_step's test hook)."""
-    import signal
-
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def exit_process(code: int) -> None:
     """Leave a torchrun worker with os._exit once everything is written and closed: interpreter shutdown
     would still destroy objects that hold gloo's worker threads (a DDP reducer's process-group reference)

@@ -29,11 +29,6 @@ FORMAT_VERSION = 1
 CKPT_RE = re.compile(r"^ckpt-e(\d+)-s(\d+)\.pt$")
 TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")  # left behind by a process killed inside atomic_write
 
-# Test-only hook: simulate a slow disk so that a test can SIGKILL the process while a checkpoint is
-# being written. Seconds to sleep after every 4 KiB chunk (each chunk is flushed first, so the
-# temp file really is partly written at that moment). Unset in normal use.
-SLOW_WRITE_ENV = "TORCHSPRINT_TEST_SLOW_WRITE_S"
-_SLOW_CHUNK = 4096
 
 
 @dataclass
@@ -86,23 +81,15 @@ class _GuardedFile:
 
     torch.save turns a failed write (ENOSPC) into an unrelated RuntimeError while closing its zip
     archive; atomic_write re-raises the recorded OSError instead, so a full disk reads as one.
-    Also carries the test-only slow-disk hook (SLOW_WRITE_ENV).
     """
 
-    def __init__(self, f, delay_s: float):
-        self.f, self.delay_s = f, delay_s
+    def __init__(self, f):
+        self.f = f
         self.error: OSError | None = None
 
     def write(self, data) -> int:
         try:
-            if self.delay_s <= 0:
-                return self.f.write(data)
-            view = memoryview(data).cast("B")
-            for i in range(0, len(view), _SLOW_CHUNK):
-                self.f.write(view[i : i + _SLOW_CHUNK])
-                self.f.flush()  # so that the temp file on disk really is partly written during the sleep
-                time.sleep(self.delay_s)
-            return len(view)
+            return self.f.write(data)
         except OSError as e:
             self.error = self.error or e
             raise
@@ -151,7 +138,7 @@ def atomic_write(path: Path, write) -> int:
     guarded = None
     try:
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
-            guarded = _GuardedFile(f, float(os.environ.get(SLOW_WRITE_ENV, "0") or 0))
+            guarded = _GuardedFile(f)
             write(guarded)
             f.flush()
     except BaseException as e:

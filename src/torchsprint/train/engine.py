@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from torchsprint.runtime.core import fault_step, kill_self
 from torchsprint.runtime.parallel import no_sync, unwrap
 from torchsprint.runtime.preempt import Stopper
 from torchsprint.runtime.rng import rng_isolated
@@ -76,7 +75,6 @@ def train_one_epoch(b, state: TrainState, plan, ctx: RunContext, validation: Val
     ema, logger, saver = getattr(b, "ema", NO_EMA), ctx.logger, ctx.saver
     stop = ctx.stop or Stopper(NO_LIMITS, state.global_step)
     stop.attach(loader)
-    kill_at = fault_step()  # the tests' fault hook, read once per epoch, not per step
     accum, per_step_sched = plan.accum_steps, plan.sched_interval == "step"
     loader.set_epoch(state.epoch)  # the full epoch's length, whatever start the previous epoch resumed at
     steps_per_epoch = math.ceil(len(loader) / accum)
@@ -121,8 +119,6 @@ def train_one_epoch(b, state: TrainState, plan, ctx: RunContext, validation: Val
         if plan.checkpoint_every_steps and state.global_step % plan.checkpoint_every_steps == 0:
             totals.fold(state)  # the checkpoint keeps this epoch's sums so far
             saver.save(state, model, opt, sched, prec, metric=validation.metric_at(state.global_step) if validation else None)
-        if state.global_step == kill_at:  # tests only (TORCHSPRINT_TEST_KILL_AT); None otherwise: never equal
-            kill_self()
         if plan.max_steps is not None and state.global_step >= plan.max_steps:
             break
         if stop.after_step(state.global_step):

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 from torchsprint.errors import UsageError
@@ -143,7 +142,6 @@ def write_shard(out: Path, shard: dict, rec_file: Path) -> dict:
     returns the record (count, bytes, sha256, sample digests)."""
     import webdataset as wds
 
-    pause = float(os.environ.get("TORCHSPRINT_TEST_SHARD_PAUSE_S", "0"))  # test-only: slows writing so a test can kill it midway
     final = out / shard["name"]
     tmp = out / f".{shard['name']}.tmp"
     digests = []
@@ -156,8 +154,6 @@ def write_shard(out: Path, shard: dict, rec_file: Path) -> dict:
                     raise UsageError(f"{path}: cannot read it ({e.strerror}). Fix or remove it, then rerun.") from None
                 w.write({"__key__": key, ext: data, "cls": str(label)})
                 digests.append(digest(data))
-                if pause:
-                    time.sleep(pause)
         f.flush()
         os.fsync(f.fileno())
     rec = {"count": len(shard["samples"]), "bytes": tmp.stat().st_size, "sha256": file_sha256(tmp), "digests": digests}

@@ -117,8 +117,9 @@ def test_a_pipe_gets_heartbeat_lines_with_an_honest_eta_and_an_early_estimate(tm
     steady = [(t, m) for t, m in beats if not m.group(8)]  # a line after the first step only says its rate is rough
     assert all(m.group(3) == "1" for _, m in beats if m.group(8))
     for _, m in steady:
-        assert abs(float(m.group(5)) - batch / period) / (batch / period) < 0.045, (m.group(0), batch / period, text)
-        # measured: within 1.5% of batch / period on a loaded 2-core machine (2 runs); 3x that
+        assert abs(float(m.group(5)) - batch / period) / (batch / period) < 0.10, (m.group(0), batch / period, text)
+        # measured: within 1.5% of batch / period on a loaded 2-core machine (2 runs), 5.2% once in the full -n 2 suite
+        # on an AVX-512 EPYC (2026-12-02); 10% still catches the warm-up step counted in the window (36% off here)
 
     for epoch in (1, 2):
         mine = [(t, m.group(0)) for t, m in firsts + beats if int(m.group(1)) == epoch]

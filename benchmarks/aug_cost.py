@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from torchsprint import config
-    from torchsprint.commands.bench.main import measure
+    from torchsprint.commands.bench.measure import measure
 
     backends = args.backends.split(",")
     for b in list(backends):  # a backend this machine cannot run (gpu without CUDA): say so, measure the others

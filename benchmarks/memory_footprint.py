@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from torchsprint.commands.bench.main import TreeRss
+from torchsprint.commands.bench.measure import TreeRss
 
 
 class TreeMemory(TreeRss):

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from torchsprint import config
-from torchsprint.commands.bench.main import measure
+from torchsprint.commands.bench.measure import measure
 
 # 40x40 RGB JPEGs (generated once), small_cnn (width 8) on 32-pixel crops: a step of a few ms on 2 CPU cores,
 # so what a switch adds per step shows.

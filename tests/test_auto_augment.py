@@ -10,7 +10,7 @@ from torchvision.transforms import v2
 
 from torchsprint.data.core import sample_seeds
 from torchsprint.data.preprocess.augment import compile_batch_spec, uniforms
-from torchsprint.data.preprocess.batch_ops import apply_aug_op
+from torchsprint.data.preprocess.batch_auto_augment import apply_aug_op
 from torchsprint.data.preprocess.transforms import compile_spec
 from torchsprint.errors import UsageError
 

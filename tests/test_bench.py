@@ -7,7 +7,9 @@ import statistics
 
 import pytest
 
-from torchsprint.commands.bench.main import COLUMNS, INPUT_BOUND, Variant, best_combination, slug, summarize
+from torchsprint.commands.bench.main import slug
+from torchsprint.commands.bench.report import COLUMNS, INPUT_BOUND, best_combination, summarize
+from torchsprint.commands.bench.variants import Variant
 
 
 @pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
@@ -81,7 +83,7 @@ def test_best_combination_captures_the_model_one_way_only():
 def test_a_crashing_variant_says_why_in_its_row(tmp_path, monkeypatch):
     """A variant's process that crashes (not a usage error) is a skipped row whose reason holds the exception's
     last line: the log beside it may not travel with bench.json (the GPU job keeps only the JSON)."""
-    from torchsprint.commands.bench.main import measure_variant
+    from torchsprint.commands.bench.measure import measure_variant
 
     (tmp_path / "boom_model.py").write_text(
         "from torch import nn\nfrom torchsprint.models.core import MODELS\n\n"

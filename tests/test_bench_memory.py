@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from torchsprint.commands.bench.main import TreeRss, keep_the_faster
+from torchsprint.commands.bench.measure import TreeRss
+from torchsprint.commands.bench.report import keep_the_faster
 
 GRANDCHILD = """
 import subprocess, sys, time

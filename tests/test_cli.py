@@ -131,7 +131,7 @@ def test_an_unknown_name_points_at_a_command_that_lists_the_names(cli_in_process
     `list decoders` / `list exporters`, which do not exist)."""
     import re
 
-    from torchsprint import cli
+    from torchsprint.commands.args import FAMILIES
     from torchsprint.commands.export import EXPORTERS
     from torchsprint.data import DATASETS, LOADERS
     from torchsprint.data.preprocess.batch_ops import BATCH_OPS
@@ -150,7 +150,7 @@ def test_an_unknown_name_points_at_a_command_that_lists_the_names(cli_in_process
         assert msg.startswith(f"unknown {reg.family} 'zz_no_such_name'."), msg
         m = re.search(r"Run `torchsprint list (\w+)`", msg)
         if m:
-            assert m.group(1) in cli.FAMILIES, msg
+            assert m.group(1) in FAMILIES, msg
             r = cli_in_process("list", m.group(1))
             assert r.returncode == 0 and r.stdout.split() == reg.names(), (msg, r.stdout[:200])
         else:

@@ -7,7 +7,7 @@ from torchvision.transforms.v2 import functional as F
 
 from torchsprint.data.core import sample_seeds
 from torchsprint.data.preprocess.augment import compile_batch_spec
-from torchsprint.data.preprocess.batch_ops import RandomResizedCrop, resample_batch
+from torchsprint.data.preprocess.batch_geometry import RandomResizedCrop, resample_batch
 
 
 def one(v):
@@ -141,7 +141,7 @@ def test_vectorised_resize_sizes_follow_torchvisions_rule():
     """Resize.resized (used for whole batches) against torchvision's own output-size rule, image by image."""
     from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
 
-    from torchsprint.data.preprocess.batch_ops import Resize
+    from torchsprint.data.preprocess.batch_geometry import Resize
 
     g = torch.Generator().manual_seed(4)
     hs, ws = torch.randint(5, 900, (2000,), generator=g), torch.randint(5, 900, (2000,), generator=g)

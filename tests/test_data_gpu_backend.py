@@ -12,11 +12,12 @@ from PIL import Image
 
 from torchsprint import config
 from torchsprint.data import DATASETS
-from torchsprint.data.backends.gpu import BytesBatches, GpuLoader, build_gpu_loaders, nvjpeg_ok
+from torchsprint.data.backends.gpu import BytesBatches, GpuLoader, build_gpu_loaders
 from torchsprint.data.core import sample_seeds
 from torchsprint.data.preprocess.augment import compile_batch_spec
 from torchsprint.data.preprocess.decode import decode_bytes, read_header
 from torchsprint.data.preprocess.normalize import DeviceNormalize
+from torchsprint.data.preprocess.on_device import nvjpeg_ok
 from torchsprint.data.sources.folders import ImageFiles
 from torchsprint.errors import UsageError
 from torchsprint.runtime.core import Runtime

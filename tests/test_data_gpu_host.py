@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchsprint import config
 from torchsprint.data import DATASETS
-from torchsprint.data.backends.gpu import FractionTuner, build_gpu_loaders, stage
+from torchsprint.data.backends.gpu import FractionTuner, build_gpu_loaders
+from torchsprint.data.prefetch import stage
 from torchsprint.data.preprocess.decode import decode_bytes
 from torchsprint.errors import UsageError
 from torchsprint.runtime.core import Runtime

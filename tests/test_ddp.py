@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 
 import test_ddp_worker as worker
 from torchsprint import config
-from torchsprint.train.run import evaluate_run, train
+from torchsprint.train.evaluation import evaluate_run
+from torchsprint.train.run import train
 
 pytestmark = pytest.mark.dist
 REPO = Path(__file__).resolve().parents[1]

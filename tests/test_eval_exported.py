@@ -12,7 +12,8 @@ from torchsprint import config
 from torchsprint.commands.eval_export import evaluate_file
 from torchsprint.commands.export import export
 from torchsprint.errors import UsageError
-from torchsprint.train.run import evaluate_run, train
+from torchsprint.train.evaluation import evaluate_run
+from torchsprint.train.run import train
 
 
 @pytest.fixture(scope="module")

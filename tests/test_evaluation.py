@@ -7,7 +7,8 @@ import pytest
 
 from torchsprint import config
 from torchsprint.errors import UsageError
-from torchsprint.train.run import evaluate_run, train
+from torchsprint.train.evaluation import evaluate_run
+from torchsprint.train.run import train
 
 
 def test_missing_weights_say_why_and_name_the_weights_the_run_has(tmp_path):

@@ -13,7 +13,8 @@ from torchsprint.commands.export import export, onnx_logits
 from torchsprint.commands.predict import Predictor
 from torchsprint.commands.trained import load_run
 from torchsprint.errors import UsageError
-from torchsprint.train.run import evaluate_run, train
+from torchsprint.train.evaluation import evaluate_run
+from torchsprint.train.run import train
 
 
 @pytest.fixture(scope="module")

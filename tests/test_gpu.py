@@ -26,7 +26,8 @@ from torch import nn
 
 from torchsprint import config
 from torchsprint.data import DATASETS, build_loaders
-from torchsprint.data.backends.gpu import build_gpu_loaders, decode_on_device
+from torchsprint.data.backends.gpu import build_gpu_loaders
+from torchsprint.data.preprocess.on_device import decode_on_device
 from torchsprint.models.core import MODELS
 from torchsprint.runtime.core import Runtime
 from torchsprint.train.context import Trainable
@@ -114,7 +115,7 @@ def test_the_decode_stream_is_never_a_prefetch_stream():
     """torch.cuda.Stream() hands out 32 pooled streams per priority in turn; the prefetcher takes one per
     loader pass, so a decode stream from the same pool was the prefetch stream of one pass in 32, and the
     decode's ordering (wait_stream, record_stream on itself) did nothing there."""
-    from torchsprint.data.backends.gpu import decode_stream
+    from torchsprint.data.preprocess.on_device import decode_stream
 
     dev = torch.device("cuda")
     ours = decode_stream(dev)

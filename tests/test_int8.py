@@ -130,7 +130,7 @@ def test_the_gate_refuses_a_model_damaged_on_purpose_and_force_writes_it(digits_
     int8 graph with itself, checks only speed, or reads the figures of the fp32 graph for both: it would write
     the file. The damage is checked independently: `eval` of the forced file against the run's own eval."""
     from torchsprint.commands.eval_export import evaluate_file
-    from torchsprint.train.run import evaluate_run
+    from torchsprint.train.evaluation import evaluate_run
 
     real = quantize.calibration_batches
     monkeypatch.setattr(quantize, "calibration_batches",

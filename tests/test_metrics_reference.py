@@ -17,7 +17,7 @@ from sklearn import metrics as skm
 from torch import nn
 from torch.nn import functional as F
 
-from torchsprint.config.schema import EvalConfig, LossConfig
+from torchsprint.config.training import EvalConfig, LossConfig
 from torchsprint.data.core import DataInfo
 from torchsprint.optim import build_loss
 from torchsprint.state.precision import Precision

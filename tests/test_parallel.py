@@ -12,14 +12,8 @@ from torchsprint.cli import main as cli_main
 from torchsprint.commands.launch import check_nproc, node_settings, torchrun_argv, worker_args
 from torchsprint.errors import UsageError
 from torchsprint.runtime.core import Runtime, check_strategy, first_slurm_host, launch_env, resolve_backend
-from torchsprint.runtime.parallel import (
-    GlooSyncBatchNorm,
-    check_speed,
-    convert_sync_batchnorm,
-    no_sync,
-    unwrap,
-    wrap_model,
-)
+from torchsprint.runtime.parallel import check_speed, no_sync, unwrap, wrap_model
+from torchsprint.runtime.sync_bn import GlooSyncBatchNorm, convert_sync_batchnorm
 from torchsprint.state.precision import Precision
 from torchsprint.train.plan import decide_speed
 from torchsprint.train.run import train

@@ -14,7 +14,8 @@ from torch import nn
 from torchsprint import config
 from torchsprint.errors import UsageError
 from torchsprint.state.ema import ModelEma
-from torchsprint.train.run import evaluate_run, train
+from torchsprint.train.evaluation import evaluate_run
+from torchsprint.train.run import train
 
 timm_ema = pytest.importorskip("timm.utils.model_ema")
 

@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from torchsprint import cli, config, runtime
+from torchsprint.config.saved import load_run_config
 from torchsprint.errors import UsageError
-from torchsprint.train.run import build_training, load_run_config, train
+from torchsprint.train.run import build_training, train
 
 BASE = ["model.args={width: 8}", "data.batch_size=128", "data.val_fraction=0.5", "optim.lr=0.05", "eval.per_class=false",
         "data.train.transforms=[random_crop: {size: 8, padding: 1}, hflip]", "log.tensorboard=false",
@@ -110,7 +111,7 @@ def test_swa_is_the_mean_of_the_epoch_weights_with_recomputed_bn(swa_run):
                               "anneal_strategy": "cos", "file": "swa.safetensors"}
     saved = json.loads((d / "summary.json").read_text())
     assert saved["final"]["swa/val/top1"] == summary["final"]["swa/val/top1"]
-    from torchsprint.train.run import evaluate_run
+    from torchsprint.train.evaluation import evaluate_run
 
     again = evaluate_run(d, "swa")  # the file holds what was evaluated
     # Measured: equal (the same weights over the same batches in the same order).

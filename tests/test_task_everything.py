@@ -173,7 +173,7 @@ def test_amp_bf16_trains_close_to_fp32(task, data_root, tmp_path):
 @pytest.mark.slow  # 15 s; test_ddp.py's equivalence test covers the DDP path in the main suite
 @pytest.mark.dist
 def test_ddp_two_processes_match_one_process(straight, data_root, tmp_path):
-    from torchsprint.train.run import evaluate_run
+    from torchsprint.train.evaluation import evaluate_run
 
     out = tmp_path / "ddp"
     out.mkdir()

@@ -155,7 +155,8 @@ def test_multi_clip_eval_k1_equals_center_clip_and_export_takes_one_clip(tmp_pat
     import onnx
 
     from torchsprint.commands.export import export
-    from torchsprint.train.run import evaluate_run, train
+    from torchsprint.train.evaluation import evaluate_run
+    from torchsprint.train.run import train
 
     run = tmp_path / "run"
     cfg = config.load(None, TINY + [f"data.root={tmp_path / 'data'}", f"run.dir={run}",

@@ -14,8 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torchsprint.commands.args import (  # noqa: F401  (FAMILIES, WEIGHTS: read as cli.FAMILIES)
-    FAMILIES,
+from torchsprint.commands.args import (
     OneLineParser,
     args_average,
     args_bench,
@@ -98,7 +97,7 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     from torchsprint.commands.eval_export import describe_file, evaluate_file, is_exported
-    from torchsprint.train.run import evaluate_run
+    from torchsprint.train.evaluation import evaluate_run
 
     if is_exported(args.run):  # an exported model file (commands/eval_export.py)
         if args.weights is not None:

@@ -17,7 +17,7 @@ class Registry:
 
     def __init__(self, family: str, listed: str | None = None):
         """`family`: the singular a message names ("unknown model 'x'"); `listed`: the `torchsprint list` family that
-        prints its names (cli.FAMILIES), or None: an unknown name's message then names them all."""
+        prints its names (commands/args.py FAMILIES), or None: an unknown name's message then names them all."""
         self.family, self.listed = family, listed
         self._items: dict[str, Callable[..., Any]] = {}
         self._providers: list[Callable[[], dict[str, Callable[..., Any]]]] = []  # not yet loaded, in order

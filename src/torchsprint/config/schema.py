@@ -1,6 +1,6 @@
 """The run schema's root `Config` (pydantic, extra=forbid), `validate`, and `load(path, overrides)` with `extends`
-and dotted overrides. The sections live in config/sections.py (run, data, mix, distill, model) and
-config/training.py (optim ... eval); every class is re-exported here, where callers import it from."""
+and dotted overrides. The sections live in config/sections.py (run, data, mix, distill, model), config/training.py
+(optim ... eval) and config/serve.py; callers import a section from the module that defines it."""
 
 from __future__ import annotations
 
@@ -13,38 +13,29 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
-from torchsprint.config.files import (  # noqa: F401  (MAX_DEPTH, deep_merge, read_file: re-exported)
-    MAX_DEPTH,
+from torchsprint.config.files import (
     _field_names,
     _sub_model,
-    deep_merge,
-    read_file,
     read_with_extends,
 )
 from torchsprint.config.files import apply_override as _apply_override
-from torchsprint.config.sections import (  # noqa: F401  (every section re-exported: `from torchsprint.config.schema import X`)
+from torchsprint.config.sections import (
     DataConfig,
     DistillConfig,
     MixConfig,
     ModelConfig,
-    ProgressiveConfig,
     RunConfig,
     Section,
-    SplitConfig,
-    TeacherConfig,
-    TransformSpec,
 )
-from torchsprint.config.serve import ServeConfig  # noqa: F401  (re-exported, as above)
-from torchsprint.config.training import (  # noqa: F401  (re-exported, as above)
+from torchsprint.config.serve import ServeConfig
+from torchsprint.config.training import (
     CheckpointConfig,
     EarlyStopConfig,
     EmaConfig,
     EvalConfig,
     LogConfig,
     LossConfig,
-    LossTerm,
     OptimConfig,
-    ParamGroupRule,
     PrecisionConfig,
     SchedConfig,
     SpeedConfig,
@@ -128,8 +119,7 @@ class Config(Section):
 
 
 # ---------------------------------------------------------------- loading
-# Reading files (YAML/JSON/TOML, extends, duplicate keys, depth) and dotted overrides live in config/files.py;
-# read_file, read_with_extends, deep_merge and MAX_DEPTH are re-exported here, where callers have always found them.
+# Reading files (YAML/JSON/TOML, extends, duplicate keys, depth) and dotted overrides live in config/files.py.
 
 
 def apply_override(data: dict[str, Any], item: str) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The config schema's base `Section` and the sections of what a run trains on: run, data (with its split,
-progressive and mix settings), distill and model. `torchsprint.config.schema` re-exports every class here."""
+progressive and mix settings), distill and model."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The config schema's `serve` section: how `torchsprint serve` answers HTTP requests (address, batching, limits,
-authentication). `torchsprint.config.schema` re-exports it; every field is also a `torchsprint serve` flag."""
+authentication). Every field is also a `torchsprint serve` flag."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The config schema's sections of how a run trains and what it keeps: optim (with its parameter groups), sched,
-loss, precision, strategy, speed, checkpoint, ema, swa, early_stop, log and eval. `torchsprint.config.schema`
-re-exports every class here."""
+loss, precision, strategy, speed, checkpoint, ema, swa, early_stop, log and eval."""
 
 from __future__ import annotations
 

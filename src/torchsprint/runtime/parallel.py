@@ -21,8 +21,8 @@ from torch import nn
 
 from torchsprint.errors import UsageError
 
-# SyncBatchNorm for gloo lives in runtime/sync_bn.py; re-exported for callers of parallel.
-from torchsprint.runtime.sync_bn import GlooSyncBatchNorm, convert_sync_batchnorm, to_gloo_sync_batchnorm  # noqa: F401
+# SyncBatchNorm for gloo lives in runtime/sync_bn.py.
+from torchsprint.runtime.sync_bn import convert_sync_batchnorm
 
 # ---------------------------------------------------------------- CUDA graphs
 

@@ -214,7 +214,7 @@ def fingerprint(path: Path) -> str:
 def _locate(t) -> tuple[object, Path, list[str]]:
     """(the teacher's model section, its weights file, the `imports:` its saved config lists) from distill.teacher."""
     from torchsprint.config.saved import file_config, load_run_config
-    from torchsprint.config.schema import ModelConfig
+    from torchsprint.config.sections import ModelConfig
     from torchsprint.models.core import MODELS
     from torchsprint.models.init import resolve_pretrained
 

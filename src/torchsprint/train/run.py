@@ -12,18 +12,16 @@ from pathlib import Path
 import torch
 
 from torchsprint import config as config_mod
-from torchsprint.config.saved import load_run_config, naming_imports, resumed_run_config  # noqa: F401  (re-exported)
 from torchsprint.config.schema import import_modules
 from torchsprint.errors import UsageError
 from torchsprint.models.download import fetch_run_weights
 from torchsprint.observe.logging import replace_file
 from torchsprint.runtime.machine import environment
-from torchsprint.state.rundir import claim_run_dir, finished, how_to_continue  # noqa: F401  (how_to_continue: tests)
+from torchsprint.state.rundir import claim_run_dir, finished, how_to_continue
 from torchsprint.state.swa import NoSwa
 from torchsprint.tasks.tta import plan_tta, with_loading_spec
 from torchsprint.train.context import RunContext
-from torchsprint.train.evaluation import (  # noqa: F401  (evaluate_run, EVAL_BACKENDS: re-exported for callers of run)
-    EVAL_BACKENDS,
+from torchsprint.train.evaluation import (
     decide_run_loss,
     evaluate_run,
     evaluate_test,

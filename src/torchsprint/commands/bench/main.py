@@ -5,7 +5,7 @@ synchronisation at the end, airbench's method), CPU time from a monotonic clock.
 repeated and reported as median with min-max. Variants that cannot run here are listed with the reason.
 
 The pieces: commands/bench/variants.py (the matrix), commands/bench/measure.py (running and timing one variant in its process),
-commands/bench/report.py (rows, best combination, bench.{json,csv,md,png}); their names are re-exported here.
+commands/bench/report.py (rows, best combination, bench.{json,csv,md,png}); import their names from them.
 """
 
 from __future__ import annotations
@@ -18,27 +18,21 @@ import time
 from pathlib import Path
 
 from torchsprint import config as config_mod
-from torchsprint.commands.bench.measure import (  # noqa: F401  (re-exported: `from torchsprint.commands.bench.main import measure`)
-    TreeRss,
+from torchsprint.commands.bench.measure import (
     _worker,
     measure,
     measure_variant,
-    peak_memory_mb,
-    peak_memory_reset,
     time_to_accuracy,
 )
-from torchsprint.commands.bench.report import (  # noqa: F401  (re-exported)
-    COLUMNS,
-    INPUT_BOUND,
+from torchsprint.commands.bench.report import (
     best_combination,
     device_name,
     keep_the_faster,
-    markdown_table,
     print_table,
     summarize,
     write_outputs,
 )
-from torchsprint.commands.bench.variants import (  # noqa: F401  (re-exported)
+from torchsprint.commands.bench.variants import (
     Variant,
     _gpus,
     decodes_files,

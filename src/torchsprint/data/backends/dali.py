@@ -26,7 +26,7 @@ import torch
 
 from torchsprint.data.core import LOADERS, Backend, DataInfo, EpochSampler, Loaders, cuda_missing, draw_start
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
-from torchsprint.data.preprocess.batch_ops import Flip
+from torchsprint.data.preprocess.batch_geometry import Flip
 from torchsprint.data.preprocess.decode import BadImage, check_size, decode_bytes, read_header
 from torchsprint.data.preprocess.normalize import DeviceNormalize
 from torchsprint.errors import UsageError

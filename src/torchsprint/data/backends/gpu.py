@@ -66,16 +66,13 @@ from torchsprint.data.core import (
     cuda_missing,
     draw_start,
 )
-from torchsprint.data.prefetch import AheadIterator, prefetch_to_device, stage, stage_params  # noqa: F401  (stage: tests)
+from torchsprint.data.prefetch import AheadIterator, prefetch_to_device, stage_params
 from torchsprint.data.preprocess.augment import BatchPipeline, compile_batch_spec
 from torchsprint.data.preprocess.decode import BadImage, decode_bytes, read_header
 from torchsprint.data.preprocess.normalize import DeviceNormalize
-from torchsprint.data.preprocess.on_device import (  # noqa: F401  (decode_stream, pad_batch: tests and callers)
+from torchsprint.data.preprocess.on_device import (
     decode_on_device,
-    decode_stream,
     nvjpeg_ok,
-    pad_batch,
-    preprocess_on_device,
     run_head_on_device,
 )
 from torchsprint.data.preprocess.progressive import FIXED, attach_schedule

@@ -26,14 +26,14 @@ from typing import Any
 import torch
 
 from torchsprint.data.core import as_int64, lsr64
-from torchsprint.data.preprocess.batch_ops import (
-    BATCH_OPS,
+from torchsprint.data.preprocess.batch_geometry import (
     CenterCrop,
     RandomResizedCrop,
     Resize,
     pair_size,
     resample_batch,
 )
+from torchsprint.data.preprocess.batch_ops import BATCH_OPS
 from torchsprint.errors import UsageError
 
 

@@ -8,27 +8,20 @@ into a pipeline of these steps and draws the uniforms.
 
 The steps live by kind: batch_geometry.py (crops, resize, flips and `resample_batch`, the fused crop +
 resize), batch_pixel.py (color_jitter, cutout), batch_auto_augment.py (rand_augment, trivial_augment_wide).
-This module registers them, in that order, and re-exports their names (`from ...batch_ops import Flip`).
+This module registers them, in that order; import an op from the module that defines it.
 """
 
 from __future__ import annotations
 
-from torchsprint.data.preprocess.batch_auto_augment import (  # noqa: F401  (re-exported)
-    GEOMETRIC,
+from torchsprint.data.preprocess.batch_auto_augment import (
     AutoAugmentOps,
-    affine_batch,
-    apply_aug_op,
 )
-from torchsprint.data.preprocess.batch_geometry import (  # noqa: F401  (re-exported)
+from torchsprint.data.preprocess.batch_geometry import (
     CenterCrop,
     Flip,
     RandomCrop,
     RandomResizedCrop,
     Resize,
-    axis_weights,
-    pair_size,
-    resample_batch,
-    taps_for,
 )
 from torchsprint.data.preprocess.batch_pixel import ColorJitter, Cutout
 from torchsprint.registry import Registry

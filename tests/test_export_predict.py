@@ -217,3 +217,12 @@ def test_predict_on_a_fixed_size_onnx_gives_an_image_of_another_size_one_error_r
     assert cli.main(["predict", "-r", path, str(good), str(wide)]) == 0
     out = capsys.readouterr()
     assert "Traceback" not in out.err and "1 predicted, 1 failed" in out.out, out
+
+
+def test_the_format_flag_offers_exactly_the_registered_exporters():
+    """`export --format` names its choices without importing torch (commands/args.py EXPORT_FORMATS); fails when a
+    format is registered in EXPORTERS and not offered, or offered and gone."""
+    from torchsprint.commands.args import EXPORT_FORMATS
+    from torchsprint.commands.export import EXPORTERS
+
+    assert sorted(EXPORT_FORMATS) == sorted(EXPORTERS.names())

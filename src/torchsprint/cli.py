@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from torchsprint.commands.args import (
+    REGISTRIES,
     OneLineParser,
     args_average,
     args_bench,
@@ -166,21 +167,11 @@ def cmd_config(args) -> int:
 
 
 def registry_for(family: str):
-    if family == "models":
-        from torchsprint.models import MODELS as reg
-    elif family in ("datasets", "loaders"):
-        from torchsprint.data import DATASETS, LOADERS
+    """The registry `torchsprint list FAMILY` prints (commands/args.py REGISTRIES), imported now."""
+    import importlib
 
-        reg = DATASETS if family == "datasets" else LOADERS
-    elif family == "transforms":
-        from torchsprint.data.preprocess.transforms import TRANSFORMS as reg
-    elif family == "tasks":
-        from torchsprint.tasks.core import TASKS as reg
-    else:
-        from torchsprint import optim
-
-        reg = {"optimizers": optim.OPTIMIZERS, "schedulers": optim.SCHEDULERS, "losses": optim.LOSSES}[family]
-    return reg
+    module, name = REGISTRIES[family]
+    return getattr(importlib.import_module(module), name)
 
 
 def cmd_list(args) -> int:

@@ -120,7 +120,21 @@ class OneLineParser(argparse.ArgumentParser):
 
 # ---------------------------------------------------------------- each command's arguments (cli.COMMANDS names them)
 
-FAMILIES = ("models", "optimizers", "schedulers", "losses", "datasets", "loaders", "transforms", "tasks")
+# `torchsprint list FAMILY`: each family's registry as (module, name), imported only when listed (so `--help` imports no
+# torch); the module is the package face where importing it registers the members (data/: sources and backends).
+REGISTRIES = {
+    "models": ("torchsprint.models", "MODELS"),
+    "optimizers": ("torchsprint.optim", "OPTIMIZERS"),
+    "schedulers": ("torchsprint.optim", "SCHEDULERS"),
+    "losses": ("torchsprint.optim", "LOSSES"),
+    "datasets": ("torchsprint.data", "DATASETS"),
+    "loaders": ("torchsprint.data", "LOADERS"),
+    "transforms": ("torchsprint.data.preprocess.transforms", "TRANSFORMS"),
+    "tasks": ("torchsprint.tasks.core", "TASKS"),
+}
+FAMILIES = tuple(REGISTRIES)
+# commands/export.py's EXPORTERS, named here for the --format choices without importing torch (a test holds them equal)
+EXPORT_FORMATS = ("onnx", "safetensors", "torchscript", "tensorrt")
 
 
 WEIGHTS = ["best", "last", "ema", "swa"]
@@ -178,7 +192,7 @@ def args_eval(p: argparse.ArgumentParser) -> None:
 
 def args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
-    p.add_argument("--format", choices=["onnx", "safetensors", "torchscript", "tensorrt"], default="onnx", help="output format")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default="onnx", help="output format")
     p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", type=Output(), metavar="PATH", help="output file (default: <run>/export/model.<ext>)")
     p.add_argument("--overwrite", action="store_true", help="--out may replace an existing file (never a run's own)")

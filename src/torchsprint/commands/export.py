@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,7 +71,6 @@ def graph_module(trained, uint8_input: bool, tta) -> nn.Module:
     return wrap_tta(module, tta).eval()
 
 
-@EXPORTERS.register("onnx")
 def export_onnx(trained, out: Path, *, uint8_input: bool, opset: int | None, example: torch.Tensor, tta=None) -> Path:
     """ONNX with a dynamic batch dimension and torchsprint metadata (classes, input size, eval spec, eval.tta: the
     graph holds `tta`'s views and combination, so ONNX Runtime's output is torchsprint's with it)."""
@@ -99,7 +100,6 @@ def export_onnx(trained, out: Path, *, uint8_input: bool, opset: int | None, exa
     return out
 
 
-@EXPORTERS.register("safetensors")
 def export_safetensors(trained, out: Path, *, uint8_input: bool, opset, example, tta=None) -> Path:
     """Weights + metadata (classes, config, eval spec): loadable by safetensors alone or by torchsprint predict.
     The weights are the plain model's; eval.tta travels in the config (predict applies it)."""
@@ -109,7 +109,6 @@ def export_safetensors(trained, out: Path, *, uint8_input: bool, opset, example,
     return out
 
 
-@EXPORTERS.register("torchscript")
 def export_torchscript(trained, out: Path, *, uint8_input: bool, opset, example, tta=None) -> Path:
     """A traced TorchScript module (uint8 input when asked; eval.tta in the graph) with metadata in
     `_extra_files['torchsprint.json']`."""
@@ -123,7 +122,6 @@ def export_torchscript(trained, out: Path, *, uint8_input: bool, opset, example,
     return out
 
 
-@EXPORTERS.register("tensorrt")
 def export_tensorrt(trained, out: Path, *, uint8_input: bool, opset, example, tta=None) -> Path:
     """A serialized TensorRT engine (`out`, .engine) built from the ONNX export with TensorRT's own builder
     and ONNX parser, for batches of 1 to max(64, len(example)) images. Refused, with the reason, where
@@ -197,48 +195,70 @@ def onnx_logits(path: Path, x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
 
 
-def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bool, tta=None) -> float | None:
-    """max |logits(PyTorch) - logits(exported)| on the same batch; None where no runtime check applies.
-    `tta` (tta.TtaPlan or None): both sides with eval.tta (the torch side through the same tasks/tta.py wrapper)."""
+def _onnx(path: Path, x, normalized, ref, trained, tta) -> torch.Tensor:
+    return onnx_logits(path, x)
+
+
+def _torchscript(path: Path, x, normalized, ref, trained, tta) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.jit.load(str(path))(x)
+
+
+def _tensorrt(path: Path, x, normalized, ref, trained, tta) -> torch.Tensor:
+    """The engine's logits, held to top-1 agreement with PyTorch on every image whose top-1 is not a near tie.
+    TensorRT picks its own kernels, TF32 by default (10-bit mantissa, ~1e-3 relative), so a class within 1% of the
+    image's logit range of the top one may swap. 1% is 10x TF32's rounding, not a measured figure: TensorRT has not
+    run in this project's tests yet (no GPU session has had it)."""
+    got = tensorrt_logits(path, x)
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.01 * (ref.max(-1).values - ref.min(-1).values)
+    wrong = (got.argmax(-1) != ref.argmax(-1)) & clear
+    if wrong.any():
+        raise UsageError(f"TensorRT engine {path}: its top-1 class differs from PyTorch's on {int(wrong.sum())} of "
+                         f"{int(clear.sum())} validation images whose top-1 is clear (max |logits difference| "
+                         f"{(ref - got).abs().max():.3g}); the engine is wrong. Export --format onnx instead.")
+    return got
+
+
+def _safetensors(path: Path, x, normalized, ref, trained, tta) -> torch.Tensor:
+    from torchsprint.commands.trained import load_weights_file
     from torchsprint.tasks.tta import wrap_tta
 
     with torch.no_grad():
-        ref = wrap_tta(trained.model, tta)(normalize(example, trained.pipeline))
-    x = example if uint8_input else normalize(example, trained.pipeline)
-    if fmt == "onnx":
-        got = onnx_logits(path, x)
-    elif fmt == "torchscript":
-        with torch.no_grad():
-            got = torch.jit.load(str(path))(x)
-    elif fmt == "tensorrt":
-        got = tensorrt_logits(path, x)
-        # The check for an engine: the same top-1 class as PyTorch on every image whose top-1 is not a near
-        # tie. TensorRT picks its own kernels, TF32 by default (10-bit mantissa, ~1e-3 relative), so a class
-        # within 1% of the image's logit range of the top one may swap. 1% is 10x TF32's rounding, not a
-        # measured figure: TensorRT has not run in this project's tests yet (no GPU session has had it).
-        top2 = ref.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 0.01 * (ref.max(-1).values - ref.min(-1).values)
-        wrong = (got.argmax(-1) != ref.argmax(-1)) & clear
-        if wrong.any():
-            raise UsageError(f"TensorRT engine {path}: its top-1 class differs from PyTorch's on {int(wrong.sum())} of "
-                             f"{int(clear.sum())} validation images whose top-1 is clear (max |logits difference| "
-                             f"{(ref - got).abs().max():.3g}); the engine is wrong. Export --format onnx instead.")
-    elif fmt == "safetensors":
-        from torchsprint.commands.trained import load_weights_file
+        return wrap_tta(load_weights_file(path).model, tta)(normalized)
 
-        with torch.no_grad():
-            got = wrap_tta(load_weights_file(path).model, tta)(normalize(example, trained.pipeline))
-    else:
-        return None
+
+@dataclass(frozen=True)
+class Format:
+    """One export format: how it is written (`write`), its file's extension, and the other side of the parity
+    check (`logits`: the exported file run on the check's batch)."""
+
+    write: Callable[..., Path]
+    extension: str
+    logits: Callable[..., torch.Tensor]
+
+
+EXPORTERS.register("onnx")(Format(export_onnx, ".onnx", _onnx))
+EXPORTERS.register("safetensors")(Format(export_safetensors, ".safetensors", _safetensors))
+EXPORTERS.register("torchscript")(Format(export_torchscript, ".pt", _torchscript))
+EXPORTERS.register("tensorrt")(Format(export_tensorrt, ".engine", _tensorrt))
+
+
+def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bool, tta=None) -> float:
+    """max |logits(PyTorch) - logits(exported)| on the same batch (the format's own check may refuse first).
+    `tta` (tta.TtaPlan or None): both sides with eval.tta (the torch side through the same tasks/tta.py wrapper)."""
+    from torchsprint.tasks.tta import wrap_tta
+
+    normalized = normalize(example, trained.pipeline)
+    with torch.no_grad():
+        ref = wrap_tta(trained.model, tta)(normalized)
+    got = EXPORTERS.get(fmt).logits(path, example if uint8_input else normalized, normalized, ref, trained, tta)
     return (ref - got).abs().max().item()
-
-
-EXTENSIONS = {"onnx": ".onnx", "safetensors": ".safetensors", "torchscript": ".pt", "tensorrt": ".engine"}
 
 
 def default_out(run_dir: str | Path, fmt: str, uint8_input: bool, tta: str) -> Path:
     """`<run>/export/model[-uint8][-tta-NAME].<ext>`: one file per input type and eval.tta (a graph holds its TTA)."""
-    return Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{'' if tta == 'none' else '-tta-' + tta}{EXTENSIONS[fmt]}"
+    return Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{'' if tta == 'none' else '-tta-' + tta}{EXPORTERS.get(fmt).extension}"
 
 
 def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out: str | Path | None = None,
@@ -275,10 +295,10 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
     # never leaves a torn file, and a file under the final name has passed its parity check.
     try:
         with atomic_path(out) as tmp:
-            EXPORTERS.get(fmt)(trained, tmp, uint8_input=uint8_input, opset=opset, example=example, tta=plan)
+            EXPORTERS.get(fmt).write(trained, tmp, uint8_input=uint8_input, opset=opset, example=example, tta=plan)
             diff = parity(fmt, tmp, trained, example, uint8_input, plan)
             # A TensorRT engine is held to top-1 agreement (parity raises otherwise); its logits difference is reported.
-            if fmt != "tensorrt" and diff is not None and not diff <= tolerance:
+            if fmt != "tensorrt" and not diff <= tolerance:
                 raise UsageError(f"export parity check failed: max |logits difference| = {diff:.3g} > tolerance "
                                  f"{tolerance} between PyTorch and {fmt} on {len(example)} validation images; {out} "
                                  "was not written.")

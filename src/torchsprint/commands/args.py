@@ -192,7 +192,7 @@ def args_eval(p: argparse.ArgumentParser) -> None:
 
 def args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--run", required=True, metavar="RUN_DIR", help="run folder printed by `torchsprint train`")
-    p.add_argument("--format", choices=EXPORT_FORMATS, default="onnx", help="output format")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default=None, help="output format (default onnx)")
     p.add_argument("--weights", type=weights_arg, default="best", help=WEIGHTS_HELP)
     p.add_argument("--out", type=Output(), metavar="PATH", help="output file (default: <run>/export/model.<ext>)")
     p.add_argument("--overwrite", action="store_true", help="--out may replace an existing file (never a run's own)")
@@ -209,6 +209,10 @@ def args_export(p: argparse.ArgumentParser) -> None:
                    "sample seeded with the run's seed, so the same N gives the same file)")
     p.add_argument("--int8-activations", choices=["u8", "s8"], default=None,
                    help="--int8: uint8 (u8, the default: U8S8, the fast one on x86-64) or int8 (s8) activations")
+    p.add_argument("--benchmark", nargs="?", const=True, default=None, type=Output(folder=True), metavar="DIR",
+                   help="export every format and precision that runs here (torch fp32/bf16, ONNX fp32/int8, TorchScript), "
+                        "evaluate and time them side by side, write export_bench.{json,csv,md,png} into DIR (default "
+                        "<run>/export/bench/) and recommend one; --overwrite replaces earlier results")
     p.add_argument("--force", action="store_true",
                    help="--int8: write the int8 file even when its check fails (top-1 more than 1 point below the fp32 "
                         "graph's on the validation split, or not faster at the serving batch); the figures are printed")

@@ -15,6 +15,10 @@ from torchsprint.errors import UsageError
 
 
 def export_cli(args) -> int:
+    if getattr(args, "benchmark", None) is not None:
+        from torchsprint.commands.export_bench import benchmark_cli
+
+        return benchmark_cli(args)
     if getattr(args, "int8", False):
         return export_int8_cli(args)
     given = [flag for flag, value in (("--calibration", getattr(args, "calibration", None)),
@@ -23,7 +27,7 @@ def export_cli(args) -> int:
     if given:
         raise UsageError(f"{' and '.join(given)} set(s) how --int8 quantizes, and --int8 is not given: add --int8 "
                          "(with --format onnx), or leave them out.")
-    r = export(args.run, args.format, weights=args.weights, out=args.out, uint8_input=args.uint8_input,
+    r = export(args.run, args.format or "onnx", weights=args.weights, out=args.out, uint8_input=args.uint8_input,
                opset=args.opset, tolerance=args.tolerance, tta=getattr(args, "tta", None), overwrite=args.overwrite)
     diff = "n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.3g}"
     print(f"exported {r['format']}: {r['path']}{'' if r['tta'] == 'none' else ' (eval.tta=' + r['tta'] + ')'}\n"
@@ -36,7 +40,7 @@ def export_int8_cli(args) -> int:
     """`export --int8` (commands/quantize.py): the int8 file, how it was quantized, the fp32 graph's parity."""
     calibration = DEFAULT_CALIBRATION if args.calibration is None else args.calibration
     activations = args.int8_activations or DEFAULT_ACTIVATIONS
-    check_int8_settings(args.format, calibration, activations)  # before the run is loaded
+    check_int8_settings(args.format or "onnx", calibration, activations)  # before the run is loaded
     r = export_int8(args.run, weights=args.weights, out=args.out, uint8_input=args.uint8_input, opset=args.opset,
                     tolerance=args.tolerance, tta=getattr(args, "tta", None), calibration=calibration,
                     activations=activations, force=args.force, overwrite=args.overwrite)

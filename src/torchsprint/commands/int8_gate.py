@@ -34,11 +34,11 @@ def timed(label: str, run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def measure_speed(runs: dict[str, Callable[[], object]], images: int, warmup: int = WARMUP,
-                  rounds: int = ROUNDS) -> dict[str, float]:
-    """Images per second of each run (one call: a batch of `images`): `warmup` untimed calls each, then `rounds`
-    rounds that time each once, in alternating order (A B, B A, ...: neither always runs first, on a warm or a
-    cooling core), and the median time of each. The two graphs share the machine as they would in turn."""
+def interleaved_times(runs: dict[str, Callable[[], object]], warmup: int = WARMUP,
+                      rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """Seconds of each call of each run (`timed`): `warmup` untimed calls each, then `rounds` rounds that time each
+    once, in alternating order (A B, B A, ...: neither always runs first, on a warm or a cooling core). The runs
+    share the machine as they would in turn."""
     for run in runs.values():
         for _ in range(warmup):
             run()
@@ -47,6 +47,13 @@ def measure_speed(runs: dict[str, Callable[[], object]], images: int, warmup: in
     for r in range(rounds):
         for label in order if r % 2 == 0 else order[::-1]:
             times[label].append(timed(label, runs[label]))
+    return times
+
+
+def measure_speed(runs: dict[str, Callable[[], object]], images: int, warmup: int = WARMUP,
+                  rounds: int = ROUNDS) -> dict[str, float]:
+    """Images per second of each run (one call: a batch of `images`): the median of its interleaved_times."""
+    times = interleaved_times(runs, warmup, rounds)
     return {label: images / max(statistics.median(t), 1e-12) for label, t in times.items()}
 
 

@@ -229,6 +229,18 @@ def load_resolved(path=None, overrides=(), imports=()):
     return resolve(config.load(path, overrides, imports=imports))
 
 
+def train_digits_fp32(folder: Path) -> Path:
+    """The default digits run (8x8 grey images, a width-8 small CNN), 2 epochs, fp32 (so eval and an export agree on
+    any CPU), trained into `folder`/run; the export tests' module fixtures share it."""
+    from torchsprint import config
+    from torchsprint.train.run import train
+
+    run = folder / "run"
+    train(config.load(None, [f"run.dir={run}", "run.epochs=2", "log.tensorboard=false", "log.progress=false",
+                             "model.args={width: 8}", "precision.mode=fp32"]), quiet=True)
+    return run
+
+
 def make_image_folder(root: Path, classes=("circle", "square"), per_class: int = 6, size=(24, 20), splits=("train", "val")):
     """Real JPEG files: class 0 bright disc, class 1 dark square on noise (learnable, decodable)."""
     from PIL import Image, ImageDraw

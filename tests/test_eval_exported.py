@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import make_image_folder
+from conftest import make_image_folder, train_digits_fp32
 from torchsprint import config
 from torchsprint.commands.eval_export import evaluate_file
 from torchsprint.commands.export import export
@@ -19,10 +19,7 @@ from torchsprint.train.run import train
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     """The default digits run, 2 epochs, fp32: ONNX runs in fp32, so the run's eval is fp32 on any CPU too."""
-    run = tmp_path_factory.mktemp("eval-exported") / "run"
-    train(config.load(None, [f"run.dir={run}", "run.epochs=2", "log.tensorboard=false", "log.progress=false",
-                             "model.args={width: 8}", "precision.mode=fp32"]), quiet=True)
-    return run
+    return train_digits_fp32(tmp_path_factory.mktemp("eval-exported"))
 
 
 @pytest.mark.parametrize("uint8_input", [False, True])

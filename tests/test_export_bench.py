@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from torchsprint import config
+from conftest import train_digits_fp32
 from torchsprint.commands import export_bench, int8_gate
 from torchsprint.commands.eval_export import evaluate_file
 from torchsprint.train.evaluation import evaluate_run
-from torchsprint.train.run import train
 
 SLOW, FAST = 0.01, 0.001  # the stub clock's seconds per call
 
@@ -22,10 +21,7 @@ SLOW, FAST = 0.01, 0.001  # the stub clock's seconds per call
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     """The default digits run (8x8 grey images, small CNN), 2 epochs, fp32 (so eval and export agree on any CPU)."""
-    run = tmp_path_factory.mktemp("bench") / "run"
-    train(config.load(None, [f"run.dir={run}", "run.epochs=2", "log.tensorboard=false", "log.progress=false",
-                             "model.args={width: 8}", "precision.mode=fp32"]), quiet=True)
-    return run
+    return train_digits_fp32(tmp_path_factory.mktemp("bench"))
 
 
 def stub_clock(mp, fastest: str) -> list[str]:

@@ -11,19 +11,16 @@ import onnx
 import pytest
 import torch
 
+from conftest import train_digits_fp32
 from torchsprint import config
 from torchsprint.commands import int8_gate, quantize
 from torchsprint.errors import UsageError
-from torchsprint.train.run import train
 
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     """The default digits run (8x8 grey images, small CNN), 2 epochs, fp32 (so eval and export agree on any CPU)."""
-    run = tmp_path_factory.mktemp("int8") / "run"
-    train(config.load(None, [f"run.dir={run}", "run.epochs=2", "log.tensorboard=false", "log.progress=false",
-                             "model.args={width: 8}", "precision.mode=fp32"]), quiet=True)
-    return run
+    return train_digits_fp32(tmp_path_factory.mktemp("int8"))
 
 
 @pytest.fixture

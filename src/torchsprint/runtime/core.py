@@ -281,7 +281,6 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-
 # ---------------------------------------------------------------- memory this process and its children may use
 
 NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as 2^63-1 rounded to a page; v2 writes "max"

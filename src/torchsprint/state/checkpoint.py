@@ -30,7 +30,6 @@ CKPT_RE = re.compile(r"^ckpt-e(\d+)-s(\d+)\.pt$")
 TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")  # left behind by a process killed inside atomic_write
 
 
-
 @dataclass
 class TrainState:
     """The loop's position: everything besides module/optimizer states needed to continue exactly."""

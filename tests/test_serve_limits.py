@@ -85,7 +85,7 @@ def test_a_large_png_of_few_bytes_is_refused_before_it_costs_and_sigterm_still_e
 def test_a_batch_never_holds_more_pixels_than_the_limit_and_larger_images_are_refused(serve_run, tmp_path,
                                                                                        monkeypatch):
     """serve.max_model_pixels=150 on the keep-size digits run (8x8 = 64 pixels an image), max_batch=8: behind a held
-    batch, six digits wait, and every forward pass takes at most two of them (128 <= 150 < 192); a 16x16 image (256
+    batch, the other digits wait, and every forward pass takes at most two of them (128 <= 150 < 192); a 16x16 image (256
     pixels) is refused with a one-line 422 naming its size and the limit; the answers equal predict's. Bugs
     caught: a batch of same-shape images stacked up to max_batch whatever their size (32 big images in one
     forward), the setting accepted and ignored, a warm-up that stops at its own 32x32 image."""
@@ -108,8 +108,11 @@ def test_a_batch_never_holds_more_pixels_than_the_limit_and_larger_images_are_re
         assert "16x16" in r.json()["error"] and "serve.max_model_pixels=150" in r.json()["error"], r.text
         boxes = [in_background(lambda d=d: httpx.post(server.url + "/predict?topk=10", content=d, headers=PNG,
                                                       timeout=120)) for d in digits]
-        wait_until(lambda: (m := server.metrics()) and metric(m, "torchsprint_serve_in_model") == 1
-                   and metric(m, "torchsprint_serve_waiting") == 5, what="one digit held, five waiting")
+        # The held batch holds one digit or two (two arrive within max_wait_ms on a loaded machine): either way
+        # all six are in, the rest waiting behind it.
+        wait_until(lambda: (m := server.metrics()) and 1 <= metric(m, "torchsprint_serve_in_model") <= 2
+                   and metric(m, "torchsprint_serve_in_model") + metric(m, "torchsprint_serve_waiting") == 6,
+                   what="one or two digits held, the rest waiting")
         gate.touch()
         for box, want in zip(boxes, expected):
             r = result(box)

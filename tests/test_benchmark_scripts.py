@@ -1,12 +1,18 @@
 """Every benchmark script imports and parses its own --help: a rename in one shared module broke
-benchmarks/vs_lightning.py (it imported a function vs_plain_pytorch.py no longer had) without any test noticing."""
+benchmarks/compare/vs_lightning.py (it imported a function vs_plain_pytorch.py no longer had) without any test noticing.
+And the rules of benchmarks/: every script a module of the `benchmarks` package (`python -m benchmarks.<kind>.<name>`),
+no sys.path edit, nothing imported from tests/, every results file named by benchmarks/results/README.md's rule."""
 
 from __future__ import annotations
 
+import ast
+import datetime
 import hashlib
-import importlib.util
+import importlib
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,8 +20,23 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
 SCRIPTS = sorted(p for p in BENCH.rglob("*.py") if p.name != "__init__.py")
+RESULTS = BENCH / "results"
+# <benchmark>_<device>_<YYYY-MM-DD>[_<variant>].json: benchmarks/results/README.md
+RESULT_NAME = re.compile(r"^(?P<benchmark>[a-z0-9]+(?:_[a-z0-9]+)*)_(?P<device>[a-z0-9]+(?:-[a-z0-9]+)*)"
+                         r"_(?P<date>\d{4}-\d{2}-\d{2})(?:_(?P<variant>[a-z0-9]+(?:-[a-z0-9]+)*))?\.json$")
+
+
+def module_name(path: Path) -> str:
+    """benchmarks/compare/vs_timm.py -> benchmarks.compare.vs_timm"""
+    return ".".join(path.relative_to(REPO).with_suffix("").parts)
+
+
+def load(name: str):
+    """A benchmark script as the module `python -m` runs (`benchmarks.<kind>.<name>`)."""
+    return importlib.import_module(name)
 
 
 def test_there_are_scripts():
@@ -24,30 +45,129 @@ def test_there_are_scripts():
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(BENCH)))
 def test_script_imports_and_prints_help(path, monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # an ImportError or a NameError at module level fails here
+    module = load(module_name(path))  # an ImportError or a NameError at module level fails here
     main = getattr(module, "main", None)
     if main is None:
-        return  # a helper module (throttled_cat.py reads stdin at run time)
+        assert path.parent.name == "common", f"{path}: a script without main() (helpers go in benchmarks/common/)"
+        return
     monkeypatch.setattr(sys, "argv", [path.name, "--help"])
     with pytest.raises(SystemExit) as e:
         main()
     assert e.value.code == 0 and "usage" in capsys.readouterr().out.lower()
 
 
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_every_folder_of_benchmarks_is_a_package():
+    """A folder without its __init__.py imports as a namespace package here and breaks `python -m` nowhere, but is
+    left out of tools that walk packages; and a script outside a kind folder (benchmarks/x.py) is the flat layout back."""
+    folders = {p.parent for p in SCRIPTS}
+    missing = sorted(str(f.relative_to(REPO)) for f in folders | {BENCH} if not (f / "__init__.py").is_file())
+    assert not missing, f"folders of benchmarks/ without __init__.py: {missing}"
+    flat = sorted(p.name for p in BENCH.glob("*.py") if p.name != "__init__.py")
+    assert not flat, f"scripts directly in benchmarks/ (put them in the folder of their kind): {flat}"
+
+
+TEST_MODULES = {p.stem for p in (REPO / "tests").rglob("*.py")} | {"tests"}
+PATH_CALL = re.compile(r"^(.*\.)?(Path|PurePath|joinpath|join|open)$")  # ROOT / "tests", Path("tests"), os.path.join(...)
+
+
+def offences(source: str) -> list[str]:
+    """What a benchmark's source does that benchmarks/ forbids: sys.path edits (or reads: a script that needs
+    one is run wrongly), loading a file as a module by path, importing a module of tests/."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+                and node.value.id == "sys":
+            found.append(f"line {node.lineno}: sys.path")
+        if isinstance(node, ast.Attribute) and node.attr in ("spec_from_file_location", "run_path"):
+            found.append(f"line {node.lineno}: {node.attr} (import the module by its name)")
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        found += [f"line {node.lineno}: imports {n} from tests/" for n in names if n.split(".")[0] in TEST_MODULES]
+        parts = [node.left, node.right] if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) else \
+            node.args if isinstance(node, ast.Call) and PATH_CALL.match(ast.unparse(node.func)) else []
+        if any(isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.split("/")[0] == "tests" for a in parts):
+            found.append(f"line {node.lineno}: a path into tests/")
+    return found
+
+
+def test_no_benchmark_edits_sys_path_or_imports_tests():
+    """Nine scripts put benchmarks/, src/ or tests/ on sys.path to import a sibling script or a test module
+    (numerics/amp_tolerance.py imported tests/test_task_everything.py): a script then ran only from one folder, and
+    a test's refactor broke a benchmark. Shared code lives in benchmarks/common/, imported by name."""
+    bad = {str(p.relative_to(REPO)): o for p in SCRIPTS if (o := offences(p.read_text()))}
+    assert not bad, bad
+    planted = ("import sys\nsys.path.insert(0, 'x')\nfrom test_serve import soak\nimport importlib.util\n"
+               "importlib.util.spec_from_file_location('m', 'm.py')\nROOT = None; ROOT / 'tests'\n"
+               "out = {'tests': {}}; out.get('tests')\n")  # a key named "tests" is no path
+    assert len(offences(planted)) == 4, offences(planted)  # the check sees each kind
+
+
+def test_task_runs_are_the_tests_own():
+    """numerics/amp_tolerance.py measures the spread test_task_everything.py's amp bounds come from, on a copy of its
+    runs (benchmarks import nothing from tests/): a config changed in the test but not in the copy would set a
+    bound from runs the test no longer makes."""
+    t = importlib.import_module("test_task_everything")
+    runs = importlib.import_module("benchmarks.common.task_runs")
+    assert (runs.CFG, runs.COMMON, runs.EPOCHS, runs.MONITOR) == (t.CFG, t.COMMON, t.EPOCHS, t.MONITOR)
+    source = inspect.getsource(t.test_amp_bf16_trains_close_to_fp32)
+    assert all(f'"{o}"' in source for o in runs.VIDEO), "the amp test's video overrides changed: update VIDEO"
+
+
+def results_readme() -> tuple[set[str], set[str]]:
+    """(the results files, the devices) that benchmarks/results/README.md lists in its tables."""
+    text = (RESULTS / "README.md").read_text()
+    files = set(re.findall(r"^\| `([^`]+\.json)` \|", text, flags=re.M))
+    devices = set(re.findall(r"^\| `([a-z0-9-]+)` \|", text, flags=re.M))
+    return files, devices
+
+
+def recorded_date(path: Path) -> str | None:
+    """The YYYY-MM-DD a results file records for itself (its `date`, or its machine's), if any."""
+    data = json.loads(path.read_text())
+    for date in (data.get("date"), (data.get("machine") or {}).get("date") if isinstance(data.get("machine"), dict)
+                 else None):
+        if isinstance(date, str) and re.match(r"\d{4}-\d{2}-\d{2}", date):
+            return date[:10]
+    return None
+
+
+def test_every_results_file_follows_the_naming_rule():
+    """Results were named ad hoc (2026-11-26-h200.json with no benchmark, serve_load_2026-11-29c_digits.json with a
+    letter on the date, serve_soak_... for serve_load's soak): a file's name did not say which script wrote it, on
+    which device, on which day. Each must be <benchmark>_<device>_<YYYY-MM-DD>[_<variant>].json with the benchmark a
+    script of benchmarks/, the device one README.md lists, the date a real day (the file's own when it records one),
+    and README.md must list exactly the files there are."""
+    listed, devices = results_readme()
+    scripts = {p.stem for p in SCRIPTS}
+    files = sorted(p for p in RESULTS.iterdir() if p.name != "README.md")
+    assert files and devices, "no results files, or README.md lists no devices"
+    bad = []
+    for p in files:
+        m = RESULT_NAME.match(p.name)
+        if not m:
+            bad.append(f"{p.name}: not <benchmark>_<device>_<YYYY-MM-DD>[_<variant>].json")
+            continue
+        if m["benchmark"] not in scripts:
+            bad.append(f"{p.name}: no benchmark script is called {m['benchmark']!r}")
+        if m["device"] not in devices:
+            bad.append(f"{p.name}: device {m['device']!r} is not in README.md's device table")
+        try:
+            datetime.date.fromisoformat(m["date"])
+        except ValueError:
+            bad.append(f"{p.name}: {m['date']} is no date")
+        if (own := recorded_date(p)) not in (None, m["date"]):
+            bad.append(f"{p.name}: the file says it was measured on {own}")
+    names = {p.name for p in files}
+    bad += [f"README.md lists {n}, which is not in results/" for n in sorted(listed - names)]
+    bad += [f"{n} is not listed in README.md" for n in sorted(names - listed)]
+    assert not bad, "\n".join(bad)
+    assert not RESULT_NAME.match("2026-11-26-h200.json") and not RESULT_NAME.match("serve_load_2026-11-29c_digits.json")
 
 
 def test_merge_results_adds_a_later_calls_dali_figures_to_m2_and_m3():
     """run_all.sh dali runs in a later device call than M2/M3 (DALI arrives in parts): its figures must join
     the earlier ones, not replace M2 or M3, and its `None`s must not erase measured figures."""
-    merge = load(BENCH / "gpu" / "merge_results.py").merge
+    merge = load("benchmarks.gpu.merge_results").merge
     env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"}
     full = env | {"date": "2026-12-01T10:00", "command": "measure.py --only M2,M3", "measurements": {
         "M2": {"images_per_s": {"gpu backend, cpu_fraction 0": 9000.0, "dali backend": None}, "workers": 16,
@@ -70,7 +190,7 @@ def test_merge_results_adds_a_later_calls_dali_figures_to_m2_and_m3():
 def test_merge_results_names_the_fastest_jpeg_backend_over_every_call():
     """M2["fastest_backend"] (what data.backend: auto's rule reads) comes from the merged figures: DALI's,
     measured in the last call, must compete with the cpu and gpu backends' of an earlier call, and lose when slower."""
-    merge = load(BENCH / "gpu" / "merge_results.py").merge
+    merge = load("benchmarks.gpu.merge_results").merge
     env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"}
     call2 = env | {"date": "d1", "measurements": {"M2": {"by_backend": {"cpu": 7666.0, "gpu": 9690.0, "gpu_split_auto": 8031.0}}}}
     for dali_rate, fastest in ((11000.0, "dali"), (9000.0, "gpu")):
@@ -82,7 +202,7 @@ def test_merge_results_names_the_fastest_jpeg_backend_over_every_call():
 
 
 def test_merge_results_refuses_two_devices():
-    merge = load(BENCH / "gpu" / "merge_results.py").merge
+    merge = load("benchmarks.gpu.merge_results").merge
     with pytest.raises(SystemExit, match="different devices"):
         merge([{"device": "H100", "torch": "2.11", "date": "d"}, {"device": "H200", "torch": "2.11", "date": "d"}])
 
@@ -139,11 +259,11 @@ def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
 
 @pytest.mark.slow  # 15 s: a benchmark script's own run
 def test_data_throughput_runs_its_cpu_tables(tmp_path):
-    """benchmarks/data_throughput.py end to end on 64 JPEGs: it reaches into the cpu backend's dataset and
+    """benchmarks/data/data_throughput.py end to end on 64 JPEGs: it reaches into the cpu backend's dataset and
     collate (the per-core CPU figure, also M2's on the GPU machine), which a refactor of the backend broke
     unnoticed (AttributeError) while --help still worked."""
-    p = subprocess.run([sys.executable, str(BENCH / "data_throughput.py"), "--images", "64", "--workers", "1",
-                        "--repeats", "1", "--batch-size", "16", "--root", str(tmp_path)],
+    p = subprocess.run([sys.executable, "-m", "benchmarks.data.data_throughput", "--images", "64", "--workers", "1",
+                        "--repeats", "1", "--batch-size", "16", "--root", str(tmp_path)], cwd=REPO,
                        capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in p.stdout.splitlines() if line.startswith("| ")}
@@ -165,13 +285,13 @@ def errors_in(node, path=""):
 
 @pytest.mark.slow
 def test_gpu_measurements_run_end_to_end_on_the_cpu(tmp_path):
-    """benchmarks/gpu/measure.py --smoke-cpu: M1-M6's code with tiny sizes on the CPU (about a minute), the
+    """`python -m benchmarks.gpu.measure --smoke-cpu`: M1-M6's code with tiny sizes on the CPU (about a minute), the
     rehearsal of the GPU session's 30 minutes. Every measurement must produce figures under the keys the issue
     names; the only errors allowed are the gpu backend's refusal without CUDA. A script that would crash on the
     GPU machine (an attribute a refactor renamed, a wrong key) fails here first."""
     out = tmp_path / "results.json"
-    p = subprocess.run([sys.executable, str(BENCH / "gpu" / "measure.py"), "--smoke-cpu", "--out", str(out),
-                        "--data", str(tmp_path / "jpegs")], capture_output=True, text=True, timeout=900,
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu.measure", "--smoke-cpu", "--out", str(out),
+                        "--data", str(tmp_path / "jpegs")], capture_output=True, text=True, timeout=900, cwd=REPO,
                        env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -207,9 +327,9 @@ def test_gpu_measurements_run_end_to_end_on_the_cpu(tmp_path):
 
 
 def test_backend_agreement_smoke_run(tmp_path, monkeypatch, capsys):
-    """benchmarks/backend_agreement.py end to end on a tiny job (2 seeds x cpu, memory, gpu on the CPU device):
+    """benchmarks/numerics/backend_agreement.py end to end on a tiny job (2 seeds x cpu, memory, gpu on the CPU device):
     every run lands in the table and the JSON; and its spread test flags separated means, not equal ones."""
-    module = load(BENCH / "backend_agreement.py")
+    module = load("benchmarks.numerics.backend_agreement")
     out = tmp_path / "agree.json"
     monkeypatch.setattr(sys, "argv", ["backend_agreement.py", "--job", "jpeg", "--model", "small_cnn", "--seeds", "0,1",
                                       "--train-images", "20", "--val-images", "10", "--size", "20", "--crop", "16",
@@ -226,11 +346,11 @@ def test_backend_agreement_smoke_run(tmp_path, monkeypatch, capsys):
 
 
 def test_photo_folder_parses_the_feedback_times_from_timestamped_cli_lines():
-    """benchmarks/photo_folder.py's figures come from the CLI's lines as they arrive: epoch 1's start is
+    """benchmarks/defaults/photo_folder.py's figures come from the CLI's lines as they arrive: epoch 1's start is
     the first heartbeat's arrival less its `elapsed` (a clock that may read M:SS), and each time is taken from the
     first matching line only. Canned lines (the shapes of a real run's, times in seconds since the process began)
     against times worked out by hand."""
-    parse = load(BENCH / "photo_folder.py").parse_lines
+    parse = load("benchmarks.defaults.photo_folder").parse_lines
     lines = [(25.1, "model resnet18: initialised from random initialisation"),
              (25.6, "loader: data.backend=cpu (measured ...), decoder simplejpeg (JPEG: 200 files)"),
              (36.8, "epoch 1/10: step 1/25 (4%), 5.7 img/s, elapsed 11.2 s, ETA 2:01 (rough: from the first step, its warm-up included)"),

@@ -3,6 +3,7 @@ eval mode, exact resume, a teacher from every source, and bad input refused in o
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -19,18 +20,8 @@ from torchsprint.train.run import build_training, train
 QUIET = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false"]
 
 
-def _bench():
-    """benchmarks/distill_digits.py: the measured setting (teacher, student, the few-images data set)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "distill_digits.py"
-    spec = importlib.util.spec_from_file_location("distill_digits", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+# benchmarks/recipes/distill_digits.py: the measured setting (teacher, student, the few-images data set)
+BENCH = importlib.import_module("benchmarks.recipes.distill_digits")
 
 
 @pytest.fixture(scope="module")

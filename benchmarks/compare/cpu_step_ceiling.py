@@ -7,7 +7,7 @@ one under torch.compile (inductor; its compile time reported apart, from the fir
 SGD with Nesterov momentum, weight decay 5e-4, cross-entropy, batch and size as the job (32, 112 px: the timm
 comparison's, BENCHMARKS.md "torchsprint beside timm's train.py").
 
-    python benchmarks/cpu_step_ceiling.py --json benchmarks/results/cpu_step_ceiling.json
+    python -m benchmarks.compare.cpu_step_ceiling --json benchmarks/results/cpu_step_ceiling_<device>_<date>.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common.child import REPO
 
 
 def build(mode: str, batch: int, size: int, classes: int):
@@ -66,7 +66,6 @@ def main() -> None:
     ap.add_argument("--modes", default="fp32_nchw,fp32_cl,bf16_cl,bf16_cl_compiled")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "src"))
     import torch
 
     from torchsprint.runtime.machine import cpu_info, native_bf16
@@ -86,7 +85,7 @@ def main() -> None:
             for _ in range(args.steps):
                 step()
             rates[m].append(args.batch * args.steps / (time.perf_counter() - t))
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "cpu": cpu_info(), "torch": torch.__version__, "threads": torch.get_num_threads(), "revision": rev,
               "batch": args.batch, "size": args.size, "compile_s": compile_s,

@@ -10,7 +10,7 @@ and the per-process RSS split (anonymous / file / shmem) at the RSS peak, which 
 The job: ResNet-18 at 112 px, batch 32, 2 DataLoader workers, 3 epochs, on an image folder
 (train/ and val/, e.g. 2,000 + 200 JPEGs from torchsprint's synthetic_jpeg generator), CPU.
 
-    python benchmarks/memory_footprint.py --data /tmp/memdata/jpeg2000 --tv-reference /tmp/tv_reference \
+    python -m benchmarks.compare.memory_footprint --data /tmp/memdata/jpeg2000 --tv-reference /tmp/tv_reference \
         [--epochs 3] [--repeats 1] [--variants cpu,memory,torchvision]
 
 --tv-reference is a folder holding torchvision's references/classification/{train,presets,utils,transforms}.py

@@ -1,6 +1,6 @@
 """Where the speed probe's extra peak memory comes from (the goal: "peak memory no higher than timm's").
 
-torchsprint's side of benchmarks/vs_timm.py's job (ResNet-18 from scratch, 2,000 generated 160x160 JPEGs, batch 32,
+torchsprint's side of compare/vs_timm.py's job (ResNet-18 from scratch, 2,000 generated 160x160 JPEGs, batch 32,
 RandomResizedCrop 112, 3 epochs) run by the CLI under GNU time, in variants that differ in one thing each:
 
   named          precision=amp_bf16 speed.channels_last=true: what the probe chooses on a native-bf16 CPU, no probe
@@ -8,7 +8,7 @@ RandomResizedCrop 112, 3 epochs) run by the CLI under GNU time, in variants that
   auto_mmap128k  the same under MALLOC_MMAP_THRESHOLD_=131072 (glibc: every block above 128 KiB its own mmap, given
                  back to the system when freed; a fixed threshold also stops glibc raising it as blocks are freed)
   auto_arena1    the same under MALLOC_ARENA_MAX=1 (one malloc arena for every thread)
-  timm           timm's train.py with its fastest CPU switches (only with --timm-train; as benchmarks/vs_timm.py)
+  timm           timm's train.py with its fastest CPU switches (only with --timm-train; as compare/vs_timm.py)
 
 and two in-process measurements:
 
@@ -19,7 +19,8 @@ and two in-process measurements:
                  Python thread (whose tensors glibc serves from another arena, which could be given back whole), and
                  under fixed mmap thresholds: what keeping the probe's memory out of the main heap would cost its timing.
 
-    python benchmarks/probe_memory.py --json benchmarks/results/probe_memory.json [--timm-train .../train.py]
+    python -m benchmarks.compare.probe_memory --json benchmarks/results/probe_memory_<device>_<date>.json \
+        [--timm-train .../train.py]
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from vs_timm import MAXRSS, make_data, timm_run  # noqa: E402  (the same job and GNU time parsing)
+from benchmarks.common.child import REPO, child_env
+from benchmarks.common.gnu_time import peak_mib
+from benchmarks.common.timm_job import make_data, timm_run  # the job of compare/vs_timm.py
 
 JOB = ["data.batch_size=32", "data.eval_batch_size=32",
        "data.train.transforms=[{random_resized_crop: 112}, hflip, {normalize: imagenet}]",
@@ -63,7 +63,7 @@ def cli_run(data: Path, out: Path, name: str, extra: list[str], env: dict, epoch
         raise SystemExit(f"{name} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     s = json.loads((run_dir / "summary.json").read_text())
     d = json.loads((run_dir / "decisions.json").read_text())
-    return {"variant": name, "env": env, "overrides": extra, "peak_mib": int(MAXRSS.search(r.stderr).group(1)) // 1024,
+    return {"variant": name, "env": env, "overrides": extra, "peak_mib": peak_mib(r.stderr),
             "wall_s": round(wall, 1), "own_rate": s["train_images_per_s"], "top1": s["final"]["val/top1"],
             "precision": d.get("precision"), "channels_last": d.get("channels_last"),
             "probe": (d.get("speed_measured") or {}).get("candidates")}
@@ -110,8 +110,8 @@ def heap_runs(data: Path, out: Path) -> dict:
     res = {}
     for name, env in (("probe", {}), ("probe_off", {"TORCHSPRINT_SPEED_PROBE": "off"})):
         argv = [f"data.root={data}", *JOB, "run.epochs=3", f"run.dir={out / ('heap_' + name)}"]
-        r = subprocess.run([sys.executable, __file__, "--heap-child", *argv], capture_output=True, text=True,
-                           env=os.environ | env, cwd=out)
+        r = subprocess.run([sys.executable, "-m", __spec__.name, "--heap-child", *argv], capture_output=True, text=True,
+                           env=child_env(env), cwd=out)
         line = [x for x in r.stdout.splitlines() if x.startswith("HEAP ")]
         if not line:
             raise SystemExit(f"heap child {name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
@@ -158,19 +158,17 @@ def thread_runs() -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--heap-child":
-        sys.path.insert(0, str(ROOT / "src"))
         heap_child(sys.argv[2:])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"from {list(VARIANTS)}")
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--timm-train", default=None, help="timm's train.py: its run beside (as benchmarks/vs_timm.py)")
+    ap.add_argument("--timm-train", default=None, help="timm's train.py: its run beside (as compare/vs_timm.py)")
     ap.add_argument("--skip", default="", help="comma list of parts to leave out: runs, heap, thread")
     ap.add_argument("--root", default="/tmp/vs_timm")
     ap.add_argument("--smoke", action="store_true", help="120 train / 40 val images, 1 epoch")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "src"))
     import torch
 
     from torchsprint.runtime.machine import cpu_info
@@ -178,7 +176,7 @@ def main() -> None:
     train, val = (120, 40) if args.smoke else (2000, 500)
     epochs = 1 if args.smoke else args.epochs
     data = make_data(Path(args.root), train, val)
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "cpu": cpu_info(), "torch": torch.__version__, "revision": rev, "epochs": epochs, "runs": []}
     skip = set(filter(None, args.skip.split(",")))

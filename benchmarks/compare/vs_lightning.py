@@ -8,7 +8,7 @@ DataLoader the plain loop uses. torchsprint runs with its own defaults for such 
 `speed.channels_last: auto`) and also with a DataLoader (`cpu` backend, NCHW like Lightning's side).
 Reported: median images/s and the median per-repeat ratio.
 
-    python benchmarks/vs_lightning.py [--repeats 5] [--cases linear32,linear128,small_cnn,resnet18]
+    python -m benchmarks.compare.vs_lightning [--repeats 5] [--cases linear32,linear128,small_cnn,resnet18]
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -26,11 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_plain_pytorch import CASES, SHAPES, make_data, register, torchsprint_run  # noqa: E402
-
-from torchsprint import config  # noqa: E402
-from torchsprint.models import build_model  # noqa: E402
+from benchmarks.common.engine_cases import CASES, SHAPES, make_data, register, torchsprint_run
+from torchsprint import config
+from torchsprint.models import build_model
 
 
 def lightning_epoch(model_name: str, x, y, batch_size: int, lr: float) -> float:
@@ -72,7 +69,7 @@ def lightning_epoch(model_name: str, x, y, batch_size: int, lr: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--cases", default="linear32,linear128,small_cnn,resnet18", help="cases of vs_plain_pytorch.CASES on generated data")
+    ap.add_argument("--cases", default="linear32,linear128,small_cnn,resnet18", help="cases of common/engine_cases.py's CASES on generated data")
     args = ap.parse_args()
     try:
         import lightning

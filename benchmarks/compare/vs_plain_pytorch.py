@@ -17,7 +17,7 @@ timed apart on both sides; torchsprint's from its summary.json, whole-run second
 Threads: torch's default (all cores: two on a 2-core machine) unless --threads. Under machine load, wall
 times of the two-thread case are noisy; --threads 1 and more --repeats tighten them.
 
-    python benchmarks/vs_plain_pytorch.py [--repeats 5] [--steps 600] [--threads N] [--clock wall|process]
+    python -m benchmarks.compare.vs_plain_pytorch [--repeats 5] [--steps 600] [--threads N] [--clock wall|process]
         [--cases digits,linear32,linear128,small_cnn,resnet18,digits_default]
 """
 
@@ -34,36 +34,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchsprint import config, runtime
+from benchmarks.common.engine_cases import CASES, SHAPES, make_data, register, torchsprint_run
+from torchsprint import config
 from torchsprint.data import DATASETS
-from torchsprint.data.core import Splits, TensorImages
 from torchsprint.models import build_model
-from torchsprint.observe.logging import RunLogger
-from torchsprint.state.checkpoint import TrainState
-from torchsprint.train.context import RunContext
-from torchsprint.train.engine import set_train_mode, train_one_epoch
-from torchsprint.train.run import build_training
 
-SHAPES = {"linear": (3, 8, 8), "small_cnn": (3, 16, 16), "resnet18": (3, 32, 32)}
-CLOCK = time.perf_counter  # --clock process: time.process_time (CPU seconds of this process: steadier under load)
-
-
-def make_data(n: int, shape: tuple[int, int, int], classes: int = 10):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g)
-    y = torch.randint(0, classes, (n,), generator=g)
-    return x, y
+CLOCK = time.perf_counter  # --clock process: time.process_time (CPU seconds of this process: steadier under load);
+# both sides read it: plain_run here, torchsprint_run (common/engine_cases.py) as its `clock`
 
 
 def digits_data():
     sp = DATASETS.get("digits")(config.load(None, []).data)
     return sp.train.images, torch.as_tensor(sp.train.labels), sp.val.images, torch.as_tensor(sp.val.labels)
-
-
-def register(x, y):
-    @DATASETS.register("bench_tensors", override=True)
-    def bench_tensors(data_cfg) -> Splits:
-        return Splits(TensorImages(x, y), TensorImages(x[:256], y[:256]), [str(i) for i in range(10)], x.shape[1])
 
 
 def sgd(model, lr: float) -> torch.optim.Optimizer:
@@ -90,32 +72,6 @@ def plain_run(model_name: str, x, y, batch_size: int, lr: float, epochs: int) ->
             opt.step()
         sched.step()
     return epochs * len(loader) * batch_size / (CLOCK() - t)
-
-
-def torchsprint_run(model_name: str, dataset: str, batch_size: int, lr: float, backend: str, epochs: int,
-                    log_dir: Path, channels_last: str = "auto") -> float:
-    """`epochs` epochs of the real engine (train_one_epoch: logging, counters, accuracy) on torchsprint's loader."""
-    cfg = config.load(None, [
-        f"model.name={model_name}", f"data.dataset={dataset}", f"data.backend={backend}", "data.num_workers=0",
-        f"data.batch_size={batch_size}", f"optim.lr={lr}", "optim.no_decay_norm_bias=false", "sched.name=cosine",
-        "sched.interval=epoch", f"run.epochs={epochs}", "log.tensorboard=false", "log.progress=false",
-        "checkpoint.every_epochs=null", "run.device=cpu", f"speed.channels_last={channels_last}",
-    ])
-    rt = runtime.Runtime(device=torch.device("cpu"))
-    torch.manual_seed(0)
-    b = build_training(cfg, rt, log=lambda *_: None)
-    logger = RunLogger(log_dir, cfg.log, enabled=True, console=False)
-    set_train_mode(b.model, b.frozen_norms)
-    state, images = TrainState(), 0
-    t = CLOCK()  # around the whole loop, as on the plain side (the engine's own clock is wall time)
-    for epoch in range(epochs):
-        state.epoch, state.step_in_epoch = epoch, 0
-        ep = train_one_epoch(b, state, b.plan, RunContext(rt, log_dir, logger))
-        b.sched.step()
-        images += ep["images"]
-    seconds = CLOCK() - t
-    logger.close()
-    return images / seconds
 
 
 def plain_default_run(x, y, xv, yv) -> tuple[float, float]:
@@ -157,15 +113,6 @@ def torchsprint_default_run(work: Path) -> tuple[float, float]:
     return summary["train_images_per_s"], time.perf_counter() - t
 
 
-CASES = {  # name: (model, data, batch size, lr)
-    "digits": ("small_cnn", "digits", 64, 0.1),
-    "linear32": ("linear", 10_000, 32, 0.05),
-    "linear128": ("linear", 10_000, 128, 0.05),
-    "small_cnn": ("small_cnn", 4_000, 64, 0.05),
-    "resnet18": ("resnet18", 1_024, 32, 0.01),
-}
-
-
 def overhead_us(ts: float, plain: float, batch_size: int) -> float:
     return batch_size * (1 / ts - 1 / plain) * 1e6
 
@@ -182,11 +129,11 @@ def engine_case(name: str, args, log_dir: Path) -> None:
     epochs = max(1, math.ceil(args.steps / (len(x) // bs)))
     plain = partial(plain_run, model, x, y, bs, lr, epochs)
     plain_run(model, x, y, bs, lr, 1)  # warm-up: allocator, first-call kernels
-    torchsprint_run(model, dataset, bs, lr, "cpu", 1, log_dir, "false")
-    torchsprint_run(model, dataset, bs, lr, "memory", 1, log_dir)
+    torchsprint_run(model, dataset, bs, lr, "cpu", 1, log_dir, "false", CLOCK)
+    torchsprint_run(model, dataset, bs, lr, "memory", 1, log_dir, clock=CLOCK)
     p, s, m = [], [], []
-    sides = [(p, plain), (s, partial(torchsprint_run, model, dataset, bs, lr, "cpu", epochs, log_dir, "false")),
-             (m, partial(torchsprint_run, model, dataset, bs, lr, "memory", epochs, log_dir))]
+    sides = [(p, plain), (s, partial(torchsprint_run, model, dataset, bs, lr, "cpu", epochs, log_dir, "false", CLOCK)),
+             (m, partial(torchsprint_run, model, dataset, bs, lr, "memory", epochs, log_dir, clock=CLOCK))]
     for r in range(args.repeats):
         for out, fn in sides[r % 3:] + sides[: r % 3]:  # rotate the order: no side always runs first
             out.append(fn())

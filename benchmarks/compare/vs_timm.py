@@ -19,15 +19,14 @@ resident memory of the process and the children it waited for (GNU time's "Maxim
 Sides alternate per seed.
 
     git clone https://github.com/huggingface/pytorch-image-models /tmp/timm-repo
-    python benchmarks/vs_timm.py --timm-train /tmp/timm-repo/train.py --seeds 0,1,2 --json vs_timm.json
-    python benchmarks/vs_timm.py --timm-train ... --smoke      # 120 images, 1 epoch: does it run
+    python -m benchmarks.compare.vs_timm --timm-train /tmp/timm-repo/train.py --seeds 0,1,2 --json vs_timm.json
+    python -m benchmarks.compare.vs_timm --timm-train ... --smoke      # 120 images, 1 epoch: does it run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -35,49 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RATE = re.compile(r"^Train: (\d+) .*\(\s*[\d.]+s,\s*([\d.]+)/s\)")
-MAXRSS = re.compile(r"Maximum resident set size \(kbytes\): (\d+)")
-
-
-def make_data(root: Path, train: int, val: int) -> Path:
-    sys.path.insert(0, str(ROOT / "src"))
-    from torchsprint.data.sources.synthetic import generate_synthetic_jpeg
-
-    return generate_synthetic_jpeg(root / f"jpeg-n{train}-v{val}-160", num_images=train, val_images=val, size=(160, 160),
-                                   classes=10, quality=90, seed=0)
-
-
-def timed(cmd: list[str], cwd: Path) -> tuple[str, float, int]:
-    """Run cmd under GNU time: (output, wall seconds, peak RSS in MiB)."""
-    t = time.perf_counter()
-    r = subprocess.run(["/usr/bin/time", "-v", *cmd], cwd=cwd, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    if r.returncode != 0:
-        raise SystemExit(f"{cmd[1]} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r.stdout + r.stderr, wall, int(MAXRSS.search(r.stderr).group(1)) // 1024
-
-
-def timm_run(args, data: Path, seed: int, workers: int, native_bf16: bool, out: Path) -> dict:
-    flags = (["--amp", "--amp-dtype", "bfloat16"] if native_bf16 else []) + ["--channels-last"]
-    cmd = [sys.executable, str(Path(args.timm_train).resolve()), "--data-dir", str(data), "--train-split", "train",
-           "--val-split", "val", "--model", "resnet18", "--num-classes", "10", "--img-size", "112", "--crop-pct", "0.875",
-           "-b", "32", "--opt", "sgd", "--lr", "0.1", "--momentum", "0.9", "--weight-decay", "5e-4",
-           "--sched", "cosine", "--epochs", str(args.epochs), "--warmup-epochs", "0", "--cooldown-epochs", "0",
-           "--train-interpolation", "bilinear", "--scale", "0.08", "1.0", "--hflip", "0.5", "--reprob", "0",
-           "--color-jitter", "0", "--smoothing", "0", "--device", "cpu", "-j", str(workers), "--seed", str(seed),
-           "--log-interval", "1", "--output", str(out), "--experiment", f"seed{seed}-j{workers}", *flags]
-    text, wall, rss = timed(cmd, out)
-    rates = {}
-    for line in text.splitlines():
-        m = RATE.match(line.strip())
-        if m:
-            rates[int(m.group(1))] = float(m.group(2))  # the last line of an epoch holds its average
-    summary = (out / f"seed{seed}-j{workers}" / "summary.csv").read_text().splitlines()
-    head, last = summary[0].split(","), summary[-1].split(",")
-    top1 = float(last[head.index("eval_top1")]) / 100
-    return {"side": "timm", "flags": flags + ["-j", str(workers)], "own_rate": statistics.fmean(rates.values()),
-            "wall_s": wall, "peak_mib": rss, "top1": top1}
+from benchmarks.common.child import REPO
+from benchmarks.common.gnu_time import timed
+from benchmarks.common.timm_job import make_data, timm_run
 
 
 def torchsprint_run(args, data: Path, seed: int, out: Path) -> dict:
@@ -105,7 +64,6 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="120 train / 40 val images, 1 epoch, 1 seed, -j 0")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "src"))
     import timm
     import torch
 
@@ -116,7 +74,7 @@ def main() -> None:
         args.epochs, args.seeds, args.timm_workers = 1, "0", "0"
     data = make_data(Path(args.root), train, val)
     cpu = cpu_info()
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "cpu": cpu, "torch": torch.__version__, "timm": timm.__version__, "revision": rev,
               "images": {"train": train, "val": val}, "epochs": args.epochs, "runs": []}

@@ -2,7 +2,7 @@
 
 The issue's folder: 2,624 grey 300x300 PNGs in 4 class folders with a 14x imbalance, ResNet-18 at 128 px (the photo
 defaults), 8 epochs; there auto (then a rule on the size alone) chose the memory backend, which trained 8.8% slower
-than the cpu backend. This script generates such a folder (photo_folder.py's shapes, grey, PNG), asks auto what it
+than the cpu backend. This script generates such a folder (common/photos.py's shapes, grey, PNG), asks auto what it
 picks for run.epochs=8 (a run of one step: the choice is made at start-up; --auto-repeats times, as the pick can
 differ between runs near a tie), then trains each backend by name through the CLI for --epochs epochs, --repeats
 times in alternation (cpu, memory, cpu, memory, ...: a change in the machine's speed falls on both), and projects
@@ -10,7 +10,8 @@ the 8-epoch time of each run from its wall time and its steady epoch (the memory
 the wall time once). "faster" names a backend only where every run of it projects faster than every run of the
 other; else the two are a tie at this machine's run-to-run spread, and either pick is right.
 
-    nice -n 5 python benchmarks/auto_backend_case.py --epochs 2 --repeats 3 --out benchmarks/results/auto_backend_case.json
+    nice -n 5 python -m benchmarks.data.auto_backend_case --epochs 2 --repeats 3 \
+        --out benchmarks/results/auto_backend_case_<device>_<date>.json
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from photo_folder import make_folder  # noqa: E402
+from benchmarks.common.photos import make_folder
 
 COUNTS = {"disc": 1400, "square": 700, "triangle": 424, "cross": 100}  # 2,624 images, 14x between the largest and smallest
 

@@ -4,13 +4,13 @@ Compares torchsprint's loader backends against the naive baseline of the seeds (
 torchvision transforms + ToTensor + Normalize in a DataLoader with the same number of workers), and
 times the candidate JPEG decoders one image at a time on one thread.
 
-    .venv/bin/python benchmarks/data_throughput.py --images 512 --workers 2 --repeats 3
+    .venv/bin/python -m benchmarks.data.data_throughput --images 512 --workers 2 --repeats 3
 
 On a GPU (`--device cuda`) it measures the loader backends that feed the GPU instead (the GPU job's M2):
 the cpu backend with --workers workers (and per core, by CPU time), the gpu backend with
 cpu_fraction 0 and auto, and DALI when it is installed; `--json` writes the figures.
 
-    python benchmarks/data_throughput.py --device cuda --images 20000 --workers 16 --batch-size 256 --json m2.json
+    python -m benchmarks.data.data_throughput --device cuda --images 20000 --workers 16 --batch-size 256 --json m2.json
 
 `--transfer` times what crosses the DataLoader's worker queue per batch of 256 JPEGs: one tensor per
 file (the gpu backend before) against one flat buffer with offsets (now).
@@ -28,6 +28,8 @@ import statistics
 import threading
 import time
 from pathlib import Path
+
+from benchmarks.common.loader_timing import cpu_backend_parts, cpu_seconds_per_image, time_epoch
 
 
 def naive_loader(samples, batch_size: int, workers: int):
@@ -67,41 +69,6 @@ def torchsprint_loader(root: str, backend: str, decoder: str, batch_size: int, w
     ])
     loaders = build_loaders(cfg.data, Runtime(torch.device(device)), seed=0)
     return loaders.train
-
-
-def time_epoch(loader, epoch: int, warmup: int = 2, stats: dict | None = None) -> float:
-    """Images/s over one epoch after `warmup` batches (workers started, queues filled); on CUDA the clock
-    stops after the device has finished the last batch. `stats` (a dict) receives
-    `thread_cpu_ms_per_batch`: the consuming thread's own CPU time (time.thread_time) inside each next() of
-    the loader after the warm-up, per batch: the host work a training step waits on (the gpu
-    backend's assembly ran there, 29 ms a batch of 256 on an H200's host; its producer thread now)."""
-    import torch
-
-    if hasattr(loader, "set_epoch"):
-        loader.set_epoch(epoch)
-    n, t0, x, i, cpu = 0, None, None, 0, []
-    it = iter(loader)
-    while True:
-        c0 = time.thread_time()
-        batch = next(it, None)
-        spent = time.thread_time() - c0
-        if batch is None:
-            break
-        x = batch[0]
-        x.sum()  # touch the batch, as a training step would
-        if i == warmup - 1:
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        elif i >= warmup:
-            n += x.shape[0]
-            cpu.append(spent)
-        i += 1
-    if x is not None and x.is_cuda:
-        torch.cuda.synchronize()
-    if stats is not None:
-        stats["thread_cpu_ms_per_batch"] = 1e3 * sum(cpu) / len(cpu) if cpu else None
-    return n / (time.perf_counter() - t0)
 
 
 def transfer_micro(paths: list[Path], batch: int = 256, batches: int = 8, workers: int = 2) -> dict:
@@ -185,40 +152,6 @@ def gpu_main(args) -> None:
             "workers": args.workers, "images_per_s": rows, "cpu_backend_per_core": per_core, "runs": results,
             "gpu_cpu_fallbacks": fallbacks, "final_cpu_fraction": final_fraction, "thread_cpu_ms_per_batch": thread_ms,
             "dali": "measured" if dali_available() else "not installed"}, indent=1))
-
-
-def cpu_backend_parts(loader):
-    """(dataset, collate_fn, split) behind a cpu-backend loader: train and eval share one DataLoader and its
-    workers (data/backends/cpu.py SharedBatches); its dataset takes (split, index, seed) keys."""
-    batches = loader.loader
-    return batches.shared.dataset, batches.shared.collate_fn, batches.split
-
-
-def cpu_seconds_per_image(loader, naive: bool, n: int = 256, batch: int = 64) -> float:
-    """CPU seconds per image of the whole per-image path (decode, augment, collate, normalize) in this
-    process on one thread. Unlike wall-clock images/s this barely moves when other processes load the
-    machine, so it is the per-core figure to trust on a shared box."""
-    import torch
-
-    if naive:
-        ds = loader.dataset
-    else:
-        ds, collate, split = cpu_backend_parts(loader)
-        if loader.device.type != "cpu":
-            raise ValueError("cpu_seconds_per_image: build the loader on a CPU Runtime (it normalizes in this process)")
-    n = min(n, len(ds) if naive else len(ds.raws[split]))  # a smoke run's folder can be smaller than n
-    batch = min(batch, n)
-    n -= n % batch
-    t0 = time.process_time()
-    for start in range(0, n, batch):
-        if naive:
-            xs = [ds[i][0] for i in range(start, start + batch)]
-            torch.stack(xs).sum()
-        else:
-            items = [ds[(split, i, 1000 + i)] for i in range(start, start + batch)]
-            images, _, _ = collate(items)
-            loader.normalize(images).sum()
-    return (time.process_time() - t0) / n
 
 
 def decoder_micro(paths: list[Path], repeats: int) -> dict:

@@ -1,7 +1,7 @@
 """Epoch throughput of the same generated JPEGs as an image folder and as WebDataset shards (cpu backend),
 on a fast local disk and on a simulated slow path.
 
-    .venv/bin/python benchmarks/shard_throughput.py --images 1024 --repeats 5
+    .venv/bin/python -m benchmarks.data.shard_throughput --images 1024 --repeats 5
 
 Workload: the `synthetic_jpeg` set (500x375, quality 90, ~70 KB), `torchsprint data shard` into ~8 MB
 shards, decode + RandomResizedCrop(224) + flip + normalize, batch 64, --workers DataLoader workers,
@@ -12,7 +12,7 @@ The slow path (no FUSE, no root): every open costs --latency-ms and bytes arrive
 stream, the profile of a network filesystem or object store where each request has a fixed cost.
 - image_folder: each file read sleeps latency + size / rate before it is read (a wrapper around the
   dataset in the worker processes);
-- webdataset: each shard streams through a `pipe:` URL running benchmarks/throttled_cat.py, which waits
+- webdataset: each shard streams through a `pipe:` URL running benchmarks/tools/throttled_cat.py, which waits
   the latency once and then copies the shard at that rate.
 Variants alternate within each repeat (A B C D E, A B C D E, ...); medians and min-max are reported.
 """
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+THROTTLED_CAT = Path(__file__).resolve().parents[1] / "tools" / "throttled_cat.py"  # run by path: it imports nothing
 
 
 class ThrottledFiles:
@@ -58,7 +58,7 @@ def build(variant: str, root: Path, shards: Path, args):
     common = [f"data.batch_size={args.batch_size}", f"data.num_workers={args.workers}", "data.drop_last=false",
               "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
               "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]"]
-    throttle = f"{sys.executable} {HERE / 'throttled_cat.py'} --latency-ms {args.latency_ms} --mb-per-s {args.mb_per_s}"
+    throttle = f"{sys.executable} {THROTTLED_CAT} --latency-ms {args.latency_ms} --mb-per-s {args.mb_per_s}"
     names = sorted(p.name for p in shards.glob("train-*.tar"))
     span = f"{{{names[0][6:12]}..{names[-1][6:12]}}}"
     over = {

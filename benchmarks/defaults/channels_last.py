@@ -6,7 +6,7 @@ Three variants per model, interleaved in rotating order over --repeats: "nchw" (
 (Nesterov momentum, weight decay) on a fixed random batch after 5 warm-up steps; prints the median
 images/s and the median per-repeat ratio to nchw. This is the measurement behind the `auto` default.
 
-    python benchmarks/channels_last.py [--repeats 5] [--cases small_cnn:1:8:200,small_cnn:3:32:40,...]
+    python -m benchmarks.defaults.channels_last [--repeats 5] [--cases small_cnn:1:8:200,small_cnn:3:32:40,...]
 
 A case is MODEL:CHANNELS:SIZE:STEPS (batch 64 below 64 pixels, else 32).
 """

@@ -18,7 +18,8 @@
    Each row: val top-1, balanced accuracy, macro-F1 at the end, wall time, and for fine_tune: the time from process
    start to the first validation at or above scratch's final top-1.
 
-    nice -n 5 python benchmarks/fine_tune.py --per-class 20,100 --epochs 12 --out benchmarks/results/fine_tune.json
+    nice -n 5 python -m benchmarks.defaults.fine_tune --per-class 20,100 --epochs 12 \
+        --out benchmarks/results/fine_tune_<device>_<date>.json
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common.child import REPO
 
 # Twelve kinds of shape: set A (pretraining) has the first eight, set B (fine-tuning) the other four, so what the
 # weights learned (edges, corners, curvature) carries over, but none of B's classes was seen.
@@ -165,12 +168,11 @@ def main() -> None:
     offline = {**env, "TORCHSPRINT_OFFLINE": "1"}
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
                     "python": platform.python_version()}
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import torch
 
     from torchsprint.runtime.machine import cpu_info
 
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                          capture_output=True, text=True).stdout.strip()
     result |= {"cpu": cpu_info(), "torch": torch.__version__, "revision": rev, "seed": args.seed}
 

@@ -15,8 +15,8 @@ Every variant sets its counter-measure explicitly and the others off (data.sampl
 this benchmark informs (data.sampler: auto) never applies behind a variant's back. BENCHMARKS.md, "Imbalanced
 classes: what the default counters with, 2026-11-29".
 
-    nice -n 10 python benchmarks/imbalance.py --out benchmarks/results/imbalance_2026-11-29.json
-    python benchmarks/imbalance.py --out benchmarks/results/imbalance_2026-11-29.json --table
+    nice -n 10 python -m benchmarks.defaults.imbalance --out benchmarks/results/imbalance_cpu-epyc_2026-11-29.json
+    python -m benchmarks.defaults.imbalance --out benchmarks/results/imbalance_cpu-epyc_2026-11-29.json --table
 """
 
 from __future__ import annotations

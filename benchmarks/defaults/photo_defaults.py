@@ -6,7 +6,7 @@ folder (data/detect.py: random resized crop + flip at the rule's size, resize + 
 epochs on the CPU, and prints train images/s, the final val top-1 and the wall time per candidate as JSON.
 The old default (small_cnn at the native size) is measured for speed only (a few steps: a full run takes hours).
 
-    nice -n 10 python benchmarks/photo_defaults.py --images 2000 --epochs 3
+    nice -n 10 python -m benchmarks.defaults.photo_defaults --images 2000 --epochs 3
 """
 
 from __future__ import annotations

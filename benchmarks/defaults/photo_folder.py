@@ -1,7 +1,7 @@
 """A new user's own photos through the real CLI: feedback times, speed and accuracy, new defaults vs old.
 
-Generates a folder of class folders (no split folders: the detected default, split by data.val_fraction) of
-photo-sized JPEGs: a disc, square, triangle or cross of random colour, place and scale on a blurred noise
+Generates a folder of class folders (common/photos.py; no split folders: the detected default, split by
+data.val_fraction) of photo-sized JPEGs: a disc, square, triangle or cross of random colour, place and scale on a blurred noise
 background, 4 classes with a 10x spread (10:5:2:1), RGB or grey ("L"), 300x300 or 500x375. Then runs
 `python -m torchsprint train data.root=DIR ...` as a subprocess with stdout a pipe (as a CI log or `| tee` gets it)
 and timestamps each line as it arrives, from which it takes:
@@ -20,7 +20,8 @@ and no resize, data.train.transforms=[] / data.eval.transforms=[], under run.max
 `full` (the new default model, resnet18, at the native size with the same augmentation scale, lr and warm-up, same
 max_time).
 
-    nice -n 5 python benchmarks/photo_folder.py --cases rgb300 --max-time 15m --out benchmarks/results/photo_folder.json
+    nice -n 5 python -m benchmarks.defaults.photo_folder --cases rgb300 --max-time 15m \
+        --out benchmarks/results/photo_folder_<device>_<date>.json
 """
 
 from __future__ import annotations
@@ -35,46 +36,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+from benchmarks.common.photos import SHARES, make_folder
 
-CLASSES = ("disc", "square", "triangle", "cross")
-SHARES = (10, 5, 2, 1)  # images per class in this ratio: a 10x spread between the largest and the smallest class
 FOLDERS = {"rgb300": (300, 300, "RGB"), "grey300": (300, 300, "L"), "rgb500": (500, 375, "RGB")}
 
 HEARTBEAT = re.compile(r"^epoch 1/\d+: step \d+/\d+ .*elapsed ([\d.:]+)( s)?, ETA")
 ESTIMATE = re.compile(r"^estimate: epoch 1 takes")
 EPOCH1_TRAIN = re.compile(r"^epoch 1: train ")
 EPOCH1_VAL = re.compile(r"^epoch 1/\d+  ")
-
-
-def make_folder(root: Path, n: int, width: int, height: int, mode: str, seed: int = 0) -> dict[str, int]:
-    """n JPEGs of width x height in class folders, counts in SHARES' ratio; returns the count per class."""
-    from PIL import Image, ImageDraw
-
-    rng = np.random.default_rng(seed)
-    counts = [n * s // sum(SHARES) for s in SHARES]
-    counts[0] += n - sum(counts)
-    short = min(width, height)
-    for c, (name, k) in enumerate(zip(CLASSES, counts, strict=True)):
-        (root / name).mkdir(parents=True, exist_ok=True)
-        for i in range(k):
-            bg = rng.integers(0, 120, (height // 10, width // 10, 3), dtype=np.uint8)
-            im = Image.fromarray(bg).resize((width, height), Image.BILINEAR)
-            d = ImageDraw.Draw(im)
-            r = int(rng.integers(short // 8, short // 3))
-            x, y = int(rng.integers(r, width - r)), int(rng.integers(r, height - r))
-            col = tuple(int(v) for v in rng.integers(130, 256, 3))
-            if c == 0:
-                d.ellipse([x - r, y - r, x + r, y + r], fill=col)
-            elif c == 1:
-                d.rectangle([x - r, y - r, x + r, y + r], fill=col)
-            elif c == 2:
-                d.polygon([(x, y - r), (x - r, y + r), (x + r, y + r)], fill=col)
-            else:
-                d.rectangle([x - r, y - r // 4, x + r, y + r // 4], fill=col)
-                d.rectangle([x - r // 4, y - r, x + r // 4, y + r], fill=col)
-            im.convert(mode).save(root / name / f"{i:05d}.jpg", quality=90)
-    return dict(zip(CLASSES, counts, strict=True))
 
 
 def seconds(text: str) -> float:

@@ -1,7 +1,7 @@
 """The GPU job's measurements M1-M6, written incrementally into one results JSON.
 
-    python benchmarks/gpu/measure.py --out results.json [--only M1,M5] [--deadline-s 540] [--quick]
-    python benchmarks/gpu/measure.py --smoke-cpu --out /tmp/r.json   # every code path on the CPU, tiny sizes
+    python -m benchmarks.gpu.measure --out results.json [--only M1,M5] [--deadline-s 540] [--quick]
+    python -m benchmarks.gpu.measure --smoke-cpu --out /tmp/r.json   # every code path on the CPU, tiny sizes
 
 --smoke-cpu is the rehearsal a machine without a GPU can run (tests/test_benchmark_scripts.py does): each
 measurement's code on the CPU with a few images and steps, so a script that would crash on the GPU machine
@@ -26,7 +26,7 @@ M3 end to end: ResNet-18 at 224 on those JPEGs with the fastest M2 backend and M
 M4 memory backend on 50,000 CIFAR-sized (32x32) images, cifar_resnet18: seconds per epoch, and the
    loader's share of the step time (goal <= 5%).
 M5 `torchsprint bench` on the default run and on a 224-pixel JPEG config.
-M6 predict throughput on CUDA (benchmarks/predict_throughput.py: torch, onnxruntime's CUDA provider if any).
+M6 predict throughput on CUDA (benchmarks/serve/predict_throughput.py: torch, onnxruntime's CUDA provider if any).
 
 Every figure is timed with CUDA events or a host clock after torch.cuda.synchronize(), after warm-up
 steps (compilation, cuDNN autotuning, CUDA-graph capture excluded). A measurement that would not fit
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -50,6 +49,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from benchmarks.common.loader_timing import cpu_seconds_per_image, time_epoch
 
 REPO = Path(__file__).resolve().parents[2]
 STARTED = time.time()
@@ -129,14 +130,6 @@ def environment() -> dict:
 
 def left(deadline: float) -> float:
     return deadline - (time.time() - STARTED)
-
-
-def load_benchmark(name: str):
-    """A sibling script of benchmarks/ as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ---------------------------------------------------------------- M1: model only, beside a plain PyTorch loop
@@ -477,11 +470,10 @@ def loader_rate(overrides: list[str], epochs: int) -> dict:
     cfg = config.load(None, overrides)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     tr = build_loaders(cfg.data, rt, seed=0).train
-    dt = load_benchmark("data_throughput")
     rates, thread_ms = [], []
     for e in range(epochs):
         stats: dict = {}
-        rates.append(dt.time_epoch(tr, e, stats=stats))
+        rates.append(time_epoch(tr, e, stats=stats))
         if stats["thread_cpu_ms_per_batch"] is not None:
             thread_ms.append(stats["thread_cpu_ms_per_batch"])
     out = {"images_per_s": sorted(rates)[len(rates) // 2], "runs": rates,
@@ -563,7 +555,6 @@ def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
     if "cpu" not in backends:
         res.put("M2", out)
         return
-    dt = load_benchmark("data_throughput")
     cpu_loader_cfg = variants[f"cpu backend, {workers} workers"]
     try:
         from torchsprint import config, runtime
@@ -571,7 +562,7 @@ def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
 
         cfg = config.load(None, [*cpu_loader_cfg, "run.device=cpu", "data.num_workers=0"])  # normalises on the CPU
         tr = build_loaders(cfg.data, runtime.setup(cfg.run, cfg.strategy, cfg.speed), seed=0).train
-        out["images_per_s"]["cpu backend per core (CPU time)"] = 1 / dt.cpu_seconds_per_image(tr, False)
+        out["images_per_s"]["cpu backend per core (CPU time)"] = 1 / cpu_seconds_per_image(tr, False)
     except Exception as e:  # noqa: BLE001
         out["details"]["cpu backend per core"] = {"error": str(e)[:300]}
     if left(deadline) > 40 and "gpu" in backends:
@@ -817,7 +808,7 @@ def m5(res: Results, deadline: float, root: Path, configs: set[str]) -> None:
 
 def m6(res: Results, deadline: float) -> None:
     path = LOGS / "m6_predict.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "predict_throughput.py"), "--device", SIZE["device"], "--images",
+    cmd = [sys.executable, "-m", "benchmarks.serve.predict_throughput", "--device", SIZE["device"], "--images",
            SIZE["predict_images"], "--repeats", "3" if cuda() else "1", "--json", str(path)]
     out: dict = {"command": " ".join(cmd[1:])}
     try:
@@ -829,7 +820,7 @@ def m6(res: Results, deadline: float) -> None:
     if left(deadline) < 35:  # ~25 s on the H200 (2026-11-26)
         out["skipped"] = "time budget of this call"
     else:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30, left(deadline) - 10))
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30, left(deadline) - 10), cwd=REPO)
         out["exit_code"] = p.returncode
         out["table"] = p.stdout[-3000:]
         if path.is_file():

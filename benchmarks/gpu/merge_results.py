@@ -1,7 +1,7 @@
 """Merge the results.json of several run_all.sh calls into the one file committed under benchmarks/results/.
 
-    python benchmarks/gpu/merge_results.py call1/results.json call2/results.json call3/results.json \\
-        -o benchmarks/results/2026-11-24-h100.json
+    python -m benchmarks.gpu.merge_results call1/results.json call2/results.json call3/results.json \\
+        -o benchmarks/results/measure_<device>_<date>.json
 
 device, torch, cuda and the other environment fields come from the first file (all calls must report the
 same device and torch, else it stops); measurements are merged key by key at every depth (run_all.sh dali

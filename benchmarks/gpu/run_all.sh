@@ -179,7 +179,7 @@ HISTORY=$REPO/gpu-out/previous
 measure() {  # measure <measure.py arguments>: this call's results plus every earlier call's as --previous
   local prev=() f
   for f in "$HISTORY"/*.json ${PREVIOUS:-}; do [ -f "$f" ] && prev+=(--previous "$f"); done
-  "$PY" benchmarks/gpu/measure.py --out "$OUT/results.json" "${prev[@]}" "$@"
+  "$PY" -m benchmarks.gpu.measure --out "$OUT/results.json" "${prev[@]}" "$@"
   mkdir -p "$HISTORY" && [ -f "$OUT/results.json" ] && cp "$OUT/results.json" "$HISTORY/$(date +%s%N).json"
 }
 
@@ -191,9 +191,9 @@ run_bench() {
 
 run_recipes() {  # what each recipe switch costs per backend on the GPU (the CPU figures are in BENCHMARKS.md)
   echo "== recipe switch costs $(date -u +%T)"
-  timeout 280 "$PY" benchmarks/recipe_costs.py --backends memory,gpu --repeats 3 --steps 100 --root /tmp/recipe-costs \
+  timeout 280 "$PY" -m benchmarks.recipes.recipe_costs --backends memory,gpu --repeats 3 --steps 100 --root /tmp/recipe-costs \
     2>&1 | tee "$OUT/recipes_gpu.log" | tail -12
-  timeout 280 "$PY" benchmarks/aug_cost.py --backends memory,gpu --repeats 3 --steps 50 --warmup 5 --root /tmp/aug-bench \
+  timeout 280 "$PY" -m benchmarks.recipes.aug_cost --backends memory,gpu --repeats 3 --steps 50 --warmup 5 --root /tmp/aug-bench \
     2>&1 | tee -a "$OUT/recipes_gpu.log" | tail -12
 }
 

@@ -16,7 +16,7 @@
 # the window still holds its minimum plus what the later, more important parts reserve. Each part writes its
 # figures as it goes ($OUT/results.json, rewritten after each measurement, copied to gpu-out/previous/ after each
 # part), so a killed part keeps what it measured; `merge` (end of call 3) merges every call's results into
-# $OUT/merged.json: the file to commit as benchmarks/results/<date>-<device>.json.
+# $OUT/merged.json: the file to commit as benchmarks/results/measure_<device>_<date>.json.
 #
 # Environment: OUT (the device tool's output folder; gpu-out/out elsewhere), PY, WINDOW_S (seconds from call 1's
 # start to the end of the last call, default 780: 15 minutes less the machine's start, the transfers and the gaps),
@@ -106,7 +106,7 @@ SMOKEARG=(); [ "$SMOKE" = 1 ] && SMOKEARG=(--smoke-cpu)
 measure() {  # measure LIMIT ARGS...: measure.py bounded, its own deadline 10 s inside the limit
   local lim=$1 prev=() f; shift
   for f in "$STATE"/previous/*.json; do [ -f "$f" ] && [ "$f" != "$STATE/previous/call$CALL.json" ] && prev+=(--previous "$f"); done
-  bounded "$lim" "$PY" benchmarks/gpu/measure.py --out "$OUT/results.json" --data "$DATA" --deadline-s $(( lim - 10 )) \
+  bounded "$lim" "$PY" -m benchmarks.gpu.measure --out "$OUT/results.json" --data "$DATA" --deadline-s $(( lim - 10 )) \
     "${prev[@]}" "${SMOKEARG[@]}" "$@"
   keep
 }
@@ -123,7 +123,7 @@ tests() {  # gpu- and dali-marked tests (run_all.sh tests: 4 processes, junit su
            # JPEGs generated beside them on the cores the tests leave; then the unmarked test that failed on the GPU
   local gen=""
   budget "JPEG generation (background)" 150 30 0 && {
-    bounded "$LIM" "$PY" benchmarks/gpu/measure.py --make-data $(( $(nproc) > 6 ? $(nproc) - ${GPU_WORKERS:-4} : 1 )) \
+    bounded "$LIM" "$PY" -m benchmarks.gpu.measure --make-data $(( $(nproc) > 6 ? $(nproc) - ${GPU_WORKERS:-4} : 1 )) \
       --data "$DATA" "${SMOKEARG[@]}" & gen=$!; }
   if budget "gpu tests" 150 40 340; then  # reserve: M1 60 and what M1 reserves
     if [ "$SMOKE" = 1 ]; then  # no GPU: the gpu tests only collected (they would skip), as call_example.sh rehearsed
@@ -186,8 +186,8 @@ for arg in "$@"; do
         budget suite 300 120 15 && OUT=$OUT RUN_LOG=$STATE/run_all.log bounded "$LIM" bash benchmarks/gpu/run_all.sh suite
         grep -E "^suite:" "$STATE/run_all.log" | tail -1; keep ;;
       merge)
-        "$PY" benchmarks/gpu/merge_results.py "$STATE"/previous/call*.json -o "$OUT/merged.json" \
-          && echo "$(el) merged into $OUT/merged.json: commit it as benchmarks/results/<date>-<device>.json" ;;
+        "$PY" -m benchmarks.gpu.merge_results "$STATE"/previous/call*.json -o "$OUT/merged.json" \
+          && echo "$(el) merged into $OUT/merged.json: commit it as benchmarks/results/measure_<device>_<date>.json" ;;
       *) echo "unknown part '$part'"; exit 2 ;;
     esac
   done

@@ -1,37 +1,34 @@
-"""How far amp_bf16 lands from fp32 on the tiny task runs of tests/test_task_everything.py, across seeds and CPU kernels.
+"""How far amp_bf16 lands from fp32 on the tiny task runs of tests/test_task_everything.py, across seeds and CPU kernels
+(the runs: common/task_runs.py, a copy a test holds equal to the test's).
 
 The test's tolerance (AMP_TOL) must hold on any machine: this script measures |bf16 - fp32| of the monitored metric per
 seed, and the seed-to-seed spread of each precision, in one process per (kernel, seed) so ATEN_CPU_CAPABILITY applies.
 
-    python benchmarks/amp_tolerance.py --seeds 0,1,2,3,4 --kernels default,avx2 --json out.json
+    python -m benchmarks.numerics.amp_tolerance --seeds 0,1,2,3,4 --kernels default,avx2 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common.child import child_env
+from benchmarks.common.task_runs import MONITOR, amp_overrides
 
 
 def one(task: str, seed: int, data: Path, out: Path) -> dict:
     """Both precisions of one task and seed in this process: {precision: metric}."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    import test_task_everything as t
     from torchsprint import config
     from torchsprint.train.run import train
 
     got = {}
     for prec in ("fp32", "amp_bf16"):
-        more = ["run.epochs=16", "model.args={width: 8}", "data.options={per_class: 8, val_per_class: 4, size: 16, frames: 8}"]
-        over = t.overrides(task, data, out / f"{task}-{seed}-{prec}") + (more if task == "video" else [f"run.epochs={t.EPOCHS[task]}"])
-        over = [o.replace("synthetic_video_odd", "synthetic_video") for o in over] + [f"precision={prec}", f"run.seed={seed}"]
-        got[prec] = train(config.load(None, over), quiet=True)["final"][t.MONITOR[task]]
+        over = amp_overrides(task, data, out / f"{task}-{seed}-{prec}") + [f"precision={prec}", f"run.seed={seed}"]
+        got[prec] = train(config.load(None, over), quiet=True)["final"][MONITOR[task]]
     return got
 
 
@@ -53,9 +50,9 @@ def main() -> None:
         for kernel in a.kernels.split(","):
             for task in a.tasks.split(","):
                 for seed in map(int, a.seeds.split(",")):
-                    env = os.environ | {"ATEN_CPU_CAPABILITY": kernel}
-                    p = subprocess.run([sys.executable, __file__, "--one", task, str(seed), f"{tmp}/data", f"{tmp}/{kernel}"],
-                                       env=env, capture_output=True, text=True, check=True)
+                    env = child_env({"ATEN_CPU_CAPABILITY": kernel})
+                    p = subprocess.run([sys.executable, "-m", __spec__.name, "--one", task, str(seed), f"{tmp}/data",
+                                        f"{tmp}/{kernel}"], env=env, capture_output=True, text=True, check=True)
                     got = json.loads(p.stdout.strip().splitlines()[-1])
                     row = {"kernel": kernel, "task": task, "seed": seed, **got, "diff": abs(got["amp_bf16"] - got["fp32"])}
                     rows.append(row)

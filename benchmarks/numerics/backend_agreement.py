@@ -14,20 +14,20 @@ Backends: cpu, memory, and `gpu_on_cpu`, the gpu backend's own code (data/backen
 batched decode, resample_batch, per-sample parameters) on the CPU device, registered here because
 `data.backend=gpu` itself needs CUDA. The gpu backend reads files, so it has no digits row.
 
-    python benchmarks/backend_agreement.py --job jpeg --seeds 0,1,2,3,4 --json jpeg.json
-    python benchmarks/backend_agreement.py --job digits --seeds 0,1,2,3,4 --json digits.json
+    python -m benchmarks.numerics.backend_agreement --job jpeg --seeds 0,1,2,3,4 --json jpeg.json
+    python -m benchmarks.numerics.backend_agreement --job digits --seeds 0,1,2,3,4 --json digits.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.common.runs import train_once
+from benchmarks.common.stats import compare, mean_std, strict
 
 JPEG_BACKENDS = ("cpu", "memory", "gpu_on_cpu")
 DIGITS_BACKENDS = ("cpu", "memory")
@@ -58,51 +58,11 @@ def digits_overrides(args, backend: str, seed: int) -> list[str]:
     return [f"data.backend={backend}", f"run.seed={seed}", *QUIET]
 
 
-def train_once(overrides: list[str]) -> tuple[dict, float]:
-    """Train one run in a temporary folder: (its summary, wall seconds). bf16_parity.py uses it too."""
-    from torchsprint import config
-    from torchsprint.train.run import train
-
-    with tempfile.TemporaryDirectory() as d:
-        cfg = config.load(None, [*overrides, f"run.dir={d}/run"])
-        t = time.perf_counter()
-        s = train(cfg, quiet=True)
-        return s, time.perf_counter() - t
-
-
 def run_one(overrides: list[str]) -> dict:
     """Train one run; its final validation figures and wall time."""
     s, seconds = train_once(overrides)
     final = s["final"]
     return {"top1": final["val/top1"], "loss": final.get("val/loss"), "seconds": seconds}
-
-
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
-
-
-def compare(results: dict[str, list[float]]) -> list[dict]:
-    """Each pair of backends: difference of means against its standard error (Welch), |t| > 2.78 (the
-    two-sided 5% point of t with 4 degrees of freedom, the fewest 5 + 5 seeds can have) flags it."""
-    rows, names = [], list(results)
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            (ma, sa), (mb, sb) = mean_std(results[a]), mean_std(results[b])
-            se = math.sqrt(sa**2 / len(results[a]) + sb**2 / len(results[b])) if len(results[a]) > 1 else float("nan")
-            t = (ma - mb) / se if se > 0 else (0.0 if ma == mb else float("inf"))
-            rows.append({"a": a, "b": b, "diff": ma - mb, "se": se, "t": t, "beyond_spread": abs(t) > 2.78})
-    return rows
-
-
-def strict(obj):
-    """`obj` with non-finite floats (the std of one seed, the t of equal means) as None: strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: strict(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [strict(v) for v in obj]
-    return obj
 
 
 def print_table(job: str, results: dict[str, list[float]], seeds: list[int], note: str) -> None:

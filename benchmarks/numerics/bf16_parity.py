@@ -4,15 +4,15 @@
 trains as well as fp32. Two jobs, both precisions per seed, alternated, in this process:
 
   digits  the default run (`torchsprint train` with no config: digits, small_cnn, 10 epochs), run.seed varied.
-  photos  the photo defaults (nothing but data.root) on a generated folder of 300x300 RGB photos (photo_folder.py's
+  photos  the photo defaults (nothing but data.root) on a generated folder of 300x300 RGB photos (common/photos.py's
           generator: 4 classes, 10:5:2:1), --epochs epochs.
 
 Reported per run: final val top-1, balanced accuracy, macro-F1, training images/s (meaningful only on a quiet
 machine), wall; per job: mean and std per precision and the difference of the means against its standard error
 (Welch), as backend_agreement.py does.
 
-    python benchmarks/bf16_parity.py --jobs digits --seeds 0,1,2,3,4 --json bf16_digits.json
-    python benchmarks/bf16_parity.py --jobs photos --seeds 0,1,2,3,4 --epochs 3 --json bf16_photos.json
+    python -m benchmarks.numerics.bf16_parity --jobs digits --seeds 0,1,2,3,4 --json bf16_digits.json
+    python -m benchmarks.numerics.bf16_parity --jobs photos --seeds 0,1,2,3,4 --epochs 3 --json bf16_photos.json
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backend_agreement import compare, mean_std, strict, train_once  # noqa: E402
-from photo_folder import make_folder  # noqa: E402
+from benchmarks.common.photos import make_folder
+from benchmarks.common.runs import train_once
+from benchmarks.common.stats import compare, mean_std, strict
 
 QUIET = ["log.tensorboard=false", "log.progress=false", "checkpoint.every_epochs=null"]
 PRECISIONS = ("fp32", "amp_bf16")

@@ -6,7 +6,7 @@ function), images/s over --steps timed steps after --warmup. Variants alternate 
 (A B C A B C ...) so load from other processes hits them alike; the median over repeats is reported
 with the min-max range.
 
-    .venv/bin/python benchmarks/aug_cost.py --steps 20 --warmup 3 --repeats 3 --root /tmp/aug-bench
+    .venv/bin/python -m benchmarks.recipes.aug_cost --steps 20 --warmup 3 --repeats 3 --root /tmp/aug-bench
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The teacher (small_cnn width 8, 3 epochs) trains on digits' whole training split
 images, random crops), for 40 epochs, alone and with distill (T=4, alpha=0.5, the defaults). Both evaluate on
 digits' validation split (360 images), which neither trained on. Prints one JSON line per seed and the mean.
 
-    PYTHONPATH=src python benchmarks/distill_digits.py --seeds 0,1,2,3,4 --out /tmp/distill
+    python -m benchmarks.recipes.distill_digits --seeds 0,1,2,3,4 --out /tmp/distill
 """
 
 from __future__ import annotations

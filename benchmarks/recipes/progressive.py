@@ -6,7 +6,7 @@ crops smaller in the early epochs (FFCV's min_res -> max_res ramp). Runs alterna
 so a drift of the machine's load hits both alike. Reports per seed: validation top-1 and loss at the end, the
 training images/s (train time only, as the run summary counts it) and the wall time of the whole run.
 
-    python benchmarks/progressive.py [--seeds 0,1,2] [--epochs 8] [--model small_cnn --width 16] \\
+    python -m benchmarks.recipes.progressive [--seeds 0,1,2] [--epochs 8] [--model small_cnn --width 16] \\
         [--size 40 --crop 32 --start 16 --step 8 --ramp 2,6] [--json out.json]
 """
 
@@ -94,7 +94,7 @@ def main() -> None:
             print(f"| {'progressive' if prog else 'fixed'} {key} | " + " | ".join(fmt.format(x) for x in xs)
                   + f" | {fmt.format(statistics.mean(xs))} |")
     if args.json:
-        out = {"command": "python benchmarks/progressive.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+        out = {"command": "python -m benchmarks.recipes.progressive " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
                                                                         vars(args).items() if k != "json"),
                "date": datetime.now().isoformat(timespec="minutes"), "torch": torch.__version__,
                "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "runs": runs}

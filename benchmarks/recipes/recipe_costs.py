@@ -5,7 +5,7 @@ For every backend (cpu, memory) the plain config and the config with one switch 
 variants interleaved in rotating order inside every repeat so machine load hits all alike. Reports the
 median images/s and the median per-repeat ratio to the plain run of the same backend.
 
-    python benchmarks/recipe_costs.py [--repeats 5] [--steps 30] [--root /tmp/recipe_costs_data]
+    python -m benchmarks.recipes.recipe_costs [--repeats 5] [--steps 30] [--root /tmp/recipe_costs_data]
 """
 
 from __future__ import annotations

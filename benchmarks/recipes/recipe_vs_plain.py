@@ -5,7 +5,7 @@ the recipe adds label smoothing 0.1, Mixup 0.2 / CutMix 1.0, TrivialAugmentWide 
 weights (the switches of configs/recipes/torchvision_resnet50.yaml). Reports the final validation top-1
 of each (the EMA's for the recipe) per seed.
 
-    python benchmarks/recipe_vs_plain.py [--epochs 15] [--seeds 0,1] [--root /tmp/recipe_vs_plain]
+    python -m benchmarks.recipes.recipe_vs_plain [--epochs 15] [--seeds 0,1] [--root /tmp/recipe_vs_plain]
 """
 
 from __future__ import annotations

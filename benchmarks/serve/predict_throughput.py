@@ -4,7 +4,7 @@ Cases: the default digits model (8x8 grayscale PNG files) and a ResNet-18 at 224
 eval spec resize 256 + center_crop 224 + imagenet normalisation). Weights are random: throughput does
 not depend on them. Backends alternate within each repeat so that machine load hits both alike.
 
-    python benchmarks/predict_throughput.py [--repeats 3] [--images 64] [--device cpu] [--json out.json]
+    python -m benchmarks.serve.predict_throughput [--repeats 3] [--images 64] [--device cpu] [--json out.json]
 
 On CUDA the torch backend decodes JPEGs with nvJPEG in batches (predict's GPU path); onnxruntime uses its
 CUDA provider when the installed onnxruntime has one (the row says which provider ran).
@@ -19,45 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
-from torchsprint import config
+from benchmarks.common.inference import make_images, make_run
 from torchsprint.commands.export import export
 from torchsprint.commands.predict import Predictor
-from torchsprint.commands.trained import Trained
-from torchsprint.models import build_model
-
-
-def make_run(root: Path, model: str, eval_spec: list, in_channels: int, classes: int, data: list[str] = ()) -> Path:
-    """A run folder with random weights and the given eval spec (what `train` would leave behind)."""
-    from torchsprint.state.checkpoint import save_weights
-
-    cfg = config.load(None, [f"model.name={model}", f"data.eval.transforms={eval_spec}", *data])
-    trained = Trained(build_model(cfg.model, classes, in_channels).eval(), [str(i) for i in range(classes)], in_channels,
-                      cfg, root / "best.safetensors")
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.yaml").write_text(config.dump_yaml(cfg))
-    save_weights(root / "best.safetensors", trained.model, trained.metadata())
-    return root
-
-
-def make_images(folder: Path, n: int, size: tuple[int, int], gray: bool, ext: str) -> list[str]:
-    rng = np.random.default_rng(0)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(n):
-        shape = (size[1], size[0]) if gray else (size[1], size[0], 3)
-        # Smooth content plus noise: realistic JPEG sizes, not pure noise (which decodes unusually slowly).
-        base = np.linspace(0, 255, size[0], dtype=np.float32)[None, :]
-        arr = (base + rng.normal(0, 25, shape[:2])).clip(0, 255).astype(np.uint8)
-        if not gray:
-            arr = np.stack([arr, arr[::-1], np.roll(arr, 7, 1)], -1)
-        p = folder / f"{i}{ext}"
-        Image.fromarray(arr).save(p, quality=90) if ext == ".jpg" else Image.fromarray(arr).save(p)
-        paths.append(str(p))
-    return paths
 
 
 def timed(fn) -> float:

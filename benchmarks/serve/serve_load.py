@@ -14,9 +14,9 @@ The load generator (aiohttp: httpx's AsyncClient itself topped out near 100 requ
 where aiohttp made 2,200; `concurrency` requests always in flight) runs in this process and shares
 the machine's cores with the server: on a small machine it takes a share of them from every server alike.
 
-    python benchmarks/serve_load.py [--configs digits,resnet18] [--servers torchsprint,torchsprint:fp32,fastapi,litserve]
+    python -m benchmarks.serve.serve_load [--configs digits,resnet18] [--servers torchsprint,torchsprint:fp32,fastapi,litserve]
         [--concurrency 1,8,32,128] [--duration 10] [--rounds 1] [--device cpu] [--json out.json]
-    python benchmarks/serve_load.py --soak [SECONDS]   # torchsprint alone, concurrency 64, 5% bad requests
+    python -m benchmarks.serve.serve_load --soak [SECONDS]   # torchsprint alone, concurrency 64, 5% bad requests
 
 Soak: counts of 5xx (must be 0), requests without an answer (0), requests answered with the wrong status, the
 server's RSS over time (growth after the warm-up share must stay under 5%) and p99 per time window; exit 1 if a
@@ -42,7 +42,9 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.common.child import REPO, child_env
+from benchmarks.common.inference import make_images, make_run
+
 MAX_BATCH, MAX_WAIT_MS = 32, 5.0  # the same batching settings for torchsprint and LitServe
 # What `precision: auto` chose when training ResNet-18 on photos on a CPU with native bf16 (BENCHMARKS.md "precision
 # auto: what the speed probe measured"): amp_bf16 in channels_last, as the ResNet-18 run's saved config says. `serve`
@@ -54,10 +56,7 @@ TRAINED = ["precision=amp_bf16", "speed.channels_last=true"]
 # ---------------------------------------------------------------- the cases and their images
 
 def make_cases(tmp: Path, which: list[str]) -> dict:
-    """{name: (run folder, [image bytes], content type)}: random-weight runs (predict_throughput.py's make_run)."""
-    sys.path.insert(0, str(HERE))
-    from predict_throughput import make_images, make_run
-
+    """{name: (run folder, [image bytes], content type)}: random-weight runs (common/inference.py's make_run)."""
     cases = {}
     if "digits" in which:
         run = make_run(tmp / "digits", "small_cnn", [], 1, 10)  # precision fp32: as the default run trains
@@ -112,13 +111,13 @@ def start_server(entry: str, run: Path, device: str, log: Path, threads: int | N
         health = "/ready"
     else:
         port = free_port()
-        cmd = [py, __file__, f"--{kind}-server", str(run), "--port", str(port), "--device", device,
+        cmd = [py, "-m", __spec__.name, f"--{kind}-server", str(run), "--port", str(port), "--device", device,
                "--precision", precision or "fp32", *(["--threads", str(threads)] if threads else [])]
         health = "/health"
     out = open(log, "w")
     # Its own process group: LitServe's worker processes go down with it (stop_server signals the group), and so
     # does everything if this script dies (atexit); terminating the parent alone left LitServe's workers running.
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=child_env())
     STARTED.append(proc)
     deadline = time.monotonic() + 300
     url = None
@@ -429,7 +428,7 @@ def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     except OSError:
         rev = ""
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A new user's first hour, scripted: image folders in every layout image_folder reads (and three it
 # refuses), then the README's commands on each, as written, with each command's wall time, exit code
-# and what it printed. Usage: benchmarks/first_hour.sh [OUT_DIR] (default bench/first_hour).
+# and what it printed. Usage: benchmarks/tools/first_hour.sh [OUT_DIR] (default bench/first_hour).
 # Needs the project installed (`pip install -e .`) and Pillow (a torchvision dependency).
 set -uo pipefail
 OUT=${1:-bench/first_hour}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing of one module against its own fast tests (mutmut 3; TESTING.md has the scores).
 #
-#   benchmarks/mutation.sh MODULE        MODULE: precision | optim | metrics | augment | checkpoint | engine
+#   benchmarks/tools/mutation.sh MODULE        MODULE: precision | optim | metrics | augment | checkpoint | engine
 #
 # Copies the working tree (tracked + untracked, not ignored) to .mutation/MODULE/ (git-ignored), appends a
 # [tool.mutmut] section naming the one source file and its tests, and runs `mutmut run` there at nice 19 with
@@ -13,8 +13,8 @@
 # Needs mutmut 3 (`pip install -e .[mutation]`). Env: PYTHON (default: python next to mutmut, or python3).
 set -euo pipefail
 
-module=${1:?usage: benchmarks/mutation.sh precision|optim|metrics|augment|checkpoint|engine}
-repo=$(cd "$(dirname "$0")/.." && pwd)
+module=${1:?usage: benchmarks/tools/mutation.sh precision|optim|metrics|augment|checkpoint|engine}
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 
 # Per module: the files to mutate and the tests that exercise it (files, then an optional -k expression).
 # Chosen so every mutant's test run takes seconds: no full-length training runs, no subprocess CLIs.

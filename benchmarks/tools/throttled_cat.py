@@ -1,7 +1,8 @@
 """`cat` for a slow filesystem: wait --latency-ms, then copy FILE to stdout at --mb-per-s (64 KB chunks).
 
 A FUSE-free stand-in for a network filesystem or object store, used as a webdataset `pipe:` URL by
-benchmarks/shard_throughput.py: `pipe:python benchmarks/throttled_cat.py --latency-ms 10 --mb-per-s 50 FILE`.
+benchmarks/data/shard_throughput.py: `pipe:python benchmarks/tools/throttled_cat.py --latency-ms 10 --mb-per-s 50 FILE`
+(run by path: it imports nothing of the project).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Data loading: the loader backends' throughput, image folders against shards, what `data.backend: auto` picks."""

@@ -1,0 +1,1 @@
+"""Inference: `torchsprint serve` under load beside other servers, and predict's throughput."""

@@ -1,6 +1,6 @@
 """state/checkpoint.py function by function: names, atomic writes, safe loading, weights files, the saver's status
 file, retention and set-aside. Real files, torch.save and safetensors; no training runs (each test takes well under
-a second), so that mutation testing (benchmarks/mutation.sh checkpoint) can run them for every mutant."""
+a second), so that mutation testing (benchmarks/tools/mutation.sh checkpoint) can run them for every mutant."""
 
 from __future__ import annotations
 

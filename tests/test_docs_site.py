@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 BENCHMARKS = REPO / "BENCHMARKS.md"
+HISTORY = REPO / "benchmarks" / "HISTORY.md"
 SRC = REPO / "src" / "torchsprint"
 
 SETUP_COMMANDS = (
@@ -70,9 +71,9 @@ def github_slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def benchmark_sections() -> dict[str, str]:
-    """{anchor: text of the section, its subsections included} of BENCHMARKS.md."""
-    sections, lines = {}, BENCHMARKS.read_text().splitlines()
+def benchmark_sections(path: Path = BENCHMARKS) -> dict[str, str]:
+    """{anchor: text of the section, its subsections included} of BENCHMARKS.md (or another page)."""
+    sections, lines = {}, path.read_text().splitlines()
     heads = [(i, len(m.group(1)), m.group(2)) for i, line in enumerate(lines)
              if (m := re.match(r"^(#{1,4}) (.+)$", line))]
     for k, (i, level, title) in enumerate(heads):
@@ -161,3 +162,98 @@ def test_the_issue_check_finds_what_it_looks_for(tmp_path):
     assert not stands_in("2.1", "2.13x") and stands_in("1062", "**1,062** images/s")
     assert github_slug("GPU, first run: one NVIDIA H200, 2026-11-26") == "gpu-first-run-one-nvidia-h200-2026-11-26"
     assert github_slug("`torchsprint bench` on the default run") == "torchsprint-bench-on-the-default-run"
+
+
+# ---------------------------------------------------------------- what the pages name in benchmarks/ exists
+
+# The pages that cite benchmarks, their results and their sections, and the code that does (comments included).
+PAGES = [README, BENCHMARKS, HISTORY, REPO / "benchmarks" / "results" / "README.md", REPO / "TESTING.md",
+         REPO / "ARCHITECTURE.md", *sorted(DOCS.rglob("*.md"))]
+CODE = [*sorted((REPO / "benchmarks").rglob("*.py")), *sorted((REPO / "benchmarks").rglob("*.sh")),
+        *sorted(SRC.rglob("*.py")), *sorted((REPO / ".ci").glob("*"))]
+BENCH_PATH = re.compile(r"(?<![\w/.-])benchmarks/[\w./*-]*[\w*]")  # benchmarks/compare/vs_timm.py, .../x_*.json
+RESULT_FILE = re.compile(r"(?<![\w/.-])[a-z0-9_-]+_\d{4}-\d{2}-\d{2}[a-z0-9_-]*\.json\b")  # a results file's name
+MODULE = re.compile(r"python3? -m (benchmarks(?:\.\w+)+)")
+CITED = re.compile(r"\b(BENCHMARKS|HISTORY)\.md`?,? \(?\[?\"([A-Za-z`][^\"]{2,160})\"")  # BENCHMARKS.md, "Data loading"
+
+
+def flat(path: Path) -> str:
+    """A file's text as one line: comment markers and line breaks gone, so a name or citation broken over two
+    lines of a docstring, a comment or a paragraph reads whole."""
+    lines = (re.sub(r"^\s*(#+|//|\*|>)?\s*", "", line) for line in path.read_text().splitlines())
+    return " ".join(lines)
+
+
+def named_paths(text: str) -> list[str]:
+    """Every benchmarks/... path and results file name a text names (a template such as .../measure_<device>_... is
+    no name)."""
+    found = [m.group() for m in BENCH_PATH.finditer(text) if text[m.end(): m.end() + 1] != "<"]
+    found += ["benchmarks/results/" + m.group() for m in RESULT_FILE.finditer(text)]
+    found += [m.group(1).replace(".", "/") + ".py" for m in MODULE.finditer(text)]
+    return found
+
+
+def missing_paths(text: str) -> list[str]:
+    return sorted({p for p in named_paths(text)
+                   if not (any(REPO.glob(p)) if "*" in p else (REPO / p).exists())})
+
+
+def headings(path: Path) -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^#{2,4} (.+)$", path.read_text(), flags=re.M)]
+
+
+def unresolved_citations(text: str) -> list[str]:
+    """Citations of a section by name (BENCHMARKS.md, "Data loading"; ... "data.backend auto ... re-measured") that
+    begin no heading of the file they cite."""
+    titles = {"BENCHMARKS": headings(BENCHMARKS), "HISTORY": headings(HISTORY)}
+    bad = []
+    for page, cited in CITED.findall(text):
+        pattern = ".*?".join(re.escape(part.strip()) for part in cited.split("..."))
+        if not any(re.match(pattern, re.sub(r"[`*]", "", t)) for t in titles[page]):
+            bad.append(f'{page}.md "{cited}"')
+    return bad
+
+
+def test_what_the_pages_name_in_benchmarks_exists():
+    """benchmarks/ moved into folders by kind and its results were renamed: a page or a comment naming
+    benchmarks/vs_timm.py, serve_load_2026-11-29c_digits.json or `python -m benchmarks.x` sent a reader to nothing.
+    Every benchmarks/... path, results file and benchmark module named in the docs, BENCHMARKS.md, HISTORY.md, the
+    results README and the code's comments exists (a glob matches a file)."""
+    bad = {str(p.relative_to(REPO)): m for p in PAGES + CODE if p.is_file() and (m := missing_paths(flat(p)))}
+    assert not bad, bad
+    planted = "`benchmarks/vs_timm.py`, benchmarks/results/serve_load_2026-11-29c_digits.json, python -m benchmarks.x.y"
+    assert missing_paths(planted) == ["benchmarks/results/serve_load_2026-11-29c_digits.json", "benchmarks/vs_timm.py",
+                                      "benchmarks/x/y.py"], missing_paths(planted)
+    assert not missing_paths("benchmarks/results/measure_<device>_<date>.json, benchmarks/compare/")
+
+
+def test_cited_benchmark_sections_exist():
+    """A section moved to benchmarks/HISTORY.md or renamed leaves every citation of it by its title in the docs and
+    the code citing nothing. Each citation by name begins a heading of the file it names ("..." skips words)."""
+    files = PAGES + CODE + sorted((REPO / "tests").rglob("*.py"))
+    bad = {str(p.relative_to(REPO)): b for p in files if p.is_file() and (b := unresolved_citations(flat(p)))}
+    assert not bad, bad
+    page = "BENCHMARKS" + ".md"  # joined here, so this file cites no section itself
+    assert unresolved_citations(f'{page}, "Data loading"; {page} "data.backend auto ... re-measured"') == []
+    assert unresolved_citations(f'{page}, "Engine overhead: torchsprint"') == [f'{page} "Engine overhead: torchsprint"']
+
+
+def test_links_of_the_benchmark_pages_resolve():
+    """BENCHMARKS.md, HISTORY.md and the results README are read on GitHub (HISTORY.md and the README are not in the
+    site, whose strict build checks the docs' links): a relative link to a moved file, or to an anchor of a section
+    that moved, is dead there. Every relative link of theirs, and every link anywhere to an anchor of BENCHMARKS.md or
+    HISTORY.md, resolves."""
+    anchors = {BENCHMARKS.name: set(benchmark_sections(BENCHMARKS)), HISTORY.name: set(benchmark_sections(HISTORY))}
+    bad = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve()
+            if page in (BENCHMARKS, HISTORY, PAGES[3]) and not file.exists():
+                bad.append(f"{page.name}: {target} (no such file)")
+            if anchor and file.name in anchors and anchor not in anchors[file.name]:
+                bad.append(f"{page.relative_to(REPO)}: {target} (no such section)")
+    assert not bad, bad
+    assert "torchsprint-serve-under-load-2026-11-29" in anchors["BENCHMARKS.md"] and anchors["HISTORY.md"]

@@ -133,8 +133,8 @@ def chance(task: str, data_root: Path) -> float:
 # 8 clips). image_to_image learns slowly: 8 epochs gave PSNR 22.970 fp32 / 22.967 bf16 over a blurred input of
 # 22.930 dB (+0.04 dB, too little to tell learning from not), so it trains 24 epochs (96 steps): ~23.23-23.31 dB.
 # Where bf16 lands against fp32 depends on the CPU's kernels as another seed does, so AMP_TOL is set from
-# |bf16 - fp32| over seeds 0-4 under ATEN_CPU_CAPABILITY=default and avx2 (`python benchmarks/amp_tolerance.py`,
-# AMD EPYC, benchmarks/results/amp_tolerance_2026-11-27.json) and the report from a CPU with native bf16 (AVX-512
+# |bf16 - fp32| over seeds 0-4 under ATEN_CPU_CAPABILITY=default and avx2 (`python -m benchmarks.numerics.amp_tolerance`,
+# AMD EPYC, benchmarks/results/amp_tolerance_cpu-epyc-avx2_2026-11-27.json) and the report from a CPU with native bf16 (AVX-512
 # BF16: 0.0213 dB on seed 0): mAP at most 6e-8; PSNR at most 0.062 dB (0.0213 with native bf16; fp32 alone spans
 # 0.08 dB over the seeds); video 2 of 16 clips (seeds 2 and 3). The bounds: 0.02 mAP, 0.15 dB (2.4x; a bf16 run
 # that learned half of fp32's ~0.35 dB gain would still fail), 3 clips of 16. Learning itself is AMP_MARGIN's check.

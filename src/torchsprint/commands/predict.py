@@ -168,7 +168,7 @@ class Predictor:
         def forward(x):
             return torch.from_numpy(sess.run(None, {name: x.cpu().numpy()})[0])
 
-        forward.session = sess  # which providers ran (benchmarks/predict_throughput.py)
+        forward.session = sess  # which providers ran (benchmarks/serve/predict_throughput.py)
 
         p = cls(forward, metadata_entry(meta, "classes", path), metadata_entry(meta, "in_channels", path),
                 metadata_entry(meta, "eval_transforms", path),

@@ -3,7 +3,7 @@ at / and the OpenAPI page at /docs. Bodies are read here under their limits and 
 (commands/serve_engine.py); every refusal is one line of JSON with a 4xx (bad input) or a 503 (overload), never
 a 500. No endpoint reads a path on the server: images arrive only as request bodies.
 
-Why FastAPI + uvicorn and not LitServe (both measured by benchmarks/serve_load.py): the batching must answer
+Why FastAPI + uvicorn and not LitServe (both measured by benchmarks/serve/serve_load.py): the batching must answer
 each image from the run's own preprocessing, drop a request that timed out or left before its batch runs, refuse
 at once when the queue is full (503 + Retry-After) and drain on SIGTERM; that is the engine's own code here, in
 one process with the model thread beside the event loop. LitServe runs the model in another process behind

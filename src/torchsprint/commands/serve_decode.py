@@ -54,7 +54,7 @@ class Decoder:
 
     def __init__(self, predictor, limits):
         """`limits`: commands/serve_limits.py's Limits (serve.max_pixels, serve.max_model_pixels), or a number of
-        pixels: the decode bound alone (benchmarks/serve_load.py's reference endpoints)."""
+        pixels: the decode bound alone (benchmarks/serve/serve_load.py's reference endpoints)."""
         from torchsprint.commands.serve_limits import Limits
         from torchsprint.data.preprocess.decode import resolve_decoder
 

@@ -84,7 +84,7 @@ DIGITS_SIZED = 32
 SIZE_CAP = {"cuda": 224, "cpu": 128}
 # The default model for larger images: torchvision's ResNet-18. Evidence so far is a user's report measured on the
 # 2-core CPU (ResNet-18 at 128 px: 39 img/s training, top-1 within one standard error of timm's train.py on a real
-# 2,624-image folder; small_cnn: 2 img/s at 300 px, 35 at 64 px). benchmarks/photo_defaults.py measured it against
+# 2,624-image folder; small_cnn: 2 img/s at 300 px, 35 at 64 px). benchmarks/defaults/photo_defaults.py measured it against
 # mobilenet_v3_small on 2,000 generated 300x300 photos (BENCHMARKS.md "Defaults for your own photos: the model"):
 # 0.994 val top-1 after 3 epochs against chance for mobilenet_v3_small (5.3x faster, not learning at that lr).
 PHOTO_MODEL = "resnet18"

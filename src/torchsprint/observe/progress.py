@@ -170,7 +170,8 @@ class Feedback:
         """Without a bar: a thread prints the progress line FIRST_HEARTBEAT_SECONDS after the epoch starts, then every
         HEARTBEAT_SECONDS, whether or not a step ended in between (a step of a minute, the first step's warm-up or a
         slow first batch still get a line); end_epoch stops it. A thread, not a check after each step: a check after
-        the step that crosses 10 s prints at 10 s + a step, 17 s with a 7 s step (BENCHMARKS.md, "A user's own photos through the CLI ... loaded machine")."""
+        the step that crosses 10 s prints at 10 s + a step, 17 s with a 7 s step (benchmarks/HISTORY.md,
+        "A user's own photos through the CLI ... loaded machine")."""
         self._stop = threading.Event()
         self._every(self._stop, c.t_start, FIRST_HEARTBEAT_SECONDS, self.progress_line)
 

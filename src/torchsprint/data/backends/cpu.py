@@ -61,7 +61,7 @@ class SeededTransform(torch.utils.data.Dataset):
         """A whole batch (DataLoader's batched fetch). Already-decoded images with no per-sample transform
         and class-index labels are gathered with one index instead of a tensor index and a Python call
         per sample: that per-sample path cost more than a linear model's whole step at batch 32
-        (BENCHMARKS.md, "torchsprint vs a plain loop"). Same values either way."""
+        (BENCHMARKS.md, "Memory footprint and per-step overhead"). Same values either way."""
         split, indices, seeds = keys
         raw = self.raws[split]
         labels = getattr(raw, "labels", None)

@@ -31,6 +31,11 @@ os.environ.setdefault("TORCHSPRINT_OFFLINE", "1")
 # fine-tunes the picked model's weights when they are cached): the suite's cache starts empty, and the tests that
 # need weights put them in a TORCH_HOME of their own.
 os.environ["TORCH_HOME"] = tempfile.mkdtemp(prefix="torchsprint-tests-torch-")
+# The decoded-image cache (data.cache=auto, data/image_cache.py) of every run in the suite goes to a folder of the
+# suite's own, never the developer's ~/.cache/torchsprint/images.
+os.environ["TORCHSPRINT_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchsprint-tests-cache-")
+# ...and what the start-up probes measured (runtime/measurements.py) is stored there too, never read from a developer's
+os.environ["TORCHSPRINT_MEASURED_DIR"] = tempfile.mkdtemp(prefix="torchsprint-tests-measured-")
 # precision=auto / speed.channels_last=auto never measure in the suite (train/speed_probe.py): a test's run that a
 # loaded machine makes look long could otherwise pick amp_bf16 on a CPU with native bf16 and not on another.
 # tests/test_speed_probe.py lifts it where it measures on purpose.

@@ -37,15 +37,40 @@ def test_same_size_jpegs_are_decoded_once_into_memory_when_the_epochs_pay_for_it
     tests/test_backend_measured.py checks such choices against a direct measurement)."""
     root = make_image_folder(tmp_path, per_class=3)
     info = loaders("data.dataset=image_folder", f"data.root={root}", epochs=50).info
-    assert info.backend == "memory" and "12 files of one size (24x20)" in info.backend_why, info.backend_why
+    assert info.backend == "memory" and "12 cached images of one size (24x20)" in info.backend_why, info.backend_why
+    # ...and from the files themselves (no decoded-image cache), the file headers say the same
+    files = loaders("data.dataset=image_folder", f"data.root={root}", "data.cache=off", epochs=50).info
+    assert files.backend == "memory" and "12 files of one size (24x20)" in files.backend_why, files.backend_why
     assert info.backend_why.startswith("measured on") and info.backend_measured["chosen"] == "memory"
+
+
+def test_the_backends_are_measured_once_per_machine_data_and_settings(tmp_path, monkeypatch):
+    """A second build of the same folder with the same settings reads what the first measured (said: "measured
+    before") and picks the same backend; a file added, or another batch size, is measured again. Bugs caught: the
+    measurement repeated at every start (a second of each backend), figures of another folder or batch reused."""
+    calls = []
+    real = auto.measure_backends
+    monkeypatch.setattr(auto, "measure_backends", lambda *a, **k: calls.append(1) or real(*a, **k))
+    root = make_image_folder(tmp_path, per_class=3)
+    over = ("data.dataset=image_folder", f"data.root={root}")
+    first = loaders(*over, epochs=50).info
+    second = loaders(*over, epochs=50).info
+    assert len(calls) == 1 and second.backend == first.backend
+    assert second.backend_why.startswith("measured before, ") and not first.backend_why.startswith("measured before")
+    assert second.backend_measured["backends"] == first.backend_measured["backends"]
+    loaders(*over, "data.batch_size=8", epochs=50)
+    assert len(calls) == 2
+    Image.new("RGB", (24, 20)).save(root / "train" / "circle" / "new.jpg")
+    loaders(*over, epochs=50)
+    assert len(calls) == 3
 
 
 def test_files_of_several_sizes_stream_through_the_cpu_backend(tmp_path):
     root = make_image_folder(tmp_path, per_class=3)
     Image.new("RGB", (30, 30)).save(root / "train" / "circle" / "big.jpg")
     info = loaders("data.dataset=image_folder", f"data.root={root}", "data.train.transforms=[resize: [16, 16]]",
-                   "data.eval.transforms=[resize: [16, 16]]").info
+                   "data.eval.transforms=[resize: [16, 16]]",
+                   "data.cache=off").info  # the decoded-image cache would store them resized, at one size
     assert info.backend == "cpu" and "memory: the images have different sizes" in info.backend_why
     assert "gpu: needs a CUDA GPU: this machine has no CUDA device" in info.backend_why
 

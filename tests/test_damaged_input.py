@@ -211,7 +211,8 @@ def test_memory_backend_stops_decoding_at_the_budget(tmp_path, capsys):
     Image.new("RGB", (300, 300)).save(root / "train" / "square" / "zz.png")  # sorts last; 270,000 bytes decoded
     line = fails_cleanly(capsys, ["train", *FAST, "data.backend=memory", "data.dataset=image_folder", f"data.root={root}",
                                   "data.train.transforms=[resize: [16, 16]]", "data.eval.transforms=[resize: [16, 16]]",
-                                  "data.memory_budget_gib=0.0001", f"run.dir={tmp_path / 'r'}"],
+                                  "data.memory_budget_gib=0.0001", f"run.dir={tmp_path / 'r'}",
+                                  "data.cache=off"],  # the files decoded: the cache would resize them to 16x16 first
                          "over the 104.9 KiB it may use", "data.backend=cpu")
     assert "images" in line and "sizes" not in line
 
@@ -238,7 +239,7 @@ def test_memory_backend_budget_holds_the_address_space_limit(tmp_path):
              "mapped = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
              "resource.setrlimit(resource.RLIMIT_AS, (mapped + 128 * 2**20, resource.RLIM_INFINITY))\n"
              "sys.exit(cli.main(sys.argv[1:]))\n")
-    r = subprocess.run([sys.executable, "-c", child, "train", *FAST, "data.backend=memory", "data.dataset=image_folder",
+    r = subprocess.run([sys.executable, "-c", child, "train", *FAST, "data.backend=memory", "data.cache=off", "data.dataset=image_folder",
                         f"data.root={tmp_path / 'imgs'}", f"run.dir={tmp_path / 'r'}"], capture_output=True, text=True,
                        timeout=120, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]

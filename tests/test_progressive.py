@@ -70,7 +70,9 @@ def data_cfg(root, *extra, crop=16):
     return config.load(None, ["data.dataset=image_folder", f"data.root={root}", "data.batch_size=4", "data.decoder=torchvision",
                               f"data.train.transforms=[random_resized_crop: {{size: {crop}, scale: [0.3, 1]}}, hflip, "
                               "normalize: imagenet]", "data.eval.transforms=[resize: [16, 16], normalize: imagenet]",
-                              *extra]).data
+                              # the files themselves: the decoded-image cache sizes them for each run's crop, so a
+                              # fixed small crop's run would read smaller images than the ramp's
+                              "data.cache=off", *extra]).data
 
 
 def loaders_of(backend: str, d):

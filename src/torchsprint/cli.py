@@ -57,6 +57,10 @@ def cmd_train(args) -> int:
 
     overrides = list(args.overrides)
     path = args.config
+    if args.remeasure:  # every process of the run (DDP workers inherit it): the stored start-up figures are not read
+        from torchsprint.runtime.measurements import REMEASURE_ENV
+
+        os.environ[REMEASURE_ENV] = "1"
     if args.resume:
         if not Path(args.resume).is_dir():
             from torchsprint.errors import UsageError
@@ -129,6 +133,10 @@ def cmd_data(args) -> int:
         from torchsprint.commands.data.check import check_cli
 
         return check_cli(args)
+    if args.data_command == "cache":
+        from torchsprint.commands.data.cache import cache_cli
+
+        return cache_cli(args)
     if args.data_command == "shard":
         from torchsprint.commands.data.shard import shard_cli
 
@@ -226,7 +234,7 @@ COMMANDS = [
             "across requests), with /health, /ready, /metrics (Prometheus), the OpenAPI page at /docs and a page to "
             "drop images on at /. Listens on 127.0.0.1 unless told otherwise. docs/serve.md.",
             args_serve, lazy("torchsprint.commands.serve", "serve_cli"), imports=True),
-    Command("data", "check a dataset and loader, or compare CPU/GPU preprocessing",
+    Command("data", "check a dataset and loader, compare CPU/GPU preprocessing, cache decoded images, write shards",
             "Inspect the data pipeline of a config.",
             args_data, cmd_data, imports=False),
     Command("bench", "measure which accelerations pay off on this model, data and machine",

@@ -165,6 +165,9 @@ def args_train(p: argparse.ArgumentParser) -> None:
                         "run it on every machine, as the run itself")
     p.add_argument("--overwrite", action="store_true",
                    help="run.dir holds another run: move its files into run.dir/replaced-<time>/ and start over there")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the start-up choices (precision=auto, speed.channels_last=auto) again instead of reading "
+                        "what this machine measured before for the same model, input and batch")
     p.add_argument("--nproc-per-node", type=Count(1), default=None, metavar="N",
                    help="launch N DDP worker processes on this machine through torchrun (sets strategy=ddp)")
     p.add_argument("--nnodes", type=nnodes, default=None, metavar="N", help="number of machines (torchrun --nnodes, e.g. 2 or 1:4)")
@@ -258,6 +261,21 @@ def args_data(p: argparse.ArgumentParser) -> None:
     _add_config_args(s)
     s.add_argument("--images", type=Count(1), default=64, help="number of validation images to compare")
     s.add_argument("--run", metavar="RUN_DIR", default=None, help="also report top-1 agreement of this run's model")
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+    s = dsub.add_parser("cache", help="build the decoded-image cache of a data set now, list the cache folder, or clear it",
+                        description="Decode every image of DIR (data.root, or the config's data) once into the "
+                        "decoded-image cache that training reads (data.cache; pre-sized to what each split's transforms "
+                        "use); --list shows every cache in the cache folder (data.cache_dir), --clear removes this data "
+                        "set's caches, --clear-all every cache.")
+    s.add_argument("dir", nargs="?", default=None, metavar="DIR", help="the image folder (sets data.root)")
+    s.add_argument("-c", "--config", help="run config file (.yaml, .json or .toml)")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dotted override, e.g. --set data.cache_dir=/scratch/cache (repeatable)")
+    what = s.add_mutually_exclusive_group()
+    what.add_argument("--list", action="store_true", help="list the caches in the cache folder")
+    what.add_argument("--clear", action="store_true", help="remove this data set's caches")
+    what.add_argument("--clear-all", action="store_true", help="remove every cache in the cache folder")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
     s = dsub.add_parser("shard", help="write an image folder or file list as shuffled WebDataset tar shards",
                         description="Write SRC (an image folder, optionally with train/ and val/, or a `path,label` list) "

@@ -164,6 +164,22 @@ class DataConfig(Section):
         None, gt=0, description="The most memory (GiB) the memory backend may hold the decoded dataset in: auto picks "
         "memory only under it, and data.backend=memory refuses a dataset over it. null: 25% of RAM on CPU, 50% of "
         "the GPU's memory on CUDA.")
+    cache: Literal["auto", "on", "off"] = Field(
+        "auto", description="The decoded-image cache (data/image_cache.py): image files decoded once with the run's "
+        "decoder, pre-sized to what each split's transforms can use (the eval resize applied exactly; the training "
+        "images shrunk only where random_resized_crop's smallest crop keeps its full size), stored as raw uint8 in a "
+        "memory-mapped file under data.cache_dir and read by every later run and epoch instead of the files (cpu "
+        "and memory backends). Rebuilt when a file's size or mtime changes; a damaged cache is refused. auto: on for "
+        "image files where the cache fits data.cache_gib, else off, said at start-up; on: refuse where it cannot "
+        "be used; off: decode the files every epoch.")
+    cache_dir: str | None = Field(
+        None, description="Where the decoded-image cache lives; null: $TORCHSPRINT_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/torchsprint/images (~/.cache/torchsprint/images). `torchsprint data cache` lists and "
+        "clears it.")
+    cache_gib: float | None = Field(
+        None, gt=0, description="The most disk (GiB) the cache folder may hold: least recently used caches are "
+        "removed past it, and a data set that does not fit is not cached (data.cache=on refuses it). null: 20 GiB, "
+        "at most half of the free disk.")
     batch_size: int | Literal["auto"] = Field(
         64, description="Training batch size per process, or 'auto': the largest that trains here, found at start-up with "
         "real steps of the run's model, precision and optimizer (CUDA: doubling, then bisecting on out-of-memory; CPU: "
@@ -174,6 +190,12 @@ class DataConfig(Section):
         "processes): optim.accum_steps is derived from it, so with batch_size=auto the effective batch stays the same on "
         "any device (the batch found is lowered to a divisor). None: batch_size x optim.accum_steps x processes.")
     eval_batch_size: int | None = Field(None, ge=1, description="Evaluation batch size (defaults to 2 x batch_size).")
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache(cls, v):
+        # YAML reads on/off (and yes/no, true/false) as booleans: the same setting either way.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("batch_size", mode="before")
     @classmethod

@@ -6,12 +6,16 @@ data/build.py's `build_loaders` calls `choose_backend` and records what it retur
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import os
 from dataclasses import replace
 
 import torch
 
 from torchsprint.data.core import LOADERS, Splits, as_backend, memory_budget, size_text
 from torchsprint.errors import UsageError
+from torchsprint.runtime.measurements import recall, remember
 
 # Files are decoded up front for the memory backend only up to this many (about a minute of decoding
 # on 2 CPU cores at ~500 images/s per core, measured in BENCHMARKS.md "Data loading"); more stream.
@@ -72,6 +76,13 @@ def decoded_size(splits: Splits) -> tuple[int | None, str]:
     if hasattr(train, "images"):
         nbytes = sum(int(d.images.numel()) * d.images.element_size() for d in (train, val) if hasattr(d, "images"))
         return nbytes, f"the dataset is decoded in memory already ({len(train) + len(val):,} images,"
+    if hasattr(train, "shapes") and hasattr(val, "shapes"):  # read from the decoded-image cache: its index knows
+        shapes = train.shapes() | val.shapes()
+        if len(shapes) != 1:
+            return None, "the cached images have different sizes"
+        (c, h, w), = shapes
+        n = len(train) + len(val)
+        return n * c * h * w, f"{n:,} cached images of one size ({w}x{h}) take"
     if not (plain_image_files(train) and plain_image_files(val)):
         return None, "this dataset type is not decoded up front"
     n = len(train) + len(val)
@@ -93,6 +104,8 @@ def check_memory_size(data_cfg, splits: Splits, device: torch.device) -> None:
     train = splits.train
     if hasattr(train, "images"):
         nbytes, _ = decoded_size(splits)
+    elif hasattr(train, "nbytes") and hasattr(splits.val, "nbytes"):  # the decoded-image cache's index knows them
+        nbytes = train.nbytes() + splits.val.nbytes()
     elif plain_image_files(train) and plain_image_files(splits.val):
         # The first file's size: the memory backend keeps images of one size only, so this is the size it needs.
         first = next((s for s in file_sizes([train.samples[0][0]]) if s is not None), None)
@@ -158,10 +171,36 @@ def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None
         return fallback, "; ".join(reasons) or "the only backend for this task", {}
     from torchsprint.runtime.collectives import broadcast_object
 
-    # Rank 0 measures, every rank takes its figures: all ranks must run the same backend.
-    measured = broadcast_object(measure_backends(runnable, data_cfg, splits, rt, kw or {}) if rt.is_main else None, rt)
+    # Rank 0 measures (or reads what this machine measured before), every rank takes its figures: all ranks must
+    # run the same backend.
+    measured = broadcast_object(measured_once(runnable, data_cfg, splits, rt, kw or {}) if rt.is_main else None, rt)
     pick, why = pick_measured(measured, data_cfg, splits, rt.device, epochs, memory_why)
     return pick, "; ".join([why] + reasons), measured
+
+
+def measured_once(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -> dict:
+    """measure_backends' figures, measured once per machine (runtime/measurements.py: the CPU, its flags, the threads
+    and torch) and per data set (its files' paths, count and total size), transforms, batch, workers and candidates:
+    a later run with the same keys reads them ("measured before") instead of measuring again."""
+    files = hashlib.sha256()
+    total = 0
+    for split in (splits.train, splits.val):
+        for path, label in getattr(split, "samples", []):
+            files.update(f"{path}\0{label}\n".encode())
+            try:
+                total += os.stat(path).st_size
+            except OSError:
+                pass
+    keys = {"candidates": names, "files": files.hexdigest()[:24], "bytes": total, "device": str(rt.device),
+            "spec": [data_cfg.train.transforms, data_cfg.eval.transforms], "batch": data_cfg.batch_size,
+            "workers": data_cfg.num_workers, "decoder": data_cfg.decoder, "options": data_cfg.options,
+            "kw": {k: str(v) for k, v in kw.items()}}
+    stored = recall("backend_auto", keys)
+    if stored is not None:
+        return copy.deepcopy(stored["value"]) | {"measured_before": stored["date"]}
+    measured = measure_backends(names, data_cfg, splits, rt, kw)
+    remember("backend_auto", keys, copy.deepcopy(measured))
+    return measured
 
 
 def auto_candidates(allowed: tuple[str, ...] | None) -> list[str]:
@@ -231,7 +270,9 @@ def pick_measured(measured: dict, data_cfg, splits: Splits, device: torch.device
         f"{k} {m['images_per_s']:.0f} img/s" + (f" after decoding at {m['decode_images_per_s']:.0f} img/s up front"
                                                if k == "memory" else "") + f": ~{_duration(m['estimate_s'])}"
         for k, m in measured["backends"].items())
-    why = (f"measured on {measured['files']} of the training files, {measured['clock']} ({figures} for {epochs} "
+    before = f"measured before, {measured['measured_before']} (on this machine, data and settings), " if measured.get(
+        "measured_before") else "measured "
+    why = (f"{before}on {measured['files']} of the training files, {measured['clock']} ({figures} for {epochs} "
            f"epoch(s) of {n:,} images)")
     if pick != "memory" and "memory" in est:
         why += f"; memory would need to save {MEMORY_MARGIN:.0%} over {best_other[1]} for its up-front decode and memory"
@@ -279,7 +320,6 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     """
     import time
 
-    from torchsprint.data.sources.folders import ImageFiles
 
     cuda = rt.device.type == "cuda"
     wall = cuda or data_cfg.num_workers == 0
@@ -287,11 +327,7 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     t_all = time.perf_counter()
     train = splits.train
     count = sample_size(train, data_cfg.batch_size, now)
-    sample = [train.samples[i * len(train) // count] for i in range(count)]
-    files = ImageFiles(sample, train.mode, decoder=train.decoder, max_pixels=train.max_pixels)
-    # The sample trains; one file stands for the validation split (the memory backend decodes both when built).
-    sub = replace(splits, train=files, val=ImageFiles(sample[:1], train.mode, decoder=train.decoder,
-                                                      max_pixels=train.max_pixels), test=None, train_weights=None)
+    sub = measuring_sample(splits, count)
     batch = max(1, min(data_cfg.batch_size, count // MEASURE_BATCHES))  # the run's batch size where the split allows
     cfg = data_cfg.model_copy(update={"num_workers": 0, "batch_size": batch, "sampler": "shuffle", "repeated_aug": 1,
                                       "drop_last": True, "prefetch_factor": 2})
@@ -337,6 +373,22 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     train_loaders.clear()
     return {"files": count, "batch_size": batch, "seconds": time.perf_counter() - t_all,
             "clock": "wall clock" if wall else "CPU time of this process", "backends": out}
+
+
+def measuring_sample(splits: Splits, count: int) -> Splits:
+    """`count` training files evenly through the split, as the run reads them (from the decoded-image cache where
+    the run does); one file stands for the validation split (the memory backend decodes both when built)."""
+    from torchsprint.data.sources.folders import ImageFiles
+
+    train = splits.train
+    picked = [i * len(train) // count for i in range(count)]
+    if hasattr(train, "subset"):  # read from the decoded-image cache: measured as the run will read it
+        files, one_file = train.subset(picked), train.subset(picked[:1])
+    else:
+        sample = [train.samples[i] for i in picked]
+        files = ImageFiles(sample, train.mode, decoder=train.decoder, max_pixels=train.max_pixels)
+        one_file = ImageFiles(sample[:1], train.mode, decoder=train.decoder, max_pixels=train.max_pixels)
+    return replace(splits, train=files, val=one_file, test=None, train_weights=None)
 
 
 def plain_image_files(ds) -> bool:

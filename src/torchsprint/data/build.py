@@ -25,13 +25,16 @@ from torchsprint.data.core import (
     auto_sampler,
     runs_anywhere,
 )
+from torchsprint.data.image_cache import with_cache
 from torchsprint.data.preprocess.progressive import train_schedule
 from torchsprint.errors import UsageError
+
+CACHED_BACKENDS = ("cpu", "memory")  # the backends that read decoded pixels (gpu and dali decode the bytes themselves)
 
 
 def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype: torch.dtype = torch.float32,
                   allowed: tuple[str, ...] | None = None, split: str = "val", splits: Splits | None = None,
-                  epochs: int = 1, keep_backend: str | None = None) -> Loaders:
+                  epochs: int = 1, keep_backend: str | None = None, log=None) -> Loaders:
     """Build the dataset named in `data_cfg.dataset` and the backend named in `data_cfg.backend`.
 
     Args:
@@ -47,8 +50,8 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
             up-front decode against what it saves per epoch (choose_backend).
         keep_backend: the backend `auto` chose when this run started (a resumed run keeps it: another backend
             augments differently, and the resume would not continue the same run).
-    The chosen backend and why, and the facts of the data, are in `Loaders.info` (backend, backend_why, facts,
-    backend_measured).
+        log: where the decoded-image cache says that it builds (data.cache; None: silent).
+    The chosen backend and why, and the facts of the data, are in `Loaders.info` (backend, backend_why, facts).
     """
     check_data_fields(data_cfg)
     schedule = train_schedule(data_cfg)  # data.progressive against the training spec, before any data is read
@@ -62,14 +65,11 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
             if name in splits.label_changing:
                 raise UsageError(f"{where}: {name} on data.dataset={data_cfg.dataset} {splits.label_changing[name]}; remove it.")
     check_train_size(data_cfg, splits)
-    if split == "test":
-        if splits.test is None:
-            raise UsageError(f"data.dataset={data_cfg.dataset} (root={data_cfg.root}) has no test split; image_folder "
-                             "reads one from a test/ folder beside train/. Evaluate --split val, or add test/.")
-        splits = replace(splits, val=splits.test)
-    elif split != "val":
-        raise UsageError(f"--split {split}: choose val or test.")
-    splits = with_class_draw(data_cfg, splits)
+    splits = with_class_draw(data_cfg, evaluated_split(data_cfg, splits, split))
+    # Off CUDA every backend auto may choose reads pixels: the cache first, so that auto measures what will run
+    listed, cache = splits, None
+    if rt.device.type != "cuda" and data_cfg.backend in ("auto", *CACHED_BACKENDS):
+        splits, cache = cached(data_cfg, splits, "cpu", log)
     kw = dict(seed=seed, channels_last=channels_last, dtype=dtype)
     configured = data_cfg.backend
     name, why = configured, "set in the config (data.backend)"
@@ -98,6 +98,8 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
         able = [n for n in LOADERS.names() if as_backend(LOADERS.get(n)).progressive]
         raise UsageError(f"data.progressive: data.backend={name} does not resize its crop per epoch (backends that do: "
                          f"{', '.join(able)}). Set data.backend to one of them, or remove data.progressive.")
+    if cache is None:  # describe_data reads the files as listed
+        splits, cache = cached(data_cfg, splits, name, log)
     loaders = backend(data_cfg.model_copy(update={"backend": name}), splits, rt, **kw)
     info = loaders.info
     # Recorded once, here: every writer (decisions.json, the start-up summary, data check, the engine's hint) reads it.
@@ -105,8 +107,31 @@ def build_loaders(data_cfg, rt, *, seed: int, channels_last: bool = False, dtype
     info.backend_measured = measured
     draw = splits.train_draw
     info.sampler, info.sampler_why = (draw.sampler, draw.why) if draw is not None else ("shuffle", splits.sampler_why)
-    loaders.info.facts = describe_data(splits)
+    loaders.info.facts = describe_data(listed) | {"cache": cache}
     return splits.wrap(loaders)
+
+
+def evaluated_split(data_cfg, splits: Splits, split: str) -> Splits:
+    """`splits` whose `val` is what the evaluation loader reads: "val", or "test" (the dataset's test split)."""
+    if split == "test":
+        if splits.test is None:
+            raise UsageError(f"data.dataset={data_cfg.dataset} (root={data_cfg.root}) has no test split; image_folder "
+                             "reads one from a test/ folder beside train/. Evaluate --split val, or add test/.")
+        return replace(splits, val=splits.test)
+    if split != "val":
+        raise UsageError(f"--split {split}: choose val or test.")
+    return splits
+
+
+def cached(data_cfg, splits: Splits, backend: str, log) -> tuple[Splits, dict]:
+    """The splits as `backend` reads them: from the decoded-image cache (data.cache) where it reads pixels; and
+    the cache's record for decisions.json."""
+    if backend in CACHED_BACKENDS:
+        return with_cache(data_cfg, splits, log or (lambda *_: None))
+    if data_cfg.cache == "on":
+        raise UsageError(f"data.cache=on: data.backend={backend} decodes the files itself (the cache serves "
+                         f"{' and '.join(CACHED_BACKENDS)}). Set data.backend=cpu or memory, or data.cache=auto.")
+    return splits, {"state": "off", "why": f"data.backend={backend} decodes the files itself"}
 
 
 def check_train_size(data_cfg, splits: Splits) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchsprint.data.core import size_text
 from torchsprint.runtime.parallel import (
     GraphsDecision,
     channels_last_on,
@@ -275,6 +276,8 @@ def describe_decisions(d: dict) -> list[str]:
     else:
         decoder = f"decoder {d['decoder']}" if d.get("decoder") else ""
     lines.append(f"loader: data.backend={d['backend']} ({d['backend_why']})" + (f", {decoder}" if decoder else ""))
+    if d.get("cache"):
+        lines.append(f"  {cache_line(d['cache'])}")
     lines.append(f"device {d['device']} x {d['world_size']}, precision {d['precision']}, channels_last "
                  f"{'on' if d.get('channels_last') else 'off'} ({d.get('channels_last_why', '')}), batch {d['batch_size']} x "
                  f"accum {d['accum_steps']} x {d['world_size']} process(es) = effective batch {d['effective_batch_size']}, "
@@ -291,3 +294,16 @@ def describe_decisions(d: dict) -> list[str]:
     lines.append(f"CUDA graphs {'on' if d['cuda_graphs'] else 'off'} ({d['cuda_graphs_why']}); optimizer update "
                  f"{d['optimizer_impl']} ({d['optimizer_impl_why']})")
     return lines
+
+
+def cache_line(cache: dict) -> str:
+    """The decoded-image cache in one line of the start-up summary (data.cache; build_loaders' record)."""
+    if cache.get("state") != "on":
+        return f"decoded-image cache off ({cache.get('why', '')})"
+    splits = cache["splits"]
+    states = sorted({rec["state"] for rec in splits.values()})
+    total = sum(rec["bytes"] for rec in splits.values())
+    built = [f"{name} in {rec['seconds']:.1f} s" for name, rec in splits.items() if rec["state"] == "built"]
+    when = max(rec["built"] for rec in splits.values())
+    return (f"decoded-image cache {' + '.join(states)} ({', '.join(splits)}): {size_text(total)} in {cache['dir']}, "
+            + (f"built now ({', '.join(built)})" if built else f"built {when} UTC") + " (data.cache)")

@@ -18,15 +18,16 @@ from torchsprint.models.start import photo_start
 from torchsprint.tasks.core import apply_defaults
 
 
-def resolve(cfg: Config) -> Config:
+def resolve(cfg: Config, *, weights: bool = True) -> Config:
     """Fill `cfg` in place with the task's and the data's defaults, record each data choice (`cfg.chosen()`), and
-    return it. A no-op for a config already resolved."""
+    return it. A no-op for a config already resolved. weights=False: the data's defaults only, never how a model
+    starts (no weights cache, no network: `data cache` needs the transforms alone)."""
     if cfg.resolved:
         return cfg
     apply_defaults(cfg)
     # Only with a data.root: the default run (digits) never scans files. A saved run's config has every setting set,
     # so detection finds nothing left to choose.
     if cfg.data.root is not None:
-        cfg.record_chosen([c.as_dict() for c in data_defaults(cfg, photo_start)])
+        cfg.record_chosen([c.as_dict() for c in data_defaults(cfg, photo_start if weights else None)])
     cfg.mark_resolved()
     return cfg

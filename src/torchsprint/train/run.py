@@ -110,7 +110,7 @@ def build_training(cfg, rt, log, ckpt: dict | None = None, resume_path=None) -> 
     # eval.tta=five_crop/ten_crop loads larger eval images, to crop from (tta.loading_spec); training is unchanged
     loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), rt, seed=cfg.run.seed, channels_last=inputs[0],
                             allowed=task.backends, splits=batch.splits, epochs=cfg.run.epochs,
-                            keep_backend=backend_at_start(cfg, ckpt, resume_path))
+                            keep_backend=backend_at_start(cfg, ckpt, resume_path), log=log)
     batch.splits = None  # the run's loaders hold the data set now
     info = loaders.info
     check_resumed_classes(ckpt, resume_path, info.classes)  # before the model: it would not load, blaming the file

@@ -9,10 +9,15 @@ The candidates vary only what was left on auto:
   memory format  the rule's (NHWC for a model with 2-D convolutions; the batches stay NCHW), and NCHW.
 The baseline is what the run does without measuring: fp32 (or the precision named) in the rule's format.
 
-The rule (`pick`): each candidate's median step time over MEASURE_ROUNDS rounds (every candidate once per round, each
-round starting with the next one, so a change in the machine's load falls on all of them alike). The fastest replaces
-the baseline only when it is faster by the margin, max(MIN_MARGIN, the baseline's spread between its rounds,
-(max - min) / median): a gain the timing cannot tell from its own noise is no gain. A tie keeps the baseline.
+The rule (`pick`): MEASURE_ROUNDS rounds, every candidate once per round, each round starting with the next one, so a
+change in the machine's load falls on all of them alike; each candidate's speedup over the baseline in each round,
+and the median of those. The largest median replaces the baseline only when it is MIN_MARGIN or more; a tie keeps
+the baseline. Where the rounds disagree about the winner (one says it gains the margin, another that it is slower:
+the load changed during the probe), EXTRA_ROUNDS more rounds are measured before the median is taken.
+
+Measured once per machine (runtime/measurements.py): the figures are stored with the CPU's model and flags, the
+threads, torch, the model, its input spec, the batch and the data set, and the next run with the same keys takes
+them ("measured before, <date>") instead of measuring again; `train --remeasure` measures anew.
 
 Measuring costs steps, so it runs only where it can pay (`not_measured`): a CPU device, one process (DDP's processes
 share the cores: one process's figures would not be the run's), eager steps (speed.compile's differ), no
@@ -40,10 +45,12 @@ from dataclasses import dataclass
 import torch
 
 from torchsprint.runtime.machine import native_bf16
+from torchsprint.runtime.measurements import recall, remember
 from torchsprint.runtime.parallel import channels_last_on, has_conv2d
 
 WARMUP_STEPS = 1  # per candidate, untimed: oneDNN creates its primitives and reorders the weights on first use
 MEASURE_ROUNDS = 3  # timed steps per candidate, one per round (their median is the candidate's figure)
+EXTRA_ROUNDS = 2  # more rounds where the first ones disagree about the winner (`disagree`)
 MIN_MARGIN = 0.05  # the least speedup that replaces the baseline, whatever the rounds' spread
 # The probe's steps are at most this share of the run's training steps... Where amp_bf16 wins it saves 25-42% of
 # the run (1.34x small_cnn, 1.73x ResNet-18: BENCHMARKS.md "amp_bf16 on a CPU with native bf16"), so a tenth is
@@ -55,8 +62,9 @@ MAX_PROBE_SHARE = 0.10
 OFF_ENV = "TORCHSPRINT_SPEED_PROBE"
 MEASURE_MIN_S = 60.0  # ...and the run's fp32 training is estimated at this long at least: below, a few percent of it
 # is seconds, not worth a decision that differs between machines (and below it no test's run measures anything)
-RULE = ("median step time of each candidate over interleaved rounds; the fastest replaces the baseline (fp32, or the "
-        "precision named, in the rule's format) when faster by the margin, max(5%, the baseline's spread between rounds)")
+RULE = ("each candidate's speedup over the baseline in each of the interleaved rounds, their median; the largest "
+        "replaces the baseline (fp32, or the precision named, in the rule's format) when it is 5% or more; rounds that "
+        "disagree about the winner measured again")
 
 
 @dataclass(frozen=True)
@@ -171,19 +179,40 @@ def measure(cands: list[Candidate], step, batches: int, budget_s: float | None =
         for _ in range(WARMUP_STEPS):
             step(c)
     times: dict[Candidate, list[float]] = {c: [] for c in cands}
-    for r in range(MEASURE_ROUNDS):
+    rounds = MEASURE_ROUNDS
+    for r in range(MEASURE_ROUNDS + EXTRA_ROUNDS):
+        if r == MEASURE_ROUNDS and not disagree(times, base):
+            break
+        rounds = r + 1  # the rounds disagree (a load change during one): measure EXTRA_ROUNDS more
         for c in cands[r % len(cands):] + cands[: r % len(cands)]:  # each round starts with the next candidate
             times[c].append(step(c))
-    return {"times": times, "estimate_s": estimate, "seconds": time.perf_counter() - t_all}, None
+    return {"times": times, "estimate_s": estimate, "seconds": time.perf_counter() - t_all, "rounds": rounds}, None
+
+
+def ratios(times: dict[Candidate, list[float]], base: Candidate) -> dict[Candidate, list[float]]:
+    """Each candidate's speedup over the baseline round by round (the baseline's step over its own, both timed in the
+    same round, so a change in the machine's load falls on both)."""
+    return {c: [b / x for b, x in zip(times[base], t)] for c, t in times.items()}
 
 
 def pick(times: dict[Candidate, list[float]], base: Candidate) -> tuple[Candidate, float]:
-    """(the winner, the margin): the rule of the module docstring on each candidate's step times (seconds)."""
-    med = {c: statistics.median(t) for c, t in times.items()}
-    spread = (max(times[base]) - min(times[base])) / med[base]
-    margin = max(MIN_MARGIN, spread)
-    fastest = min(med, key=lambda c: (med[c], c != base))  # a tie: the baseline
-    return (fastest if med[base] >= (1 + margin) * med[fastest] else base), margin
+    """(the winner, the margin): the candidate whose median speedup over the baseline, round by round, is the
+    largest, where that median is MIN_MARGIN or more; else the baseline. One disturbed round moves one ratio of
+    each candidate, never the median of three: with the margin taken from the baseline's own spread, one slow
+    baseline round (67 img/s amp_bf16 against 40 fp32 on a machine running another job: a 306% "spread") vetoed a
+    1.7x gain, and a shared machine trained at 0.6x the speed it measured."""
+    speedup = {c: statistics.median(r) for c, r in ratios(times, base).items()}
+    fastest = max(speedup, key=lambda c: (speedup[c], c == base))  # a tie: the baseline
+    return (fastest if speedup[fastest] >= 1 + MIN_MARGIN else base), MIN_MARGIN
+
+
+def disagree(times: dict[Candidate, list[float]], base: Candidate) -> bool:
+    """The rounds disagree about the winner: some say it gains the margin, others that it is slower."""
+    chosen, _ = pick(times, base)
+    if chosen == base:
+        chosen = max(times, key=lambda c: statistics.median(ratios(times, base)[c]) if c != base else 0)
+    r = ratios(times, base)[chosen]
+    return max(r) >= 1 + MIN_MARGIN and min(r) < 1
 
 
 def figures(measured: dict, base: Candidate, chosen: Candidate, margin: float, images: int, batches: int) -> dict:
@@ -194,7 +223,8 @@ def figures(measured: dict, base: Candidate, chosen: Candidate, margin: float, i
                                 "images_per_s": round(images / med[c], 2),
                                 "step_ms": [round(1000 * t, 2) for t in measured["times"][c]]} for c in med},
         "baseline": base.name, "chosen": chosen.name, "speedup": round(med[base] / med[chosen], 3),
-        "margin": round(margin, 3), "rule": RULE, "batch_images": images, "rounds": MEASURE_ROUNDS,
+        "margin": round(margin, 3), "rule": RULE, "batch_images": images, "rounds": measured.get("rounds", MEASURE_ROUNDS),
+        "speedups": {c.name: [round(x, 3) for x in r] for c, r in ratios(measured["times"], base).items()},
         "warmup_steps": WARMUP_STEPS, "run_batches": batches, "estimate_s": round(measured["estimate_s"], 1),
         "seconds": round(measured["seconds"], 2),
     }
@@ -204,7 +234,9 @@ def measured_text(m: dict) -> str:
     """The figures in words: 'fp32 NHWC 52 img/s (baseline), amp_bf16 NHWC 95 img/s: ...'."""
     rates = ", ".join(f"{name} {c['images_per_s']:.0f} img/s" + (" (baseline)" if name == m["baseline"] else "")
                       for name, c in m["candidates"].items())
-    return (f"measured {rates} ({m['rounds']} rounds of batch {m['batch_images']}, {m['seconds']:.1f} s): "
+    when = (f"measured before, {m['measured_before']} (on this machine, model, input and batch; --remeasure to "
+            "measure again): " if m.get("measured_before") else "measured ")
+    return (f"{when}{rates} ({m['rounds']} rounds of batch {m['batch_images']}, {m['seconds']:.1f} s): "
             f"{m['chosen']}" + (f", {m['speedup']:.2f}x the baseline" if m["chosen"] != m["baseline"] else
                                 f" (nothing faster by the margin, {m['margin']:.0%})"))
 
@@ -284,6 +316,13 @@ def decide_auto(cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict 
     cands, notes = candidates(asked, setting, model)
     base, batches = cands[0], run_batches(cfg, len(loader))
     why_not, measured = not_measured(cfg, rt, cands, distilling, batches), None
+    keys = probe_keys(cfg, model, cands)
+    stored = recall("speed_probe", keys) if why_not is None and step is None else None
+    if stored is not None:  # this machine measured this model, input and batch before: its figures decide
+        m = {**stored["value"], "measured_before": stored["date"]}
+        chosen = next((c for c in cands if c.name == m.get("chosen")), None)
+        if chosen is not None:
+            return chosen_speed(asked, base, chosen, setting, m, notes)
     if why_not is None:
         from torchsprint.runtime.rng import rng_state, set_rng_state
 
@@ -302,7 +341,21 @@ def decide_auto(cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict 
     if why_not is not None:
         return unmeasured(asked, cands, setting, why_not, notes)
     chosen, margin = pick(measured["times"], base)
-    return chosen_speed(asked, base, chosen, setting, figures(measured, base, chosen, margin, images, batches), notes)
+    m = figures(measured, base, chosen, margin, images, batches)
+    if step is None:  # real steps: the next run with the same keys on this machine reads them
+        remember("speed_probe", keys, m)
+    return chosen_speed(asked, base, chosen, setting, m, notes)
+
+
+def probe_keys(cfg, model: torch.nn.Module, cands: list[Candidate]) -> dict:
+    """What the probe's figures depend on beyond the machine (runtime/measurements.py adds the CPU, its flags, the
+    threads and torch): the model (name, arguments, parameter count), its training input (the transforms, the
+    channels), the batch, the candidates, the data set."""
+    return {"model": cfg.model.name, "model_args": cfg.model.args, "params": sum(p.numel() for p in model.parameters()),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "input": [cfg.data.train.transforms, cfg.data.options, cfg.data.progressive.model_dump()],
+            "batch": cfg.data.batch_size, "accum": cfg.optim.accum_steps, "optimizer": cfg.optim.name,
+            "candidates": [c.name for c in cands], "data": [cfg.data.dataset, cfg.data.root], "task": cfg.task}
 
 
 def half(batch):

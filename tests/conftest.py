@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 # The suite never downloads from the internet: library weights (model.pretrained=torchvision:..., timm:..., URLs)
 # that a test has not put in its cache are refused as offline (models/download.py) instead of fetched from
-# download.pytorch.org or huggingface.co on a machine that has network. tests/test_weights_download.py turns it off
+# download.pytorch.org or huggingface.co on a machine that has network. tests/e2e/models/test_weights_download.py turns it off
 # for its downloads, which go to a server of its own on 127.0.0.1.
 os.environ.setdefault("TORCHSPRINT_OFFLINE", "1")
 # A developer's own torch.hub cache (~/.cache/torch) must not change what a folder of photos chooses (models/start.py
@@ -38,10 +38,15 @@ os.environ["TORCHSPRINT_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchsprint-tests
 os.environ["TORCHSPRINT_MEASURED_DIR"] = tempfile.mkdtemp(prefix="torchsprint-tests-measured-")
 # precision=auto / speed.channels_last=auto never measure in the suite (train/speed_probe.py): a test's run that a
 # loaded machine makes look long could otherwise pick amp_bf16 on a CPU with native bf16 and not on another.
-# tests/test_speed_probe.py lifts it where it measures on purpose.
+# tests/e2e/train/test_speed_probe.py lifts it where it measures on purpose.
 os.environ.setdefault("TORCHSPRINT_SPEED_PROBE", "off")
 
 REPO = Path(__file__).resolve().parents[1]
+# Every test folder on sys.path: the DDP workers (e2e/workers/) are modules some tests import in this process too
+# (and multiprocessing's spawn gives its children this sys.path), and some tests reuse another file's helpers
+# (`from test_resume import assert_same_run`), which must import when that file alone is run.
+sys.path += [str(d) for d in sorted(Path(__file__).resolve().parent.glob("*/*"))
+             if d.is_dir() and d.parent.name in ("unit", "e2e") and d.name != "__pycache__"]
 
 # The harness's own test (test_test_harness.py) runs a pytest inside a pytest on a CPU machine with this set, to
 # check that the GPU is hidden before any fixture of an unmarked test runs: torch then claims a GPU.
@@ -94,6 +99,27 @@ def pytest_runtest_protocol(item, nextitem):
         mp.undo()
 
 
+UNIT = Path(__file__).resolve().parent / "unit"
+
+
+@pytest.fixture(autouse=True)
+def unit_tier_starts_no_process(request, monkeypatch):
+    """The fast tier (tests/unit/<package>/test_<module>.py) starts no subprocess and no worker process, whatever a
+    test calls: one that needs them belongs in tests/e2e/ (this fails it, naming what it started)."""
+    if UNIT not in Path(request.node.path).resolve().parents:
+        return
+
+    def refuse(what):
+        def start(*args, **kwargs):
+            raise AssertionError(f"a unit test started {what}: move it to tests/e2e/ (tests/README.md)")
+        return start
+
+    import multiprocessing.process
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("a subprocess"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("a worker process"))
+
+
 @pytest.fixture(autouse=True)
 def restore_torch_flags():
     """Process-wide switches a run sets (runtime.setup) go back after each test: a test whose run failed
@@ -115,8 +141,8 @@ def restore_torch_flags():
 # avx512 where the CPU has it), so a bound measured on one kind of CPU is seen to hold on the others (TESTING.md,
 # "Tolerances on any CPU"). A new test of that kind goes in one of these files or adds its file here.
 NUMERICS_FILES = {
-    "test_auto_augment.py", "test_backend_agreement.py", "test_checkpoint.py", "test_comm_hooks.py",
-    "test_data_backends.py", "test_data_batch_ops.py", "test_ddp.py", "test_distill.py", "test_engine.py",
+    "test_auto_augment.py", "test_backend_agreement.py", "test_checkpoint_runs.py", "test_comm_hooks.py",
+    "test_data_backends.py", "test_batch_ops.py", "test_ddp.py", "test_distill.py", "test_engine.py",
     "test_engine_units.py", "test_eval_exported.py", "test_evaluation.py", "test_export_predict.py", "test_imbalance.py", "test_int8.py", "test_lr_find.py",
     "test_metrics.py", "test_metrics_reference.py", "test_mix.py", "test_optim.py", "test_parallel.py",
     "test_precision.py", "test_progressive.py", "test_readme_examples.py", "test_recipes_early_stop.py",
@@ -274,7 +300,7 @@ def image_folder(tmp_path):
 
 @pytest.fixture(scope="session")
 def serve_run(tmp_path_factory):
-    """One tiny trained digits run for tests/test_serve*.py; its saved config carries a serve section
+    """One tiny trained digits run for tests/e2e/serve/test_serve*.py; its saved config carries a serve section
     (serve.topk=7), which the settings test reads back."""
     from torchsprint import cli
 

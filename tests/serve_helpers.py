@@ -1,4 +1,4 @@
-"""Helpers of tests/test_serve*.py: a real uvicorn server of a run in a thread of the test process, its /metrics
+"""Helpers of tests/e2e/serve/test_serve*.py: a real uvicorn server of a run in a thread of the test process, its /metrics
 read back, the images the tests send (distinct digits, and files predict decodes in its own ways)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The tiny task runs of tests/test_task_everything.py (multilabel, image_to_image, video), for
+"""The tiny task runs of tests/e2e/tasks/test_task_everything.py (multilabel, image_to_image, video), for
 numerics/amp_tolerance.py, which measures the spread the test's amp_bf16 bounds are set from.
 
-A copy, since a benchmark imports nothing from tests/: tests/test_benchmark_scripts.py holds it equal to the test's
+A copy, since a benchmark imports nothing from tests/: tests/e2e/cli/test_benchmark_scripts.py holds it equal to the test's
 (CFG, COMMON, EPOCHS, MONITOR), so the benchmark cannot drift from what the test runs. One difference, on purpose:
 the video task reads `synthetic_video` (the whole balanced validation set), where the test registers
 `synthetic_video_odd` (7 clips, for uneven DDP shards) and its amp test reads `synthetic_video` too.

@@ -3,7 +3,7 @@
     python -m benchmarks.gpu.measure --out results.json [--only M1,M5] [--deadline-s 540] [--quick]
     python -m benchmarks.gpu.measure --smoke-cpu --out /tmp/r.json   # every code path on the CPU, tiny sizes
 
---smoke-cpu is the rehearsal a machine without a GPU can run (tests/test_benchmark_scripts.py does): each
+--smoke-cpu is the rehearsal a machine without a GPU can run (tests/e2e/cli/test_benchmark_scripts.py does): each
 measurement's code on the CPU with a few images and steps, so a script that would crash on the GPU machine
 crashes here first. Its figures mean nothing; compile and CUDA-graph variants are left out (CPU compile
 takes minutes, CUDA graphs are refused without CUDA).

@@ -132,7 +132,7 @@ tests() {  # gpu- and dali-marked tests (run_all.sh tests: 4 processes, junit su
     else
       OUT=$OUT RUN_LOG=$STATE/run_all.log bounded "$LIM" bash benchmarks/gpu/run_all.sh tests
       grep -E "passed|failed" "$STATE/run_all.log" | tail -3
-      bounded 40 "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/test_test_harness.py 2>&1 | tail -3
+      bounded 40 "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/e2e/cli/test_test_harness.py 2>&1 | tail -3
     fi
   fi
   keep
@@ -150,7 +150,7 @@ dali_part() {  # DALI's tests and M2/M3 with DALI (backends: "dali", or "gpu,dal
     export LD_LIBRARY_PATH=$site/nvidia/cu13/lib:$site/nvidia/libnvcomp/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     if budget "DALI tests" 60 20 70; then  # reserve: M2/M3 with DALI 60, merge
       TORCHSPRINT_FIGURES=$OUT/figures.jsonl bounded "$LIM" "$PY" -m pytest -n 2 -q -rA -p no:cacheprovider \
-        tests/test_data_dali.py tests/test_data_backends.py tests/test_gpu.py -k dali >"$OUT/tests_dali.log" 2>&1
+        tests/e2e/gpu/test_data_dali.py tests/e2e/data/test_data_backends.py tests/e2e/gpu/test_gpu.py -k dali >"$OUT/tests_dali.log" 2>&1
       tail -3 "$OUT/tests_dali.log"
     fi
     budget "M2/M3 with DALI" 120 60 10 && measure "$LIM" --only M2,M3 --backends "$1"

@@ -1,4 +1,4 @@
-"""How far amp_bf16 lands from fp32 on the tiny task runs of tests/test_task_everything.py, across seeds and CPU kernels
+"""How far amp_bf16 lands from fp32 on the tiny task runs of tests/e2e/tasks/test_task_everything.py, across seeds and CPU kernels
 (the runs: common/task_runs.py, a copy a test holds equal to the test's).
 
 The test's tolerance (AMP_TOL) must hold on any machine: this script measures |bf16 - fp32| of the monitored metric per

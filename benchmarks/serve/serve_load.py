@@ -20,7 +20,7 @@ the machine's cores with the server: on a small machine it takes a share of them
 
 Soak: counts of 5xx (must be 0), requests without an answer (0), requests answered with the wrong status, the
 server's RSS over time (growth after the warm-up share must stay under 5%) and p99 per time window; exit 1 if a
-check fails. tests/test_serve.py runs a few seconds of the same mix (`soak`).
+check fails. tests/e2e/serve/test_serve.py runs a few seconds of the same mix (`soak`).
 """
 
 from __future__ import annotations

@@ -21,29 +21,29 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 case "$module" in
   precision)
     src=(src/torchsprint/state/precision.py)
-    tests=(tests/test_precision.py -k "not 98_percent and not cpu_is_refused")
+    tests=(tests/e2e/train/test_precision.py -k "not 98_percent and not cpu_is_refused")
     ;;
   optim)
     src=("src/torchsprint/optim/*")  # the package: mutmut only_mutate takes glob patterns
-    tests=(tests/test_optim.py)
+    tests=(tests/unit/optim/test_optim.py)
     ;;
   metrics)
     src=(src/torchsprint/tasks/metrics.py)
-    tests=(tests/test_metrics.py)
+    tests=(tests/unit/tasks/test_metrics.py)
     ;;
   augment)
     src=(src/torchsprint/data/preprocess/augment.py)
-    tests=(tests/test_data_batch_ops.py tests/test_data_backends.py)
+    tests=(tests/unit/data/test_batch_ops.py tests/e2e/data/test_data_backends.py)
     ;;
   checkpoint)
     src=(src/torchsprint/state/checkpoint.py)
-    tests=(tests/test_checkpoint_units.py tests/test_checkpoint.py -k "not two_ranks")
+    tests=(tests/unit/state/test_checkpoint.py tests/e2e/train/test_checkpoint_runs.py -k "not two_ranks")
     ;;
   engine)
     src=(src/torchsprint/train/engine.py src/torchsprint/train/validation.py)  # the loop, and the evaluations it runs
     # test_engine_units.py: every engine function on a tiny model and 40 in-memory images (~6 s in all);
     # test_engine.py: three short real runs against a plain loop.
-    tests=(tests/test_engine_units.py tests/test_engine.py)
+    tests=(tests/e2e/train/test_engine_units.py tests/e2e/train/test_engine.py)
     ;;
   *)
     echo "mutation.sh: unknown module '$module'; use precision, optim, metrics, augment, checkpoint or engine." >&2

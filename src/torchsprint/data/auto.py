@@ -77,12 +77,12 @@ def decoded_size(splits: Splits) -> tuple[int | None, str]:
         nbytes = sum(int(d.images.numel()) * d.images.element_size() for d in (train, val) if hasattr(d, "images"))
         return nbytes, f"the dataset is decoded in memory already ({len(train) + len(val):,} images,"
     if hasattr(train, "shapes") and hasattr(val, "shapes"):  # read from the decoded-image cache: its index knows
-        shapes = train.shapes() | val.shapes()
-        if len(shapes) != 1:
-            return None, "the cached images have different sizes"
-        (c, h, w), = shapes
+        # one size per split (the memory backend holds a tensor per split; the eval resize makes val's own size)
+        if len(train.shapes()) != 1 or len(val.shapes()) > 1:
+            return None, "the cached images of a split have different sizes"
+        ((c, h, w),) = train.shapes()
         n = len(train) + len(val)
-        return n * c * h * w, f"{n:,} cached images of one size ({w}x{h}) take"
+        return train.nbytes() + val.nbytes(), f"{n:,} cached images of one size a split ({w}x{h} for training) take"
     if not (plain_image_files(train) and plain_image_files(val)):
         return None, "this dataset type is not decoded up front"
     n = len(train) + len(val)

@@ -37,7 +37,7 @@ def test_same_size_jpegs_are_decoded_once_into_memory_when_the_epochs_pay_for_it
     tests/e2e/data/test_backend_measured.py checks such choices against a direct measurement)."""
     root = make_image_folder(tmp_path, per_class=3)
     info = loaders("data.dataset=image_folder", f"data.root={root}", epochs=50).info
-    assert info.backend == "memory" and "12 cached images of one size (24x20)" in info.backend_why, info.backend_why
+    assert info.backend == "memory" and "12 cached images of one size a split (24x20 for training)" in info.backend_why, info.backend_why
     # ...and from the files themselves (no decoded-image cache), the file headers say the same
     files = loaders("data.dataset=image_folder", f"data.root={root}", "data.cache=off", epochs=50).info
     assert files.backend == "memory" and "12 files of one size (24x20)" in files.backend_why, files.backend_why

@@ -45,8 +45,11 @@ REPO = Path(__file__).resolve().parents[1]
 # Every test folder on sys.path: the DDP workers (e2e/workers/) are modules some tests import in this process too
 # (and multiprocessing's spawn gives its children this sys.path), and some tests reuse another file's helpers
 # (`from test_resume import assert_same_run`), which must import when that file alone is run.
-sys.path += [str(d) for d in sorted(Path(__file__).resolve().parent.glob("*/*"))
-             if d.is_dir() and d.parent.name in ("unit", "e2e") and d.name != "__pycache__"]
+sys.path += [
+    str(d)
+    for d in sorted(Path(__file__).resolve().parent.glob("*/*"))
+    if d.is_dir() and d.parent.name in ("unit", "e2e") and d.name != "__pycache__"
+]
 
 # The harness's own test (test_test_harness.py) runs a pytest inside a pytest on a CPU machine with this set, to
 # check that the GPU is hidden before any fixture of an unmarked test runs: torch then claims a GPU.
@@ -112,6 +115,7 @@ def unit_tier_starts_no_process(request, monkeypatch):
     def refuse(what):
         def start(*args, **kwargs):
             raise AssertionError(f"a unit test started {what}: move it to tests/e2e/ (tests/README.md)")
+
         return start
 
     import multiprocessing.process
@@ -127,9 +131,15 @@ def restore_torch_flags():
     import torch.utils.deterministic
 
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, matmul.allow_tf32,
-             torch.utils.deterministic.fill_uninitialized_memory)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        cudnn.benchmark,
+        cudnn.deterministic,
+        cudnn.allow_tf32,
+        matmul.allow_tf32,
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
     yield
     torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
     cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, matmul.allow_tf32 = saved[2:6]
@@ -141,14 +151,42 @@ def restore_torch_flags():
 # avx512 where the CPU has it), so a bound measured on one kind of CPU is seen to hold on the others (TESTING.md,
 # "Tolerances on any CPU"). A new test of that kind goes in one of these files or adds its file here.
 NUMERICS_FILES = {
-    "test_auto_augment.py", "test_backend_agreement.py", "test_checkpoint_runs.py", "test_comm_hooks.py",
-    "test_data_backends.py", "test_batch_ops.py", "test_ddp.py", "test_distill.py", "test_engine.py",
-    "test_engine_units.py", "test_eval_exported.py", "test_evaluation.py", "test_export_predict.py", "test_imbalance.py", "test_int8.py", "test_lr_find.py",
-    "test_metrics.py", "test_metrics_reference.py", "test_mix.py", "test_optim.py", "test_parallel.py",
-    "test_precision.py", "test_progressive.py", "test_readme_examples.py", "test_recipes_early_stop.py",
-    "test_recipes_ema.py", "test_recipes_param_groups.py", "test_recipes_repeated_aug.py", "test_recipes_swa.py",
-    "test_registries.py", "test_smoke.py", "test_task_everything.py", "test_task_image_to_image.py",
-    "test_task_multilabel.py", "test_task_video.py", "test_tta.py",
+    "test_auto_augment.py",
+    "test_backend_agreement.py",
+    "test_checkpoint_runs.py",
+    "test_comm_hooks.py",
+    "test_data_backends.py",
+    "test_batch_ops.py",
+    "test_ddp.py",
+    "test_distill.py",
+    "test_engine.py",
+    "test_engine_units.py",
+    "test_eval_exported.py",
+    "test_evaluation.py",
+    "test_export_predict.py",
+    "test_imbalance.py",
+    "test_int8.py",
+    "test_lr_find.py",
+    "test_metrics.py",
+    "test_metrics_reference.py",
+    "test_mix.py",
+    "test_optim.py",
+    "test_parallel.py",
+    "test_precision.py",
+    "test_progressive.py",
+    "test_readme_examples.py",
+    "test_recipes_early_stop.py",
+    "test_recipes_ema.py",
+    "test_recipes_param_groups.py",
+    "test_recipes_repeated_aug.py",
+    "test_recipes_swa.py",
+    "test_registries.py",
+    "test_smoke.py",
+    "test_task_everything.py",
+    "test_task_image_to_image.py",
+    "test_task_multilabel.py",
+    "test_task_video.py",
+    "test_tta.py",
 }
 
 
@@ -202,8 +240,14 @@ def run_cli(tmp_path):
     def run(*args, timeout=300, cwd=None, env=None):
         e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200")
         e.update(env or {})
-        return subprocess.run([sys.executable, "-m", "torchsprint", *args], capture_output=True, text=True,
-                              timeout=timeout, cwd=cwd or tmp_path, env=e)
+        return subprocess.run(
+            [sys.executable, "-m", "torchsprint", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd or tmp_path,
+            env=e,
+        )
 
     return run
 
@@ -244,8 +288,14 @@ def cli_in_process(tmp_path, capfd):
             except Exception:
                 code, tb = 1, traceback.format_exc()
         out, err = capfd.readouterr()
-        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
-                       for w in caught if not issubclass(w.category, hidden)) + tb
+        err += (
+            "".join(
+                warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                for w in caught
+                if not issubclass(w.category, hidden)
+            )
+            + tb
+        )
         return subprocess.CompletedProcess(["torchsprint", *map(str, args)], code, out, err)
 
     return run
@@ -267,12 +317,26 @@ def train_digits_fp32(folder: Path) -> Path:
     from torchsprint.train.run import train
 
     run = folder / "run"
-    train(config.load(None, [f"run.dir={run}", "run.epochs=2", "log.tensorboard=false", "log.progress=false",
-                             "model.args={width: 8}", "precision.mode=fp32"]), quiet=True)
+    train(
+        config.load(
+            None,
+            [
+                f"run.dir={run}",
+                "run.epochs=2",
+                "log.tensorboard=false",
+                "log.progress=false",
+                "model.args={width: 8}",
+                "precision.mode=fp32",
+            ],
+        ),
+        quiet=True,
+    )
     return run
 
 
-def make_image_folder(root: Path, classes=("circle", "square"), per_class: int = 6, size=(24, 20), splits=("train", "val")):
+def make_image_folder(
+    root: Path, classes=("circle", "square"), per_class: int = 6, size=(24, 20), splits=("train", "val")
+):
     """Real JPEG files: class 0 bright disc, class 1 dark square on noise (learnable, decodable)."""
     from PIL import Image, ImageDraw
 
@@ -305,6 +369,18 @@ def serve_run(tmp_path_factory):
     from torchsprint import cli
 
     d = tmp_path_factory.mktemp("serve") / "run"
-    assert cli.main(["train", "run.epochs=1", "model.args={width: 8}", f"run.dir={d}", "log.tensorboard=false",
-                     "log.progress=false", "serve.topk=7"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "run.epochs=1",
+                "model.args={width: 8}",
+                f"run.dir={d}",
+                "log.tensorboard=false",
+                "log.progress=false",
+                "serve.topk=7",
+            ]
+        )
+        == 0
+    )
     return d

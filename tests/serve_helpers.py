@@ -122,8 +122,13 @@ class CliServer:
         env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **(env or {})}
         for name in drop_env:
             env.pop(name, None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "torchsprint", "serve", str(target), *args, "--port", "0"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torchsprint", "serve", str(target), *args, "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         wait_until(lambda: self.serving() is not None or self.proc.poll() is not None, 180, "the serving line")
@@ -180,13 +185,15 @@ def unusual_files(folder: Path) -> list[Path]:
     rng = np.random.default_rng(1)
     folder.mkdir(parents=True, exist_ok=True)
     rgb = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
-    files = {"rgb.jpg": encode(rgb, "JPEG", quality=95),
-             "cmyk.jpg": _cmyk(rng),
-             "grey16.png": encode(rng.integers(0, 65536, (8, 8), dtype=np.uint16), "PNG"),
-             "grey_alpha.png": _grey_alpha(rng),
-             "rotated.jpg": _rotated(rng),
-             "bmp.bmp": encode(rng.integers(0, 256, (8, 8), dtype=np.uint8), "BMP"),
-             "big.png": encode(rng.integers(0, 256, (12, 10), dtype=np.uint8), "PNG")}
+    files = {
+        "rgb.jpg": encode(rgb, "JPEG", quality=95),
+        "cmyk.jpg": _cmyk(rng),
+        "grey16.png": encode(rng.integers(0, 65536, (8, 8), dtype=np.uint16), "PNG"),
+        "grey_alpha.png": _grey_alpha(rng),
+        "rotated.jpg": _rotated(rng),
+        "bmp.bmp": encode(rng.integers(0, 256, (8, 8), dtype=np.uint8), "BMP"),
+        "big.png": encode(rng.integers(0, 256, (12, 10), dtype=np.uint8), "PNG"),
+    }
     if Image.open(io.BytesIO(files["cmyk.jpg"])).mode != "CMYK":
         raise AssertionError("Pillow did not write a CMYK JPEG")
     paths = []

@@ -38,21 +38,45 @@ def make_data(n: int, shape: tuple[int, int, int], classes: int = 10):
 
 def register(x, y) -> None:
     """`data.dataset=bench_tensors`: x, y for training, their first 256 for validation."""
+
     @DATASETS.register("bench_tensors", override=True)
     def bench_tensors(data_cfg) -> Splits:
         return Splits(TensorImages(x, y), TensorImages(x[:256], y[:256]), [str(i) for i in range(10)], x.shape[1])
 
 
-def torchsprint_run(model_name: str, dataset: str, batch_size: int, lr: float, backend: str, epochs: int,
-                    log_dir: Path, channels_last: str = "auto", clock: Callable[[], float] = time.perf_counter) -> float:
+def torchsprint_run(
+    model_name: str,
+    dataset: str,
+    batch_size: int,
+    lr: float,
+    backend: str,
+    epochs: int,
+    log_dir: Path,
+    channels_last: str = "auto",
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """`epochs` epochs of the real engine (train_one_epoch: logging, counters, accuracy) on torchsprint's loader:
     training images/s by `clock` (wall time by default; the caller's plain side uses the same clock)."""
-    cfg = config.load(None, [
-        f"model.name={model_name}", f"data.dataset={dataset}", f"data.backend={backend}", "data.num_workers=0",
-        f"data.batch_size={batch_size}", f"optim.lr={lr}", "optim.no_decay_norm_bias=false", "sched.name=cosine",
-        "sched.interval=epoch", f"run.epochs={epochs}", "log.tensorboard=false", "log.progress=false",
-        "checkpoint.every_epochs=null", "run.device=cpu", f"speed.channels_last={channels_last}",
-    ])
+    cfg = config.load(
+        None,
+        [
+            f"model.name={model_name}",
+            f"data.dataset={dataset}",
+            f"data.backend={backend}",
+            "data.num_workers=0",
+            f"data.batch_size={batch_size}",
+            f"optim.lr={lr}",
+            "optim.no_decay_norm_bias=false",
+            "sched.name=cosine",
+            "sched.interval=epoch",
+            f"run.epochs={epochs}",
+            "log.tensorboard=false",
+            "log.progress=false",
+            "checkpoint.every_epochs=null",
+            "run.device=cpu",
+            f"speed.channels_last={channels_last}",
+        ],
+    )
     rt = runtime.Runtime(device=torch.device("cpu"))
     torch.manual_seed(0)
     b = build_training(cfg, rt, log=lambda *_: None)

@@ -16,8 +16,13 @@ def make_run(root: Path, model: str, eval_spec: list, in_channels: int, classes:
     from torchsprint.state.checkpoint import save_weights
 
     cfg = config.load(None, [f"model.name={model}", f"data.eval.transforms={eval_spec}", *data])
-    trained = Trained(build_model(cfg.model, classes, in_channels).eval(), [str(i) for i in range(classes)], in_channels,
-                      cfg, root / "best.safetensors")
+    trained = Trained(
+        build_model(cfg.model, classes, in_channels).eval(),
+        [str(i) for i in range(classes)],
+        in_channels,
+        cfg,
+        root / "best.safetensors",
+    )
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text(config.dump_yaml(cfg))
     save_weights(root / "best.safetensors", trained.model, trained.metadata())

@@ -18,8 +18,12 @@ import numpy as np
 WHEEL = "scikit-image==0.26.0"
 # Four classes of real photos; the fourth the smallest by default (COUNTS: 14x between the largest and the smallest,
 # the imbalance of the user's folder in BENCHMARKS.md "Imbalanced classes").
-GROUPS = {"people_and_food": ["astronaut.png", "coffee.png"], "animals_and_sky": ["chelsea.png", "rocket.jpg"],
-          "vehicles": ["motorcycle_left.png", "motorcycle_right.png"], "textures": ["brick.png", "grass.png", "gravel.png"]}
+GROUPS = {
+    "people_and_food": ["astronaut.png", "coffee.png"],
+    "animals_and_sky": ["chelsea.png", "rocket.jpg"],
+    "vehicles": ["motorcycle_left.png", "motorcycle_right.png"],
+    "textures": ["brick.png", "grass.png", "gravel.png"],
+}
 COUNTS = (1400, 700, 424, 100)  # 2,624 images, as the user's folder
 
 
@@ -27,7 +31,9 @@ def wheel(folder: Path) -> Path:
     """The scikit-image wheel in `folder`, downloaded from the package registry if absent."""
     found = sorted(folder.glob("scikit_image-*.whl"))
     if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", WHEEL, "--no-deps", "-d", str(folder)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", WHEEL, "--no-deps", "-d", str(folder)], check=True
+        )
         found = sorted(folder.glob("scikit_image-*.whl"))
     return found[-1]
 
@@ -43,8 +49,9 @@ def sources(folder: Path) -> dict[str, list[np.ndarray]]:
     return out
 
 
-def make_real_photos(root: Path, cache: Path, side: int = 300, counts=COUNTS, mode: str = "L", fmt: str = "png",
-                     seed: int = 0) -> dict[str, int]:
+def make_real_photos(
+    root: Path, cache: Path, side: int = 300, counts=COUNTS, mode: str = "L", fmt: str = "png", seed: int = 0
+) -> dict[str, int]:
     """counts[i] crops of group i's photos, side x side, in `mode` ("L" grey or "RGB"), as `fmt` files in class
     folders under `root` (no split folders: data.val_fraction splits them); returns the count per class."""
     from PIL import Image

@@ -12,17 +12,39 @@ from __future__ import annotations
 from pathlib import Path
 
 CFG = {
-    "multilabel": ["task=multilabel", "data.dataset=synthetic_multilabel", "model.args={width: 8}", "data.batch_size=16",
-                   "optim.lr=0.05", "data.options={num_images: 64, val_images: 15, size: 16}"],
-    "image_to_image": ["task=image_to_image", "data.dataset=synthetic_blur", "model.name=unet_small", "model.args={width: 8}",
-                       "data.batch_size=8", "optim.name=adam", "optim.lr=0.003", "optim.weight_decay=0",
-                       "data.options={num_images: 32, val_images: 7, size: 24}",
-                       "data.train.transforms=[{random_crop: 16}, hflip]"],
-    "video": ["task=video", "data.dataset=synthetic_video_odd", "model.name=small_3d_cnn", "model.args={width: 4}",
-              "data.batch_size=8", "optim.name=adam", "optim.lr=0.01", "optim.weight_decay=0",
-              "data.options={per_class: 8, val_per_class: 2, size: 16, frames: 8}",
-              "data.train.transforms=[{random_clip: {frames: 4, stride: 1}}, {random_crop: 14}]",  # no flips: classes are directions
-              "data.eval.transforms=[{center_clip: {frames: 4}}, {center_crop: 14}]"],
+    "multilabel": [
+        "task=multilabel",
+        "data.dataset=synthetic_multilabel",
+        "model.args={width: 8}",
+        "data.batch_size=16",
+        "optim.lr=0.05",
+        "data.options={num_images: 64, val_images: 15, size: 16}",
+    ],
+    "image_to_image": [
+        "task=image_to_image",
+        "data.dataset=synthetic_blur",
+        "model.name=unet_small",
+        "model.args={width: 8}",
+        "data.batch_size=8",
+        "optim.name=adam",
+        "optim.lr=0.003",
+        "optim.weight_decay=0",
+        "data.options={num_images: 32, val_images: 7, size: 24}",
+        "data.train.transforms=[{random_crop: 16}, hflip]",
+    ],
+    "video": [
+        "task=video",
+        "data.dataset=synthetic_video_odd",
+        "model.name=small_3d_cnn",
+        "model.args={width: 4}",
+        "data.batch_size=8",
+        "optim.name=adam",
+        "optim.lr=0.01",
+        "optim.weight_decay=0",
+        "data.options={per_class: 8, val_per_class: 2, size: 16, frames: 8}",
+        "data.train.transforms=[{random_clip: {frames: 4, stride: 1}}, {random_crop: 14}]",  # no flips: classes are directions
+        "data.eval.transforms=[{center_clip: {frames: 4}}, {center_crop: 14}]",
+    ],
 }
 COMMON = ["log.tensorboard=false", "log.progress=false", "run.epochs=2", "log.every_steps=2"]
 EPOCHS = {"multilabel": 8, "image_to_image": 24}  # the amp test's epochs (video: VIDEO below)

@@ -85,12 +85,22 @@ def main() -> None:
             for _ in range(args.steps):
                 step()
             rates[m].append(args.batch * args.steps / (time.perf_counter() - t))
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "cpu": cpu_info(), "torch": torch.__version__, "threads": torch.get_num_threads(), "revision": rev,
-              "batch": args.batch, "size": args.size, "compile_s": compile_s,
-              "images_per_s": {m: round(statistics.median(r), 1) for m, r in rates.items()},
-              "rounds": {m: [round(v, 1) for v in r] for m, r in rates.items()}}
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu_info(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "revision": rev,
+        "batch": args.batch,
+        "size": args.size,
+        "compile_s": compile_s,
+        "images_per_s": {m: round(statistics.median(r), 1) for m, r in rates.items()},
+        "rounds": {m: [round(v, 1) for v in r] for m, r in rates.items()},
+    }
     print(json.dumps(result["images_per_s"]), "compile:", compile_s)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

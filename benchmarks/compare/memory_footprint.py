@@ -89,18 +89,36 @@ def run_measured(cmd: list[str], env: dict, log: Path) -> dict:
     seconds = time.perf_counter() - t0
     if rc != 0:
         raise RuntimeError(f"{cmd[:4]}... exited {rc}; see {log}")
-    return {"peak_rss_mb": mem.peak_kb / 1024, "peak_pss_mb": mem.peak_pss_kb / 1024, "wall_s": seconds,
-            "at_peak": mem.at_peak}
+    return {
+        "peak_rss_mb": mem.peak_kb / 1024,
+        "peak_pss_mb": mem.peak_pss_kb / 1024,
+        "wall_s": seconds,
+        "at_peak": mem.at_peak,
+    }
 
 
 def torchsprint_cmd(args, backend: str, run_dir: Path) -> list[str]:
     size, resize = args.size, round(args.size * 256 / 224)
-    return [sys.executable, "-m", "torchsprint", "train", "data.dataset=image_folder", f"data.root={args.data}",
-            f"data.backend={backend}", "model.name=resnet18", f"data.batch_size={args.batch_size}",
-            f"data.eval_batch_size={args.batch_size}", f"data.num_workers={args.workers}", f"run.epochs={args.epochs}",
-            "run.device=cpu", f"run.dir={run_dir}", "log.progress=false", "log.tensorboard=false",
-            f"data.train.transforms=[random_resized_crop: {size}, hflip, normalize: imagenet]",
-            f"data.eval.transforms=[resize: {resize}, center_crop: {size}, normalize: imagenet]"]
+    return [
+        sys.executable,
+        "-m",
+        "torchsprint",
+        "train",
+        "data.dataset=image_folder",
+        f"data.root={args.data}",
+        f"data.backend={backend}",
+        "model.name=resnet18",
+        f"data.batch_size={args.batch_size}",
+        f"data.eval_batch_size={args.batch_size}",
+        f"data.num_workers={args.workers}",
+        f"run.epochs={args.epochs}",
+        "run.device=cpu",
+        f"run.dir={run_dir}",
+        "log.progress=false",
+        "log.tensorboard=false",
+        f"data.train.transforms=[random_resized_crop: {size}, hflip, normalize: imagenet]",
+        f"data.eval.transforms=[resize: {resize}, center_crop: {size}, normalize: imagenet]",
+    ]
 
 
 def torchsprint_train_ips(run_dir: Path) -> float | None:
@@ -110,10 +128,36 @@ def torchsprint_train_ips(run_dir: Path) -> float | None:
 
 def torchvision_cmd(args, out_dir: Path) -> list[str]:
     size, resize = args.size, round(args.size * 256 / 224)
-    return [sys.executable, str(Path(args.tv_reference) / "train.py"), "--data-path", str(args.data), "--model", "resnet18",
-            "--device", "cpu", "-b", str(args.batch_size), "-j", str(args.workers), "--epochs", str(args.epochs),
-            "--train-crop-size", str(size), "--val-resize-size", str(resize), "--val-crop-size", str(size),
-            "--lr", "0.1", "--wd", "5e-4", "--print-freq", "1000", "--output-dir", str(out_dir)]
+    return [
+        sys.executable,
+        str(Path(args.tv_reference) / "train.py"),
+        "--data-path",
+        str(args.data),
+        "--model",
+        "resnet18",
+        "--device",
+        "cpu",
+        "-b",
+        str(args.batch_size),
+        "-j",
+        str(args.workers),
+        "--epochs",
+        str(args.epochs),
+        "--train-crop-size",
+        str(size),
+        "--val-resize-size",
+        str(resize),
+        "--val-crop-size",
+        str(size),
+        "--lr",
+        "0.1",
+        "--wd",
+        "5e-4",
+        "--print-freq",
+        "1000",
+        "--output-dir",
+        str(out_dir),
+    ]
 
 
 def torchvision_train_ips(log: Path, images_per_epoch: int) -> float | None:
@@ -144,37 +188,49 @@ def main() -> None:
     env = dict(os.environ)
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.repeats):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]  # rotate: no variant always first
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotate: no variant always first
         for v in order:
             run = work / f"{v}-{r}"
             if v == "torchvision":
                 run.mkdir()
                 res = run_measured(torchvision_cmd(args, run), env, run.with_suffix(".log"))
-                res["train_ips"] = torchvision_train_ips(run.with_suffix(".log"), n_train // args.batch_size * args.batch_size)
+                res["train_ips"] = torchvision_train_ips(
+                    run.with_suffix(".log"), n_train // args.batch_size * args.batch_size
+                )
             else:
                 res = run_measured(torchsprint_cmd(args, v, run), env, run.with_suffix(".log"))
                 res["train_ips"] = torchsprint_train_ips(run)
             results[v].append(res)
-            print(f"{v} repeat {r}: peak tree RSS {res['peak_rss_mb']:.0f} MB, PSS {res['peak_pss_mb']:.0f} MB, "
-                  f"train {res['train_ips'] or float('nan'):.1f} img/s, wall {res['wall_s']:.0f} s", flush=True)
+            print(
+                f"{v} repeat {r}: peak tree RSS {res['peak_rss_mb']:.0f} MB, PSS {res['peak_pss_mb']:.0f} MB, "
+                f"train {res['train_ips'] or float('nan'):.1f} img/s, wall {res['wall_s']:.0f} s",
+                flush=True,
+            )
             for p in res["at_peak"]:
-                print(f"    {p.get('VmRSS', 0) / 1024:6.0f} MB rss (anon {p.get('RssAnon', 0) / 1024:.0f}, "
-                      f"file {p.get('RssFile', 0) / 1024:.0f}, shmem {p.get('RssShmem', 0) / 1024:.0f}), pss {p['Pss'] / 1024:.0f}, "
-                      f"private {p['Private'] / 1024:.0f}  {p.get('cmd', '')[:40]}")
+                print(
+                    f"    {p.get('VmRSS', 0) / 1024:6.0f} MB rss (anon {p.get('RssAnon', 0) / 1024:.0f}, "
+                    f"file {p.get('RssFile', 0) / 1024:.0f}, shmem {p.get('RssShmem', 0) / 1024:.0f}), pss {p['Pss'] / 1024:.0f}, "
+                    f"private {p['Private'] / 1024:.0f}  {p.get('cmd', '')[:40]}"
+                )
     ref = results.get("torchvision")
     ref_rss = statistics.median(x["peak_rss_mb"] for x in ref) if ref else None
     ref_pss = statistics.median(x["peak_pss_mb"] for x in ref) if ref else None
-    print(f"\nload average {os.getloadavg()[0]:.2f}; {args.epochs} epochs, batch {args.batch_size}, {args.workers} workers, "
-          f"{args.size} px, {n_train} training images; medians of {args.repeats} run(s)")
+    print(
+        f"\nload average {os.getloadavg()[0]:.2f}; {args.epochs} epochs, batch {args.batch_size}, {args.workers} workers, "
+        f"{args.size} px, {n_train} training images; medians of {args.repeats} run(s)"
+    )
     print("| variant | peak tree RSS MB | vs torchvision | peak tree PSS MB | vs torchvision | train img/s |")
     print("|---|---|---|---|---|---|")
     for v, rs in results.items():
         rss = statistics.median(x["peak_rss_mb"] for x in rs)
         pss = statistics.median(x["peak_pss_mb"] for x in rs)
         ips = [x["train_ips"] for x in rs if x["train_ips"]]
-        print(f"| {v} | {rss:.0f} | {rss / ref_rss:.2f}x | {pss:.0f} | {pss / ref_pss:.2f}x | "
-              f"{statistics.median(ips) if ips else float('nan'):.1f} |" if ref else
-              f"| {v} | {rss:.0f} | - | {pss:.0f} | - | {statistics.median(ips) if ips else float('nan'):.1f} |")
+        print(
+            f"| {v} | {rss:.0f} | {rss / ref_rss:.2f}x | {pss:.0f} | {pss / ref_pss:.2f}x | "
+            f"{statistics.median(ips) if ips else float('nan'):.1f} |"
+            if ref
+            else f"| {v} | {rss:.0f} | - | {pss:.0f} | - | {statistics.median(ips) if ips else float('nan'):.1f} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -39,11 +39,18 @@ from benchmarks.common.child import REPO, child_env
 from benchmarks.common.gnu_time import peak_mib
 from benchmarks.common.timm_job import make_data, timm_run  # the job of compare/vs_timm.py
 
-JOB = ["data.batch_size=32", "data.eval_batch_size=32",
-       "data.train.transforms=[{random_resized_crop: 112}, hflip, {normalize: imagenet}]",
-       "data.eval.transforms=[{resize: 128}, {center_crop: 112}, {normalize: imagenet}]",
-       "model.name=resnet18", "optim.lr=0.1", "sched.warmup_epochs=0", "run.seed=0", "log.tensorboard=false",
-       "log.progress=false"]
+JOB = [
+    "data.batch_size=32",
+    "data.eval_batch_size=32",
+    "data.train.transforms=[{random_resized_crop: 112}, hflip, {normalize: imagenet}]",
+    "data.eval.transforms=[{resize: 128}, {center_crop: 112}, {normalize: imagenet}]",
+    "model.name=resnet18",
+    "optim.lr=0.1",
+    "sched.warmup_epochs=0",
+    "run.seed=0",
+    "log.tensorboard=false",
+    "log.progress=false",
+]
 VARIANTS = {
     "named": (["precision=amp_bf16", "speed.channels_last=true"], {}),
     "auto": ([], {}),
@@ -54,8 +61,19 @@ VARIANTS = {
 
 def cli_run(data: Path, out: Path, name: str, extra: list[str], env: dict, epochs: int) -> dict:
     run_dir = out / name
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "torchsprint", "train", f"data.root={data}", *JOB,
-           f"run.epochs={epochs}", f"run.dir={run_dir}", *extra]
+    cmd = [
+        "/usr/bin/time",
+        "-v",
+        sys.executable,
+        "-m",
+        "torchsprint",
+        "train",
+        f"data.root={data}",
+        *JOB,
+        f"run.epochs={epochs}",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | env, cwd=out)
     wall = time.perf_counter() - t
@@ -63,15 +81,25 @@ def cli_run(data: Path, out: Path, name: str, extra: list[str], env: dict, epoch
         raise SystemExit(f"{name} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     s = json.loads((run_dir / "summary.json").read_text())
     d = json.loads((run_dir / "decisions.json").read_text())
-    return {"variant": name, "env": env, "overrides": extra, "peak_mib": peak_mib(r.stderr),
-            "wall_s": round(wall, 1), "own_rate": s["train_images_per_s"], "top1": s["final"]["val/top1"],
-            "precision": d.get("precision"), "channels_last": d.get("channels_last"),
-            "probe": (d.get("speed_measured") or {}).get("candidates")}
+    return {
+        "variant": name,
+        "env": env,
+        "overrides": extra,
+        "peak_mib": peak_mib(r.stderr),
+        "wall_s": round(wall, 1),
+        "own_rate": s["train_images_per_s"],
+        "top1": s["final"]["val/top1"],
+        "precision": d.get("precision"),
+        "channels_last": d.get("channels_last"),
+        "probe": (d.get("speed_measured") or {}).get("candidates"),
+    }
 
 
 class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
 
 
 def heap() -> dict:
@@ -85,8 +113,14 @@ def heap() -> dict:
             rss = int(line.split()[1]) // 1024
         if line.startswith("VmHWM"):
             hwm = int(line.split()[1]) // 1024
-    return {"heap_mib": m.arena // mib, "in_use_mib": m.uordblks // mib, "free_mib": m.fordblks // mib,
-            "mmapped_mib": m.hblkhd // mib, "rss_mib": rss, "peak_mib": hwm}
+    return {
+        "heap_mib": m.arena // mib,
+        "in_use_mib": m.uordblks // mib,
+        "free_mib": m.fordblks // mib,
+        "mmapped_mib": m.hblkhd // mib,
+        "rss_mib": rss,
+        "peak_mib": hwm,
+    }
 
 
 def heap_child(argv: list[str]) -> None:
@@ -110,8 +144,13 @@ def heap_runs(data: Path, out: Path) -> dict:
     res = {}
     for name, env in (("probe", {}), ("probe_off", {"TORCHSPRINT_SPEED_PROBE": "off"})):
         argv = [f"data.root={data}", *JOB, "run.epochs=3", f"run.dir={out / ('heap_' + name)}"]
-        r = subprocess.run([sys.executable, "-m", __spec__.name, "--heap-child", *argv], capture_output=True, text=True,
-                           env=child_env(env), cwd=out)
+        r = subprocess.run(
+            [sys.executable, "-m", __spec__.name, "--heap-child", *argv],
+            capture_output=True,
+            text=True,
+            env=child_env(env),
+            cwd=out,
+        )
         line = [x for x in r.stdout.splitlines() if x.startswith("HEAP ")]
         if not line:
             raise SystemExit(f"heap child {name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
@@ -146,9 +185,12 @@ print(round(1000 * statistics.median(main), 1), round(1000 * statistics.median(o
 def thread_runs() -> dict:
     """Step ms on the main thread and on a second thread, under glibc's default and fixed mmap thresholds."""
     res = {}
-    for name, env in (("default", {}), ("mmap_32MiB", {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}),
-                      ("mmap_4MiB", {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}),
-                      ("mmap_128KiB", {"MALLOC_MMAP_THRESHOLD_": "131072"})):
+    for name, env in (
+        ("default", {}),
+        ("mmap_32MiB", {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}),
+        ("mmap_4MiB", {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}),
+        ("mmap_128KiB", {"MALLOC_MMAP_THRESHOLD_": "131072"}),
+    ):
         r = subprocess.run([sys.executable, "-c", THREAD_STEP], capture_output=True, text=True, env=os.environ | env)
         main_ms, thread_ms = (float(v) for v in r.stdout.split())
         res[name] = {"main_thread_ms": main_ms, "second_thread_ms": thread_ms}
@@ -176,9 +218,18 @@ def main() -> None:
     train, val = (120, 40) if args.smoke else (2000, 500)
     epochs = 1 if args.smoke else args.epochs
     data = make_data(Path(args.root), train, val)
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "cpu": cpu_info(), "torch": torch.__version__, "revision": rev, "epochs": epochs, "runs": []}
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu_info(),
+        "torch": torch.__version__,
+        "revision": rev,
+        "epochs": epochs,
+        "runs": [],
+    }
     skip = set(filter(None, args.skip.split(",")))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -199,8 +250,10 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     for r in result["runs"]:
-        print(f"{r['variant']:<14} peak {r['peak_mib']:5d} MiB  wall {r['wall_s']:6.1f} s  own {r['own_rate']:6.1f} img/s"
-              f"  top-1 {r['top1']:.3f}")
+        print(
+            f"{r['variant']:<14} peak {r['peak_mib']:5d} MiB  wall {r['wall_s']:6.1f} s  own {r['own_rate']:6.1f} img/s"
+            f"  top-1 {r['top1']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -132,16 +132,24 @@ def engine_case(name: str, args, log_dir: Path) -> None:
     torchsprint_run(model, dataset, bs, lr, "cpu", 1, log_dir, "false", CLOCK)
     torchsprint_run(model, dataset, bs, lr, "memory", 1, log_dir, clock=CLOCK)
     p, s, m = [], [], []
-    sides = [(p, plain), (s, partial(torchsprint_run, model, dataset, bs, lr, "cpu", epochs, log_dir, "false", CLOCK)),
-             (m, partial(torchsprint_run, model, dataset, bs, lr, "memory", epochs, log_dir, clock=CLOCK))]
+    sides = [
+        (p, plain),
+        (s, partial(torchsprint_run, model, dataset, bs, lr, "cpu", epochs, log_dir, "false", CLOCK)),
+        (m, partial(torchsprint_run, model, dataset, bs, lr, "memory", epochs, log_dir, clock=CLOCK)),
+    ]
     for r in range(args.repeats):
-        for out, fn in sides[r % 3:] + sides[: r % 3]:  # rotate the order: no side always runs first
+        for out, fn in sides[r % 3 :] + sides[: r % 3]:  # rotate the order: no side always runs first
             out.append(fn())
     cols = []
     for side in (s, m):
-        cols.append(f"{statistics.median(side):.0f} | {statistics.median(a / b for a, b in zip(side, p)):.2f}x | "
-                    f"{statistics.median(overhead_us(a, b, bs) for a, b in zip(side, p)):+.0f}")
-    print(f"| {name} (n={len(x)}, bs={bs}, {epochs} ep) | {statistics.median(p):.0f} | {cols[0]} | {cols[1]} |", flush=True)
+        cols.append(
+            f"{statistics.median(side):.0f} | {statistics.median(a / b for a, b in zip(side, p)):.2f}x | "
+            f"{statistics.median(overhead_us(a, b, bs) for a, b in zip(side, p)):+.0f}"
+        )
+    print(
+        f"| {name} (n={len(x)}, bs={bs}, {epochs} ep) | {statistics.median(p):.0f} | {cols[0]} | {cols[1]} |",
+        flush=True,
+    )
 
 
 def default_case(args, work: Path) -> None:
@@ -150,14 +158,17 @@ def default_case(args, work: Path) -> None:
     p, s = [], []
     for r in range(args.repeats):
         sides = [(p, lambda: plain_default_run(x, y, xv, yv)), (s, lambda: torchsprint_default_run(work))]
-        for out, fn in sides[r % 2:] + sides[: r % 2]:
+        for out, fn in sides[r % 2 :] + sides[: r % 2]:
             out.append(fn())
     ratio = statistics.median(a[0] / b[0] for a, b in zip(s, p))
     over = statistics.median(overhead_us(a[0], b[0], 64) for a, b in zip(s, p))
-    print(f"\ndigits default run ({args.repeats} interleaved pairs): plain loop {statistics.median(a for a, _ in p):.0f} "
-          f"train img/s ({statistics.median(b for _, b in p):.2f} s whole run), torchsprint train defaults "
-          f"{statistics.median(a for a, _ in s):.0f} train img/s ({statistics.median(b for _, b in s):.2f} s whole run, "
-          f"evaluation, checkpoints and files included): {ratio:.2f}x, {over:+.0f} us/step", flush=True)
+    print(
+        f"\ndigits default run ({args.repeats} interleaved pairs): plain loop {statistics.median(a for a, _ in p):.0f} "
+        f"train img/s ({statistics.median(b for _, b in p):.2f} s whole run), torchsprint train defaults "
+        f"{statistics.median(a for a, _ in s):.0f} train img/s ({statistics.median(b for _, b in s):.2f} s whole run, "
+        f"evaluation, checkpoints and files included): {ratio:.2f}x, {over:+.0f} us/step",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -166,8 +177,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600, help="at least this many optimizer steps per measurement")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--cases", default="digits,linear32,linear128,small_cnn,resnet18,digits_default")
-    ap.add_argument("--clock", choices=["wall", "process"], default="wall",
-                    help="process: CPU seconds (time.process_time) instead of wall seconds; engine cases only")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "process"],
+        default="wall",
+        help="process: CPU seconds (time.process_time) instead of wall seconds; engine cases only",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,10 +192,14 @@ def main() -> None:
     import os
 
     work = Path(tempfile.mkdtemp(prefix="vs-plain-"))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, {args.repeats} interleaved repeats, "
-          f">= {args.steps} steps each, load average {os.getloadavg()[0]:.2f} at start")
-    print("| case | plain loop img/s | torchsprint, same settings (cpu backend, NCHW) img/s | ratio | overhead us/step "
-          "| torchsprint, own defaults (memory backend, channels_last auto) img/s | ratio | overhead us/step |")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, {args.repeats} interleaved repeats, "
+        f">= {args.steps} steps each, load average {os.getloadavg()[0]:.2f} at start"
+    )
+    print(
+        "| case | plain loop img/s | torchsprint, same settings (cpu backend, NCHW) img/s | ratio | overhead us/step "
+        "| torchsprint, own defaults (memory backend, channels_last auto) img/s | ratio | overhead us/step |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.cases.split(","):
         if name == "digits_default":

@@ -41,17 +41,33 @@ from benchmarks.common.timm_job import make_data, timm_run
 
 def torchsprint_run(args, data: Path, seed: int, out: Path) -> dict:
     run_dir = out / f"ts-seed{seed}"
-    over = [f"data.root={data}", "data.batch_size=32", "data.eval_batch_size=32",
-            "data.train.transforms=[{random_resized_crop: 112}, hflip, {normalize: imagenet}]",
-            "data.eval.transforms=[{resize: 128}, {center_crop: 112}, {normalize: imagenet}]",
-            "model.name=resnet18", "optim.lr=0.1", "sched.warmup_epochs=0", f"run.epochs={args.epochs}",
-            f"run.seed={seed}", f"run.dir={run_dir}", "log.tensorboard=false", "log.progress=false"]
+    over = [
+        f"data.root={data}",
+        "data.batch_size=32",
+        "data.eval_batch_size=32",
+        "data.train.transforms=[{random_resized_crop: 112}, hflip, {normalize: imagenet}]",
+        "data.eval.transforms=[{resize: 128}, {center_crop: 112}, {normalize: imagenet}]",
+        "model.name=resnet18",
+        "optim.lr=0.1",
+        "sched.warmup_epochs=0",
+        f"run.epochs={args.epochs}",
+        f"run.seed={seed}",
+        f"run.dir={run_dir}",
+        "log.tensorboard=false",
+        "log.progress=false",
+    ]
     text, wall, rss = timed([sys.executable, "-m", "torchsprint", "train", *over], out)
     s = json.loads((run_dir / "summary.json").read_text())
     d = json.loads((run_dir / "decisions.json").read_text())
-    return {"side": "torchsprint", "flags": {k: d.get(k) for k in ("precision", "channels_last", "backend")},
-            "precision_why": d.get("precision_why"), "own_rate": s["train_images_per_s"], "wall_s": wall,
-            "peak_mib": rss, "top1": s["final"]["val/top1"]}
+    return {
+        "side": "torchsprint",
+        "flags": {k: d.get(k) for k in ("precision", "channels_last", "backend")},
+        "precision_why": d.get("precision_why"),
+        "own_rate": s["train_images_per_s"],
+        "wall_s": wall,
+        "peak_mib": rss,
+        "top1": s["final"]["val/top1"],
+    }
 
 
 def main() -> None:
@@ -74,10 +90,20 @@ def main() -> None:
         args.epochs, args.seeds, args.timm_workers = 1, "0", "0"
     data = make_data(Path(args.root), train, val)
     cpu = cpu_info()
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "cpu": cpu, "torch": torch.__version__, "timm": timm.__version__, "revision": rev,
-              "images": {"train": train, "val": val}, "epochs": args.epochs, "runs": []}
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "revision": rev,
+        "images": {"train": train, "val": val},
+        "epochs": args.epochs,
+        "runs": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         for seed in [int(s) for s in args.seeds.split(",")]:
@@ -94,13 +120,17 @@ def main() -> None:
     rows = {}
     for r in result["runs"]:
         r["images_per_s"] = job_images / r["wall_s"]
-        rows.setdefault(r["side"] + ("" if r["side"] == "torchsprint" else " " + " ".join(r["flags"][-2:])), []).append(r)
+        rows.setdefault(r["side"] + ("" if r["side"] == "torchsprint" else " " + " ".join(r["flags"][-2:])), []).append(
+            r
+        )
     print(f"\n{'side':<16} {'img/s (job)':>11} {'own rate':>9} {'top-1 mean +- std':>18} {'peak MiB':>9}")
     for name, rs in rows.items():
         tops = [r["top1"] for r in rs]
-        print(f"{name:<16} {statistics.median(r['images_per_s'] for r in rs):11.1f} "
-              f"{statistics.median(r['own_rate'] for r in rs):9.1f} {statistics.fmean(tops):9.4f} +- "
-              f"{statistics.stdev(tops) if len(tops) > 1 else 0:.4f} {max(r['peak_mib'] for r in rs):9d}")
+        print(
+            f"{name:<16} {statistics.median(r['images_per_s'] for r in rs):11.1f} "
+            f"{statistics.median(r['own_rate'] for r in rs):9.1f} {statistics.fmean(tops):9.4f} +- "
+            f"{statistics.stdev(tops) if len(tops) > 1 else 0:.4f} {max(r['peak_mib'] for r in rs):9d}"
+        )
     ts = statistics.median(r["images_per_s"] for r in rows["torchsprint"])
     best = max((statistics.median(r["images_per_s"] for r in rs), n) for n, rs in rows.items() if n != "torchsprint")
     result["ratio_vs_timm_best"] = ts / best[0]

@@ -27,7 +27,12 @@ from pathlib import Path
 
 from benchmarks.common.photos import make_folder
 
-COUNTS = {"disc": 1400, "square": 700, "triangle": 424, "cross": 100}  # 2,624 images, 14x between the largest and smallest
+COUNTS = {
+    "disc": 1400,
+    "square": 700,
+    "triangle": 424,
+    "cross": 100,
+}  # 2,624 images, 14x between the largest and smallest
 
 
 def make_case(root: Path) -> None:
@@ -63,9 +68,16 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "counts": COUNTS, "epochs_trained": args.epochs,
-           "repeats": args.repeats, "backends": {"cpu": [], "memory": []}, "auto": []}
+    out = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "counts": COUNTS,
+        "epochs_trained": args.epochs,
+        "repeats": args.repeats,
+        "backends": {"cpu": [], "memory": []},
+        "auto": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "grey_png"
         make_case(root)
@@ -85,21 +97,30 @@ def main() -> None:
                 # Epoch k's training + evaluation: from the previous epoch's evaluation record to this one's; epoch 1's
                 # start is not in the log, so the steady epochs (2..) give the per-epoch time.
                 per_epoch = (evals[-1] - evals[0]) / (len(evals) - 1) if len(evals) > 1 else None
-                run = {"wall_s": round(wall, 1), "train_images_per_s": round(summary["train_images_per_s"], 1),
-                       "data_wait_share": round(summary["data_wait_share"], 3),
-                       "steady_epoch_s": None if per_epoch is None else round(per_epoch, 1),
-                       "projected_8_epochs_s": None if per_epoch is None else round(wall + (8 - args.epochs) * per_epoch, 1)}
+                run = {
+                    "wall_s": round(wall, 1),
+                    "train_images_per_s": round(summary["train_images_per_s"], 1),
+                    "data_wait_share": round(summary["data_wait_share"], 3),
+                    "steady_epoch_s": None if per_epoch is None else round(per_epoch, 1),
+                    "projected_8_epochs_s": None
+                    if per_epoch is None
+                    else round(wall + (8 - args.epochs) * per_epoch, 1),
+                }
                 out["backends"][name].append(run)
                 print(json.dumps({name: run}), flush=True)
     proj = {k: [r["projected_8_epochs_s"] for r in v] for k, v in out["backends"].items()}
     if all(x is not None for v in proj.values() for x in v):
-        out["projected_8_epochs_s"] = {k: {"mean": round(sum(v) / len(v), 1), "min": min(v), "max": max(v)}
-                                       for k, v in proj.items()}
+        out["projected_8_epochs_s"] = {
+            k: {"mean": round(sum(v) / len(v), 1), "min": min(v), "max": max(v)} for k, v in proj.items()
+        }
         (a, b) = sorted(proj, key=lambda k: sum(proj[k]))
         out["faster"] = a if max(proj[a]) < min(proj[b]) else "tie"
         picks = [r["picked"] for r in out["auto"]]
-        out["auto_picked_the_faster"] = (all(p == out["faster"] for p in picks) if out["faster"] != "tie"
-                                         else "tie: either pick is as fast within the run-to-run spread")
+        out["auto_picked_the_faster"] = (
+            all(p == out["faster"] for p in picks)
+            if out["faster"] != "tie"
+            else "tie: either pick is as fast within the run-to-run spread"
+        )
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: out[k] for k in ("projected_8_epochs_s", "faster", "auto_picked_the_faster") if k in out}))
 

@@ -38,8 +38,14 @@ def naive_loader(samples, batch_size: int, workers: int):
     import torchvision.transforms as T
     from PIL import Image
 
-    tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    tf = T.Compose(
+        [
+            T.RandomResizedCrop(224),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ]
+    )
 
     class Naive(torch.utils.data.Dataset):
         def __len__(self):
@@ -49,24 +55,40 @@ def naive_loader(samples, batch_size: int, workers: int):
             path, label = samples[i]
             return tf(Image.open(path).convert("RGB")), label
 
-    return torch.utils.data.DataLoader(Naive(), batch_size=batch_size, shuffle=True, num_workers=workers,
-                                       persistent_workers=workers > 0, drop_last=True)
+    return torch.utils.data.DataLoader(
+        Naive(),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        drop_last=True,
+    )
 
 
-def torchsprint_loader(root: str, backend: str, decoder: str, batch_size: int, workers: int, n: int, device: str = "cpu",
-                       extra: tuple = ()):
+def torchsprint_loader(
+    root: str, backend: str, decoder: str, batch_size: int, workers: int, n: int, device: str = "cpu", extra: tuple = ()
+):
     import torch
 
     from torchsprint import config
     from torchsprint.data import build_loaders
     from torchsprint.runtime.core import Runtime
 
-    cfg = config.load(None, [
-        "data.dataset=synthetic_jpeg", f"data.root={root}", f"data.options={{num_images: {n}, val_images: 8}}",
-        f"data.backend={backend}", f"data.decoder={decoder}", f"data.batch_size={batch_size}", f"data.num_workers={workers}",
-        "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
-        "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]", *extra,
-    ])
+    cfg = config.load(
+        None,
+        [
+            "data.dataset=synthetic_jpeg",
+            f"data.root={root}",
+            f"data.options={{num_images: {n}, val_images: 8}}",
+            f"data.backend={backend}",
+            f"data.decoder={decoder}",
+            f"data.batch_size={batch_size}",
+            f"data.num_workers={workers}",
+            "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
+            "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]",
+            *extra,
+        ],
+    )
     loaders = build_loaders(cfg.data, Runtime(torch.device(device)), seed=0)
     return loaders.train
 
@@ -117,8 +139,10 @@ def gpu_main(args) -> None:
     }
     if dali_available():
         variants["dali backend"] = ("dali", ())
-    loaders = {name: torchsprint_loader(args.root, backend, "auto", args.batch_size, args.workers, args.images, dev, extra)
-               for name, (backend, extra) in variants.items()}
+    loaders = {
+        name: torchsprint_loader(args.root, backend, "auto", args.batch_size, args.workers, args.images, dev, extra)
+        for name, (backend, extra) in variants.items()
+    }
     results: dict[str, list[float]] = {name: [] for name in variants}
     thread_cpu: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.repeats):
@@ -132,8 +156,10 @@ def gpu_main(args) -> None:
     cpu_loader = torchsprint_loader(args.root, "cpu", "auto", args.batch_size, 0, args.images)
     per_core = 1 / statistics.median(cpu_seconds_per_image(cpu_loader, False) for _ in range(args.repeats))
     gpu_name = torch.cuda.get_device_name() if torch.cuda.is_available() else dev
-    print(f"{args.images} JPEGs 500x375 q90, batch {args.batch_size}, {args.workers} workers, {os.cpu_count()} cores, "
-          f"{gpu_name}, torch {torch.__version__} ({time.strftime('%Y-%m-%d %H:%M')})")
+    print(
+        f"{args.images} JPEGs 500x375 q90, batch {args.batch_size}, {args.workers} workers, {os.cpu_count()} cores, "
+        f"{gpu_name}, torch {torch.__version__} ({time.strftime('%Y-%m-%d %H:%M')})"
+    )
     print("| loader | images/s (median) | min-max | training thread's CPU ms per batch (median) |")
     print("|---|---|---|---|")
     rows = {}
@@ -147,11 +173,25 @@ def gpu_main(args) -> None:
     if not dali_available():
         print("dali backend: not measured, NVIDIA DALI is not installed here")
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "device": gpu_name, "torch": torch.__version__, "images": args.images, "batch_size": args.batch_size,
-            "workers": args.workers, "images_per_s": rows, "cpu_backend_per_core": per_core, "runs": results,
-            "gpu_cpu_fallbacks": fallbacks, "final_cpu_fraction": final_fraction, "thread_cpu_ms_per_batch": thread_ms,
-            "dali": "measured" if dali_available() else "not installed"}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": gpu_name,
+                    "torch": torch.__version__,
+                    "images": args.images,
+                    "batch_size": args.batch_size,
+                    "workers": args.workers,
+                    "images_per_s": rows,
+                    "cpu_backend_per_core": per_core,
+                    "runs": results,
+                    "gpu_cpu_fallbacks": fallbacks,
+                    "final_cpu_fraction": final_fraction,
+                    "thread_cpu_ms_per_batch": thread_ms,
+                    "dali": "measured" if dali_available() else "not installed",
+                },
+                indent=1,
+            )
+        )
 
 
 def decoder_micro(paths: list[Path], repeats: int) -> dict:
@@ -175,7 +215,9 @@ def decoder_micro(paths: list[Path], repeats: int) -> dict:
         return np.asarray(im.convert("RGB"))
 
     variants = {
-        "torchvision.io.decode_jpeg": lambda b: decode_jpeg(torch.frombuffer(bytearray(b), dtype=torch.uint8), mode=ImageReadMode.RGB),
+        "torchvision.io.decode_jpeg": lambda b: decode_jpeg(
+            torch.frombuffer(bytearray(b), dtype=torch.uint8), mode=ImageReadMode.RGB
+        ),
         "PIL Image.open + convert": pil,
         "PIL + draft(224) (DCT scaling)": pil_draft,
     }
@@ -183,7 +225,9 @@ def decoder_micro(paths: list[Path], repeats: int) -> dict:
         import simplejpeg
 
         variants["simplejpeg"] = lambda b: simplejpeg.decode_jpeg(b)
-        variants["simplejpeg min 224 (DCT scaling)"] = lambda b: simplejpeg.decode_jpeg(b, min_height=224, min_width=224)
+        variants["simplejpeg min 224 (DCT scaling)"] = lambda b: simplejpeg.decode_jpeg(
+            b, min_height=224, min_width=224
+        )
     except ImportError:
         pass
     out = {}
@@ -217,8 +261,14 @@ def stage_breakdown(paths: list[Path], repeats: int, n: int = 192, batch: int = 
     pils = [Image.open(p).convert("RGB") for p in paths]
     v2_tf = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()])
     fast_tf = compile_spec([{"random_resized_crop": {"size": 224}}, "hflip"], "bench").cpu
-    naive_tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
-                          T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    naive_tf = T.Compose(
+        [
+            T.RandomResizedCrop(224),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ]
+    )
     crops = [fast_tf(x) for x in decoded]
     norm = DeviceNormalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), torch.device("cpu"))
     recycled = DeviceNormalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), torch.device("cpu"), recycle=True)
@@ -323,7 +373,9 @@ def main() -> None:
         loaders[name] = torchsprint_loader(args.root, v[0], v[1], args.batch_size, args.workers, args.images)
     ds, _, split = cpu_backend_parts(loaders["cpu backend, decoder=auto"])
     samples = ds.raws[split].samples
-    loaders["naive: PIL + torchvision transforms (float in workers)"] = naive_loader(samples, args.batch_size, args.workers)
+    loaders["naive: PIL + torchvision transforms (float in workers)"] = naive_loader(
+        samples, args.batch_size, args.workers
+    )
     results: dict[str, list[float]] = {name: [] for name in variants}
     load_before = os.getloadavg()
     with LoadSampler() as load:
@@ -337,15 +389,21 @@ def main() -> None:
     base = statistics.median(results["naive: PIL + torchvision transforms (float in workers)"])
     cores = os.cpu_count()
     ls = load.samples or [os.getloadavg()[0]]
-    print(f"{len(samples)} JPEGs 500x375, batch {args.batch_size}, {args.workers} workers, {cores} cores, "
-          f"1-min load average before {load_before[0]:.2f}, during min/median/max "
-          f"{min(ls):.2f}/{statistics.median(ls):.2f}/{max(ls):.2f} ({time.strftime('%Y-%m-%d %H:%M')})")
+    print(
+        f"{len(samples)} JPEGs 500x375, batch {args.batch_size}, {args.workers} workers, {cores} cores, "
+        f"1-min load average before {load_before[0]:.2f}, during min/median/max "
+        f"{min(ls):.2f}/{statistics.median(ls):.2f}/{max(ls):.2f} ({time.strftime('%Y-%m-%d %H:%M')})"
+    )
     base_cpu = statistics.median(cpu_s["naive: PIL + torchvision transforms (float in workers)"])
-    print("| variant | images/s, 2 workers (median) | min-max | vs naive | CPU ms per image, 1 thread | images/s per core | vs naive |")
+    print(
+        "| variant | images/s, 2 workers (median) | min-max | vs naive | CPU ms per image, 1 thread | images/s per core | vs naive |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, xs in results.items():
         med, c = statistics.median(xs), statistics.median(cpu_s[name])
-        print(f"| {name} | {med:.0f} | {min(xs):.0f}-{max(xs):.0f} | {med / base:.2f}x | {c * 1e3:.2f} | {1 / c:.0f} | {base_cpu / c:.2f}x |")
+        print(
+            f"| {name} | {med:.0f} | {min(xs):.0f}-{max(xs):.0f} | {med / base:.2f}x | {c * 1e3:.2f} | {1 / c:.0f} | {base_cpu / c:.2f}x |"
+        )
     print()
     paths = sorted(Path(args.root).glob("*/train/*/*.jpg"))
     print("| step (one thread, 500x375 JPEG, 224 output) | CPU ms per image |")

@@ -56,8 +56,19 @@ print(json.dumps({"images_per_s": statistics.median(rates), "rounds": [round(r, 
 
 def train(root: Path, out: Path, env: dict, cache: str, epochs: int, seed: int) -> dict:
     """One `torchsprint train data.root=ROOT` run with data.cache=`cache`: its figures."""
-    args = [sys.executable, "-m", "torchsprint", "train", f"data.root={root}", f"run.epochs={epochs}",
-            f"data.cache={cache}", f"run.seed={seed}", f"run.dir={out}", "log.every_steps=1", "log.tensorboard=false"]
+    args = [
+        sys.executable,
+        "-m",
+        "torchsprint",
+        "train",
+        f"data.root={root}",
+        f"run.epochs={epochs}",
+        f"data.cache={cache}",
+        f"run.seed={seed}",
+        f"run.dir={out}",
+        "log.every_steps=1",
+        "log.tensorboard=false",
+    ]
     start = time.time()
     done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO)
     wall = time.time() - start
@@ -69,23 +80,36 @@ def train(root: Path, out: Path, env: dict, cache: str, epochs: int, seed: int) 
     summary = json.loads((out / "summary.json").read_text())
     decisions = json.loads((out / "decisions.json").read_text())
     later = epochs_rows[1:] or epochs_rows
-    return {"cache": cache, "seed": seed, "wall_s": round(wall, 2),
-            "first_step_s": round(steps[0]["time"] - start, 2) if steps else None,
-            "epoch_images_per_s": [round(r["train/epoch_images_per_s"], 2) for r in epochs_rows],
-            "data_wait": [round(r["train/data_wait_share"], 4) for r in epochs_rows],
-            "images_per_s_after_first": round(statistics.mean(r["train/epoch_images_per_s"] for r in later), 2),
-            "data_wait_after_first": round(statistics.mean(r["train/data_wait_share"] for r in later), 4),
-            "top1": summary["final"].get("val/top1"), "balanced_acc": summary["final"].get("val/balanced_acc"),
-            "cache_record": decisions.get("cache"), "backend": decisions.get("backend"),
-            "backend_why": decisions.get("backend_why"), "precision": decisions.get("precision"),
-            "precision_why": decisions.get("precision_why"), "batch": decisions.get("batch_size")}
+    return {
+        "cache": cache,
+        "seed": seed,
+        "wall_s": round(wall, 2),
+        "first_step_s": round(steps[0]["time"] - start, 2) if steps else None,
+        "epoch_images_per_s": [round(r["train/epoch_images_per_s"], 2) for r in epochs_rows],
+        "data_wait": [round(r["train/data_wait_share"], 4) for r in epochs_rows],
+        "images_per_s_after_first": round(statistics.mean(r["train/epoch_images_per_s"] for r in later), 2),
+        "data_wait_after_first": round(statistics.mean(r["train/data_wait_share"] for r in later), 4),
+        "top1": summary["final"].get("val/top1"),
+        "balanced_acc": summary["final"].get("val/balanced_acc"),
+        "cache_record": decisions.get("cache"),
+        "backend": decisions.get("backend"),
+        "backend_why": decisions.get("backend_why"),
+        "precision": decisions.get("precision"),
+        "precision_why": decisions.get("precision_why"),
+        "batch": decisions.get("batch_size"),
+    }
 
 
 def model_alone(run_dir: Path, env: dict) -> dict:
     """The run's own model, batch, precision and format stepping on one batch in memory (MODEL_ALONE)."""
     with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([sys.executable, "-c", MODEL_ALONE, str(run_dir / "config.yaml"), tmp],
-                              capture_output=True, text=True, env=env, cwd=REPO)
+        done = subprocess.run(
+            [sys.executable, "-c", MODEL_ALONE, str(run_dir / "config.yaml"), tmp],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
     if done.returncode != 0:
         raise SystemExit(f"model alone failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -96,13 +120,28 @@ def machine() -> dict:
 
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "avx512_bf16": "avx512_bf16" in flags,
-            "amx": "amx_tile" in flags, "torch": torch.__version__, "python": platform.python_version(),
-            "revision": rev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx": "amx_tile" in flags,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "revision": rev,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def main() -> None:
@@ -115,9 +154,12 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--work", type=Path, default=None, help="folder for the data, caches and runs (default: a temp one)")
-    p.add_argument("--variants", default="files,cache-first,cache-second",
-                   help="which runs per seed (files: data.cache=off, measured again; cache-first / cache-second: "
-                        "data.cache=auto, the first building the cache where none is)")
+    p.add_argument(
+        "--variants",
+        default="files,cache-first,cache-second",
+        help="which runs per seed (files: data.cache=off, measured again; cache-first / cache-second: "
+        "data.cache=auto, the first building the cache where none is)",
+    )
     p.add_argument("--first-seed", type=int, default=0)
     a = p.parse_args()
     work = a.work or Path(tempfile.mkdtemp(prefix="image-cache-bench-"))
@@ -134,8 +176,12 @@ def main() -> None:
             counts = make_real_photos(root, work, counts=tuple(max(1, round(c * scale)) for c in COUNTS))
     else:
         counts = {d.name: len(list(d.iterdir())) for d in sorted(root.iterdir())}
-    env = dict(os.environ, TORCHSPRINT_CACHE_DIR=str(work / "cache"), TORCHSPRINT_MEASURED_DIR=str(work / "measured"),
-               PYTHONPATH=str(REPO / "src"))
+    env = dict(
+        os.environ,
+        TORCHSPRINT_CACHE_DIR=str(work / "cache"),
+        TORCHSPRINT_MEASURED_DIR=str(work / "measured"),
+        PYTHONPATH=str(REPO / "src"),
+    )
     runs = []
     wanted = a.variants.split(",")
     for seed in range(a.first_seed, a.first_seed + a.seeds):
@@ -149,16 +195,37 @@ def main() -> None:
             r = train(root, work / f"run-{name}-{seed}", run_env, cache, a.epochs, seed)
             r["name"] = name
             runs.append(r)
-            print(json.dumps({k: r[k] for k in ("name", "wall_s", "first_step_s", "epoch_images_per_s", "data_wait",
-                                                 "top1", "balanced_acc")}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        k: r[k]
+                        for k in (
+                            "name",
+                            "wall_s",
+                            "first_step_s",
+                            "epoch_images_per_s",
+                            "data_wait",
+                            "top1",
+                            "balanced_acc",
+                        )
+                    }
+                ),
+                flush=True,
+            )
     last = runs[-1]
     alone = model_alone(work / f"run-{last['name']}-{last['seed']}", env)
     print(json.dumps({"model_alone": alone}), flush=True)
-    out = {"machine": machine(), "data": {"kind": "generated" if a.generated else "real", "counts": counts,
-                                          "root": str(root)},
-           "epochs": a.epochs, "seeds": a.seeds, "runs": runs, "model_alone": alone,
-           "ratios": {r["name"] + f"-{r['seed']}": round(r["images_per_s_after_first"] / alone["images_per_s"], 3)
-                      for r in runs}}
+    out = {
+        "machine": machine(),
+        "data": {"kind": "generated" if a.generated else "real", "counts": counts, "root": str(root)},
+        "epochs": a.epochs,
+        "seeds": a.seeds,
+        "runs": runs,
+        "model_alone": alone,
+        "ratios": {
+            r["name"] + f"-{r['seed']}": round(r["images_per_s_after_first"] / alone["images_per_s"], 3) for r in runs
+        },
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(out["ratios"]))

@@ -55,20 +55,30 @@ def build(variant: str, root: Path, shards: Path, args):
     from torchsprint.data.core import DATASETS, LOADERS
     from torchsprint.runtime.core import Runtime
 
-    common = [f"data.batch_size={args.batch_size}", f"data.num_workers={args.workers}", "data.drop_last=false",
-              "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
-              "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]"]
+    common = [
+        f"data.batch_size={args.batch_size}",
+        f"data.num_workers={args.workers}",
+        "data.drop_last=false",
+        "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
+        "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]",
+    ]
     throttle = f"{sys.executable} {THROTTLED_CAT} --latency-ms {args.latency_ms} --mb-per-s {args.mb_per_s}"
     names = sorted(p.name for p in shards.glob("train-*.tar"))
     span = f"{{{names[0][6:12]}..{names[-1][6:12]}}}"
     over = {
         "image_folder": ["data.dataset=image_folder", f"data.root={root}"],
         "webdataset": ["data.dataset=webdataset", f"data.root={shards}"],
-        "webdataset pipe:cat": ["data.dataset=webdataset", f"data.root={shards}",
-                                f"data.options.train=pipe:cat {shards}/train-{span}.tar"],
+        "webdataset pipe:cat": [
+            "data.dataset=webdataset",
+            f"data.root={shards}",
+            f"data.options.train=pipe:cat {shards}/train-{span}.tar",
+        ],
         "image_folder, slow path": ["data.dataset=image_folder", f"data.root={root}"],
-        "webdataset, slow path": ["data.dataset=webdataset", f"data.root={shards}",
-                                  f"data.options.train=pipe:{throttle} {shards}/train-{span}.tar"],
+        "webdataset, slow path": [
+            "data.dataset=webdataset",
+            f"data.root={shards}",
+            f"data.options.train=pipe:{throttle} {shards}/train-{span}.tar",
+        ],
     }[variant]
     cfg = config.load(None, [*over, *common])
     splits = DATASETS.get(cfg.data.dataset)(cfg.data)
@@ -106,8 +116,15 @@ def main() -> None:
 
     torch.set_num_threads(1)
     base = Path(args.root)
-    folder = generate_synthetic_jpeg(base / f"jpeg-{args.images}", num_images=args.images, val_images=20, size=(500, 375),
-                                     classes=10, quality=90, seed=0)
+    folder = generate_synthetic_jpeg(
+        base / f"jpeg-{args.images}",
+        num_images=args.images,
+        val_images=20,
+        size=(500, 375),
+        classes=10,
+        quality=90,
+        seed=0,
+    )
     shards = base / f"shards-{args.images}-{args.shard_size}"
     info = shard(str(folder), str(shards), args.shard_size, progress=False)
     variants = ["image_folder", "webdataset", "webdataset pipe:cat", "image_folder, slow path", "webdataset, slow path"]
@@ -122,14 +139,22 @@ def main() -> None:
             load.append(os.getloadavg()[0])
     import importlib.metadata as md
 
-    out = {"images": args.images, "shards": info["shards"], "shard_mb": info["bytes"] / info["shards"] / 1e6,
-           "workers": args.workers, "latency_ms": args.latency_ms, "mb_per_s": args.mb_per_s,
-           "load": [min(load), statistics.median(load), max(load)],
-           "versions": {p: md.version(p) for p in ("torch", "torchvision", "webdataset", "simplejpeg")},
-           "rates": {v: {"median": statistics.median(x), "min": min(x), "max": max(x)} for v, x in rates.items()}}
+    out = {
+        "images": args.images,
+        "shards": info["shards"],
+        "shard_mb": info["bytes"] / info["shards"] / 1e6,
+        "workers": args.workers,
+        "latency_ms": args.latency_ms,
+        "mb_per_s": args.mb_per_s,
+        "load": [min(load), statistics.median(load), max(load)],
+        "versions": {p: md.version(p) for p in ("torch", "torchvision", "webdataset", "simplejpeg")},
+        "rates": {v: {"median": statistics.median(x), "min": min(x), "max": max(x)} for v, x in rates.items()},
+    }
     ref = out["rates"]["image_folder"]["median"]
-    print(f"{args.images} images, {info['shards']} shards of ~{out['shard_mb']:.1f} MB, {args.workers} workers, "
-          f"slow path {args.latency_ms} ms per open + {args.mb_per_s} MB/s; load {out['load']}")
+    print(
+        f"{args.images} images, {info['shards']} shards of ~{out['shard_mb']:.1f} MB, {args.workers} workers, "
+        f"slow path {args.latency_ms} ms per open + {args.mb_per_s} MB/s; load {out['load']}"
+    )
     for v, s in out["rates"].items():
         print(f"  {v:<26} {s['median']:7.0f} images/s  ({s['min']:.0f}-{s['max']:.0f})  {s['median'] / ref:.2f}x")
     if args.json:

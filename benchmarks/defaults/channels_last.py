@@ -60,12 +60,15 @@ def main() -> None:
         y = torch.randint(0, 10, (x.shape[0],), generator=g)
         runs: dict[str, list[float]] = {"nchw": [], "model": [], "full": []}
         for r in range(args.repeats):
-            for mode in list(runs)[r % 3:] + list(runs)[: r % 3]:
+            for mode in list(runs)[r % 3 :] + list(runs)[: r % 3]:
                 runs[mode].append(images_per_s(name, x, y, mode, steps))
         med = {k: statistics.median(v) for k, v in runs.items()}
         ratio = {k: statistics.median(a / b for a, b in zip(runs[k], runs["nchw"])) for k in runs}
-        print(f"| {name} | {x.shape[0]}x{c}x{s}x{s} | {med['nchw']:.0f} | {med['model']:.0f} | {ratio['model']:.2f}x | "
-              f"{med['full']:.0f} | {ratio['full']:.2f}x |", flush=True)
+        print(
+            f"| {name} | {x.shape[0]}x{c}x{s}x{s} | {med['nchw']:.0f} | {med['model']:.0f} | {ratio['model']:.2f}x | "
+            f"{med['full']:.0f} | {ratio['full']:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

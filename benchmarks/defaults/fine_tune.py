@@ -111,8 +111,16 @@ def make_set(root: Path, kinds: tuple[str, ...], per_class: int, val_per_class: 
 
 def run_cli(root: Path, run_dir: Path, overrides: list[str], env: dict) -> dict:
     """One `torchsprint train` as a subprocess: wall time, the final figures and every validation's time."""
-    cmd = [sys.executable, "-m", "torchsprint", "train", f"data.root={root}", f"run.dir={run_dir}",
-           "log.progress=false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchsprint",
+        "train",
+        f"data.root={root}",
+        f"run.dir={run_dir}",
+        "log.progress=false",
+        *overrides,
+    ]
     t0 = time.time()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - t0
@@ -125,13 +133,21 @@ def run_cli(root: Path, run_dir: Path, overrides: list[str], env: dict) -> dict:
     final = s["final"]
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in evals if e.get("kind") == "eval"]
-    row |= {"top1": round(final["val/top1"], 4), "balanced_acc": round(final["val/balanced_acc"], 4),
-            "f1_macro": round(final["val/f1_macro"], 4), "epochs_run": len(evals),
-            "train_images_per_s": s.get("train_images_per_s"), "init": s.get("init", {}).get("source"),
-            "curve": [(e["epoch"], round(e["time"] - t0, 1), round(e["val/top1"], 4)) for e in evals]}
+    row |= {
+        "top1": round(final["val/top1"], 4),
+        "balanced_acc": round(final["val/balanced_acc"], 4),
+        "f1_macro": round(final["val/f1_macro"], 4),
+        "epochs_run": len(evals),
+        "train_images_per_s": s.get("train_images_per_s"),
+        "init": s.get("init", {}).get("source"),
+        "curve": [(e["epoch"], round(e["time"] - t0, 1), round(e["val/top1"], 4)) for e in evals],
+    }
     decisions = json.loads((run_dir / "decisions.json").read_text())
-    row["chosen"] = {c["setting"]: c["value"] for c in decisions.get("chosen", []) if c["setting"] in
-                     ("model.pretrained", "optim.lr", "model.freeze_epochs", "sched.warmup_epochs")}
+    row["chosen"] = {
+        c["setting"]: c["value"]
+        for c in decisions.get("chosen", [])
+        if c["setting"] in ("model.pretrained", "optim.lr", "model.freeze_epochs", "sched.warmup_epochs")
+    }
     return row
 
 
@@ -156,8 +172,13 @@ def main() -> None:
     ap.add_argument("--lr-sizes", default="100", help="the --per-class sizes that get the --lrs sweep")
     ap.add_argument("--lrs", default="", help="extra fine-tuning rates per 256 images, e.g. 0.003,0.03,0.1")
     ap.add_argument("--cases", default="fine_tune,fine_tune_all,scratch")
-    ap.add_argument("--seed", type=int, default=0, help="run.seed of every fine-tuning and scratch run (set B's images "
-                    "and the pretraining stay the same): repeat with 1, 2 ... for the spread between seeds")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="run.seed of every fine-tuning and scratch run (set B's images "
+        "and the pretraining stay the same): repeat with 1, 2 ... for the spread between seeds",
+    )
     ap.add_argument("--work", default=None, help="work folder (default: a temporary one, removed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -166,14 +187,18 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TORCH_HOME": str(work / "torch"), "NO_PROXY": "127.0.0.1,localhost"}
     offline = {**env, "TORCHSPRINT_OFFLINE": "1"}
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
-                    "python": platform.python_version()}
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "argv": sys.argv[1:],
+        "python": platform.python_version(),
+    }
     import torch
 
     from torchsprint.runtime.machine import cpu_info
 
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                         capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
     result |= {"cpu": cpu_info(), "torch": torch.__version__, "revision": rev, "seed": args.seed}
 
     set_a = work / "set_a"
@@ -199,8 +224,11 @@ def main() -> None:
     lrs = [float(x) for x in args.lrs.split(",") if x]
     for n in [int(x) for x in args.per_class.split(",")]:
         root = make_set(work / f"set_b_{n}", SHAPES_B, n, args.val_per_class, args.size, seed=1)
-        common = [f"run.epochs={args.epochs}", "model.name=resnet18",  # named: weights alone do not pick the model
-                  f"run.seed={args.seed}"]
+        common = [
+            f"run.epochs={args.epochs}",
+            "model.name=resnet18",  # named: weights alone do not pick the model
+            f"run.seed={args.seed}",
+        ]
         ft = None
 
         def one(case: str, over: list[str], environ=env, n=n, root=root, common=common) -> dict:

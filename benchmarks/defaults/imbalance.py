@@ -42,8 +42,13 @@ SIDE = 80
 # The baseline sets every counter-measure off (and the monitor), so data.sampler=auto never applies to it.
 # precision=amp_bf16 in every run: what precision=auto picks on this CPU (native bf16) for runs long enough to measure;
 # a 150-step run is "too short to measure" and would train in fp32 at ~half the speed.
-OFF = ["data.sampler=shuffle", "loss.class_weights=null", "loss.logit_adjust=0", "checkpoint.monitor=val/top1",
-       "precision=amp_bf16"]
+OFF = [
+    "data.sampler=shuffle",
+    "loss.class_weights=null",
+    "loss.logit_adjust=0",
+    "checkpoint.monitor=val/top1",
+    "precision=amp_bf16",
+]
 VARIANTS = {
     "baseline": OFF,
     "class_weights": [o for o in OFF if not o.startswith("loss.class_weights")] + ["loss.class_weights=auto"],
@@ -76,8 +81,13 @@ def draw_shape(d, shape: str, x: int, y: int, r: int, col: int) -> None:
         d.line([(x - r, y - r), (x + r, y + r)], fill=col, width=max(2, r // 3))
         d.line([(x - r, y + r), (x + r, y - r)], fill=col, width=max(2, r // 3))
     elif shape == "star":
-        pts = [(x + (r if k % 2 == 0 else r // 2) * np.cos(np.pi * k / 5 - np.pi / 2),
-                y + (r if k % 2 == 0 else r // 2) * np.sin(np.pi * k / 5 - np.pi / 2)) for k in range(10)]
+        pts = [
+            (
+                x + (r if k % 2 == 0 else r // 2) * np.cos(np.pi * k / 5 - np.pi / 2),
+                y + (r if k % 2 == 0 else r // 2) * np.sin(np.pi * k / 5 - np.pi / 2),
+            )
+            for k in range(10)
+        ]
         d.polygon(pts, fill=col)
     else:
         raise ValueError(shape)
@@ -89,8 +99,11 @@ def draw_shape(d, shape: str, x: int, y: int, r: int, col: int) -> None:
 # JSON "too_hard"); "mid": features a 10-epoch run from scratch can learn, where the minority classes still lose.
 # "midhard" (between them): the baseline misses the smallest class (recall 0.00-0.03 on three seeds) yet learns the
 # rest, the issue's own picture; a fourth, (1/7, 2/9, 35, 80, 19.0), was too hard again (the majority class only).
-DIFFICULTY = {"hard": (1 / 8, 1 / 5, 30, 70, 22.0), "mid": (1 / 6, 2 / 7, 55, 120, 14.0),
-              "midhard": (1 / 7, 1 / 4, 45, 100, 16.0)}
+DIFFICULTY = {
+    "hard": (1 / 8, 1 / 5, 30, 70, 22.0),
+    "mid": (1 / 6, 2 / 7, 55, 120, 14.0),
+    "midhard": (1 / 7, 1 / 4, 45, 100, 16.0),
+}
 
 
 def make_image(rng: np.random.Generator, shape: str, side: int, difficulty: str = "mid"):
@@ -104,14 +117,17 @@ def make_image(rng: np.random.Generator, shape: str, side: int, difficulty: str 
     r = int(rng.integers(int(side * r_lo), int(side * r_hi)))  # mid: 13-22 px at 80 (10-18 at the training size, 64)
     x, y = int(rng.integers(r + 1, side - r - 1)), int(rng.integers(r + 1, side - r - 1))
     local = int(np.asarray(im)[y, x])
-    col = int(np.clip(local + rng.choice([-1, 1]) * rng.integers(c_lo, c_hi), 0, 255))  # low contrast, darker or lighter
+    col = int(
+        np.clip(local + rng.choice([-1, 1]) * rng.integers(c_lo, c_hi), 0, 255)
+    )  # low contrast, darker or lighter
     draw_shape(d, shape, x, y, r, col)
     a = np.asarray(im, dtype=np.float32) + rng.normal(0, noise, (side, side))  # sensor noise
     return Image.fromarray(np.clip(a, 0, 255).astype(np.uint8), "L")
 
 
-def make_folder(root: Path, shapes, counts: dict[str, tuple[int, ...]], side: int, seed: int,
-                difficulty: str = "mid") -> None:
+def make_folder(
+    root: Path, shapes, counts: dict[str, tuple[int, ...]], side: int, seed: int, difficulty: str = "mid"
+) -> None:
     """root/<split>/<shape>/NNNNN.jpg for each split's counts per class."""
     rng = np.random.default_rng(seed)
     for split, per_class in counts.items():
@@ -121,7 +137,9 @@ def make_folder(root: Path, shapes, counts: dict[str, tuple[int, ...]], side: in
                 make_image(rng, shape, side, difficulty).save(root / split / shape / f"{i:05d}.jpg", quality=90)
 
 
-def make_hard_folder(root: Path, side: int = SIDE, seed: int = 0, train=TRAIN, val=VAL, difficulty: str = "mid") -> None:
+def make_hard_folder(
+    root: Path, side: int = SIDE, seed: int = 0, train=TRAIN, val=VAL, difficulty: str = "mid"
+) -> None:
     make_folder(root, CLASSES, {"train": train, "val": val}, side, seed, difficulty)
 
 
@@ -136,8 +154,12 @@ def epoch_rows(run_dir: Path) -> list[dict]:
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             if "val/top1" in rec:
-                rows.append({"epoch": rec.get("epoch"), **{k: rec.get(f"val/{k}") for k in
-                                                           ("top1", "balanced_acc", "f1_macro", "min_recall")}})
+                rows.append(
+                    {
+                        "epoch": rec.get("epoch"),
+                        **{k: rec.get(f"val/{k}") for k in ("top1", "balanced_acc", "f1_macro", "min_recall")},
+                    }
+                )
     return rows
 
 
@@ -151,8 +173,12 @@ def run_cli(root: Path, run_dir: Path, overrides: list[str], log: Path) -> dict:
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     rows = epoch_rows(run_dir)
-    out = {"cmd": " ".join(["python -m torchsprint train", "data.root=DIR", *overrides]), "rc": rc,
-           "wall_s": round(time.monotonic() - t0, 1), "epochs": rows}
+    out = {
+        "cmd": " ".join(["python -m torchsprint train", "data.root=DIR", *overrides]),
+        "rc": rc,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "epochs": rows,
+    }
     if rows:
         out["last"] = rows[-1]
         out["best_balanced"] = max(rows, key=lambda r: r["balanced_acc"])
@@ -163,8 +189,11 @@ def table(results: dict) -> str:
     """The results as a Markdown table: each run's last epoch (top-1, balanced accuracy, macro-F1, weakest recall) and
     its change against the baseline of the same set, initialisation and seed, in points; then the best-balanced
     epoch's figures."""
-    rows = ["| run | top-1 | balanced acc | macro-F1 | weakest recall | vs baseline: top-1 / bal. acc / macro-F1 (pts) "
-            "| best bal. acc epoch: top-1 / bal. acc |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| run | top-1 | balanced acc | macro-F1 | weakest recall | vs baseline: top-1 / bal. acc / macro-F1 (pts) "
+        "| best bal. acc epoch: top-1 / bal. acc |",
+        "|---|---|---|---|---|---|---|",
+    ]
     runs = results["runs"]
     for key, r in runs.items():
         if "last" not in r:
@@ -173,10 +202,16 @@ def table(results: dict) -> str:
         last, best = r["last"], r["best_balanced"]
         parts = key.split("/")
         base = runs.get("/".join([*parts[:-3], "baseline", *parts[-2:]]), {}).get("last")
-        delta = " / ".join(f"{100 * (last[k] - base[k]):+.1f}" for k in ("top1", "balanced_acc", "f1_macro")) if base else ""
-        rows.append(f"| {key} | {last['top1']:.3f} | {last['balanced_acc']:.3f} | {last['f1_macro']:.3f} | "
-                    f"{last['min_recall']:.3f} | {delta} | {best['top1']:.3f} / {best['balanced_acc']:.3f} "
-                    f"(epoch {best['epoch']}) |")
+        delta = (
+            " / ".join(f"{100 * (last[k] - base[k]):+.1f}" for k in ("top1", "balanced_acc", "f1_macro"))
+            if base
+            else ""
+        )
+        rows.append(
+            f"| {key} | {last['top1']:.3f} | {last['balanced_acc']:.3f} | {last['f1_macro']:.3f} | "
+            f"{last['min_recall']:.3f} | {delta} | {best['top1']:.3f} / {best['balanced_acc']:.3f} "
+            f"(epoch {best['epoch']}) |"
+        )
     return "\n".join(rows)
 
 
@@ -186,13 +221,20 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/imbalance_bench"), help="generated folders and run folders")
     ap.add_argument("--logs", type=Path, default=None, help="each run's output (default: WORK/logs)")
     ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--pretrain-epochs", type=int, default=30,
-                    help="the pretraining run's epochs (10 reached 0.36 val top-1 on its 4 balanced classes, 0.25 chance)")
+    ap.add_argument(
+        "--pretrain-epochs",
+        type=int,
+        default=30,
+        help="the pretraining run's epochs (10 reached 0.36 val top-1 on its 4 balanced classes, 0.25 chance)",
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--init", default="scratch,pretrained", help="scratch, pretrained or both")
     ap.add_argument("--seeds", default="0", help="run.seed values, e.g. 0,1")
-    ap.add_argument("--train-counts", default=",".join(map(str, TRAIN)),
-                    help="training images per class (disc, square, triangle, cross); another ratio: another --set")
+    ap.add_argument(
+        "--train-counts",
+        default=",".join(map(str, TRAIN)),
+        help="training images per class (disc, square, triangle, cross); another ratio: another --set",
+    )
     ap.add_argument("--val-counts", default=",".join(map(str, VAL)))
     ap.add_argument("--set", default="mid", help="the generated set's folder name under --work (and the runs' prefix)")
     ap.add_argument("--difficulty", default="mid", choices=sorted(DIFFICULTY))
@@ -213,8 +255,12 @@ def main() -> None:
     if args.generate_only:
         return
     results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": {}}
-    results |= {"train_counts": dict(zip(CLASSES, train_counts)), "val_counts": dict(zip(CLASSES, val_counts)),
-                "side": SIDE, "epochs": args.epochs}
+    results |= {
+        "train_counts": dict(zip(CLASSES, train_counts)),
+        "val_counts": dict(zip(CLASSES, val_counts)),
+        "side": SIDE,
+        "epochs": args.epochs,
+    }
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -223,8 +269,9 @@ def main() -> None:
     inits = args.init.split(",")
     weights = args.work / "runs" / "pretrain" / "best.safetensors"
     if "pretrained" in inits and not weights.is_file():
-        results["pretrain"] = run_cli(pre, weights.parent, [f"run.epochs={args.pretrain_epochs}", "precision=amp_bf16"],
-                                      logs / "pretrain.log")
+        results["pretrain"] = run_cli(
+            pre, weights.parent, [f"run.epochs={args.pretrain_epochs}", "precision=amp_bf16"], logs / "pretrain.log"
+        )
         save()
     for seed in args.seeds.split(","):
         for init in inits:

@@ -54,25 +54,46 @@ def train_one(root: Path, out: Path, overrides: list[str]) -> dict:
     from torchsprint import config
     from torchsprint.train.run import train
 
-    cfg = config.load(None, [f"data.root={root}", f"run.dir={out}", "log.progress=false", "log.tensorboard=false",
-                             "eval.per_class=false", "data.backend=cpu", *overrides])
+    cfg = config.load(
+        None,
+        [
+            f"data.root={root}",
+            f"run.dir={out}",
+            "log.progress=false",
+            "log.tensorboard=false",
+            "eval.per_class=false",
+            "data.backend=cpu",
+            *overrides,
+        ],
+    )
     t0 = time.perf_counter()
     s = train(cfg, quiet=True)
-    return {"model": cfg.model.name, "transforms": cfg.data.train.transforms, "lr": cfg.optim.lr,
-            "warmup_epochs": cfg.sched.warmup_epochs, "train_images_per_s": round(s["train_images_per_s"], 1),
-            "val_top1": round(s["final"]["val/top1"], 4),
-            "val_balanced_acc": round(s["final"].get("val/balanced_acc", float("nan")), 4),
-            "wall_s": round(time.perf_counter() - t0, 1), "epochs": cfg.run.epochs}
+    return {
+        "model": cfg.model.name,
+        "transforms": cfg.data.train.transforms,
+        "lr": cfg.optim.lr,
+        "warmup_epochs": cfg.sched.warmup_epochs,
+        "train_images_per_s": round(s["train_images_per_s"], 1),
+        "val_top1": round(s["final"]["val/top1"], 4),
+        "val_balanced_acc": round(s["final"].get("val/balanced_acc", float("nan")), 4),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "epochs": cfg.run.epochs,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--models", default="resnet18,mobilenet_v3_small",
-                    help="comma-separated; a model may carry its own overrides after '+', applied after the photo lr "
-                         "and warm-up, e.g. mobilenet_v3_small+optim.name=adamw+optim.lr=0.002")
-    ap.add_argument("--old-default-steps", type=int, default=5, help="steps of small_cnn at the native 300x300 (speed only)")
+    ap.add_argument(
+        "--models",
+        default="resnet18,mobilenet_v3_small",
+        help="comma-separated; a model may carry its own overrides after '+', applied after the photo lr "
+        "and warm-up, e.g. mobilenet_v3_small+optim.name=adamw+optim.lr=0.002",
+    )
+    ap.add_argument(
+        "--old-default-steps", type=int, default=5, help="steps of small_cnn at the native 300x300 (speed only)"
+    )
     args = ap.parse_args()
     import torch
 
@@ -86,14 +107,29 @@ def main() -> None:
         sched = [f"optim.lr={PHOTO_LR_PER_256 * 64 / 256}", f"sched.warmup_epochs={PHOTO_WARMUP_EPOCHS}"]
         for i, entry in enumerate(args.models.split(",")):
             name, *own = entry.split("+")
-            rows.append(train_one(root, Path(tmp) / f"run{i}", [f"model.name={name}", f"run.epochs={args.epochs}", *sched, *own]))
+            rows.append(
+                train_one(
+                    root, Path(tmp) / f"run{i}", [f"model.name={name}", f"run.epochs={args.epochs}", *sched, *own]
+                )
+            )
             rows[-1]["overrides"] = own
             print(json.dumps(rows[-1]), flush=True)
         if not args.old_default_steps:
-            print(json.dumps({"device": "cpu", "threads": torch.get_num_threads(), "images": args.images, "rows": rows}))
+            print(
+                json.dumps({"device": "cpu", "threads": torch.get_num_threads(), "images": args.images, "rows": rows})
+            )
             return
-        old = train_one(root, Path(tmp) / "old", ["model.name=small_cnn", "data.train.transforms=[]", "data.eval.transforms=[]",
-                                                  f"run.max_steps={args.old_default_steps}", "run.epochs=1"])
+        old = train_one(
+            root,
+            Path(tmp) / "old",
+            [
+                "model.name=small_cnn",
+                "data.train.transforms=[]",
+                "data.eval.transforms=[]",
+                f"run.max_steps={args.old_default_steps}",
+                "run.epochs=1",
+            ],
+        )
         old["note"] = f"old default, native 300x300, {args.old_default_steps} steps: speed only"
         rows.append(old)
         print(json.dumps(rows[-1]), flush=True)

@@ -49,7 +49,7 @@ EPOCH1_VAL = re.compile(r"^epoch 1/\d+  ")
 def seconds(text: str) -> float:
     """The logger's clock ('12.3' with ' s' after it, 'M:SS' or 'H:MM:SS') in seconds."""
     parts = [float(p) for p in text.split(":")]
-    return sum(p * 60 ** i for i, p in enumerate(reversed(parts)))
+    return sum(p * 60**i for i, p in enumerate(reversed(parts)))
 
 
 def parse_lines(lines: list[tuple[float, str]]) -> dict:
@@ -94,14 +94,23 @@ def run_cli(root: Path, run_dir: Path, overrides: list[str], log: Path) -> dict:
             f.flush()  # the log shows how far a long run has got
     rc = proc.wait()
     wall = time.monotonic() - t0
-    row = {"cmd": " ".join(["python -m torchsprint train", "data.root=DIR", *overrides]), "rc": rc,
-           "wall_s": round(wall, 1), "load_before": before, "load_after": load(), **parse_lines(lines)}
+    row = {
+        "cmd": " ".join(["python -m torchsprint train", "data.root=DIR", *overrides]),
+        "rc": rc,
+        "wall_s": round(wall, 1),
+        "load_before": before,
+        "load_after": load(),
+        **parse_lines(lines),
+    }
     summaries = sorted(run_dir.rglob("summary.json"))
     if summaries:
         s = json.loads(summaries[-1].read_text())
         final = s.get("final", {})
-        row |= {"summary_keys": sorted(s), "train_images_per_s": s.get("train_images_per_s"),
-                "final": {k: v for k, v in final.items() if not isinstance(v, list | dict)}}
+        row |= {
+            "summary_keys": sorted(s),
+            "train_images_per_s": s.get("train_images_per_s"),
+            "final": {k: v for k, v in final.items() if not isinstance(v, list | dict)},
+        }
         if s.get("paused"):  # stopped by run.max_time: its last evaluation may be epochs old; evaluate where it stopped
             row["at_stop"] = eval_at_stop(run_dir)
     return row
@@ -121,12 +130,21 @@ def eval_at_stop(run_dir: Path) -> dict:
     path = run_dir / "at_stop.safetensors"
     save_file(state, str(path))
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "torchsprint", "eval", "-r", str(run_dir), "--weights", str(path), "--json"],
-                       capture_output=True, text=True)
-    out = {"checkpoint": status["latest"], "step": ckpt["train_state"].get("global_step") if isinstance(ckpt["train_state"], dict) else None,
-           "eval_s": round(time.monotonic() - t0, 1), "rc": p.returncode}
+    p = subprocess.run(
+        [sys.executable, "-m", "torchsprint", "eval", "-r", str(run_dir), "--weights", str(path), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    out = {
+        "checkpoint": status["latest"],
+        "step": ckpt["train_state"].get("global_step") if isinstance(ckpt["train_state"], dict) else None,
+        "eval_s": round(time.monotonic() - t0, 1),
+        "rc": p.returncode,
+    }
     try:
-        out["metrics"] = {k: v for k, v in json.loads(p.stdout[p.stdout.index("{"):]).items() if not isinstance(v, list | dict)}
+        out["metrics"] = {
+            k: v for k, v in json.loads(p.stdout[p.stdout.index("{") :]).items() if not isinstance(v, list | dict)
+        }
     except ValueError:
         out["error"] = (p.stdout + p.stderr)[-500:]
     return out
@@ -137,21 +155,39 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--cases", default="rgb300,grey300,rgb500", help=f"folders, from {sorted(FOLDERS)}")
-    ap.add_argument("--runs", default="new,old", help="new (defaults), old (small_cnn, native size), full (resnet18, native size)")
+    ap.add_argument(
+        "--runs", default="new,old", help="new (defaults), old (small_cnn, native size), full (resnet18, native size)"
+    )
     ap.add_argument("--out", type=Path, required=True, help="results JSON (rewritten after every run)")
     ap.add_argument("--logs", type=Path, default=None, help="folder for each run's timestamped output")
-    ap.add_argument("--max-time", default=None, help="run.max_time of the new defaults' run (e.g. 15m: the issue's goal)")
-    ap.add_argument("--new-from", type=Path, default=None,
-                    help="a results JSON whose `new` runs give the old/full runs' run.max_time (when --runs has no new)")
-    ap.add_argument("--extra", nargs="*", default=[], help="overrides added to every run (e.g. run.max_steps=5 for a try)")
+    ap.add_argument(
+        "--max-time", default=None, help="run.max_time of the new defaults' run (e.g. 15m: the issue's goal)"
+    )
+    ap.add_argument(
+        "--new-from",
+        type=Path,
+        default=None,
+        help="a results JSON whose `new` runs give the old/full runs' run.max_time (when --runs has no new)",
+    )
+    ap.add_argument(
+        "--extra", nargs="*", default=[], help="overrides added to every run (e.g. run.max_steps=5 for a try)"
+    )
     args = ap.parse_args()
     import torch
 
     import torchsprint
 
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torchsprint": torchsprint.__version__,
-              "torch": torch.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count(),
-              "threads": torch.get_num_threads(), "images": args.images, "shares": SHARES, "cases": {}}
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torchsprint": torchsprint.__version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "images": args.images,
+        "shares": SHARES,
+        "cases": {},
+    }
     logs = args.logs or Path(tempfile.mkdtemp(prefix="photo_folder_logs_"))
     logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,21 +198,35 @@ def main() -> None:
             rows = result["cases"][case] = {"size": [w, h], "mode": mode, "counts": counts}
             new_wall = None
             if args.new_from is not None:  # the new defaults' run measured before, on this machine: its wall time
-                rows["new_from"] = {"file": str(args.new_from), **json.loads(args.new_from.read_text())["cases"][case]["new"]}
+                rows["new_from"] = {
+                    "file": str(args.new_from),
+                    **json.loads(args.new_from.read_text())["cases"][case]["new"],
+                }
                 new_wall = rows["new_from"]["wall_s"]
             for kind in args.runs.split(","):
                 if kind == "new":
                     ov = [f"run.epochs={args.epochs}"] + ([f"run.max_time={args.max_time}"] if args.max_time else [])
                 elif kind == "old":
-                    ov = ["model.name=small_cnn", "data.train.transforms=[]", "data.eval.transforms=[]",
-                          f"run.epochs={args.epochs}", f"run.max_time={int(new_wall)}s"]
+                    ov = [
+                        "model.name=small_cnn",
+                        "data.train.transforms=[]",
+                        "data.eval.transforms=[]",
+                        f"run.epochs={args.epochs}",
+                        f"run.max_time={int(new_wall)}s",
+                    ]
                 else:  # the new default model at the native size: the same crop scale, flip, lr and warm-up, no resize
                     from torchsprint.data.detect import PHOTO_LR_PER_256, PHOTO_WARMUP_EPOCHS
 
-                    ov = ["model.name=resnet18", f"data.train.transforms=[{{random_resized_crop: {{size: [{h}, {w}], "
-                          "scale: [0.35, 1.0]}}, hflip]", "data.eval.transforms=[]",
-                          f"optim.lr={PHOTO_LR_PER_256 * 64 / 256}", f"sched.warmup_epochs={PHOTO_WARMUP_EPOCHS}",
-                          f"run.epochs={args.epochs}", f"run.max_time={int(new_wall)}s"]
+                    ov = [
+                        "model.name=resnet18",
+                        f"data.train.transforms=[{{random_resized_crop: {{size: [{h}, {w}], "
+                        "scale: [0.35, 1.0]}}, hflip]",
+                        "data.eval.transforms=[]",
+                        f"optim.lr={PHOTO_LR_PER_256 * 64 / 256}",
+                        f"sched.warmup_epochs={PHOTO_WARMUP_EPOCHS}",
+                        f"run.epochs={args.epochs}",
+                        f"run.max_time={int(new_wall)}s",
+                    ]
                 row = run_cli(root, Path(tmp) / f"{case}_{kind}", ov + args.extra, logs / f"{case}_{kind}.log")
                 rows[kind] = row
                 if kind == "new":

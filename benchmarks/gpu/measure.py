@@ -58,15 +58,57 @@ LOGS = Path(".")  # set to the results file's folder in main()
 
 # Sizes per mode (main() picks one): full figures, --quick (a short GPU run), --smoke (CPU rehearsal).
 SIZES = {
-    "full": dict(device="cuda", m1_batch=256, m1_steps=(20, 10), m1_repeats=3, m1_image=224, jpegs=20000, m2_epochs=3, jpeg_batch=256,
-                 workers=min(16, os.cpu_count() or 1), m3_steps=(150, 25), cifar=50000, cifar_batch=512,
-                 bench=("20", "5", "2"), bench_variants=None, predict_images="256"),
-    "quick": dict(device="cuda", m1_batch=256, m1_steps=(10, 5), m1_repeats=2, m1_image=224, jpegs=4000, m2_epochs=2, jpeg_batch=256,
-                  workers=min(16, os.cpu_count() or 1), m3_steps=(40, 10), cifar=10000, cifar_batch=512,
-                  bench=("20", "5", "2"), bench_variants=None, predict_images="64"),
-    "smoke": dict(device="cpu", m1_batch=2, m1_steps=(2, 1), m1_repeats=2, m1_image=32, jpegs=48, m2_epochs=1, jpeg_batch=8, workers=1,
-                  m3_steps=(2, 1), cifar=256, cifar_batch=64, bench=("2", "1", "1"),
-                  bench_variants="baseline (seeds),+ channels_last", predict_images="16"),
+    "full": dict(
+        device="cuda",
+        m1_batch=256,
+        m1_steps=(20, 10),
+        m1_repeats=3,
+        m1_image=224,
+        jpegs=20000,
+        m2_epochs=3,
+        jpeg_batch=256,
+        workers=min(16, os.cpu_count() or 1),
+        m3_steps=(150, 25),
+        cifar=50000,
+        cifar_batch=512,
+        bench=("20", "5", "2"),
+        bench_variants=None,
+        predict_images="256",
+    ),
+    "quick": dict(
+        device="cuda",
+        m1_batch=256,
+        m1_steps=(10, 5),
+        m1_repeats=2,
+        m1_image=224,
+        jpegs=4000,
+        m2_epochs=2,
+        jpeg_batch=256,
+        workers=min(16, os.cpu_count() or 1),
+        m3_steps=(40, 10),
+        cifar=10000,
+        cifar_batch=512,
+        bench=("20", "5", "2"),
+        bench_variants=None,
+        predict_images="64",
+    ),
+    "smoke": dict(
+        device="cpu",
+        m1_batch=2,
+        m1_steps=(2, 1),
+        m1_repeats=2,
+        m1_image=32,
+        jpegs=48,
+        m2_epochs=1,
+        jpeg_batch=8,
+        workers=1,
+        m3_steps=(2, 1),
+        cifar=256,
+        cifar_batch=64,
+        bench=("2", "1", "1"),
+        bench_variants="baseline (seeds),+ channels_last",
+        predict_images="16",
+    ),
 }
 SIZE = SIZES["full"]
 
@@ -111,19 +153,30 @@ def environment() -> dict:
     import torchvision
 
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         smi = None
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev = None
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "torchvision": torchvision.__version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "torchvision": torchvision.__version__,
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-        "python": platform.python_version(), "cpu_count": os.cpu_count(), "nvidia_smi": smi, "git_revision": rev,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "nvidia_smi": smi,
+        "git_revision": rev,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
@@ -138,9 +191,13 @@ def left(deadline: float) -> float:
 def switches(overrides: list[str]) -> dict:
     """A variant's switches read off its torchsprint overrides, for the plain loop to apply by hand."""
     kv = dict(o.split("=", 1) for o in overrides)
-    return {"amp_bf16": kv.get("precision") == "amp_bf16", "channels_last": kv.get("speed.channels_last") == "true",
-            "compile": kv.get("speed.compile") == "true", "compile_mode": kv.get("speed.compile_mode"),
-            "cuda_graphs": kv.get("speed.cuda_graphs") == "true"}
+    return {
+        "amp_bf16": kv.get("precision") == "amp_bf16",
+        "channels_last": kv.get("speed.channels_last") == "true",
+        "compile": kv.get("speed.compile") == "true",
+        "compile_mode": kv.get("speed.compile_mode"),
+        "cuda_graphs": kv.get("speed.cuda_graphs") == "true",
+    }
 
 
 def synthetic_batch(batch: int, channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,15 +223,27 @@ class TorchsprintSide:
         from torchsprint.train.plan import decide_speed
 
         # speed.cuda_graphs=auto would capture on CUDA: a variant says when it wants graphs (same switches as its name).
-        cfg = config.load(None, [f"model.name={model}", f"run.device={SIZE['device']}", "speed.cuda_graphs=false", *overrides])
+        cfg = config.load(
+            None, [f"model.name={model}", f"run.device={SIZE['device']}", "speed.cuda_graphs=false", *overrides]
+        )
         rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
         self.batch = [(x, y)]
-        self.prec = Precision(cfg.precision.mode, rt.device, on_nonfinite=cfg.precision.on_nonfinite,
-                              graph_safe=cfg.speed.cuda_graphs is True)
+        self.prec = Precision(
+            cfg.precision.mode,
+            rt.device,
+            on_nonfinite=cfg.precision.on_nonfinite,
+            graph_safe=cfg.speed.cuda_graphs is True,
+        )
         counters.clear()
         net = build_model(cfg.model, 1000, 3)
-        self.net = wrap_model(net, cfg.strategy, rt, speed=decide_speed(cfg.speed, cfg.strategy, net, rt.device), prec=self.prec,
-                              example=lambda: x)
+        self.net = wrap_model(
+            net,
+            cfg.strategy,
+            rt,
+            speed=decide_speed(cfg.speed, cfg.strategy, net, rt.device),
+            prec=self.prec,
+            example=lambda: x,
+        )
         self.opt = build_optimizer(cfg.optim, self.net)
         self.prec.attach(self.opt)
         self.loss_fn = build_loss(cfg.loss).to(rt.device)
@@ -189,9 +258,12 @@ class TorchsprintSide:
     def info(self) -> dict:
         from torch._dynamo.utils import counters
 
-        return {"fused_optimizer": bool(self.opt.defaults.get("fused")), "compiled_frames": dict(counters["frames"]),
-                "graph_breaks": sum(counters["graph_break"].values()),
-                "cuda_graph_replays": getattr(unwrap_graphed(self.net), "replays", None)}
+        return {
+            "fused_optimizer": bool(self.opt.defaults.get("fused")),
+            "compiled_frames": dict(counters["frames"]),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "cuda_graph_replays": getattr(unwrap_graphed(self.net), "replays", None),
+        }
 
 
 class PlainLoop:
@@ -215,9 +287,17 @@ class PlainLoop:
         if sw["channels_last"]:
             net = net.to(memory_format=torch.channels_last)
         net.train()
-        self.net = torch.compile(net, **({"mode": sw["compile_mode"]} if sw["compile_mode"] else {})) if sw["compile"] else net
-        self.opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
-                                   fused=True if dev.type == "cuda" else None)
+        self.net = (
+            torch.compile(net, **({"mode": sw["compile_mode"]} if sw["compile_mode"] else {})) if sw["compile"] else net
+        )
+        self.opt = torch.optim.SGD(
+            net.parameters(),
+            lr=0.1,
+            momentum=0.9,
+            nesterov=True,
+            weight_decay=5e-4,
+            fused=True if dev.type == "cuda" else None,
+        )
         self.loss_fn = torch.nn.CrossEntropyLoss()
         self.x, self.y, self.dev, self.amp = x, y, dev, sw["amp_bf16"]
         self.graph = None
@@ -324,12 +404,24 @@ def model_pair_rate(model: str, overrides: list[str], batch: int, steps: int, wa
     ts_info["cuda_graph_replays"] = ts.info()["cuda_graph_replays"]
     med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     ms = med(ts_ms)
-    out = {"images_per_s": batch / ms * 1e3, "ms_per_step": ms, "batch": batch, "warmup_s": ts_warm,
-           "peak_memory_gib": peak, **ts_info, "runs": [batch / m * 1e3 for m in ts_ms],
-           "plain": {"images_per_s": batch / med(plain_ms) * 1e3, "ms_per_step": med(plain_ms), "warmup_s": plain_warm,
-                     "runs": [batch / m * 1e3 for m in plain_ms], "compiled_frames": plain_frames,
-                     "cuda_graph": plain.graph is not None},
-           "ratio_to_plain": med([p / t for p, t in zip(plain_ms, ts_ms)])}  # rate ratio = inverse time ratio
+    out = {
+        "images_per_s": batch / ms * 1e3,
+        "ms_per_step": ms,
+        "batch": batch,
+        "warmup_s": ts_warm,
+        "peak_memory_gib": peak,
+        **ts_info,
+        "runs": [batch / m * 1e3 for m in ts_ms],
+        "plain": {
+            "images_per_s": batch / med(plain_ms) * 1e3,
+            "ms_per_step": med(plain_ms),
+            "warmup_s": plain_warm,
+            "runs": [batch / m * 1e3 for m in plain_ms],
+            "compiled_frames": plain_frames,
+            "cuda_graph": plain.graph is not None,
+        },
+        "ratio_to_plain": med([p / t for p, t in zip(plain_ms, ts_ms)]),
+    }  # rate ratio = inverse time ratio
     del ts, plain
     if cuda():
         torch.cuda.empty_cache()
@@ -351,16 +443,28 @@ M1_VARIANTS = {
     "amp_bf16": ["precision=amp_bf16", "speed.channels_last=false"],
     "amp_bf16 + channels_last": ["precision=amp_bf16", "speed.channels_last=true"],
     "amp_bf16 + channels_last + compile": ["precision=amp_bf16", "speed.channels_last=true", "speed.compile=true"],
-    "amp_bf16 + channels_last + cuda_graphs": ["precision=amp_bf16", "speed.channels_last=true", "speed.cuda_graphs=true"],
-    "amp_bf16 + channels_last + compile reduce-overhead": ["precision=amp_bf16", "speed.channels_last=true",
-                                                           "speed.compile=true", "speed.compile_mode=reduce-overhead"],
+    "amp_bf16 + channels_last + cuda_graphs": [
+        "precision=amp_bf16",
+        "speed.channels_last=true",
+        "speed.cuda_graphs=true",
+    ],
+    "amp_bf16 + channels_last + compile reduce-overhead": [
+        "precision=amp_bf16",
+        "speed.channels_last=true",
+        "speed.compile=true",
+        "speed.compile_mode=reduce-overhead",
+    ],
 }
 
 
 def m1_summary(out: dict) -> None:
     """The flat tables a reader (and merge_results.py) wants, rebuilt after every variant: a killed run keeps them."""
-    rows = [(f"{model} | {name}", v) for model in ("resnet18", "resnet50") for name, v in out.get(model, {}).items()
-            if "images_per_s" in v]
+    rows = [
+        (f"{model} | {name}", v)
+        for model in ("resnet18", "resnet50")
+        for name, v in out.get(model, {}).items()
+        if "images_per_s" in v
+    ]
     r18 = [v["images_per_s"] for k, v in rows if k.startswith("resnet18")]
     out["resnet18_best_images_per_s"] = max(r18) if r18 else None
     out["images_per_s"] = {k: v["images_per_s"] for k, v in rows}
@@ -369,18 +473,27 @@ def m1_summary(out: dict) -> None:
 
 
 def m1(res: Results, deadline: float) -> None:
-    out: dict = {"note": "synthetic on-device batches (one batch reused), SGD (fused), torchsprint train_step beside a "
-                         "plain PyTorch loop (measure.py's PlainLoop) with the same switches, timed in alternating "
-                         "windows (plain, torchsprint, ...); fp32 uses TF32 on both sides (speed.tf32=true)",
-                 "goal": {"resnet18_best": 25000, "stretch": 35000, "ratio_to_plain": 0.98},
-                 "anchors": {"resnet50_amp_A100_DeepLearningExamples": 2470, "resnet50_H100_MLPerf_v3.0": 7000}}
+    out: dict = {
+        "note": "synthetic on-device batches (one batch reused), SGD (fused), torchsprint train_step beside a "
+        "plain PyTorch loop (measure.py's PlainLoop) with the same switches, timed in alternating "
+        "windows (plain, torchsprint, ...); fp32 uses TF32 on both sides (speed.tf32=true)",
+        "goal": {"resnet18_best": 25000, "stretch": 35000, "ratio_to_plain": 0.98},
+        "anchors": {"resnet50_amp_A100_DeepLearningExamples": 2470, "resnet50_H100_MLPerf_v3.0": 7000},
+    }
     # In priority order: a short deadline drops the last ones (ResNet-50's second compile and its slow eager runs).
-    plans = [("resnet18", "fp32"), ("resnet18", "amp_bf16"), ("resnet18", "amp_bf16 + channels_last"),
-             ("resnet18", "amp_bf16 + channels_last + cuda_graphs"), ("resnet18", "amp_bf16 + channels_last + compile"),
-             ("resnet50", "amp_bf16 + channels_last"),
-             ("resnet18", "amp_bf16 + channels_last + compile reduce-overhead"),
-             ("resnet50", "amp_bf16 + channels_last + cuda_graphs"), ("resnet50", "amp_bf16 + channels_last + compile"),
-             ("resnet50", "amp_bf16"), ("resnet50", "fp32")]
+    plans = [
+        ("resnet18", "fp32"),
+        ("resnet18", "amp_bf16"),
+        ("resnet18", "amp_bf16 + channels_last"),
+        ("resnet18", "amp_bf16 + channels_last + cuda_graphs"),
+        ("resnet18", "amp_bf16 + channels_last + compile"),
+        ("resnet50", "amp_bf16 + channels_last"),
+        ("resnet18", "amp_bf16 + channels_last + compile reduce-overhead"),
+        ("resnet50", "amp_bf16 + channels_last + cuda_graphs"),
+        ("resnet50", "amp_bf16 + channels_last + compile"),
+        ("resnet50", "amp_bf16"),
+        ("resnet50", "fp32"),
+    ]
     steps, warmup = SIZE["m1_steps"]
     for model, name in plans:
         out.setdefault(model, {})
@@ -390,14 +503,20 @@ def m1(res: Results, deadline: float) -> None:
         if left(deadline) < need:
             out[model][name] = {"skipped": "time budget of this call"}
             continue
-        if not cuda() and ("compile" in name or "cuda_graphs" in name or (model == "resnet50" and "channels_last" not in name)):
+        if not cuda() and (
+            "compile" in name or "cuda_graphs" in name or (model == "resnet50" and "channels_last" not in name)
+        ):
             out[model][name] = {"skipped": "smoke run on the CPU"}  # (one ResNet-50 variant covers its code)
             continue
         try:
-            r = out[model][name] = model_pair_rate(model, M1_VARIANTS[name], SIZE["m1_batch"], steps, warmup,
-                                                   SIZE["m1_repeats"])
-            print(f"M1 {model} {name}: {r['images_per_s']:.0f} images/s, plain loop {r['plain']['images_per_s']:.0f}: "
-                  f"{r['ratio_to_plain']:.3f}x", flush=True)
+            r = out[model][name] = model_pair_rate(
+                model, M1_VARIANTS[name], SIZE["m1_batch"], steps, warmup, SIZE["m1_repeats"]
+            )
+            print(
+                f"M1 {model} {name}: {r['images_per_s']:.0f} images/s, plain loop {r['plain']['images_per_s']:.0f}: "
+                f"{r['ratio_to_plain']:.3f}x",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others
             out[model][name] = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}
             print(f"M1 {model} {name}: FAILED {e}", flush=True)
@@ -440,24 +559,37 @@ def make_jpegs(root: Path, n: int, classes: int = 10, procs: int | None = None) 
     chunk = 500
     t = time.time()
     with ProcessPoolExecutor(procs or os.cpu_count()) as ex:
-        list(ex.map(_write_chunk, [(str(root), s, min(chunk, total - s), classes, 0, n) for s in range(0, total, chunk)]))
+        list(
+            ex.map(_write_chunk, [(str(root), s, min(chunk, total - s), classes, 0, n) for s in range(0, total, chunk)])
+        )
     done.write_text(json.dumps({"train": n, "val": total - n, "seconds": time.time() - t}))
     return root
 
 
 ALL_BACKENDS = ("cpu", "gpu", "dali")  # M2's loaders (M3 picks the fastest)
 # M2's variants under the names data.backend takes (M2["by_backend"]: the figures auto's rule reads).
-BACKEND_KEY = {"cpu backend": "cpu", "gpu backend, cpu_fraction 0": "gpu", "gpu backend, cpu_fraction auto": "gpu_split_auto",
-               "dali backend": "dali"}
+BACKEND_KEY = {
+    "cpu backend": "cpu",
+    "gpu backend, cpu_fraction 0": "gpu",
+    "gpu backend, cpu_fraction auto": "gpu_split_auto",
+    "dali backend": "dali",
+}
 
 
 def jpeg_cfg(root: Path, backend: str, *extra: str) -> list[str]:
     workers = SIZE["workers"]
-    return ["data.dataset=image_folder", f"data.root={root}", f"data.backend={backend}", f"data.batch_size={SIZE['jpeg_batch']}",
-            f"run.device={SIZE['device']}",
-            f"data.num_workers={workers}", "data.decoder=auto",
-            "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
-            "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]", *extra]
+    return [
+        "data.dataset=image_folder",
+        f"data.root={root}",
+        f"data.backend={backend}",
+        f"data.batch_size={SIZE['jpeg_batch']}",
+        f"run.device={SIZE['device']}",
+        f"data.num_workers={workers}",
+        "data.decoder=auto",
+        "data.train.transforms=[{random_resized_crop: {size: 224}}, hflip, {normalize: imagenet}]",
+        "data.eval.transforms=[{resize: 256}, {center_crop: 224}, {normalize: imagenet}]",
+        *extra,
+    ]
 
 
 # ---------------------------------------------------------------- M2: loader only
@@ -476,9 +608,12 @@ def loader_rate(overrides: list[str], epochs: int) -> dict:
         rates.append(time_epoch(tr, e, stats=stats))
         if stats["thread_cpu_ms_per_batch"] is not None:
             thread_ms.append(stats["thread_cpu_ms_per_batch"])
-    out = {"images_per_s": sorted(rates)[len(rates) // 2], "runs": rates,
-           # the consuming thread's own CPU per next() (the gpu backend's goal is <= 1 ms a batch of 256)
-           "thread_cpu_ms_per_batch": sorted(thread_ms)[len(thread_ms) // 2] if thread_ms else None}
+    out = {
+        "images_per_s": sorted(rates)[len(rates) // 2],
+        "runs": rates,
+        # the consuming thread's own CPU per next() (the gpu backend's goal is <= 1 ms a batch of 256)
+        "thread_cpu_ms_per_batch": sorted(thread_ms)[len(thread_ms) // 2] if thread_ms else None,
+    }
     for attr in ("cpu_fraction", "cpu_fallbacks"):
         if hasattr(tr, attr):
             out[attr] = getattr(tr, attr)
@@ -519,18 +654,28 @@ def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
     make_jpegs(root, n)
     epochs = SIZE["m2_epochs"]
     workers = SIZE["workers"]
-    out: dict = {"train_images": n, "jpeg": "500x375 quality 90", "batch": SIZE["jpeg_batch"], "workers": workers,
-                 "goal": {"gpu_backend": 8000, "stretch": 20000, "anchor_batched_nvjpeg_A100": 7800}, "images_per_s": {}}
-    variants = {f"cpu backend, {workers} workers": jpeg_cfg(root, "cpu"),
-                "gpu backend, cpu_fraction 0": jpeg_cfg(root, "gpu", "data.cpu_fraction=0.0"),
-                "gpu backend, cpu_fraction auto": jpeg_cfg(root, "gpu", "data.cpu_fraction=auto")}
+    out: dict = {
+        "train_images": n,
+        "jpeg": "500x375 quality 90",
+        "batch": SIZE["jpeg_batch"],
+        "workers": workers,
+        "goal": {"gpu_backend": 8000, "stretch": 20000, "anchor_batched_nvjpeg_A100": 7800},
+        "images_per_s": {},
+    }
+    variants = {
+        f"cpu backend, {workers} workers": jpeg_cfg(root, "cpu"),
+        "gpu backend, cpu_fraction 0": jpeg_cfg(root, "gpu", "data.cpu_fraction=0.0"),
+        "gpu backend, cpu_fraction auto": jpeg_cfg(root, "gpu", "data.cpu_fraction=auto"),
+    }
     if dali_available() and "dali" in backends:
         variants["dali backend"] = jpeg_cfg(root, "dali")
         out["dali"] = "measured"
     elif "dali" in backends:
         out["images_per_s"]["dali backend"] = None
-        out["dali"] = ("not measured: NVIDIA DALI is not installed on the device; its CUDA 13 wheel and what it "
-                       "needs (170 MiB packed) travel in parts: benchmarks/gpu/fetch_wheels.sh --dali, run_all.sh dali")
+        out["dali"] = (
+            "not measured: NVIDIA DALI is not installed on the device; its CUDA 13 wheel and what it "
+            "needs (170 MiB packed) travel in parts: benchmarks/gpu/fetch_wheels.sh --dali, run_all.sh dali"
+        )
     # --backends dali (run_all.sh dali, a later call): only DALI here; merge_results.py merges M2 key by key
     variants = {k: v for k, v in variants.items() if k.split()[0] in backends}
     out["details"] = {}
@@ -544,10 +689,14 @@ def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
             out["details"][name] = r
             # For data.backend: auto's rule: images/s per backend for a folder of JPEGs on this device,
             # keyed by the backend's name; merge_results.py adds "fastest" once every call's figures are merged.
-            out.setdefault("by_backend", {})[BACKEND_KEY[name.split(",")[0] if name.startswith("cpu") else name]] = \
-                r["images_per_s"]
-            print(f"M2 {name}: {r['images_per_s']:.0f} images/s, training thread {r['thread_cpu_ms_per_batch']} ms CPU "
-                  "per batch", flush=True)
+            out.setdefault("by_backend", {})[BACKEND_KEY[name.split(",")[0] if name.startswith("cpu") else name]] = r[
+                "images_per_s"
+            ]
+            print(
+                f"M2 {name}: {r['images_per_s']:.0f} images/s, training thread {r['thread_cpu_ms_per_batch']} ms CPU "
+                "per batch",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001
             out["details"][name] = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}
             print(f"M2 {name}: FAILED {e}", flush=True)
@@ -615,8 +764,12 @@ def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
         images += x.shape[0]
     sync()
     seconds = time.perf_counter() - t0
-    return {"images_per_s": images / seconds, "data_wait_share": wait / seconds, "steps": steps,
-            "loader_thread_cpu_ms_per_batch": 1e3 * loader_cpu / steps}
+    return {
+        "images_per_s": images / seconds,
+        "data_wait_share": wait / seconds,
+        "steps": steps,
+        "loader_thread_cpu_ms_per_batch": 1e3 * loader_cpu / steps,
+    }
 
 
 def m3(res: Results, deadline: float, root: Path, previous: dict, backends: set[str]) -> None:
@@ -629,23 +782,36 @@ def m3(res: Results, deadline: float, root: Path, previous: dict, backends: set[
     if measured:
         best = max(measured, key=measured.get)
         best_backend = "dali" if best.startswith("dali") else "gpu" if best.startswith("gpu") else "cpu"
-    r18 = ((m.get("M1") or {}).get("resnet18") or {})
-    switches = {"amp_bf16 + channels_last + compile": ["speed.compile=true"],
-                "amp_bf16 + channels_last + cuda_graphs": ["speed.cuda_graphs=true"],
-                "amp_bf16 + channels_last + compile reduce-overhead": ["speed.compile=true",
-                                                                       "speed.compile_mode=reduce-overhead"],
-                "amp_bf16 + channels_last": ["speed.cuda_graphs=false"]}  # auto would add graphs on CUDA
+    r18 = (m.get("M1") or {}).get("resnet18") or {}
+    switches = {
+        "amp_bf16 + channels_last + compile": ["speed.compile=true"],
+        "amp_bf16 + channels_last + cuda_graphs": ["speed.cuda_graphs=true"],
+        "amp_bf16 + channels_last + compile reduce-overhead": [
+            "speed.compile=true",
+            "speed.compile_mode=reduce-overhead",
+        ],
+        "amp_bf16 + channels_last": ["speed.cuda_graphs=false"],
+    }  # auto would add graphs on CUDA
     rated = {k: r18[k]["images_per_s"] for k in switches if "images_per_s" in (r18.get(k) or {})}
     if not rated and left(deadline) > 240:  # no M1 figures from this or an earlier call: measure the reference here
         for k in ("amp_bf16 + channels_last + cuda_graphs", "amp_bf16 + channels_last"):
             try:
-                rated[k] = model_step_rate("resnet18", M1_VARIANTS[k], SIZE["m1_batch"], *SIZE["m1_steps"])["images_per_s"]
+                rated[k] = model_step_rate("resnet18", M1_VARIANTS[k], SIZE["m1_batch"], *SIZE["m1_steps"])[
+                    "images_per_s"
+                ]
             except Exception as e:  # noqa: BLE001
                 print(f"M3 reference {k}: FAILED {e}", flush=True)
     chosen = max(rated, key=rated.get) if rated else "amp_bf16 + channels_last"
     make_jpegs(root, SIZE["jpegs"])
-    over = jpeg_cfg(root, best_backend, "model.name=resnet18", "precision=amp_bf16", "speed.channels_last=true",
-                    "log.tensorboard=false", *switches[chosen])
+    over = jpeg_cfg(
+        root,
+        best_backend,
+        "model.name=resnet18",
+        "precision=amp_bf16",
+        "speed.channels_last=true",
+        "log.tensorboard=false",
+        *switches[chosen],
+    )
     out = {"backend": best_backend, "switches": chosen, "goal_ratio": 0.90, "stretch_ratio": 0.95}
     if left(deadline) < 40:  # 175 steps took ~10 s on the H200 (2026-11-26), the build a few more
         out["skipped"] = "time budget of this call"
@@ -656,9 +822,12 @@ def m3(res: Results, deadline: float, root: Path, previous: dict, backends: set[
             ref = rated.get(chosen)
             out["m1_images_per_s"] = ref
             out["ratio_to_m1"] = r["images_per_s"] / ref if ref else None
-            print(f"M3 {best_backend} + {chosen}: {r['images_per_s']:.0f} images/s, data wait {r['data_wait_share']:.1%}, "
-                  f"loader on the training thread {r['loader_thread_cpu_ms_per_batch']:.2f} ms CPU per batch, "
-                  f"ratio to M1 {out['ratio_to_m1']}", flush=True)
+            print(
+                f"M3 {best_backend} + {chosen}: {r['images_per_s']:.0f} images/s, data wait {r['data_wait_share']:.1%}, "
+                f"loader on the training thread {r['loader_thread_cpu_ms_per_batch']:.2f} ms CPU per batch, "
+                f"ratio to M1 {out['ratio_to_m1']}",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001
             out["error"] = f"{type(e).__name__}: {e}"[:500]
             out["trace"] = traceback.format_exc()[-2000:]
@@ -693,13 +862,25 @@ def m4(res: Results, deadline: float) -> None:
     from torchsprint.train.run import build_training
 
     register_random_cifar(SIZE["cifar"])
-    over = ["data.dataset=random_cifar", "data.backend=memory", f"data.batch_size={SIZE['cifar_batch']}",
-            "model.name=cifar_resnet18", f"run.device={SIZE['device']}",
-            "precision=amp_bf16", "speed.channels_last=true", "log.tensorboard=false",
-            "data.train.transforms=[{random_crop: {size: 32, padding: 4}}, hflip, {normalize: cifar10}]",
-            "data.eval.transforms=[{normalize: cifar10}]"]
-    out: dict = {"images": SIZE["cifar"], "model": "cifar_resnet18", "batch": SIZE["cifar_batch"],
-                 "switches": "amp_bf16 + channels_last", "goal_loader_share": 0.05}
+    over = [
+        "data.dataset=random_cifar",
+        "data.backend=memory",
+        f"data.batch_size={SIZE['cifar_batch']}",
+        "model.name=cifar_resnet18",
+        f"run.device={SIZE['device']}",
+        "precision=amp_bf16",
+        "speed.channels_last=true",
+        "log.tensorboard=false",
+        "data.train.transforms=[{random_crop: {size: 32, padding: 4}}, hflip, {normalize: cifar10}]",
+        "data.eval.transforms=[{normalize: cifar10}]",
+    ]
+    out: dict = {
+        "images": SIZE["cifar"],
+        "model": "cifar_resnet18",
+        "batch": SIZE["cifar_batch"],
+        "switches": "amp_bf16 + channels_last",
+        "goal_loader_share": 0.05,
+    }
     if left(deadline) < 30:  # three epochs of 50,000 (1.1 s each) and the build: ~10 s on the H200 (2026-11-26)
         out["skipped"] = "time budget of this call"
         res.put("M4", out)
@@ -725,8 +906,14 @@ def m4(res: Results, deadline: float) -> None:
             x.sum()
         sync()
         loader_s = time.perf_counter() - t
-        out.update({"seconds_per_epoch": epoch_s, "images_per_s": out["images"] / epoch_s, "loader_seconds_per_epoch": loader_s,
-                    "loader_share": loader_s / epoch_s})
+        out.update(
+            {
+                "seconds_per_epoch": epoch_s,
+                "images_per_s": out["images"] / epoch_s,
+                "loader_seconds_per_epoch": loader_s,
+                "loader_share": loader_s / epoch_s,
+            }
+        )
         print(f"M4: {epoch_s:.2f} s/epoch, loader {loader_s / epoch_s:.1%} of it", flush=True)
     except Exception as e:  # noqa: BLE001
         out["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -740,8 +927,10 @@ def m4(res: Results, deadline: float) -> None:
 # `torchsprint bench` on the 224-pixel JPEG config: the variants that fit the call. Left out: the memory loader
 # (it decodes all 20,000 JPEGs into GPU memory in every repeat's process, about a minute each), compile (a
 # cold ResNet-18 compile per process), the foreach optimizer (fused is the default on CUDA anyway).
-JPEG_BENCH_VARIANTS = ("+ tuned cpu loader,+ gpu loader,+ dali,+ tf32 + cudnn autotune,+ channels_last,+ amp_bf16,"
-                       "+ cuda graphs,best,your config")
+JPEG_BENCH_VARIANTS = (
+    "+ tuned cpu loader,+ gpu loader,+ dali,+ tf32 + cudnn autotune,+ channels_last,+ amp_bf16,"
+    "+ cuda graphs,best,your config"
+)
 
 
 def run_bench(name: str, args: list[str], folder: Path, timeout: float, variants: str | None = None) -> dict:
@@ -752,11 +941,26 @@ def run_bench(name: str, args: list[str], folder: Path, timeout: float, variants
 
     steps, warmup, repeats = SIZE["bench"]
     variants = SIZE["bench_variants"] or variants
-    cmd = [sys.executable, "-m", "torchsprint", "bench", *args, "--out", str(folder), "--steps", steps, "--warmup", warmup,
-           "--repeats", repeats, *(["--variants", variants] if variants else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchsprint",
+        "bench",
+        *args,
+        "--out",
+        str(folder),
+        "--steps",
+        steps,
+        "--warmup",
+        warmup,
+        "--repeats",
+        repeats,
+        *(["--variants", variants] if variants else []),
+    ]
     t = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder.parent,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder.parent, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         timed_out = False
@@ -785,8 +989,10 @@ def m5(res: Results, deadline: float, root: Path, configs: set[str]) -> None:
     jpeg_yaml = work / "jpeg224.yaml"
     lines = ["model: {name: resnet18}", "log: {tensorboard: false}"]
     jpeg_yaml.write_text("\n".join(lines) + "\n")
-    for name, args, variants in (("default run", [], None),
-                                 ("jpeg 224", ["-c", str(jpeg_yaml), *jpeg_cfg(root, "cpu")], JPEG_BENCH_VARIANTS)):
+    for name, args, variants in (
+        ("default run", [], None),
+        ("jpeg 224", ["-c", str(jpeg_yaml), *jpeg_cfg(root, "cpu")], JPEG_BENCH_VARIANTS),
+    ):
         if name not in configs:
             continue
         budget = left(deadline) - 20
@@ -797,8 +1003,11 @@ def m5(res: Results, deadline: float, root: Path, configs: set[str]) -> None:
         shutil.rmtree(folder, ignore_errors=True)  # a bench.json from an earlier call must not pass for this one's
         out[name] = run_bench(name.replace(" ", "_"), args, folder, budget, variants)
         print(f"M5 {name}: exit {out[name]['exit_code']} in {out[name]['seconds']:.0f} s", flush=True)
-        out["images_per_s"] = {f"{config} | {variant}": v for config in ("default run", "jpeg 224")
-                               for variant, v in (out.get(config, {}).get("images_per_s") or {}).items()}
+        out["images_per_s"] = {
+            f"{config} | {variant}": v
+            for config in ("default run", "jpeg 224")
+            for variant, v in (out.get(config, {}).get("images_per_s") or {}).items()
+        }
         res.put("M5", out)
     res.put("M5", out)
 
@@ -808,8 +1017,19 @@ def m5(res: Results, deadline: float, root: Path, configs: set[str]) -> None:
 
 def m6(res: Results, deadline: float) -> None:
     path = LOGS / "m6_predict.json"
-    cmd = [sys.executable, "-m", "benchmarks.serve.predict_throughput", "--device", SIZE["device"], "--images",
-           SIZE["predict_images"], "--repeats", "3" if cuda() else "1", "--json", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.serve.predict_throughput",
+        "--device",
+        SIZE["device"],
+        "--images",
+        SIZE["predict_images"],
+        "--repeats",
+        "3" if cuda() else "1",
+        "--json",
+        str(path),
+    ]
     out: dict = {"command": " ".join(cmd[1:])}
     try:
         import onnxruntime as ort
@@ -838,17 +1058,33 @@ def main() -> None:
     ap.add_argument("--only", default="M1,M2,M3,M4,M5,M6", help="comma-separated measurements to run")
     ap.add_argument("--deadline-s", type=float, default=540, help="stop starting measurements after this many seconds")
     ap.add_argument("--quick", action="store_true", help="small sizes (a short GPU run, not figures to publish)")
-    ap.add_argument("--smoke-cpu", action="store_true",
-                    help="every measurement's code on the CPU with tiny sizes: a rehearsal without a GPU, no figures")
+    ap.add_argument(
+        "--smoke-cpu",
+        action="store_true",
+        help="every measurement's code on the CPU with tiny sizes: a rehearsal without a GPU, no figures",
+    )
     ap.add_argument("--data", default="/tmp/torchsprint-m2", help="where the generated JPEGs live")
-    ap.add_argument("--backends", default=",".join(ALL_BACKENDS),
-                    help="M2/M3: the loaders to measure (run_all.sh dali passes dali alone, in a later call)")
-    ap.add_argument("--previous", action="append", default=[], help="results JSON of an earlier call (M3 reads M1/M2 there)")
-    ap.add_argument("--m5-configs", default="default run,jpeg 224",
-                    help="M5: which `torchsprint bench` configs (window.sh runs the JPEG one; the default run's was measured)")
-    ap.add_argument("--make-data", type=int, metavar="PROCESSES", default=0,
-                    help="only generate M2/M3/M5's JPEGs (in PROCESSES processes) and exit: window.sh runs this beside "
-                         "the gpu tests, so the measurements find them made")
+    ap.add_argument(
+        "--backends",
+        default=",".join(ALL_BACKENDS),
+        help="M2/M3: the loaders to measure (run_all.sh dali passes dali alone, in a later call)",
+    )
+    ap.add_argument(
+        "--previous", action="append", default=[], help="results JSON of an earlier call (M3 reads M1/M2 there)"
+    )
+    ap.add_argument(
+        "--m5-configs",
+        default="default run,jpeg 224",
+        help="M5: which `torchsprint bench` configs (window.sh runs the JPEG one; the default run's was measured)",
+    )
+    ap.add_argument(
+        "--make-data",
+        type=int,
+        metavar="PROCESSES",
+        default=0,
+        help="only generate M2/M3/M5's JPEGs (in PROCESSES processes) and exit: window.sh runs this beside "
+        "the gpu tests, so the measurements find them made",
+    )
     args = ap.parse_args()
     global LOGS
     LOGS = Path(args.out).resolve().parent
@@ -871,18 +1107,27 @@ def main() -> None:
     backends = {b.strip() for b in args.backends.split(",") if b.strip()}
     if not backends <= set(ALL_BACKENDS):
         sys.exit(f"--backends: {sorted(backends - set(ALL_BACKENDS))} unknown; use some of {ALL_BACKENDS}")
-    table = {"M1": lambda: m1(res, args.deadline_s),
-             "M2": lambda: m2(res, args.deadline_s, root, backends),
-             "M3": lambda: m3(res, args.deadline_s, root, previous, backends), "M4": lambda: m4(res, args.deadline_s),
-             "M5": lambda: m5(res, args.deadline_s, root, {c.strip() for c in args.m5_configs.split(",")}), "M6": lambda: m6(res, args.deadline_s)}
+    table = {
+        "M1": lambda: m1(res, args.deadline_s),
+        "M2": lambda: m2(res, args.deadline_s, root, backends),
+        "M3": lambda: m3(res, args.deadline_s, root, previous, backends),
+        "M4": lambda: m4(res, args.deadline_s),
+        "M5": lambda: m5(res, args.deadline_s, root, {c.strip() for c in args.m5_configs.split(",")}),
+        "M6": lambda: m6(res, args.deadline_s),
+    }
     for key in todo:
         print(f"== {key} ({left(args.deadline_s):.0f} s left)", flush=True)
         try:
             table[key]()
         except Exception as e:  # noqa: BLE001 - record and go on to the next measurement
             res.put(key, {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]})
-    print(json.dumps({k: v.get("images_per_s") if isinstance(v, dict) else v
-                      for k, v in res.data["measurements"].items()}, indent=1, default=str)[:4000])
+    print(
+        json.dumps(
+            {k: v.get("images_per_s") if isinstance(v, dict) else v for k, v in res.data["measurements"].items()},
+            indent=1,
+            default=str,
+        )[:4000]
+    )
 
 
 if __name__ == "__main__":

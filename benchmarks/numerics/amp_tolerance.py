@@ -51,22 +51,46 @@ def main() -> None:
             for task in a.tasks.split(","):
                 for seed in map(int, a.seeds.split(",")):
                     env = child_env({"ATEN_CPU_CAPABILITY": kernel})
-                    p = subprocess.run([sys.executable, "-m", __spec__.name, "--one", task, str(seed), f"{tmp}/data",
-                                        f"{tmp}/{kernel}"], env=env, capture_output=True, text=True, check=True)
+                    p = subprocess.run(
+                        [
+                            sys.executable,
+                            "-m",
+                            __spec__.name,
+                            "--one",
+                            task,
+                            str(seed),
+                            f"{tmp}/data",
+                            f"{tmp}/{kernel}",
+                        ],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
                     got = json.loads(p.stdout.strip().splitlines()[-1])
-                    row = {"kernel": kernel, "task": task, "seed": seed, **got, "diff": abs(got["amp_bf16"] - got["fp32"])}
+                    row = {
+                        "kernel": kernel,
+                        "task": task,
+                        "seed": seed,
+                        **got,
+                        "diff": abs(got["amp_bf16"] - got["fp32"]),
+                    }
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     summary = {}
     for task in a.tasks.split(","):
         r = [x for x in rows if x["task"] == task]
-        summary[task] = {"max_diff": max(x["diff"] for x in r),
-                         "fp32_range": [min(x["fp32"] for x in r), max(x["fp32"] for x in r)],
-                         "bf16_range": [min(x["amp_bf16"] for x in r), max(x["amp_bf16"] for x in r)]}
+        summary[task] = {
+            "max_diff": max(x["diff"] for x in r),
+            "fp32_range": [min(x["fp32"] for x in r), max(x["fp32"] for x in r)],
+            "bf16_range": [min(x["amp_bf16"] for x in r), max(x["amp_bf16"] for x in r)],
+        }
     print(json.dumps(summary, indent=1))
     if a.json:
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-        Path(a.json).write_text(json.dumps({"cpu": cpu, "torch": torch.__version__, "rows": rows, "summary": summary}, indent=1))
+        Path(a.json).write_text(
+            json.dumps({"cpu": cpu, "torch": torch.__version__, "rows": rows, "summary": summary}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -45,13 +45,23 @@ def register_gpu_on_cpu() -> None:
 
 def jpeg_overrides(args, backend: str, seed: int) -> list[str]:
     resize = round(args.crop * 8 / 7)  # the usual 0.875 centre-crop ratio (224 of 256)
-    return ["data.dataset=synthetic_jpeg", f"data.root={args.root}",
-            f"data.options={{num_images: {args.train_images}, val_images: {args.val_images}, size: [{args.size}, {args.size}], "
-            "classes: 10}", f"data.backend={backend}", f"data.batch_size={args.batch_size}", "data.eval_batch_size=32",
-            f"data.num_workers={args.workers}",
-            f"data.train.transforms=[{{random_resized_crop: {args.crop}}}, hflip, {{normalize: imagenet}}]",
-            f"data.eval.transforms=[{{resize: {resize}}}, {{center_crop: {args.crop}}}, {{normalize: imagenet}}]",
-            f"model.name={args.model}", f"optim.lr={args.lr}", f"run.epochs={args.epochs}", f"run.seed={seed}", *QUIET]
+    return [
+        "data.dataset=synthetic_jpeg",
+        f"data.root={args.root}",
+        f"data.options={{num_images: {args.train_images}, val_images: {args.val_images}, size: [{args.size}, {args.size}], "
+        "classes: 10}",
+        f"data.backend={backend}",
+        f"data.batch_size={args.batch_size}",
+        "data.eval_batch_size=32",
+        f"data.num_workers={args.workers}",
+        f"data.train.transforms=[{{random_resized_crop: {args.crop}}}, hflip, {{normalize: imagenet}}]",
+        f"data.eval.transforms=[{{resize: {resize}}}, {{center_crop: {args.crop}}}, {{normalize: imagenet}}]",
+        f"model.name={args.model}",
+        f"optim.lr={args.lr}",
+        f"run.epochs={args.epochs}",
+        f"run.seed={seed}",
+        *QUIET,
+    ]
 
 
 def digits_overrides(args, backend: str, seed: int) -> list[str]:
@@ -72,23 +82,33 @@ def print_table(job: str, results: dict[str, list[float]], seeds: list[int], not
         m, s = mean_std(xs)
         print(f"{b:<12} " + " ".join(f"{x:8.4f}" for x in xs) + f" {m:8.4f} {s:7.4f}")
     for r in compare(results):
-        print(f"{r['a']} - {r['b']}: {r['diff']:+.4f} (standard error {r['se']:.4f}, t {r['t']:+.2f}): "
-              + ("BEYOND the seed-to-seed spread" if r["beyond_spread"] else "within the seed-to-seed spread"))
+        print(
+            f"{r['a']} - {r['b']}: {r['diff']:+.4f} (standard error {r['se']:.4f}, t {r['t']:+.2f}): "
+            + ("BEYOND the seed-to-seed spread" if r["beyond_spread"] else "within the seed-to-seed spread")
+        )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]),
+    )
     ap.add_argument("--job", choices=("jpeg", "digits"), default="jpeg")
     ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated run.seed values")
-    ap.add_argument("--backends", default=None, help="comma-separated (default: cpu,memory,gpu_on_cpu for jpeg; cpu,memory "
-                    "for digits)")
+    ap.add_argument(
+        "--backends",
+        default=None,
+        help="comma-separated (default: cpu,memory,gpu_on_cpu for jpeg; cpu,memory for digits)",
+    )
     ap.add_argument("--model", default="resnet18", help="jpeg job: model.name (resnet18 is torchvision's)")
     ap.add_argument("--epochs", type=int, default=3, help="jpeg job")
     ap.add_argument("--train-images", type=int, default=2000, help="jpeg job")
     ap.add_argument("--val-images", type=int, default=500, help="jpeg job")
     ap.add_argument("--size", type=int, default=160, help="jpeg job: side of the generated JPEGs")
-    ap.add_argument("--crop", type=int, default=112, help="jpeg job: training/eval crop (eval resizes to crop * 8/7 first)")
+    ap.add_argument(
+        "--crop", type=int, default=112, help="jpeg job: training/eval crop (eval resizes to crop * 8/7 first)"
+    )
     ap.add_argument("--batch-size", type=int, default=64, help="jpeg job: training batch size")
     ap.add_argument("--lr", type=float, default=0.1, help="jpeg job: optim.lr (SGD + Nesterov, cosine: the defaults)")
     ap.add_argument("--workers", type=int, default=0, help="jpeg job: data.num_workers")
@@ -111,16 +131,29 @@ def main() -> None:
     import torch
     import torchvision
 
-    note = (f"{args.model}, {args.train_images} train / {args.val_images} val {args.size}x{args.size} JPEGs, crop {args.crop}, "
-            f"{args.epochs} epochs" if args.job == "jpeg" else "the default run (digits, small_cnn, 10 epochs)")
+    note = (
+        f"{args.model}, {args.train_images} train / {args.val_images} val {args.size}x{args.size} JPEGs, crop {args.crop}, "
+        f"{args.epochs} epochs"
+        if args.job == "jpeg"
+        else "the default run (digits, small_cnn, 10 epochs)"
+    )
     print_table(args.job, results, seeds, note)
     if args.json:
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-        out = {"job": args.job, "note": note, "command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
-               "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-               "torchvision": torchvision.__version__, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-               "runs": runs, "by_backend": {b: dict(zip(("mean", "std"), mean_std(xs)), top1=xs) for b, xs in results.items()},
-               "comparison": compare(results)}
+        out = {
+            "job": args.job,
+            "note": note,
+            "command": " ".join(["python", *sys.argv]),
+            "torch": torch.__version__,
+            "cpu": cpu,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torchvision": torchvision.__version__,
+            "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d"),
+            "runs": runs,
+            "by_backend": {b: dict(zip(("mean", "std"), mean_std(xs)), top1=xs) for b, xs in results.items()},
+            "comparison": compare(results),
+        }
         Path(args.json).write_text(json.dumps(strict(out), indent=1))
 
 

@@ -34,9 +34,13 @@ PRECISIONS = ("fp32", "amp_bf16")
 def run_one(overrides: list[str]) -> dict:
     s, seconds = train_once(overrides)
     final = s["final"]
-    return {"top1": final.get("val/top1"), "balanced_accuracy": final.get("val/balanced_acc"),
-            "macro_f1": final.get("val/f1_macro"), "train_images_per_s": s.get("train_images_per_s"),
-            "seconds": seconds}
+    return {
+        "top1": final.get("val/top1"),
+        "balanced_accuracy": final.get("val/balanced_acc"),
+        "macro_f1": final.get("val/f1_macro"),
+        "train_images_per_s": s.get("train_images_per_s"),
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -45,7 +49,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--epochs", type=int, default=3, help="photos job: run.epochs")
     ap.add_argument("--images", type=int, default=2000, help="photos job: images in the generated folder")
-    ap.add_argument("--root", default="/tmp/bf16_parity_photos", help="photos job: where the folder is generated (reused)")
+    ap.add_argument(
+        "--root", default="/tmp/bf16_parity_photos", help="photos job: where the folder is generated (reused)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import torch
@@ -54,8 +60,14 @@ def main() -> None:
     from torchsprint.runtime.machine import cpu_info
 
     seeds = [int(s) for s in args.seeds.split(",")]
-    out = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__, "torchvision": torchvision.__version__,
-           "cpu": cpu_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "jobs": {}}
+    out = {
+        "command": "python " + " ".join(sys.argv),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "cpu": cpu_info(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "jobs": {},
+    }
     for job in args.jobs.split(","):
         if job == "photos":
             root = Path(args.root)
@@ -71,8 +83,11 @@ def main() -> None:
             for prec in PRECISIONS:
                 r = run_one([*base, f"precision={prec}", f"run.seed={seed}"]) | {"precision": prec, "seed": seed}
                 runs.append(r)
-                print(f"{job} {prec} seed {seed}: top-1 {r['top1']:.4f} balanced {r['balanced_accuracy']} "
-                      f"{r['train_images_per_s']:.1f} img/s ({r['seconds']:.0f} s)", flush=True)
+                print(
+                    f"{job} {prec} seed {seed}: top-1 {r['top1']:.4f} balanced {r['balanced_accuracy']} "
+                    f"{r['train_images_per_s']:.1f} img/s ({r['seconds']:.0f} s)",
+                    flush=True,
+                )
         results = {p: [r["top1"] for r in runs if r["precision"] == p] for p in PRECISIONS}
         rows = compare(results)
         for p, xs in results.items():

@@ -18,8 +18,9 @@ import tempfile
 from pathlib import Path
 
 
-def measure(run: Path, trials: int, sizes=(1, 2, 3, 4, 5, 7, 8, 16, 31, 32), threads=(1, 2),
-            precision: str = "fp32") -> dict:
+def measure(
+    run: Path, trials: int, sizes=(1, 2, 3, 4, 5, 7, 8, 16, 31, 32), threads=(1, 2), precision: str = "fp32"
+) -> dict:
     import torch
     from sklearn.datasets import load_digits
 
@@ -42,17 +43,28 @@ def measure(run: Path, trials: int, sizes=(1, 2, 3, 4, 5, 7, 8, 16, 31, 32), thr
                     worst_logit = max(worst_logit, (logits - ref_logits[idx]).abs().max().item())
                     worst_p = max(worst_p, (torch.softmax(logits, 1) - ref[idx]).abs().max().item())
     apart = (torch.cdist(ref, ref, p=float("inf")) + torch.eye(len(ref)) * 9).min().item()
-    return {"max_abs_prob_diff": worst_p, "max_abs_logit_diff": worst_logit, "min_prob_distance_between_images": apart,
-            "batch_sizes": list(sizes), "threads": list(threads), "trials": trials, "precision": precision,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "max_abs_prob_diff": worst_p,
+        "max_abs_logit_diff": worst_logit,
+        "min_prob_distance_between_images": apart,
+        "batch_sizes": list(sizes),
+        "threads": list(threads),
+        "trials": trials,
+        "precision": precision,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", help="a digits run folder (default: train a tiny one in a temp folder)")
     ap.add_argument("--trials", type=int, default=20, help="random batch compositions per batch size")
-    ap.add_argument("--precision", default="fp32", help="fp32 or bf16 (predict's --precision; bf16 trains the tiny run "
-                    "in amp_bf16 with channels_last, as precision auto serves it on a CPU with native bf16)")
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        help="fp32 or bf16 (predict's --precision; bf16 trains the tiny run "
+        "in amp_bf16 with channels_last, as precision auto serves it on a CPU with native bf16)",
+    )
     ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
     run = Path(args.run) if args.run else None
@@ -60,9 +72,20 @@ def main() -> None:
         from torchsprint import cli
 
         run = Path(tempfile.mkdtemp(prefix="serve-tol-")) / "run"
-        assert cli.main(["train", "run.epochs=1", "model.args={width: 8}", f"run.dir={run}", "log.tensorboard=false",
-                         "log.progress=false", *(["precision=amp_bf16", "speed.channels_last=true"]
-                                                 if args.precision == "bf16" else [])]) == 0
+        assert (
+            cli.main(
+                [
+                    "train",
+                    "run.epochs=1",
+                    "model.args={width: 8}",
+                    f"run.dir={run}",
+                    "log.tensorboard=false",
+                    "log.progress=false",
+                    *(["precision=amp_bf16", "speed.channels_last=true"] if args.precision == "bf16" else []),
+                ]
+            )
+            == 0
+        )
     out = measure(run, args.trials, precision=args.precision)
     print(json.dumps(out, indent=1))
     if args.json:

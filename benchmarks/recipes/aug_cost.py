@@ -29,10 +29,20 @@ BATCHED = ("baseline (crop + flip)", "+ mixup 0.2 / cutmix 1.0", "+ trivial_augm
 def overrides(root: str, backend: str, switch: list[str], batch: int, workers: int) -> list[str]:
     steps = [s[1:] for s in switch if s.startswith("+")]
     spec = BASE_SPEC + "".join(f", {s}" for s in steps) + ", normalize: cifar10]"
-    return ["data.dataset=synthetic_jpeg", f"data.root={root}", "data.options={num_images: 2048, val_images: 64, size: [32, 32]}",
-            f"data.backend={backend}", f"data.batch_size={batch}", f"data.num_workers={workers if backend == 'cpu' else 0}",
-            f"data.train.transforms={spec}", "data.eval.transforms=[normalize: cifar10]", "model.args={width: 16}",
-            "log.tensorboard=false", "log.progress=false", *[s for s in switch if not s.startswith("+")]]
+    return [
+        "data.dataset=synthetic_jpeg",
+        f"data.root={root}",
+        "data.options={num_images: 2048, val_images: 64, size: [32, 32]}",
+        f"data.backend={backend}",
+        f"data.batch_size={batch}",
+        f"data.num_workers={workers if backend == 'cpu' else 0}",
+        f"data.train.transforms={spec}",
+        "data.eval.transforms=[normalize: cifar10]",
+        "model.args={width: 16}",
+        "log.tensorboard=false",
+        "log.progress=false",
+        *[s for s in switch if not s.startswith("+")],
+    ]
 
 
 def loader_images_per_s(cfg, steps: int, warmup: int) -> float:
@@ -47,6 +57,7 @@ def loader_images_per_s(cfg, steps: int, warmup: int) -> float:
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
         b = build_training(cfg, rt, log=lambda *_: None)
+
         def batches():
             epoch = 0
             while True:
@@ -100,9 +111,13 @@ def main() -> None:
             cfg = config.load(None, overrides(args.root, backend, SWITCHES[name], args.batch_size, args.workers))
             train = measure(cfg, args.steps, args.warmup)["images_per_s"]
             results[(backend, name)].append((train, loader_images_per_s(cfg, args.steps, args.warmup)))
-            print(f"{backend} {name}: training {train:.0f} images/s, loader alone {results[(backend, name)][-1][1]:.0f}",
-                  flush=True)  # each figure as it is measured: a run stopped at its time limit keeps them
-    print("| backend | switch | training images/s (min-max) | vs baseline | loader alone images/s | loader ms per 1000 images |")
+            print(
+                f"{backend} {name}: training {train:.0f} images/s, loader alone {results[(backend, name)][-1][1]:.0f}",
+                flush=True,
+            )  # each figure as it is measured: a run stopped at its time limit keeps them
+    print(
+        "| backend | switch | training images/s (min-max) | vs baseline | loader alone images/s | loader ms per 1000 images |"
+    )
     print("|---|---|---|---|---|---|")
     for backend in args.backends.split(","):
         base = statistics.median(t for t, _ in results[(backend, "baseline (crop + flip)")])
@@ -111,7 +126,9 @@ def main() -> None:
                 continue
             v = [t for t, _ in results[(b, name)]]
             med, lod = statistics.median(v), statistics.median(x for _, x in results[(b, name)])
-            print(f"| {b} | {name} | {med:.0f} ({min(v):.0f}-{max(v):.0f}) | {med / base:.2f}x | {lod:.0f} | {1e6 / lod:.0f} |")
+            print(
+                f"| {b} | {name} | {med:.0f} ({min(v):.0f}-{max(v):.0f}) | {med / base:.2f}x | {lod:.0f} | {1e6 / lod:.0f} |"
+            )
     for backend in ("memory", "gpu"):
         print(f"{backend}: auto_augment and augmix are refused (cpu backend only)")
 

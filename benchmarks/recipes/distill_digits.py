@@ -17,10 +17,21 @@ from pathlib import Path
 
 FEW = 10  # training images per class of the student's data set
 TEACHER = ["model.args={width: 8}", "run.epochs=3", "optim.lr=0.05", "data.batch_size=32"]
-STUDENT = [f"data.dataset=digits_few_{FEW}", "model.args={width: 8}", "run.epochs=40", "optim.lr=0.05",
-           "data.batch_size=25", "data.train.transforms=[random_crop: {size: 8, padding: 1}]"]
-QUIET = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "checkpoint.every_epochs=null",
-         "eval.every_epochs=100"]
+STUDENT = [
+    f"data.dataset=digits_few_{FEW}",
+    "model.args={width: 8}",
+    "run.epochs=40",
+    "optim.lr=0.05",
+    "data.batch_size=25",
+    "data.train.transforms=[random_crop: {size: 8, padding: 1}]",
+]
+QUIET = [
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "checkpoint.every_epochs=null",
+    "eval.every_epochs=100",
+]
 
 
 def register_digits_few(n: int = FEW) -> str:
@@ -69,13 +80,26 @@ def main() -> None:
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         alone = top1(out / "alone", *STUDENT, f"run.seed={seed}")
-        kd = top1(out / "kd", *STUDENT, f"run.seed={seed}", f"distill.teacher.run={out / 'teacher'}",
-                  f"distill.temperature={args.temperature}", f"distill.alpha={args.alpha}")
+        kd = top1(
+            out / "kd",
+            *STUDENT,
+            f"run.seed={seed}",
+            f"distill.teacher.run={out / 'teacher'}",
+            f"distill.temperature={args.temperature}",
+            f"distill.alpha={args.alpha}",
+        )
         rows.append((alone, kd))
         print(json.dumps({"seed": seed, "alone": round(alone, 4), "distilled": round(kd, 4)}), flush=True)
     n = len(rows)
-    print(json.dumps({"mean_alone": round(sum(a for a, _ in rows) / n, 4), "mean_distilled": round(sum(k for _, k in rows) / n, 4),
-                      "min_gain": round(min(k - a for a, k in rows), 4)}))
+    print(
+        json.dumps(
+            {
+                "mean_alone": round(sum(a for a, _ in rows) / n, 4),
+                "mean_distilled": round(sum(k for _, k in rows) / n, 4),
+                "min_gain": round(min(k - a for a, k in rows), 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -29,26 +29,44 @@ def job(args, seed: int, progressive: bool, run_dir: str) -> dict:
     from torchsprint.train.run import train
 
     over = [
-        "data.dataset=synthetic_jpeg", f"data.root={args.root}", f"data.backend={args.backend}",
+        "data.dataset=synthetic_jpeg",
+        f"data.root={args.root}",
+        f"data.backend={args.backend}",
         f"data.options={{num_images: {args.train_images}, val_images: {args.val_images}, size: [{args.size}, {args.size}], "
-        "classes: 10}", f"data.batch_size={args.batch}", f"model.name={args.model}",
+        "classes: 10}",
+        f"data.batch_size={args.batch}",
+        f"model.name={args.model}",
         f"model.args={{width: {args.width}}}" if args.width else "model.args={}",
         f"data.train.transforms=[random_resized_crop: {args.crop}, hflip, normalize: imagenet]",
         f"data.eval.transforms=[resize: {round(args.crop * 1.14)}, center_crop: {args.crop}, normalize: imagenet]",
-        f"run.epochs={args.epochs}", f"run.seed={seed}", "optim.lr=0.1", "sched.warmup_epochs=1",
-        "log.tensorboard=false", "log.progress=false", "eval.per_class=false", "checkpoint.every_epochs=null",
+        f"run.epochs={args.epochs}",
+        f"run.seed={seed}",
+        "optim.lr=0.1",
+        "sched.warmup_epochs=1",
+        "log.tensorboard=false",
+        "log.progress=false",
+        "eval.per_class=false",
+        "checkpoint.every_epochs=null",
         f"run.dir={run_dir}",
     ]
     if progressive:
         first, last = (int(x) for x in args.ramp.split(","))
-        over.append(f"data.progressive={{start_size: {args.start}, step: {args.step}, start_epoch: {first}, "
-                    f"end_epoch: {last}}}")
+        over.append(
+            f"data.progressive={{start_size: {args.start}, step: {args.step}, start_epoch: {first}, end_epoch: {last}}}"
+        )
     t0 = time.perf_counter()
     s = train(config.load(None, over), quiet=True)
     wall = time.perf_counter() - t0
     sizes = json.loads((Path(run_dir) / "decisions.json").read_text()).get("train_sizes")
-    return {"seed": seed, "progressive": progressive, "top1": s["final"]["val/top1"], "loss": s["final"]["val/loss"],
-            "train_images_per_s": s["train_images_per_s"], "wall_s": wall, "train_sizes": sizes}
+    return {
+        "seed": seed,
+        "progressive": progressive,
+        "top1": s["final"]["val/top1"],
+        "loss": s["final"]["val/loss"],
+        "train_images_per_s": s["train_images_per_s"],
+        "wall_s": wall,
+        "train_sizes": sizes,
+    }
 
 
 def main() -> None:
@@ -73,31 +91,49 @@ def main() -> None:
     from torchsprint.data import DATASETS
 
     # Generate the JPEG folder before any timed run (the first run would otherwise count its generation).
-    DATASETS.get("synthetic_jpeg")(config.load(None, [
-        "data.dataset=synthetic_jpeg", f"data.root={args.root}", f"data.options={{num_images: {args.train_images}, "
-        f"val_images: {args.val_images}, size: [{args.size}, {args.size}], classes: 10}}"]).data)
+    DATASETS.get("synthetic_jpeg")(
+        config.load(
+            None,
+            [
+                "data.dataset=synthetic_jpeg",
+                f"data.root={args.root}",
+                f"data.options={{num_images: {args.train_images}, "
+                f"val_images: {args.val_images}, size: [{args.size}, {args.size}], classes: 10}}",
+            ],
+        ).data
+    )
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for progressive in (False, True):
             with tempfile.TemporaryDirectory() as d:
                 r = job(args, seed, progressive, f"{d}/run")
             runs.append(r)
-            print(f"seed {seed} {'progressive' if progressive else 'fixed':11s}: top1 {r['top1']:.4f}  loss {r['loss']:.4f}  "
-                  f"{r['train_images_per_s']:.0f} train img/s  {r['wall_s']:.0f} s  sizes {r['train_sizes'] or args.crop}",
-                  flush=True)
+            print(
+                f"seed {seed} {'progressive' if progressive else 'fixed':11s}: top1 {r['top1']:.4f}  loss {r['loss']:.4f}  "
+                f"{r['train_images_per_s']:.0f} train img/s  {r['wall_s']:.0f} s  sizes {r['train_sizes'] or args.crop}",
+                flush=True,
+            )
     print("\n| run | " + " | ".join(f"seed {r['seed']}" for r in runs if not r["progressive"]) + " | mean |")
     print("|---|" + "---|" * (len(runs) // 2 + 1))
     for prog in (False, True):
         rs = [r for r in runs if r["progressive"] == prog]
         for key, fmt in (("top1", "{:.4f}"), ("train_images_per_s", "{:.0f}"), ("wall_s", "{:.0f}")):
             xs = [r[key] for r in rs]
-            print(f"| {'progressive' if prog else 'fixed'} {key} | " + " | ".join(fmt.format(x) for x in xs)
-                  + f" | {fmt.format(statistics.mean(xs))} |")
+            print(
+                f"| {'progressive' if prog else 'fixed'} {key} | "
+                + " | ".join(fmt.format(x) for x in xs)
+                + f" | {fmt.format(statistics.mean(xs))} |"
+            )
     if args.json:
-        out = {"command": "python -m benchmarks.recipes.progressive " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                                                        vars(args).items() if k != "json"),
-               "date": datetime.now().isoformat(timespec="minutes"), "torch": torch.__version__,
-               "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "runs": runs}
+        out = {
+            "command": "python -m benchmarks.recipes.progressive "
+            + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json"),
+            "date": datetime.now().isoformat(timespec="minutes"),
+            "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "runs": runs,
+        }
         Path(args.json).write_text(json.dumps(out, indent=1))
 
 

@@ -19,10 +19,16 @@ from torchsprint.commands.bench.measure import measure
 
 # 40x40 RGB JPEGs (generated once), small_cnn (width 8) on 32-pixel crops: a step of a few ms on 2 CPU cores,
 # so what a switch adds per step shows.
-BASE = ["data.dataset=synthetic_jpeg", "data.options={num_images: 512, val_images: 64, size: [40, 40], classes: 10}",
-        "data.batch_size=64", "model.args={width: 8}", "log.tensorboard=false", "log.progress=false",
-        "data.train.transforms=[random_resized_crop: 32, hflip, normalize: imagenet]",
-        "data.eval.transforms=[center_crop: 32, normalize: imagenet]"]
+BASE = [
+    "data.dataset=synthetic_jpeg",
+    "data.options={num_images: 512, val_images: 64, size: [40, 40], classes: 10}",
+    "data.batch_size=64",
+    "model.args={width: 8}",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "data.train.transforms=[random_resized_crop: 32, hflip, normalize: imagenet]",
+    "data.eval.transforms=[center_crop: 32, normalize: imagenet]",
+]
 
 SWITCHES = {  # name -> overrides (the recipe switches of docs/recipes.md)
     "plain": [],
@@ -45,8 +51,11 @@ def main() -> None:
     args = ap.parse_args()
     switches = dict(SWITCHES, **EXTRA)
     names = args.switches.split(",") if args.switches else list(switches)
-    cfgs = {(be, n): config.load(None, [*BASE, f"data.root={args.root}", f"data.backend={be}", *switches[n]])
-            for be in args.backends.split(",") for n in names}
+    cfgs = {
+        (be, n): config.load(None, [*BASE, f"data.root={args.root}", f"data.backend={be}", *switches[n]])
+        for be in args.backends.split(",")
+        for n in names
+    }
     backends = args.backends.split(",")
     for key, c in list(cfgs.items()):  # generate the JPEGs and warm every code path once
         if key[0] not in backends:
@@ -61,11 +70,13 @@ def main() -> None:
     keys = list(cfgs)
     ips: dict = {k: [] for k in keys}
     for r in range(args.repeats):
-        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+        for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
             ips[k].append(measure(cfgs[k], args.steps, args.warmup)["images_per_s"])
             print(f"repeat {r + 1}: {k[0]} {k[1]}: {ips[k][-1]:.0f} images/s", flush=True)  # kept if stopped
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {args.repeats} repeats x {args.steps} steps, median images/s "
-          "(ratio: median of per-repeat ratios to 'plain' on the same backend)")
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {args.repeats} repeats x {args.steps} steps, median images/s "
+        "(ratio: median of per-repeat ratios to 'plain' on the same backend)"
+    )
     print("| switch | " + " | ".join(f"{be} images/s | {be} ratio" for be in args.backends.split(",")) + " |")
     print("|---|" + "---|---|" * len(args.backends.split(",")))
     for n in names:

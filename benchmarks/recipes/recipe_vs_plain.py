@@ -17,14 +17,28 @@ import tempfile
 from torchsprint import config
 from torchsprint.train.run import train
 
-DATA = ["data.dataset=synthetic_jpeg", "data.options={num_images: 1000, val_images: 300, size: [40, 40], classes: 10}",
-        "data.batch_size=64", "model.args={width: 16}", "log.tensorboard=false", "log.progress=false",
-        "eval.per_class=false", "checkpoint.every_epochs=null", "data.backend=cpu",
-        "data.eval.transforms=[center_crop: 32, normalize: imagenet]"]
+DATA = [
+    "data.dataset=synthetic_jpeg",
+    "data.options={num_images: 1000, val_images: 300, size: [40, 40], classes: 10}",
+    "data.batch_size=64",
+    "model.args={width: 16}",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "checkpoint.every_epochs=null",
+    "data.backend=cpu",
+    "data.eval.transforms=[center_crop: 32, normalize: imagenet]",
+]
 PLAIN = ["data.train.transforms=[random_resized_crop: 32, hflip, normalize: imagenet]"]
-RECIPE = ["data.train.transforms=[random_resized_crop: 32, hflip, trivial_augment_wide, normalize: imagenet]",
-          "loss.label_smoothing=0.1", "mix.mixup_alpha=0.2", "mix.cutmix_alpha=1.0", "ema.enabled=true", "ema.decay=0.99",
-          "ema.warmup=true"]
+RECIPE = [
+    "data.train.transforms=[random_resized_crop: 32, hflip, trivial_augment_wide, normalize: imagenet]",
+    "loss.label_smoothing=0.1",
+    "mix.mixup_alpha=0.2",
+    "mix.cutmix_alpha=1.0",
+    "ema.enabled=true",
+    "ema.decay=0.99",
+    "ema.warmup=true",
+]
 
 
 def main() -> None:
@@ -38,16 +52,30 @@ def main() -> None:
         out = {}
         for name, extra in (("plain", PLAIN), ("recipe", RECIPE)):
             with tempfile.TemporaryDirectory() as d:
-                cfg = config.load(None, [*DATA, f"data.root={args.root}", f"run.epochs={args.epochs}", f"run.seed={seed}",
-                                         *extra, f"run.dir={d}/run"])
+                cfg = config.load(
+                    None,
+                    [
+                        *DATA,
+                        f"data.root={args.root}",
+                        f"run.epochs={args.epochs}",
+                        f"run.seed={seed}",
+                        *extra,
+                        f"run.dir={d}/run",
+                    ],
+                )
                 s = train(cfg, quiet=True)
             out[name] = s["final"].get("ema/val/top1", s["final"]["val/top1"])
             out[name + "_raw"] = s["final"]["val/top1"]
         rows.append((seed, out))
-        print(f"seed {seed}: plain {out['plain']:.4f}, recipe (EMA) {out['recipe']:.4f} (its raw weights "
-              f"{out['recipe_raw']:.4f})", flush=True)
-    print(f"median: plain {statistics.median(o['plain'] for _, o in rows):.4f}, recipe "
-          f"{statistics.median(o['recipe'] for _, o in rows):.4f} ({args.epochs} epochs, {len(rows)} seeds)")
+        print(
+            f"seed {seed}: plain {out['plain']:.4f}, recipe (EMA) {out['recipe']:.4f} (its raw weights "
+            f"{out['recipe_raw']:.4f})",
+            flush=True,
+        )
+    print(
+        f"median: plain {statistics.median(o['plain'] for _, o in rows):.4f}, recipe "
+        f"{statistics.median(o['recipe'] for _, o in rows):.4f} ({args.epochs} epochs, {len(rows)} seeds)"
+    )
 
 
 if __name__ == "__main__":

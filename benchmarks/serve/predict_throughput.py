@@ -44,10 +44,23 @@ def main() -> None:
     jpgs = make_images(tmp / "jpg" / "c0", args.images, (500, 375), False, ".jpg")
     r18_spec = [{"resize": 256}, {"center_crop": 224}, {"normalize": "imagenet"}]
     cases = {
-        "small_cnn digits 8x8 (PNG)": (make_run(tmp / "digits", "small_cnn", [], 1, 10),
-                                        make_images(tmp / "png", args.images * 4, (8, 8), True, ".png"), 256),
-        "resnet18 224 (500x375 JPEG)": (make_run(tmp / "r18", "resnet18", r18_spec, 3, 1000,
-                                                 ["data.dataset=image_folder", f"data.root={tmp / 'jpg'}", f"data.train.transforms={r18_spec}"]), jpgs, 32),
+        "small_cnn digits 8x8 (PNG)": (
+            make_run(tmp / "digits", "small_cnn", [], 1, 10),
+            make_images(tmp / "png", args.images * 4, (8, 8), True, ".png"),
+            256,
+        ),
+        "resnet18 224 (500x375 JPEG)": (
+            make_run(
+                tmp / "r18",
+                "resnet18",
+                r18_spec,
+                3,
+                1000,
+                ["data.dataset=image_folder", f"data.root={tmp / 'jpg'}", f"data.train.transforms={r18_spec}"],
+            ),
+            jpgs,
+            32,
+        ),
     }
     print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} repeats={args.repeats}")
     rows = []
@@ -64,16 +77,28 @@ def main() -> None:
         for _ in range(args.repeats):
             for b, p in preds.items():
                 e2e[b].append(len(paths) / timed(lambda p=p, paths=paths: p.predict(paths)))
-                model_only[b].append(len(batch) * 3 / timed(lambda p=p, batch=batch: [p.logits(batch) for _ in range(3)]))
+                model_only[b].append(
+                    len(batch) * 3 / timed(lambda p=p, batch=batch: [p.logits(batch) for _ in range(3)])
+                )
         for b in preds:
             label = b if b == "torch" else f"onnx ({providers(preds[b])})"
-            print(f"| {name} | {label} | {statistics.median(e2e[b]):.0f} ({min(e2e[b]):.0f}-{max(e2e[b]):.0f}) | "
-                  f"{statistics.median(model_only[b]):.0f} |")
-            rows.append({"case": name, "backend": label, "end_to_end_images_per_s": statistics.median(e2e[b]),
-                         "model_only_images_per_s": statistics.median(model_only[b]),
-                         "cpu_fallbacks": getattr(preds[b], "cpu_fallbacks", 0)})
+            print(
+                f"| {name} | {label} | {statistics.median(e2e[b]):.0f} ({min(e2e[b]):.0f}-{max(e2e[b]):.0f}) | "
+                f"{statistics.median(model_only[b]):.0f} |"
+            )
+            rows.append(
+                {
+                    "case": name,
+                    "backend": label,
+                    "end_to_end_images_per_s": statistics.median(e2e[b]),
+                    "model_only_images_per_s": statistics.median(model_only[b]),
+                    "cpu_fallbacks": getattr(preds[b], "cpu_fallbacks", 0),
+                }
+            )
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "torch": torch.__version__, "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"device": args.device, "torch": torch.__version__, "rows": rows}, indent=1)
+        )
 
 
 def providers(predictor) -> str:

@@ -55,6 +55,7 @@ TRAINED = ["precision=amp_bf16", "speed.channels_last=true"]
 
 # ---------------------------------------------------------------- the cases and their images
 
+
 def make_cases(tmp: Path, which: list[str]) -> dict:
     """{name: (run folder, [image bytes], content type)}: random-weight runs (common/inference.py's make_run)."""
     cases = {}
@@ -65,8 +66,14 @@ def make_cases(tmp: Path, which: list[str]) -> dict:
     if "resnet18" in which:
         spec = [{"resize": 256}, {"center_crop": 224}, {"normalize": "imagenet"}]
         files = make_images(tmp / "jpg" / "c0", 32, (500, 375), False, ".jpg")
-        run = make_run(tmp / "r18", "resnet18", spec, 3, 1000,
-                       ["data.dataset=image_folder", f"data.root={tmp / 'jpg'}", f"data.train.transforms={spec}", *TRAINED])
+        run = make_run(
+            tmp / "r18",
+            "resnet18",
+            spec,
+            3,
+            1000,
+            ["data.dataset=image_folder", f"data.root={tmp / 'jpg'}", f"data.train.transforms={spec}", *TRAINED],
+        )
         cases["resnet18 224 JPEG 500x375"] = (run, [Path(f).read_bytes() for f in files], "image/jpeg")
     return cases
 
@@ -81,15 +88,18 @@ def bad_requests() -> list[tuple[str, dict, bytes | dict]]:
     png = buf.getvalue()
     bomb = bytearray(png)
     bomb[16:24] = (100_000).to_bytes(4, "big") * 2  # IHDR says 100000x100000: refused from the header
-    return [("not an image", {"content-type": "image/png"}, b"hello, I am text"),
-            ("truncated", {"content-type": "image/png"}, png[: len(png) // 2]),
-            ("empty", {"content-type": "image/png"}, b""),
-            ("wrong content type", {"content-type": "application/json"}, b'{"path": "/etc/passwd"}'),
-            ("decompression bomb", {"content-type": "image/png"}, bytes(bomb)),
-            ("wrong field", {}, {"file": ("a.png", png, "image/png")})]
+    return [
+        ("not an image", {"content-type": "image/png"}, b"hello, I am text"),
+        ("truncated", {"content-type": "image/png"}, png[: len(png) // 2]),
+        ("empty", {"content-type": "image/png"}, b""),
+        ("wrong content type", {"content-type": "application/json"}, b'{"path": "/etc/passwd"}'),
+        ("decompression bomb", {"content-type": "image/png"}, bytes(bomb)),
+        ("wrong field", {}, {"file": ("a.png", png, "image/png")}),
+    ]
 
 
 # ---------------------------------------------------------------- the servers
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -97,7 +107,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(entry: str, run: Path, device: str, log: Path, threads: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(
+    entry: str, run: Path, device: str, log: Path, threads: int | None = None
+) -> tuple[subprocess.Popen, str]:
     """Start one server process; (process, base URL) once its health check answers. `threads`: the baselines' torch
     threads (torchsprint measures its own)."""
     py = sys.executable
@@ -105,19 +117,48 @@ def start_server(entry: str, run: Path, device: str, log: Path, threads: int | N
     if isinstance(threads, dict):  # torchsprint's choice per batch size: a batch of one for the one-per-request
         threads = threads["1" if kind == "fastapi" else str(MAX_BATCH)]  # endpoint, max_batch for LitServe's
     if kind == "torchsprint":
-        cmd = [py, "-m", "torchsprint", "serve", str(run), "--port", "0", "--max-batch", str(MAX_BATCH),
-               "--max-wait-ms", str(MAX_WAIT_MS), "--device", device, "--queue-limit", "1024",
-               *(["--precision", precision] if precision else [])]
+        cmd = [
+            py,
+            "-m",
+            "torchsprint",
+            "serve",
+            str(run),
+            "--port",
+            "0",
+            "--max-batch",
+            str(MAX_BATCH),
+            "--max-wait-ms",
+            str(MAX_WAIT_MS),
+            "--device",
+            device,
+            "--queue-limit",
+            "1024",
+            *(["--precision", precision] if precision else []),
+        ]
         health = "/ready"
     else:
         port = free_port()
-        cmd = [py, "-m", __spec__.name, f"--{kind}-server", str(run), "--port", str(port), "--device", device,
-               "--precision", precision or "fp32", *(["--threads", str(threads)] if threads else [])]
+        cmd = [
+            py,
+            "-m",
+            __spec__.name,
+            f"--{kind}-server",
+            str(run),
+            "--port",
+            str(port),
+            "--device",
+            device,
+            "--precision",
+            precision or "fp32",
+            *(["--threads", str(threads)] if threads else []),
+        ]
         health = "/health"
     out = open(log, "w")
     # Its own process group: LitServe's worker processes go down with it (stop_server signals the group), and so
     # does everything if this script dies (atexit); terminating the parent alone left LitServe's workers running.
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=child_env())
+    proc = subprocess.Popen(
+        cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=child_env()
+    )
     STARTED.append(proc)
     deadline = time.monotonic() + 300
     url = None
@@ -148,12 +189,15 @@ def server_kind(entry: str) -> tuple[str, str | None]:
     baselines run fp32 then (a hand-written endpoint runs the model as loaded)."""
     kind, _, precision = entry.partition(":")
     if kind not in ("torchsprint", "fastapi", "litserve") or precision not in ("", "auto", "fp32", "bf16"):
-        raise SystemExit(f"--servers {entry}: use torchsprint, fastapi or litserve, each optionally :fp32, :bf16 or :auto")
+        raise SystemExit(
+            f"--servers {entry}: use torchsprint, fastapi or litserve, each optionally :fp32, :bf16 or :auto"
+        )
     return kind, precision or None
 
 
 def stop_server(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
     """SIGTERM to the server's process group (its workers too), SIGKILL after 60 s; the server's exit code."""
+
     def group(s):
         try:
             os.killpg(proc.pid, s)
@@ -225,6 +269,7 @@ except ImportError:
     ls = None
 
 if ls is not None:
+
     class LitImageAPI(ls.LitAPI):
         """(b) LitServe with its batching: decode in decode_request, stack in batch, one forward per batch."""
 
@@ -268,6 +313,7 @@ def litserve_server(run: str, port: int, device: str, threads: int | None, preci
 
 # ---------------------------------------------------------------- the load
 
+
 def request_of(kind: str, data: bytes, ctype: str) -> dict:
     """aiohttp request arguments for one image to this kind of server."""
     if kind == "litserve":
@@ -292,8 +338,9 @@ async def post(http, url: str, kw: dict) -> int:
 def session(concurrency: int):
     import aiohttp
 
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
-                                 timeout=aiohttp.ClientTimeout(total=120))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=concurrency), timeout=aiohttp.ClientTimeout(total=120)
+    )
 
 
 def prime(url: str, requests: list[dict]) -> None:
@@ -354,10 +401,17 @@ async def load(url: str, requests: list[dict], concurrency: int, seconds: float,
 def summary(concurrency: int, latencies: list[float], statuses: dict[str, int], seconds: float) -> dict:
     """One level's figures from its measured requests (pooled over rounds: `seconds` is their total)."""
     ok = statuses.get("200", 0)
-    return {"concurrency": concurrency, "requests": len(latencies), "requests_per_s": len(latencies) / seconds,
-            "images_per_s": ok / seconds, "p50_ms": 1000 * percentile(latencies, 50),
-            "p95_ms": 1000 * percentile(latencies, 95), "p99_ms": 1000 * percentile(latencies, 99), "statuses": statuses,
-            "_latencies": latencies}
+    return {
+        "concurrency": concurrency,
+        "requests": len(latencies),
+        "requests_per_s": len(latencies) / seconds,
+        "images_per_s": ok / seconds,
+        "p50_ms": 1000 * percentile(latencies, 50),
+        "p95_ms": 1000 * percentile(latencies, 95),
+        "p99_ms": 1000 * percentile(latencies, 99),
+        "statuses": statuses,
+        "_latencies": latencies,
+    }
 
 
 def rss_mb(pid: int) -> float:
@@ -368,8 +422,16 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def soak(url: str, images: list[bytes], ctype: str, seconds: float, concurrency: int = 64,
-               bad_share: float = 0.05, pid: int | None = None, windows: int = 10) -> dict:
+async def soak(
+    url: str,
+    images: list[bytes],
+    ctype: str,
+    seconds: float,
+    concurrency: int = 64,
+    bad_share: float = 0.05,
+    pid: int | None = None,
+    windows: int = 10,
+) -> dict:
     """The soak mix: good images with `bad_share` of bad_requests() among them, `concurrency` in flight for
     `seconds`. Counts 5xx, requests without an answer, wrong statuses; RSS of `pid` each second; p99 per window."""
     import aiohttp
@@ -411,30 +473,55 @@ async def soak(url: str, images: list[bytes], ctype: str, seconds: float, concur
     async with session(concurrency) as http:
         await asyncio.gather(sample_rss(), *(client(i, http) for i in range(concurrency)))
     width = seconds / windows
-    p99 = [1000 * percentile([lat for t, lat, good in samples if good and k * width <= t < (k + 1) * width], 99)
-           for k in range(windows)]
+    p99 = [
+        1000 * percentile([lat for t, lat, good in samples if good and k * width <= t < (k + 1) * width], 99)
+        for k in range(windows)
+    ]
     after_warmup = [m for t, m in rss if t >= 0.2 * seconds]  # the first fifth is warm-up (allocator, caches)
     growth = (max(after_warmup) / after_warmup[0] - 1) if len(after_warmup) >= 2 else 0.0
-    return {**counts, "seconds": seconds, "concurrency": concurrency, "p99_ms_per_window": p99,
-            "rss_mb": [(round(t, 1), round(m, 1)) for t, m in rss], "rss_growth_after_warmup": growth,
-            "ok": counts["5xx"] == 0 and counts["no_answer"] == 0 and counts["wrong_status"] == 0 and growth < 0.05}
+    return {
+        **counts,
+        "seconds": seconds,
+        "concurrency": concurrency,
+        "p99_ms_per_window": p99,
+        "rss_mb": [(round(t, 1), round(m, 1)) for t, m in rss],
+        "rss_growth_after_warmup": growth,
+        "ok": counts["5xx"] == 0 and counts["no_answer"] == 0 and counts["wrong_status"] == 0 and growth < 0.05,
+    }
 
 
 # ---------------------------------------------------------------- the report
 
+
 def machine() -> dict:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else "?"
+    )
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     except OSError:
         rev = ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "git_revision": rev or "?",
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "load_average": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "git_revision": rev or "?",
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "load_average": os.getloadavg(),
+    }
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -449,10 +536,12 @@ def verdicts(rows: list[dict]) -> list[str]:
             if ours is None or not others:
                 continue
             best = max(others, key=lambda r: r["images_per_s"])
-            line = (f"{case} c={c}: throughput {ours['images_per_s']:.0f} vs best other {best['images_per_s']:.0f} "
-                    f"({best['server']}) {'ok' if ours['images_per_s'] >= best['images_per_s'] else 'NOT MET'}; p99 "
-                    f"{ours['p99_ms']:.1f} vs {min(r['p99_ms'] for r in others):.1f} ms "
-                    f"{'ok' if ours['p99_ms'] <= min(r['p99_ms'] for r in others) else 'NOT MET'}")
+            line = (
+                f"{case} c={c}: throughput {ours['images_per_s']:.0f} vs best other {best['images_per_s']:.0f} "
+                f"({best['server']}) {'ok' if ours['images_per_s'] >= best['images_per_s'] else 'NOT MET'}; p99 "
+                f"{ours['p99_ms']:.1f} vs {min(r['p99_ms'] for r in others):.1f} ms "
+                f"{'ok' if ours['p99_ms'] <= min(r['p99_ms'] for r in others) else 'NOT MET'}"
+            )
             if c == 32 and "fastapi" in at:
                 x = ours["images_per_s"] / max(at["fastapi"]["images_per_s"], 1e-9)
                 line += f"; {x:.2f}x the hand-written endpoint {'ok' if x >= 2 else 'NOT MET'}"
@@ -486,9 +575,17 @@ def compare(args) -> dict:
         r.pop("_latencies", None)
     lines = verdicts(rows)
     print("\n".join(lines))
-    return {"rows": rows, "goals": lines, "settings": {"max_batch": MAX_BATCH, "max_wait_ms": MAX_WAIT_MS,
-                                                      "duration_s": args.duration, "rounds": args.rounds,
-                                                      "device": args.device}}
+    return {
+        "rows": rows,
+        "goals": lines,
+        "settings": {
+            "max_batch": MAX_BATCH,
+            "max_wait_ms": MAX_WAIT_MS,
+            "duration_s": args.duration,
+            "rounds": args.rounds,
+            "device": args.device,
+        },
+    }
 
 
 def start_primed(entry: str, run: Path, images: list[bytes], ctype: str, device: str, tmp: Path, threads):
@@ -509,11 +606,16 @@ def start_primed(entry: str, run: Path, images: list[bytes], ctype: str, device:
 
 def print_row(r: dict) -> None:
     bad = sum(v for k, v in r["statuses"].items() if k != "200")
-    print(f"| {r['case']} | {r['server']} | {r['concurrency']} | {r['requests_per_s']:.0f} | {r['images_per_s']:.0f} | "
-          f"{r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {bad} |", flush=True)
+    print(
+        f"| {r['case']} | {r['server']} | {r['concurrency']} | {r['requests_per_s']:.0f} | {r['images_per_s']:.0f} | "
+        f"{r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['p99_ms']:.1f} | {bad} |",
+        flush=True,
+    )
 
 
-def interleaved(args, case: str, run: Path, images: list[bytes], ctype: str, levels: list[int], tmp: Path) -> list[dict]:
+def interleaved(
+    args, case: str, run: Path, images: list[bytes], ctype: str, levels: list[int], tmp: Path
+) -> list[dict]:
     """--rounds N: every server of the case up at once; each round measures every level on every server in turn
     (args.duration / N seconds each), so that a slow spell of a shared machine falls on all servers alike rather
     than on whichever ran then. A level's figures pool its rounds' requests. Only the server being measured runs:
@@ -525,8 +627,10 @@ def interleaved(args, case: str, run: Path, images: list[bytes], ctype: str, lev
             proc, url, reqs, threads = start_primed(entry, run, images, ctype, args.device, tmp, threads)
             up[entry] = (proc, url, reqs)
         idle = idle_cpu([proc.pid for proc, _, _ in up.values()], 3.0)
-        print(f"<!-- idle CPU share of each server over 3 s (all up, none loaded): "
-              f"{dict(zip(up, (round(x, 3) for x in idle)))}; each is stopped (SIGSTOP) while another is measured -->")
+        print(
+            f"<!-- idle CPU share of each server over 3 s (all up, none loaded): "
+            f"{dict(zip(up, (round(x, 3) for x in idle)))}; each is stopped (SIGSTOP) while another is measured -->"
+        )
         pooled: dict = {}
         seconds = args.duration / args.rounds
         for _ in range(args.rounds):
@@ -545,14 +649,21 @@ def interleaved(args, case: str, run: Path, images: list[bytes], ctype: str, lev
             stop_server(proc)
     rows = []
     for (entry, c), p in pooled.items():
-        rows.append({**summary(c, p["latencies"], p["statuses"], args.duration), "case": case, "server": entry,
-                     "rounds": args.rounds})
+        rows.append(
+            {
+                **summary(c, p["latencies"], p["statuses"], args.duration),
+                "case": case,
+                "server": entry,
+                "rounds": args.rounds,
+            }
+        )
         print_row(rows[-1])
     return rows
 
 
 def idle_cpu(pids: list[int], seconds: float) -> list[float]:
     """Each process tree's CPU time over `seconds` as a share of one core (its children's too: LitServe's workers)."""
+
     def tree_cpu(pid: int) -> float:
         total = 0.0
         for p in [pid, *children(pid)]:
@@ -600,18 +711,32 @@ def run_soak(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="digits,resnet18", help="digits, resnet18 (comma-separated)")
-    ap.add_argument("--servers", default="torchsprint,torchsprint:fp32,fastapi,litserve",
-                    help="which servers (comma-separated), each optionally :fp32, :bf16 or :auto (its precision; "
-                    "torchsprint without one: its default, auto; the others: fp32)")
+    ap.add_argument(
+        "--servers",
+        default="torchsprint,torchsprint:fp32,fastapi,litserve",
+        help="which servers (comma-separated), each optionally :fp32, :bf16 or :auto (its precision; "
+        "torchsprint without one: its default, auto; the others: fp32)",
+    )
     ap.add_argument("--concurrency", default="1,8,32,128", help="requests in flight (comma-separated levels)")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per level")
     ap.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each level")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="split each level's --duration into this many rounds, the servers (all up at once) taking "
-                    "turns within each round: a shared machine's slow spells then fall on every server alike")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="split each level's --duration into this many rounds, the servers (all up at once) taking "
+        "turns within each round: a shared machine's slow spells then fall on every server alike",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda, for every server")
-    ap.add_argument("--soak", type=float, nargs="?", const=600.0, default=None, metavar="SECONDS",
-                    help="soak mode instead: torchsprint alone, concurrency 64, 5%% bad requests (default 600 s)")
+    ap.add_argument(
+        "--soak",
+        type=float,
+        nargs="?",
+        const=600.0,
+        default=None,
+        metavar="SECONDS",
+        help="soak mode instead: torchsprint alone, concurrency 64, 5%% bad requests (default 600 s)",
+    )
     ap.add_argument("--json", help="write the figures and the machine's description to this file")
     ap.add_argument("--fastapi-server", metavar="RUN", help=argparse.SUPPRESS)
     ap.add_argument("--litserve-server", metavar="RUN", help=argparse.SUPPRESS)

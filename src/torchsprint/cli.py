@@ -35,7 +35,9 @@ from torchsprint.commands.args import (
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command in COMMANDS (one sub-parser each, with --debug, and --import where it applies)."""
-    parser = OneLineParser(prog="torchsprint", description="Train PyTorch vision models fast, with results you can trust.")
+    parser = OneLineParser(
+        prog="torchsprint", description="Train PyTorch vision models fast, with results you can trust."
+    )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -43,9 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(c.name, help=c.help, description=c.description)
         c.add_args(p)
         if c.imports:
-            p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                           help="import a module that registers your own models/datasets/losses (repeatable)")
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+            p.add_argument(
+                "--import",
+                dest="imports",
+                action="append",
+                default=[],
+                metavar="MODULE",
+                help="import a module that registers your own models/datasets/losses (repeatable)",
+            )
+        p.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors"
+        )
     return parser
 
 
@@ -69,15 +79,19 @@ def cmd_train(args) -> int:
         if path is None and not (Path(args.resume) / "config.yaml").is_file():
             from torchsprint.errors import UsageError
 
-            raise UsageError(f"--resume {args.resume}: not a torchsprint run folder (no config.yaml). Pass the folder "
-                             "`torchsprint train` printed, or give its config with -c.")
+            raise UsageError(
+                f"--resume {args.resume}: not a torchsprint run folder (no config.yaml). Pass the folder "
+                "`torchsprint train` printed, or give its config with -c."
+            )
         path = path or str(Path(args.resume) / "config.yaml")
         overrides += [f"run.dir={args.resume}", "checkpoint.resume=auto"]
     if (args.max_restarts or args.rdzv_backend) and not (args.nproc_per_node or args.nnodes):
         from torchsprint.errors import UsageError
 
-        raise UsageError("--max-restarts/--rdzv-backend configure torchrun's launcher: add --nproc-per-node N "
-                         "(and --nnodes for several machines).")
+        raise UsageError(
+            "--max-restarts/--rdzv-backend configure torchrun's launcher: add --nproc-per-node N "
+            "(and --nnodes for several machines)."
+        )
     if args.nproc_per_node or args.nnodes:  # a dry run too: each worker checks its part (rank, shard, group)
         from torchsprint.commands.launch import launch
 
@@ -108,8 +122,10 @@ def cmd_eval(args) -> int:
         if args.weights is not None:
             from torchsprint.errors import UsageError
 
-            raise UsageError(f"--weights {args.weights}: {args.run} is one model file, it has no best/last weights to "
-                             "choose from; leave --weights out (or evaluate the run folder).")
+            raise UsageError(
+                f"--weights {args.weights}: {args.run} is one model file, it has no best/last weights to "
+                "choose from; leave --weights out (or evaluate the run folder)."
+            )
         out = evaluate_file(args.run, args.split, args.overrides)
         header = describe_file(out)
     else:
@@ -152,8 +168,15 @@ def cmd_lr_find(args) -> int:
 
     check_range(args.steps, args.start, args.end)  # before anything is built: a bad range costs nothing
     cfg = config.load(args.config, list(args.overrides), imports=args.imports)
-    out = lr_find(cfg, steps=args.steps, start=args.start, end=args.end, out=args.out,
-                  log=(lambda *_: None) if args.json else print, overwrite=args.overwrite)
+    out = lr_find(
+        cfg,
+        steps=args.steps,
+        start=args.start,
+        end=args.end,
+        out=args.out,
+        log=(lambda *_: None) if args.json else print,
+        overwrite=args.overwrite,
+    )
     if args.json:
         print(json.dumps(out))
     return 0
@@ -216,55 +239,114 @@ class Command:
 
 
 COMMANDS = [
-    Command("train", "train a model from a config",
-            "Train a model from a config file and overrides.",
-            args_train, cmd_train, imports=True, import_first=False),
-    Command("eval", "re-evaluate a run's saved weights or an exported model file",
-            "Re-evaluate saved weights, or an exported .onnx (fp32 or int8) / .pt / .safetensors file, on the "
-            "validation (or test) split of the run's data.",
-            args_eval, cmd_eval, imports=True),
-    Command("export", "export a run's model (ONNX, safetensors, TorchScript)",
-            "Export weights with their preprocessing metadata and check parity.",
-            args_export, lazy("torchsprint.commands.export_command", "export_cli"), imports=True),
-    Command("predict", "predict with a run or an exported model (classes, labels or images)",
-            "Predict with the eval preprocessing stored with the model.",
-            args_predict, lazy("torchsprint.commands.predict", "predict_cli"), imports=True),
-    Command("serve", "serve a run or an exported model over HTTP: dynamic batching, metrics, a page to try it",
-            "Answer POST /predict with the top-k classes of each image (the run's own eval preprocessing, batched "
-            "across requests), with /health, /ready, /metrics (Prometheus), the OpenAPI page at /docs and a page to "
-            "drop images on at /. Listens on 127.0.0.1 unless told otherwise. docs/serve.md.",
-            args_serve, lazy("torchsprint.commands.serve", "serve_cli"), imports=True),
-    Command("data", "check a dataset and loader, compare CPU/GPU preprocessing, cache decoded images, write shards",
-            "Inspect the data pipeline of a config.",
-            args_data, cmd_data, imports=False),
-    Command("bench", "measure which accelerations pay off on this model, data and machine",
-            "Measure a matrix of speed variants of a config side by side.",
-            args_bench, lazy("torchsprint.commands.bench.main", "bench_cli"), imports=False),
-    Command("lr-find", "learning-rate range test: a plot and a suggested optim.lr (no run folder)",
-            "Raise the learning rate exponentially from --start to --end over --steps training steps of the run's "
-            "model, data and settings; plot the smoothed loss and suggest a learning rate (fastai's 'valley' rule). "
-            "Writes lr_find.png and lr_find.json to --out (default: a temp folder); the run folder is never created or "
-            "changed.",
-            args_lr_find, cmd_lr_find, imports=True, import_first=False),
-    Command("report", "one HTML page of a run: curves, confusion matrix, per-class scores, worst mistakes",
-            "Write <run>/report/report.html (self-contained) and its plots as PNG files.",
-            args_report, lazy("torchsprint.commands.report", "report_cli"), imports=True),
-    Command("average", "average the weights of several runs or checkpoints of one model, BatchNorm recomputed",
-            "Average (equal weights) the --weights files of several runs, or one run's N newest checkpoints (timm's "
-            "avg_checkpoints.py); refuse inputs of different models; recompute the BatchNorm statistics on the first "
-            "run's training data; evaluate every input and the average on its validation split; write -o FILE with "
-            "the metadata `eval/export/report --weights FILE` and `predict -r FILE` read.",
-            args_average, lazy("torchsprint.commands.average", "average_cli"), imports=True),
-    Command("weights", "fetch pretrained weights into the library's cache, or say where they are",
-            "Pretrained weights (the values of model.pretrained) in the caches runs read: `get` downloads, `path` "
-            "looks.",
-            args_weights, lazy("torchsprint.commands.weights", "weights_cli"), imports=False),
-    Command("config", "show the resolved config or its JSON Schema",
-            "Inspect configs.",
-            args_config, cmd_config, imports=False),
-    Command("list", "list registered names",
-            "List the names a config can use.",
-            args_list, cmd_list, imports=True),
+    Command(
+        "train",
+        "train a model from a config",
+        "Train a model from a config file and overrides.",
+        args_train,
+        cmd_train,
+        imports=True,
+        import_first=False,
+    ),
+    Command(
+        "eval",
+        "re-evaluate a run's saved weights or an exported model file",
+        "Re-evaluate saved weights, or an exported .onnx (fp32 or int8) / .pt / .safetensors file, on the "
+        "validation (or test) split of the run's data.",
+        args_eval,
+        cmd_eval,
+        imports=True,
+    ),
+    Command(
+        "export",
+        "export a run's model (ONNX, safetensors, TorchScript)",
+        "Export weights with their preprocessing metadata and check parity.",
+        args_export,
+        lazy("torchsprint.commands.export_command", "export_cli"),
+        imports=True,
+    ),
+    Command(
+        "predict",
+        "predict with a run or an exported model (classes, labels or images)",
+        "Predict with the eval preprocessing stored with the model.",
+        args_predict,
+        lazy("torchsprint.commands.predict", "predict_cli"),
+        imports=True,
+    ),
+    Command(
+        "serve",
+        "serve a run or an exported model over HTTP: dynamic batching, metrics, a page to try it",
+        "Answer POST /predict with the top-k classes of each image (the run's own eval preprocessing, batched "
+        "across requests), with /health, /ready, /metrics (Prometheus), the OpenAPI page at /docs and a page to "
+        "drop images on at /. Listens on 127.0.0.1 unless told otherwise. docs/serve.md.",
+        args_serve,
+        lazy("torchsprint.commands.serve", "serve_cli"),
+        imports=True,
+    ),
+    Command(
+        "data",
+        "check a dataset and loader, compare CPU/GPU preprocessing, cache decoded images, write shards",
+        "Inspect the data pipeline of a config.",
+        args_data,
+        cmd_data,
+        imports=False,
+    ),
+    Command(
+        "bench",
+        "measure which accelerations pay off on this model, data and machine",
+        "Measure a matrix of speed variants of a config side by side.",
+        args_bench,
+        lazy("torchsprint.commands.bench.main", "bench_cli"),
+        imports=False,
+    ),
+    Command(
+        "lr-find",
+        "learning-rate range test: a plot and a suggested optim.lr (no run folder)",
+        "Raise the learning rate exponentially from --start to --end over --steps training steps of the run's "
+        "model, data and settings; plot the smoothed loss and suggest a learning rate (fastai's 'valley' rule). "
+        "Writes lr_find.png and lr_find.json to --out (default: a temp folder); the run folder is never created or "
+        "changed.",
+        args_lr_find,
+        cmd_lr_find,
+        imports=True,
+        import_first=False,
+    ),
+    Command(
+        "report",
+        "one HTML page of a run: curves, confusion matrix, per-class scores, worst mistakes",
+        "Write <run>/report/report.html (self-contained) and its plots as PNG files.",
+        args_report,
+        lazy("torchsprint.commands.report", "report_cli"),
+        imports=True,
+    ),
+    Command(
+        "average",
+        "average the weights of several runs or checkpoints of one model, BatchNorm recomputed",
+        "Average (equal weights) the --weights files of several runs, or one run's N newest checkpoints (timm's "
+        "avg_checkpoints.py); refuse inputs of different models; recompute the BatchNorm statistics on the first "
+        "run's training data; evaluate every input and the average on its validation split; write -o FILE with "
+        "the metadata `eval/export/report --weights FILE` and `predict -r FILE` read.",
+        args_average,
+        lazy("torchsprint.commands.average", "average_cli"),
+        imports=True,
+    ),
+    Command(
+        "weights",
+        "fetch pretrained weights into the library's cache, or say where they are",
+        "Pretrained weights (the values of model.pretrained) in the caches runs read: `get` downloads, `path` looks.",
+        args_weights,
+        lazy("torchsprint.commands.weights", "weights_cli"),
+        imports=False,
+    ),
+    Command(
+        "config",
+        "show the resolved config or its JSON Schema",
+        "Inspect configs.",
+        args_config,
+        cmd_config,
+        imports=False,
+    ),
+    Command("list", "list registered names", "List the names a config can use.", args_list, cmd_list, imports=True),
 ]
 
 

@@ -47,8 +47,11 @@ def one_line(error: BaseException) -> str:
 
 
 # The errors of a write that found no room, and what each means for the user.
-DISK_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
-             errno.EFBIG: "a file reached the file size limit (ulimit -f)"}
+DISK_FULL = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "a file reached the file size limit (ulimit -f)",
+}
 
 
 def disk_full(error: BaseException, where: str | None = None) -> str | None:

@@ -51,8 +51,11 @@ class Registry:
         self._load(until=name)  # loads every provider when the name is nowhere
         if name in self._items:
             return self._items[name]
-        where = (f"Run `torchsprint list {self.listed}` to see all {len(self._items)} names." if self.listed else
-                 f"Known: {', '.join(sorted(self._items))}.")
+        where = (
+            f"Run `torchsprint list {self.listed}` to see all {len(self._items)} names."
+            if self.listed
+            else f"Known: {', '.join(sorted(self._items))}."
+        )
         raise UsageError(f"unknown {self.family} '{name}'.{did_you_mean(name, self._items)} {where}")
 
     def names(self) -> list[str]:

@@ -29,10 +29,25 @@ def main() -> int:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
-            r = subprocess.run([sys.executable, "-m", "torchsprint", "train", "--nproc-per-node", "2",
-                                f"run.epochs={args.epochs}", f"run.dir={tmp}/run{i}", "log.tensorboard=false",
-                                "model.args={width: 8}"], capture_output=True, text=True, cwd=tmp,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torchsprint",
+                    "train",
+                    "--nproc-per-node",
+                    "2",
+                    f"run.epochs={args.epochs}",
+                    f"run.dir={tmp}/run{i}",
+                    "log.tensorboard=false",
+                    "model.args={width: 8}",
+                ],
+                capture_output=True,
+                text=True,
+                cwd=tmp,
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+                timeout=600,
+            )
             codes[r.returncode] += 1
             if r.returncode != 0:
                 failures.append((i, r.returncode, r.stderr.strip().splitlines()[-3:]))

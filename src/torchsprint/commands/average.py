@@ -28,8 +28,10 @@ def input_files(runs: list[str], weights: str, checkpoints: int | None) -> list[
     """(label, file) of each input: the runs' weights files, or one run's newest checkpoint files."""
     if checkpoints is not None:
         if len(runs) != 1:
-            raise UsageError(f"--checkpoints {checkpoints} averages the checkpoints of one run; {len(runs)} runs were "
-                             "given. Pass one run folder, or leave out --checkpoints to average the runs' --weights.")
+            raise UsageError(
+                f"--checkpoints {checkpoints} averages the checkpoints of one run; {len(runs)} runs were "
+                "given. Pass one run folder, or leave out --checkpoints to average the runs' --weights."
+            )
         if checkpoints < 2:
             raise UsageError(f"--checkpoints {checkpoints}: an average needs at least 2 checkpoints.")
         from torchsprint.state.resume import find_checkpoints
@@ -37,19 +39,25 @@ def input_files(runs: list[str], weights: str, checkpoints: int | None) -> list[
         run = Path(runs[0])
         found = find_checkpoints(run) if run.is_dir() else []  # newest first
         if len(found) < checkpoints:
-            raise UsageError(f"--checkpoints {checkpoints}: {run / 'checkpoints'} holds {len(found)} checkpoint(s). Average "
-                             f"fewer, or keep more while training (checkpoint.keep_last={checkpoints}).")
+            raise UsageError(
+                f"--checkpoints {checkpoints}: {run / 'checkpoints'} holds {len(found)} checkpoint(s). Average "
+                f"fewer, or keep more while training (checkpoint.keep_last={checkpoints})."
+            )
         return [(p.name, p) for p in reversed(found[:checkpoints])]
     if len(runs) < 2:
-        raise UsageError("an average needs at least 2 inputs: pass several run folders, or one run with --checkpoints N.")
+        raise UsageError(
+            "an average needs at least 2 inputs: pass several run folders, or one run with --checkpoints N."
+        )
     out = []
     for r in runs:
         path = Path(r) / f"{weights}.safetensors"
         if not Path(r).is_dir():
             raise UsageError(f"{r}: no such run folder. Pass the folders `torchsprint train` printed.")
         if not path.is_file():
-            raise UsageError(f"{path} not found: that run has no {weights} weights; choose another --weights "
-                             "(best, last, ema, swa) or leave the run out.")
+            raise UsageError(
+                f"{path} not found: that run has no {weights} weights; choose another --weights "
+                "(best, last, ema, swa) or leave the run out."
+            )
         out.append((str(r), path))
     return out
 
@@ -67,8 +75,10 @@ def read_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         meta = read_safetensors_metadata(path)
         state = load_file(str(path))
     except Exception as e:  # a truncated or corrupt file
-        raise UsageError(f"{path} is not a readable safetensors file ({type(e).__name__}: {str(e)[:200]}). Leave it out, "
-                         "or re-train the run.") from None
+        raise UsageError(
+            f"{path} is not a readable safetensors file ({type(e).__name__}: {str(e)[:200]}). Leave it out, "
+            "or re-train the run."
+        ) from None
     from torchsprint.config.saved import metadata_entry
 
     return state, {"model": meta.get("model"), "classes": metadata_entry(meta, "classes", path, default=None)}
@@ -79,20 +89,26 @@ def check_same_model(states: list[tuple[str, dict, dict]]) -> None:
     label0, state0, meta0 = states[0]
     for label, state, meta in states[1:]:
         if meta["model"] != meta0["model"]:
-            raise UsageError(f"{label} is model {meta['model']}, {label0} is {meta0['model']}: only weights of the same "
-                             "model can be averaged.")
+            raise UsageError(
+                f"{label} is model {meta['model']}, {label0} is {meta0['model']}: only weights of the same "
+                "model can be averaged."
+            )
         if meta["classes"] != meta0["classes"]:
             n, n0 = len(meta["classes"] or []), len(meta0["classes"] or [])
             what = f"{n} classes, {label0} {n0}" if n != n0 else "other class names (or order) than " + label0
             raise UsageError(f"{label} has {what}: only weights of the same classes can be averaged.")
         if state.keys() != state0.keys():
             diff = sorted(state.keys() ^ state0.keys())
-            raise UsageError(f"{label} and {label0} hold different tensors (e.g. {diff[0]}): other model arguments "
-                             "(model.args); only the same architecture can be averaged.")
+            raise UsageError(
+                f"{label} and {label0} hold different tensors (e.g. {diff[0]}): other model arguments "
+                "(model.args); only the same architecture can be averaged."
+            )
         for k, v in state.items():
             if v.shape != state0[k].shape:
-                raise UsageError(f"{label}: {k} has shape {list(v.shape)}, {label0} {list(state0[k].shape)}: other model "
-                                 "arguments (model.args); only the same architecture can be averaged.")
+                raise UsageError(
+                    f"{label}: {k} has shape {list(v.shape)}, {label0} {list(state0[k].shape)}: other model "
+                    "arguments (model.args); only the same architecture can be averaged."
+                )
 
 
 def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -118,8 +134,9 @@ def run_objects(cfg, first_run: Path, rt, task):
     from torchsprint.train.evaluation import build_run_loss, materialize_lazy
 
     with naming_imports(cfg.imports, first_run):
-        loaders = build_loaders(cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True,
-                                allowed=task.backends)
+        loaders = build_loaders(
+            cfg.data, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True, allowed=task.backends
+        )
         info = loaders.info
         check_data_task(cfg, info)
         if check_mix(cfg.mix, cfg.task, task.targets, cfg.loss):
@@ -130,8 +147,15 @@ def run_objects(cfg, first_run: Path, rt, task):
     return loaders, model, loss_fn
 
 
-def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints: int | None = None,
-            overrides: list[str] = (), log=print, overwrite: bool = False) -> dict:
+def average(
+    runs: list[str],
+    out: str | Path,
+    weights: str = "last",
+    checkpoints: int | None = None,
+    overrides: list[str] = (),
+    log=print,
+    overwrite: bool = False,
+) -> dict:
     """Average the inputs into `out` (a .safetensors file) and evaluate it; returns {inputs: [...], average: metrics}.
 
     Args:
@@ -163,8 +187,10 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
     first_run, first_meta = Path(runs[0]), states[0][2]
     cfg = load_run_config(first_run, list(overrides) + ["strategy.name=single"])
     if cfg.model.name != first_meta["model"]:
-        raise UsageError(f"{first_run}/config.yaml names model {cfg.model.name}, its weights are {first_meta['model']}: "
-                         "the folder was changed by hand; average the runs' own files.")
+        raise UsageError(
+            f"{first_run}/config.yaml names model {cfg.model.name}, its weights are {first_meta['model']}: "
+            "the folder was changed by hand; average the runs' own files."
+        )
     avg = average_states([s for _, s, _ in states])
     with naming_imports(cfg.imports, first_run):
         task = get_task(cfg.task)
@@ -174,9 +200,11 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
         loaders, model, loss_fn = run_objects(cfg, first_run, rt, task)
         info, prec = loaders.info, Precision(concrete_mode(cfg.precision.mode), rt.device)
         if info.classes != first_meta["classes"]:
-            raise UsageError(f"the data of {first_run} now has {len(info.classes)} classes, the weights "
-                             f"{len(first_meta['classes'])}: the dataset changed since training; average with the "
-                             "data the runs were trained on.")
+            raise UsageError(
+                f"the data of {first_run} now has {len(info.classes)} classes, the weights "
+                f"{len(first_meta['classes'])}: the dataset changed since training; average with the "
+                "data the runs were trained on."
+            )
 
         def score(state) -> dict:
             model.load_state_dict(state)
@@ -190,11 +218,20 @@ def average(runs: list[str], out: str | Path, weights: str = "last", checkpoints
         model.load_state_dict(avg)
         recompute_bn(model, loaders.train, cfg.run.epochs, rt, prec, cfg.run.seed)
         result = score(dict(model.state_dict()))
-        log(f"average of {len(states)} ({'BatchNorm statistics recomputed' if has_bn(model) else 'no BatchNorm'}): "
-            f"{task.summary({f'val/{k}': v for k, v in result.items()})}")
-        meta = {"classes": json.dumps(info.classes), "model": cfg.model.name, "in_channels": str(info.in_channels),
-                "format": "torchsprint", "task": cfg.task, "config": json.dumps(config_mod.to_dict(cfg)),
-                "weights": "average", "average_of": json.dumps([label for label, _ in files])}
+        log(
+            f"average of {len(states)} ({'BatchNorm statistics recomputed' if has_bn(model) else 'no BatchNorm'}): "
+            f"{task.summary({f'val/{k}': v for k, v in result.items()})}"
+        )
+        meta = {
+            "classes": json.dumps(info.classes),
+            "model": cfg.model.name,
+            "in_channels": str(info.in_channels),
+            "format": "torchsprint",
+            "task": cfg.task,
+            "config": json.dumps(config_mod.to_dict(cfg)),
+            "weights": "average",
+            "average_of": json.dumps([label for label, _ in files]),
+        }
         save_weights(out, model, meta)
         log(f"wrote {out}")
     finally:
@@ -208,8 +245,14 @@ def has_bn(model) -> bool:
 
 def average_cli(args) -> int:
     """`torchsprint average`: see the module docstring."""
-    out = average(args.runs, args.out, args.weights, args.checkpoints,
-                  log=(lambda *_: None) if args.json else print, overwrite=args.overwrite)
+    out = average(
+        args.runs,
+        args.out,
+        args.weights,
+        args.checkpoints,
+        log=(lambda *_: None) if args.json else print,
+        overwrite=args.overwrite,
+    )
     if args.json:
         print(json.dumps(out))
     return 0

@@ -62,8 +62,10 @@ def held_tta(meta: dict, cfg, path: Path) -> str:
     exported one there), so a different cfg.eval.tta is an override asking for another: refused."""
     held = meta.get("tta", "none")  # files exported before eval.tta existed hold none
     if cfg.eval.tta != held:
-        raise UsageError(f"{path} holds eval.tta={held} in its graph, not {cfg.eval.tta}: export the run again with "
-                         f"`torchsprint export --tta {cfg.eval.tta}`, or leave the eval.tta override out.")
+        raise UsageError(
+            f"{path} holds eval.tta={held} in its graph, not {cfg.eval.tta}: export the run again with "
+            f"`torchsprint export --tta {cfg.eval.tta}`, or leave the eval.tta override out."
+        )
     return held
 
 
@@ -90,8 +92,17 @@ def open_onnx(path: Path, overrides) -> Exported:
     from torchsprint.commands.int8_file import quantization_record
 
     quantization = quantization_record(meta, path)
-    return Exported(path, forward, meta.get("input_dtype") == "uint8", cfg, metadata_entry(meta, "classes", path),
-                    metadata_entry(meta, "in_channels", path), held_tta(meta, cfg, path), "onnxruntime", quantization)
+    return Exported(
+        path,
+        forward,
+        meta.get("input_dtype") == "uint8",
+        cfg,
+        metadata_entry(meta, "classes", path),
+        metadata_entry(meta, "in_channels", path),
+        held_tta(meta, cfg, path),
+        "onnxruntime",
+        quantization,
+    )
 
 
 def open_torchscript(path: Path, overrides) -> Exported:
@@ -102,17 +113,29 @@ def open_torchscript(path: Path, overrides) -> Exported:
 
     extra = {"torchsprint.json": ""}
     try:
-        with warnings.catch_warnings():  # torch.jit.load's FutureWarning: TorchScript is deprecated, and the file is one
+        with (
+            warnings.catch_warnings()
+        ):  # torch.jit.load's FutureWarning: TorchScript is deprecated, and the file is one
             warnings.simplefilter("ignore", FutureWarning)
             module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra).eval()
         meta = json.loads(extra["torchsprint.json"] or "{}")
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"{path} is not a readable TorchScript file ({type(e).__name__}: {str(e)[:200]}).") from None
     if "classes" not in meta:
-        raise UsageError(f"{path} has no torchsprint metadata; export it with `torchsprint export --format torchscript`.")
+        raise UsageError(
+            f"{path} has no torchsprint metadata; export it with `torchsprint export --format torchscript`."
+        )
     cfg = file_cfg(meta, path, overrides)
-    return Exported(path, module, meta.get("input_dtype") == "uint8", cfg, metadata_entry(meta, "classes", path),
-                    metadata_entry(meta, "in_channels", path), held_tta(meta, cfg, path), "torchscript")
+    return Exported(
+        path,
+        module,
+        meta.get("input_dtype") == "uint8",
+        cfg,
+        metadata_entry(meta, "classes", path),
+        metadata_entry(meta, "in_channels", path),
+        held_tta(meta, cfg, path),
+        "torchscript",
+    )
 
 
 def open_safetensors(path: Path, overrides) -> Exported:
@@ -140,8 +163,17 @@ def open_safetensors(path: Path, overrides) -> Exported:
     if cfg.precision.mode == "fp64":  # as the run's own evaluation: float64 weights, batches cast on the way in
         model = prec.prepare(model.double())
     plan = plan_tta(cfg.eval.tta, get_task(cfg.task), cfg.data.eval.transforms)
-    return Exported(path, wrap_tta(model, plan), False, cfg, trained.classes, trained.in_channels, cfg.eval.tta,
-                    "torch", autocast=prec.autocast)
+    return Exported(
+        path,
+        wrap_tta(model, plan),
+        False,
+        cfg,
+        trained.classes,
+        trained.in_channels,
+        cfg.eval.tta,
+        "torch",
+        autocast=prec.autocast,
+    )
 
 
 OPENERS = {".onnx": open_onnx, ".pt": open_torchscript, ".safetensors": open_safetensors}
@@ -187,16 +219,29 @@ def evaluate_exported(models: dict[str, Exported], split: str = "val") -> dict[s
         task = get_task(cfg.task)
         task.check(cfg)
         if first.uint8_input and task.name not in ("classification", "multilabel"):
-            raise UsageError(f"{first.path}: a --uint8-input graph of task={task.name} is not evaluated here (its "
-                             "batches are assembled from pairs or clips); evaluate its float export or its run folder.")
+            raise UsageError(
+                f"{first.path}: a --uint8-input graph of task={task.name} is not evaluated here (its "
+                "batches are assembled from pairs or clips); evaluate its float export or its run folder."
+            )
         # The run's input format (plan.decide_input_format), as evaluate_run builds it; a graph's forward takes
         # any layout (it makes its input contiguous NCHW).
-        loaders = build_loaders(with_loading_spec(cfg.data, first.tta), rt, seed=cfg.run.seed, split=split,
-                                allowed=EVAL_BACKENDS, channels_last=decide_input_format(cfg.speed)[0])
+        loaders = build_loaders(
+            with_loading_spec(cfg.data, first.tta),
+            rt,
+            seed=cfg.run.seed,
+            split=split,
+            allowed=EVAL_BACKENDS,
+            channels_last=decide_input_format(cfg.speed)[0],
+        )
         info = loaders.info
         check_data_task(cfg, info)
-        check_same_classes(first.classes, info.classes, first.path, "evaluate on the data the run trained on (restore "
-                           "those class folders, or give its copy with data.root=...).")
+        check_same_classes(
+            first.classes,
+            info.classes,
+            first.path,
+            "evaluate on the data the run trained on (restore "
+            "those class folders, or give its copy with data.root=...).",
+        )
         loss_fn = build_run_loss(cfg, task.targets, info)
     metrics = {name: task.make_metrics(info, cfg.eval, rt.device) for name in models}
     with torch.no_grad():
@@ -211,8 +256,15 @@ def evaluate_exported(models: dict[str, Exported], split: str = "val") -> dict[s
 
 def facts(m: Exported, split: str) -> dict:
     """What evaluate_run adds beside the metrics (weights, split, tta, epoch, step), for a file."""
-    return {"weights": str(m.path), "split": split, "tta": m.tta, "epoch": None, "step": None,
-            "runtime": m.runtime, "quantization": m.quantization}
+    return {
+        "weights": str(m.path),
+        "split": split,
+        "tta": m.tta,
+        "epoch": None,
+        "step": None,
+        "runtime": m.runtime,
+        "quantization": m.quantization,
+    }
 
 
 def evaluate_file(path: str | Path, split: str = "val", overrides=()) -> dict:

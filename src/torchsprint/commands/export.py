@@ -83,16 +83,29 @@ def export_onnx(trained, out: Path, *, uint8_input: bool, opset: int | None, exa
     kw = dict(input_names=["images"], output_names=["logits"], opset_version=opset)
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter narrates every phase on stdout
         try:
-            torch.onnx.export(module, (x,), str(out), dynamo=True, dynamic_shapes=({0: batch},), external_data=False, **kw)
+            torch.onnx.export(
+                module, (x,), str(out), dynamo=True, dynamic_shapes=({0: batch},), external_data=False, **kw
+            )
         except Exception as e:  # noqa: BLE001 - fall back to the TorchScript-based exporter, then report
             try:
-                torch.onnx.export(module, (x,), str(out), dynamo=False,
-                                  dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, **kw)
+                torch.onnx.export(
+                    module,
+                    (x,),
+                    str(out),
+                    dynamo=False,
+                    dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}},
+                    **kw,
+                )
             except Exception as e2:
-                raise UsageError(f"ONNX export failed: {type(e).__name__}: {str(e)[:300]}; legacy exporter: {e2}") from None
+                raise UsageError(
+                    f"ONNX export failed: {type(e).__name__}: {str(e)[:300]}; legacy exporter: {e2}"
+                ) from None
     model = onnx.load(str(out))
-    meta = trained.metadata() | {"input_dtype": "uint8" if uint8_input else "float32", "normalized_in_graph": str(uint8_input),
-                                 "tta": tta.name if tta else "none"}
+    meta = trained.metadata() | {
+        "input_dtype": "uint8" if uint8_input else "float32",
+        "normalized_in_graph": str(uint8_input),
+        "tta": tta.name if tta else "none",
+    }
     del model.metadata_props[:]
     for k, v in meta.items():
         model.metadata_props.add(key=k, value=v)
@@ -117,7 +130,10 @@ def export_torchscript(trained, out: Path, *, uint8_input: bool, opset, example,
     x = example if uint8_input else normalize(example, p)
     with torch.no_grad():
         traced = torch.jit.trace(module, (x,))
-    meta = trained.metadata() | {"input_dtype": "uint8" if uint8_input else "float32", "tta": tta.name if tta else "none"}
+    meta = trained.metadata() | {
+        "input_dtype": "uint8" if uint8_input else "float32",
+        "tta": tta.name if tta else "none",
+    }
     torch.jit.save(traced, str(out), _extra_files={"torchsprint.json": json.dumps(meta)})
     return out
 
@@ -130,11 +146,15 @@ def export_tensorrt(trained, out: Path, *, uint8_input: bool, opset, example, tt
     try:
         import tensorrt as trt
     except ImportError:
-        raise UsageError("--format tensorrt needs NVIDIA TensorRT's Python package (pip install tensorrt) and a CUDA "
-                         "GPU; it is not installed here. Or export --format onnx and build an engine with trtexec.") from None
+        raise UsageError(
+            "--format tensorrt needs NVIDIA TensorRT's Python package (pip install tensorrt) and a CUDA "
+            "GPU; it is not installed here. Or export --format onnx and build an engine with trtexec."
+        ) from None
     if not torch.cuda.is_available():
-        raise UsageError("--format tensorrt builds an engine for the GPU it runs on, and this machine has no CUDA GPU. "
-                         "Export --format onnx here and build the engine on the target GPU (trtexec --onnx=...).")
+        raise UsageError(
+            "--format tensorrt builds an engine for the GPU it runs on, and this machine has no CUDA GPU. "
+            "Export --format onnx here and build the engine on the target GPU (trtexec --onnx=...)."
+        )
     # The ONNX the engine is built from, beside the engine (`out` is export()'s temp name of it; removed with it).
     onnx_path = out.with_name(out.name + ".onnx")
     export_onnx(trained, onnx_path, uint8_input=uint8_input, opset=opset, example=example, tta=tta)
@@ -160,8 +180,10 @@ def _build_engine(trt, onnx_path: Path, out: Path, example: torch.Tensor) -> Pat
     config.add_optimization_profile(profile)
     engine = builder.build_serialized_network(network, config)
     if engine is None:
-        raise UsageError("TensorRT could not build an engine from this run's ONNX export (its log above says why). "
-                         "Export --format onnx instead.")
+        raise UsageError(
+            "TensorRT could not build an engine from this run's ONNX export (its log above says why). "
+            "Export --format onnx instead."
+        )
     out.write_bytes(bytes(engine))
     return out
 
@@ -214,9 +236,11 @@ def _tensorrt(path: Path, x, normalized, ref, trained, tta) -> torch.Tensor:
     clear = (top2[:, 0] - top2[:, 1]) > 0.01 * (ref.max(-1).values - ref.min(-1).values)
     wrong = (got.argmax(-1) != ref.argmax(-1)) & clear
     if wrong.any():
-        raise UsageError(f"TensorRT engine {path}: its top-1 class differs from PyTorch's on {int(wrong.sum())} of "
-                         f"{int(clear.sum())} validation images whose top-1 is clear (max |logits difference| "
-                         f"{(ref - got).abs().max():.3g}); the engine is wrong. Export --format onnx instead.")
+        raise UsageError(
+            f"TensorRT engine {path}: its top-1 class differs from PyTorch's on {int(wrong.sum())} of "
+            f"{int(clear.sum())} validation images whose top-1 is clear (max |logits difference| "
+            f"{(ref - got).abs().max():.3g}); the engine is wrong. Export --format onnx instead."
+        )
     return got
 
 
@@ -258,12 +282,25 @@ def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bo
 
 def default_out(run_dir: str | Path, fmt: str, uint8_input: bool, tta: str) -> Path:
     """`<run>/export/model[-uint8][-tta-NAME].<ext>`: one file per input type and eval.tta (a graph holds its TTA)."""
-    return Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{'' if tta == 'none' else '-tta-' + tta}{EXPORTERS.get(fmt).extension}"
+    return (
+        Path(run_dir)
+        / "export"
+        / f"model{'-uint8' if uint8_input else ''}{'' if tta == 'none' else '-tta-' + tta}{EXPORTERS.get(fmt).extension}"
+    )
 
 
-def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out: str | Path | None = None,
-           uint8_input: bool = False, opset: int | None = None, tolerance: float = 1e-3, tta: str | None = None,
-           overwrite: bool = True) -> dict:
+def export(
+    run_dir: str | Path,
+    fmt: str = "onnx",
+    *,
+    weights: str = "best",
+    out: str | Path | None = None,
+    uint8_input: bool = False,
+    opset: int | None = None,
+    tolerance: float = 1e-3,
+    tta: str | None = None,
+    overwrite: bool = True,
+) -> dict:
     """Export a run's weights and check them against PyTorch on a validation batch.
 
     `tta`: eval.tta for the export (None: the run's own): graph formats (onnx, torchscript, tensorrt) hold its
@@ -286,7 +323,9 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
     tta = tta or trained.cfg.eval.tta
     plan = plan_tta(tta, task, trained.cfg.data.eval.transforms)
     trained.cfg.eval.tta = tta  # the config in the metadata says which TTA was exported
-    if out is None:  # before the (slow) export; the run's export/ folder is export's own: a new export replaces the last
+    if (
+        out is None
+    ):  # before the (slow) export; the run's export/ folder is export's own: a new export replaces the last
         out = writable_file(default_out(run_dir, fmt, uint8_input, tta), "--out")
     with naming_imports(trained.cfg.imports, run_dir):  # the run's dataset may come from a module it lists
         example = sample_batch(trained)
@@ -299,9 +338,13 @@ def export(run_dir: str | Path, fmt: str = "onnx", *, weights: str = "best", out
             diff = parity(fmt, tmp, trained, example, uint8_input, plan)
             # A TensorRT engine is held to top-1 agreement (parity raises otherwise); its logits difference is reported.
             if fmt != "tensorrt" and not diff <= tolerance:
-                raise UsageError(f"export parity check failed: max |logits difference| = {diff:.3g} > tolerance "
-                                 f"{tolerance} between PyTorch and {fmt} on {len(example)} validation images; {out} "
-                                 "was not written.")
+                raise UsageError(
+                    f"export parity check failed: max |logits difference| = {diff:.3g} > tolerance "
+                    f"{tolerance} between PyTorch and {fmt} on {len(example)} validation images; {out} "
+                    "was not written."
+                )
     except OSError as e:  # the disk filled up or the folder changed under us
-        raise UsageError(f"could not write {out}: {e.strerror or e}. Free disk space or choose another --out.") from None
+        raise UsageError(
+            f"could not write {out}: {e.strerror or e}. Free disk space or choose another --out."
+        ) from None
     return {"path": str(out), "format": fmt, "max_abs_diff": diff, "images_checked": len(example), "tta": tta}

@@ -30,12 +30,28 @@ from torchsprint.errors import UsageError
 
 RESULTS = ("export_bench.json", "export_bench.csv", "export_bench.md", "export_bench.png")
 # label -> (format, precision, the file it is measured from, beside the results)
-ROWS = {"torch-fp32": ("torch", "fp32", "model.safetensors"), "torch-bf16": ("torch", "bf16", "model.safetensors"),
-        "onnx-fp32": ("onnx", "fp32", "model.onnx"), "onnx-int8": ("onnx", "int8", "model-int8.onnx"),
-        "torchscript-fp32": ("torchscript", "fp32", "model.pt")}
+ROWS = {
+    "torch-fp32": ("torch", "fp32", "model.safetensors"),
+    "torch-bf16": ("torch", "bf16", "model.safetensors"),
+    "onnx-fp32": ("onnx", "fp32", "model.onnx"),
+    "onnx-int8": ("onnx", "int8", "model-int8.onnx"),
+    "torchscript-fp32": ("torchscript", "fp32", "model.pt"),
+}
 LATENCY_ROUNDS = 50  # timed single-image runs of each format (p99 of 50: close to the slowest)
-COLUMNS = ("label", "format", "precision", "status", "bytes", "top1", "balanced_acc", "img_s_b1", "img_s_serve",
-           "p50_ms", "p99_ms", "note")
+COLUMNS = (
+    "label",
+    "format",
+    "precision",
+    "status",
+    "bytes",
+    "top1",
+    "balanced_acc",
+    "img_s_b1",
+    "img_s_serve",
+    "p50_ms",
+    "p99_ms",
+    "note",
+)
 
 
 def default_bench_out(run_dir) -> Path:
@@ -59,7 +75,9 @@ def write_files(run_dir, out: Path, weights: str, opset, tolerance: float, tta) 
     from torchsprint.commands.quantize import export_int8
 
     kw = dict(weights=weights, opset=opset, tolerance=tolerance, tta=tta, overwrite=True)
-    with warnings.catch_warnings():  # TorchScript's deprecation FutureWarnings (trace, save, load): it is one format here
+    with (
+        warnings.catch_warnings()
+    ):  # TorchScript's deprecation FutureWarnings (trace, save, load): it is one format here
         warnings.simplefilter("ignore", FutureWarning)
         export(run_dir, "torchscript", out=out / "model.pt", **kw)
     export(run_dir, "safetensors", out=out / "model.safetensors", **kw)
@@ -82,9 +100,11 @@ def open_models(out: Path, bf16: bool) -> dict:
 
 def runner(model, x: torch.Tensor):
     """One forward of `model` on `x` as its evaluation runs it (no grad, its autocast)."""
+
     def run():
         with torch.no_grad(), model.autocast():
             return model.forward(x)
+
     return run
 
 
@@ -99,9 +119,12 @@ def measure(models: dict, trained, batch: int) -> dict[str, dict]:
     out = {}
     for label in models:
         ms = sorted(1000 * t for t in t1[label])
-        out[label] = {"img_s_b1": 1 / max(statistics.median(t1[label]), 1e-12),
-                      "img_s_serve": batch / max(statistics.median(tb[label]), 1e-12),
-                      "p50_ms": statistics.median(ms), "p99_ms": percentile(ms, 99)}
+        out[label] = {
+            "img_s_b1": 1 / max(statistics.median(t1[label]), 1e-12),
+            "img_s_serve": batch / max(statistics.median(tb[label]), 1e-12),
+            "p50_ms": statistics.median(ms),
+            "p99_ms": percentile(ms, 99),
+        }
     return out
 
 
@@ -121,12 +144,29 @@ def make_rows(out: Path, metrics: dict, speed: dict, check, bf16_skip: str | Non
             rows.append(row | {"status": "skipped", "note": bf16_skip})
             continue
         m = metrics[label]
-        note = {"torch-fp32": "the run's weights through its evaluation", "torch-bf16": "autocast bf16",
-                "onnx-fp32": "onnxruntime CPU", "torchscript-fp32": "traced",
-                "onnx-int8": ("int8 gate passed" if check.passed else
-                              f"int8 gate FAILED ({'; '.join(check.refusals)}); written with force")}[label]
-        rows.append(row | {"status": "ok", "file": str(out / file), "bytes": (out / file).stat().st_size,
-                           "top1": m["top1"], "balanced_acc": m.get("balanced_acc"), **speed[label], "note": note})
+        note = {
+            "torch-fp32": "the run's weights through its evaluation",
+            "torch-bf16": "autocast bf16",
+            "onnx-fp32": "onnxruntime CPU",
+            "torchscript-fp32": "traced",
+            "onnx-int8": (
+                "int8 gate passed"
+                if check.passed
+                else f"int8 gate FAILED ({'; '.join(check.refusals)}); written with force"
+            ),
+        }[label]
+        rows.append(
+            row
+            | {
+                "status": "ok",
+                "file": str(out / file),
+                "bytes": (out / file).stat().st_size,
+                "top1": m["top1"],
+                "balanced_acc": m.get("balanced_acc"),
+                **speed[label],
+                "note": note,
+            }
+        )
     return rows
 
 
@@ -139,8 +179,10 @@ def recommend(rows: list[dict], batch: int) -> dict:
     close = [r for r in ok if ref["top1"] - r["top1"] <= MAX_DROP + 1e-12]
     best = max(close, key=lambda r: r["img_s_serve"])
     left_out = [r["label"] for r in ok if r not in close]
-    why = (f"{best['img_s_serve']:.0f} img/s at batch {batch}, {best['img_s_serve'] / ref['img_s_serve']:.2f}x torch "
-           f"fp32, top-1 {best['top1']:.4f} ({100 * (best['top1'] - ref['top1']):+.2f} points vs torch fp32)")
+    why = (
+        f"{best['img_s_serve']:.0f} img/s at batch {batch}, {best['img_s_serve'] / ref['img_s_serve']:.2f}x torch "
+        f"fp32, top-1 {best['top1']:.4f} ({100 * (best['top1'] - ref['top1']):+.2f} points vs torch fp32)"
+    )
     if left_out:
         why += f"; not considered (top-1 more than {100 * MAX_DROP:g} point below torch fp32): {', '.join(left_out)}"
     return {"label": best["label"], "why": why}
@@ -179,8 +221,13 @@ def write_png(rows: list[dict], batch: int, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     bars = ax.bar([r["label"] for r in ok], [r["img_s_serve"] for r in ok], color="#4c72b0")
     for bar, r in zip(bars, ok):
-        ax.annotate(f"top-1 {r['top1']:.4f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"top-1 {r['top1']:.4f}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel(f"images/s at batch {batch}")
     ax.set_title("export formats on this machine (validation top-1 above each bar)")
     ax.tick_params(axis="x", labelsize=8)
@@ -197,13 +244,15 @@ def write_results(out: Path, report: dict) -> None:
         w.writeheader()
         w.writerows(rows)
     rec = report["recommendation"]
-    (out / "export_bench.md").write_text(f"# Export benchmark\n\n{table(rows, batch)}\n\n"
-                                         f"Recommended: **{rec['label']}**: {rec['why']}\n")
+    (out / "export_bench.md").write_text(
+        f"# Export benchmark\n\n{table(rows, batch)}\n\nRecommended: **{rec['label']}**: {rec['why']}\n"
+    )
     write_png(rows, batch, out / "export_bench.png")
 
 
-def export_benchmark(run_dir, *, out=None, overwrite: bool = False, weights: str = "best", opset=None,
-                     tolerance: float = 1e-3, tta=None) -> dict:
+def export_benchmark(
+    run_dir, *, out=None, overwrite: bool = False, weights: str = "best", opset=None, tolerance: float = 1e-3, tta=None
+) -> dict:
     """Export the run in every format and precision that runs here, evaluate and time them side by side, and
     write export_bench.{json,csv,md,png} into `out` (default <run>/export/bench/). Returns the report:
     {"rows", "serve_batch", "recommendation", "out", "machine"}."""
@@ -215,43 +264,74 @@ def export_benchmark(run_dir, *, out=None, overwrite: bool = False, weights: str
     out = check_out(Path(out) if out is not None else default_bench_out(run_dir), overwrite)
     trained = load_run(run_dir, weights)
     if trained.cfg.task != "classification":
-        raise UsageError(f"export --benchmark: task={trained.cfg.task} is not benchmarked (its rows compare "
-                         "classification top-1 and the int8 export); export its formats one by one.")
+        raise UsageError(
+            f"export --benchmark: task={trained.cfg.task} is not benchmarked (its rows compare "
+            "classification top-1 and the int8 export); export its formats one by one."
+        )
     trained.cfg.eval.tta = tta or trained.cfg.eval.tta
     _, check = write_files(run_dir, out, weights, opset, tolerance, tta)
     bf16 = native_bf16()
-    bf16_skip = None if bf16 else ("skipped: this CPU has no native bf16 (AVX-512 BF16 or AMX-BF16); bf16 autocast "
-                                   "would convert to fp32 and back, slower than fp32")
+    bf16_skip = (
+        None
+        if bf16
+        else (
+            "skipped: this CPU has no native bf16 (AVX-512 BF16 or AMX-BF16); bf16 autocast "
+            "would convert to fp32 and back, slower than fp32"
+        )
+    )
     models = open_models(out, bf16)
     metrics = evaluate_exported(models, "val")
     batch = trained.cfg.serve.max_batch
     with naming_imports(trained.cfg.imports, run_dir):
         speed = measure(models, trained, batch)
     rows = make_rows(out, metrics, speed, check, bf16_skip)
-    report = {"rows": rows, "serve_batch": batch, "recommendation": recommend(rows, batch), "out": str(out),
-              "machine": cpu_info(), "split": "val", "count": metrics["torch-fp32"]["count"],
-              "int8_check": check.as_dict()}
+    report = {
+        "rows": rows,
+        "serve_batch": batch,
+        "recommendation": recommend(rows, batch),
+        "out": str(out),
+        "machine": cpu_info(),
+        "split": "val",
+        "count": metrics["torch-fp32"]["count"],
+        "int8_check": check.as_dict(),
+    }
     write_results(out, report)
     return report
 
 
 def check_benchmark_flags(args) -> None:
     """Refuse flags --benchmark cannot honour, in one line, before the run is loaded."""
-    for flag, given in (("--int8", getattr(args, "int8", False)), ("--format", args.format is not None),
-                        ("--out", args.out is not None), ("--uint8-input", args.uint8_input)):
+    for flag, given in (
+        ("--int8", getattr(args, "int8", False)),
+        ("--format", args.format is not None),
+        ("--out", args.out is not None),
+        ("--uint8-input", args.uint8_input),
+    ):
         if given:
-            where = ("give the folder as --benchmark DIR" if flag == "--out" else
-                     "it measures every format and precision itself")
+            where = (
+                "give the folder as --benchmark DIR"
+                if flag == "--out"
+                else "it measures every format and precision itself"
+            )
             raise UsageError(f"--benchmark with {flag}: {where}; leave {flag} out.")
 
 
 def benchmark_cli(args) -> int:
     check_benchmark_flags(args)
     out = None if args.benchmark is True else args.benchmark
-    r = export_benchmark(args.run, out=out, overwrite=args.overwrite, weights=args.weights, opset=args.opset,
-                         tolerance=args.tolerance, tta=getattr(args, "tta", None))
-    print(f"export benchmark of {args.run} on the {r['split']} split ({r['count']} images), this machine "
-          f"({r['machine'].get('model', 'CPU')}):\n{table(r['rows'], r['serve_batch'])}\n"
-          f"recommended: {r['recommendation']['label']}: {r['recommendation']['why']}\n"
-          f"written: {Path(r['out']) / 'export_bench.json'} (.csv, .md, .png)")
+    r = export_benchmark(
+        args.run,
+        out=out,
+        overwrite=args.overwrite,
+        weights=args.weights,
+        opset=args.opset,
+        tolerance=args.tolerance,
+        tta=getattr(args, "tta", None),
+    )
+    print(
+        f"export benchmark of {args.run} on the {r['split']} split ({r['count']} images), this machine "
+        f"({r['machine'].get('model', 'CPU')}):\n{table(r['rows'], r['serve_batch'])}\n"
+        f"recommended: {r['recommendation']['label']}: {r['recommendation']['why']}\n"
+        f"written: {Path(r['out']) / 'export_bench.json'} (.csv, .md, .png)"
+    )
     return 0

@@ -43,8 +43,14 @@ class Inference:
 FP32 = Inference("fp32", False, "precision fp32")  # an ONNX graph in onnxruntime, a Predictor built by hand
 
 
-def choose(asked: str, run_precision: str, run_channels_last, device: torch.device,
-           native: bool | None = None, conv2d: bool = True) -> Inference:
+def choose(
+    asked: str,
+    run_precision: str,
+    run_channels_last,
+    device: torch.device,
+    native: bool | None = None,
+    conv2d: bool = True,
+) -> Inference:
     """`asked`: auto, fp32 or bf16; `run_precision`: the run's resolved precision.mode; `run_channels_last`: its
     speed.channels_last as saved (true, false, or auto: the rule, on for a model with 2-D convolutions, `conv2d`);
     `native`: whether this CPU computes bf16 natively (None: read /proc/cpuinfo)."""
@@ -61,18 +67,31 @@ def choose(asked: str, run_precision: str, run_channels_last, device: torch.devi
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise UsageError(f"precision=bf16: {torch.cuda.get_device_name(device)} has no bf16; use fp32 or auto.")
         slow = device.type == "cpu" and not native
-        return Inference("bf16", cl, "precision bf16 (asked)" + (
-            "; this CPU has no native bf16 (no avx512_bf16/amx_bf16): slower than fp32 here" if slow else ""))
+        return Inference(
+            "bf16",
+            cl,
+            "precision bf16 (asked)"
+            + ("; this CPU has no native bf16 (no avx512_bf16/amx_bf16): slower than fp32 here" if slow else ""),
+        )
     if run_precision not in BF16_TRAINED:
         return Inference("fp32", False, f"precision fp32 (auto: the run trained in {run_precision})")
     if device.type != "cpu":
-        return Inference("fp32", False, f"precision fp32 (auto: on {device.type} fp32 until bf16 inference is measured "
-                         "there; --precision bf16 to use it)")
+        return Inference(
+            "fp32",
+            False,
+            f"precision fp32 (auto: on {device.type} fp32 until bf16 inference is measured "
+            "there; --precision bf16 to use it)",
+        )
     if not native:
-        return Inference("fp32", False, f"precision fp32 (auto: the run trained in {run_precision}, but this CPU has "
-                         "no native bf16)")
-    return Inference("bf16", cl, f"precision bf16 (auto: the run trained and validated in {run_precision} and this "
-                     "CPU computes bf16 natively; --precision fp32 for float32 logits)")
+        return Inference(
+            "fp32", False, f"precision fp32 (auto: the run trained in {run_precision}, but this CPU has no native bf16)"
+        )
+    return Inference(
+        "bf16",
+        cl,
+        f"precision bf16 (auto: the run trained and validated in {run_precision} and this "
+        "CPU computes bf16 natively; --precision fp32 for float32 logits)",
+    )
 
 
 def forward_of(model: torch.nn.Module, device: torch.device, how: Inference):

@@ -34,8 +34,9 @@ def timed(label: str, run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_times(runs: dict[str, Callable[[], object]], warmup: int = WARMUP,
-                      rounds: int = ROUNDS) -> dict[str, list[float]]:
+def interleaved_times(
+    runs: dict[str, Callable[[], object]], warmup: int = WARMUP, rounds: int = ROUNDS
+) -> dict[str, list[float]]:
     """Seconds of each call of each run (`timed`): `warmup` untimed calls each, then `rounds` rounds that time each
     once, in alternating order (A B, B A, ...: neither always runs first, on a warm or a cooling core). The runs
     share the machine as they would in turn."""
@@ -50,8 +51,9 @@ def interleaved_times(runs: dict[str, Callable[[], object]], warmup: int = WARMU
     return times
 
 
-def measure_speed(runs: dict[str, Callable[[], object]], images: int, warmup: int = WARMUP,
-                  rounds: int = ROUNDS) -> dict[str, float]:
+def measure_speed(
+    runs: dict[str, Callable[[], object]], images: int, warmup: int = WARMUP, rounds: int = ROUNDS
+) -> dict[str, float]:
     """Images per second of each run (one call: a batch of `images`): the median of its interleaved_times."""
     times = interleaved_times(runs, warmup, rounds)
     return {label: images / max(statistics.median(t), 1e-12) for label, t in times.items()}
@@ -79,20 +81,32 @@ class Int8Check:
     def figures(self) -> str:
         """One line of every figure: top-1, balanced accuracy, images/s of both graphs, and the ratio."""
         f, i = self.fp32, self.int8
-        line = (f"on the {f['split']} split ({f['count']} images) top-1 int8 {i['top1']:.4f} vs fp32 {f['top1']:.4f} "
-                f"({100 * (i['top1'] - f['top1']):+.2f} points)")
+        line = (
+            f"on the {f['split']} split ({f['count']} images) top-1 int8 {i['top1']:.4f} vs fp32 {f['top1']:.4f} "
+            f"({100 * (i['top1'] - f['top1']):+.2f} points)"
+        )
         if "balanced_acc" in f and "balanced_acc" in i:
-            line += (f", balanced acc {i['balanced_acc']:.4f} vs {f['balanced_acc']:.4f} "
-                     f"({100 * (i['balanced_acc'] - f['balanced_acc']):+.2f} points)")
-        return (line + f"; {self.speed['int8']:.0f} vs {self.speed['fp32']:.0f} img/s at batch {self.batch} "
-                f"({self.ratio:.2f}x; medians of {ROUNDS} interleaved runs after {WARMUP} warm-ups)")
+            line += (
+                f", balanced acc {i['balanced_acc']:.4f} vs {f['balanced_acc']:.4f} "
+                f"({100 * (i['balanced_acc'] - f['balanced_acc']):+.2f} points)"
+            )
+        return (
+            line + f"; {self.speed['int8']:.0f} vs {self.speed['fp32']:.0f} img/s at batch {self.batch} "
+            f"({self.ratio:.2f}x; medians of {ROUNDS} interleaved runs after {WARMUP} warm-ups)"
+        )
 
     def as_dict(self) -> dict:
         keep = ("top1", "top5", "balanced_acc", "loss", "count")
-        return {"passed": self.passed, "refusals": self.refusals, "batch": self.batch, "speed": self.speed,
-                "ratio": self.ratio, "balanced_checked": self.balanced,
-                "fp32": {k: self.fp32[k] for k in keep if k in self.fp32},
-                "int8": {k: self.int8[k] for k in keep if k in self.int8}}
+        return {
+            "passed": self.passed,
+            "refusals": self.refusals,
+            "batch": self.batch,
+            "speed": self.speed,
+            "ratio": self.ratio,
+            "balanced_checked": self.balanced,
+            "fp32": {k: self.fp32[k] for k in keep if k in self.fp32},
+            "int8": {k: self.int8[k] for k in keep if k in self.int8},
+        }
 
 
 def judge(fp32: dict, int8: dict, speed: dict, balanced: bool) -> list[str]:
@@ -131,12 +145,20 @@ def check_int8(fp32_path: Path, int8_path: Path, trained, uint8_input: bool) -> 
     x = speed_batch(trained, batch, uint8_input)
     speed = measure_speed({label: (lambda m=m: m.forward(x)) for label, m in models.items()}, len(x))
     balanced = trained.cfg.checkpoint.monitor == "val/balanced_acc"
-    return Int8Check(metrics["fp32"], metrics["int8"], speed, batch, balanced,
-                     judge(metrics["fp32"], metrics["int8"], speed, balanced))
+    return Int8Check(
+        metrics["fp32"],
+        metrics["int8"],
+        speed,
+        batch,
+        balanced,
+        judge(metrics["fp32"], metrics["int8"], speed, balanced),
+    )
 
 
 def refusal(check: Int8Check, out: Path) -> str:
     """The one line of a refused int8 export: what, the figures, what to do."""
-    return (f"export --int8 refused, {out} not written: {'; '.join(check.refusals)}. Figures: {check.figures()}. "
-            "Serve the fp32 export, or try --calibration with more images or --int8-activations s8; --force "
-            "writes it anyway.")
+    return (
+        f"export --int8 refused, {out} not written: {'; '.join(check.refusals)}. Figures: {check.figures()}. "
+        "Serve the fp32 export, or try --calibration with more images or --int8-activations s8; --force "
+        "writes it anyway."
+    )

@@ -40,8 +40,10 @@ def node_settings(args, env: dict[str, str]) -> tuple[str, int, str | None]:
         nnodes = str(args.nnodes or "1")
         multi = nnodes != "1"
         if multi and args.rdzv_endpoint is None:
-            raise UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (a host every machine can reach, "
-                             "e.g. the first node's name and a free port), run on every machine.")
+            raise UsageError(
+                f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (a host every machine can reach, "
+                "e.g. the first node's name and a free port), run on every machine."
+            )
         return nnodes, args.node_rank or 0, args.rdzv_endpoint
     nnodes_slurm = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
     if nnodes_slurm > 1 and "SLURM_NODEID" in env:
@@ -52,8 +54,11 @@ def node_settings(args, env: dict[str, str]) -> tuple[str, int, str | None]:
             raise UsageError(
                 f"under srun with {ntasks} tasks on {nnodes_slurm} nodes: --nproc-per-node needs one task per node "
                 "(srun --ntasks-per-node=1). Or drop --nproc-per-node and let srun start one task per GPU: "
-                "torchsprint reads SLURM_PROCID/SLURM_NTASKS itself.")
-        host = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+                "torchsprint reads SLURM_PROCID/SLURM_NTASKS itself."
+            )
+        host = env.get("MASTER_ADDR") or first_slurm_host(
+            env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        )
         return str(nnodes_slurm), int(env["SLURM_NODEID"]), f"{host}:{slurm_port(env)}"
     return "1", 0, None
 
@@ -84,10 +89,12 @@ def check_memory(nproc: int) -> dict:
     figures = {"nproc": nproc, "per": per, "free": free, "where": where}
     if per and free and nproc * per > free:
         fit = max(1, free // per - 1)  # -1: the launcher itself stays
-        raise UsageError(f"--nproc-per-node {nproc}: each DDP worker takes at least ~{per / 2**20:.0f} MiB (this "
-                         f"launcher's own size after importing torch; model and data come on top), {nproc} x that = "
-                         f"{nproc * per / 2**30:.1f} GiB, over the {free / 2**30:.1f} GiB {where}: the kernel's "
-                         f"out-of-memory killer would end workers. Use --nproc-per-node {fit} or fewer.")
+        raise UsageError(
+            f"--nproc-per-node {nproc}: each DDP worker takes at least ~{per / 2**20:.0f} MiB (this "
+            f"launcher's own size after importing torch; model and data come on top), {nproc} x that = "
+            f"{nproc * per / 2**30:.1f} GiB, over the {free / 2**30:.1f} GiB {where}: the kernel's "
+            f"out-of-memory killer would end workers. Use --nproc-per-node {fit} or fewer."
+        )
     return figures
 
 
@@ -96,9 +103,11 @@ def oom_hint(figures: dict) -> str:
     per, free = figures["per"], figures["free"]
     need = f"{figures['nproc']} workers x at least ~{per / 2**20:.0f} MiB = {figures['nproc'] * per / 2**30:.1f} GiB"
     have = f", with {free / 2**30:.1f} GiB {figures['where']} at launch" if free else ""
-    return (f"; signal 9 (SIGKILL) is most likely the kernel's out-of-memory killer ({need}{have}; the model, data and "
-            "data.num_workers loader processes come on top): use fewer --nproc-per-node or data.num_workers, or a "
-            "smaller data.batch_size")
+    return (
+        f"; signal 9 (SIGKILL) is most likely the kernel's out-of-memory killer ({need}{have}; the model, data and "
+        "data.num_workers loader processes come on top): use fewer --nproc-per-node or data.num_workers, or a "
+        "smaller data.batch_size"
+    )
 
 
 def config_source(args) -> tuple[str | None, list[str]]:
@@ -131,8 +140,10 @@ def preflight(args):
     cfg = resolve(cfg)
     device = resolve_device(cfg.run.device)
     if device.type == "cuda" and cfg.run.device not in ("auto", "cuda"):
-        raise UsageError(f"run.device={cfg.run.device} pins every DDP process to one GPU. Use run.device=auto (or cuda): "
-                         "each process takes cuda:<local rank>.")
+        raise UsageError(
+            f"run.device={cfg.run.device} pins every DDP process to one GPU. Use run.device=auto (or cuda): "
+            "each process takes cuda:<local rank>."
+        )
     resolve_backend(cfg.strategy, device)
     check_mode(cfg.precision.mode, device)
     check_speed(cfg.speed, cfg.strategy, device)
@@ -169,9 +180,17 @@ def join_timeout(timeout_s: float) -> int:
     return max(1, int(timeout_s - min(10.0, timeout_s / 2)))
 
 
-def torchrun_argv(nproc: int, nnodes: str, node_rank: int, endpoint: str | None, timeout_s: float,
-                  script_args: list[str], max_restarts: int = 0, rdzv_backend: str | None = None,
-                  run_id: str = "torchsprint") -> list[str]:
+def torchrun_argv(
+    nproc: int,
+    nnodes: str,
+    node_rank: int,
+    endpoint: str | None,
+    timeout_s: float,
+    script_args: list[str],
+    max_restarts: int = 0,
+    rdzv_backend: str | None = None,
+    run_id: str = "torchsprint",
+) -> list[str]:
     """torchrun's command line for these settings (without the leading `torchrun`).
 
     rdzv_backend: None (static with --nnodes > 1, c10d on one machine), "static" or "c10d". With c10d
@@ -185,16 +204,26 @@ def torchrun_argv(nproc: int, nnodes: str, node_rank: int, endpoint: str | None,
     elif rdzv_backend == "c10d":
         # join_timeout: the wait for every machine; read_timeout: for the rendezvous store (on the endpoint's
         # machine); last_call_timeout: for more machines once --nnodes MIN is reached (MIN:MAX only).
-        argv += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-                 f"--rdzv-conf=join_timeout={wait},read_timeout={wait},last_call_timeout=5,close_timeout=10"]
+        argv += [
+            f"--nnodes={nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            f"--rdzv-conf=join_timeout={wait},read_timeout={wait},last_call_timeout=5,close_timeout=10",
+        ]
     elif nnodes != "1":
         host, _, port = endpoint.rpartition(":")
         if not host:
             host, port = endpoint, str(DEFAULT_PORT)
         # With a fixed --node-rank, static rendezvous (rank = node rank); the join timeout is the
         # strategy timeout less the reserve, so a machine that never arrives fails the run instead of hanging it.
-        argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
-                 f"--rdzv-endpoint={host}:{port}", f"--rdzv-conf=timeout={wait}"]
+        argv += [
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={host}:{port}",
+            f"--rdzv-conf=timeout={wait}",
+        ]
     else:
         argv += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
     return argv + ["-m", "torchsprint", *script_args]
@@ -230,8 +259,10 @@ def check_restarts(args, nnodes: str, endpoint: str | None) -> tuple[int, str | 
     if backend == "c10d" and endpoint is None:
         raise UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the same on every machine).")
     if backend == "static" and nnodes != "1" and args.node_rank is None and "SLURM_NODEID" not in os.environ:
-        raise UsageError("--rdzv-backend static needs --node-rank R on every machine (0 on the one at --rdzv-endpoint); "
-                         "or use --rdzv-backend c10d, which assigns ranks itself.")
+        raise UsageError(
+            "--rdzv-backend static needs --node-rank R on every machine (0 on the one at --rdzv-endpoint); "
+            "or use --rdzv-backend c10d, which assigns ranks itself."
+        )
     return restarts, backend
 
 
@@ -243,8 +274,10 @@ def launch(args) -> int:
             nnodes, node_rank, rdzv_endpoint, debug).
     """
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
-        raise UsageError("already running under torchrun (LOCAL_RANK is set): drop --nproc-per-node/--nnodes, "
-                         "torchrun has started the workers.")
+        raise UsageError(
+            "already running under torchrun (LOCAL_RANK is set): drop --nproc-per-node/--nnodes, "
+            "torchrun has started the workers."
+        )
     cfg, device_type, gpus = preflight(args)
     nnodes, node_rank, endpoint = node_settings(args, dict(os.environ))
     nproc = args.nproc_per_node or (gpus if device_type == "cuda" else 1)
@@ -255,8 +288,10 @@ def launch(args) -> int:
     extra = []
     if restarts and not cfg.run.dir:
         if nnodes != "1":
-            raise UsageError("--max-restarts with several machines needs run.dir=<a folder every machine shares>: "
-                             "the restarted workers resume from its newest checkpoint, whichever machine rank 0 is on.")
+            raise UsageError(
+                "--max-restarts with several machines needs run.dir=<a folder every machine shares>: "
+                "the restarted workers resume from its newest checkpoint, whichever machine rank 0 is on."
+            )
         from torchsprint.state.rundir import create_unique, planned_path
 
         if not dry:  # a dry run writes nothing
@@ -280,36 +315,68 @@ def launch(args) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
-    argv = torchrun_argv(nproc, nnodes, node_rank, endpoint, cfg.strategy.timeout_s, worker_args(args) + extra,
-                         restarts, backend, run_id=f"torchsprint-{cfg.run.name}")
-    where = "this machine" if nnodes == "1" else f"node {node_rank if backend != 'c10d' else '(rank by rendezvous)'} of {nnodes} (rendezvous {endpoint})"
-    print(f"launching {nproc} DDP process(es) on {where} ({'NCCL' if device_type == 'cuda' else 'gloo'}): "
-          f"torchrun {' '.join(argv)}", file=sys.stderr, flush=True)
+    argv = torchrun_argv(
+        nproc,
+        nnodes,
+        node_rank,
+        endpoint,
+        cfg.strategy.timeout_s,
+        worker_args(args) + extra,
+        restarts,
+        backend,
+        run_id=f"torchsprint-{cfg.run.name}",
+    )
+    where = (
+        "this machine"
+        if nnodes == "1"
+        else f"node {node_rank if backend != 'c10d' else '(rank by rendezvous)'} of {nnodes} (rendezvous {endpoint})"
+    )
+    print(
+        f"launching {nproc} DDP process(es) on {where} ({'NCCL' if device_type == 'cuda' else 'gloo'}): "
+        f"torchrun {' '.join(argv)}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         run(get_args_parser().parse_args(argv))
     except RendezvousError as e:
         detail = (str(e).strip().splitlines() or [""])[0][:200]
-        print(f"error: the rendezvous at {endpoint} did not complete ({type(e).__name__}{': ' + detail if detail else ''}): "
-              f"a machine of the {nnodes} did not join within strategy.timeout_s={cfg.strategy.timeout_s:g} s (dead or "
-              "unreachable host?). The workers here were stopped.", file=sys.stderr)
+        print(
+            f"error: the rendezvous at {endpoint} did not complete ({type(e).__name__}{': ' + detail if detail else ''}): "
+            f"a machine of the {nnodes} did not join within strategy.timeout_s={cfg.strategy.timeout_s:g} s (dead or "
+            "unreachable host?). The workers here were stopped.",
+            file=sys.stderr,
+        )
         return 1
     except SignalException as e:  # the workers got the signal and were waited for (see above)
         if e.sigval.name not in cfg.run.stop_signals:
-            print(f"launcher: stopped by {e.sigval.name} (not in run.stop_signals): the workers were ended", file=sys.stderr)
+            print(
+                f"launcher: stopped by {e.sigval.name} (not in run.stop_signals): the workers were ended",
+                file=sys.stderr,
+            )
             return 128 + int(e.sigval)
-        print(f"launcher: {e.sigval.name}: the workers stop after their current step with a checkpoint "
-              f"(run.stop_signals); exit {EXIT_PREEMPTED}", file=sys.stderr)
+        print(
+            f"launcher: {e.sigval.name}: the workers stop after their current step with a checkpoint "
+            f"(run.stop_signals); exit {EXIT_PREEMPTED}",
+            file=sys.stderr,
+        )
         return EXIT_PREEMPTED
     except ChildFailedError as e:
         if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
-            print(f"DDP workers stopped by a stop signal after saving a checkpoint; exit {EXIT_PREEMPTED} (continue with "
-                  "checkpoint.resume=auto or --resume)", file=sys.stderr)
+            print(
+                f"DDP workers stopped by a stop signal after saving a checkpoint; exit {EXIT_PREEMPTED} (continue with "
+                "checkpoint.resume=auto or --resume)",
+                file=sys.stderr,
+            )
             return EXIT_PREEMPTED
         code = exit_code(e)
         rank, failure = root_failure(e)
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         tried = f" after {restarts} restart(s)" if restarts else ""
         hint = oom_hint(memory) if failure.exitcode == -9 else ""
-        print(f"error: DDP worker rank {rank} failed ({how}){tried}; the other workers were stopped{hint}.", file=sys.stderr)
+        print(
+            f"error: DDP worker rank {rank} failed ({how}){tried}; the other workers were stopped{hint}.",
+            file=sys.stderr,
+        )
         return code
     return 0

@@ -29,21 +29,29 @@ from torchsprint.observe.plots import fit_text, save
 BETA = 0.98  # smoothing of the loss (fastai Recorder / Lightning _LRCallback: beta=0.98)
 DIVERGE = 4.0  # stop when the smoothed loss exceeds this multiple of the best (fastai stop_div, Lightning diverge_th)
 SKIP_END = 5  # points dropped at the end before suggesting (fastai lr_find: losses[num_it // 10 : -5])
-RULE = ("fastai 'valley': the point 2/3 through the longest decreasing stretch of the smoothed loss, after dropping the "
-        "first steps//10 and the last 5 points (fastai 2.x Learner.lr_find's default suggestion)")
+RULE = (
+    "fastai 'valley': the point 2/3 through the longest decreasing stretch of the smoothed loss, after dropping the "
+    "first steps//10 and the last 5 points (fastai 2.x Learner.lr_find's default suggestion)"
+)
 
 
 def check_range(steps: int, start: float, end: float) -> None:
     """Refuse a range test that cannot run or cannot suggest anything."""
     if steps < 10:
-        raise UsageError(f"lr-find --steps {steps}: the range test needs at least 10 steps (the suggestion drops the "
-                         "first tenth and the last 5 points); use e.g. --steps 100.")
+        raise UsageError(
+            f"lr-find --steps {steps}: the range test needs at least 10 steps (the suggestion drops the "
+            "first tenth and the last 5 points); use e.g. --steps 100."
+        )
     if not (start > 0 and end > 0 and math.isfinite(start) and math.isfinite(end)):
-        raise UsageError(f"lr-find --start {start} --end {end}: both learning rates must be finite and positive, "
-                         "e.g. --start 1e-7 --end 10.")
+        raise UsageError(
+            f"lr-find --start {start} --end {end}: both learning rates must be finite and positive, "
+            "e.g. --start 1e-7 --end 10."
+        )
     if start >= end:
-        raise UsageError(f"lr-find --start {start} is not below --end {end}: the learning rate rises from start to "
-                         "end; swap them, e.g. --start 1e-7 --end 10.")
+        raise UsageError(
+            f"lr-find --start {start} is not below --end {end}: the learning rate rises from start to "
+            "end; swap them, e.g. --start 1e-7 --end 10."
+        )
 
 
 def lr_at(i: int, steps: int, start: float, end: float) -> float:
@@ -80,8 +88,10 @@ def suggest(lrs: list[float], smoothed: list[float], steps: int) -> tuple[float,
     """(suggested lr, its index into lrs) by the valley rule over the trimmed curve."""
     lo, hi = steps // 10, len(lrs) - SKIP_END
     if hi - lo < 2:
-        raise UsageError(f"lr-find: the loss diverged after {len(lrs)} of {steps} steps, too early to suggest a rate "
-                         "(the rule drops the first tenth and the last 5 points): lower --end, or raise --steps.")
+        raise UsageError(
+            f"lr-find: the loss diverged after {len(lrs)} of {steps} steps, too early to suggest a rate "
+            "(the rule drops the first tenth and the last 5 points): lower --end, or raise --steps."
+        )
     idx = lo + valley(lrs[lo:hi], smoothed[lo:hi])
     return lrs[idx], idx
 
@@ -114,7 +124,9 @@ def sweep(b, cfg, steps: int, start: float, end: float) -> dict:
         for g in b.opt.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         micro = [next(it) for _ in range(accum)]
-        loss = train_step(b, micro, cfg.optim.clip_grad_norm).item()  # note: a host sync per step, to stop on divergence
+        loss = train_step(
+            b, micro, cfg.optim.clip_grad_norm
+        ).item()  # note: a host sync per step, to stop on divergence
         avg = BETA * avg + (1 - BETA) * loss
         s = avg / (1 - BETA ** (i + 1))
         lrs.append(lr)
@@ -155,8 +167,16 @@ def plot_figure(result: dict):
     return fig
 
 
-def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, out: str | Path | None = None,
-            log=print, overwrite: bool = False) -> dict:
+def lr_find(
+    cfg,
+    *,
+    steps: int = 100,
+    start: float = 1e-7,
+    end: float = 10.0,
+    out: str | Path | None = None,
+    log=print,
+    overwrite: bool = False,
+) -> dict:
     """The range test of `cfg`'s run; writes lr_find.json and lr_find.png into `out` (a new temp folder when None).
 
     Args:
@@ -175,8 +195,10 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
 
     check_range(steps, start, end)
     if cfg.strategy.name == "ddp":
-        raise UsageError("lr-find runs in one process: add strategy.name=single (its steps use data.batch_size images; "
-                         "under DDP each step sees data.batch_size x processes, so scale the suggestion accordingly).")
+        raise UsageError(
+            "lr-find runs in one process: add strategy.name=single (its steps use data.batch_size images; "
+            "under DDP each step sees data.batch_size x processes, so scale the suggestion accordingly)."
+        )
     import_modules(cfg.imports)
     cfg = resolve(cfg)  # what the task and the data decide, as train resolves it
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="torchsprint-lr-find-"))
@@ -186,20 +208,33 @@ def lr_find(cfg, *, steps: int = 100, start: float = 1e-7, end: float = 10.0, ou
     try:
         b = build_training(cfg, rt, log)
         cfg = b.cfg  # batch_size=auto and precision=auto as they ran (the log line and lr_find.json say them)
-        log(f"lr-find: {steps} steps, learning rate {start:g} -> {end:g} (exponential), batch {cfg.data.batch_size} x "
-            f"accum {cfg.optim.accum_steps}, precision {cfg.precision.mode}; the run folder is not touched")
+        log(
+            f"lr-find: {steps} steps, learning rate {start:g} -> {end:g} (exponential), batch {cfg.data.batch_size} x "
+            f"accum {cfg.optim.accum_steps}, precision {cfg.precision.mode}; the run folder is not touched"
+        )
         result = sweep(b, cfg, steps, start, end)
     finally:
         runtime.teardown(rt)
     result["suggestion"], result["suggestion_index"] = suggest(result["lrs"], result["smoothed"], steps)
-    result |= {"rule": RULE, "steps": steps, "start": start, "end": end, "batch_size": cfg.data.batch_size,
-               "accum_steps": cfg.optim.accum_steps, "optimizer": cfg.optim.name, "precision": cfg.precision.mode,
-               "model": cfg.model.name, "dataset": cfg.data.dataset}
+    result |= {
+        "rule": RULE,
+        "steps": steps,
+        "start": start,
+        "end": end,
+        "batch_size": cfg.data.batch_size,
+        "accum_steps": cfg.optim.accum_steps,
+        "optimizer": cfg.optim.name,
+        "precision": cfg.precision.mode,
+        "model": cfg.model.name,
+        "dataset": cfg.data.dataset,
+    }
     result["files"] = {"json": str(out / "lr_find.json"), "plot": str(out / "lr_find.png")}
     plot(result, out / "lr_find.png")
     replace_file(out / "lr_find.json", json.dumps(result, indent=1))
     log(f"lr-find: {result['stopped']}; suggested learning rate {result['suggestion']:.3g} (rule: {RULE})")
-    log(f"lr-find: plot {out / 'lr_find.png'}, data {out / 'lr_find.json'}; train with optim.lr={result['suggestion']:.3g}")
+    log(
+        f"lr-find: plot {out / 'lr_find.png'}, data {out / 'lr_find.json'}; train with optim.lr={result['suggestion']:.3g}"
+    )
     return result
 
 

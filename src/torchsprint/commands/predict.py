@@ -44,9 +44,21 @@ class Predictor:
     Build with `Predictor.from_run(run_dir)` or `Predictor.from_file(model.onnx | model.safetensors)`.
     """
 
-    def __init__(self, forward, classes: list[str], in_channels: int, eval_transforms: list, data_cfg,
-                 device: torch.device, batch_size: int = 64, uint8_input: bool = False, task: str = "classification",
-                 threshold: float = 0.5, tta: str = "none", tta_in_forward: bool = False):
+    def __init__(
+        self,
+        forward,
+        classes: list[str],
+        in_channels: int,
+        eval_transforms: list,
+        data_cfg,
+        device: torch.device,
+        batch_size: int = 64,
+        uint8_input: bool = False,
+        task: str = "classification",
+        threshold: float = 0.5,
+        tta: str = "none",
+        tta_in_forward: bool = False,
+    ):
         """`tta`: eval.tta (tasks/tta.py): images load with its spec (tta.loading_spec) and, unless `tta_in_forward`
         (an exported graph that holds it), `forward` is wrapped to run the views and combine them."""
         from torchsprint.data.preprocess.normalize import DeviceNormalize
@@ -85,18 +97,30 @@ class Predictor:
         at its example's size, so a run whose eval spec keeps each file's size gets a graph that takes one size,
         and onnxruntime's refusal of another was a traceback (predict) or its exception text (serve)."""
         fixed = self.graph_input
-        if fixed is None or (len(fixed) == len(shape) + 1 and all(f is None or f == s for f, s in zip(fixed[1:], shape))):
+        if fixed is None or (
+            len(fixed) == len(shape) + 1 and all(f is None or f == s for f, s in zip(fixed[1:], shape))
+        ):
             return None
         takes = "x".join("N" if f is None else str(f) for f in fixed)
         hw = [f for f in fixed[2:] if f is not None]
         resize = f"resize: [{', '.join(map(str, hw))}]" if len(hw) == 2 else "a resize"
-        return (f"the model (an ONNX graph) takes {takes}; this image is {'x'.join(map(str, shape))} after the eval "
-                f"preprocessing: add {resize} to data.eval.transforms and export again, or run the model in torch (the "
-                "run folder or a .safetensors export)")
+        return (
+            f"the model (an ONNX graph) takes {takes}; this image is {'x'.join(map(str, shape))} after the eval "
+            f"preprocessing: add {resize} to data.eval.transforms and export again, or run the model in torch (the "
+            "run folder or a .safetensors export)"
+        )
 
     @classmethod
-    def from_run(cls, run_dir: str | Path, weights: str = "best", backend: str = "torch", device: str = "cpu",
-                 batch_size: int = 64, tta: str | None = None, precision: str = "auto") -> Predictor:
+    def from_run(
+        cls,
+        run_dir: str | Path,
+        weights: str = "best",
+        backend: str = "torch",
+        device: str = "cpu",
+        batch_size: int = 64,
+        tta: str | None = None,
+        precision: str = "auto",
+    ) -> Predictor:
         """Use a run folder's best/last weights (torch) or export them to ONNX first (onnx).
 
         `tta`: eval.tta for these predictions (None: the run's own eval.tta); `precision`: commands/inference.py."""
@@ -114,24 +138,45 @@ class Predictor:
         return cls.from_trained(load_run(run_dir, weights, device), device, batch_size, tta=tta, precision=precision)
 
     @classmethod
-    def from_trained(cls, trained, device: str = "cpu", batch_size: int = 64, tta: str | None = None,
-                     precision: str = "auto") -> Predictor:
+    def from_trained(
+        cls, trained, device: str = "cpu", batch_size: int = 64, tta: str | None = None, precision: str = "auto"
+    ) -> Predictor:
         """`tta`: eval.tta for these predictions (None: the config's eval.tta); `precision`: auto, fp32 or bf16
         (commands/inference.py: auto is bf16 where the run validated in bf16 and this CPU computes it natively)."""
         from torchsprint.commands.inference import choose, forward_of
 
         dev, c = torch.device(device), trained.cfg
-        how = choose(precision, c.precision.mode, c.speed.channels_last, dev,
-                     conv2d=any(isinstance(m, torch.nn.Conv2d) for m in trained.model.modules()))
-        p = cls(forward_of(trained.model.to(dev).eval(), dev, how), trained.classes, trained.in_channels,
-                c.data.eval.transforms, c.data, dev, batch_size, task=c.task, threshold=c.eval.threshold,
-                tta=tta or c.eval.tta)
+        how = choose(
+            precision,
+            c.precision.mode,
+            c.speed.channels_last,
+            dev,
+            conv2d=any(isinstance(m, torch.nn.Conv2d) for m in trained.model.modules()),
+        )
+        p = cls(
+            forward_of(trained.model.to(dev).eval(), dev, how),
+            trained.classes,
+            trained.in_channels,
+            c.data.eval.transforms,
+            c.data,
+            dev,
+            batch_size,
+            task=c.task,
+            threshold=c.eval.threshold,
+            tta=tta or c.eval.tta,
+        )
         p.inference = how
         return p
 
     @classmethod
-    def from_file(cls, path: str | Path, device: str = "cpu", batch_size: int = 64, tta: str | None = None,
-                  precision: str = "auto") -> Predictor:
+    def from_file(
+        cls,
+        path: str | Path,
+        device: str = "cpu",
+        batch_size: int = 64,
+        tta: str | None = None,
+        precision: str = "auto",
+    ) -> Predictor:
         """An exported .onnx (onnxruntime) or .safetensors (torch) file with torchsprint metadata.
 
         `tta`: eval.tta (None: the file's own). An ONNX graph holds its eval.tta (export --tta): another is refused."""
@@ -144,13 +189,17 @@ class Predictor:
         if path.suffix != ".onnx":
             raise UsageError(f"{path}: predict takes a run folder, a .onnx or a .safetensors file.")
         if precision == "bf16":
-            raise UsageError(f"precision=bf16: {path.name} runs in onnxruntime in float32; use precision fp32 or auto "
-                             "(or the run folder / a .safetensors export for bf16).")
+            raise UsageError(
+                f"precision=bf16: {path.name} runs in onnxruntime in float32; use precision fp32 or auto "
+                "(or the run folder / a .safetensors export for bf16)."
+            )
         if not path.is_file():
             raise UsageError(f"model file not found: {path}")
         import onnxruntime as ort
 
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else ["CPUExecutionProvider"]
+        providers = (
+            ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else ["CPUExecutionProvider"]
+        )
         sess = ort.InferenceSession(str(path), providers=[p for p in providers if p in ort.get_available_providers()])
         meta = sess.get_modelmeta().custom_metadata_map
         if "classes" not in meta:
@@ -161,8 +210,10 @@ class Predictor:
         uint8 = meta.get("input_dtype") == "uint8"
         in_graph = meta.get("tta", "none")  # files exported before eval.tta existed hold none
         if tta is not None and tta != in_graph:
-            raise UsageError(f"{path} holds eval.tta={in_graph} in its graph, not {tta}: export the run again with "
-                             f"`torchsprint export --tta {tta}`, or leave --tta out.")
+            raise UsageError(
+                f"{path} holds eval.tta={in_graph} in its graph, not {tta}: export the run again with "
+                f"`torchsprint export --tta {tta}`, or leave --tta out."
+            )
         name = sess.get_inputs()[0].name
 
         def forward(x):
@@ -170,10 +221,20 @@ class Predictor:
 
         forward.session = sess  # which providers ran (benchmarks/serve/predict_throughput.py)
 
-        p = cls(forward, metadata_entry(meta, "classes", path), metadata_entry(meta, "in_channels", path),
-                metadata_entry(meta, "eval_transforms", path),
-                cfg.data, torch.device("cpu"), batch_size, uint8_input=uint8, task=cfg.task, threshold=cfg.eval.threshold,
-                tta=in_graph, tta_in_forward=True)
+        p = cls(
+            forward,
+            metadata_entry(meta, "classes", path),
+            metadata_entry(meta, "in_channels", path),
+            metadata_entry(meta, "eval_transforms", path),
+            cfg.data,
+            torch.device("cpu"),
+            batch_size,
+            uint8_input=uint8,
+            task=cfg.task,
+            threshold=cfg.eval.threshold,
+            tta=in_graph,
+            tta_in_forward=True,
+        )
         p.graph_input = tuple(d if isinstance(d, int) and d > 0 else None for d in sess.get_inputs()[0].shape)
         if "quantization" in meta:  # an int8 graph (export --int8): it runs as quantized, never in fp32
             from torchsprint.commands.int8_file import int8_inference
@@ -197,8 +258,11 @@ class Predictor:
         it waits for a batch's future and, on CUDA, makes its stream wait for the batch's event.
         """
         chunks = [range(s, min(s + self.batch_size, len(paths))) for s in range(0, len(paths), self.batch_size)]
-        with ThreadPoolExecutor(self.READERS, thread_name_prefix="torchsprint-predict-read") as readers, \
-                ThreadPoolExecutor(1, thread_name_prefix="torchsprint-predict-decode") as decoder:
+        with (
+            ThreadPoolExecutor(self.READERS, thread_name_prefix="torchsprint-predict-read") as readers,
+            ThreadPoolExecutor(1, thread_name_prefix="torchsprint-predict-decode") as decoder,
+        ):
+
             def submit(chunk: range) -> Future:
                 reads = [readers.submit(self._read_one, paths[j]) for j in chunk]
                 return decoder.submit(self._finish_batch, [paths[j] for j in chunk], reads)
@@ -237,8 +301,9 @@ class Predictor:
         """The decoder thread's work for one batch: its images on self.device (or error messages), and a CUDA event
         recorded after the GPU work (None on CPU)."""
         got = [f.result() for f in reads]
-        out: list[torch.Tensor | str | None] = [img.to(self.device) if kind == "image" else img if kind == "error"
-                                                else None for kind, img in got]
+        out: list[torch.Tensor | str | None] = [
+            img.to(self.device) if kind == "image" else img if kind == "error" else None for kind, img in got
+        ]
         jpegs = [j for j, (kind, _) in enumerate(got) if kind == "bytes"]
         if jpegs:
             for j, img in zip(jpegs, self._decode_gpu([paths[j] for j in jpegs], [got[j][1] for j in jpegs])):
@@ -266,8 +331,11 @@ class Predictor:
             if self.cpu_fallbacks == 0:
                 import warnings
 
-                warnings.warn(f"nvJPEG could not decode {paths[next(j for j, x in zip(take, decoded) if x is None)]}; "
-                              "decoding such files on the CPU (reported once).", stacklevel=2)
+                warnings.warn(
+                    f"nvJPEG could not decode {paths[next(j for j, x in zip(take, decoded) if x is None)]}; "
+                    "decoding such files on the CPU (reported once).",
+                    stacklevel=2,
+                )
             self.cpu_fallbacks += len(take) - len(good)
         out: list[torch.Tensor | None] = [None] * len(paths)
         if good:
@@ -282,8 +350,13 @@ class Predictor:
         from torchsprint.data.sources.folders import ImageFiles
         from torchsprint.runtime.files import MB
 
-        files = ImageFiles([(path, 0)], "GRAY" if self.in_channels == 1 else "RGB", decoder=self.data_cfg.decoder,
-                           max_pixels=self.data_cfg.max_image_pixels, max_bytes=self.data_cfg.max_file_mb * MB)
+        files = ImageFiles(
+            [(path, 0)],
+            "GRAY" if self.in_channels == 1 else "RGB",
+            decoder=self.data_cfg.decoder,
+            max_pixels=self.data_cfg.max_image_pixels,
+            max_bytes=self.data_cfg.max_file_mb * MB,
+        )
         image, _, reason = files[0]
         if image is None:
             raise ValueError(reason.split(": ", 1)[-1] if reason else "unreadable image")
@@ -399,7 +472,9 @@ def write_results(results: list[dict], path: Path) -> None:
             for r in results:
                 top = r.get("top") or r.get("labels") or [{"class": r.get("output", ""), "prob": ""}]
                 if "labels" in r:  # every label above the threshold, ';'-separated like the training CSV
-                    top = [{"class": ";".join(t["class"] for t in top), "prob": ";".join(f"{t['prob']:.4f}" for t in top)}]
+                    top = [
+                        {"class": ";".join(t["class"] for t in top), "prob": ";".join(f"{t['prob']:.4f}" for t in top)}
+                    ]
                 w.writerow([r["input"], top[0]["class"], top[0]["prob"], r.get("error", "")])
     else:
         with open(path, "w") as f:
@@ -416,14 +491,17 @@ def predict_cli(args) -> int:
     if args.out:  # checked before any prediction is computed
         writable_file(args.out, "--out", overwrite=args.overwrite)
         if Path(args.out).suffix.lower() not in OUT_SUFFIXES:
-            raise UsageError(f"--out {args.out}: unknown format '{Path(args.out).suffix}'; use a file ending in "
-                             f"{', '.join(OUT_SUFFIXES)} (JSON lines or CSV).")
+            raise UsageError(
+                f"--out {args.out}: unknown format '{Path(args.out).suffix}'; use a file ending in "
+                f"{', '.join(OUT_SUFFIXES)} (JSON lines or CSV)."
+            )
     out_dir = Path(args.out_dir or "predictions")
     target = Path(args.run)
     tta = getattr(args, "tta", None)
     if target.is_dir():
-        predictor = Predictor.from_run(target, args.weights, args.backend, args.device, args.batch_size, tta=tta,
-                                       precision=args.precision)
+        predictor = Predictor.from_run(
+            target, args.weights, args.backend, args.device, args.batch_size, tta=tta, precision=args.precision
+        )
     else:
         predictor = Predictor.from_file(target, args.device, args.batch_size, tta=tta, precision=args.precision)
     print(predictor.inference.note, file=sys.stderr)
@@ -434,7 +512,9 @@ def predict_cli(args) -> int:
     table = Table(show_header=True)
     table.add_column("input", overflow="fold")
     k = min(args.topk, len(predictor.classes))
-    table.add_column({"multilabel": "labels above threshold", "image_to_image": "output"}.get(predictor.task.name, f"top-{k}"))
+    table.add_column(
+        {"multilabel": "labels above threshold", "image_to_image": "output"}.get(predictor.task.name, f"top-{k}")
+    )
     for r in results:
         table.add_row(r["input"], describe(r))
     Console(soft_wrap=True).print(table)

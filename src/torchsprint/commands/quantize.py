@@ -67,14 +67,21 @@ def calibration_batches(trained, n: int, seed: int, uint8_input: bool, tta: str)
     data_cfg = with_loading_spec(cfg.data, tta)
     splits = DATASETS.get(data_cfg.dataset)(data_cfg)
     if getattr(splits.train, "streaming", False):  # webdataset shards: no sample indices to draw from
-        raise UsageError(f"export --int8: data.dataset={data_cfg.dataset} streams its training split, and calibration "
-                         "draws a seeded sample of its indices; calibrate from an image folder of the same data.")
+        raise UsageError(
+            f"export --int8: data.dataset={data_cfg.dataset} streams its training split, and calibration "
+            "draws a seeded sample of its indices; calibrate from an image folder of the same data."
+        )
     if len(splits.train) == 0:
         raise UsageError("export --int8: the training split is empty: nothing to calibrate the activations' ranges on.")
     sample = Sample(splits.train, calibration_indices(len(splits.train), n, seed))
     # The sample takes the evaluation loader's place: the eval spec, no shuffle, no augmentation.
-    loaders = build_loaders(data_cfg, runtime.Runtime(device=torch.device("cpu")), seed=cfg.run.seed,
-                            splits=replace(splits, val=sample, test=None), allowed=("cpu",))
+    loaders = build_loaders(
+        data_cfg,
+        runtime.Runtime(device=torch.device("cpu")),
+        seed=cfg.run.seed,
+        splits=replace(splits, val=sample, test=None),
+        allowed=("cpu",),
+    )
     loaders.val.set_epoch(0)
     task = get_task(cfg.task)
     if uint8_input:
@@ -149,12 +156,28 @@ def quantize_onnx(fp32: Path, out: Path, batches: list[np.ndarray], activations:
         pre_processed = pre_process(fp32, pre)
         input_name = onnx.load(str(pre), load_external_data=False).graph.input[0].name
         with quiet_onnxruntime():
-            quantize_static(str(pre), str(out), make_reader(input_name, batches), quant_format=QuantFormat.QDQ,
-                            per_channel=True, reduce_range=False, activation_type=getattr(QuantType, act_type),
-                            weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax)
-    quantization = {"type": "static", "format": "QDQ", "activations": act_name, "weights": "int8",
-                    "per_channel": True, "calibration": "minmax", **record, "pre_process": pre_processed,
-                    "onnxruntime": onnxruntime.__version__}
+            quantize_static(
+                str(pre),
+                str(out),
+                make_reader(input_name, batches),
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                reduce_range=False,
+                activation_type=getattr(QuantType, act_type),
+                weight_type=QuantType.QInt8,
+                calibrate_method=CalibrationMethod.MinMax,
+            )
+    quantization = {
+        "type": "static",
+        "format": "QDQ",
+        "activations": act_name,
+        "weights": "int8",
+        "per_channel": True,
+        "calibration": "minmax",
+        **record,
+        "pre_process": pre_processed,
+        "onnxruntime": onnxruntime.__version__,
+    }
     model = onnx.load(str(out))
     meta = {p.key: p.value for p in onnx.load(str(fp32), load_external_data=False).metadata_props}
     del model.metadata_props[:]
@@ -175,19 +198,33 @@ def default_int8_out(run_dir, uint8_input: bool, tta: str) -> Path:
 def check_int8_settings(fmt: str, calibration: int, activations: str) -> None:
     """Refuse what --int8 cannot honour: another format, no calibration image, an unknown activation type."""
     if fmt != "onnx":
-        raise UsageError(f"--int8 quantizes an ONNX graph (onnxruntime); --format {fmt} is not quantized. Use "
-                         "--format onnx --int8, or leave --int8 out.")
+        raise UsageError(
+            f"--int8 quantizes an ONNX graph (onnxruntime); --format {fmt} is not quantized. Use "
+            "--format onnx --int8, or leave --int8 out."
+        )
     if calibration < 1:
-        raise UsageError(f"--calibration {calibration}: static quantization needs at least 1 training image to measure "
-                         f"the activations' ranges on; use the default {DEFAULT_CALIBRATION} or more.")
+        raise UsageError(
+            f"--calibration {calibration}: static quantization needs at least 1 training image to measure "
+            f"the activations' ranges on; use the default {DEFAULT_CALIBRATION} or more."
+        )
     if activations not in ACTIVATIONS:
         raise UsageError(f"--int8-activations {activations}: choose u8 (uint8 activations, the default) or s8 (int8).")
 
 
-def export_int8(run_dir: str | Path, *, weights: str = "best", out: str | Path | None = None, uint8_input: bool = False,
-                opset: int | None = None, tolerance: float = 1e-3, tta: str | None = None,
-                calibration: int = DEFAULT_CALIBRATION, activations: str = DEFAULT_ACTIVATIONS, force: bool = False,
-                overwrite: bool = True) -> dict:
+def export_int8(
+    run_dir: str | Path,
+    *,
+    weights: str = "best",
+    out: str | Path | None = None,
+    uint8_input: bool = False,
+    opset: int | None = None,
+    tolerance: float = 1e-3,
+    tta: str | None = None,
+    calibration: int = DEFAULT_CALIBRATION,
+    activations: str = DEFAULT_ACTIVATIONS,
+    force: bool = False,
+    overwrite: bool = True,
+) -> dict:
     """An int8 ONNX export of a run: its fp32 ONNX export (parity-checked against PyTorch, as `export` does),
     quantized on `calibration` training images (calibration_batches; the sample seeded with the run's seed), and
     written only where commands/int8_gate.py's check passes (within 1 point of fp32's top-1 on the validation
@@ -212,15 +249,25 @@ def export_int8(run_dir: str | Path, *, weights: str = "best", out: str | Path |
         out = writable_file(out, "--out", overwrite=overwrite)
     trained = load_run(run_dir, weights)
     if trained.cfg.task != "classification":
-        raise UsageError(f"--int8: task={trained.cfg.task} is not quantized (its accuracy check is top-1 of a classifier); "
-                         "export it in fp32 (leave --int8 out).")
+        raise UsageError(
+            f"--int8: task={trained.cfg.task} is not quantized (its accuracy check is top-1 of a classifier); "
+            "export it in fp32 (leave --int8 out)."
+        )
     tta = tta or trained.cfg.eval.tta
     trained.cfg.eval.tta = tta  # the speed batch loads images as the graph takes them (multi-crop: the larger image)
     if out is None:
         out = writable_file(default_int8_out(run_dir, uint8_input, tta), "--out")
     with tempfile.TemporaryDirectory(prefix="torchsprint-int8-") as tmp:
-        fp32 = export(run_dir, "onnx", weights=weights, out=Path(tmp) / "fp32.onnx", uint8_input=uint8_input,
-                      opset=opset, tolerance=tolerance, tta=tta)
+        fp32 = export(
+            run_dir,
+            "onnx",
+            weights=weights,
+            out=Path(tmp) / "fp32.onnx",
+            uint8_input=uint8_input,
+            opset=opset,
+            tolerance=tolerance,
+            tta=tta,
+        )
         seed = trained.cfg.run.seed
         with naming_imports(trained.cfg.imports, run_dir):
             batches = calibration_batches(trained, calibration, seed, uint8_input, tta)
@@ -234,7 +281,17 @@ def export_int8(run_dir: str | Path, *, weights: str = "best", out: str | Path |
             with atomic_path(out) as tmp_out:
                 shutil.copyfile(int8, tmp_out)
         except OSError as e:
-            raise UsageError(f"could not write {out}: {e.strerror or e}. Free disk space or choose another --out.") from None
-    return {"path": str(out), "format": "onnx", "tta": tta, "quantization": quantization, "check": check,
-            "written": True, "forced": not check.passed, "max_abs_diff": fp32["max_abs_diff"],
-            "images_checked": fp32["images_checked"]}
+            raise UsageError(
+                f"could not write {out}: {e.strerror or e}. Free disk space or choose another --out."
+            ) from None
+    return {
+        "path": str(out),
+        "format": "onnx",
+        "tta": tta,
+        "quantization": quantization,
+        "check": check,
+        "written": True,
+        "forced": not check.passed,
+        "max_abs_diff": fp32["max_abs_diff"],
+        "images_checked": fp32["images_checked"],
+    }

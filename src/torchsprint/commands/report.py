@@ -48,11 +48,15 @@ def read_records(run_dir: Path) -> tuple[list[dict], list[str]]:
             if n == len(lines):  # no newline after it: the write was cut off
                 notes.append(f"{path}: line {n} is cut off (the run stopped while writing it); skipped.")
                 continue
-            raise UsageError(f"{path}: line {n} is not a JSON row ({type(e).__name__}: {str(e)[:80]}); the file is "
-                             "damaged. Remove or repair that line.") from None
+            raise UsageError(
+                f"{path}: line {n} is not a JSON row ({type(e).__name__}: {str(e)[:80]}); the file is "
+                "damaged. Remove or repair that line."
+            ) from None
         if not isinstance(row, dict):
-            raise UsageError(f"{path}: line {n} is a JSON {type(row).__name__}, not a row of metrics; the file is "
-                             "damaged. Remove or repair that line.")
+            raise UsageError(
+                f"{path}: line {n} is a JSON {type(row).__name__}, not a row of metrics; the file is "
+                "damaged. Remove or repair that line."
+            )
         records.append(row)
     return records, notes
 
@@ -64,37 +68,59 @@ def read_json_object(path: Path) -> dict:
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested past Python's limit
-        raise UsageError(f"{path} is damaged ({type(e).__name__}: {str(e)[:80]}). Restore it, or delete it to "
-                         "report without it.") from None
+        raise UsageError(
+            f"{path} is damaged ({type(e).__name__}: {str(e)[:80]}). Restore it, or delete it to report without it."
+        ) from None
     if not isinstance(data, dict):
-        raise UsageError(f"{path} is damaged (a JSON {type(data).__name__}, not an object). Restore it, or delete it "
-                         "to report without it.")
+        raise UsageError(
+            f"{path} is damaged (a JSON {type(data).__name__}, not an object). Restore it, or delete it "
+            "to report without it."
+        )
     return data
 
 
 def series(records: list[dict], kind: str, key: str) -> tuple[list, list]:
-    rows = [(r["step"], r[key]) for r in records if r.get("kind") == kind and isinstance(r.get(key), int | float)
-            and isinstance(r.get("step"), int | float)]
+    rows = [
+        (r["step"], r[key])
+        for r in records
+        if r.get("kind") == kind and isinstance(r.get(key), int | float) and isinstance(r.get("step"), int | float)
+    ]
     return [s for s, _ in rows], [v for _, v in rows]
 
 
 def curve_panels(records: list[dict], monitor: str) -> list[dict]:
     """The four panels: loss, validation metrics, learning rate, throughput with the data-wait share."""
-    val_keys = sorted({k for r in records if r.get("kind") == "eval" for k, v in r.items()
-                       if k.startswith("val/") and k not in ("val/loss", "val/count") and isinstance(v, int | float)})
+    val_keys = sorted(
+        {
+            k
+            for r in records
+            if r.get("kind") == "eval"
+            for k, v in r.items()
+            if k.startswith("val/") and k not in ("val/loss", "val/count") and isinstance(v, int | float)
+        }
+    )
     metric_series = [(k, *series(records, "eval", k), "o-") for k in val_keys]
     for key in ("train/epoch_top1",):
         if any(key in r for r in records):
             metric_series.append((key, *series(records, "epoch", key), "s--"))
     return [
-        {"title": "loss", "ylabel": "loss", "series": [("train (log steps)", *series(records, "train", "train/loss"), "-"),
-                                                        ("train (epoch mean)", *series(records, "epoch", "train/epoch_loss"), "s--"),
-                                                        ("validation", *series(records, "eval", "val/loss"), "o-")]},
+        {
+            "title": "loss",
+            "ylabel": "loss",
+            "series": [
+                ("train (log steps)", *series(records, "train", "train/loss"), "-"),
+                ("train (epoch mean)", *series(records, "epoch", "train/epoch_loss"), "s--"),
+                ("validation", *series(records, "eval", "val/loss"), "o-"),
+            ],
+        },
         {"title": f"validation metrics (best by {monitor})", "ylabel": "value", "series": metric_series},
         {"title": "learning rate", "ylabel": "lr", "series": [("lr", *series(records, "train", "train/lr"), "-")]},
-        {"title": "throughput per epoch", "ylabel": "images/s",
-         "series": [("images/s", *series(records, "epoch", "train/epoch_images_per_s"), "o-")],
-         "right": ("data-wait share", [("data wait", *series(records, "epoch", "train/data_wait_share"), "x:")])},
+        {
+            "title": "throughput per epoch",
+            "ylabel": "images/s",
+            "series": [("images/s", *series(records, "epoch", "train/epoch_images_per_s"), "o-")],
+            "right": ("data-wait share", [("data wait", *series(records, "epoch", "train/data_wait_share"), "x:")]),
+        },
     ]
 
 
@@ -112,8 +138,12 @@ def predictions(trained, wrong: int) -> dict:
     cfg.data.backend, cfg.data.num_workers = "cpu", 0
     cfg.data.cpu_fraction, cfg.data.fallback = 0.0, None
     model = wrap_tta(trained.model, plan_tta(cfg.eval.tta, get_task(cfg.task), cfg.data.eval.transforms))
-    loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), runtime.Runtime(torch.device("cpu")),
-                            seed=cfg.run.seed, allowed=("cpu",))
+    loaders = build_loaders(
+        with_loading_spec(cfg.data, cfg.eval.tta),
+        runtime.Runtime(torch.device("cpu")),
+        seed=cfg.run.seed,
+        allowed=("cpu",),
+    )
     norm = DeviceNormalize(loaders.info.mean, loaders.info.std, torch.device("cpu"))
     loaders.val.set_epoch(0)
     preds, targets, heap, n = [], [], [], 0
@@ -140,8 +170,15 @@ def per_class(preds: list[int], targets: list[int], classes: list[str]) -> tuple
         tp, predicted, actual = m[c][c], sum(m[r][c] for r in range(k)), sum(m[c])
         prec = tp / predicted if predicted else 0.0
         rec = tp / actual if actual else 0.0
-        rows.append({"class": classes[c], "precision": prec, "recall": rec,
-                     "f1": 2 * prec * rec / (prec + rec) if prec + rec else 0.0, "support": actual})
+        rows.append(
+            {
+                "class": classes[c],
+                "precision": prec,
+                "recall": rec,
+                "f1": 2 * prec * rec / (prec + rec) if prec + rec else 0.0,
+                "support": actual,
+            }
+        )
     return m, rows
 
 
@@ -181,8 +218,9 @@ window.addEventListener("load", () => {{
 """
 
 
-def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = None, wrong: int = 24,
-           overwrite: bool = False) -> Path:
+def report(
+    run_dir: str | Path, weights: str = "best", out: str | Path | None = None, wrong: int = 24, overwrite: bool = False
+) -> Path:
     """Write <out>/report.html (default <run>/report/) and its PNGs; returns the HTML path.
 
     Args:
@@ -212,18 +250,40 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
     summary, env = read_json_object(run_dir / "summary.json"), read_json_object(run_dir / "env.json")
     sections = [f'<p class="note">{html.escape(n)}</p>' for n in notes]
     final = summary.get("final") if isinstance(summary.get("final"), dict) else {}
-    facts = [{"": k, "value": v} for k, v in (
-        ("run folder", str(run_dir)), ("task", cfg.task), ("dataset", f"{cfg.data.dataset} {cfg.data.root or ''}"),
-        ("classes", f"{len(trained.classes)}: {', '.join(trained.classes[:12])}{' ...' if len(trained.classes) > 12 else ''}"),
-        ("model", f"{cfg.model.name} {cfg.model.args or ''}"), ("optimizer", f"{cfg.optim.name}, lr {cfg.optim.lr}"),
-        ("precision", cfg.precision.mode), ("device", env.get("device", "?")), ("epochs", cfg.run.epochs),
-        ("best " + cfg.checkpoint.monitor, f"{summary['best_metric']:.4f} (epoch {summary.get('best_epoch')})"
-         if isinstance(summary.get("best_metric"), int | float) else "-"),
-        *(((k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in final.items())),
-        ("train images/s", f"{summary['train_images_per_s']:.0f}"
-         if isinstance(summary.get("train_images_per_s"), int | float) else "-"))]
+    facts = [
+        {"": k, "value": v}
+        for k, v in (
+            ("run folder", str(run_dir)),
+            ("task", cfg.task),
+            ("dataset", f"{cfg.data.dataset} {cfg.data.root or ''}"),
+            (
+                "classes",
+                f"{len(trained.classes)}: {', '.join(trained.classes[:12])}{' ...' if len(trained.classes) > 12 else ''}",
+            ),
+            ("model", f"{cfg.model.name} {cfg.model.args or ''}"),
+            ("optimizer", f"{cfg.optim.name}, lr {cfg.optim.lr}"),
+            ("precision", cfg.precision.mode),
+            ("device", env.get("device", "?")),
+            ("epochs", cfg.run.epochs),
+            (
+                "best " + cfg.checkpoint.monitor,
+                f"{summary['best_metric']:.4f} (epoch {summary.get('best_epoch')})"
+                if isinstance(summary.get("best_metric"), int | float)
+                else "-",
+            ),
+            *(((k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in final.items())),
+            (
+                "train images/s",
+                f"{summary['train_images_per_s']:.0f}"
+                if isinstance(summary.get("train_images_per_s"), int | float)
+                else "-",
+            ),
+        )
+    ]
     sections.append("<h2>Run</h2>" + _table(facts, ["", "value"]))
-    png = plots.curves(curve_panels(records, cfg.checkpoint.monitor), f"training curves: {run_dir.name}", out / "curves.png")
+    png = plots.curves(
+        curve_panels(records, cfg.checkpoint.monitor), f"training curves: {run_dir.name}", out / "curves.png"
+    )
     sections.append("<h2>Curves</h2>" + _img(png, "training curves"))
     if cfg.task == "classification":
         try:
@@ -237,25 +297,42 @@ def report(run_dir: str | Path, weights: str = "best", out: str | Path | None = 
             matrix, rows = per_class(pred["preds"], pred["targets"], trained.classes)
             saved = read_safetensors_metadata(trained.weights_path).get("epoch")
             which = f"{trained.weights_path.name}{f', epoch {saved}' if saved else ''}"  # the weights both describe
-            png = plots.confusion(matrix, trained.classes, out / "confusion_matrix.png",
-                                  title=f"Confusion matrix ({weights} weights: {which})")
+            png = plots.confusion(
+                matrix,
+                trained.classes,
+                out / "confusion_matrix.png",
+                title=f"Confusion matrix ({weights} weights: {which})",
+            )
             note = f'<p class="note">The {html.escape(weights)} weights: {html.escape(which)}.</p>'
             sections.append(f"<h2>Confusion matrix</h2>{note}{_img(png, 'confusion matrix')}")
-            sections.append("<h2>Per class</h2>" + note + _table(rows, ["class", "precision", "recall", "f1", "support"]))
+            sections.append(
+                "<h2>Per class</h2>" + note + _table(rows, ["class", "precision", "recall", "f1", "support"])
+            )
             if pred["wrong"]:
                 cols = 6
-                tiles = [(img, f"true {trained.classes[t]}\npred {trained.classes[p]} ({c:.0%})")
-                         for c, _, img, t, p in pred["wrong"]]
+                tiles = [
+                    (img, f"true {trained.classes[t]}\npred {trained.classes[p]} ({c:.0%})")
+                    for c, _, img, t, p in pred["wrong"]
+                ]
                 grid = [tiles[i : i + cols] for i in range(0, len(tiles), cols)]
-                png = plots.tile_grid(grid, f"The {len(tiles)} most confidently wrong validation images", path=out / "wrong.png")
+                png = plots.tile_grid(
+                    grid, f"The {len(tiles)} most confidently wrong validation images", path=out / "wrong.png"
+                )
                 sections.append(f"<h2>Most confidently wrong</h2>{_img(png, 'wrong predictions')}")
             else:
-                sections.append('<h2>Most confidently wrong</h2><p class="note">No validation image was misclassified.</p>')
+                sections.append(
+                    '<h2>Most confidently wrong</h2><p class="note">No validation image was misclassified.</p>'
+                )
     else:
-        sections.append(f'<p class="note">task={cfg.task}: the validation-pass sections (confusion matrix, per-class '
-                        "table, wrong images) apply to classification.</p>")
-    page = PAGE.format(title=html.escape(f"torchsprint report: {run_dir.name}"), body="\n".join(sections),
-                       date=time.strftime("%Y-%m-%d %H:%M"))
+        sections.append(
+            f'<p class="note">task={cfg.task}: the validation-pass sections (confusion matrix, per-class '
+            "table, wrong images) apply to classification.</p>"
+        )
+    page = PAGE.format(
+        title=html.escape(f"torchsprint report: {run_dir.name}"),
+        body="\n".join(sections),
+        date=time.strftime("%Y-%m-%d %H:%M"),
+    )
     replace_file(out / "report.html", page)  # whole or not at all
     return out / "report.html"
 

@@ -59,8 +59,10 @@ def resolve_settings(target: Path, config_path: str | None, overrides: list[str]
     from torchsprint.config.serve import ServeConfig
 
     if not target.exists():
-        raise UsageError(f"{target}: no such run folder or model file (serve takes the folder `train` printed, or a "
-                         "file from `torchsprint export`).")
+        raise UsageError(
+            f"{target}: no such run folder or model file (serve takes the folder `train` printed, or a "
+            "file from `torchsprint export`)."
+        )
     data = {"serve": saved_serve_section(target)}
     if config_path is not None:
         data = {"serve": {**data["serve"], **(config_mod.read_with_extends(config_path).get("serve") or {})}}
@@ -97,17 +99,23 @@ def load_predictor(target: Path, cfg, weights: str = "best", tta: str | None = N
     runtime = cfg.runtime
     if target.is_dir():
         backend = "onnx" if runtime == "onnxruntime" else "torch"
-        predictor = Predictor.from_run(target, weights, backend, device, cfg.max_batch, tta=tta, precision=cfg.precision)
+        predictor = Predictor.from_run(
+            target, weights, backend, device, cfg.max_batch, tta=tta, precision=cfg.precision
+        )
     else:
         implied = "onnxruntime" if target.suffix == ".onnx" else "torch"
         if runtime not in ("auto", implied):
-            raise UsageError(f"serve.runtime={runtime} cannot run {target.name}: a {target.suffix} file runs on {implied}"
-                             f" (export the run again with `torchsprint export --format "
-                             f"{'onnx' if runtime == 'onnxruntime' else 'safetensors'}`, or serve its run folder).")
+            raise UsageError(
+                f"serve.runtime={runtime} cannot run {target.name}: a {target.suffix} file runs on {implied}"
+                f" (export the run again with `torchsprint export --format "
+                f"{'onnx' if runtime == 'onnxruntime' else 'safetensors'}`, or serve its run folder)."
+            )
         predictor = Predictor.from_file(target, device, cfg.max_batch, tta=tta, precision=cfg.precision)
     if predictor.task.name not in TASKS:
-        raise UsageError(f"task={predictor.task.name}: serve answers with labels and probabilities (tasks "
-                         f"{', '.join(TASKS)}); use `torchsprint predict` for this run.")
+        raise UsageError(
+            f"task={predictor.task.name}: serve answers with labels and probabilities (tasks "
+            f"{', '.join(TASKS)}); use `torchsprint predict` for this run."
+        )
     return predictor
 
 
@@ -124,8 +132,10 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        raise UsageError(f"cannot listen on {host}:{port} ({e.strerror}): another server holds that port? Choose "
-                         "another with --port (0 takes a free one).") from None
+        raise UsageError(
+            f"cannot listen on {host}:{port} ({e.strerror}): another server holds that port? Choose "
+            "another with --port (0 takes a free one)."
+        ) from None
     sock.set_inheritable(True)  # the workers (serve.workers > 1) accept on it
     return sock
 
@@ -138,17 +148,25 @@ def worker_app():
     spec = json.loads(os.environ[SPEC_ENV])
     cfg = ServeConfig.model_validate(spec["cfg"])
     predictor = load_predictor(Path(spec["target"]), cfg, spec["weights"], spec["tta"])
-    return build_app(Served(cfg, predictor, spec["target"], Metrics(cfg.max_batch, os.environ.get("PROMETHEUS_MULTIPROC_DIR"))))
+    return build_app(
+        Served(cfg, predictor, spec["target"], Metrics(cfg.max_batch, os.environ.get("PROMETHEUS_MULTIPROC_DIR")))
+    )
 
 
 def serve_cli(args) -> int:
     """`torchsprint serve`: resolve the settings, bind the port, load the model, run uvicorn until SIGTERM/SIGINT."""
     from importlib.util import find_spec
 
-    missing = [name for name, modules in (("fastapi", ["fastapi"]), ("uvicorn", ["uvicorn"]),
-                                          ("python-multipart", ["python_multipart", "multipart"]),
-                                          ("prometheus_client", ["prometheus_client"]))
-               if not any(find_spec(m) for m in modules)]
+    missing = [
+        name
+        for name, modules in (
+            ("fastapi", ["fastapi"]),
+            ("uvicorn", ["uvicorn"]),
+            ("python-multipart", ["python_multipart", "multipart"]),
+            ("prometheus_client", ["prometheus_client"]),
+        )
+        if not any(find_spec(m) for m in modules)
+    ]
     if missing:
         raise UsageError(f"torchsprint serve needs {', '.join(missing)}: pip install 'torchsprint[serve]'")
     flags = {name: getattr(args, name, None) for name in FLAGS}
@@ -159,9 +177,12 @@ def serve_cli(args) -> int:
     limits = resolve_limits(cfg, predictor, target)  # a serve.max_model_pixels no image could meet: refused here
     port = sock.getsockname()[1]
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    print(f"serving {target} ({predictor.task.name}, {len(predictor.classes)} classes, {predictor.device}, "
-          f"{'onnxruntime' if hasattr(predictor.forward, 'session') else 'torch'}) on http://{host}:{port} "
-          f"with {cfg.workers} worker(s): POST /predict, page /, API /docs; {predictor.inference.note}", flush=True)
+    print(
+        f"serving {target} ({predictor.task.name}, {len(predictor.classes)} classes, {predictor.device}, "
+        f"{'onnxruntime' if hasattr(predictor.forward, 'session') else 'torch'}) on http://{host}:{port} "
+        f"with {cfg.workers} worker(s): POST /predict, page /, API /docs; {predictor.inference.note}",
+        flush=True,
+    )
     print(limits.describe(cfg.max_batch), flush=True)
     if (note := graph_note(predictor)) is not None:
         print(note, flush=True)
@@ -185,17 +206,20 @@ def exposure_warning(address: str, token: str | None) -> str | None:
         loopback = False
     if token is not None or loopback:
         return None
-    return (f"serving on {address} without a token: anyone who can reach this machine's port can use the model and "
-            f"read /metrics; set serve.token (--token) or {TOKEN_ENV} to require one, or --host 127.0.0.1 for this "
-            "machine only")
+    return (
+        f"serving on {address} without a token: anyone who can reach this machine's port can use the model and "
+        f"read /metrics; set serve.token (--token) or {TOKEN_ENV} to require one, or --host 127.0.0.1 for this "
+        "machine only"
+    )
 
 
 def uvicorn_config(app, cfg, **kw):
     import uvicorn
 
     # access_log off: a line per request costs throughput; /metrics counts requests by code instead.
-    return uvicorn.Config(app, host=cfg.host, port=cfg.port, access_log=False, log_level="info",
-                          timeout_graceful_shutdown=None, **kw)
+    return uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, access_log=False, log_level="info", timeout_graceful_shutdown=None, **kw
+    )
 
 
 def run_one(cfg, predictor, name: str, sock: socket.socket) -> int:
@@ -218,8 +242,9 @@ def run_workers(cfg, target: Path, args, sock: socket.socket) -> int:
 
     metrics_dir = tempfile.mkdtemp(prefix="torchsprint-serve-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any worker imports prometheus_client
-    os.environ[SPEC_ENV] = json.dumps({"target": str(target), "cfg": cfg.model_dump(), "weights": args.weights,
-                                       "tta": args.tta})
+    os.environ[SPEC_ENV] = json.dumps(
+        {"target": str(target), "cfg": cfg.model_dump(), "weights": args.weights, "tta": args.tta}
+    )
     config = uvicorn_config("torchsprint.commands.serve:worker_app", cfg, factory=True, workers=cfg.workers)
     try:
         # uvicorn before 0.30 takes the worker's function as `target`; later versions build it themselves.

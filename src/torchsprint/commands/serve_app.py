@@ -49,26 +49,56 @@ class Metrics:
         disable_created_metrics()  # the *_created series: a timestamp per series that nobody graphs
         self.multiprocess_dir = multiprocess_dir
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("torchsprint_serve_requests", "HTTP requests answered, by status code", ["code"], registry=r)
+        self.requests = Counter(
+            "torchsprint_serve_requests", "HTTP requests answered, by status code", ["code"], registry=r
+        )
         self.errors = Counter("torchsprint_serve_errors", "Refused requests and images, by kind", ["kind"], registry=r)
         self.images = Counter("torchsprint_serve_images", "Images answered with a prediction", registry=r)
-        self.lone = Counter("torchsprint_serve_lone_images", "Images of a lone request on an idle server, handed to the "
-                            "model thread undecoded: it decodes them itself, no decode-pool hop (Batcher.put_if_idle)",
-                            registry=r)
-        self.latency = Histogram("torchsprint_serve_request_seconds", "Time from a /predict request's arrival to its "
-                                 "answer", buckets=LATENCY_BUCKETS, registry=r)
-        self.forward_seconds = Histogram("torchsprint_serve_forward_seconds", "Time of one batch's forward pass",
-                                         buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("torchsprint_serve_batch_size", "Images per forward pass",
-                                    buckets=[float(b) for b in powers_of_two(max_batch)], registry=r)
-        self.queue_depth = Gauge("torchsprint_serve_queue_depth", "Images accepted and not yet in a forward pass",
-                                 registry=r, multiprocess_mode="livesum")
-        self.waiting = Gauge("torchsprint_serve_waiting", "Images decoded and waiting for a forward pass", registry=r,
-                             multiprocess_mode="livesum")
-        self.in_model = Gauge("torchsprint_serve_in_model", "Images in the forward pass running now", registry=r,
-                              multiprocess_mode="livesum")
-        self.in_flight = Gauge("torchsprint_serve_in_flight", "/predict requests accepted and not yet answered",
-                               registry=r, multiprocess_mode="livesum")
+        self.lone = Counter(
+            "torchsprint_serve_lone_images",
+            "Images of a lone request on an idle server, handed to the "
+            "model thread undecoded: it decodes them itself, no decode-pool hop (Batcher.put_if_idle)",
+            registry=r,
+        )
+        self.latency = Histogram(
+            "torchsprint_serve_request_seconds",
+            "Time from a /predict request's arrival to its answer",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            "torchsprint_serve_forward_seconds", "Time of one batch's forward pass", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "torchsprint_serve_batch_size",
+            "Images per forward pass",
+            buckets=[float(b) for b in powers_of_two(max_batch)],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "torchsprint_serve_queue_depth",
+            "Images accepted and not yet in a forward pass",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.waiting = Gauge(
+            "torchsprint_serve_waiting",
+            "Images decoded and waiting for a forward pass",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.in_model = Gauge(
+            "torchsprint_serve_in_model",
+            "Images in the forward pass running now",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.in_flight = Gauge(
+            "torchsprint_serve_in_flight",
+            "/predict requests accepted and not yet answered",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
 
     def exposition(self) -> bytes:
         from prometheus_client import CollectorRegistry, generate_latest
@@ -107,8 +137,14 @@ class Served:
         buckets = c.buckets == "on" or (c.buckets == "auto" and self.predictor.device.type == "cuda")
         self.limits = resolve_limits(c, self.predictor, Path(self.name))
         self.decoder = Decoder(self.predictor, self.limits)
-        self.batcher = Batcher(self.decoder, max_batch=c.max_batch, max_wait_s=c.max_wait_ms / 1000,
-                               queue_limit=c.queue_limit, buckets=buckets, metrics=self.metrics)
+        self.batcher = Batcher(
+            self.decoder,
+            max_batch=c.max_batch,
+            max_wait_s=c.max_wait_ms / 1000,
+            queue_limit=c.queue_limit,
+            buckets=buckets,
+            metrics=self.metrics,
+        )
         self.pool = decode_pool(decode_threads())
 
     def start(self) -> None:
@@ -170,7 +206,9 @@ def refusal_of(e: Exception) -> Refusal:
         return Refusal(422, e.kind, str(e))
     if isinstance(e, Overloaded):
         return Refusal(503, "queue_full", str(e), RETRY)
-    return Refusal(500, "internal", f"internal error ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+    return Refusal(
+        500, "internal", f"internal error ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+    )
 
 
 async def read_body(request, limit: int) -> bytes:
@@ -196,9 +234,13 @@ async def images_of(request, body: bytes, most: int) -> list[tuple[str | None, b
             raise Refusal(400, "empty_body", "the body is empty: send the image's bytes")
         return [(None, body)]
     if kind != "multipart/form-data":
-        raise Refusal(415, "unsupported_media_type", f"Content-Type {kind or '(none)'} is not an image: send the image "
-                      f"as the body (image/jpeg, image/png, application/octet-stream) or as multipart/form-data field "
-                      f"'{FIELD}'")
+        raise Refusal(
+            415,
+            "unsupported_media_type",
+            f"Content-Type {kind or '(none)'} is not an image: send the image "
+            f"as the body (image/jpeg, image/png, application/octet-stream) or as multipart/form-data field "
+            f"'{FIELD}'",
+        )
     from starlette.formparsers import MultiPartException, MultiPartParser
 
     async def stream():
@@ -215,11 +257,16 @@ async def images_of(request, body: bytes, most: int) -> list[tuple[str | None, b
     try:
         for key, value in form.multi_items():
             if key != FIELD:
-                raise Refusal(400, "wrong_field", f"multipart field '{key}' is not expected: send each image as a file "
-                              f"in field '{FIELD}' (curl -F {FIELD}=@cat.jpg)")
+                raise Refusal(
+                    400,
+                    "wrong_field",
+                    f"multipart field '{key}' is not expected: send each image as a file "
+                    f"in field '{FIELD}' (curl -F {FIELD}=@cat.jpg)",
+                )
             if isinstance(value, str):
-                raise Refusal(400, "wrong_field", f"field '{FIELD}' must be a file upload (curl -F {FIELD}=@cat.jpg), "
-                              "not text")
+                raise Refusal(
+                    400, "wrong_field", f"field '{FIELD}' must be a file upload (curl -F {FIELD}=@cat.jpg), not text"
+                )
             out.append((value.filename, await value.read()))
     finally:
         await form.close()  # the parts' spooled temporary files
@@ -266,8 +313,9 @@ async def answer(s: Served, request, topk: int) -> JSONResponse:
     except ClientDisconnect:
         return refused(s, Refusal(499, "disconnected", "the client closed the connection while sending"))
     except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
-        return refused(s, Refusal(503, "timeout", f"not answered within serve.timeout_s={s.cfg.timeout_s:g} s; retry "
-                                  "later", RETRY))
+        return refused(
+            s, Refusal(503, "timeout", f"not answered within serve.timeout_s={s.cfg.timeout_s:g} s; retry later", RETRY)
+        )
     return respond(s, items, results)
 
 
@@ -328,8 +376,9 @@ def respond(s: Served, items, results) -> JSONResponse:
         entries.append(entry)
     if len(failures) == len(entries):
         f = failures[0]
-        return JSONResponse({"error": str(f), "kind": f.kind, "predictions": entries}, status_code=f.status,
-                            headers=f.headers)
+        return JSONResponse(
+            {"error": str(f), "kind": f.kind, "predictions": entries}, status_code=f.status, headers=f.headers
+        )
     return JSONResponse({"predictions": entries})
 
 
@@ -347,8 +396,12 @@ def build_app(s: Served) -> FastAPI:
             await starting
             await asyncio.get_running_loop().run_in_executor(None, s.stop)  # every accepted image answered
 
-    app = FastAPI(title="torchsprint serve", version=__version__, lifespan=lifespan,
-                  description=f"Predictions of {s.name} with the run's own eval preprocessing (docs/serve.md).")
+    app = FastAPI(
+        title="torchsprint serve",
+        version=__version__,
+        lifespan=lifespan,
+        description=f"Predictions of {s.name} with the run's own eval preprocessing (docs/serve.md).",
+    )
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):  # 404, 405: one line of JSON as every other refusal
@@ -375,11 +428,19 @@ def build_app(s: Served) -> FastAPI:
     @app.get("/ready", summary="The model is loaded and warmed up (503 until then)")
     async def ready():
         if not s.ready:
-            return JSONResponse({"error": "the model is loading or warming up", "kind": "not_ready"}, status_code=503,
-                                headers=RETRY)
-        return {"status": "ready", "model": s.name, "task": s.predictor.task.name, "classes": len(s.predictor.classes),
-                "device": str(s.predictor.device), "precision": s.predictor.inference.precision,
-                "torch_threads": s.batcher.torch_threads, "warm_up": s.warm_up}
+            return JSONResponse(
+                {"error": "the model is loading or warming up", "kind": "not_ready"}, status_code=503, headers=RETRY
+            )
+        return {
+            "status": "ready",
+            "model": s.name,
+            "task": s.predictor.task.name,
+            "classes": len(s.predictor.classes),
+            "device": str(s.predictor.device),
+            "precision": s.predictor.inference.precision,
+            "torch_threads": s.batcher.torch_threads,
+            "warm_up": s.warm_up,
+        }
 
     @app.get("/metrics", summary="Prometheus text format", response_class=Response)
     async def metrics(request: Request):
@@ -387,10 +448,15 @@ def build_app(s: Served) -> FastAPI:
             return refused(s, Refusal(401, "unauthorized", *UNAUTHORIZED))
         return Response(s.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/predict", summary="Top-k classes of one image (raw body) or several (multipart field 'image')",
-              openapi_extra=PREDICT_OPENAPI)
-    async def predict(request: Request, topk: int | None = Query(None, ge=1, le=10_000,
-                                                                  description="classes per image (default serve.topk)")):
+    @app.post(
+        "/predict",
+        summary="Top-k classes of one image (raw body) or several (multipart field 'image')",
+        openapi_extra=PREDICT_OPENAPI,
+    )
+    async def predict(
+        request: Request,
+        topk: int | None = Query(None, ge=1, le=10_000, description="classes per image (default serve.topk)"),
+    ):
         started = time.perf_counter()
         s.metrics.in_flight.inc()
         try:
@@ -416,14 +482,27 @@ def plain_route(s: Served, predict):
         if raw is None:
             return await predict(request, None)
         if not raw.strip().isdigit() or not 1 <= int(raw) <= 10_000:
-            return refused(s, Refusal(422, "bad_request", f"query.topk: must be a whole number from 1 to 10000, not {raw!r}"))
+            return refused(
+                s, Refusal(422, "bad_request", f"query.topk: must be a whole number from 1 to 10000, not {raw!r}")
+            )
         return await predict(request, int(raw))
 
     return Route("/predict", predict_plain, methods=["POST"], include_in_schema=False)
 
 
-PREDICT_OPENAPI = {"requestBody": {"required": True, "content": {
-    "image/*": {"schema": {"type": "string", "format": "binary"}},
-    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
-    "multipart/form-data": {"schema": {"type": "object", "required": [FIELD], "properties": {
-        FIELD: {"type": "array", "items": {"type": "string", "format": "binary"}}}}}}}}
+PREDICT_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "image/*": {"schema": {"type": "string", "format": "binary"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": [FIELD],
+                    "properties": {FIELD: {"type": "array", "items": {"type": "string", "format": "binary"}}},
+                }
+            },
+        },
+    }
+}

@@ -79,8 +79,10 @@ class Decoder:
             except Exception:  # noqa: BLE001 - not Pillow's format: decode_bytes reports what it is
                 return
         if h * w > self.max_pixels:
-            raise ImageError(f"{w}x{h} = {w * h:,} pixels > serve.max_pixels={self.max_pixels:,}; send a smaller image",
-                             "too_many_pixels")
+            raise ImageError(
+                f"{w}x{h} = {w * h:,} pixels > serve.max_pixels={self.max_pixels:,}; send a smaller image",
+                "too_many_pixels",
+            )
         refused = self.limits.too_many(h, w)  # the model input's size, from the header: never decoded to be refused
         if refused is not None:
             raise ImageError(refused, "too_many_pixels")

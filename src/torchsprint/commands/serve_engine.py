@@ -44,8 +44,9 @@ class Batcher:
     being read, no image being decoded), runs them as one batch and answers each Job's future. A Job whose future was cancelled (the request timed out or its client
     left) before its batch formed is dropped, never run."""
 
-    def __init__(self, decoder: Decoder, *, max_batch: int, max_wait_s: float, queue_limit: int, buckets: bool,
-                 metrics):
+    def __init__(
+        self, decoder: Decoder, *, max_batch: int, max_wait_s: float, queue_limit: int, buckets: bool, metrics
+    ):
         self.decoder, self.predictor = decoder, decoder.predictor
         self.max_batch, self.max_wait_s = max_batch, max_wait_s
         self.batch_pixels = decoder.limits.batch_pixels  # most pixels in one forward pass (serve_limits.Limits)
@@ -81,8 +82,10 @@ class Batcher:
             if self._stopping:
                 raise Overloaded("the server is stopping; retry on another replica or later")
             if self._reserved + n > self.queue_limit:
-                raise Overloaded(f"the queue is full ({self._reserved} images waiting, serve.queue_limit="
-                                 f"{self.queue_limit}); retry later")
+                raise Overloaded(
+                    f"the queue is full ({self._reserved} images waiting, serve.queue_limit="
+                    f"{self.queue_limit}); retry later"
+                )
             self._reserved += n
             self.metrics.queue_depth.set(self._reserved)
 
@@ -207,8 +210,11 @@ class Batcher:
         if isinstance(e, torch.cuda.OutOfMemoryError):
             return Overloaded("the GPU ran out of memory; retry later (or lower serve.max_batch)")
         shape = "x".join(map(str, job.image.shape)) if job.image is not None else "a JPEG"
-        return ImageError(f"the model cannot take this image ({shape} after the eval preprocessing): "
-                          f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", "model_refused")
+        return ImageError(
+            f"the model cannot take this image ({shape} after the eval preprocessing): "
+            f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+            "model_refused",
+        )
 
     def images(self, batch: list[Job]) -> list[torch.Tensor | Exception]:
         """Each job's uint8 CHW eval input: the CPU path's tensor, or nvJPEG + the GPU spec for JPEG bytes (a file
@@ -262,7 +268,9 @@ class Batcher:
         # The task's own postprocess, once for the batch (softmax and top-k are per row) at the largest top-k
         # asked; each request keeps its own first k (top-k is sorted).
         p = self.predictor
-        outs = p.task.postprocess(logits, p.classes, {"topk": max(batch[i].topk for i in good), "threshold": p.threshold})
+        outs = p.task.postprocess(
+            logits, p.classes, {"topk": max(batch[i].topk for i in good), "threshold": p.threshold}
+        )
         for row, i in enumerate(good):
             r = outs[row]
             results[i] = {**r, "top": r["top"][: batch[i].topk]} if "top" in r else r
@@ -315,8 +323,11 @@ class Batcher:
                     reps += 1
                 times[n] = (time.perf_counter() - started) / reps
             chosen[size] = min(times, key=times.get)
-            notes.append(f"{chosen[size]} for a batch of {size} (" + ", ".join(
-                f"{1000 * t:.2f} ms with {n}" for n, t in times.items()) + ")")
+            notes.append(
+                f"{chosen[size]} for a batch of {size} ("
+                + ", ".join(f"{1000 * t:.2f} ms with {n}" for n, t in times.items())
+                + ")"
+            )
         self.torch_threads = chosen  # infer follows it from now on (during the measurement: the count being timed)
         torch.set_num_threads(self.threads_for(self.max_batch))
         return "; torch threads " + ", ".join(notes)

@@ -75,20 +75,26 @@ class Limits:
             return None
         side = math.isqrt(self.model_pixels)
         shown = f" ({mw}x{mh} after the eval preprocessing)" if (mh, mw) != (h, w) else ""
-        return (f"{w}x{h} = {w * h:,} pixels{shown} > serve.max_model_pixels={self.model_pixels:,} ({self.why}): a "
-                f"forward pass costs memory and time by its input's pixels; send a smaller image (e.g. {side}x{side}), "
-                "or raise serve.max_model_pixels")
+        return (
+            f"{w}x{h} = {w * h:,} pixels{shown} > serve.max_model_pixels={self.model_pixels:,} ({self.why}): a "
+            f"forward pass costs memory and time by its input's pixels; send a smaller image (e.g. {side}x{side}), "
+            "or raise serve.max_model_pixels"
+        )
 
     def describe(self, max_batch: int) -> str:
         """The start-up line of the limits in effect."""
         head = f"limits: files up to serve.max_pixels={self.max_pixels:,} pixels (by their header) are decoded; "
         if self.fixed is not None:
             h, w = self.fixed
-            return (head + f"every model input is {w}x{h} (data.eval.transforms fixes it); a forward pass takes at "
-                    f"most {max_batch} images ({self.batch_pixels:,} pixels)")
-        return (head + f"the model input takes serve.max_model_pixels={self.model_pixels:,} pixels at most after the "
-                f"eval preprocessing ({self.why}; larger images get 422 too_many_pixels); a forward pass takes at most "
-                f"{self.batch_pixels:,} pixels (max_batch={max_batch} images of one shape, fewer of larger ones)")
+            return (
+                head + f"every model input is {w}x{h} (data.eval.transforms fixes it); a forward pass takes at "
+                f"most {max_batch} images ({self.batch_pixels:,} pixels)"
+            )
+        return (
+            head + f"the model input takes serve.max_model_pixels={self.model_pixels:,} pixels at most after the "
+            f"eval preprocessing ({self.why}; larger images get 422 too_many_pixels); a forward pass takes at most "
+            f"{self.batch_pixels:,} pixels (max_batch={max_batch} images of one shape, fewer of larger ones)"
+        )
 
 
 def resolve_limits(cfg, predictor, target: Path) -> Limits:
@@ -99,11 +105,20 @@ def resolve_limits(cfg, predictor, target: Path) -> Limits:
     if pipe.out_size is not None:
         h, w = pipe.out_size
         if setting != "auto" and setting < h * w:
-            raise UsageError(f"serve.max_model_pixels={setting:,} is below the {w}x{h} = {h * w:,} pixels that "
-                             "data.eval.transforms makes every image: every request would be refused. Leave it auto "
-                             f"(the eval spec bounds the model input) or set at least {h * w}.")
-        return Limits(cfg.max_pixels, (h, w), h * w, cfg.max_batch * h * w, "the eval spec's size", steps,
-                      warm or (WARM_SIDE, WARM_SIDE))
+            raise UsageError(
+                f"serve.max_model_pixels={setting:,} is below the {w}x{h} = {h * w:,} pixels that "
+                "data.eval.transforms makes every image: every request would be refused. Leave it auto "
+                f"(the eval spec bounds the model input) or set at least {h * w}."
+            )
+        return Limits(
+            cfg.max_pixels,
+            (h, w),
+            h * w,
+            cfg.max_batch * h * w,
+            "the eval spec's size",
+            steps,
+            warm or (WARM_SIDE, WARM_SIDE),
+        )
     limit, why = (setting, "set") if setting != "auto" else auto_model_pixels(predictor, target)
     side = max(1, min(WARM_SIDE, math.isqrt(limit)))
     return Limits(cfg.max_pixels, None, limit, limit, why, steps, warm or (side, side))
@@ -123,7 +138,9 @@ def auto_model_pixels(predictor, target: Path) -> tuple[int, str]:
     try:
         from torchsprint.data.preprocess.transforms import compile_spec
 
-        crop = compile_spec(predictor.data_cfg.train.transforms, "data.train.transforms", predictor.in_channels).out_size
+        crop = compile_spec(
+            predictor.data_cfg.train.transforms, "data.train.transforms", predictor.in_channels
+        ).out_size
     except (UsageError, TypeError, ValueError):
         crop = None
     if crop is not None:
@@ -153,10 +170,14 @@ def graph_note(predictor) -> str | None:
     h, w = size
     channels = predictor.graph_input[1]
     if out is None:
-        which = (f"data.eval.transforms keeps each file's size, so an image that is not {w}x{h} after it gets 422 "
-                 "model_refused, where the torch runtime answers it")
+        which = (
+            f"data.eval.transforms keeps each file's size, so an image that is not {w}x{h} after it gets 422 "
+            "model_refused, where the torch runtime answers it"
+        )
     else:
         which = f"data.eval.transforms makes every image {out[1]}x{out[0]}, so every image gets 422 model_refused"
-    return (f"note: the ONNX graph takes only {channels or 'C'}x{h}x{w} images (fixed at export): {which}; to take "
-            f"others, add resize: [{h}, {w}] to data.eval.transforms and export again, or serve with "
-            "serve.runtime=torch")
+    return (
+        f"note: the ONNX graph takes only {channels or 'C'}x{h}x{w} images (fixed at export): {which}; to take "
+        f"others, add resize: [{h}, {w}] to data.eval.transforms and export again, or serve with "
+        "serve.runtime=torch"
+    )

@@ -77,5 +77,8 @@ drop.addEventListener("drop", e => { e.preventDefault(); drop.classList.remove("
 
 def page_html(name: str, topk: int, token: bool) -> str:
     """The page for a server of `name` (shown, escaped), its default top-k and whether it asks for a token."""
-    return (PAGE.replace("__NAME__", html.escape(name)).replace("__TOPK__", json.dumps(int(topk)))
-            .replace("__TOKEN_HIDDEN__", "" if token else "hidden"))
+    return (
+        PAGE.replace("__NAME__", html.escape(name))
+        .replace("__TOPK__", json.dumps(int(topk)))
+        .replace("__TOKEN_HIDDEN__", "" if token else "hidden")
+    )

@@ -40,8 +40,9 @@ class Trained:
         from torchsprint.tasks.tta import loading_spec
 
         p = self.pipeline
-        loaded = compile_spec(loading_spec(self.cfg.data.eval.transforms, self.cfg.eval.tta), "data.eval.transforms",
-                              self.in_channels)
+        loaded = compile_spec(
+            loading_spec(self.cfg.data.eval.transforms, self.cfg.eval.tta), "data.eval.transforms", self.in_channels
+        )
         return {
             "format": "torchsprint",
             "classes": json.dumps(self.classes),
@@ -56,9 +57,9 @@ class Trained:
         }
 
 
-
-
-def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg: config_mod.Config | None = None) -> Trained:
+def load_weights_file(
+    path: str | Path, device: str | torch.device = "cpu", cfg: config_mod.Config | None = None
+) -> Trained:
     """Rebuild a model from a torchsprint .safetensors file (its metadata holds classes and config).
 
     `cfg`: the run's config when loading a run folder's weights; None reads the file's own (never
@@ -74,8 +75,9 @@ def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg:
     try:
         meta = read_safetensors_metadata(path)
     except Exception as e:
-        raise UsageError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}). Re-export or "
-                         "re-train it.") from None
+        raise UsageError(
+            f"{path} is not a readable safetensors file ({type(e).__name__}: {e}). Re-export or re-train it."
+        ) from None
     if "classes" not in meta:
         raise UsageError(f"{path} has no torchsprint metadata (classes); export it with `torchsprint export`.")
     if cfg is None:
@@ -89,9 +91,11 @@ def load_weights_file(path: str | Path, device: str | torch.device = "cpu", cfg:
         state = load_file(str(path))
         model.load_state_dict(state)
     except Exception as e:  # a truncated/corrupt file or weights of another model
-        raise UsageError(f"{path}: cannot load its weights into {cfg.model.name} ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200]}). The file is corrupt or from another model; re-train "
-                         "or re-export it.") from None
+        raise UsageError(
+            f"{path}: cannot load its weights into {cfg.model.name} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}). The file is corrupt or from another model; re-train "
+            "or re-export it."
+        ) from None
     return Trained(model.to(device).eval(), classes, in_channels, cfg, path)
 
 
@@ -104,5 +108,7 @@ def load_run(run_dir: str | Path, weights: str = "best", device: str | torch.dev
 
     wpath = weights_file(run_dir, weights)
     if not wpath.is_file():
-        raise UsageError(f"{wpath} not found: the run has not saved {weights} weights yet. Try --weights last or best{' (ema.safetensors exists only for runs with ema.enabled=true)' if weights == 'ema' else ''}{' (swa.safetensors exists only for runs with swa.enabled=true)' if weights == 'swa' else ''}.")
+        raise UsageError(
+            f"{wpath} not found: the run has not saved {weights} weights yet. Try --weights last or best{' (ema.safetensors exists only for runs with ema.enabled=true)' if weights == 'ema' else ''}{' (swa.safetensors exists only for runs with swa.enabled=true)' if weights == 'swa' else ''}."
+        )
     return load_weights_file(wpath, device, cfg)

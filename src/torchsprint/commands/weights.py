@@ -26,8 +26,10 @@ def weights_cli(args) -> int:
     if args.weights_command == "get":
         path = fetch(args.spec, model, key="weights")
         if not path.is_file():  # a local path that is not there: nothing to fetch it from
-            raise UsageError(f"weights {args.spec}: no such file, and not a library's or URL's weights (torchvision:, "
-                             "timm:, hf-hub:, https://).")
+            raise UsageError(
+                f"weights {args.spec}: no such file, and not a library's or URL's weights (torchvision:, "
+                "timm:, hf-hub:, https://)."
+            )
         print(path)
         return 0
     src = locate(args.spec, model, key="weights")

@@ -71,8 +71,10 @@ def _shape_problem(data: Any, limit: int = MAX_DEPTH, most: int = MAX_VALUES) ->
                 return f"nested too deeply (over {MAX_DEPTH} levels of lists/mappings); a config nests a few levels."
             count += len(node)
             if count > most:
-                return (f"holds over {most:,} values once its YAML aliases (*name) are expanded; a config holds a few "
-                        "hundred. Write the values out, or repeat fewer aliases.")
+                return (
+                    f"holds over {most:,} values once its YAML aliases (*name) are expanded; a config holds a few "
+                    "hundred. Write the values out, or repeat fewer aliases."
+                )
             stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
     return None
 
@@ -95,8 +97,10 @@ def read_file(path: str | Path) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
-        raise UsageError(f"{path}: line {line}: byte 0x{raw[e.start]:02x} is not UTF-8; config files are read as UTF-8 "
-                         "(re-save it as UTF-8, e.g. iconv -f latin1 -t utf-8).") from None
+        raise UsageError(
+            f"{path}: line {line}: byte 0x{raw[e.start]:02x} is not UTF-8; config files are read as UTF-8 "
+            "(re-save it as UTF-8, e.g. iconv -f latin1 -t utf-8)."
+        ) from None
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
@@ -111,11 +115,14 @@ def read_file(path: str | Path) -> dict[str, Any]:
         key, line, first = e.args
         where = f" line {line}:" if line else ""
         also = f" (first on line {first})" if first else ""
-        raise UsageError(f"{path}:{where} key {key!r} is written twice in one mapping{also}; only one value can "
-                         "hold. Remove the other.") from None
+        raise UsageError(
+            f"{path}:{where} key {key!r} is written twice in one mapping{also}; only one value can "
+            "hold. Remove the other."
+        ) from None
     except RecursionError:
-        raise UsageError(f"{path}: nested too deeply to read (hundreds of levels of lists/mappings; a config nests a "
-                         "few).") from None
+        raise UsageError(
+            f"{path}: nested too deeply to read (hundreds of levels of lists/mappings; a config nests a few)."
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -127,7 +134,9 @@ def read_file(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UsageError(f"{path}: the top level must be a mapping of sections (run:, data:, ...), not {type(data).__name__}.")
+        raise UsageError(
+            f"{path}: the top level must be a mapping of sections (run:, data:, ...), not {type(data).__name__}."
+        )
     if (problem := _shape_problem(data)) is not None:
         raise UsageError(f"{path}: {problem}")
     return data
@@ -154,8 +163,9 @@ def read_with_extends(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[s
     if isinstance(parents, str):
         parents = [parents]
     if not isinstance(parents, list) or not all(isinstance(p, str) and p for p in parents):
-        raise UsageError(f"{path}: `extends` must be a file name or a list of file names (relative to this file), "
-                         f"not {parents!r}.")
+        raise UsageError(
+            f"{path}: `extends` must be a file name or a list of file names (relative to this file), not {parents!r}."
+        )
     merged: dict[str, Any] = {}
     for parent in parents:
         merged = deep_merge(merged, read_with_extends(path.parent / parent, (*_chain, path)))
@@ -192,8 +202,10 @@ def apply_override(data: dict[str, Any], item: str, root: type[BaseModel]) -> di
         sub = node.get(part)
         if not isinstance(sub, dict | str | None):
             where = ".".join(parts[: i + 1])
-            raise UsageError(f"override '{item}': {where} is a section, but it was set to {sub!r}. Set its keys "
-                             f"({where}.<key>=value) instead of the whole section.")
+            raise UsageError(
+                f"override '{item}': {where} is a section, but it was set to {sub!r}. Set its keys "
+                f"({where}.<key>=value) instead of the whole section."
+            )
         if not isinstance(sub, dict):
             sub = {} if sub is None or isinstance(sub, str) else sub
             if isinstance(node.get(part), str) and model is not None:

@@ -29,8 +29,10 @@ def needs_imports(source, missing: list[str]) -> str:
     if not missing:
         return ""
     flags = " ".join(f"--import {m}" for m in missing)
-    return (f" {source} was trained with `imports: {missing}`; a run folder or model file never imports code by "
-            f"itself: if you trust these modules, pass {flags}.")
+    return (
+        f" {source} was trained with `imports: {missing}`; a run folder or model file never imports code by "
+        f"itself: if you trust these modules, pass {flags}."
+    )
 
 
 @contextmanager
@@ -47,8 +49,15 @@ def naming_imports(listed, source):
 
 _REQUIRED = object()
 # The type each JSON entry of a model file's metadata holds (torchsprint writes them: trained.Trained.metadata).
-METADATA_TYPES = {"classes": list, "config": dict, "eval_transforms": list, "in_channels": int, "input_size": (list, type(None)),
-                  "mean": list, "std": list}
+METADATA_TYPES = {
+    "classes": list,
+    "config": dict,
+    "eval_transforms": list,
+    "in_channels": int,
+    "input_size": (list, type(None)),
+    "mean": list,
+    "std": list,
+}
 
 
 def metadata_entry(meta: dict, key: str, source, default=_REQUIRED):
@@ -60,18 +69,24 @@ def metadata_entry(meta: dict, key: str, source, default=_REQUIRED):
     if key not in meta:
         if default is not _REQUIRED:
             return default
-        raise UsageError(f"{source} has no '{key}' entry in its metadata: it was not written by torchsprint, or was "
-                         "edited. Export it again with `torchsprint export` (or re-train the run).")
+        raise UsageError(
+            f"{source} has no '{key}' entry in its metadata: it was not written by torchsprint, or was "
+            "edited. Export it again with `torchsprint export` (or re-train the run)."
+        )
     try:
         value = json.loads(meta[key])
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        raise UsageError(f"{source}: its metadata entry '{key}' is not valid JSON ({str(e)[:80]}): the file is damaged "
-                         "or was edited. Export it again with `torchsprint export` (or re-train the run).") from None
+        raise UsageError(
+            f"{source}: its metadata entry '{key}' is not valid JSON ({str(e)[:80]}): the file is damaged "
+            "or was edited. Export it again with `torchsprint export` (or re-train the run)."
+        ) from None
     kind = METADATA_TYPES.get(key, object)
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise UsageError(f"{source}: its metadata entry '{key}' holds {type(value).__name__} {str(value)[:40]!r}, not "
-                         f"the {getattr(kind, '__name__', 'list')} torchsprint writes: the file is damaged or was edited. "
-                         "Export it again with `torchsprint export` (or re-train the run).")
+        raise UsageError(
+            f"{source}: its metadata entry '{key}' holds {type(value).__name__} {str(value)[:40]!r}, not "
+            f"the {getattr(kind, '__name__', 'list')} torchsprint writes: the file is damaged or was edited. "
+            "Export it again with `torchsprint export` (or re-train the run)."
+        )
     return value
 
 
@@ -85,7 +100,9 @@ def load_run_config(run_dir: Path, overrides: list[str] = ()) -> config_mod.Conf
     """The resolved config saved in a run folder, with overrides; its `imports:` are not imported (see above)."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
-        raise UsageError(f"{run_dir} is not a torchsprint run folder (no config.yaml). Pass the folder `train` printed.")
+        raise UsageError(
+            f"{run_dir} is not a torchsprint run folder (no config.yaml). Pass the folder `train` printed."
+        )
     data = config_mod.read_with_extends(path)
     for item in overrides:
         data = config_mod.apply_override(data, item)
@@ -103,8 +120,10 @@ def resumed_run_config(run_dir: str | Path, overrides: list[str], imports: list[
     missing = untrusted_imports(cfg.imports)
     if missing:
         flags = " ".join(f"--import {m}" for m in missing)
-        raise UsageError(f"--resume {run_dir}: its config.yaml lists `imports: {missing}`, and a run folder never imports "
-                         f"code by itself: if you trust these modules, pass {flags} (or give the config with -c).")
+        raise UsageError(
+            f"--resume {run_dir}: its config.yaml lists `imports: {missing}`, and a run folder never imports "
+            f"code by itself: if you trust these modules, pass {flags} (or give the config with -c)."
+        )
     if imports:  # as config.load does: the flags' modules join the run's list (the config.yaml written next)
         cfg.imports = [*cfg.imports, *[m for m in imports if m not in cfg.imports]]
     return cfg

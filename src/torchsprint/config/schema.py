@@ -48,42 +48,61 @@ from torchsprint.errors import UsageError, did_you_mean
 class Config(Section):
     """One run. Every key has a default, so an empty file is a valid run (digits + small CNN)."""
 
-    imports: list[str] = Field(default_factory=list, description="Python modules to import first (register your own models, datasets...).")
+    imports: list[str] = Field(
+        default_factory=list, description="Python modules to import first (register your own models, datasets...)."
+    )
     task: str = Field(
-        "classification", description="What the run learns, from the TASKS registry: classification (one class per image), "
+        "classification",
+        description="What the run learns, from the TASKS registry: classification (one class per image), "
         "multilabel (any number of labels per image), image_to_image (paired restoration), video (clip classification). "
         "It sets the default loss, metrics, checkpoint.monitor/mode, artifacts and predict output.",
     )
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity, length and device.")
     data: DataConfig = Field(default_factory=DataConfig, description="Dataset, loader backend and preprocessing.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model, initialisation and freezing.")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer, gradient clipping and accumulation.")
+    optim: OptimConfig = Field(
+        default_factory=OptimConfig, description="Optimizer, gradient clipping and accumulation."
+    )
     sched: SchedConfig = Field(default_factory=SchedConfig, description="Learning-rate schedule.")
     loss: LossConfig = Field(default_factory=LossConfig, description="Loss function(s).")
-    mix: MixConfig = Field(default_factory=MixConfig, description="Mixup and CutMix on training batches (soft targets; "
-                           "loss.label_smoothing applies to them).")
-    distill: DistillConfig = Field(default_factory=DistillConfig, description="Knowledge distillation from a frozen "
-                                   "teacher's logits (off unless distill.teacher is set).")
+    mix: MixConfig = Field(
+        default_factory=MixConfig,
+        description="Mixup and CutMix on training batches (soft targets; loss.label_smoothing applies to them).",
+    )
+    distill: DistillConfig = Field(
+        default_factory=DistillConfig,
+        description="Knowledge distillation from a frozen teacher's logits (off unless distill.teacher is set).",
+    )
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Numeric precision (AMP).")
     strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="Single device, DataParallel or DDP.")
     speed: SpeedConfig = Field(default_factory=SpeedConfig, description="Speed switches.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving, keeping and resuming.")
     ema: EmaConfig = Field(default_factory=EmaConfig, description="Exponential moving average of the weights.")
-    swa: SwaConfig = Field(default_factory=SwaConfig, description="Stochastic weight averaging over the last epochs "
-                           "(torch.optim.swa_utils: AveragedModel, SWALR, update_bn).")
-    early_stop: EarlyStopConfig = Field(default_factory=EarlyStopConfig, description="Stop when checkpoint.monitor stops improving.")
+    swa: SwaConfig = Field(
+        default_factory=SwaConfig,
+        description="Stochastic weight averaging over the last epochs "
+        "(torch.optim.swa_utils: AveragedModel, SWALR, update_bn).",
+    )
+    early_stop: EarlyStopConfig = Field(
+        default_factory=EarlyStopConfig, description="Stop when checkpoint.monitor stops improving."
+    )
     log: LogConfig = Field(default_factory=LogConfig, description="Console, JSONL and TensorBoard logging.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation metrics.")
-    serve: ServeConfig = Field(default_factory=ServeConfig, description="`torchsprint serve`: the HTTP server's address, "
-                               "dynamic batching, limits and token (docs/serve.md).")
+    serve: ServeConfig = Field(
+        default_factory=ServeConfig,
+        description="`torchsprint serve`: the HTTP server's address, "
+        "dynamic batching, limits and token (docs/serve.md).",
+    )
 
     @model_validator(mode="after")
     def _unfreeze_within_the_run(self):
         # The start-up line promises the body's unfreeze after freeze_epochs; at or past run.epochs it never comes.
         if self.model.freeze_epochs and self.model.freeze_epochs >= self.run.epochs:
-            raise UsageError(f"model.freeze_epochs={self.model.freeze_epochs} is not below run.epochs={self.run.epochs}: "
-                             "the body would never be unfrozen. Lower model.freeze_epochs or raise run.epochs; to train "
-                             "only the head for the whole run, set model.train_only to its parameter patterns.")
+            raise UsageError(
+                f"model.freeze_epochs={self.model.freeze_epochs} is not below run.epochs={self.run.epochs}: "
+                "the body would never be unfrozen. Lower model.freeze_epochs or raise run.epochs; to train "
+                "only the head for the whole run, set model.train_only to its parameter patterns."
+            )
         return self
 
     # What torchsprint chose for settings the config leaves unset and the data decides (data/detect.py): a list of
@@ -172,8 +191,11 @@ def import_modules(names: list[str] | tuple[str, ...]) -> None:
             raise UsageError(f"cannot import '{name}' (imports: / --import): {type(e).__name__}: {e}") from e
 
 
-def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-         imports: list[str] | tuple[str, ...] = ()) -> Config:
+def load(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    imports: list[str] | tuple[str, ...] = (),
+) -> Config:
     """Load a config file (or the defaults when `path` is None), apply dotted overrides, validate.
 
     The config's `imports:` and `imports` (--import) are imported first, so that names they register
@@ -185,8 +207,9 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     listed = data.get("imports") if isinstance(data.get("imports"), list) else []
     import_modules(list(dict.fromkeys(n for n in [*listed, *imports] if isinstance(n, str))))
     if imports:  # keep what the file lists as it is (validation reports a bad entry), then the flags' modules
-        data["imports"] = [*listed, *[m for m in imports if m not in listed]] if listed or "imports" not in data \
-            else data["imports"]
+        data["imports"] = (
+            [*listed, *[m for m in imports if m not in listed]] if listed or "imports" not in data else data["imports"]
+        )
     source = str(path) if path is not None else "defaults"
     if overrides:
         source += " + overrides"
@@ -206,4 +229,3 @@ def dump_yaml(cfg: Config) -> str:
 def json_schema() -> dict[str, Any]:
     """JSON Schema of the config, for editor completion."""
     return Config.model_json_schema()
-

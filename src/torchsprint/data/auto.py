@@ -94,7 +94,7 @@ def decoded_size(splits: Splits) -> tuple[int | None, str]:
         return None, "some file sizes are unknown (not JPEG/PNG, or unreadable)"
     if len(distinct) != 1:
         return None, "the images have different sizes"
-    (h, w), = distinct
+    ((h, w),) = distinct
     return n * h * w * splits.in_channels, f"{n:,} files of one size ({w}x{h}) decode to"
 
 
@@ -114,9 +114,11 @@ def check_memory_size(data_cfg, splits: Splits, device: torch.device) -> None:
         nbytes = None
     budget, budget_text = memory_budget(device, data_cfg.memory_budget_gib)
     if nbytes is not None and nbytes > budget:
-        raise UsageError(f"data.backend=memory: the decoded dataset would take about {size_text(nbytes)}, over the "
-                         f"{size_text(budget)} it may use ({budget_text}). Use data.backend=cpu (it loads batch by "
-                         "batch), or raise data.memory_budget_gib.")
+        raise UsageError(
+            f"data.backend=memory: the decoded dataset would take about {size_text(nbytes)}, over the "
+            f"{size_text(budget)} it may use ({budget_text}). Use data.backend=cpu (it loads batch by "
+            "batch), or raise data.memory_budget_gib."
+        )
 
 
 # data.backend=auto's order of preference among the backends registered with auto=True where nothing is measured
@@ -134,8 +136,9 @@ MEMORY_MARGIN = 0.10  # the memory backend must save this share of the cpu backe
 # holds the decoded images (its peak memory was 1.7x the cpu backend's on a user's photos), so a near tie streams
 
 
-def choose_backend(data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None, *, epochs: int = 1,
-                   kw: dict | None = None) -> tuple[str, str, dict]:
+def choose_backend(
+    data_cfg, splits: Splits, rt, allowed: tuple[str, ...] | None, *, epochs: int = 1, kw: dict | None = None
+) -> tuple[str, str, dict]:
     """data.backend=auto: (backend, why, measured figures). Among the backends registered with auto=True that the task
     supports (`allowed`) and that can run here:
 
@@ -191,10 +194,18 @@ def measured_once(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -> d
                 total += os.stat(path).st_size
             except OSError:
                 pass
-    keys = {"candidates": names, "files": files.hexdigest()[:24], "bytes": total, "device": str(rt.device),
-            "spec": [data_cfg.train.transforms, data_cfg.eval.transforms], "batch": data_cfg.batch_size,
-            "workers": data_cfg.num_workers, "decoder": data_cfg.decoder, "options": data_cfg.options,
-            "kw": {k: str(v) for k, v in kw.items()}}
+    keys = {
+        "candidates": names,
+        "files": files.hexdigest()[:24],
+        "bytes": total,
+        "device": str(rt.device),
+        "spec": [data_cfg.train.transforms, data_cfg.eval.transforms],
+        "batch": data_cfg.batch_size,
+        "workers": data_cfg.num_workers,
+        "decoder": data_cfg.decoder,
+        "options": data_cfg.options,
+        "kw": {k: str(v) for k, v in kw.items()},
+    }
     stored = recall("backend_auto", keys)
     if stored is not None:
         return copy.deepcopy(stored["value"]) | {"measured_before": stored["date"]}
@@ -209,8 +220,10 @@ def auto_candidates(allowed: tuple[str, ...] | None) -> list[str]:
     candidates += [n for n in LOADERS.names() if n not in candidates and as_backend(LOADERS.get(n)).auto]
     ok = [n for n in candidates if allowed is None or n in allowed]
     if not ok:
-        raise UsageError(f"data.backend=auto: none of {', '.join(candidates)} serves this task (it supports {allowed}); "
-                         "set data.backend.")
+        raise UsageError(
+            f"data.backend=auto: none of {', '.join(candidates)} serves this task (it supports {allowed}); "
+            "set data.backend."
+        )
     return ok
 
 
@@ -226,12 +239,17 @@ def memory_fits(data_cfg, splits: Splits, device: torch.device, reasons: list[st
     elif nbytes is None:
         reasons.append(f"memory: {what}")
     elif nbytes <= budget:
-        how = ("batches are gathered and augmented in batches" if hasattr(train, "images") else
-               "decoded once at start, then batches come from memory with batched augmentation")
+        how = (
+            "batches are gathered and augmented in batches"
+            if hasattr(train, "images")
+            else "decoded once at start, then batches come from memory with batched augmentation"
+        )
         close = ")" if hasattr(train, "images") else ""  # closes decoded_size's "(N images," of a held dataset
         return f"{what} {size_text(nbytes)} <= {budget_text}{close}: {how} on {device.type}"
     else:
-        reasons.append(f"memory: {'decoded ' if not hasattr(train, 'images') else ''}{size_text(nbytes)} > {budget_text}")
+        reasons.append(
+            f"memory: {'decoded ' if not hasattr(train, 'images') else ''}{size_text(nbytes)} > {budget_text}"
+        )
     return None
 
 
@@ -254,8 +272,9 @@ def gpu_suits(data_cfg, splits: Splits, rt, reasons: list[str]) -> bool:
     return False
 
 
-def pick_measured(measured: dict, data_cfg, splits: Splits, device: torch.device, epochs: int,
-                  memory_why: str | None) -> tuple[str, str]:
+def pick_measured(
+    measured: dict, data_cfg, splits: Splits, device: torch.device, epochs: int, memory_why: str | None
+) -> tuple[str, str]:
     """(backend, why) from measure_backends' figures: each candidate's estimated loading time over `epochs` epochs
     (the rule in choose_backend), added to `measured` with the epochs, images and the choice."""
     n = len(splits.train) + len(splits.val)
@@ -267,15 +286,24 @@ def pick_measured(measured: dict, data_cfg, splits: Splits, device: torch.device
     best_other = min((v, k) for k, v in est.items() if k != "memory")
     pick = "memory" if "memory" in est and est["memory"] < (1 - MEMORY_MARGIN) * best_other[0] else best_other[1]
     figures = "; ".join(
-        f"{k} {m['images_per_s']:.0f} img/s" + (f" after decoding at {m['decode_images_per_s']:.0f} img/s up front"
-                                               if k == "memory" else "") + f": ~{_duration(m['estimate_s'])}"
-        for k, m in measured["backends"].items())
-    before = f"measured before, {measured['measured_before']} (on this machine, data and settings), " if measured.get(
-        "measured_before") else "measured "
-    why = (f"{before}on {measured['files']} of the training files, {measured['clock']} ({figures} for {epochs} "
-           f"epoch(s) of {n:,} images)")
+        f"{k} {m['images_per_s']:.0f} img/s"
+        + (f" after decoding at {m['decode_images_per_s']:.0f} img/s up front" if k == "memory" else "")
+        + f": ~{_duration(m['estimate_s'])}"
+        for k, m in measured["backends"].items()
+    )
+    before = (
+        f"measured before, {measured['measured_before']} (on this machine, data and settings), "
+        if measured.get("measured_before")
+        else "measured "
+    )
+    why = (
+        f"{before}on {measured['files']} of the training files, {measured['clock']} ({figures} for {epochs} "
+        f"epoch(s) of {n:,} images)"
+    )
     if pick != "memory" and "memory" in est:
-        why += f"; memory would need to save {MEMORY_MARGIN:.0%} over {best_other[1]} for its up-front decode and memory"
+        why += (
+            f"; memory would need to save {MEMORY_MARGIN:.0%} over {best_other[1]} for its up-front decode and memory"
+        )
     elif pick == "memory":
         why += f"; {memory_why}"
     measured |= {"epochs": epochs, "images": n, "chosen": pick}
@@ -320,7 +348,6 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     """
     import time
 
-
     cuda = rt.device.type == "cuda"
     wall = cuda or data_cfg.num_workers == 0
     now = time.perf_counter if wall else time.process_time
@@ -329,8 +356,16 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     count = sample_size(train, data_cfg.batch_size, now)
     sub = measuring_sample(splits, count)
     batch = max(1, min(data_cfg.batch_size, count // MEASURE_BATCHES))  # the run's batch size where the split allows
-    cfg = data_cfg.model_copy(update={"num_workers": 0, "batch_size": batch, "sampler": "shuffle", "repeated_aug": 1,
-                                      "drop_last": True, "prefetch_factor": 2})
+    cfg = data_cfg.model_copy(
+        update={
+            "num_workers": 0,
+            "batch_size": batch,
+            "sampler": "shuffle",
+            "repeated_aug": 1,
+            "drop_last": True,
+            "prefetch_factor": 2,
+        }
+    )
     one = replace(rt, rank=0, world_size=1)  # the sample is not sharded: every rank takes rank 0's figures
     out, its, train_loaders = {}, {}, {}
     for name in names:
@@ -371,8 +406,13 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
         m["images_per_s"] = m["images"] / max(m.pop("seconds"), 1e-9)
     its.clear()
     train_loaders.clear()
-    return {"files": count, "batch_size": batch, "seconds": time.perf_counter() - t_all,
-            "clock": "wall clock" if wall else "CPU time of this process", "backends": out}
+    return {
+        "files": count,
+        "batch_size": batch,
+        "seconds": time.perf_counter() - t_all,
+        "clock": "wall clock" if wall else "CPU time of this process",
+        "backends": out,
+    }
 
 
 def measuring_sample(splits: Splits, count: int) -> Splits:

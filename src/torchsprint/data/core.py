@@ -15,7 +15,9 @@ from torchsprint.errors import UsageError
 from torchsprint.registry import Registry
 
 DATASETS = Registry("dataset", listed="datasets")  # name -> builder(data_cfg) -> Splits; filled by data/sources/*
-LOADERS = Registry("loader", listed="loaders")  # name -> builder(data_cfg, splits, rt, ...) -> Loaders; filled by data/backends/*
+LOADERS = Registry(
+    "loader", listed="loaders"
+)  # name -> builder(data_cfg, splits, rt, ...) -> Loaders; filled by data/backends/*
 
 
 @dataclass
@@ -40,8 +42,12 @@ class Splits:
     label_changing: dict[str, str] = field(default_factory=dict)  # spec step -> why it would change a label's meaning
     test: Any = None  # a held-out test split (image_folder's test/), evaluated on request only
     source: str = ""  # where the splits come from, in words (the start-up summary prints it)
-    train_weights: torch.Tensor | None = None  # per-sample draw weights of the training split (data.sampler=balanced|sqrt)
-    train_draw: ClassDraw | None = None  # what train_weights were made from: the class power and the first weighted epoch
+    train_weights: torch.Tensor | None = (
+        None  # per-sample draw weights of the training split (data.sampler=balanced|sqrt)
+    )
+    train_draw: ClassDraw | None = (
+        None  # what train_weights were made from: the class power and the first weighted epoch
+    )
     sampler_why: str = ""  # data.sampler=auto resolved to shuffle: why (a ClassDraw says it otherwise)
     skipped: dict[str, list[str]] = field(default_factory=dict)  # why -> files below data.root that are not samples
     notes: list[str] = field(default_factory=list)  # other facts of the listing for the start-up summary
@@ -146,8 +152,10 @@ def split_samples(samples: list, data_cfg, classes: list[str] | None = None, wit
     if data_cfg.val_fraction > 0 and len(single):
         rest = [i for i, lab in enumerate(labels) if counts[lab] > 1]
         name = (lambda c: classes[c]) if classes is not None else str
-        notes.append(f"{len(single)} class(es) with one image ({', '.join(name(int(c)) for c in single[:5])}"
-                     f"{' ...' if len(single) > 5 else ''}): trained on, not validated (a split needs 2 images of a class)")
+        notes.append(
+            f"{len(single)} class(es) with one image ({', '.join(name(int(c)) for c in single[:5])}"
+            f"{' ...' if len(single) > 5 else ''}): trained on, not validated (a split needs 2 images of a class)"
+        )
         tr, va = _stratified(labels[rest], data_cfg, len(samples)) if rest else (np.zeros(0, int), np.zeros(0, int))
         tr = np.sort(np.concatenate([np.asarray(rest, dtype=np.int64)[tr], np.flatnonzero(np.isin(labels, single))]))
         va = np.asarray(rest, dtype=np.int64)[va]
@@ -158,9 +166,11 @@ def split_samples(samples: list, data_cfg, classes: list[str] | None = None, wit
     unseen = [int(c) for c in np.flatnonzero(counts > 1) if data_cfg.val_fraction > 0 and int(c) not in validated]
     if unseen:
         name = (lambda c: classes[c]) if classes is not None else str
-        notes.append(f"{len(unseen)} class(es) too small for a validation image at data.val_fraction="
-                     f"{data_cfg.val_fraction} ({', '.join(f'{name(c)}: {counts[c]} images' for c in unseen[:5])}"
-                     f"{' ...' if len(unseen) > 5 else ''}): trained on, not validated (raise data.val_fraction or add images)")
+        notes.append(
+            f"{len(unseen)} class(es) too small for a validation image at data.val_fraction="
+            f"{data_cfg.val_fraction} ({', '.join(f'{name(c)}: {counts[c]} images' for c in unseen[:5])}"
+            f"{' ...' if len(unseen) > 5 else ''}): trained on, not validated (raise data.val_fraction or add images)"
+        )
     out = [samples[i] for i in tr], [samples[i] for i in va]
     return (*out, notes) if with_notes else out
 
@@ -170,9 +180,11 @@ def _stratified(labels: np.ndarray, data_cfg, n_all: int) -> tuple[np.ndarray, n
         return stratified_split(labels, data_cfg.val_fraction, data_cfg.split_seed)
     except ValueError as e:  # sklearn: fewer validation samples than classes
         k = len(np.unique(labels))
-        raise UsageError(f"data.val_fraction={data_cfg.val_fraction} of {n_all} images is too few to give each of the {k} "
-                         f"classes a validation image ({e}). Raise data.val_fraction, add images, or give a val/ "
-                         "folder beside train/.") from None
+        raise UsageError(
+            f"data.val_fraction={data_cfg.val_fraction} of {n_all} images is too few to give each of the {k} "
+            f"classes a validation image ({e}). Raise data.val_fraction, add images, or give a val/ "
+            "folder beside train/."
+        ) from None
 
 
 @dataclass
@@ -227,8 +239,9 @@ def cuda_missing(rt) -> str | None:
     """Backend.cannot_run of a backend that needs a CUDA device: why it cannot run on `rt`, or None."""
     if rt.device.type == "cuda":
         return None
-    return "needs a CUDA GPU: " + ("this machine has no CUDA device" if not torch.cuda.is_available()
-                                  else f"run.device is {rt.device}")
+    return "needs a CUDA GPU: " + (
+        "this machine has no CUDA device" if not torch.cuda.is_available() else f"run.device is {rt.device}"
+    )
 
 
 @dataclass(frozen=True)
@@ -313,8 +326,19 @@ class EpochSampler(torch.utils.data.Sampler):
     which kind an epoch gets is a function of its number alone, so a resumed run draws what the uninterrupted one did.
     """
 
-    def __init__(self, n: int, *, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1, pad: bool = True,
-                 repeats: int = 1, weights: torch.Tensor | None = None, weights_from: int = 0):
+    def __init__(
+        self,
+        n: int,
+        *,
+        seed: int,
+        shuffle: bool,
+        rank: int = 0,
+        world_size: int = 1,
+        pad: bool = True,
+        repeats: int = 1,
+        weights: torch.Tensor | None = None,
+        weights_from: int = 0,
+    ):
         self.n, self.seed, self.shuffle, self.pad = n, seed, shuffle, pad
         self.rank, self.world_size, self.repeats = rank, world_size, repeats
         if weights is not None and (len(weights) != n or repeats > 1 or not shuffle):
@@ -342,8 +366,9 @@ class EpochSampler(torch.utils.data.Sampler):
         order = self.permutation()
         if self.repeats > 1:
             pos = repeat_aug_positions(self.n, self.repeats, self.rank, self.world_size)
-            return [order[i // self.repeats] for i in pos], [order[i // self.repeats] * self.repeats + i % self.repeats
-                                                             for i in pos]
+            return [order[i // self.repeats] for i in pos], [
+                order[i // self.repeats] * self.repeats + i % self.repeats for i in pos
+            ]
         keys = list(range(len(order))) if self.weighted() else order  # a draw's position (see the class doc)
         if self.pad and self.world_size > 1:
             total = math.ceil(self.n / self.world_size) * self.world_size
@@ -409,9 +434,11 @@ def auto_sampler(labels: torch.Tensor | None, classes: list[str]) -> tuple[str, 
     present = [(n, c) for n, c in zip(counts, classes) if n > 0]
     (big, big_name), (small, small_name) = max(present), min(present)
     ratio = big / small
-    found = (f"the training classes are {ratio:.1f}x imbalanced ({big_name} {big:,} images, {small_name} {small:,}), "
-             f"{'at least' if ratio >= AUTO_SAMPLER_RATIO else 'under'} the {AUTO_SAMPLER_RATIO:g}x from which "
-             "data.sampler=auto counters it")
+    found = (
+        f"the training classes are {ratio:.1f}x imbalanced ({big_name} {big:,} images, {small_name} {small:,}), "
+        f"{'at least' if ratio >= AUTO_SAMPLER_RATIO else 'under'} the {AUTO_SAMPLER_RATIO:g}x from which "
+        "data.sampler=auto counters it"
+    )
     return (AUTO_SAMPLER, found) if ratio >= AUTO_SAMPLER_RATIO else ("shuffle", found)
 
 

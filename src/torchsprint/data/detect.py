@@ -44,15 +44,19 @@ def detect_dataset(root: str, task: str) -> tuple[str, str]:
     path = Path(root).expanduser()
     listed = "multilabel_csv" if task == "multilabel" else "file_list"
     if not path.exists():
-        raise UsageError(f"data.root={root} does not exist. Give a folder of class folders (or of train/ and val/), "
-                         "WebDataset shards, or a .csv list of `path,label` lines.")
+        raise UsageError(
+            f"data.root={root} does not exist. Give a folder of class folders (or of train/ and val/), "
+            "WebDataset shards, or a .csv list of `path,label` lines."
+        )
     if task in TASK_FOLDERS:
         return TASK_FOLDERS[task], f"task={task} reads a {TASK_FOLDERS[task]} at {path}"
     if path.is_file():
         if path.suffix.lower() in LIST_SUFFIXES:
             return listed, f"{path.name} is a list of labelled files"
-        raise UsageError(f"data.root={root} is a {path.suffix or 'suffix-less'} file, neither a folder of images nor a "
-                         f"list ({', '.join(LIST_SUFFIXES)}). Give the folder that holds the images, or set data.dataset.")
+        raise UsageError(
+            f"data.root={root} is a {path.suffix or 'suffix-less'} file, neither a folder of images nor a "
+            f"list ({', '.join(LIST_SUFFIXES)}). Give the folder that holds the images, or set data.dataset."
+        )
     shards = sorted(path.glob("train-*.tar"))
     if shards:
         return "webdataset", f"{len(shards)} WebDataset shard(s) {path}/train-*.tar"
@@ -60,16 +64,20 @@ def detect_dataset(root: str, task: str) -> tuple[str, str]:
     if lst is not None:
         return listed, f"a list of labelled files {lst}"
     if any(path.glob("*.tar")):
-        raise UsageError(f"data.root={root} holds .tar files but none named train-*.tar: for WebDataset shards set "
-                         "data.dataset=webdataset and data.options.train=<shard pattern> (and .val).")
+        raise UsageError(
+            f"data.root={root} holds .tar files but none named train-*.tar: for WebDataset shards set "
+            "data.dataset=webdataset and data.options.train=<shard pattern> (and .val)."
+        )
     layout = find_layout(path)  # refuses the layouts it would misread, showing what is there
     if layout["train"] is not None:
         where = " and ".join(f"{path}/{layout[k].name}" for k in ("train", "val", "test") if layout[k] is not None)
         return "image_folder", f"class folders under {where}"
     if not any(p.is_dir() and not p.name.startswith(".") for p in path.iterdir()):
-        raise UsageError(f"data.root={root} holds {_listing(path)}, no class folders: put each class's images in a "
-                         f"folder named after it (<root>/<class>/<image>), or give train/ and val/ folders of them, "
-                         "WebDataset shards (train-*.tar) or a train.csv list; or set data.dataset.")
+        raise UsageError(
+            f"data.root={root} holds {_listing(path)}, no class folders: put each class's images in a "
+            f"folder named after it (<root>/<class>/<image>), or give train/ and val/ folders of them, "
+            "WebDataset shards (train-*.tar) or a train.csv list; or set data.dataset."
+        )
     return "image_folder", f"class folders under {path} (split by data.val_fraction)"
 
 
@@ -198,8 +206,12 @@ def training_images(data_cfg, limit: int) -> int | None:
 def tiny_folder_batch(cfg) -> list[Choice]:
     """data.batch_size for a tiny folder (TINY_STEPS), where the config sets no batch and one process trains."""
     data = cfg.data
-    if ("batch_size" in data.model_fields_set or data.effective_batch_size is not None or cfg.strategy.name == "ddp"
-            or cfg.optim.accum_steps != 1):
+    if (
+        "batch_size" in data.model_fields_set
+        or data.effective_batch_size is not None
+        or cfg.strategy.name == "ddp"
+        or cfg.optim.accum_steps != 1
+    ):
         return []
     n = training_images(data, TINY_STEPS * DEFAULT_BATCH)
     if n is None or n >= TINY_STEPS * DEFAULT_BATCH:
@@ -208,9 +220,16 @@ def tiny_folder_batch(cfg) -> list[Choice]:
     if batch >= DEFAULT_BATCH:
         return []
     data.batch_size = batch
-    return [Choice("data.batch_size", batch, f"{n} training images: at the default {DEFAULT_BATCH} an epoch would be "
-                   f"{max(1, n // DEFAULT_BATCH)} optimizer step(s); {batch} gives {n // batch} (rule: about {TINY_STEPS} "
-                   f"steps an epoch, a power of two, at least {TINY_MIN_BATCH})", "set data.batch_size")]
+    return [
+        Choice(
+            "data.batch_size",
+            batch,
+            f"{n} training images: at the default {DEFAULT_BATCH} an epoch would be "
+            f"{max(1, n // DEFAULT_BATCH)} optimizer step(s); {batch} gives {n // batch} (rule: about {TINY_STEPS} "
+            f"steps an epoch, a power of two, at least {TINY_MIN_BATCH})",
+            "set data.batch_size",
+        )
+    ]
 
 
 def measure(paths: list[str]) -> tuple[list[tuple[int, int]], list[str]]:
@@ -251,7 +270,11 @@ def photo_defaults(cfg, start=None) -> list[Choice]:
         return chosen
     shorts = [min(w, h) for w, h in sizes]
     mixed = len(set(sizes)) > 1
-    device = "cuda" if cfg.run.device.startswith("cuda") or (cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device = (
+        "cuda"
+        if cfg.run.device.startswith("cuda") or (cfg.run.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
     unset = "transforms" not in data.train.model_fields_set and "transforms" not in data.eval.model_fields_set
     picked_size = False
     import statistics
@@ -259,31 +282,64 @@ def photo_defaults(cfg, start=None) -> list[Choice]:
     median = int(statistics.median_low(shorts))
     if unset and (median > DIGITS_SIZED or mixed):
         size = training_size(shorts, device)
-        resize = int(size / 0.875) // 2 * 2  # eval: resize the short side to size/0.875, then crop (torchvision's 256->224)
+        resize = (
+            int(size / 0.875) // 2 * 2
+        )  # eval: resize the short side to size/0.875, then crop (torchvision's 256->224)
         data.train.transforms = [{"random_resized_crop": {"size": size, "scale": list(CROP_SCALE)}}, "hflip"]
         data.eval.transforms = [{"resize": resize}, {"center_crop": size}]
         picked_size = True
         lo, hi = min(shorts), max(shorts)
-        why = (f"the median short side of {len(sizes)} sampled images is {median} px ({lo}-{hi}){', sizes differ' if mixed else ''}; "
-               f"rule: the median short side capped at {SIZE_CAP[device]} on {device} (224 on a GPU, 128 on a CPU), "
-               f"rounded down to a multiple of 32, at least 32 -> {size}")
-        chosen.append(Choice("data.train.transforms", data.train.transforms,
-                             f"{why}; a random crop of {CROP_SCALE[0]:.0%}-100% of the image resized to {size}x{size}, "
-                             "and a horizontal flip", "set data.train.transforms (and data.eval.transforms)"))
-        chosen.append(Choice("data.eval.transforms", data.eval.transforms,
-                             f"the short side resized to {resize}, the centre {size}x{size} cut out (the same size as "
-                             "training; predict and export use it too)", "set data.eval.transforms"))
-    if picked_size and median > DIGITS_SIZED and "name" not in cfg.model.model_fields_set and cfg.model.pretrained is None:
+        why = (
+            f"the median short side of {len(sizes)} sampled images is {median} px ({lo}-{hi}){', sizes differ' if mixed else ''}; "
+            f"rule: the median short side capped at {SIZE_CAP[device]} on {device} (224 on a GPU, 128 on a CPU), "
+            f"rounded down to a multiple of 32, at least 32 -> {size}"
+        )
+        chosen.append(
+            Choice(
+                "data.train.transforms",
+                data.train.transforms,
+                f"{why}; a random crop of {CROP_SCALE[0]:.0%}-100% of the image resized to {size}x{size}, "
+                "and a horizontal flip",
+                "set data.train.transforms (and data.eval.transforms)",
+            )
+        )
+        chosen.append(
+            Choice(
+                "data.eval.transforms",
+                data.eval.transforms,
+                f"the short side resized to {resize}, the centre {size}x{size} cut out (the same size as "
+                "training; predict and export use it too)",
+                "set data.eval.transforms",
+            )
+        )
+    if (
+        picked_size
+        and median > DIGITS_SIZED
+        and "name" not in cfg.model.model_fields_set
+        and cfg.model.pretrained is None
+    ):
         cfg.model.name = PHOTO_MODEL
-        chosen.append(Choice("model.name", PHOTO_MODEL, f"images of {size}x{size} px: torchvision's ResNet-18, 0.994 val top-1 after 3 "
-                             "epochs at 128 px on 2,000 generated photos on a 2-core CPU, where small_cnn (made for 8x8 "
-                             "digits) trained 3.7 img/s at 300 px (BENCHMARKS.md, \"Defaults for your own photos: the "
-                             "model\")",
-                             "set model.name (`torchsprint list models`)"))
+        chosen.append(
+            Choice(
+                "model.name",
+                PHOTO_MODEL,
+                f"images of {size}x{size} px: torchvision's ResNet-18, 0.994 val top-1 after 3 "
+                "epochs at 128 px on 2,000 generated photos on a 2-core CPU, where small_cnn (made for 8x8 "
+                'digits) trained 3.7 img/s at 300 px (BENCHMARKS.md, "Defaults for your own photos: the '
+                'model")',
+                "set model.name (`torchsprint list models`)",
+            )
+        )
     if modes and all(m in GREY_MODES for m in modes) and "mode" not in data.options and data.dataset != "webdataset":
-        chosen.append(Choice("data.options.mode", "RGB", f"all {len(modes)} sampled images are grey: each is read as 3 "
-                             "identical channels, which every registered model and pretrained weights take",
-                             "data.options.mode=GRAY keeps 1 channel (a third of the memory; models get in_channels=1)"))
+        chosen.append(
+            Choice(
+                "data.options.mode",
+                "RGB",
+                f"all {len(modes)} sampled images are grey: each is read as 3 "
+                "identical channels, which every registered model and pretrained weights take",
+                "data.options.mode=GRAY keeps 1 channel (a third of the memory; models get in_channels=1)",
+            )
+        )
     if median > DIGITS_SIZED:
         chosen += tiny_folder_batch(cfg)  # before the lr rules, which scale with the batch
         # Any model on photos, the one picked here or one the user named: the default lr (0.1, made for small_cnn on
@@ -325,14 +381,28 @@ def photo_schedule(cfg) -> list[Choice]:
         return chosen
     batch, which = step_batch(cfg)
     optim.lr = round(PHOTO_LR_PER_256 * batch / 256, 12)
-    chosen.append(Choice("optim.lr", optim.lr, f"{PHOTO_LR_PER_256} per 256 images of the batch (torchvision's ResNet "
-                         f"recipe, the linear scaling rule) x {batch} ({which}); the default 0.1 is made for small_cnn on "
-                         "digits and kept ResNet-18 at the majority class on photos", "set optim.lr"))
+    chosen.append(
+        Choice(
+            "optim.lr",
+            optim.lr,
+            f"{PHOTO_LR_PER_256} per 256 images of the batch (torchvision's ResNet "
+            f"recipe, the linear scaling rule) x {batch} ({which}); the default 0.1 is made for small_cnn on "
+            "digits and kept ResNet-18 at the majority class on photos",
+            "set optim.lr",
+        )
+    )
     if "warmup_epochs" not in sched.model_fields_set:
         sched.warmup_epochs = PHOTO_WARMUP_EPOCHS
-        chosen.append(Choice("sched.warmup_epochs", PHOTO_WARMUP_EPOCHS, "a linear warm-up over the first epoch "
-                             "(from sched.warmup_start x optim.lr), as torchvision's and timm's ResNet recipes do, so the "
-                             "first steps of a model trained from scratch do not diverge", "set sched.warmup_epochs"))
+        chosen.append(
+            Choice(
+                "sched.warmup_epochs",
+                PHOTO_WARMUP_EPOCHS,
+                "a linear warm-up over the first epoch "
+                "(from sched.warmup_start x optim.lr), as torchvision's and timm's ResNet recipes do, so the "
+                "first steps of a model trained from scratch do not diverge",
+                "set sched.warmup_epochs",
+            )
+        )
     return chosen
 
 

@@ -88,8 +88,10 @@ class SizeCap:
         if self.kind == "resize":
             return f"resized as the transforms' first step {self.text}"
         if self.kind == "crop":
-            return (f"short side capped for random_resized_crop {self.size[0]}x{self.size[1]}, scale from "
-                    f"{self.scale_min:g}, ratio {self.ratio_min:.4g}-{self.ratio_max:.4g}")
+            return (
+                f"short side capped for random_resized_crop {self.size[0]}x{self.size[1]}, scale from "
+                f"{self.scale_min:g}, ratio {self.ratio_min:.4g}-{self.ratio_max:.4g}"
+            )
         return "as decoded"
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
@@ -123,8 +125,13 @@ def size_cap(spec: list, where: str, channels: int) -> SizeCap:
         sz = (size, size) if isinstance(size, int) else tuple(size) * (2 if len(size) == 1 else 1)
         scale = kw.get("scale", (0.08, 1.0))
         ratio = kw.get("ratio", (3 / 4, 4 / 3))
-        return SizeCap("crop", size=(int(sz[0]), int(sz[1])), scale_min=float(scale[0]), ratio_min=float(ratio[0]),
-                       ratio_max=float(ratio[1]))
+        return SizeCap(
+            "crop",
+            size=(int(sz[0]), int(sz[1])),
+            scale_min=float(scale[0]),
+            ratio_min=float(ratio[0]),
+            ratio_max=float(ratio[1]),
+        )
     return SizeCap("none")
 
 
@@ -149,8 +156,18 @@ def keys_of(files, cap: SizeCap, hint) -> tuple[str, str, np.ndarray]:
             stats[i] = (st.st_size, st.st_mtime_ns)
         except OSError:
             stats[i] = (-1, -1)
-    settings = json.dumps([CACHE_VERSION, files.mode, files.decoder, decoder_version(files.decoder), files.max_pixels,
-                           files.max_bytes, repr(hint), cap.describe()])
+    settings = json.dumps(
+        [
+            CACHE_VERSION,
+            files.mode,
+            files.decoder,
+            decoder_version(files.decoder),
+            files.max_pixels,
+            files.max_bytes,
+            repr(hint),
+            cap.describe(),
+        ]
+    )
     ident = hashlib.sha256(settings.encode())
     for path, label in files.samples:
         ident.update(f"{path}\0{label}\n".encode())
@@ -189,8 +206,13 @@ class CachedImages(torch.utils.data.Dataset):
 
     def subset(self, indices: list[int]) -> CachedImages:
         """The samples at `indices`, read from the same cache (data.backend=auto measures on such a sample)."""
-        files = self.files.__class__([self.samples[i] for i in indices], self.mode, decoder=self.decoder,
-                                     max_pixels=self.max_pixels, max_bytes=self.max_bytes)
+        files = self.files.__class__(
+            [self.samples[i] for i in indices],
+            self.mode,
+            decoder=self.decoder,
+            max_pixels=self.max_pixels,
+            max_bytes=self.max_bytes,
+        )
         bad = {str(j): self.bad[str(i)] for j, i in enumerate(indices) if str(i) in self.bad}
         return CachedImages(files, self.folder, self.index[indices], bad)
 
@@ -217,8 +239,10 @@ class CachedImages(torch.utils.data.Dataset):
 
 
 def damaged(folder: Path, what: str) -> str:
-    return (f"the decoded-image cache {folder} is damaged ({what}): delete that folder (or run `torchsprint data cache "
-            f"--clear`) and run again, or set data.cache=off.")
+    return (
+        f"the decoded-image cache {folder} is damaged ({what}): delete that folder (or run `torchsprint data cache "
+        f"--clear`) and run again, or set data.cache=off."
+    )
 
 
 class _Sized(torch.utils.data.Dataset):
@@ -237,16 +261,22 @@ class _Sized(torch.utils.data.Dataset):
         return self.cap(image).permute(1, 2, 0).contiguous().numpy(), None
 
 
-def build(files, cap: SizeCap, folder: Path, key_stats: np.ndarray, meta: dict, limit: int, limit_why: str,
-          workers: int) -> None:
+def build(
+    files, cap: SizeCap, folder: Path, key_stats: np.ndarray, meta: dict, limit: int, limit_why: str, workers: int
+) -> None:
     """Decode every file into `folder` (a temporary name, renamed by the caller), refusing past `limit` bytes."""
     folder.mkdir(parents=True)
     index = np.zeros((len(files), COLUMNS), dtype=np.int64)
     index[:, 5:] = key_stats
     bad: dict[str, str] = {}
     offset = 0
-    loader = torch.utils.data.DataLoader(_Sized(files, cap), batch_size=32, num_workers=workers, collate_fn=list,
-                                         generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        _Sized(files, cap),
+        batch_size=32,
+        num_workers=workers,
+        collate_fn=list,
+        generator=torch.Generator().manual_seed(0),
+    )
     with open(folder / "images.u8", "wb") as out:
         i = 0
         for chunk in loader:
@@ -259,15 +289,21 @@ def build(files, cap: SizeCap, folder: Path, key_stats: np.ndarray, meta: dict, 
                     index[i, :5] = (offset, c, h, w, zlib.crc32(pixels))
                     offset += pixels.size
                     if offset > limit:
-                        raise CacheTooLarge(f"over {size_text(limit)} ({limit_why}) after {i + 1:,} of {len(files):,} "
-                                            "images")
+                        raise CacheTooLarge(
+                            f"over {size_text(limit)} ({limit_why}) after {i + 1:,} of {len(files):,} images"
+                        )
                 i += 1
         out.flush()
         os.fsync(out.fileno())
     np.save(folder / "index.npy", index)
     (folder / "bad.json").write_text(json.dumps(bad))
-    meta = {**meta, "bytes": offset, "images": len(files), "unreadable": len(bad), "built": time.strftime(
-        "%Y-%m-%d %H:%M:%S", time.gmtime())}
+    meta = {
+        **meta,
+        "bytes": offset,
+        "images": len(files),
+        "unreadable": len(bad),
+        "built": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -338,8 +374,10 @@ def cached_split(files, spec: list, where: str, split: str, data_cfg, log) -> tu
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"data.cache: cannot create the cache folder {root} ({e.strerror}); set data.cache_dir to a "
-                         "writable folder, or data.cache=off.") from None
+        raise UsageError(
+            f"data.cache: cannot create the cache folder {root} ({e.strerror}); set data.cache_dir to a "
+            "writable folder, or data.cache=off."
+        ) from None
     key, ident, stats = keys_of(files, cap, hint)
     folder = root / key
     record = {"dir": str(folder), "key": key, "sizing": cap.describe()}
@@ -347,8 +385,10 @@ def cached_split(files, spec: list, where: str, split: str, data_cfg, log) -> tu
 
     def too_large(what: str):
         if data_cfg.cache == "on":
-            raise UsageError(f"data.cache=on: the decoded {split} images take {what} in {root}. Raise "
-                             "data.cache_gib, set data.cache_dir to a larger disk, or data.cache=off.")
+            raise UsageError(
+                f"data.cache=on: the decoded {split} images take {what} in {root}. Raise "
+                "data.cache_gib, set data.cache_dir to a larger disk, or data.cache=off."
+            )
         return None, {**record, "state": "off", "why": f"data.cache=auto: the decoded {split} images take {what}"}
 
     with open(root / f"{key}.lock", "w") as lock:
@@ -358,8 +398,13 @@ def cached_split(files, spec: list, where: str, split: str, data_cfg, log) -> tu
             nbytes = ds.nbytes()
             if nbytes > limit:  # built under a larger budget: the budget holds for every run
                 return too_large(f"{size_text(nbytes)}, over {size_text(limit)} ({limit_why})")
-            return ds, {**record, "state": "reused", "built": json.loads((folder / "meta.json").read_text())["built"],
-                        "bytes": nbytes, "seconds": 0.0}
+            return ds, {
+                **record,
+                "state": "reused",
+                "built": json.loads((folder / "meta.json").read_text())["built"],
+                "bytes": nbytes,
+                "seconds": 0.0,
+            }
         for tmp in root.glob(f"{key}.tmp-*"):  # a killed build's leftovers (only the lock holder writes them)
             shutil.rmtree(tmp, ignore_errors=True)
         stale = stale_caches(root, ident, key)
@@ -371,11 +416,17 @@ def cached_split(files, spec: list, where: str, split: str, data_cfg, log) -> tu
             for old, _ in stale:
                 shutil.rmtree(old, ignore_errors=True)
         tmp = root / f"{key}.tmp-{os.getpid()}"
-        meta = {"version": CACHE_VERSION, "dataset_id": ident, "split": split, "mode": files.mode,
-                "decoder": files.decoder, "decoder_version": decoder_version(files.decoder), "sizing": cap.describe(),
-                "first_file": files.samples[0][0] if files.samples else None}
-        log(f"data.cache: {changed}decoding {len(files):,} {split} images once into {folder} "
-            f"({cap.describe()})")
+        meta = {
+            "version": CACHE_VERSION,
+            "dataset_id": ident,
+            "split": split,
+            "mode": files.mode,
+            "decoder": files.decoder,
+            "decoder_version": decoder_version(files.decoder),
+            "sizing": cap.describe(),
+            "first_file": files.samples[0][0] if files.samples else None,
+        }
+        log(f"data.cache: {changed}decoding {len(files):,} {split} images once into {folder} ({cap.describe()})")
         start = time.perf_counter()
         workers = min(8, len(os.sched_getaffinity(0))) if len(files) >= 256 else 0
         try:
@@ -390,9 +441,15 @@ def cached_split(files, spec: list, where: str, split: str, data_cfg, log) -> tu
         seconds = time.perf_counter() - start
         removed = evict(root, limit, keep=key)
         ds = open_cache(files, folder)
-        return ds, {**record, "state": "built", "built": json.loads((folder / "meta.json").read_text())["built"],
-                    "bytes": ds.nbytes(), "seconds": round(seconds, 2),
-                    "evicted": removed, "changed": changed.rstrip(": ")}
+        return ds, {
+            **record,
+            "state": "built",
+            "built": json.loads((folder / "meta.json").read_text())["built"],
+            "bytes": ds.nbytes(),
+            "seconds": round(seconds, 2),
+            "evicted": removed,
+            "changed": changed.rstrip(": "),
+        }
 
 
 def with_cache(data_cfg, splits, log=print):
@@ -404,15 +461,22 @@ def with_cache(data_cfg, splits, log=print):
         return splits, {"state": "off", "why": "data.cache=off"}
     if not isinstance(splits.train, ImageFiles):
         if data_cfg.cache == "on":
-            raise UsageError(f"data.cache=on: data.dataset={data_cfg.dataset} is not read as image files (the cache "
-                             "covers image_folder and file_list); set data.cache=auto or off.")
-        return splits, {"state": "off", "why": f"data.cache=auto: data.dataset={data_cfg.dataset} is not read as image "
-                        "files (the cache covers image_folder and file_list)"}
+            raise UsageError(
+                f"data.cache=on: data.dataset={data_cfg.dataset} is not read as image files (the cache "
+                "covers image_folder and file_list); set data.cache=auto or off."
+            )
+        return splits, {
+            "state": "off",
+            "why": f"data.cache=auto: data.dataset={data_cfg.dataset} is not read as image "
+            "files (the cache covers image_folder and file_list)",
+        }
     record: dict = {"state": "on", "splits": {}}
     changes = {}
-    for name, spec, where in (("train", data_cfg.train.transforms, "data.train.transforms"),
-                              ("val", data_cfg.eval.transforms, "data.eval.transforms"),
-                              ("test", data_cfg.eval.transforms, "data.eval.transforms")):
+    for name, spec, where in (
+        ("train", data_cfg.train.transforms, "data.train.transforms"),
+        ("val", data_cfg.eval.transforms, "data.eval.transforms"),
+        ("test", data_cfg.eval.transforms, "data.eval.transforms"),
+    ):
         files = getattr(splits, name)
         if not isinstance(files, ImageFiles) or len(files) == 0:
             continue

@@ -63,7 +63,9 @@ def stage(tensors: list[torch.Tensor], device: torch.device, pack: bool | None =
     return [moved[s : s + len(b)].view(t.dtype).view(t.shape) for t, s, b in zip(tensors, starts, flat)]
 
 
-def stage_params(params: list[dict], extra: list[torch.Tensor], device: torch.device) -> tuple[list[dict], list[torch.Tensor]]:
+def stage_params(
+    params: list[dict], extra: list[torch.Tensor], device: torch.device
+) -> tuple[list[dict], list[torch.Tensor]]:
     """The tail's parameter dicts and `extra` tensors on `device` in one `stage` (keys starting with "_" stay on
     the host, as augment.to_device leaves them; run_tail's .to(device) is then a no-op)."""
     keys = [(i, k) for i, d in enumerate(params) for k, v in d.items() if not k.startswith("_") and torch.is_tensor(v)]
@@ -161,8 +163,12 @@ class AheadIterator:
             raise StopIteration
         if self._thread is None:
             items = self._make_items()
-            self._thread = threading.Thread(target=_produce, name="torchsprint-loader", daemon=True,
-                                            args=(items, self._assemble, self._queue, self._stop, self._device))
+            self._thread = threading.Thread(
+                target=_produce,
+                name="torchsprint-loader",
+                daemon=True,
+                args=(items, self._assemble, self._queue, self._stop, self._device),
+            )
             self._thread.start()
             _LIVE.add(self)
         while True:

@@ -20,8 +20,15 @@ def adapt_in_channels(model: nn.Module, in_channels: int) -> nn.Module:
         for name, child in parent.named_children():
             if isinstance(child, nn.Conv2d) and child.in_channels == 3:
                 new = nn.Conv2d(
-                    in_channels, child.out_channels, child.kernel_size, child.stride, child.padding,
-                    child.dilation, child.groups, child.bias is not None, child.padding_mode,
+                    in_channels,
+                    child.out_channels,
+                    child.kernel_size,
+                    child.stride,
+                    child.padding,
+                    child.dilation,
+                    child.groups,
+                    child.bias is not None,
+                    child.padding_mode,
                 )
                 setattr(parent, name, new)
                 return model
@@ -59,7 +66,9 @@ def _torchvision_provider():
             return adapt_in_channels(model, in_channels)
 
         build.__doc__ = f"torchvision.models.{fn_name}"
-        build.source = lambda: torchvision.models.get_model_builder(fn_name)  # its module declares model.args (check_args)
+        build.source = lambda: torchvision.models.get_model_builder(
+            fn_name
+        )  # its module declares model.args (check_args)
         return build
 
     return {n: make(n) for n in torchvision.models.list_models(module=torchvision.models)}
@@ -127,8 +136,11 @@ def declared_type(builder, key: str):
     source = builder.source() if hasattr(builder, "source") else None  # a provider's: the library function it wraps
     targets = [builder] + ([source] if source is not None else [])
     if source is not None and (module := sys.modules.get(source.__module__)) is not None:
-        targets += [c.__init__ for c in vars(module).values()
-                    if isinstance(c, type) and issubclass(c, nn.Module) and c.__module__ == module.__name__]
+        targets += [
+            c.__init__
+            for c in vars(module).values()
+            if isinstance(c, type) and issubclass(c, nn.Module) and c.__module__ == module.__name__
+        ]
     for target in targets:
         try:
             param = inspect.signature(target).parameters.get(key)
@@ -151,12 +163,19 @@ def check_args(name: str, builder, args: dict) -> None:
     for key, value in args.items():
         kind = declared_type(builder, key)
         if kind is bool and not isinstance(value, bool):
-            raise UsageError(f"model.args.{key}={value!r}: model '{name}' takes a boolean there (any other value would "
-                             f"turn it on); write {key}: true or {key}: false, unquoted.")
-        if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                     or (kind is int and not isinstance(value, int))):
-            raise UsageError(f"model.args.{key}={value!r}: model '{name}' takes {'an integer' if kind is int else 'a number'} "
-                             f"there; write e.g. {key}: {1 if kind is int else 0.5}.")
+            raise UsageError(
+                f"model.args.{key}={value!r}: model '{name}' takes a boolean there (any other value would "
+                f"turn it on); write {key}: true or {key}: false, unquoted."
+            )
+        if kind in (int, float) and (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (kind is int and not isinstance(value, int))
+        ):
+            raise UsageError(
+                f"model.args.{key}={value!r}: model '{name}' takes {'an integer' if kind is int else 'a number'} "
+                f"there; write e.g. {key}: {1 if kind is int else 0.5}."
+            )
 
 
 def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
@@ -172,8 +191,9 @@ def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
     builder = MODELS.get(model_cfg.name)
     for key in model_cfg.args:
         if key in RESERVED_ARGS:
-            raise UsageError(f"model.args.{key}: torchsprint sets this itself ({RESERVED_ARGS[key]}); remove it from "
-                             "model.args.")
+            raise UsageError(
+                f"model.args.{key}: torchsprint sets this itself ({RESERVED_ARGS[key]}); remove it from model.args."
+            )
     check_args(model_cfg.name, builder, model_cfg.args)
     try:
         model = builder(num_classes=num_classes, in_channels=in_channels, **model_cfg.args)
@@ -182,8 +202,10 @@ def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
     if model_cfg.bn_momentum is not None:
         norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if not norms:
-            raise UsageError(f"model.bn_momentum={model_cfg.bn_momentum}: model '{model_cfg.name}' has no BatchNorm "
-                             "layer; remove model.bn_momentum.")
+            raise UsageError(
+                f"model.bn_momentum={model_cfg.bn_momentum}: model '{model_cfg.name}' has no BatchNorm "
+                "layer; remove model.bn_momentum."
+            )
         for m in norms:
             m.momentum = model_cfg.bn_momentum
     return model

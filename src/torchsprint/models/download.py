@@ -62,20 +62,25 @@ def timeout_s() -> float:
     try:
         return float(value) if value else DEFAULT_TIMEOUT_S
     except ValueError:
-        raise UsageError(f"{TIMEOUT_ENV}={value}: not a number of seconds; set e.g. {TIMEOUT_ENV}=30 or unset it.") from None
+        raise UsageError(
+            f"{TIMEOUT_ENV}={value}: not a number of seconds; set e.g. {TIMEOUT_ENV}=30 or unset it."
+        ) from None
 
 
 def get_command(src: WeightsSource, model_name: str | None) -> str:
     """The `torchsprint weights get` that fetches `src` (torchvision:DEFAULT needs its model)."""
-    return f"torchsprint weights get {src.spec}" + (f" --model {model_name}" if model_name and src.spec.endswith(":DEFAULT")
-                                                    else "")
+    return f"torchsprint weights get {src.spec}" + (
+        f" --model {model_name}" if model_name and src.spec.endswith(":DEFAULT") else ""
+    )
 
 
 def missing(src: WeightsSource, key: str, why: str, model_name: str | None = None) -> UsageError:
     """The one line for weights that are not in the cache and cannot be fetched: where to put them, where from."""
     get = get_command(src, model_name)
-    error = UsageError(f"{key}={src.spec}: not in the local cache ({why}): put the file at {src.target} (download it "
-                       f"on a machine with network from {src.published}, or run `{get}` there).")
+    error = UsageError(
+        f"{key}={src.spec}: not in the local cache ({why}): put the file at {src.target} (download it "
+        f"on a machine with network from {src.published}, or run `{get}` there)."
+    )
     error.reason = why  # models/start.py words its own line from it
     return error
 
@@ -84,9 +89,11 @@ def network_reason(error: BaseException, url: str) -> str | None:
     """Why a download from `url` failed, in a few words, when the cause is the network or the server; else None."""
     if isinstance(error, HTTPError):
         if 300 <= error.code < 400:  # urllib's HTTPRedirectHandler: its reason is a paragraph over three lines
-            return (f"{url} redirects in a loop (HTTP {error.code} to {error.headers.get('Location', '?')} again and "
-                    f"again; urllib stops at {HTTPRedirectHandler.max_repeats} to one address, "
-                    f"{HTTPRedirectHandler.max_redirections} in all)")
+            return (
+                f"{url} redirects in a loop (HTTP {error.code} to {error.headers.get('Location', '?')} again and "
+                f"again; urllib stops at {HTTPRedirectHandler.max_repeats} to one address, "
+                f"{HTTPRedirectHandler.max_redirections} in all)"
+            )
         return f"{url} answered HTTP {error.code} {' '.join(str(error.reason).split())}"
     if isinstance(error, (TimeoutError, socket.timeout)) or "timed out" in str(error):
         return f"no answer from {url} within {timeout_s():g} s ({TIMEOUT_ENV})"
@@ -100,23 +107,29 @@ def network_reason(error: BaseException, url: str) -> str | None:
 
 
 def hash_mismatch(key: str, src: WeightsSource, url: str, expected: str, got: str) -> UsageError:
-    return UsageError(f"{key}={src.spec}: the bytes downloaded from {url} do not have the published sha256 (expected "
-                      f"{expected[:8]}..., got {got[:8]}...): the download broke off or the server sent another file; "
-                      f"nothing was kept in the cache. Run again to retry, or check the address ({src.url}).")
+    return UsageError(
+        f"{key}={src.spec}: the bytes downloaded from {url} do not have the published sha256 (expected "
+        f"{expected[:8]}..., got {got[:8]}...): the download broke off or the server sent another file; "
+        f"nothing was kept in the cache. Run again to retry, or check the address ({src.url})."
+    )
 
 
 def not_weights(key: str, src: WeightsSource, url: str, what: str) -> UsageError:
-    return UsageError(f"{key}={src.spec}: {url} sent {what}, not weights; nothing was kept in the cache. Check the "
-                      f"address (a file behind a login: download it in a browser and set {key} to its path), or run "
-                      "again if the download broke off.")
+    return UsageError(
+        f"{key}={src.spec}: {url} sent {what}, not weights; nothing was kept in the cache. Check the "
+        f"address (a file behind a login: download it in a browser and set {key} to its path), or run "
+        "again if the download broke off."
+    )
 
 
 def bad_cached(src: WeightsSource, key: str, problem: str, why: str, model_name: str | None = None) -> UsageError:
     """The one line for a file in the cache that must not be used, where it cannot be downloaded again now."""
     get = get_command(src, model_name)
-    return UsageError(f"{key}={src.spec}: the cached file at {src.cached} {problem}; it was not used ({why}): remove "
-                      f"it and run again where downloads are allowed, or put the weights there (from {src.published}, "
-                      f"or `{get}` on a machine with network).")
+    return UsageError(
+        f"{key}={src.spec}: the cached file at {src.cached} {problem}; it was not used ({why}): remove "
+        f"it and run again where downloads are allowed, or put the weights there (from {src.published}, "
+        f"or `{get}` on a machine with network)."
+    )
 
 
 def pin(src: WeightsSource) -> str | None:
@@ -148,9 +161,11 @@ def not_writable(error: BaseException, src: WeightsSource, key: str, model_name:
     folder, setting = (hf_hub_cache(), "HF_HOME (or HF_HUB_CACHE)") if hf else (src.target.parent, "TORCH_HOME")
     where = f"{error.filename}: " if error.filename else ""
     get = get_command(src, model_name)
-    return UsageError(f"{key}={src.spec}: the weights cache {folder} is not writable ({where}{error.strerror}): set "
-                      f"{setting} to a writable folder, or run `{get}` where that folder is writable (a login node: "
-                      f"this run then finds the file at {src.target}).")
+    return UsageError(
+        f"{key}={src.spec}: the weights cache {folder} is not writable ({where}{error.strerror}): set "
+        f"{setting} to a writable folder, or run `{get}` where that folder is writable (a login node: "
+        f"this run then finds the file at {src.target})."
+    )
 
 
 def accept(tmp: Path, src: WeightsSource, key: str, digest: str | None = None) -> None:
@@ -212,7 +227,10 @@ def fetch_url(src: WeightsSource, key: str, progress: bool) -> None:
     sha, size = hashlib.sha256(), 0
     try:
         # the file first: a cache folder that cannot be written fails before a connection is made
-        with open(tmp, "wb") as f, urlopen(Request(src.url, headers={"User-Agent": "torchsprint"}), timeout=timeout_s()) as r:
+        with (
+            open(tmp, "wb") as f,
+            urlopen(Request(src.url, headers={"User-Agent": "torchsprint"}), timeout=timeout_s()) as r,
+        ):
             if r.headers.get_content_type() in ("text/html", "application/xhtml+xml"):  # a login or error page
                 page = html_page(r.read(HEAD_BYTES))
                 raise not_weights(key, src, src.url, f"{page} (Content-Type {r.headers.get_content_type()})")
@@ -248,25 +266,39 @@ def fetch_hf(src: WeightsSource, key: str, progress: bool) -> Path:
         try:
             get_hf_file_metadata(url, timeout=timeout_s())
         except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-            raise UsageError(f"{key}={src.spec}: {endpoint} has no repo {src.repo} at revision {src.revision} "
-                             f"({type(e).__name__}); check the name (and a token for a private repo: HF_TOKEN).") from None
+            raise UsageError(
+                f"{key}={src.spec}: {endpoint} has no repo {src.repo} at revision {src.revision} "
+                f"({type(e).__name__}); check the name (and a token for a private repo: HF_TOKEN)."
+            ) from None
         except HfHubHTTPError as e:
             if e.response is not None and e.response.status_code == 404:
                 continue  # not this file name: the next candidate
             raise
         try:
-            path = Path(hf_hub_download(src.repo, filename, revision=src.revision, cache_dir=str(hf_hub_cache()),
-                                        endpoint=endpoint, etag_timeout=timeout_s()))
+            path = Path(
+                hf_hub_download(
+                    src.repo,
+                    filename,
+                    revision=src.revision,
+                    cache_dir=str(hf_hub_cache()),
+                    endpoint=endpoint,
+                    etag_timeout=timeout_s(),
+                )
+            )
         except OSError as e:  # its size check is a bare OSError: a mirror's login page, a body cut short
             if e.errno is not None or "Consistency check failed" not in str(e):
                 raise
             found = re.search(r"size (\d+) but has size (\d+)", str(e))
-            got = f"{int(found.group(2)):,} bytes where it announced {int(found.group(1)):,}" if found else "another size"
+            got = (
+                f"{int(found.group(2)):,} bytes where it announced {int(found.group(1)):,}" if found else "another size"
+            )
             raise not_weights(key, src, url, f"{got} (huggingface_hub's size check)") from None
         check_hf_blob(path, src, key, url)
         return path
-    raise UsageError(f"{key}={src.spec}: the repo {src.repo} has none of {', '.join(src.filenames)} at revision "
-                     f"{src.revision}; pass the weights file's URL or path instead.")
+    raise UsageError(
+        f"{key}={src.spec}: the repo {src.repo} has none of {', '.join(src.filenames)} at revision "
+        f"{src.revision}; pass the weights file's URL or path instead."
+    )
 
 
 def check_hf_blob(path: Path, src: WeightsSource, key: str, url: str) -> None:
@@ -311,8 +343,10 @@ def download(src: WeightsSource, key: str, log, progress: bool, model_name: str 
         if (refused := not_writable(e, src, key, model_name)) is not None:
             raise refused from None
         if disk_full(e):
-            raise UsageError(f"{key}={src.spec}: {disk_full(e, str(src.target))}; free space there (or move the cache: "
-                             "TORCH_HOME, HF_HOME) and run again.") from None
+            raise UsageError(
+                f"{key}={src.spec}: {disk_full(e, str(src.target))}; free space there (or move the cache: "
+                "TORCH_HOME, HF_HOME) and run again."
+            ) from None
         where = src.url or src.published
         reason = network_reason(e, where)
         if reason is None and type(e).__module__.startswith("huggingface_hub"):
@@ -344,8 +378,14 @@ def locked_download(src: WeightsSource, key: str, log, progress: bool, model_nam
     return path
 
 
-def fetch(spec: str, model_name: str | None, key: str = "model.pretrained", log=None, download_ok: bool = True,
-          progress: bool | None = None) -> Path:
+def fetch(
+    spec: str,
+    model_name: str | None,
+    key: str = "model.pretrained",
+    log=None,
+    download_ok: bool = True,
+    progress: bool | None = None,
+) -> Path:
     """The local file of a model.pretrained value, downloaded into the library's cache when it is not there yet.
 
     Args:

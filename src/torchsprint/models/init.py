@@ -42,8 +42,11 @@ def compare_state(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) 
     return {
         "missing": [k for k in own if k not in state],
         "unexpected": [k for k in state if k not in own],
-        "mismatched": [f"{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}"
-                       for k, v in state.items() if k in own and own[k].shape != v.shape],
+        "mismatched": [
+            f"{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+            for k, v in state.items()
+            if k in own and own[k].shape != v.shape
+        ],
     }
 
 
@@ -66,12 +69,16 @@ def load_pretrained(model: nn.Module, path: str | Path, strict: bool = False) ->
     own = model.state_dict()
     report = compare_state(own, state)
     if strict and any(report.values()):
-        raise UsageError(f"model.pretrained={path} does not match model exactly (model.strict=true): {_details(report)}. "
-                         "Set model.strict=false to load what matches and skip the rest.")
+        raise UsageError(
+            f"model.pretrained={path} does not match model exactly (model.strict=true): {_details(report)}. "
+            "Set model.strict=false to load what matches and skip the rest."
+        )
     loadable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not loadable:
-        raise UsageError(f"model.pretrained={path}: no tensor matches this model by name and shape "
-                         f"({_details(report, 3)}). Wrong file or wrong model.name?")
+        raise UsageError(
+            f"model.pretrained={path}: no tensor matches this model by name and shape "
+            f"({_details(report, 3)}). Wrong file or wrong model.name?"
+        )
     model.load_state_dict(loadable, strict=False)
     return report
 
@@ -120,8 +127,14 @@ def frozen_norm_layers(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def init_model(model: nn.Module, model_cfg, resume_ckpt: dict | None, log, record: dict | None = None,
-               num_classes: int | None = None) -> str:
+def init_model(
+    model: nn.Module,
+    model_cfg,
+    resume_ckpt: dict | None,
+    log,
+    record: dict | None = None,
+    num_classes: int | None = None,
+) -> str:
     """Initialise in the order: resume checkpoint > model.pretrained file > random. Returns which happened.
 
     Args:
@@ -153,18 +166,33 @@ def init_model(model: nn.Module, model_cfg, resume_ckpt: dict | None, log, recor
         head = head_keys(report, model.state_dict(), num_classes)
         if head:
             shapes = {m.split(":")[0]: m.split(": ", 1)[1] for m in report["mismatched"]}
-            log(f"[yellow]pretrained: classifier head replaced[/] ({', '.join(head)}: {shapes[head[0]]}): the weights are "
-                f"for another class count than this run's {num_classes}; the head starts from random initialisation")
+            log(
+                f"[yellow]pretrained: classifier head replaced[/] ({', '.join(head)}: {shapes[head[0]]}): the weights are "
+                f"for another class count than this run's {num_classes}; the head starts from random initialisation"
+            )
         if record is not None:
-            record.update(source=model_cfg.pretrained, file=str(path), head_replaced=head,
-                          **{k: v[:20] for k, v in report.items()})
+            record.update(
+                source=model_cfg.pretrained,
+                file=str(path),
+                head_replaced=head,
+                **{k: v[:20] for k, v in report.items()},
+            )
         beyond = {**report, "mismatched": [m for m in report["mismatched"] if m.split(":")[0] not in head]}
         if any(beyond.values()):  # one line: what of the file and the model did not meet, beyond the head
-            names = {"missing": "missing (left randomly initialised)", "unexpected": "unexpected (ignored)",
-                     "mismatched": "skipped for a shape mismatch (left randomly initialised)"}
-            log("pretrained: not loaded: " + "; ".join(
-                f"{len(keys)} key(s) {names[kind]}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
-                for kind, keys in beyond.items() if keys) + " (model.strict=true makes this an error)")
+            names = {
+                "missing": "missing (left randomly initialised)",
+                "unexpected": "unexpected (ignored)",
+                "mismatched": "skipped for a shape mismatch (left randomly initialised)",
+            }
+            log(
+                "pretrained: not loaded: "
+                + "; ".join(
+                    f"{len(keys)} key(s) {names[kind]}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
+                    for kind, keys in beyond.items()
+                    if keys
+                )
+                + " (model.strict=true makes this an error)"
+            )
         return "pretrained"
     return "random"
 
@@ -204,8 +232,13 @@ class HeadOnly:
         self.wrapped = wrapped
         if self.body_norms:
             ids = {id(p) for p in self.body}
-            self.body_norms = [m for m in unwrap(wrapped).modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                               and (ps := list(m.parameters(recurse=False))) and all(id(p) in ids for p in ps)]
+            self.body_norms = [
+                m
+                for m in unwrap(wrapped).modules()
+                if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                and (ps := list(m.parameters(recurse=False)))
+                and all(id(p) in ids for p in ps)
+            ]
         self._frozen = None  # the reducer was built over the flags of now: the next apply rebuilds it for its epoch
 
     def apply(self, epoch: int) -> None:
@@ -220,8 +253,10 @@ class HeadOnly:
 
             rebuild_ddp_reducer(self.wrapped)
         if self._frozen and not frozen:
-            self.log(f"model.freeze_epochs={self.epochs}: from epoch {epoch + 1} the whole model trains (the schedule "
-                     "goes on; the body joins at the current learning rate)")
+            self.log(
+                f"model.freeze_epochs={self.epochs}: from epoch {epoch + 1} the whole model trains (the schedule "
+                "goes on; the body joins at the current learning rate)"
+            )
         self._frozen = frozen
 
     def norms(self, epoch: int) -> list[nn.Module]:
@@ -240,35 +275,54 @@ def head_only(model: nn.Module, model_cfg, log) -> HeadOnly:
     """
     if not model_cfg.freeze_epochs:
         if model_cfg.head:
-            raise UsageError("model.head names the head that model.freeze_epochs trains alone; set model.freeze_epochs "
-                             "(epochs of head-only training), or remove model.head.")
+            raise UsageError(
+                "model.head names the head that model.freeze_epochs trains alone; set model.freeze_epochs "
+                "(epochs of head-only training), or remove model.head."
+            )
         return NO_HEAD_ONLY
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if model_cfg.head:
         for pat in model_cfg.head:
             if not any(_matcher(pat)(n) for n, _ in model.named_parameters()):
-                raise UsageError(f"model.head: pattern '{pat}' matches no parameter. Parameter names look like: "
-                                 f"{[n for n, _ in named][:4]}")
+                raise UsageError(
+                    f"model.head: pattern '{pat}' matches no parameter. Parameter names look like: "
+                    f"{[n for n, _ in named][:4]}"
+                )
         ms = [_matcher(p) for p in model_cfg.head]
         head = {n for n, _ in named if any(m(n) for m in ms)}
         where = f"model.head={model_cfg.head}"
     else:
         linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
         if not linears:
-            raise UsageError(f"model.freeze_epochs: model {model_cfg.name} has no nn.Linear layer to take as its head; "
-                             "name the head's parameters with model.head (patterns as model.freeze, e.g. ['head.*']).")
+            raise UsageError(
+                f"model.freeze_epochs: model {model_cfg.name} has no nn.Linear layer to take as its head; "
+                "name the head's parameters with model.head (patterns as model.freeze, e.g. ['head.*'])."
+            )
         name = linears[-1][0]
         head = {f"{name}.{k}" if name else k for k, _ in linears[-1][1].named_parameters()}
         where = f"the last Linear layer ({name})"
     body = [p for n, p in named if n not in head]
     if not head or not body:
-        raise UsageError(f"model.freeze_epochs: {where} " + ("holds no trainable parameter" if not head else
-                         "holds every trainable parameter, so nothing would be frozen")
-                         + "; adjust model.head (or model.freeze / model.train_only).")
+        raise UsageError(
+            f"model.freeze_epochs: {where} "
+            + (
+                "holds no trainable parameter"
+                if not head
+                else "holds every trainable parameter, so nothing would be frozen"
+            )
+            + "; adjust model.head (or model.freeze / model.train_only)."
+        )
     body_ids = {id(p) for p in body}
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and (ps := list(m.parameters(recurse=False))) and all(id(p) in body_ids for p in ps)]
-    log(f"model.freeze_epochs={model_cfg.freeze_epochs}: epochs 1-{model_cfg.freeze_epochs} train only the head, "
+    norms = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and (ps := list(m.parameters(recurse=False)))
+        and all(id(p) in body_ids for p in ps)
+    ]
+    log(
+        f"model.freeze_epochs={model_cfg.freeze_epochs}: epochs 1-{model_cfg.freeze_epochs} train only the head, "
         f"{where}: {sum(p.numel() for n, p in named if n in head):,} parameters; then all {sum(p.numel() for _, p in named):,}. "
-        "The learning-rate schedule runs on unchanged over all run.epochs: no restart or new warm-up at the switch")
+        "The learning-rate schedule runs on unchanged over all run.epochs: no restart or new warm-up at the switch"
+    )
     return HeadOnly(body, norms if model_cfg.freeze_bn_stats else [], model_cfg.freeze_epochs, log)

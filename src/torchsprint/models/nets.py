@@ -99,8 +99,9 @@ class ShallowUNet(nn.Module):
         w = width
 
         def block(cin, cout):
-            return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1), nn.LeakyReLU(0.1), nn.Conv2d(cout, cout, 3, 1, 1),
-                                 nn.LeakyReLU(0.1))
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, 1, 1), nn.LeakyReLU(0.1), nn.Conv2d(cout, cout, 3, 1, 1), nn.LeakyReLU(0.1)
+            )
 
         self.enc = block(in_channels, w)
         self.down = nn.Sequential(nn.Conv2d(w, 2 * w, 3, 2, 1), nn.LeakyReLU(0.1), block(2 * w, 2 * w))
@@ -138,9 +139,15 @@ def small_3d_cnn(num_classes: int, in_channels: int = 3, width: int = 16) -> nn.
     """
     w = width
     net = nn.Sequential(
-        nn.Conv3d(in_channels, w, 3, 1, 1, bias=False), nn.BatchNorm3d(w), nn.ReLU(inplace=True),
-        nn.Conv3d(w, 2 * w, 3, 2, 1, bias=False), nn.BatchNorm3d(2 * w), nn.ReLU(inplace=True),
-        nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(2 * w, num_classes),
+        nn.Conv3d(in_channels, w, 3, 1, 1, bias=False),
+        nn.BatchNorm3d(w),
+        nn.ReLU(inplace=True),
+        nn.Conv3d(w, 2 * w, 3, 2, 1, bias=False),
+        nn.BatchNorm3d(2 * w),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool3d(1),
+        nn.Flatten(),
+        nn.Linear(2 * w, num_classes),
     )
     return FramesFirst(net)
 
@@ -152,8 +159,15 @@ class _ConvGroup(nn.Sequential):
         def bn(c):
             return nn.BatchNorm2d(c, momentum=bn_momentum, eps=1e-12)
 
-        super().__init__(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.MaxPool2d(2), bn(cout), nn.GELU(),
-                         nn.Conv2d(cout, cout, 3, padding=1, bias=False), bn(cout), nn.GELU())
+        super().__init__(
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+            nn.MaxPool2d(2),
+            bn(cout),
+            nn.GELU(),
+            nn.Conv2d(cout, cout, 3, padding=1, bias=False),
+            bn(cout),
+            nn.GELU(),
+        )
 
 
 class _Scale(nn.Module):
@@ -166,8 +180,9 @@ class _Scale(nn.Module):
 
 
 @MODELS.register("airbench_net")
-def airbench_net(num_classes: int, in_channels: int = 3, widths: tuple[int, int, int] = (64, 256, 256),
-                 bn_momentum: float = 0.4) -> nn.Module:
+def airbench_net(
+    num_classes: int, in_channels: int = 3, widths: tuple[int, int, int] = (64, 256, 256), bn_momentum: float = 0.4
+) -> nn.Module:
     """The network of Keller Jordan's airbench94 (CIFAR-10 to 94% in a few seconds on an A100), for 32x32 inputs.
 
     A 2x2 stem conv (24 channels), three conv groups (see _ConvGroup) at `widths`, a 3x3 max-pool, a
@@ -179,7 +194,13 @@ def airbench_net(num_classes: int, in_channels: int = 3, widths: tuple[int, int,
     """
     a, b, c = widths
     return nn.Sequential(
-        nn.Conv2d(in_channels, 24, 2, bias=True), nn.GELU(),
-        _ConvGroup(24, a, bn_momentum), _ConvGroup(a, b, bn_momentum), _ConvGroup(b, c, bn_momentum),
-        nn.MaxPool2d(3), nn.Flatten(), nn.Linear(c, num_classes, bias=False), _Scale(1 / 9),
+        nn.Conv2d(in_channels, 24, 2, bias=True),
+        nn.GELU(),
+        _ConvGroup(24, a, bn_momentum),
+        _ConvGroup(a, b, bn_momentum),
+        _ConvGroup(b, c, bn_momentum),
+        nn.MaxPool2d(3),
+        nn.Flatten(),
+        nn.Linear(c, num_classes, bias=False),
+        _Scale(1 / 9),
     )

@@ -37,8 +37,18 @@ FREEZE_EPOCHS = 1
 # so every block starts as the identity (Goyal et al. 2017, "Accurate, Large Minibatch SGD"; timm builds its ResNets
 # so by default, zero_init_last=True). torchvision leaves it off; on this project's timm comparison (ResNet-18 from
 # scratch, lr 0.1, no warm-up) it was the whole accuracy gap (BENCHMARKS.md "torchsprint beside timm's train.py").
-ZERO_INIT = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "resnext101_32x8d",
-             "resnext101_64x4d", "wide_resnet50_2", "wide_resnet101_2")
+ZERO_INIT = (
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "resnext50_32x4d",
+    "resnext101_32x8d",
+    "resnext101_64x4d",
+    "wide_resnet50_2",
+    "wide_resnet101_2",
+)
 
 
 def photo_start(cfg, chosen: list[Choice]) -> list[Choice]:
@@ -48,15 +58,28 @@ def photo_start(cfg, chosen: list[Choice]) -> list[Choice]:
     if "model.name" in picked and cfg.model.pretrained is None and "pretrained" not in cfg.model.model_fields_set:
         spec, why = available(PHOTO_WEIGHTS, cfg.model.name)
         if spec is None:
-            out.append(Choice("model.pretrained", None, f"from scratch: {why}", f"run `torchsprint weights get "
-                              f"{PHOTO_WEIGHTS} --model {cfg.model.name}` where there is network, then run again; or "
-                              "set model.pretrained"))
+            out.append(
+                Choice(
+                    "model.pretrained",
+                    None,
+                    f"from scratch: {why}",
+                    f"run `torchsprint weights get "
+                    f"{PHOTO_WEIGHTS} --model {cfg.model.name}` where there is network, then run again; or "
+                    "set model.pretrained",
+                )
+            )
         else:
             cfg.model.pretrained = spec
-            out.append(Choice("model.pretrained", spec, f"{why}: torchvision's ImageNet weights for {cfg.model.name}, "
-                              "fine-tuned (fastai's fine_tune, timm's pretrained=True); from scratch, the same run "
-                              "learns far less from a small folder (BENCHMARKS.md \"Fine-tuning as the photo default\")",
-                              "model.pretrained=null trains from scratch; or name other weights"))
+            out.append(
+                Choice(
+                    "model.pretrained",
+                    spec,
+                    f"{why}: torchvision's ImageNet weights for {cfg.model.name}, "
+                    "fine-tuned (fastai's fine_tune, timm's pretrained=True); from scratch, the same run "
+                    'learns far less from a small folder (BENCHMARKS.md "Fine-tuning as the photo default")',
+                    "model.pretrained=null trains from scratch; or name other weights",
+                )
+            )
     if cfg.model.pretrained is None:
         return out + photo_schedule(cfg) + zero_init(cfg)
     return out + fine_tune(cfg, chosen)
@@ -70,11 +93,18 @@ def zero_init(cfg) -> list[Choice]:
     if model.name not in ZERO_INIT or "zero_init_residual" in model.args or cfg.sched.warmup_epochs > 0:
         return []
     model.args = {**model.args, "zero_init_residual": True}
-    return [Choice("model.args.zero_init_residual", True, "from scratch with no warm-up: each residual block's last "
-                   "BatchNorm starts at zero, so the network starts as a chain of identities (Goyal et al. 2017; timm's "
-                   "ResNets do so by default) and the first steps at the peak lr do not diverge; on ResNet-18 at lr 0.1 "
-                   "without warm-up it lifted val top-1 from 0.33-0.44 to 0.96 (BENCHMARKS.md \"torchsprint beside "
-                   "timm's train.py\")", "model.args={zero_init_residual: false}")]
+    return [
+        Choice(
+            "model.args.zero_init_residual",
+            True,
+            "from scratch with no warm-up: each residual block's last "
+            "BatchNorm starts at zero, so the network starts as a chain of identities (Goyal et al. 2017; timm's "
+            "ResNets do so by default) and the first steps at the peak lr do not diverge; on ResNet-18 at lr 0.1 "
+            'without warm-up it lifted val top-1 from 0.33-0.44 to 0.96 (BENCHMARKS.md "torchsprint beside '
+            "timm's train.py\")",
+            "model.args={zero_init_residual: false}",
+        )
+    ]
 
 
 def available(spec: str, model_name: str) -> tuple[str | None, str]:
@@ -91,15 +121,22 @@ def available(spec: str, model_name: str) -> tuple[str | None, str]:
     if src.cached is not None:
         return spec, f"in the cache ({src.cached})"
     if (why := offline()) is not None:
-        return None, f"{model_name}'s published weights are not in the cache ({src.target}) and downloads are off ({why})"
+        return (
+            None,
+            f"{model_name}'s published weights are not in the cache ({src.target}) and downloads are off ({why})",
+        )
     if launch_env().world_size > 1:
-        return None, (f"{model_name}'s published weights are not in the cache ({src.target}); a DDP run fine-tunes by "
-                      "default only from cached weights")
+        return None, (
+            f"{model_name}'s published weights are not in the cache ({src.target}); a DDP run fine-tunes by "
+            "default only from cached weights"
+        )
     try:
         path = fetch(spec, model_name)  # its log: what is downloaded from where, on stderr
     except UsageError as e:
-        return None, (f"{model_name}'s published weights are not in the cache and {getattr(e, 'reason', e)} (a machine "
-                      "without network: TORCHSPRINT_OFFLINE=1 skips the attempt)")
+        return None, (
+            f"{model_name}'s published weights are not in the cache and {getattr(e, 'reason', e)} (a machine "
+            "without network: TORCHSPRINT_OFFLINE=1 skips the attempt)"
+        )
     return spec, f"downloaded ({path})"
 
 
@@ -111,8 +148,11 @@ def normalization(spec: str, model_name: str) -> tuple[list[float], list[float]]
         if kind == "torchvision":
             import torchvision
 
-            weights = (torchvision.models.get_model_weights(model_name).DEFAULT if name == "DEFAULT"
-                       else torchvision.models.get_weight(name))
+            weights = (
+                torchvision.models.get_model_weights(model_name).DEFAULT
+                if name == "DEFAULT"
+                else torchvision.models.get_weight(name)
+            )
             t = weights.transforms()
             return list(t.mean), list(t.std)
         if kind == "timm":
@@ -134,12 +174,17 @@ def fine_tune(cfg, chosen: list[Choice]) -> list[Choice]:
         mean, std = stats
         if str(cfg.data.options.get("mode", "RGB")).upper() in ("GRAY", "L"):  # one channel: the channels' average
             mean, std = [sum(mean) / len(mean)], [sum(std) / len(std)]
-        step = {"normalize": "imagenet"} if (mean, std) == ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]) else \
-            {"normalize": {"mean": [round(m, 6) for m in mean], "std": [round(s, 6) for s in std]}}
+        step = (
+            {"normalize": "imagenet"}
+            if (mean, std) == ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+            else {"normalize": {"mean": [round(m, 6) for m in mean], "std": [round(s, 6) for s in std]}}
+        )
         cfg.data.train.transforms = [*cfg.data.train.transforms, step]
         cfg.data.eval.transforms = [*cfg.data.eval.transforms, step]
-        said = (f"; then the statistics {cfg.model.pretrained} were trained with (mean and std per channel), so the "
-                "network sees its inputs as in its pretraining")
+        said = (
+            f"; then the statistics {cfg.model.pretrained} were trained with (mean and std per channel), so the "
+            "network sees its inputs as in its pretraining"
+        )
         for i, c in enumerate(chosen):  # the transform choices data/detect.py made, now with the normalisation
             if c.setting in ("data.train.transforms", "data.eval.transforms"):
                 value = cfg.data.train.transforms if c.setting == "data.train.transforms" else cfg.data.eval.transforms
@@ -147,15 +192,32 @@ def fine_tune(cfg, chosen: list[Choice]) -> list[Choice]:
     if lr_unset(cfg):
         batch, which = step_batch(cfg)
         cfg.optim.lr = round(FINE_TUNE_LR_PER_256 * batch / 256, 12)
-        out.append(Choice("optim.lr", cfg.optim.lr, f"fine-tuning: {FINE_TUNE_LR_PER_256} per 256 images of the "
-                          f"batch x {batch} ({which}), a tenth of the from-scratch rule, with no warm-up; a from-scratch "
-                          "rate would wash out what the weights learned", "set optim.lr"))
+        out.append(
+            Choice(
+                "optim.lr",
+                cfg.optim.lr,
+                f"fine-tuning: {FINE_TUNE_LR_PER_256} per 256 images of the "
+                f"batch x {batch} ({which}), a tenth of the from-scratch rule, with no warm-up; a from-scratch "
+                "rate would wash out what the weights learned",
+                "set optim.lr",
+            )
+        )
     model = cfg.model
-    if ("freeze_epochs" not in model.model_fields_set and not model.freeze and not model.train_only
-            and cfg.run.epochs > FREEZE_EPOCHS):
+    if (
+        "freeze_epochs" not in model.model_fields_set
+        and not model.freeze
+        and not model.train_only
+        and cfg.run.epochs > FREEZE_EPOCHS
+    ):
         model.freeze_epochs = FREEZE_EPOCHS
-        out.append(Choice("model.freeze_epochs", FREEZE_EPOCHS, f"the new head trains alone for the first "
-                          f"{FREEZE_EPOCHS} epoch with the pretrained body frozen, then everything (fastai's fine_tune), "
-                          "so the random head's first gradients do not disturb the body", "model.freeze_epochs=0 trains "
-                          "everything from the start"))
+        out.append(
+            Choice(
+                "model.freeze_epochs",
+                FREEZE_EPOCHS,
+                f"the new head trains alone for the first "
+                f"{FREEZE_EPOCHS} epoch with the pretrained body frozen, then everything (fastai's fine_tune), "
+                "so the random head's first gradients do not disturb the body",
+                "model.freeze_epochs=0 trains everything from the start",
+            )
+        )
     return out

@@ -55,8 +55,10 @@ def mirrored(url: str) -> str:
     if not mirror:
         return url
     if urlparse(mirror).scheme not in ("http", "https"):
-        raise UsageError(f"{MIRROR_ENV}={mirror}: not an http(s) address; set it like http://mirror.example.com/models "
-                         "(it replaces the scheme and host of library download URLs), or unset it.")
+        raise UsageError(
+            f"{MIRROR_ENV}={mirror}: not an http(s) address; set it like http://mirror.example.com/models "
+            "(it replaces the scheme and host of library download URLs), or unset it."
+        )
     parts = urlparse(url)
     return mirror.rstrip("/") + parts.path + (f"?{parts.query}" if parts.query else "")
 
@@ -97,24 +99,37 @@ def torchvision_source(spec: str, model_name: str | None, key: str = "model.pret
         enum = None
     if name == "DEFAULT":
         if enum is None:
-            raise UsageError(f"{key}={spec}: model {model_name} is not a torchvision model with weights; name the "
-                             "weights (torchvision:ResNet18_Weights.IMAGENET1K_V1) or pass a weights file.")
+            raise UsageError(
+                f"{key}={spec}: model {model_name} is not a torchvision model with weights; name the "
+                "weights (torchvision:ResNet18_Weights.IMAGENET1K_V1) or pass a weights file."
+            )
         weights = enum.DEFAULT
     else:
         try:
             weights = torchvision.models.get_weight(name)
         except (ValueError, KeyError, AttributeError):
             options = [f"torchvision:{type(w).__name__}.{w.name}" for w in enum] if enum is not None else []
-            raise UsageError(f"{key}={spec}: torchvision has no weights '{name}'"
-                             f"{'; for ' + model_name + ': ' + ', '.join(options) if options else ''}.") from None
+            raise UsageError(
+                f"{key}={spec}: torchvision has no weights '{name}'"
+                f"{'; for ' + model_name + ': ' + ', '.join(options) if options else ''}."
+            ) from None
         if enum is not None and type(weights) is not enum:
-            raise UsageError(f"{key}={spec} are {type(weights).__name__}, not weights of model.name={model_name} "
-                             f"({enum.__name__}); use torchvision:{enum.__name__}.DEFAULT or another model.name.")
+            raise UsageError(
+                f"{key}={spec} are {type(weights).__name__}, not weights of model.name={model_name} "
+                f"({enum.__name__}); use torchvision:{enum.__name__}.DEFAULT or another model.name."
+            )
     filename = os.path.basename(urlparse(weights.url).path)
     target = hub_checkpoints() / filename
     found = torch.hub.HASH_REGEX.search(filename)
-    return WeightsSource(spec, "torchvision", target, target if target.is_file() else None, mirrored(weights.url),
-                         weights.url, found.group(1) if found else None)
+    return WeightsSource(
+        spec,
+        "torchvision",
+        target,
+        target if target.is_file() else None,
+        mirrored(weights.url),
+        weights.url,
+        found.group(1) if found else None,
+    )
 
 
 def timm_source(spec: str, model_name: str | None, key: str = "model.pretrained") -> WeightsSource:
@@ -134,11 +149,14 @@ def timm_source(spec: str, model_name: str | None, key: str = "model.pretrained"
     arch = tag.split(".")[0]
     if cfg is None:
         known = timm.list_pretrained(f"{arch}.*")[:8]
-        raise UsageError(f"{key}={spec}: timm has no pretrained weights '{tag}'"
-                         f"{'; for ' + arch + ': ' + ', '.join('timm:' + k for k in known) if known else ''}.")
+        raise UsageError(
+            f"{key}={spec}: timm has no pretrained weights '{tag}'"
+            f"{'; for ' + arch + ': ' + ', '.join('timm:' + k for k in known) if known else ''}."
+        )
     if model_name is not None and model_name.removeprefix("timm/") != arch:
-        raise UsageError(f"{key}={spec} are weights of timm's {arch}, but model.name={model_name}; set "
-                         f"model.name=timm/{arch}.")
+        raise UsageError(
+            f"{key}={spec} are weights of timm's {arch}, but model.name={model_name}; set model.name=timm/{arch}."
+        )
     if not cfg.hf_hub_id and cfg.url:  # a few tags live on GitHub releases only: timm fetches them through torch.hub
         return replace(url_source(cfg.url, key), spec=spec)
     files = (cfg.hf_hub_filename,) if cfg.hf_hub_filename else HF_FILES
@@ -149,8 +167,10 @@ def hf_hub_source(spec: str, key: str = "model.pretrained") -> WeightsSource:
     """`hf-hub:<org>/<name>[@<revision>]` (timm's convention): the repo's model.safetensors, else pytorch_model.bin."""
     repo, _, revision = spec.split(":", 1)[1].partition("@")
     if repo.count("/") != 1 or not all(repo.split("/")):
-        raise UsageError(f"{key}={spec}: not a Hugging Face repo; write hf-hub:<org>/<name> (e.g. "
-                         "hf-hub:timm/resnet18.a1_in1k), optionally @<revision>.")
+        raise UsageError(
+            f"{key}={spec}: not a Hugging Face repo; write hf-hub:<org>/<name> (e.g. "
+            "hf-hub:timm/resnet18.a1_in1k), optionally @<revision>."
+        )
     return _hf_source(spec, "hf-hub", repo, revision or "main", HF_FILES)
 
 
@@ -164,8 +184,17 @@ def _hf_source(spec: str, kind: str, repo: str, revision: str, files: tuple[str,
             return WeightsSource(spec, kind, Path(found), Path(found), repo=repo, revision=revision, filenames=files)
     target = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / revision / files[0]
     address = f"{hf_endpoint()}/{repo}/resolve/{revision}/{files[0]}"
-    return WeightsSource(spec, kind, target, None, address, f"https://huggingface.co/{repo}/resolve/{revision}/{files[0]}",
-                         repo=repo, revision=revision, filenames=files)
+    return WeightsSource(
+        spec,
+        kind,
+        target,
+        None,
+        address,
+        f"https://huggingface.co/{repo}/resolve/{revision}/{files[0]}",
+        repo=repo,
+        revision=revision,
+        filenames=files,
+    )
 
 
 def url_source(spec: str, key: str = "model.pretrained") -> WeightsSource:

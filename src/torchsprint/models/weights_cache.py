@@ -45,8 +45,10 @@ def describe(path: Path, error: BaseException) -> str:
     if looks_like_html(head):
         return html_page(head, size)
     if found := re.search(r"Unsupported global: GLOBAL ([\w.]+)", text):
-        return (f"a pickle of Python objects ({found.group(1)}), not a state dict of tensors: torch.load("
-                "weights_only=True) does not run code from a file")
+        return (
+            f"a pickle of Python objects ({found.group(1)}), not a state dict of tensors: torch.load("
+            "weights_only=True) does not run code from a file"
+        )
     if head.startswith(b"PK\x03\x04"):
         first = text.split(". ")[0].splitlines()[0][:160]
         return f"a zip archive of {size:,} bytes that does not load ({first}): cut short or corrupt"
@@ -121,8 +123,10 @@ def cached_problem(path: Path, pin: str | None = None) -> str | None:
     if key in _GOOD:
         return None
     if pin and not (digest := sha256_of(path)).startswith(pin):
-        return (f"does not have the pinned sha256 (expected {pin[:8]}..., got {digest[:8]}...): another file under "
-                "the URL's name")
+        return (
+            f"does not have the pinned sha256 (expected {pin[:8]}..., got {digest[:8]}...): another file under "
+            "the URL's name"
+        )
     try:
         read_state(path, mmap=True)
     except NotWeights as e:

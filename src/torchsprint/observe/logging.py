@@ -93,8 +93,9 @@ class Covered:
         return self.seen[kind] <= int(self.counts.get(kind, 0))
 
 
-def cut_back_jsonl(path: Path, resumed_step: int, counts: dict | None = None,
-                   at_step: list | None = None) -> tuple[int, int, dict]:
+def cut_back_jsonl(
+    path: Path, resumed_step: int, counts: dict | None = None, at_step: list | None = None
+) -> tuple[int, int, dict]:
     """Cut a metrics.jsonl back to what the checkpoint of `resumed_step` covers (`counts`: its records per kind, see
     Covered), before a resumed run appends.
 
@@ -142,8 +143,10 @@ def after_earlier_event_files(tb_dir: Path) -> None:
     """
     import time
 
-    newest = max((int(f.name.split(".")[3]) for f in tb_dir.glob("events.out.tfevents.*")
-                  if f.name.split(".")[3].isdigit()), default=None)
+    newest = max(
+        (int(f.name.split(".")[3]) for f in tb_dir.glob("events.out.tfevents.*") if f.name.split(".")[3].isdigit()),
+        default=None,
+    )
     while newest is not None and int(time.time()) <= newest:
         time.sleep(0.05)
 
@@ -224,7 +227,9 @@ class MlflowSink:
         else:
             exp = self.client.get_experiment_by_name(experiment)
             exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
-            run = self.client.create_run(exp_id, run_name=Path(run_dir).name, tags={"torchsprint.run_dir": str(run_dir)})
+            run = self.client.create_run(
+                exp_id, run_name=Path(run_dir).name, tags={"torchsprint.run_dir": str(run_dir)}
+            )
             self.run_id = run.info.run_id
             from mlflow.entities import Param
 
@@ -256,8 +261,16 @@ class WandbSink:
         state = Path(run_dir) / "wandb.json"
         run_id = json.loads(state.read_text())["id"] if state.is_file() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
         replace_file(state, json.dumps({"id": run_id, "project": project}))
-        self.run = wandb.init(project=project, name=Path(run_dir).name, id=run_id, resume="allow", dir=str(run_dir),
-                              mode=mode, config=params, reinit="create_new")
+        self.run = wandb.init(
+            project=project,
+            name=Path(run_dir).name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            mode=mode,
+            config=params,
+            reinit="create_new",
+        )
         self.pending: dict[str, Any] = {}
         self.pending_step: int | None = None
 
@@ -289,13 +302,17 @@ def check_sinks(log_cfg) -> None:
     for key, needs in (("mlflow_uri", ("mlflow",)), ("wandb_mode", ("wandb",)), ("project", ("mlflow", "wandb"))):
         value = getattr(log_cfg, key)
         if not any(getattr(log_cfg, n) for n in needs) and value != type(log_cfg).model_fields[key].default:
-            raise UsageError(f"log.{key}={value} applies to {' and '.join('log.' + n for n in needs)}, which "
-                             f"{'is' if len(needs) == 1 else 'are'} off; set {' or '.join('log.' + n + '=true' for n in needs)}, "
-                             "or remove it.")
+            raise UsageError(
+                f"log.{key}={value} applies to {' and '.join('log.' + n for n in needs)}, which "
+                f"{'is' if len(needs) == 1 else 'are'} off; set {' or '.join('log.' + n + '=true' for n in needs)}, "
+                "or remove it."
+            )
     for flag, module, extra in (("mlflow", "mlflow", "mlflow"), ("wandb", "wandb", "wandb")):
         if getattr(log_cfg, flag) and importlib.util.find_spec(module) is None:
-            raise UsageError(f"log.{flag}=true needs the {module} package: pip install 'torchsprint[{extra}]' (or set "
-                             f"log.{flag}=false).")
+            raise UsageError(
+                f"log.{flag}=true needs the {module} package: pip install 'torchsprint[{extra}]' (or set "
+                f"log.{flag}=false)."
+            )
 
 
 class RunLogger:
@@ -320,8 +337,14 @@ class RunLogger:
         if run_dir is not None:
             self.open_files(run_dir)
 
-    def open_files(self, run_dir: Path, params: dict | None = None, out_dir: str | Path = "runs",
-                   resumed_step: int | None = None, resumed_counts: dict | None = None) -> None:
+    def open_files(
+        self,
+        run_dir: Path,
+        params: dict | None = None,
+        out_dir: str | Path = "runs",
+        resumed_step: int | None = None,
+        resumed_counts: dict | None = None,
+    ) -> None:
         """Start writing metrics.jsonl (appended to, so a resumed run continues it), TensorBoard and the optional
         sinks into run_dir. `params`: the resolved config (MLflow parameters, W&B config); `out_dir`: where
         the default local MLflow store goes (<out_dir>/mlruns); `resumed_step`: the step of the checkpoint a
@@ -336,8 +359,10 @@ class RunLogger:
         if resumed_step is not None:
             kept, dropped, self.counts = cut_back_jsonl(path, resumed_step, resumed_counts, at_step)
             if dropped:
-                self.info(f"metrics.jsonl: {dropped} record(s) after the checkpoint of step {resumed_step} (or cut off by "
-                          f"the crash) removed; {kept} kept. The resumed run logs those steps again.")
+                self.info(
+                    f"metrics.jsonl: {dropped} record(s) after the checkpoint of step {resumed_step} (or cut off by "
+                    f"the crash) removed; {kept} kept. The resumed run logs those steps again."
+                )
         self.jsonl = open(path, "a", buffering=1)
         if self.cfg.tensorboard:
             # purge_step: TensorBoard hides earlier files' events at steps >= it. At the checkpoint's step, records
@@ -391,7 +416,9 @@ class RunLogger:
         self.feedback.expect(cfg, decided)
 
     def start_epoch(self, epoch: int, epochs: int, total: int, done: int = 0) -> None:
-        self.feedback.start_epoch(epoch, epochs, total, done, on=self.enabled and self.cfg.progress and not self.console.quiet)
+        self.feedback.start_epoch(
+            epoch, epochs, total, done, on=self.enabled and self.cfg.progress and not self.console.quiet
+        )
 
     def advance(self, n: int = 1, images: int = 0) -> None:
         """Count `n` steps of `images` images (the bar, the heartbeat, the estimate)."""

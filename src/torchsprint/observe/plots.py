@@ -47,8 +47,12 @@ def drawn_texts(fig) -> list:
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
             shown = set(axis._update_ticks())  # the ticks Axis.draw draws (what get_tightbbox measures too)
-            hidden |= {id(lab) for tick in [*axis.majorTicks, *axis.minorTicks] if tick not in shown
-                       for lab in (tick.label1, tick.label2)}
+            hidden |= {
+                id(lab)
+                for tick in [*axis.majorTicks, *axis.minorTicks]
+                if tick not in shown
+                for lab in (tick.label1, tick.label2)
+            }
     return [t for t in fig.findobj(Text) if id(t) not in hidden and t.get_visible() and t.get_text().strip()]
 
 
@@ -73,14 +77,21 @@ def fit_text(fig, rect=(0, 0, 1, 1), tries: int = 10) -> None:
     import warnings
 
     for _ in range(tries):
-        with warnings.catch_warnings():  # "not compatible with tight_layout" for a crowded grid: the check below decides
+        with (
+            warnings.catch_warnings()
+        ):  # "not compatible with tight_layout" for a crowded grid: the check below decides
             warnings.simplefilter("ignore")
             fig.tight_layout(rect=rect)
         off = outside(fig)
         if not off:
             return
-        ticks = {id(lab): axis for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
-                 for tick in [*axis.majorTicks, *axis.minorTicks] for lab in (tick.label1, tick.label2)}
+        ticks = {
+            id(lab): axis
+            for ax in fig.axes
+            for axis in (ax.xaxis, ax.yaxis)
+            for tick in [*axis.majorTicks, *axis.minorTicks]
+            for lab in (tick.label1, tick.label2)
+        }
         for t, extent in off:
             if id(t) in ticks:  # the formatter rewrites a tick label at every draw: its axis's label size instead
                 axis = ticks[id(t)]
@@ -120,14 +131,25 @@ def upscale(img: torch.Tensor, min_side: int = 128) -> torch.Tensor:
     return x[..., 0] if c == 1 else x
 
 
-def tile_grid(rows: list[list[tuple[torch.Tensor, str]]], title: str, row_labels: list[str] | None = None,
-              path: Path | None = None, min_side: int = 128, col_labels: list[str] | None = None) -> bytes:
+def tile_grid(
+    rows: list[list[tuple[torch.Tensor, str]]],
+    title: str,
+    row_labels: list[str] | None = None,
+    path: Path | None = None,
+    min_side: int = 128,
+    col_labels: list[str] | None = None,
+) -> bytes:
     """tile_grid_figure's PNG, written to `path` when given."""
     return save(tile_grid_figure(rows, title, row_labels, min_side, col_labels), path)
 
 
-def tile_grid_figure(rows: list[list[tuple[torch.Tensor, str]]], title: str, row_labels: list[str] | None = None,
-                     min_side: int = 128, col_labels: list[str] | None = None):
+def tile_grid_figure(
+    rows: list[list[tuple[torch.Tensor, str]]],
+    title: str,
+    row_labels: list[str] | None = None,
+    min_side: int = 128,
+    col_labels: list[str] | None = None,
+):
     """A grid of labelled tiles: `rows[i][j] = (uint8 CHW image, caption)`. Empty cells stay blank.
 
     Args:
@@ -145,14 +167,21 @@ def tile_grid_figure(rows: list[list[tuple[torch.Tensor, str]]], title: str, row
     # to it: long class names neither run into the next tile's caption nor off the canvas.
     lines = [ln for r in rows for cell in r if cell is not None for ln in str(cell[1]).split("\n")]
     col = min(max(min_side / 100, 0.07 * max(map(len, lines), default=0)), 3.0)
-    rows = [[None if cell is None else (cell[0], "\n".join(textwrap.fill(ln, int(col / 0.07)) or ln
-                                                             for ln in str(cell[1]).split("\n"))) for cell in r]
-            for r in rows]
+    rows = [
+        [
+            None
+            if cell is None
+            else (cell[0], "\n".join(textwrap.fill(ln, int(col / 0.07)) or ln for ln in str(cell[1]).split("\n")))
+            for cell in r
+        ]
+        for r in rows
+    ]
     caption_lines = max((cell[1].count("\n") + 1 for r in rows for cell in r if cell is not None), default=1)
     row_labels = [textwrap.fill(str(label), 20) for label in row_labels] if row_labels else row_labels
     width, height = col + 0.35, min_side / 100 + 0.15 * caption_lines + 0.2  # a tile and its caption at dpi 100
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(n_cols * width + (1.6 if row_labels else 0.2), n_rows * height + 0.8),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        n_rows, n_cols, figsize=(n_cols * width + (1.6 if row_labels else 0.2), n_rows * height + 0.8), squeeze=False
+    )
     for i, row in enumerate(rows):
         for j in range(n_cols):
             ax = axes[i][j]
@@ -174,7 +203,9 @@ def tile_grid_figure(rows: list[list[tuple[torch.Tensor, str]]], title: str, row
     return fig
 
 
-def confusion(matrix: list[list[int]], classes: list[str], path: Path | None = None, title: str = "Confusion matrix") -> bytes:
+def confusion(
+    matrix: list[list[int]], classes: list[str], path: Path | None = None, title: str = "Confusion matrix"
+) -> bytes:
     """confusion_figure's PNG, written to `path` when given."""
     return save(confusion_figure(matrix, classes, title), path)
 
@@ -201,8 +232,15 @@ def confusion_figure(matrix: list[list[int]], classes: list[str], title: str = "
         for i in range(n):
             for j in range(n):
                 if m[i, j]:
-                    ax.text(j, i, f"{int(m[i, j])}", ha="center", va="center", fontsize=font,
-                            color="white" if share[i, j] > 0.5 else "black")
+                    ax.text(
+                        j,
+                        i,
+                        f"{int(m[i, j])}",
+                        ha="center",
+                        va="center",
+                        fontsize=font,
+                        color="white" if share[i, j] > 0.5 else "black",
+                    )
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
     acc = np.trace(m) / max(m.sum(), 1)

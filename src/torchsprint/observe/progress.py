@@ -118,11 +118,18 @@ class Feedback:
         evals = sum(1 for e in range(1, epochs + 1) if e % every == 0 or e == epochs)
         if cfg.eval.every_steps:
             evals += epochs * spe // cfg.eval.every_steps
-        self._plan = {"epochs": epochs, "steps_per_epoch": spe, "max_steps": cfg.run.max_steps,
-                      "max_time": None if cfg.run.max_time is None else parse_duration(cfg.run.max_time),
-                      "evaluations": evals, "val_images": int(decided.get("images", {}).get("val", 0)),
-                      "batch_shape": decided.get("batch_shape"), "backend": decided.get("backend"),
-                      "backend_config": decided.get("backend_config"), "device": str(decided.get("device", ""))}
+        self._plan = {
+            "epochs": epochs,
+            "steps_per_epoch": spe,
+            "max_steps": cfg.run.max_steps,
+            "max_time": None if cfg.run.max_time is None else parse_duration(cfg.run.max_time),
+            "evaluations": evals,
+            "val_images": int(decided.get("images", {}).get("val", 0)),
+            "batch_shape": decided.get("batch_shape"),
+            "backend": decided.get("backend"),
+            "backend_config": decided.get("backend_config"),
+            "device": str(decided.get("device", "")),
+        }
 
     def start_epoch(self, epoch: int, epochs: int, total: int, done: int = 0, on: bool = True) -> None:
         """An epoch of `total` steps begins, `done` of them already done (a resumed epoch); `on`: feedback wanted
@@ -137,9 +144,15 @@ class Feedback:
             self._start_heartbeat(self.clock)
             return
         self.progress = Progress(
-            TextColumn(f"epoch {epoch + 1}/{epochs}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[stats]}"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-            console=self.console, transient=False, refresh_per_second=4,
+            TextColumn(f"epoch {epoch + 1}/{epochs}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+            refresh_per_second=4,
         )
         self._pending, self._pushed = 0, time.monotonic()
         self.progress.start()
@@ -161,8 +174,9 @@ class Feedback:
                 self._pending, self._pushed = 0, now
         if not self._estimated:
             steady, since = c.steady_steps(), now - c.first[0]
-            if (steady >= ESTIMATE_AFTER_STEPS and since >= ESTIMATE_AFTER_SECONDS) or \
-                    (steady >= 1 and since >= ESTIMATE_LATEST_SECONDS):
+            if (steady >= ESTIMATE_AFTER_STEPS and since >= ESTIMATE_AFTER_SECONDS) or (
+                steady >= 1 and since >= ESTIMATE_LATEST_SECONDS
+            ):
                 with self._lock:
                     self.estimate(now)
 
@@ -219,10 +233,17 @@ class Feedback:
         c = self.clock
         r = c.rates(now)
         rate = "" if r is None else (f"{r[1]:.1f} img/s, " if r[1] else f"{r[0]:.2f} steps/s, ")
-        note = (" (the first step is under way: the first batch, allocation, warm-up)" if c.first is None else
-                " (rough: from the first step, its warm-up included)" if c.steady_steps() == 0 else "")
-        return (f"epoch {self._epoch + 1}/{self._epochs}: step {c.done}/{c.total} ({c.done / max(c.total, 1):.0%}), "
-                f"{rate}elapsed {clock(now - c.t_start)}, ETA {clock(c.eta(now))}{note}")
+        note = (
+            " (the first step is under way: the first batch, allocation, warm-up)"
+            if c.first is None
+            else " (rough: from the first step, its warm-up included)"
+            if c.steady_steps() == 0
+            else ""
+        )
+        return (
+            f"epoch {self._epoch + 1}/{self._epochs}: step {c.done}/{c.total} ({c.done / max(c.total, 1):.0%}), "
+            f"{rate}elapsed {clock(now - c.t_start)}, ETA {clock(c.eta(now))}{note}"
+        )
 
     def projection(self, now: float) -> dict:
         """The estimated seconds of this epoch (the time so far and what is left of it), of the evaluations and of the
@@ -238,25 +259,41 @@ class Feedback:
         if plan.get("max_steps") is not None:
             later = max(min(later, plan["max_steps"] - self._epoch * spe - c.total), 0)
         eval_s = plan.get("evaluations", 0) * plan.get("val_images", 0) / images_s / 3 if images_s else 0.0
-        return {"epoch_s": epoch_s, "eval_s": eval_s, "run_s": epoch_s + later / steps_s + eval_s, "steps_s": steps_s,
-                "images_s": images_s, "spe": spe, "epochs": plan.get("epochs", self._epochs) - self._epoch}
+        return {
+            "epoch_s": epoch_s,
+            "eval_s": eval_s,
+            "run_s": epoch_s + later / steps_s + eval_s,
+            "steps_s": steps_s,
+            "images_s": images_s,
+            "spe": spe,
+            "epochs": plan.get("epochs", self._epochs) - self._epoch,
+        }
 
     def estimate(self, now: float) -> None:
         """Print, once, the estimated time of this epoch and of the run (see projection), with advice when the run is
         estimated over LONG_RUN_SECONDS (or where run.max_time stops it)."""
         self._estimated = True
         p, plan = self.projection(now), self._plan
-        evals = (f" + {plan['evaluations']} evaluation(s) of {plan['val_images']:,} images ~{clock(p['eval_s'])}"
-                 if plan.get("evaluations") and plan.get("val_images") else "")
+        evals = (
+            f" + {plan['evaluations']} evaluation(s) of {plan['val_images']:,} images ~{clock(p['eval_s'])}"
+            if plan.get("evaluations") and plan.get("val_images")
+            else ""
+        )
         rate = f"{p['images_s']:.1f} img/s" if p["images_s"] else f"{p['steps_s']:.2f} steps/s"
-        self.say(f"estimate: epoch {self._epoch + 1} takes ~{clock(p['epoch_s'])} ({self.clock.total} steps at {rate}); "
-                  f"the run ~{clock(p['run_s'])} ({p['epochs']} epoch(s) x {p['spe']} steps{evals}), measured over "
-                  f"{self.clock.steady_steps()} steps after the first")
+        self.say(
+            f"estimate: epoch {self._epoch + 1} takes ~{clock(p['epoch_s'])} ({self.clock.total} steps at {rate}); "
+            f"the run ~{clock(p['run_s'])} ({p['epochs']} epoch(s) x {p['spe']} steps{evals}), measured over "
+            f"{self.clock.steady_steps()} steps after the first"
+        )
         if plan.get("max_time") is not None and p["run_s"] > plan["max_time"]:
-            self.say(f"  run.max_time={clock(plan['max_time'])} stops it before then (resumable: checkpoint.resume=auto)")
+            self.say(
+                f"  run.max_time={clock(plan['max_time'])} stops it before then (resumable: checkpoint.resume=auto)"
+            )
         elif p["run_s"] > LONG_RUN_SECONDS:
-            self.say(f"  over {LONG_RUN_SECONDS // 60:.0f} min; to shorten it: " + "; ".join(
-                self.advice(plan, p["epoch_s"] + p["eval_s"] / max(p["epochs"], 1))))
+            self.say(
+                f"  over {LONG_RUN_SECONDS // 60:.0f} min; to shorten it: "
+                + "; ".join(self.advice(plan, p["epoch_s"] + p["eval_s"] / max(p["epochs"], 1)))
+            )
 
     @staticmethod
     def advice(plan: dict, epoch_s: float) -> list[str]:
@@ -267,17 +304,23 @@ class Feedback:
         shape = plan.get("batch_shape")
         if shape and max(shape[-2:]) > 64:
             h, w = shape[-2:]
-            out.append(f"a smaller image size (the batches are {w}x{h}: a smaller size in data.train.transforms and "
-                       f"data.eval.transforms, e.g. {max(h, w) // 2}; the time per image falls about with the pixels)")
+            out.append(
+                f"a smaller image size (the batches are {w}x{h}: a smaller size in data.train.transforms and "
+                f"data.eval.transforms, e.g. {max(h, w) // 2}; the time per image falls about with the pixels)"
+            )
         if plan.get("backend") not in (None, "memory") and plan.get("backend_config") != "auto":
-            out.append("data.backend=memory (decodes the images once, not every epoch; data.backend=auto measures "
-                       "whether that pays off here)")
+            out.append(
+                "data.backend=memory (decodes the images once, not every epoch; data.backend=auto measures "
+                "whether that pays off here)"
+            )
         if plan.get("device", "cpu").startswith("cpu"):
             out.append("a GPU (run.device=cuda" + ("" if torch.cuda.is_available() else "; none is visible here") + ")")
         fit = int(LONG_RUN_SECONDS // max(epoch_s, 1e-9))
         if 1 <= fit < plan.get("epochs", 0):
-            out.append(f"fewer epochs: run.epochs={fit} (~{clock(fit * epoch_s)}), or run.max_time=30m to stop after 30 "
-                       "minutes with a checkpoint to resume from")
+            out.append(
+                f"fewer epochs: run.epochs={fit} (~{clock(fit * epoch_s)}), or run.max_time=30m to stop after 30 "
+                "minutes with a checkpoint to resume from"
+            )
         return out
 
     def step_stats(self, text: str) -> None:
@@ -302,4 +345,3 @@ class Feedback:
                 self.estimate(now)
         with self._lock:
             self.clock = None
-

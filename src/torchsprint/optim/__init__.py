@@ -9,5 +9,14 @@ from torchsprint.optim.losses import LOSSES, build_loss
 from torchsprint.optim.optimizers import OPTIMIZERS, build_optimizer
 from torchsprint.optim.schedulers import SCHEDULERS, FixedLR, build_scheduler
 
-__all__ = ["OPTIMIZERS", "SCHEDULERS", "LOSSES", "build_optimizer", "build_scheduler", "build_loss", "param_groups",
-           "name_matcher", "FixedLR"]
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULERS",
+    "LOSSES",
+    "build_optimizer",
+    "build_scheduler",
+    "build_loss",
+    "param_groups",
+    "name_matcher",
+    "FixedLR",
+]

@@ -87,8 +87,14 @@ def layer_ids(model: nn.Module) -> dict[str, int]:
     return block_layer_ids(model)
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool, rules=(), layer_decay: float | None = None,
-                 lr: float = 1.0) -> list[dict]:
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    no_decay_norm_bias: bool,
+    rules=(),
+    layer_decay: float | None = None,
+    lr: float = 1.0,
+) -> list[dict]:
     """Trainable parameters in optimizer groups, each with its own lr and weight decay.
 
     Args:
@@ -114,8 +120,10 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool
     for r, m in zip(rules, matchers):
         if not any(m(n) for n, _ in trainable):
             sample = [n for n, _ in trainable][:4]
-            raise UsageError(f"optim.param_groups: pattern '{r.pattern}' matches no trainable parameter. Parameter names "
-                             f"look like: {sample}")
+            raise UsageError(
+                f"optim.param_groups: pattern '{r.pattern}' matches no trainable parameter. Parameter names "
+                f"look like: {sample}"
+            )
     nd = no_decay_ids(model) if no_decay_norm_bias else set()
     layers, n_layers = {}, 1
     if layer_decay is not None:

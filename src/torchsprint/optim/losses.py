@@ -100,23 +100,31 @@ class WeightedSum(nn.Module):
 TENSOR_ARGS = ("weight", "pos_weight")  # per-class weights: YAML lists become float tensors of num_classes values
 
 
-def _make_loss(name: str, label_smoothing: float, args: dict, where: str, targets: str | None,
-               num_classes: int | None) -> nn.Module:
+def _make_loss(
+    name: str, label_smoothing: float, args: dict, where: str, targets: str | None, num_classes: int | None
+) -> nn.Module:
     import inspect
 
     builder = LOSSES.get(name)
     known = getattr(builder, "targets", None)
     if targets is not None and known is not None and targets not in known:
-        hint = {"class_index": "cross_entropy (or bce_with_logits)", "multi_hot": "bce_with_logits",
-                "image": "mse, l1 or smooth_l1"}.get(targets, "another loss")
-        raise UsageError(f"{where}: loss {name} compares outputs with {' or '.join(known)} targets, but this task's targets "
-                         f"are {targets}. Use {hint}.")
+        hint = {
+            "class_index": "cross_entropy (or bce_with_logits)",
+            "multi_hot": "bce_with_logits",
+            "image": "mse, l1 or smooth_l1",
+        }.get(targets, "another loss")
+        raise UsageError(
+            f"{where}: loss {name} compares outputs with {' or '.join(known)} targets, but this task's targets "
+            f"are {targets}. Use {hint}."
+        )
     smooths = getattr(builder, "smoothing", None)
     if smooths is None:  # a user's loss: it smooths if it takes the argument
         smooths = "label_smoothing" in inspect.signature(builder).parameters
     if label_smoothing and not smooths:
-        raise UsageError(f"loss.label_smoothing={label_smoothing}: loss {name} has no class labels to smooth (it applies "
-                         "to cross_entropy and bce_with_logits). Set loss.label_smoothing=0.")
+        raise UsageError(
+            f"loss.label_smoothing={label_smoothing}: loss {name} has no class labels to smooth (it applies "
+            "to cross_entropy and bce_with_logits). Set loss.label_smoothing=0."
+        )
     args = dict(args)
     for key in TENSOR_ARGS:
         if key in args and not torch.is_tensor(args[key]):
@@ -125,8 +133,10 @@ def _make_loss(name: str, label_smoothing: float, args: dict, where: str, target
             except (TypeError, ValueError, RuntimeError):
                 raise UsageError(f"{where}.args.{key}: expected a list of numbers, got {args[key]!r}.") from None
             if num_classes is not None and args[key].ndim == 1 and len(args[key]) != num_classes:
-                raise UsageError(f"{where}.args.{key}: {len(args[key])} values for {num_classes} classes; give one per class "
-                                 "(in the order of the dataset's classes).")
+                raise UsageError(
+                    f"{where}.args.{key}: {len(args[key])} values for {num_classes} classes; give one per class "
+                    "(in the order of the dataset's classes)."
+                )
     try:
         return builder(label_smoothing=label_smoothing, **args) if smooths else builder(**args)
     except TypeError as e:
@@ -142,7 +152,9 @@ def build_loss(loss_cfg, targets: str | None = None, num_classes: int | None = N
         num_classes: checks per-class weights (loss.args.weight / pos_weight) have one value per class.
     """
     if loss_cfg.terms:
-        losses = [_make_loss(t.name, loss_cfg.label_smoothing, t.args, f"loss.terms[{i}]", targets, num_classes)
-                  for i, t in enumerate(loss_cfg.terms)]
+        losses = [
+            _make_loss(t.name, loss_cfg.label_smoothing, t.args, f"loss.terms[{i}]", targets, num_classes)
+            for i, t in enumerate(loss_cfg.terms)
+        ]
         return WeightedSum(losses, [t.weight for t in loss_cfg.terms])
     return _make_loss(loss_cfg.name, loss_cfg.label_smoothing, loss_cfg.args, "loss", targets, num_classes)

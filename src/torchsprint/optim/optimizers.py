@@ -30,24 +30,35 @@ def _impl_kwargs(cls, impl: str) -> dict:
 
 @OPTIMIZERS.register("sgd")
 def sgd(groups, c):
-    return torch.optim.SGD(groups, lr=c.lr, momentum=c.momentum, nesterov=c.nesterov and c.momentum > 0,
-                           **_impl_kwargs(torch.optim.SGD, c.impl), **c.args)
+    return torch.optim.SGD(
+        groups,
+        lr=c.lr,
+        momentum=c.momentum,
+        nesterov=c.nesterov and c.momentum > 0,
+        **_impl_kwargs(torch.optim.SGD, c.impl),
+        **c.args,
+    )
 
 
 @OPTIMIZERS.register("adam")
 def adam(groups, c):
-    return torch.optim.Adam(groups, lr=c.lr, betas=c.betas, eps=c.eps, **_impl_kwargs(torch.optim.Adam, c.impl), **c.args)
+    return torch.optim.Adam(
+        groups, lr=c.lr, betas=c.betas, eps=c.eps, **_impl_kwargs(torch.optim.Adam, c.impl), **c.args
+    )
 
 
 @OPTIMIZERS.register("adamw")
 def adamw(groups, c):
-    return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, **_impl_kwargs(torch.optim.AdamW, c.impl), **c.args)
+    return torch.optim.AdamW(
+        groups, lr=c.lr, betas=c.betas, eps=c.eps, **_impl_kwargs(torch.optim.AdamW, c.impl), **c.args
+    )
 
 
 @OPTIMIZERS.register("rmsprop")
 def rmsprop(groups, c):
-    return torch.optim.RMSprop(groups, lr=c.lr, momentum=c.momentum, eps=c.eps,
-                               **_impl_kwargs(torch.optim.RMSprop, c.impl), **c.args)
+    return torch.optim.RMSprop(
+        groups, lr=c.lr, momentum=c.momentum, eps=c.eps, **_impl_kwargs(torch.optim.RMSprop, c.impl), **c.args
+    )
 
 
 # torch.optim classes a plain `loss.backward(); opt.step()` loop cannot drive, and why.
@@ -71,8 +82,10 @@ def _torch_optim_provider():
     return {
         name.lower(): make(cls)
         for name, cls in vars(torch.optim).items()
-        if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)
-        and cls is not torch.optim.Optimizer and name not in _UNSUPPORTED
+        if inspect.isclass(cls)
+        and issubclass(cls, torch.optim.Optimizer)
+        and cls is not torch.optim.Optimizer
+        and name not in _UNSUPPORTED
     }
 
 
@@ -98,9 +111,14 @@ def _timm_optim_provider():
     # Left out, as torch's LBFGS/Muon are: Lookahead wraps another optimizer, Muon takes only 2-D weights,
     # AdaHessian needs backward(create_graph=True).
     skip = {"Lookahead", "Muon", "Adahessian"}
-    return {f"timm/{name.lower()}": make(cls) for name, cls in vars(topt).items()
-            if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("timm.")
-            and name not in skip}
+    return {
+        f"timm/{name.lower()}": make(cls)
+        for name, cls in vars(topt).items()
+        if inspect.isclass(cls)
+        and issubclass(cls, torch.optim.Optimizer)
+        and cls.__module__.startswith("timm.")
+        and name not in skip
+    }
 
 
 OPTIMIZERS.add_provider(_timm_optim_provider)
@@ -108,8 +126,12 @@ OPTIMIZERS.add_provider(_timm_optim_provider)
 # The optim fields each built-in optimizer reads besides lr, weight decay and impl; another optimizer takes
 # its own arguments through optim.args. A non-default value of a field the chosen one does not read is
 # refused: it would otherwise be accepted and silently ignored.
-OPTIMIZER_FIELDS = {"sgd": ("momentum", "nesterov"), "adam": ("betas", "eps"), "adamw": ("betas", "eps"),
-                    "rmsprop": ("momentum", "eps")}
+OPTIMIZER_FIELDS = {
+    "sgd": ("momentum", "nesterov"),
+    "adam": ("betas", "eps"),
+    "adamw": ("betas", "eps"),
+    "rmsprop": ("momentum", "eps"),
+}
 
 
 def check_optim_fields(optim_cfg) -> None:
@@ -120,8 +142,10 @@ def check_optim_fields(optim_cfg) -> None:
         value = getattr(optim_cfg, field)
         if field not in uses and value != default_of(optim_cfg, field):
             reads = f"it reads {', '.join('optim.' + u for u in uses)}" if uses else "it reads only optim.lr"
-            raise UsageError(f"optim.{field}={value} does not apply to optimizer {optim_cfg.name} ({reads}); remove it, "
-                             f"or pass {optim_cfg.name}'s own arguments in optim.args.")
+            raise UsageError(
+                f"optim.{field}={value} does not apply to optimizer {optim_cfg.name} ({reads}); remove it, "
+                f"or pass {optim_cfg.name}'s own arguments in optim.args."
+            )
 
 
 # optim.impl=auto on CUDA uses the fused kernels of these: one kernel for the whole update, state on the GPU
@@ -133,8 +157,13 @@ def resolve_impl(optim_cfg, groups: list[dict]):
     """optim.impl=auto -> fused for SGD/Adam/AdamW when every parameter is on a CUDA device (the section
     unchanged otherwise, and whenever optim.args picks an implementation itself)."""
     params = [p for g in groups for p in g["params"]]
-    if (optim_cfg.impl == "auto" and optim_cfg.name.lower() in FUSED_ON_CUDA and params
-            and all(p.is_cuda for p in params) and not {"fused", "foreach"} & set(optim_cfg.args)):
+    if (
+        optim_cfg.impl == "auto"
+        and optim_cfg.name.lower() in FUSED_ON_CUDA
+        and params
+        and all(p.is_cuda for p in params)
+        and not {"fused", "foreach"} & set(optim_cfg.args)
+    ):
         return optim_cfg.model_copy(update={"impl": "fused"})
     return optim_cfg
 
@@ -148,8 +177,11 @@ def impl_in_use(opt: torch.optim.Optimizer, optim_cfg) -> tuple[str, str]:
     if chosen_in_args:
         why = ", ".join(f"optim.args.{k}={optim_cfg.args[k]}" for k in chosen_in_args)
     elif optim_cfg.impl == "auto":
-        why += (": fused kernels for sgd/adam/adamw on CUDA" if d.get("fused") else
-                ": PyTorch's choice (fused is used for sgd/adam/adamw on CUDA only)")
+        why += (
+            ": fused kernels for sgd/adam/adamw on CUDA"
+            if d.get("fused")
+            else ": PyTorch's choice (fused is used for sgd/adam/adamw on CUDA only)"
+        )
     if d.get("fused"):
         return "fused", why
     if d.get("foreach") is not None:
@@ -166,8 +198,14 @@ def build_optimizer(optim_cfg, model: nn.Module) -> torch.optim.Optimizer:
     """
     builder = OPTIMIZERS.get(optim_cfg.name.lower())
     check_optim_fields(optim_cfg)
-    groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.no_decay_norm_bias, optim_cfg.param_groups,
-                          optim_cfg.layer_decay, optim_cfg.lr)
+    groups = param_groups(
+        model,
+        optim_cfg.weight_decay,
+        optim_cfg.no_decay_norm_bias,
+        optim_cfg.param_groups,
+        optim_cfg.layer_decay,
+        optim_cfg.lr,
+    )
     groups = [g for g in groups if g["params"]]
     if not groups:
         raise UsageError("no trainable parameters: model.freeze / model.train_only froze everything.")

@@ -92,8 +92,14 @@ def _one(e: float) -> float:
 
 
 # The sched fields each schedule reads besides interval and warm-up (same rule as OPTIMIZER_FIELDS).
-SCHEDULE_FIELDS = {"cosine": ("min_lr_ratio",), "step": ("step_size", "gamma"), "multistep": ("milestones", "gamma"),
-                   "exponential": ("gamma",), "onecycle": ("pct_start",), "constant": ()}
+SCHEDULE_FIELDS = {
+    "cosine": ("min_lr_ratio",),
+    "step": ("step_size", "gamma"),
+    "multistep": ("milestones", "gamma"),
+    "exponential": ("gamma",),
+    "onecycle": ("pct_start",),
+    "constant": (),
+}
 
 
 def check_sched_fields(sched_cfg) -> None:
@@ -105,11 +111,15 @@ def check_sched_fields(sched_cfg) -> None:
         value = getattr(sched_cfg, field)
         if field not in uses and value != default_of(sched_cfg, field):
             reads = ", ".join("sched." + u for u in uses) or "no schedule-specific field"
-            raise UsageError(f"sched.{field}={value} does not apply to sched.name={sched_cfg.name} (it reads {reads}); "
-                             "remove it or pick the schedule it belongs to.")
+            raise UsageError(
+                f"sched.{field}={value} does not apply to sched.name={sched_cfg.name} (it reads {reads}); "
+                "remove it or pick the schedule it belongs to."
+            )
     if sched_cfg.warmup_epochs == 0 and sched_cfg.warmup_start != default_of(sched_cfg, "warmup_start"):
-        raise UsageError(f"sched.warmup_start={sched_cfg.warmup_start} has no effect with sched.warmup_epochs=0; set "
-                         "sched.warmup_epochs too, or remove it.")
+        raise UsageError(
+            f"sched.warmup_start={sched_cfg.warmup_start} has no effect with sched.warmup_epochs=0; set "
+            "sched.warmup_epochs too, or remove it."
+        )
 
 
 def build_scheduler(sched_cfg, opt: torch.optim.Optimizer, *, epochs: float, steps_per_epoch: int):

@@ -96,9 +96,16 @@ def launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
         return LaunchEnv(int(env.get("RANK", "0")), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")), "torchrun")
     ntasks = int(env.get("SLURM_NTASKS", "1"))
     if ntasks > 1 and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
-        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
-        return LaunchEnv(int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", "0")), "slurm",
-                         f"tcp://{addr}:{slurm_port(env)}")
+        addr = env.get("MASTER_ADDR") or first_slurm_host(
+            env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        )
+        return LaunchEnv(
+            int(env["SLURM_PROCID"]),
+            ntasks,
+            int(env.get("SLURM_LOCALID", "0")),
+            "slurm",
+            f"tcp://{addr}:{slurm_port(env)}",
+        )
     return LaunchEnv()
 
 
@@ -119,8 +126,10 @@ def resolve_device(name: str, local_rank: int = 0, what: str = "run.device") -> 
         if dev.index is None:
             dev = torch.device(f"cuda:{local_rank}")
         elif dev.index >= torch.cuda.device_count():
-            raise UsageError(f"{what}={name} but this machine has {torch.cuda.device_count()} CUDA device(s), "
-                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+            raise UsageError(
+                f"{what}={name} but this machine has {torch.cuda.device_count()} CUDA device(s), "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}."
+            )
     return dev
 
 
@@ -138,8 +147,10 @@ def check_strategy(strategy_cfg, world_size: int, source: str = "single process"
     """Refuse a launch the strategy cannot use: DataParallel is one process driving every GPU; DDP needs a
     launcher (a plain `torchsprint train` with strategy=ddp would otherwise train alone, silently)."""
     if strategy_cfg.name == "ddp" and source == "single process":
-        raise UsageError("strategy=ddp runs one process per device: start it with `torchsprint train --nproc-per-node N` "
-                         "(or torchrun / srun); for one process set strategy=single.")
+        raise UsageError(
+            "strategy=ddp runs one process per device: start it with `torchsprint train --nproc-per-node N` "
+            "(or torchrun / srun); for one process set strategy=single."
+        )
     if world_size > 1 and strategy_cfg.name == "dp":
         raise UsageError(
             f"launched as {world_size} processes (torchrun/SLURM) but strategy=dp (nn.DataParallel) runs in one "
@@ -200,9 +211,13 @@ def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
             # The timeout bounds every collective: a rank that died or hangs makes the others
             # fail after `timeout_s` instead of waiting forever (gloo raises; NCCL's watchdog aborts).
             torch.distributed.init_process_group(
-                backend=backend, init_method=launch.init_method,
-                store=attempt_store(launch, timeout), rank=launch.rank, world_size=launch.world_size,
-                timeout=timeout, device_id=device if backend == "nccl" else None,
+                backend=backend,
+                init_method=launch.init_method,
+                store=attempt_store(launch, timeout),
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timeout,
+                device_id=device if backend == "nccl" else None,
             )
         if backend == "nccl":
             control = torch.distributed.new_group(backend="gloo", timeout=timeout)
@@ -219,8 +234,15 @@ def setup(run_cfg, strategy_cfg, speed_cfg=None) -> Runtime:
     if speed_cfg is not None and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = speed_cfg.tf32
         torch.backends.cudnn.allow_tf32 = speed_cfg.tf32
-    return Runtime(device=device, rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
-                   backend=backend, control_group=control, owns_group=owns)
+    return Runtime(
+        device=device,
+        rank=launch.rank,
+        world_size=launch.world_size,
+        local_rank=launch.local_rank,
+        backend=backend,
+        control_group=control,
+        owns_group=owns,
+    )
 
 
 def teardown(rt: Runtime, clean: bool = True) -> None:
@@ -259,12 +281,18 @@ def lost_peer(error: BaseException) -> str | None:
     if not (dist_error or ((closed or timed_out) and from_backend and isinstance(error, RuntimeError))):
         return None
     rank = os.environ.get("RANK", "?")
-    why = ("another rank's connection closed: a worker or its machine died" if closed else
-           "another rank did not answer within strategy.timeout_s: a worker or machine hung or died" if timed_out else
-           "a collective operation failed")
+    why = (
+        "another rank's connection closed: a worker or its machine died"
+        if closed
+        else "another rank did not answer within strategy.timeout_s: a worker or machine hung or died"
+        if timed_out
+        else "a collective operation failed"
+    )
     first = (msg.strip().splitlines() or [""])[0][:160]
-    return (f"DDP rank {rank} of {world} lost contact with the group ({why}; {type(error).__name__}: {first}). "
-            "With --max-restarts K the group restarts from the newest checkpoint; --debug shows the traceback.")
+    return (
+        f"DDP rank {rank} of {world} lost contact with the group ({why}; {type(error).__name__}: {first}). "
+        "With --max-restarts K the group restarts from the newest checkpoint; --debug shows the traceback."
+    )
 
 
 def exit_process(code: int) -> None:
@@ -314,7 +342,11 @@ def cgroup_memory() -> tuple[int, int, str] | None:
         if controllers == "":
             base, limit_name, usage_name = Path("/sys/fs/cgroup"), "memory.max", "memory.current"
         elif "memory" in controllers.split(","):
-            base, limit_name, usage_name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes"
+            base, limit_name, usage_name = (
+                Path("/sys/fs/cgroup/memory"),
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
         else:
             continue
         folder = base / rel.lstrip("/")
@@ -351,8 +383,13 @@ def memory_cap() -> tuple[int, str]:
     mapped = proc_bytes("/proc/self/status", "VmSize")
     if soft != resource.RLIM_INFINITY and mapped is not None:
         left = max(0, soft - mapped)
-        caps.append((left, f"the {left / 2**30:.2f} GiB this process may still map under its address-space limit of "
-                           f"{soft / 2**30:.2f} GiB (ulimit -v)"))
+        caps.append(
+            (
+                left,
+                f"the {left / 2**30:.2f} GiB this process may still map under its address-space limit of "
+                f"{soft / 2**30:.2f} GiB (ulimit -v)",
+            )
+        )
     return min(caps, default=(0, "no memory figure"), key=lambda c: c[0])
 
 

@@ -17,8 +17,13 @@ from pathlib import Path
 MAX_FILE_MB = 512
 MB = 2**20
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a folder"),
+)
 
 
 class RefusedFile(OSError):
@@ -44,8 +49,10 @@ def refusal(st: os.stat_result, max_bytes: int | None, setting: str = "data.max_
     if kind is not None:
         return f"{kind}, not a regular file: never read (it could block or never end)"
     if max_bytes is not None and st.st_size > max_bytes:
-        return (f"{st.st_size / MB:,.0f} MB, over the {max_bytes / MB:,.0f} MB a file may have ({setting}); "
-                "raise the limit if it is really one image")
+        return (
+            f"{st.st_size / MB:,.0f} MB, over the {max_bytes / MB:,.0f} MB a file may have ({setting}); "
+            "raise the limit if it is really one image"
+        )
     return None
 
 
@@ -110,5 +117,7 @@ def check_regular(path: str | Path, what: str) -> None:
     except OSError as e:
         raise UsageError(f"{path} ({what}): cannot read it ({e.strerror or e}).") from None
     if kind is not None:
-        raise UsageError(f"{path} ({what}) is {kind}, not a regular file; torchsprint does not read or write it. "
-                         "Remove it or move it away.")
+        raise UsageError(
+            f"{path} ({what}) is {kind}, not a regular file; torchsprint does not read or write it. "
+            "Remove it or move it away."
+        )

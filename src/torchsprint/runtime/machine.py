@@ -75,8 +75,10 @@ def cpu_text(info: dict | None = None) -> str:
     info = info or cpu_info()
     f = info["flags"]
     isa = ", ".join(n for n in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f.get(n)) or "no avx2"
-    return (f"{info['model']} ({info['usable_cores']} cores; {isa}; PyTorch kernels {info['torch_cpu_capability']}; "
-            f"{info['torch_threads']} threads)")
+    return (
+        f"{info['model']} ({info['usable_cores']} cores; {isa}; PyTorch kernels {info['torch_cpu_capability']}; "
+        f"{info['torch_threads']} threads)"
+    )
 
 
 def environment(rt, seed: int) -> dict:
@@ -90,7 +92,9 @@ def environment(rt, seed: int) -> dict:
         try:
             here = Path(__file__).resolve().parent
             out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=5)
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=5
+            )
             return (out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")) if out.returncode == 0 else None
         except (OSError, subprocess.SubprocessError):
             return None
@@ -99,8 +103,18 @@ def environment(rt, seed: int) -> dict:
     if rt.device.type == "cuda":
         dev += f" ({torch.cuda.get_device_name(rt.device)})"
     return {
-        "torchsprint": __version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
-        "python": platform.python_version(), "platform": platform.platform(), "host": socket.gethostname(),
-        "cpu_threads": torch.get_num_threads(), "cpu": cpu_info(), "device": dev, "world_size": rt.world_size, "seed": seed,
-        "git_revision": git_rev(), "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "torchsprint": __version__,
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "host": socket.gethostname(),
+        "cpu_threads": torch.get_num_threads(),
+        "cpu": cpu_info(),
+        "device": dev,
+        "world_size": rt.world_size,
+        "seed": seed,
+        "git_revision": git_rev(),
+        "argv": sys.argv,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

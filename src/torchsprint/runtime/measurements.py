@@ -44,9 +44,15 @@ def cpu_identity() -> dict:
     except OSError:
         pass
     model = model or platform.processor() or platform.machine()
-    return {"cpu": model, "flags": hashlib.sha256(flags.encode()).hexdigest()[:16], "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "kernels": torch.backends.cpu.get_cpu_capability(),
-            "isa_cap": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "aten_cap": os.environ.get("ATEN_CPU_CAPABILITY", "")}
+    return {
+        "cpu": model,
+        "flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "kernels": torch.backends.cpu.get_cpu_capability(),
+        "isa_cap": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        "aten_cap": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+    }
 
 
 def key_of(keys: dict) -> tuple[dict, str]:

@@ -72,9 +72,13 @@ class CudaGraphed(nn.Module):
         return type(self.module).forward(self.module, x)  # the class's eager forward
 
 
-def capture_cuda_graphs(model: nn.Module, example: Callable[[], torch.Tensor] | None, prec,
-                        frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None,
-                        chosen_by_auto: bool = False) -> nn.Module:
+def capture_cuda_graphs(
+    model: nn.Module,
+    example: Callable[[], torch.Tensor] | None,
+    prec,
+    frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None,
+    chosen_by_auto: bool = False,
+) -> nn.Module:
     """Capture `model`'s training forward/backward as CUDA graphs for a batch like `example()`.
 
     `frozen_norms(model)`: the normalisation layers the engine keeps in eval mode while training
@@ -98,9 +102,11 @@ def capture_cuda_graphs(model: nn.Module, example: Callable[[], torch.Tensor] | 
     try:
         return CudaGraphed(model, batch, prec)
     except (RuntimeError, TypeError, AssertionError) as e:  # torch's capture raises these for non-static modules
-        raise UsageError(f"speed.cuda_graphs=auto turned CUDA graphs on, but capturing {type(model).__name__} failed "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}): its forward is not static. Set "
-                         "speed.cuda_graphs=false to train it eagerly.") from e
+        raise UsageError(
+            f"speed.cuda_graphs=auto turned CUDA graphs on, but capturing {type(model).__name__} failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}): its forward is not static. Set "
+            "speed.cuda_graphs=false to train it eagerly."
+        ) from e
 
 
 # ---------------------------------------------------------------- checks
@@ -118,13 +124,19 @@ CUDAGRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 def check_speed(speed_cfg, strategy_cfg, device: torch.device, accum_steps: int = 1) -> None:
     """Refuse speed switches this machine or combination cannot run, naming what to use instead."""
-    if (speed_cfg.compile and speed_cfg.compile_mode in CUDAGRAPH_COMPILE_MODES and accum_steps > 1
-            and device.type == "cuda"):
+    if (
+        speed_cfg.compile
+        and speed_cfg.compile_mode in CUDAGRAPH_COMPILE_MODES
+        and accum_steps > 1
+        and device.type == "cuda"
+    ):
         # CUDA-graph trees reuse their static outputs on the next replay; gradients of accumulated
         # micro-batches are such outputs (not verified exact on a GPU yet: refused, not risked).
-        raise UsageError(f"speed.compile_mode={speed_cfg.compile_mode} captures CUDA graphs, which do not accumulate "
-                         f"gradients over optim.accum_steps={accum_steps} micro-batches exactly. Use speed.compile_mode="
-                         "default (or max-autotune-no-cudagraphs), speed.cuda_graphs=true, or optim.accum_steps=1.")
+        raise UsageError(
+            f"speed.compile_mode={speed_cfg.compile_mode} captures CUDA graphs, which do not accumulate "
+            f"gradients over optim.accum_steps={accum_steps} micro-batches exactly. Use speed.compile_mode="
+            "default (or max-autotune-no-cudagraphs), speed.cuda_graphs=true, or optim.accum_steps=1."
+        )
     if speed_cfg.compile:
         import torch._dynamo
 
@@ -139,23 +151,33 @@ def check_speed(speed_cfg, strategy_cfg, device: torch.device, accum_steps: int 
             from torch.utils._triton import has_triton
 
             if not has_triton():
-                raise UsageError("speed.compile=true on CUDA needs Triton (pip install triton) for the inductor "
-                                 "backend. Install it, or set speed.compile=false.")
+                raise UsageError(
+                    "speed.compile=true on CUDA needs Triton (pip install triton) for the inductor "
+                    "backend. Install it, or set speed.compile=false."
+                )
         if backend == "inductor" and device.type == "cpu" and cpp_compiler() is None:
-            raise UsageError("speed.compile=true on CPU needs a C++ compiler for the inductor backend (g++ or "
-                             "clang++ on PATH, or CXX); none was found. Install one, or set speed.compile=false.")
+            raise UsageError(
+                "speed.compile=true on CPU needs a C++ compiler for the inductor backend (g++ or "
+                "clang++ on PATH, or CXX); none was found. Install one, or set speed.compile=false."
+            )
     if speed_cfg.cuda_graphs is True:  # auto never refuses: decide_cuda_graphs turns it off where these refuse
         if device.type != "cuda":
             raise UsageError("speed.cuda_graphs=true needs a CUDA device; on CPU set speed.cuda_graphs=false.")
         if speed_cfg.compile:
-            raise UsageError("speed.cuda_graphs and speed.compile both capture the model: use one. For CUDA graphs "
-                             "inside torch.compile, set speed.compile_mode=reduce-overhead and speed.cuda_graphs=false.")
+            raise UsageError(
+                "speed.cuda_graphs and speed.compile both capture the model: use one. For CUDA graphs "
+                "inside torch.compile, set speed.compile_mode=reduce-overhead and speed.cuda_graphs=false."
+            )
         if strategy_cfg.name == "dp":
-            raise UsageError("speed.cuda_graphs does not work with strategy=dp (DataParallel replicates the model "
-                             "every step). Use strategy=ddp.")
+            raise UsageError(
+                "speed.cuda_graphs does not work with strategy=dp (DataParallel replicates the model "
+                "every step). Use strategy=ddp."
+            )
         if strategy_cfg.sync_bn:
-            raise UsageError("speed.cuda_graphs cannot capture SyncBatchNorm's all-reduces inside the forward. "
-                             "Set strategy.sync_bn=false or speed.cuda_graphs=false.")
+            raise UsageError(
+                "speed.cuda_graphs cannot capture SyncBatchNorm's all-reduces inside the forward. "
+                "Set strategy.sync_bn=false or speed.cuda_graphs=false."
+            )
 
 
 @dataclass(frozen=True)
@@ -166,8 +188,15 @@ class GraphsDecision:
     why: str
 
 
-def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size: int = 1,
-                       drop_last: bool = True, freeze_epochs: int = 0, progressive: bool = False) -> GraphsDecision:
+def decide_cuda_graphs(
+    speed_cfg,
+    strategy_cfg,
+    device: torch.device,
+    world_size: int = 1,
+    drop_last: bool = True,
+    freeze_epochs: int = 0,
+    progressive: bool = False,
+) -> GraphsDecision:
     """The one place speed.cuda_graphs is resolved (DESIGN rule 12): wrap_model captures, Precision disables
     autocast's cache, and decisions.json / the start-up summary report from this result.
 
@@ -194,27 +223,42 @@ def decide_cuda_graphs(speed_cfg, strategy_cfg, device: torch.device, world_size
     if setting is False:
         return GraphsDecision(False, "speed.cuda_graphs=false")
     if setting is True and progressive:
-        raise UsageError("speed.cuda_graphs=true captures one input shape, and data.progressive changes the training "
-                         "crop's size between epochs (the other sizes would run eagerly). Set speed.cuda_graphs=false, "
-                         "or remove data.progressive.")
+        raise UsageError(
+            "speed.cuda_graphs=true captures one input shape, and data.progressive changes the training "
+            "crop's size between epochs (the other sizes would run eagerly). Set speed.cuda_graphs=false, "
+            "or remove data.progressive."
+        )
     if setting is True:
         return GraphsDecision(True, "speed.cuda_graphs=true")
-    off = ("a CUDA device (this run is on " + device.type + ")" if device.type != "cuda" else
-           "no torch.compile (it captures the model itself; compile_mode=reduce-overhead adds CUDA graphs inside it)"
-           if speed_cfg.compile else
-           "no DataParallel (strategy=dp replicates the model every step)" if strategy_cfg.name == "dp" else
-           "no SyncBatchNorm (its all-reduces cannot be captured)" if strategy_cfg.sync_bn else
-           "no model.freeze_epochs (it changes which parameters get gradients between epochs; a graph fixes them)"
-           if freeze_epochs else
-           "no data.progressive (it changes the input size between epochs; a graph fixes it)" if progressive else
-           f"one process (not yet measured under DDP on GPUs; {world_size} processes here; speed.cuda_graphs=true "
-           "captures anyway)" if world_size > 1 else None)
+    off = (
+        "a CUDA device (this run is on " + device.type + ")"
+        if device.type != "cuda"
+        else "no torch.compile (it captures the model itself; compile_mode=reduce-overhead adds CUDA graphs inside it)"
+        if speed_cfg.compile
+        else "no DataParallel (strategy=dp replicates the model every step)"
+        if strategy_cfg.name == "dp"
+        else "no SyncBatchNorm (its all-reduces cannot be captured)"
+        if strategy_cfg.sync_bn
+        else "no model.freeze_epochs (it changes which parameters get gradients between epochs; a graph fixes them)"
+        if freeze_epochs
+        else "no data.progressive (it changes the input size between epochs; a graph fixes it)"
+        if progressive
+        else f"one process (not yet measured under DDP on GPUs; {world_size} processes here; speed.cuda_graphs=true "
+        "captures anyway)"
+        if world_size > 1
+        else None
+    )
     if off is not None:
         return GraphsDecision(False, f"speed.cuda_graphs=auto: off, needs {off}")
-    tail = "every training batch has the same shape" if drop_last else \
-        "the last partial batch of an epoch runs eagerly (data.drop_last=false)"
-    return GraphsDecision(True, "speed.cuda_graphs=auto: on (one CUDA process, forward/backward captured, loss and "
-                          f"optimizer eager; {tail})")
+    tail = (
+        "every training batch has the same shape"
+        if drop_last
+        else "the last partial batch of an epoch runs eagerly (data.drop_last=false)"
+    )
+    return GraphsDecision(
+        True,
+        f"speed.cuda_graphs=auto: on (one CUDA process, forward/backward captured, loss and optimizer eager; {tail})",
+    )
 
 
 # ---------------------------------------------------------------- wrapping
@@ -248,9 +292,17 @@ def has_conv2d(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
-def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed=None, prec=None,
-               example: Callable[[], torch.Tensor] | None = None, log: Callable[[str], None] | None = None,
-               frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None) -> nn.Module:
+def wrap_model(
+    model: nn.Module,
+    strategy_cfg,
+    rt,
+    *,
+    speed=None,
+    prec=None,
+    example: Callable[[], torch.Tensor] | None = None,
+    log: Callable[[str], None] | None = None,
+    frozen_norms: Callable[[nn.Module], list[nn.Module]] | None = None,
+) -> nn.Module:
     """Make the model ready to train: device, memory format, SyncBN, precision, CUDA graphs, strategy, compile.
 
     Args:
@@ -272,12 +324,16 @@ def wrap_model(model: nn.Module, strategy_cfg, rt, *, speed=None, prec=None,
     name = strategy_cfg.name
     if name == "dp":
         if rt.device.type != "cuda":
-            raise UsageError("strategy=dp (nn.DataParallel) needs CUDA GPUs; on CPU use strategy=single, or "
-                             "strategy=ddp with --nproc-per-node N for several processes.")
-        log("[yellow]strategy=dp: nn.DataParallel is slower than DDP[/]: one Python process drives every GPU "
+            raise UsageError(
+                "strategy=dp (nn.DataParallel) needs CUDA GPUs; on CPU use strategy=single, or "
+                "strategy=ddp with --nproc-per-node N for several processes."
+            )
+        log(
+            "[yellow]strategy=dp: nn.DataParallel is slower than DDP[/]: one Python process drives every GPU "
             "(GIL-bound), replicates the model and scatters inputs every step, and gathers outputs on GPU 0. "
             "DDP runs one process per GPU and overlaps the gradient all-reduce with backward: "
-            "use strategy=ddp with `torchsprint train --nproc-per-node N`.")
+            "use strategy=ddp with `torchsprint train --nproc-per-node N`."
+        )
     check_comm_hook(strategy_cfg)
     if strategy_cfg.sync_bn:
         if rt.distributed:
@@ -315,8 +371,10 @@ def check_comm_hook(strategy_cfg) -> None:
     if strategy_cfg.comm_hook != "powersgd":
         for name, default in (("powersgd_rank", 1), ("powersgd_start_step", 1000)):
             if getattr(strategy_cfg, name) != default:
-                raise UsageError(f"strategy.{name} applies to strategy.comm_hook=powersgd, but comm_hook is "
-                                 f"{strategy_cfg.comm_hook}. Set strategy.comm_hook=powersgd, or remove strategy.{name}.")
+                raise UsageError(
+                    f"strategy.{name} applies to strategy.comm_hook=powersgd, but comm_hook is "
+                    f"{strategy_cfg.comm_hook}. Set strategy.comm_hook=powersgd, or remove strategy.{name}."
+                )
 
 
 def register_comm_hook(ddp: nn.parallel.DistributedDataParallel, strategy_cfg, log) -> None:
@@ -333,14 +391,24 @@ def register_comm_hook(ddp: nn.parallel.DistributedDataParallel, strategy_cfg, l
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if name == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=strategy_cfg.powersgd_rank,
-                                            start_powerSGD_iter=strategy_cfg.powersgd_start_step)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=strategy_cfg.powersgd_rank,
+            start_powerSGD_iter=strategy_cfg.powersgd_start_step,
+        )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     else:
-        ddp.register_comm_hook(None, {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[name])
-    log(f"strategy.comm_hook={name}: DDP gradients are all-reduced "
-        + ("in half precision" if name != "powersgd" else f"as rank-{strategy_cfg.powersgd_rank} PowerSGD factors from "
-           f"step {strategy_cfg.powersgd_start_step}"))
+        ddp.register_comm_hook(
+            None, {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[name]
+        )
+    log(
+        f"strategy.comm_hook={name}: DDP gradients are all-reduced "
+        + (
+            "in half precision"
+            if name != "powersgd"
+            else f"as rank-{strategy_cfg.powersgd_rank} PowerSGD factors from step {strategy_cfg.powersgd_start_step}"
+        )
+    )
 
 
 def rebuild_ddp_reducer(model: nn.Module) -> bool:

@@ -67,7 +67,9 @@ def signal_name(name: str) -> str:
     if canon not in known:
         from torchsprint.errors import did_you_mean
 
-        raise ValueError(f"unknown signal {name!r}.{did_you_mean(canon, known)} Use names like SIGTERM, SIGUSR1, SIGINT")
+        raise ValueError(
+            f"unknown signal {name!r}.{did_you_mean(canon, known)} Use names like SIGTERM, SIGUSR1, SIGINT"
+        )
     return canon
 
 
@@ -78,15 +80,21 @@ def check_requeue(run_cfg, resume: str | None, env: dict | None = None) -> None:
         return
     env = os.environ if env is None else env
     if not env.get("SLURM_JOB_ID"):
-        raise UsageError("run.requeue=true requeues the SLURM job, but this is not a SLURM job (no SLURM_JOB_ID): "
-                         "set run.requeue=false, or start the run with sbatch (docs/cluster.md).")
+        raise UsageError(
+            "run.requeue=true requeues the SLURM job, but this is not a SLURM job (no SLURM_JOB_ID): "
+            "set run.requeue=false, or start the run with sbatch (docs/cluster.md)."
+        )
     if not run_cfg.stop_signals:
-        raise UsageError("run.requeue=true requeues after a stop signal, but run.stop_signals is empty: list the "
-                         "signal SLURM sends (e.g. run.stop_signals=[SIGUSR1, SIGTERM] with #SBATCH --signal=B:USR1@120).")
+        raise UsageError(
+            "run.requeue=true requeues after a stop signal, but run.stop_signals is empty: list the "
+            "signal SLURM sends (e.g. run.stop_signals=[SIGUSR1, SIGTERM] with #SBATCH --signal=B:USR1@120)."
+        )
     if not run_cfg.dir or resume != "auto":
-        raise UsageError("run.requeue=true: the requeued job runs the same command, so it needs a fixed run.dir and "
-                         "checkpoint.resume=auto to continue this run, e.g. run.dir=/shared/runs/x-$SLURM_JOB_ID "
-                         "checkpoint.resume=auto.")
+        raise UsageError(
+            "run.requeue=true: the requeued job runs the same command, so it needs a fixed run.dir and "
+            "checkpoint.resume=auto to continue this run, e.g. run.dir=/shared/runs/x-$SLURM_JOB_ID "
+            "checkpoint.resume=auto."
+        )
 
 
 class Stopper:
@@ -186,8 +194,10 @@ def requeue(job_id: str, log) -> bool:
         log(f"[yellow]run.requeue: `scontrol requeue {job_id}` failed[/] ({e}); resubmit the job to continue")
         return False
     if out.returncode != 0:
-        log(f"[yellow]run.requeue: `scontrol requeue {job_id}` failed[/] (exit {out.returncode}: "
-            f"{(out.stderr or out.stdout).strip()[:200]}); resubmit the job to continue")
+        log(
+            f"[yellow]run.requeue: `scontrol requeue {job_id}` failed[/] (exit {out.returncode}: "
+            f"{(out.stderr or out.stdout).strip()[:200]}); resubmit the job to continue"
+        )
         return False
     log(f"run.requeue: SLURM job {job_id} requeued; it continues from the checkpoint with the same command")
     return True

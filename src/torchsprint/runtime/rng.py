@@ -21,8 +21,13 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     state = {
         "python": random.getstate(),
         # uint32 -> int64 is lossless and a plain tensor type for the weights_only unpickler.
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if device.type == "cuda":
@@ -34,7 +39,9 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     """Restore what `rng_state` saved (the CUDA part only when training on CUDA)."""
     random.setstate(_tuplify(state["python"]))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)

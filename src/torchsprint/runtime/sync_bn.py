@@ -80,14 +80,18 @@ _PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 def to_gloo_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every torch BatchNorm1d/2d/3d by GlooSyncBatchNorm, sharing parameters and buffers."""
     if type(module) in _PLAIN_BN:
-        out = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        out = GlooSyncBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
         if module.affine:
             out.weight, out.bias = module.weight, module.bias
         out.running_mean, out.running_var = module.running_mean, module.running_var
         out.num_batches_tracked = module.num_batches_tracked
         out.train(module.training)
         return out
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlooSyncBatchNorm | nn.SyncBatchNorm):
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
+        module, GlooSyncBatchNorm | nn.SyncBatchNorm
+    ):
         raise UsageError(
             f"strategy.sync_bn on CPU cannot convert {type(module).__name__} (only torch's BatchNorm1d/2d/3d have a "
             "CPU SyncBatchNorm). Train on GPUs for SyncBatchNorm with this model, or set strategy.sync_bn=false."

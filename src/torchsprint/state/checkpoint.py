@@ -164,8 +164,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         ) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        hint = " It looks like a weights file: start from it with model.pretrained=<file> instead." \
-            if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()) else ""
+        hint = (
+            " It looks like a weights file: start from it with model.pretrained=<file> instead."
+            if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values())
+            else ""
+        )
         raise UsageError(f"{path} is not a torchsprint checkpoint (no '{FORMAT}' format marker).{hint}")
     missing = [k for k in ("model", "optimizer", "scheduler", "train_state", "rng") if k not in ckpt]
     if missing:
@@ -190,8 +193,10 @@ def save_weights(path: Path, model: nn.Module, metadata: dict[str, str]) -> int:
     try:
         return atomic_write(path, lambda f: f.write(data))
     except OSError as e:
-        raise UsageError(f"could not write {path}: {e.strerror or e}. The previous {path.name}, if any, is intact; "
-                         "free disk space or fix permissions, then resume the run.") from None
+        raise UsageError(
+            f"could not write {path}: {e.strerror or e}. The previous {path.name}, if any, is intact; "
+            "free disk space or fix permissions, then resume the run."
+        ) from None
 
 
 # ---------------------------------------------------------------- saver
@@ -199,9 +204,15 @@ def save_weights(path: Path, model: nn.Module, metadata: dict[str, str]) -> int:
 
 def data_geometry(cfg, world_size: int) -> dict[str, int | str]:
     """What fixes the meaning of a mid-epoch data position: batch size, accumulation, ranks, seed."""
-    return {"batch_size": cfg.data.batch_size, "accum_steps": cfg.optim.accum_steps,
-            "world_size": world_size, "seed": cfg.run.seed, "repeated_aug": cfg.data.repeated_aug,
-            "data_sampler": cfg.data.sampler, "data_sampler_from_epoch": cfg.data.sampler_from_epoch}
+    return {
+        "batch_size": cfg.data.batch_size,
+        "accum_steps": cfg.optim.accum_steps,
+        "world_size": world_size,
+        "seed": cfg.run.seed,
+        "repeated_aug": cfg.data.repeated_aug,
+        "data_sampler": cfg.data.sampler,
+        "data_sampler_from_epoch": cfg.data.sampler_from_epoch,
+    }
 
 
 def epoch_number(state: TrainState) -> int:
@@ -243,8 +254,20 @@ class Saver:
             returns their count per kind, which the checkpoint keeps (`log_records`).
     """
 
-    def __init__(self, run_dir: Path, ckpt_cfg, rt, meta: dict[str, Any], *, geometry: dict[str, int],
-                 resumed_step: int | None = None, log=print, ema=None, flush_logs=None, swa=None):
+    def __init__(
+        self,
+        run_dir: Path,
+        ckpt_cfg,
+        rt,
+        meta: dict[str, Any],
+        *,
+        geometry: dict[str, int],
+        resumed_step: int | None = None,
+        log=print,
+        ema=None,
+        flush_logs=None,
+        swa=None,
+    ):
         self.dir = Path(run_dir) / "checkpoints"
         self.cfg, self.rt, self.meta, self.geometry, self.log = ckpt_cfg, rt, meta, geometry, log
         self.ema, self.swa = ema, swa
@@ -268,15 +291,20 @@ class Saver:
     def _read_status(self) -> dict[str, Any]:
         try:
             status = json.loads(read_regular(self.status_path))  # a FIFO there: refused (an OSError), not read
-            if not isinstance(status, dict) or not isinstance(status.get("checkpoints"), list) \
-                    or not isinstance(status.get("history", []), list) \
-                    or not all(isinstance(e, dict) and {"file", "epoch", "step"} <= e.keys() for e in status["checkpoints"]):
+            if (
+                not isinstance(status, dict)
+                or not isinstance(status.get("checkpoints"), list)
+                or not isinstance(status.get("history", []), list)
+                or not all(isinstance(e, dict) and {"file", "epoch", "step"} <= e.keys() for e in status["checkpoints"])
+            ):
                 raise ValueError("unexpected layout")  # e.g. edited by hand: rebuilt, not a crash at the first save
         except FileNotFoundError:
             status = {}
         except (ValueError, OSError, RecursionError) as e:  # RecursionError: JSON nested past Python's limit
-            self.log(f"[yellow]ignoring unreadable {self.status_path}[/] ({type(e).__name__}: {str(e)[:100]}); "
-                     "rebuilding it from the files")
+            self.log(
+                f"[yellow]ignoring unreadable {self.status_path}[/] ({type(e).__name__}: {str(e)[:100]}); "
+                "rebuilding it from the files"
+            )
             status = {}
         status.setdefault("checkpoints", [])
         status.setdefault("history", [])
@@ -298,13 +326,23 @@ class Saver:
             metric, step_in_epoch = ckpt.get("metric"), ckpt["train_state"]["step_in_epoch"]
         except UsageError:
             metric, step_in_epoch = None, None  # unreadable: find_resume reports it if it is ever tried
-        return {"file": p.name, "epoch": epoch, "step_in_epoch": step_in_epoch, "step": step, "metric": metric,
-                "bytes": p.stat().st_size, "time": p.stat().st_mtime}
+        return {
+            "file": p.name,
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "step": step,
+            "metric": metric,
+            "bytes": p.stat().st_size,
+            "time": p.stat().st_mtime,
+        }
 
     def _write_status(self) -> None:
-        self.status.update(monitor=self.cfg.monitor, mode=self.cfg.mode,
-                           latest=self.status["checkpoints"][-1]["file"] if self.status["checkpoints"] else None,
-                           best=self._best_file())
+        self.status.update(
+            monitor=self.cfg.monitor,
+            mode=self.cfg.mode,
+            latest=self.status["checkpoints"][-1]["file"] if self.status["checkpoints"] else None,
+            best=self._best_file(),
+        )
         data = json.dumps(self.status, indent=1).encode()
         atomic_write(self.status_path, lambda f: f.write(data))
 
@@ -331,8 +369,10 @@ class Saver:
         self.status["checkpoints"] = [e for e in self.status["checkpoints"] if e not in newer]
         self._write_status()
         why = "this run starts from scratch" if resumed_step is None else f"this run resumed from step {resumed_step}"
-        self.log(f"[yellow]moved {len(newer)} checkpoint(s) beyond the resume point into {dest}[/] ({why}): "
-                 f"{', '.join(e['file'] for e in newer[:4])}")
+        self.log(
+            f"[yellow]moved {len(newer)} checkpoint(s) beyond the resume point into {dest}[/] ({why}): "
+            f"{', '.join(e['file'] for e in newer[:4])}"
+        )
 
     # -- saving
     def save(self, state: TrainState, model, opt, sched, prec, metric: float | None) -> Path:
@@ -355,10 +395,12 @@ class Saver:
                 self._write(path, state, model, opt, sched, prec, metric, rngs, logged)
             except OSError as e:
                 name = errno.errorcode.get(e.errno, "") if e.errno else ""
-                error = (f"could not save checkpoint {path}: {e.strerror or e}{f' ({name})' if name else ''}. "
-                         f"Nothing saved before was lost: the previous checkpoints in {self.dir} are intact. "
-                         "Free disk space or fix permissions, then continue with `torchsprint train --resume "
-                         f"{self.dir.parent}`.")
+                error = (
+                    f"could not save checkpoint {path}: {e.strerror or e}{f' ({name})' if name else ''}. "
+                    f"Nothing saved before was lost: the previous checkpoints in {self.dir} are intact. "
+                    "Free disk space or fix permissions, then continue with `torchsprint train --resume "
+                    f"{self.dir.parent}`."
+                )
         if (error := broadcast_object(error, self.rt)) is not None:  # also the barrier: every rank waits for rank 0
             raise UsageError(error)
         self._last_saved = key
@@ -376,8 +418,11 @@ class Saver:
             "scaler": prec.state_dict(),
             "train_state": asdict(state),
             # The sampler's position: the loader skips `batches_done` batches of `epoch`'s permutation.
-            "sampler": {"epoch": state.epoch, "batches_done": state.step_in_epoch * self.geometry["accum_steps"],
-                        **self.geometry},
+            "sampler": {
+                "epoch": state.epoch,
+                "batches_done": state.step_in_epoch * self.geometry["accum_steps"],
+                **self.geometry,
+            },
             "rng": rngs,
             "metric": metric,
             # metrics.jsonl's records per kind (logging.Covered). {} is a count too (nothing logged yet, e.g. a step
@@ -389,12 +434,21 @@ class Saver:
             **self.meta,
         }
         size = atomic_write(path, lambda f: torch.save(ckpt, f))
-        entry = {"file": path.name, "epoch": epoch_number(state), "step_in_epoch": state.step_in_epoch,
-                 "step": state.global_step, "metric": metric, "bytes": size, "time": round(time.time(), 3)}
+        entry = {
+            "file": path.name,
+            "epoch": epoch_number(state),
+            "step_in_epoch": state.step_in_epoch,
+            "step": state.global_step,
+            "metric": metric,
+            "bytes": size,
+            "time": round(time.time(), 3),
+        }
         self.status["history"].append(entry)
         entries = [e for e in self.status["checkpoints"] if e["file"] != path.name] + [entry]
         keep = self._keep(entries)
-        self.status["checkpoints"] = sorted((e for e in entries if e["file"] in keep), key=lambda e: (e["step"], e["epoch"]))
+        self.status["checkpoints"] = sorted(
+            (e for e in entries if e["file"] in keep), key=lambda e: (e["step"], e["epoch"])
+        )
         self._write_status()
         # Delete only after the status no longer lists them: a crash here leaves extra files, never missing ones.
         for e in entries:

@@ -138,8 +138,10 @@ class ModelEma:
     def load_state_dict(self, state: dict | None, log=print) -> None:
         """Restore from a checkpoint's `ema` entry; a checkpoint without one starts the EMA from the model."""
         if state is None:
-            log("[yellow]the checkpoint has no EMA weights (saved with ema.enabled=false): the EMA starts from the "
-                "resumed weights[/]")
+            log(
+                "[yellow]the checkpoint has no EMA weights (saved with ema.enabled=false): the EMA starts from the "
+                "resumed weights[/]"
+            )
             self.module.load_state_dict(self.source.state_dict())
             return
         self.module.load_state_dict(state["module"])
@@ -151,22 +153,30 @@ def check_ema(ema_cfg) -> None:
     if not ema_cfg.enabled:
         from torchsprint.config.fields import default_of
 
-        changed = [f for f in type(ema_cfg).model_fields if f != "enabled" and getattr(ema_cfg, f) != default_of(ema_cfg, f)]
+        changed = [
+            f for f in type(ema_cfg).model_fields if f != "enabled" and getattr(ema_cfg, f) != default_of(ema_cfg, f)
+        ]
         if changed:
-            raise UsageError(f"ema.{changed[0]}={getattr(ema_cfg, changed[0])} has no effect with ema.enabled=false; set "
-                             "ema.enabled=true, or remove it.")
+            raise UsageError(
+                f"ema.{changed[0]}={getattr(ema_cfg, changed[0])} has no effect with ema.enabled=false; set "
+                "ema.enabled=true, or remove it."
+            )
         return
     if not ema_cfg.warmup:
         from torchsprint.config.fields import default_of
 
         for f in ("warmup_gamma", "warmup_power"):
             if getattr(ema_cfg, f) != default_of(ema_cfg, f):
-                raise UsageError(f"ema.{f}={getattr(ema_cfg, f)} shapes the decay warm-up, which is off; set "
-                                 "ema.warmup=true, or remove it.")
+                raise UsageError(
+                    f"ema.{f}={getattr(ema_cfg, f)} shapes the decay warm-up, which is off; set "
+                    "ema.warmup=true, or remove it."
+                )
     if ema_cfg.device == "cpu" and ema_cfg.eval:
-        raise UsageError("ema.device=cpu keeps the EMA off the accelerator to save its memory, so it is not evaluated "
-                         "during training: set ema.eval=false (evaluate it afterwards with `torchsprint eval --weights "
-                         "ema`), or ema.device=model.")
+        raise UsageError(
+            "ema.device=cpu keeps the EMA off the accelerator to save its memory, so it is not evaluated "
+            "during training: set ema.eval=false (evaluate it afterwards with `torchsprint eval --weights "
+            "ema`), or ema.device=model."
+        )
 
 
 def build_ema(ema_cfg, source: nn.Module, device: torch.device, channels_last: bool = False):

@@ -78,11 +78,15 @@ def concrete_mode(mode: str) -> str:
 def check_mode(mode: str, device: torch.device) -> None:
     """Refuse a precision this device cannot run, naming what to use instead."""
     if mode in ("amp_fp16", "fp16") and device.type == "cpu":
-        raise UsageError(f"precision={mode} needs a CUDA device (CPUs have no fast fp16 math); "
-                         "on CPU use precision=amp_bf16 (CPU autocast), bf16 or fp32.")
+        raise UsageError(
+            f"precision={mode} needs a CUDA device (CPUs have no fast fp16 math); "
+            "on CPU use precision=amp_bf16 (CPU autocast), bf16 or fp32."
+        )
     if mode in ("amp_bf16", "bf16") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UsageError(f"precision={mode}: this GPU has no bfloat16 support (needs compute capability 8.0+, "
-                         "Ampere or newer). Use precision=amp_fp16.")
+        raise UsageError(
+            f"precision={mode}: this GPU has no bfloat16 support (needs compute capability 8.0+, "
+            "Ampere or newer). Use precision=amp_fp16."
+        )
 
 
 class Precision:
@@ -185,8 +189,9 @@ class Precision:
             opt.step()
         self._masters_to_model()
 
-    def pop_nonfinite(self, step: int, loss_finite: bool = True, *, bad_step: int | None = None,
-                      lr: float | None = None) -> int:
+    def pop_nonfinite(
+        self, step: int, loss_finite: bool = True, *, bad_step: int | None = None, lr: float | None = None
+    ) -> int:
         """Steps skipped since the last call (max over ranks); raises errors.Diverged under stop.
 
         `loss_finite`: the caller's verdict on this rank's losses since the last call; `bad_step`, the
@@ -205,13 +210,18 @@ class Precision:
         if self.on_nonfinite == "stop" and (bad_loss or (skipped and not self.scaler.is_enabled())):
             what = "loss" if bad_loss else "gradients"
             at = f"at step {bad_step}" if bad_step is not None else f"by step {step}"
-            tips = [f"a lower optim.lr (now {lr:.3g})" if lr is not None else "a lower optim.lr",
-                    "optim.clip_grad_norm", "sched.warmup_epochs"]
+            tips = [
+                f"a lower optim.lr (now {lr:.3g})" if lr is not None else "a lower optim.lr",
+                "optim.clip_grad_norm",
+                "sched.warmup_epochs",
+            ]
             if self.scaler.is_enabled():
                 tips.append("precision=amp_bf16 (fp16's range overflows where bf16's does not)")
-            raise Diverged(f"training diverged: the {what} became non-finite (inf/NaN) {at}, with "
-                           f"precision={self.mode}; stopped (precision.on_nonfinite=stop). Try {', '.join(tips[:-1])} "
-                           f"or {tips[-1]}; precision.on_nonfinite=skip skips such steps instead.")
+            raise Diverged(
+                f"training diverged: the {what} became non-finite (inf/NaN) {at}, with "
+                f"precision={self.mode}; stopped (precision.on_nonfinite=stop). Try {', '.join(tips[:-1])} "
+                f"or {tips[-1]}; precision.on_nonfinite=skip skips such steps instead."
+            )
         return skipped
 
     # ------------------------------------------------------------ fp32 master copies (fp16/bf16 modes)
@@ -232,8 +242,10 @@ class Precision:
             group["params"] = [master_of.get(id(p), p) for p in group["params"]]
         for p, master in self.masters:  # state loaded before attaching: re-key it, in fp32
             if p in opt.state:
-                opt.state[master] = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
-                                     for k, v in opt.state.pop(p).items()}
+                opt.state[master] = {
+                    k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+                    for k, v in opt.state.pop(p).items()
+                }
         self._attached.add(id(opt))
 
     def broadcast_masters(self) -> None:
@@ -286,8 +298,10 @@ class Precision:
         saved = state.get("masters") or []
         if saved:
             if len(saved) != len(self.masters):
-                raise UsageError(f"checkpoint has {len(saved)} fp32 master weights, this run {len(self.masters)}: "
-                                 "resume with the same model and precision.mode.")
+                raise UsageError(
+                    f"checkpoint has {len(saved)} fp32 master weights, this run {len(self.masters)}: "
+                    "resume with the same model and precision.mode."
+                )
             with torch.no_grad():
                 for (p, master), s in zip(self.masters, saved):
                     master.copy_(s)

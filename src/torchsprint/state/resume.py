@@ -62,25 +62,32 @@ def _find_resume(resume: str | None, run_dir: Path | None, log) -> tuple[Path | 
             p = p.parent  # the run's checkpoints/ folder itself
         if p.is_dir():
             if not find_checkpoints(p):
-                raise UsageError(f"checkpoint.resume={resume}: no checkpoints/ckpt-*.pt in that folder. "
-                                 "Pass a run folder that saved checkpoints, or a ckpt-*.pt file.")
+                raise UsageError(
+                    f"checkpoint.resume={resume}: no checkpoints/ckpt-*.pt in that folder. "
+                    "Pass a run folder that saved checkpoints, or a ckpt-*.pt file."
+                )
             return _find_resume("auto", p, log)
         if not p.exists():
-            raise UsageError(f"checkpoint.resume={resume}: no such file or folder. Pass a ckpt-*.pt file, "
-                             "a run folder, or 'auto'.")
+            raise UsageError(
+                f"checkpoint.resume={resume}: no such file or folder. Pass a ckpt-*.pt file, a run folder, or 'auto'."
+            )
         return p, load_checkpoint(p)
     candidates = find_checkpoints(run_dir) if run_dir is not None else []
     if not candidates:
-        log(f"checkpoint.resume=auto: no checkpoint in {run_dir}; starting from scratch "
-            "(to continue a run, set run.dir to its folder or use `torchsprint train --resume RUN_DIR`)")
+        log(
+            f"checkpoint.resume=auto: no checkpoint in {run_dir}; starting from scratch "
+            "(to continue a run, set run.dir to its folder or use `torchsprint train --resume RUN_DIR`)"
+        )
         return None, None
     for p in candidates:
         try:
             return p, load_checkpoint(p)
         except UsageError as e:
             log(f"[yellow]skipping unreadable checkpoint[/] {e}; trying the previous one")
-    raise UsageError(f"checkpoint.resume=auto: none of the {len(candidates)} checkpoint(s) in {Path(run_dir) / 'checkpoints'} "
-                     "could be read (see above). Move them away to start over, or resume from another file.")
+    raise UsageError(
+        f"checkpoint.resume=auto: none of the {len(candidates)} checkpoint(s) in {Path(run_dir) / 'checkpoints'} "
+        "could be read (see above). Move them away to start over, or resume from another file."
+    )
 
 
 def restore(ckpt: dict, opt, sched, prec, rt, geometry: dict[str, int], log) -> TrainState:
@@ -100,24 +107,30 @@ def restore(ckpt: dict, opt, sched, prec, rt, geometry: dict[str, int], log) -> 
     changed = {k: (saved[k], v) for k, v in geometry.items() if k in saved and saved[k] != v}
     if state.step_in_epoch > 0 and changed:
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
-        raise UsageError(f"the checkpoint was saved in the middle of epoch {state.epoch + 1} (step {state.global_step}) "
-                         f"and this run changes {what}: the data position would no longer match. Resume with the "
-                         "same data.batch_size, optim.accum_steps, number of processes, run.seed, data.repeated_aug, data.sampler and data.sampler_from_epoch, or from a "
-                         "checkpoint saved at an epoch boundary.")
+        raise UsageError(
+            f"the checkpoint was saved in the middle of epoch {state.epoch + 1} (step {state.global_step}) "
+            f"and this run changes {what}: the data position would no longer match. Resume with the "
+            "same data.batch_size, optim.accum_steps, number of processes, run.seed, data.repeated_aug, data.sampler and data.sampler_from_epoch, or from a "
+            "checkpoint saved at an epoch boundary."
+        )
     try:
         opt.load_state_dict(ckpt["optimizer"])
     except (ValueError, KeyError, RuntimeError) as e:
-        raise UsageError(f"the checkpoint's optimizer state does not fit this run's optimizer ({e}). Were "
-                         "model.freeze/train_only or optim.name changed? Resume with the same settings, or "
-                         "start from its weights with model.pretrained=<checkpoint>.") from None
+        raise UsageError(
+            f"the checkpoint's optimizer state does not fit this run's optimizer ({e}). Were "
+            "model.freeze/train_only or optim.name changed? Resume with the same settings, or "
+            "start from its weights with model.pretrained=<checkpoint>."
+        ) from None
     sched.load_state_dict(ckpt["scheduler"])
     prec.load_state_dict(ckpt["scaler"])
     rngs = ckpt["rng"]
     if len(rngs) == rt.world_size:
         set_rng_state(rngs[rt.rank], rt.device)
     else:
-        log(f"[yellow]RNG states not restored[/]: the checkpoint has {len(rngs)} process(es), this run "
-            f"{rt.world_size}; data order and augmentation stay exact, random layers (dropout) do not")
+        log(
+            f"[yellow]RNG states not restored[/]: the checkpoint has {len(rngs)} process(es), this run "
+            f"{rt.world_size}; data order and augmentation stay exact, random layers (dropout) do not"
+        )
     return state
 
 
@@ -130,8 +143,10 @@ def restore_run(ckpt: dict | None, built, rt, resume_path, log) -> TrainState:
     state = restore(ckpt, built.opt, built.sched, built.prec, rt, data_geometry(built.cfg, rt.world_size), log)
     built.ema.load_state_dict(ckpt.get("ema"), log)
     built.swa.load_state_dict(ckpt.get("swa"), state.epoch, log)
-    log(f"resuming at epoch {state.epoch + 1}, step {state.global_step} ({state.step_in_epoch} step(s) into the "
-        f"epoch) from {resume_path}")
+    log(
+        f"resuming at epoch {state.epoch + 1}, step {state.global_step} ({state.step_in_epoch} step(s) into the "
+        f"epoch) from {resume_path}"
+    )
     return state
 
 
@@ -144,13 +159,14 @@ def decisions_at_start(resume_path) -> dict:
         return {}
     for folder in Path(resume_path).parents[:2]:
         try:
-            decided = json.loads(read_regular(folder / "decisions.json"))  # a FIFO there: refused (an OSError), not read
+            decided = json.loads(
+                read_regular(folder / "decisions.json")
+            )  # a FIFO there: refused (an OSError), not read
         except (OSError, ValueError):
             continue
         if isinstance(decided, dict):
             return decided
     return {}
-
 
 
 def check_same_classes(saved, now, source, fix: str) -> None:
@@ -166,10 +182,15 @@ def check_same_classes(saved, now, source, fix: str) -> None:
     def names(cs: list) -> str:
         return ", ".join(map(str, cs[:5])) + (f" (+{len(cs) - 5} more)" if len(cs) > 5 else "")
 
-    what = "; ".join(part for part in (f"added: {names(added)}" if added else "",
-                                        f"removed: {names(removed)}" if removed else "") if part)
-    raise UsageError(f"the data's classes changed since {source} was saved ({len(saved)} classes then, {len(now)} now; "
-                     f"{what or 'the same names in another order'}): {fix}")
+    what = "; ".join(
+        part
+        for part in (f"added: {names(added)}" if added else "", f"removed: {names(removed)}" if removed else "")
+        if part
+    )
+    raise UsageError(
+        f"the data's classes changed since {source} was saved ({len(saved)} classes then, {len(now)} now; "
+        f"{what or 'the same names in another order'}): {fix}"
+    )
 
 
 def check_resumed_classes(ckpt: dict | None, resume_path, classes) -> None:
@@ -177,9 +198,14 @@ def check_resumed_classes(ckpt: dict | None, resume_path, classes) -> None:
     if ckpt is None:
         return
     run = Path(resume_path).parents[1] if Path(resume_path).parent.name == "checkpoints" else "<the run>"
-    check_same_classes(ckpt.get("classes"), classes, resume_path, "to resume, restore the data's class folders as they "
-                       "were; to train on the classes as they are now, start a new run (model.pretrained="
-                       f"{run}/best.safetensors starts it from these weights, with a new head).")
+    check_same_classes(
+        ckpt.get("classes"),
+        classes,
+        resume_path,
+        "to resume, restore the data's class folders as they "
+        "were; to train on the classes as they are now, start a new run (model.pretrained="
+        f"{run}/best.safetensors starts it from these weights, with a new head).",
+    )
 
 
 def disk_full_error(error: BaseException, run_dir: Path | None) -> UsageError | None:
@@ -191,6 +217,8 @@ def disk_full_error(error: BaseException, run_dir: Path | None) -> UsageError | 
         return None
     newest = find_checkpoints(run_dir)[:1] if run_dir else []
     if newest:
-        return UsageError(f"{line}; the last checkpoint, {newest[0]}, is intact: free space, then continue with "
-                          f"`torchsprint train --resume {run_dir}`.")
+        return UsageError(
+            f"{line}; the last checkpoint, {newest[0]}, is intact: free space, then continue with "
+            f"`torchsprint train --resume {run_dir}`."
+        )
     return UsageError(f"{line}; no checkpoint was saved yet: free space and start the run again.")

@@ -19,10 +19,31 @@ from torchsprint.errors import UsageError
 from torchsprint.runtime.files import inside
 
 # What a finished or running torchsprint run leaves in its folder (checkpoints/ is a folder).
-RUN_FILES = ("config.yaml", "env.json", "decisions.json", "metrics.jsonl", "summary.json", "best.safetensors", "last.safetensors",
-             "ema.safetensors", "checkpoints", "tb", "confusion_matrix.csv", "confusion_matrix.png", "per_class.csv",
-             "confusion_matrix_last.csv", "confusion_matrix_last.png", "per_class_last.csv",
-             "metrics_train.csv", "metrics_epoch.csv", "metrics_eval.csv", "mlflow.json", "wandb.json", "wandb", "report")
+RUN_FILES = (
+    "config.yaml",
+    "env.json",
+    "decisions.json",
+    "metrics.jsonl",
+    "summary.json",
+    "best.safetensors",
+    "last.safetensors",
+    "ema.safetensors",
+    "checkpoints",
+    "tb",
+    "confusion_matrix.csv",
+    "confusion_matrix.png",
+    "per_class.csv",
+    "confusion_matrix_last.csv",
+    "confusion_matrix_last.png",
+    "per_class_last.csv",
+    "metrics_train.csv",
+    "metrics_epoch.csv",
+    "metrics_eval.csv",
+    "mlflow.json",
+    "wandb.json",
+    "wandb",
+    "report",
+)
 LOCK_NAME = ".lock"
 
 
@@ -33,8 +54,9 @@ def planned_path(run_cfg) -> tuple[Path, bool]:
         try:
             path.exists()  # raises for a name the filesystem cannot hold (over 255 bytes) or a parent we may not search
         except OSError as e:
-            raise UsageError(f"cannot use the run folder {path}: {e.strerror}. Set run.dir to a writable folder with "
-                             "shorter names.") from None
+            raise UsageError(
+                f"cannot use the run folder {path}: {e.strerror}. Set run.dir to a writable folder with shorter names."
+            ) from None
         return path, True
     return Path(run_cfg.out_dir) / run_cfg.name / time.strftime("%Y%m%d-%H%M%S"), False
 
@@ -49,7 +71,8 @@ def holds_results(path: Path) -> bool:
     """Whether a run folder holds something a run produced by training: checkpoints, weights, a summary.
     A folder with only config.yaml/env.json/metrics.jsonl is a run that failed before its first save."""
     return ((path / "checkpoints").is_dir() and any((path / "checkpoints").glob("ckpt-*.pt"))) or any(
-        (path / n).is_file() for n in ("best.safetensors", "last.safetensors", "summary.json"))
+        (path / n).is_file() for n in ("best.safetensors", "last.safetensors", "summary.json")
+    )
 
 
 def create_unique(path: Path) -> Path:
@@ -62,8 +85,10 @@ def create_unique(path: Path) -> Path:
         except FileExistsError:
             continue
         except OSError as e:
-            raise UsageError(f"cannot create the run folder {candidate}: {e.strerror}. Set run.out_dir or run.dir "
-                             "to a writable folder.") from None
+            raise UsageError(
+                f"cannot create the run folder {candidate}: {e.strerror}. Set run.out_dir or run.dir "
+                "to a writable folder."
+            ) from None
     raise UsageError(f"{path}: 10,000 runs of this name in this second; set run.name or run.dir.")
 
 
@@ -75,8 +100,9 @@ def make_folder(path: Path) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"cannot write the run folder {path}: {e.strerror}. Set run.out_dir or run.dir to a "
-                         "writable folder.") from None
+        raise UsageError(
+            f"cannot write the run folder {path}: {e.strerror}. Set run.out_dir or run.dir to a writable folder."
+        ) from None
     return path
 
 
@@ -98,7 +124,9 @@ class RunLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise UsageError(f"cannot lock the run folder {run_dir}: {e.strerror}. Set run.dir to a writable folder.") from None
+            raise UsageError(
+                f"cannot lock the run folder {run_dir}: {e.strerror}. Set run.dir to a writable folder."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -147,8 +175,9 @@ def run_file_of(path: Path) -> tuple[Path, str] | None:
     return None
 
 
-def writable_file(path: str | Path, option: str, overwrite: bool = True, folder: bool = False,
-                  create: bool = True) -> Path:
+def writable_file(
+    path: str | Path, option: str, overwrite: bool = True, folder: bool = False, create: bool = True
+) -> Path:
     """The one check of an output path, made before any work: returns `path`, or raises UsageError naming the
     option, the path and what to do. Every command's output flags (commands/args.py Output) and every writer call it.
 
@@ -168,8 +197,10 @@ def writable_file(path: str | Path, option: str, overwrite: bool = True, folder:
     name = f"{option} {path}".strip()
     own = run_file_of(path)
     if own is not None:
-        raise UsageError(f"{name} is {own[1]} of the run in {own[0]}: writing there would replace the run's own file. "
-                         f"Choose a path outside the run's files, e.g. {Path(own[0].name + '-' + path.name)}.")
+        raise UsageError(
+            f"{name} is {own[1]} of the run in {own[0]}: writing there would replace the run's own file. "
+            f"Choose a path outside the run's files, e.g. {Path(own[0].name + '-' + path.name)}."
+        )
     if folder and path.exists() and not path.is_dir():
         raise UsageError(f"{name} is a file; give a folder.")
     if not folder and path.is_dir():
@@ -223,8 +254,10 @@ def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
         return path, True, None
     lock = RunLock(path)
     if not holds_results(path) and (cfg.checkpoint.resume is None or resume_auto):  # failed before saving anything
-        log(f"{path} holds only the start of a run that saved nothing (no checkpoint, weights or summary): its "
-            f"files are moved into {set_aside(path)}")
+        log(
+            f"{path} holds only the start of a run that saved nothing (no checkpoint, weights or summary): its "
+            f"files are moved into {set_aside(path)}"
+        )
     elif overwrite:
         moved = set_aside(path)
         log(f"--overwrite: moved the files of the run that was in {path} into {moved}")
@@ -233,9 +266,11 @@ def claim_run_dir(cfg, overwrite: bool, log, dry_run: bool = False):
         raise UsageError(no_checkpoint_left(path))
     elif cfg.checkpoint.resume is None:
         lock.release()
-        raise UsageError(f"{path} already holds a run (config.yaml, weights, checkpoints). To continue it: "
-                         f"`torchsprint train --resume {path}`; to start over there (its files are moved into "
-                         f"{path}/replaced-<time>/): add --overwrite; or choose another run.dir.")
+        raise UsageError(
+            f"{path} already holds a run (config.yaml, weights, checkpoints). To continue it: "
+            f"`torchsprint train --resume {path}`; to start over there (its files are moved into "
+            f"{path}/replaced-<time>/): add --overwrite; or choose another run.dir."
+        )
     return path, True, lock
 
 
@@ -245,27 +280,37 @@ def outside_data(run_dir: Path, data_root: str | None) -> None:
     if data_root is None or not Path(data_root).expanduser().is_dir():
         return
     if inside(run_dir, data_root):
-        raise UsageError(f"the run folder {run_dir} is inside data.root={data_root}: the next run would read its "
-                         "files (plots, checkpoints) as data. Set run.dir (or run.out_dir) to a folder outside data.root.")
+        raise UsageError(
+            f"the run folder {run_dir} is inside data.root={data_root}: the next run would read its "
+            "files (plots, checkpoints) as data. Set run.dir (or run.out_dir) to a folder outside data.root."
+        )
 
 
 def results_of(path: Path) -> list[str]:
     """The result files (summary, weights) a run folder holds."""
-    return [n for n in ("summary.json", "best.safetensors", "last.safetensors", "ema.safetensors") if (path / n).is_file()]
+    return [
+        n for n in ("summary.json", "best.safetensors", "last.safetensors", "ema.safetensors") if (path / n).is_file()
+    ]
 
 
 def no_checkpoint_left(path: Path) -> str:
     """The refusal for resuming a run folder that holds results but no checkpoint to continue from."""
-    return (f"cannot resume {path}: it holds a run's results ({', '.join(results_of(path))}) but no checkpoint (checkpoints/ckpt-*.pt is "
-            f"missing), so resuming would train from scratch over them. To start over there, add --overwrite (its "
-            f"files are moved into {path}/replaced-<time>/, nothing is deleted); or train into another run.dir.")
+    return (
+        f"cannot resume {path}: it holds a run's results ({', '.join(results_of(path))}) but no checkpoint (checkpoints/ckpt-*.pt is "
+        f"missing), so resuming would train from scratch over them. To start over there, add --overwrite (its "
+        f"files are moved into {path}/replaced-<time>/, nothing is deleted); or train into another run.dir."
+    )
 
 
 def finished(ckpt: dict, run_cfg) -> bool:
     """Whether a checkpoint's run already did everything `run_cfg` asks for (all epochs, run.max_steps, or it
     stopped early)."""
     ts = ckpt["train_state"]
-    return ts.get("stopped_epoch") is not None or ts["epoch"] >= run_cfg.epochs or (run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps)
+    return (
+        ts.get("stopped_epoch") is not None
+        or ts["epoch"] >= run_cfg.epochs
+        or (run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps)
+    )
 
 
 def how_to_continue(ts: dict, run_cfg, run_dir: Path) -> str:
@@ -276,16 +321,22 @@ def how_to_continue(ts: dict, run_cfg, run_dir: Path) -> str:
         ts: the checkpoint's train_state; run_cfg: the `run` section it was resumed with; run_dir: its folder.
     """
     if ts.get("stopped_epoch") is not None:
-        return (f"it stopped early after epoch {ts['stopped_epoch'] + 1} (early_stop); to train on, start a new run "
-                f"from its weights with model.pretrained={run_dir / 'last.safetensors'}")
+        return (
+            f"it stopped early after epoch {ts['stopped_epoch'] + 1} (early_stop); to train on, start a new run "
+            f"from its weights with model.pretrained={run_dir / 'last.safetensors'}"
+        )
     by_steps = run_cfg.max_steps is not None and ts["global_step"] >= run_cfg.max_steps
     by_epochs = ts["epoch"] >= run_cfg.epochs
     resume = f"`torchsprint train --resume {run_dir}"
     if by_steps and by_epochs:
-        return (f"it reached both run.epochs={run_cfg.epochs} and run.max_steps={run_cfg.max_steps}; to train it longer, "
-                f"raise both (or remove the step limit), e.g. {resume} run.epochs={run_cfg.epochs + 10} run.max_steps=null`")
+        return (
+            f"it reached both run.epochs={run_cfg.epochs} and run.max_steps={run_cfg.max_steps}; to train it longer, "
+            f"raise both (or remove the step limit), e.g. {resume} run.epochs={run_cfg.epochs + 10} run.max_steps=null`"
+        )
     if by_steps:
-        return (f"it stopped at run.max_steps={run_cfg.max_steps}; to train it longer, resume with a larger run.max_steps, "
-                f"e.g. {resume} run.max_steps={2 * run_cfg.max_steps}`, or remove the limit with run.max_steps=null "
-                f"(then it trains to run.epochs={run_cfg.epochs})")
-    return (f"to train it longer, resume with a larger run.epochs, e.g. {resume} run.epochs={run_cfg.epochs + 10}`")
+        return (
+            f"it stopped at run.max_steps={run_cfg.max_steps}; to train it longer, resume with a larger run.max_steps, "
+            f"e.g. {resume} run.max_steps={2 * run_cfg.max_steps}`, or remove the limit with run.max_steps=null "
+            f"(then it trains to run.epochs={run_cfg.epochs})"
+        )
+    return f"to train it longer, resume with a larger run.epochs, e.g. {resume} run.epochs={run_cfg.epochs + 10}`"

@@ -53,8 +53,10 @@ def start_index(swa_cfg, epochs: int) -> int:
     if start < 1:
         return int(epochs * start)  # Lightning: int(max_epochs * swa_epoch_start)
     if float(start) != int(start):
-        raise UsageError(f"swa.start={start}: give an epoch number (an integer, 1-based) or a fraction of run.epochs "
-                         "below 1, e.g. swa.start=0.75.")
+        raise UsageError(
+            f"swa.start={start}: give an epoch number (an integer, 1-based) or a fraction of run.epochs "
+            "below 1, e.g. swa.start=0.75."
+        )
     return int(start) - 1
 
 
@@ -63,19 +65,27 @@ def check_swa(swa_cfg, epochs: int) -> int:
     from torchsprint.config.fields import default_of
 
     if not swa_cfg.enabled:
-        changed = [f for f in type(swa_cfg).model_fields if f != "enabled" and getattr(swa_cfg, f) != default_of(swa_cfg, f)]
+        changed = [
+            f for f in type(swa_cfg).model_fields if f != "enabled" and getattr(swa_cfg, f) != default_of(swa_cfg, f)
+        ]
         if changed:
-            raise UsageError(f"swa.{changed[0]}={getattr(swa_cfg, changed[0])} has no effect with swa.enabled=false; set "
-                             "swa.enabled=true, or remove it.")
+            raise UsageError(
+                f"swa.{changed[0]}={getattr(swa_cfg, changed[0])} has no effect with swa.enabled=false; set "
+                "swa.enabled=true, or remove it."
+            )
         return 0
     if swa_cfg.lr is None:
-        raise UsageError("swa.enabled=true needs swa.lr, the learning rate SWALR anneals to and keeps while the weights "
-                         "are averaged (a tenth to a half of optim.lr is usual), e.g. swa.lr=0.01.")
+        raise UsageError(
+            "swa.enabled=true needs swa.lr, the learning rate SWALR anneals to and keeps while the weights "
+            "are averaged (a tenth to a half of optim.lr is usual), e.g. swa.lr=0.01."
+        )
     start = start_index(swa_cfg, epochs)
     if start >= epochs:
-        raise UsageError(f"swa.start={swa_cfg.start} is epoch {start + 1}, after the run's last epoch (run.epochs={epochs}): "
-                         f"nothing would be averaged. Set swa.start to at most {epochs} (or a fraction below 1), or "
-                         "raise run.epochs.")
+        raise UsageError(
+            f"swa.start={swa_cfg.start} is epoch {start + 1}, after the run's last epoch (run.epochs={epochs}): "
+            f"nothing would be averaged. Set swa.start to at most {epochs} (or a fraction below 1), or "
+            "raise run.epochs."
+        )
     return start
 
 
@@ -157,8 +167,9 @@ class Swa:
 
     def begin(self) -> None:
         """The first averaged epoch begins: SWALR takes the learning rate over from the run's schedule."""
-        self.swalr = SWALR(self.opt, swa_lr=self.cfg.lr, anneal_epochs=self.cfg.anneal_epochs,
-                           anneal_strategy=self.cfg.anneal_strategy)
+        self.swalr = SWALR(
+            self.opt, swa_lr=self.cfg.lr, anneal_epochs=self.cfg.anneal_epochs, anneal_strategy=self.cfg.anneal_strategy
+        )
 
     @torch.no_grad()
     def end_epoch(self, epoch: int, finished: bool) -> None:
@@ -177,19 +188,26 @@ class Swa:
         recompute_bn(self.module, loader, epoch, rt, prec, seed)
 
     def state_dict(self) -> dict:
-        return {"averaged": self.averaged.state_dict(), "start": self.start,
-                "swalr": None if self.swalr is None else self.swalr.state_dict()}
+        return {
+            "averaged": self.averaged.state_dict(),
+            "start": self.start,
+            "swalr": None if self.swalr is None else self.swalr.state_dict(),
+        }
 
     def load_state_dict(self, state: dict | None, epoch: int, log=print) -> None:
         """Restore from a checkpoint's `swa` entry at epoch `epoch` (TrainState.epoch: the epoch to train next)."""
         if state is None or state["averaged"]["n_averaged"] == 0:
             if epoch > self.start:
-                raise UsageError(f"swa.start={self.cfg.start} (epoch {self.start + 1}) is before the resume point (epoch "
-                                 f"{epoch + 1}) and the checkpoint has no average of the epochs since: set swa.start to "
-                                 f"{epoch + 1} or later, or resume from a checkpoint saved before epoch {self.start + 1}.")
+                raise UsageError(
+                    f"swa.start={self.cfg.start} (epoch {self.start + 1}) is before the resume point (epoch "
+                    f"{epoch + 1}) and the checkpoint has no average of the epochs since: set swa.start to "
+                    f"{epoch + 1} or later, or resume from a checkpoint saved before epoch {self.start + 1}."
+                )
         elif state["start"] != self.start:
-            raise UsageError(f"the checkpoint's SWA average starts at epoch {state['start'] + 1}, this run's swa.start="
-                             f"{self.cfg.start} at epoch {self.start + 1}: resume with the same swa.start.")
+            raise UsageError(
+                f"the checkpoint's SWA average starts at epoch {state['start'] + 1}, this run's swa.start="
+                f"{self.cfg.start} at epoch {self.start + 1}: resume with the same swa.start."
+            )
         if state is not None:
             self.averaged.load_state_dict(state["averaged"])
         if epoch >= self.start:
@@ -241,8 +259,10 @@ def build_swa(swa_cfg, source: nn.Module, epochs: int, device: torch.device, cha
 def describe(swa: Swa, epochs: int) -> str:
     """One line: which epochs are averaged and how the learning rate gets there."""
     anneal = swa.cfg.anneal_epochs
-    return (f"SWA: epochs {swa.start + 1}-{epochs} averaged; from epoch {swa.start + 1} the learning rate anneals to "
-            f"swa.lr={swa.cfg.lr:g} over {anneal} epoch(s) ({swa.cfg.anneal_strategy}, SWALR)")
+    return (
+        f"SWA: epochs {swa.start + 1}-{epochs} averaged; from epoch {swa.start + 1} the learning rate anneals to "
+        f"swa.lr={swa.cfg.lr:g} over {anneal} epoch(s) ({swa.cfg.anneal_strategy}, SWALR)"
+    )
 
 
 __all__ = ["NoSwa", "Swa", "SwaSchedule", "build_swa", "check_swa", "recompute_bn"]

@@ -63,7 +63,9 @@ class Task:
     min_classes: int = 2  # one class is nothing to tell apart (torchmetrics refuses it too)
     targets: str = "class_index"  # what the loss compares outputs with: class_index, multi_hot or image (optim.loss)
     eval_fields: tuple[str, ...] = ("topk", "per_class")  # the `eval` settings its metrics read (besides every_epochs)
-    artifact_files: tuple[str, ...] = ()  # what write_artifacts may write for the best weights (artifact_name: the last's)
+    artifact_files: tuple[
+        str, ...
+    ] = ()  # what write_artifacts may write for the best weights (artifact_name: the last's)
 
     def artifacts(self, weights: str) -> list[str]:
         """The file names write_artifacts uses for the `weights` ("best" or "last") weights."""
@@ -72,27 +74,37 @@ class Task:
     def check(self, cfg) -> None:
         """Refuse config combinations this task cannot run correctly, naming them and what to do instead."""
         if self.backends is not None and cfg.data.backend not in (*self.backends, "auto"):
-            raise UsageError(f"task={self.name} does not support data.backend={cfg.data.backend} (supported: "
-                             f"{', '.join(self.backends)}). Set data.backend={self.backends[0]}.")
+            raise UsageError(
+                f"task={self.name} does not support data.backend={cfg.data.backend} (supported: "
+                f"{', '.join(self.backends)}). Set data.backend={self.backends[0]}."
+            )
         if cfg.data.progressive.start_size is not None and "progressive" in self.unsupported:
-            raise UsageError(f"task={self.name}: data.progressive is not supported: {self.unsupported['progressive']} "
-                             "Remove data.progressive.")
+            raise UsageError(
+                f"task={self.name}: data.progressive is not supported: {self.unsupported['progressive']} "
+                "Remove data.progressive."
+            )
         if cfg.speed.channels_last is True and not self.channels_last:
-            raise UsageError(f"task={self.name}: speed.channels_last applies to 4-D image batches only; set speed.channels_last=false.")
+            raise UsageError(
+                f"task={self.name}: speed.channels_last applies to 4-D image batches only; set speed.channels_last=false."
+            )
         from torchsprint.tasks.tta import plan_tta
 
         plan_tta(cfg.eval.tta, self, cfg.data.eval.transforms)  # refuses eval.tta where it has no meaning
         for key in ("topk", "per_class", "threshold"):
             value = getattr(cfg.eval, key)
             if key not in self.eval_fields and value != type(cfg.eval).model_fields[key].default:
-                raise UsageError(f"eval.{key}={value}: task={self.name} does not use it (it reads "
-                                 f"{', '.join('eval.' + k for k in self.eval_fields) or 'no eval setting but every_epochs'}); "
-                                 "remove it.")
+                raise UsageError(
+                    f"eval.{key}={value}: task={self.name} does not use it (it reads "
+                    f"{', '.join('eval.' + k for k in self.eval_fields) or 'no eval setting but every_epochs'}); "
+                    "remove it."
+                )
 
     def check_export(self, fmt: str) -> None:
         if fmt not in self.export_formats:
-            raise UsageError(f"task={self.name}: export --format {fmt} is not supported (supported: "
-                             f"{', '.join(self.export_formats)}).")
+            raise UsageError(
+                f"task={self.name}: export --format {fmt} is not supported (supported: "
+                f"{', '.join(self.export_formats)})."
+            )
 
 
 def get_task(name: str) -> Task:
@@ -120,12 +132,16 @@ def check_data_task(cfg, info) -> None:
     task = get_task(cfg.task)
     wanted = task.data_task or cfg.task
     if info.task != wanted:
-        raise UsageError(f"data.dataset={cfg.data.dataset} provides {info.task} samples but task={cfg.task}. "
-                         f"Set task: {info.task}, or pick a dataset made for task={cfg.task}.")
+        raise UsageError(
+            f"data.dataset={cfg.data.dataset} provides {info.task} samples but task={cfg.task}. "
+            f"Set task: {info.task}, or pick a dataset made for task={cfg.task}."
+        )
     if info.num_classes < task.min_classes:
         found = f"{info.num_classes} class ({', '.join(info.classes)})" if info.classes else "no classes"
-        raise UsageError(f"data.dataset={cfg.data.dataset} (root {cfg.data.root}) has {found}: task={cfg.task} needs at "
-                         f"least {task.min_classes} to tell apart. Add a folder (or label) per class.")
+        raise UsageError(
+            f"data.dataset={cfg.data.dataset} (root {cfg.data.root}) has {found}: task={cfg.task} needs at "
+            f"least {task.min_classes} to tell apart. Add a folder (or label) per class."
+        )
 
 
 # ---------------------------------------------------------------- classification (and video)
@@ -147,8 +163,10 @@ def _classification_summary(ev: dict) -> str:
     top = "".join(f"  {k[4:]} {v:.4f}" for k, v in ev.items() if k.startswith("val/top") and k != "val/top1")
     line = f"val loss {ev['val/loss']:.4f}  top1 {ev['val/top1']:.4f}{top}"
     if ev.get("val/class_imbalance", 1.0) >= IMBALANCED:
-        line += (f"  balanced acc {ev['val/balanced_acc']:.4f}  macro-F1 {ev['val/f1_macro']:.4f}  weakest class "
-                 f"{ev['val/min_recall_class']} recall {ev['val/min_recall']:.4f}")
+        line += (
+            f"  balanced acc {ev['val/balanced_acc']:.4f}  macro-F1 {ev['val/f1_macro']:.4f}  weakest class "
+            f"{ev['val/min_recall_class']} recall {ev['val/min_recall']:.4f}"
+        )
     return line
 
 
@@ -183,14 +201,25 @@ def _topk(outputs: torch.Tensor, classes: list[str], options: dict) -> list[dict
     k = min(options.get("topk", 5), len(classes))
     c = outputs.sort(dim=1, descending=True, stable=True).indices[:, :k]
     p = torch.softmax(outputs, dim=1).gather(1, c)
-    return [{"top": [{"class": classes[j], "prob": q} for j, q in zip(ci, pi)]} for pi, ci in zip(p.tolist(), c.tolist())]
+    return [
+        {"top": [{"class": classes[j], "prob": q} for j, q in zip(ci, pi)]} for pi, ci in zip(p.tolist(), c.tolist())
+    ]
 
 
 @TASKS.register("classification")
 def classification() -> Task:
     """One class per image: cross-entropy, top-1/top-k, per-class P/R/F1 and a confusion matrix."""
-    return Task("classification", "cross_entropy", "val/top1", "max", _classification_metrics, _classification_summary,
-                _write_confusion, _topk, artifact_files=CONFUSION_FILES)
+    return Task(
+        "classification",
+        "cross_entropy",
+        "val/top1",
+        "max",
+        _classification_metrics,
+        _classification_summary,
+        _write_confusion,
+        _topk,
+        artifact_files=CONFUSION_FILES,
+    )
 
 
 # ---------------------------------------------------------------- multilabel
@@ -223,8 +252,20 @@ def _nothing(*_args) -> list[str]:
 @TASKS.register("multilabel")
 def multilabel() -> Task:
     """Any number of labels per image: BCE-with-logits on multi-hot targets, mAP and per-label F1 at eval.threshold."""
-    return Task("multilabel", "bce_with_logits", "val/mAP", "max", _multilabel_metrics, _multilabel_summary, _nothing,
-                _above_threshold, backends=("cpu", "memory"), min_classes=1, targets="multi_hot", eval_fields=("threshold",))
+    return Task(
+        "multilabel",
+        "bce_with_logits",
+        "val/mAP",
+        "max",
+        _multilabel_metrics,
+        _multilabel_summary,
+        _nothing,
+        _above_threshold,
+        backends=("cpu", "memory"),
+        min_classes=1,
+        targets="multi_hot",
+        eval_fields=("threshold",),
+    )
 
 
 # ---------------------------------------------------------------- image_to_image
@@ -263,11 +304,26 @@ def image_to_image() -> Task:
     synthetic_blur (24.23 -> 24.23 dB after 150 steps) where MSE gained +1.1 dB. Set loss.name=l1 or
     weighted loss.terms for other data.
     """
-    return Task("image_to_image", "mse", "val/psnr", "max", _restoration_metrics, _restoration_summary, _nothing, _images,
-                backends=("cpu", "memory"), export_formats=("onnx", "safetensors", "torchscript"), example=_paired_example,
-                min_classes=1, targets="image", eval_fields=(),
-                unsupported={"progressive": "it is made and measured for image classification batches; restoration models "
-                             "are evaluated on whole images, and a schedule of patch sizes for them is not measured."})
+    return Task(
+        "image_to_image",
+        "mse",
+        "val/psnr",
+        "max",
+        _restoration_metrics,
+        _restoration_summary,
+        _nothing,
+        _images,
+        backends=("cpu", "memory"),
+        export_formats=("onnx", "safetensors", "torchscript"),
+        example=_paired_example,
+        min_classes=1,
+        targets="image",
+        eval_fields=(),
+        unsupported={
+            "progressive": "it is made and measured for image classification batches; restoration models "
+            "are evaluated on whole images, and a schedule of patch sizes for them is not measured."
+        },
+    )
 
 
 # ---------------------------------------------------------------- video
@@ -289,14 +345,27 @@ def video() -> Task:
     With multi_clip in the eval spec, val batches are (N, K, T, C, H, W) and the model wrapper averages
     the K clips' logits; export takes the single-clip model (parity on the first clip).
     """
-    return Task("video", "cross_entropy", "val/top1", "max", _classification_metrics, _classification_summary,
-                _write_confusion, _topk, backends=("cpu",), export_formats=("onnx", "safetensors"), channels_last=False,
-                artifact_files=CONFUSION_FILES,
-                example=_first_clip,
-                unsupported={"predict": "predict decodes image files; evaluate clips with `torchsprint eval` instead.",
-                             "tta": "clips are averaged over time by multi_clip in data.eval.transforms instead.",
-                             "progressive": "clips are cropped frame by frame on the cpu backend only, and the schedule "
-                             "is made and measured for image batches."})
+    return Task(
+        "video",
+        "cross_entropy",
+        "val/top1",
+        "max",
+        _classification_metrics,
+        _classification_summary,
+        _write_confusion,
+        _topk,
+        backends=("cpu",),
+        export_formats=("onnx", "safetensors"),
+        channels_last=False,
+        artifact_files=CONFUSION_FILES,
+        example=_first_clip,
+        unsupported={
+            "predict": "predict decodes image files; evaluate clips with `torchsprint eval` instead.",
+            "tta": "clips are averaged over time by multi_clip in data.eval.transforms instead.",
+            "progressive": "clips are cropped frame by frame on the cpu backend only, and the schedule "
+            "is made and measured for image batches.",
+        },
+    )
 
 
 __all__ = ["TASKS", "Task", "get_task", "apply_defaults", "check_data_task", "to_pixels"]

@@ -37,8 +37,9 @@ class ClassificationMetrics:
     classes never predicted).
     """
 
-    def __init__(self, num_classes: int, topk: int, per_class: bool, device: torch.device,
-                 classes: list[str] | None = None):
+    def __init__(
+        self, num_classes: int, topk: int, per_class: bool, device: torch.device, classes: list[str] | None = None
+    ):
         self.num_classes, self.per_class = num_classes, per_class
         self.topk = topk if num_classes > topk else None  # top-k of k or fewer classes is always 1: not reported
         self.classes = classes or [str(i) for i in range(num_classes)]
@@ -63,8 +64,14 @@ class ClassificationMetrics:
 
         c = self.num_classes
         # One reduction, in float64 (counts stay exact below 2^53): the matrix, top-k hits, loss sum and count.
-        sums = torch.cat([self.confusion.double(), self.topk_hits.double().view(1), self.loss_sum.view(1),
-                          self.count.double().view(1)])
+        sums = torch.cat(
+            [
+                self.confusion.double(),
+                self.topk_hits.double().view(1),
+                self.loss_sum.view(1),
+                self.count.double().view(1),
+            ]
+        )
         all_reduce_sum(sums)  # note: a device sync point, once per evaluation
         sums = sums.cpu()
         confusion = sums[: c * c].view(c, c)
@@ -95,8 +102,13 @@ def balanced_figures(confusion: torch.Tensor, classes: list[str]) -> dict:
     used = present | (predicted > 0)
     f1 = 2 * hits[used] / (support[used] + predicted[used])  # = 2PR / (P + R); 0 where a class is never right
     weakest = int(torch.nonzero(present).flatten()[recall.argmin()])
-    return {"balanced_acc": recall.mean().item(), "f1_macro": f1.mean().item(), "min_recall": recall.min().item(),
-            "min_recall_class": classes[weakest], "class_imbalance": (support[present].max() / support[present].min()).item()}
+    return {
+        "balanced_acc": recall.mean().item(),
+        "f1_macro": f1.mean().item(),
+        "min_recall": recall.min().item(),
+        "min_recall_class": classes[weakest],
+        "class_imbalance": (support[present].max() / support[present].min()).item(),
+    }
 
 
 def _compute(metrics, loss_sum: torch.Tensor, count: torch.Tensor) -> dict:
@@ -128,13 +140,21 @@ class MultilabelMetrics:
         self.single = num_labels == 1
         if self.single:
             kw = dict(threshold=threshold)
-            m = {"mAP": tm.BinaryAveragePrecision(), "f1": tm.BinaryF1Score(**kw),
-                 "precision": tm.BinaryPrecision(**kw), "recall": tm.BinaryRecall(**kw)}
+            m = {
+                "mAP": tm.BinaryAveragePrecision(),
+                "f1": tm.BinaryF1Score(**kw),
+                "precision": tm.BinaryPrecision(**kw),
+                "recall": tm.BinaryRecall(**kw),
+            }
         else:
             kw = dict(num_labels=num_labels, threshold=threshold)
-            m = {"mAP": tm.MultilabelAveragePrecision(num_labels, average="macro"),
-                 "f1_macro": tm.MultilabelF1Score(average="macro", **kw), "f1": tm.MultilabelF1Score(average=None, **kw),
-                 "precision": tm.MultilabelPrecision(average=None, **kw), "recall": tm.MultilabelRecall(average=None, **kw)}
+            m = {
+                "mAP": tm.MultilabelAveragePrecision(num_labels, average="macro"),
+                "f1_macro": tm.MultilabelF1Score(average="macro", **kw),
+                "f1": tm.MultilabelF1Score(average=None, **kw),
+                "precision": tm.MultilabelPrecision(average=None, **kw),
+                "recall": tm.MultilabelRecall(average=None, **kw),
+            }
         # Compute groups named, never inferred: torchmetrics' default (compute_groups=True) merges metrics whose states
         # are equal after the first update, which once computed top-5 from top-1's counts for the rest of an
         # evaluation (top-5 printed 67.2% = top-1, true 98.6%). The F1/precision/recall share one state by construction.
@@ -173,10 +193,13 @@ class RestorationMetrics:
         from torchmetrics import MetricCollection
         from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
-        self.metrics = MetricCollection({
-            "psnr": PeakSignalNoiseRatio(data_range=1.0, reduction="elementwise_mean", dim=(1, 2, 3)),
-            "ssim": StructuralSimilarityIndexMeasure(data_range=1.0),
-        }, compute_groups=False).to(device)  # never inferred: see MultilabelMetrics
+        self.metrics = MetricCollection(
+            {
+                "psnr": PeakSignalNoiseRatio(data_range=1.0, reduction="elementwise_mean", dim=(1, 2, 3)),
+                "ssim": StructuralSimilarityIndexMeasure(data_range=1.0),
+            },
+            compute_groups=False,
+        ).to(device)  # never inferred: see MultilabelMetrics
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         self.count = torch.zeros((), device=device, dtype=torch.int64)
 
@@ -196,7 +219,9 @@ def weights_text(weights: dict | None) -> str:
     return f"{weights['file']}, epoch {weights['epoch']} (step {weights['step']})"
 
 
-def write_confusion(path_stem: Path, confusion: list[list[int]], classes: list[str], weights: dict | None = None) -> None:
+def write_confusion(
+    path_stem: Path, confusion: list[list[int]], classes: list[str], weights: dict | None = None
+) -> None:
     """Write the confusion matrix as CSV (rows: true class, columns: predicted) and as a PNG (plots.confusion).
 
     `weights` (tasks.Task.write_artifacts): which weights it describes, named in the PNG's title."""
@@ -209,7 +234,9 @@ def write_confusion(path_stem: Path, confusion: list[list[int]], classes: list[s
         w.writerow([c, *row])
     replace_file(path_stem.with_suffix(".csv"), f.getvalue())
     which = f", {weights_text(weights)}" if weights else ""
-    plot_confusion(confusion, classes, path_stem.with_suffix(".png"), title=f"Confusion matrix: {path_stem.parent.name}{which}")
+    plot_confusion(
+        confusion, classes, path_stem.with_suffix(".png"), title=f"Confusion matrix: {path_stem.parent.name}{which}"
+    )
 
 
 def write_per_class(path: Path, metrics: dict, classes: list[str], weights: dict | None = None) -> None:
@@ -223,5 +250,7 @@ def write_per_class(path: Path, metrics: dict, classes: list[str], weights: dict
     w = csv.writer(f)
     w.writerow(["class", "precision", "recall", "f1", "support", *(["weights", "epoch"] if weights else [])])
     for i, c in enumerate(classes):
-        w.writerow([c, *(f"{get(k)[i]:.6f}" if get(k) else "" for k in ("precision", "recall", "f1")), support[i], *named])
+        w.writerow(
+            [c, *(f"{get(k)[i]:.6f}" if get(k) else "" for k in ("precision", "recall", "f1")), support[i], *named]
+        )
     replace_file(path, f.getvalue())

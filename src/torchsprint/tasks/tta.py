@@ -77,19 +77,23 @@ def _crop_plan(spec: list, name: str) -> tuple[int, tuple[int, int], tuple[int, 
     geometric = [i for i, (n, _) in enumerate(steps) if n != "normalize"]
     example = "e.g. data.eval.transforms=[resize: 146, center_crop: 128, normalize: imagenet]"
     if not geometric or steps[geometric[-1]][0] != "center_crop" or _hw(_size_arg(steps[geometric[-1]][1])) is None:
-        raise UsageError(f"eval.tta={name} takes crops of the eval size from a larger image, so data.eval.transforms must "
-                         f"end with center_crop: SIZE after a larger resize (SIZE/{CROP_PCT} is usual: {example}); it "
-                         f"is {spec}. Set it so, or use eval.tta=hflip.")
+        raise UsageError(
+            f"eval.tta={name} takes crops of the eval size from a larger image, so data.eval.transforms must "
+            f"end with center_crop: SIZE after a larger resize (SIZE/{CROP_PCT} is usual: {example}); it "
+            f"is {spec}. Set it so, or use eval.tta=hflip."
+        )
     i = geometric[-1]
     crop = _hw(_size_arg(steps[i][1]))
     resized = [_size_arg(a) for n, a in steps[:i] if n == "resize"]
     loaded = _hw(resized[-1]) if resized else None
     if loaded is None or loaded[0] < crop[0] or loaded[1] < crop[1] or loaded == crop:
         need = round(max(crop) / CROP_PCT)
-        raise UsageError(f"eval.tta={name} cuts {crop[0]}x{crop[1]} crops (data.eval.transforms' center_crop) from the "
-                         f"centre square of the resized image, but data.eval.transforms={spec} has no resize larger than "
-                         f"the crop before its center_crop: put resize: {need} (= {max(crop)}/{CROP_PCT}) before it "
-                         f"({example}), or use eval.tta=hflip.")
+        raise UsageError(
+            f"eval.tta={name} cuts {crop[0]}x{crop[1]} crops (data.eval.transforms' center_crop) from the "
+            f"centre square of the resized image, but data.eval.transforms={spec} has no resize larger than "
+            f"the crop before its center_crop: put resize: {need} (= {max(crop)}/{CROP_PCT}) before it "
+            f"({example}), or use eval.tta=hflip."
+        )
     return i, crop, loaded
 
 
@@ -105,14 +109,18 @@ def plan_tta(name: str, task, eval_transforms: list) -> TtaPlan | None:
     if name == "none":
         return None
     if "tta" in task.unsupported:
-        raise UsageError(f"eval.tta={name}: task={task.name} does not support test-time augmentation: "
-                         f"{task.unsupported['tta']} Set eval.tta=none.")
+        raise UsageError(
+            f"eval.tta={name}: task={task.name} does not support test-time augmentation: "
+            f"{task.unsupported['tta']} Set eval.tta=none."
+        )
     crop = None
     if name in ("five_crop", "ten_crop"):
         if task.targets == "image":
-            raise UsageError(f"eval.tta={name}: task={task.name} outputs images, and crops of the input give crops of the "
-                             "output, not one image to average; use eval.tta=hflip (outputs flipped back and averaged) "
-                             "or none.")
+            raise UsageError(
+                f"eval.tta={name}: task={task.name} outputs images, and crops of the input give crops of the "
+                "output, not one image to average; use eval.tta=hflip (outputs flipped back and averaged) "
+                "or none."
+            )
         crop = _crop_plan(eval_transforms, name)[1]
     return TtaPlan(name, name in ("hflip", "ten_crop"), crop, task.targets)
 
@@ -128,7 +136,7 @@ def loading_spec(eval_transforms: list, name: str) -> list:
     arg = step["center_crop"]
     size = list(loaded) if isinstance(_size_arg(arg), list | tuple) else loaded[0]
     new = {"center_crop": arg | {"size": size} if isinstance(arg, dict) else size}
-    return [*eval_transforms[:i], new, *eval_transforms[i + 1:]]
+    return [*eval_transforms[:i], new, *eval_transforms[i + 1 :]]
 
 
 def with_loading_spec(data_cfg, name: str):
@@ -148,8 +156,13 @@ def five_crops(x: torch.Tensor, size: tuple[int, int]) -> list[torch.Tensor]:
     if h > H or w > W:
         raise UsageError(f"eval.tta: {h}x{w} crops do not fit {H}x{W} images; load them with tta.loading_spec.")
     top, left = int(round((H - h) / 2.0)), int(round((W - w) / 2.0))
-    return [x[..., :h, :w], x[..., :h, W - w:], x[..., H - h:, :w], x[..., H - h:, W - w:],
-            x[..., top:top + h, left:left + w]]
+    return [
+        x[..., :h, :w],
+        x[..., :h, W - w :],
+        x[..., H - h :, :w],
+        x[..., H - h :, W - w :],
+        x[..., top : top + h, left : left + w],
+    ]
 
 
 def make_views(x: torch.Tensor, plan: TtaPlan) -> list[torch.Tensor]:
@@ -197,5 +210,15 @@ def first_view(x: torch.Tensor, plan: TtaPlan | None) -> torch.Tensor:
     return x if plan is None or plan.crop is None else five_crops(x, plan.crop)[4]
 
 
-__all__ = ["TTA_NAMES", "TtaPlan", "TtaModel", "plan_tta", "loading_spec", "with_loading_spec", "make_views",
-           "combine", "wrap_tta", "first_view"]
+__all__ = [
+    "TTA_NAMES",
+    "TtaPlan",
+    "TtaModel",
+    "plan_tta",
+    "loading_spec",
+    "with_loading_spec",
+    "make_views",
+    "combine",
+    "wrap_tta",
+    "first_view",
+]

@@ -36,14 +36,20 @@ AUTO_MAX = 4096
 PROBE_SIZES = (2, 8)  # CPU: the two small batches whose peak memory gives the per-image cost
 CPU_MEMORY_SHARE = 0.5  # CPU: the share of free memory the batch may take (room for the data, workers, fragmentation)
 # What an allocation failure says when it is not a torch.OutOfMemoryError (Lightning's is_oom_error list).
-_OOM_TEXT = ("CUDA out of memory", "CUDNN_STATUS_NOT_SUPPORTED", "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
-             "DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+_OOM_TEXT = (
+    "CUDA out of memory",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+)
 
 
 def is_oom(error: BaseException) -> bool:
     """Whether `error` is an out-of-memory failure (CUDA's torch.OutOfMemoryError, or the CPU allocator's)."""
     return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and any(t in str(error) for t in _OOM_TEXT))
+        isinstance(error, RuntimeError) and any(t in str(error) for t in _OOM_TEXT)
+    )
 
 
 @dataclass
@@ -107,8 +113,13 @@ def cpu_bound(peak_small: int, peak_large: int, sizes: tuple[int, int], availabl
     per_image = max((peak_large - peak_small) / (large - small), 1.0)  # a flat measurement: tiny images, any batch
     fixed = max(peak_small - small * per_image, 0.0)
     budget = available * CPU_MEMORY_SHARE / processes
-    return {"per_image_bytes": round(per_image), "fixed_bytes": round(fixed), "available_bytes": available,
-            "budget_bytes": round(budget), "bound": max(int((budget - fixed) // per_image), 0)}
+    return {
+        "per_image_bytes": round(per_image),
+        "fixed_bytes": round(fixed),
+        "available_bytes": available,
+        "budget_bytes": round(budget),
+        "bound": max(int((budget - fixed) // per_image), 0),
+    }
 
 
 def power_of_two_floor(n: int) -> int:
@@ -165,30 +176,40 @@ def check_batch_settings(cfg, world_size: int) -> None:
     """Refuse combinations that cannot hold, before anything is built (one line each, naming the fix)."""
     data, target, accum = cfg.data, cfg.data.effective_batch_size, cfg.optim.accum_steps
     if data.batch_size == "auto" and cfg.strategy.name == "dp":
-        raise UsageError("data.batch_size=auto with strategy=dp: nn.DataParallel splits each batch over the GPUs and "
-                         "gathers on GPU 0, which a one-device search cannot size. Set data.batch_size to a number, or use "
-                         "strategy=ddp (one process per GPU, each searched).")
+        raise UsageError(
+            "data.batch_size=auto with strategy=dp: nn.DataParallel splits each batch over the GPUs and "
+            "gathers on GPU 0, which a one-device search cannot size. Set data.batch_size to a number, or use "
+            "strategy=ddp (one process per GPU, each searched)."
+        )
     if target is None:
         return
     if target % world_size:
-        raise UsageError(f"data.effective_batch_size={target} is not divisible by the {world_size} processes: each "
-                         f"takes an equal share. Use a multiple of {world_size}, e.g. "
-                         f"{max(world_size, target // world_size * world_size)}.")
+        raise UsageError(
+            f"data.effective_batch_size={target} is not divisible by the {world_size} processes: each "
+            f"takes an equal share. Use a multiple of {world_size}, e.g. "
+            f"{max(world_size, target // world_size * world_size)}."
+        )
     per_process = target // world_size
     if data.batch_size == "auto":
         if accum != 1:
-            raise UsageError(f"data.effective_batch_size={target} with data.batch_size=auto sets optim.accum_steps itself "
-                             f"(effective / (batch found x processes)); remove optim.accum_steps={accum}.")
+            raise UsageError(
+                f"data.effective_batch_size={target} with data.batch_size=auto sets optim.accum_steps itself "
+                f"(effective / (batch found x processes)); remove optim.accum_steps={accum}."
+            )
         return
     if per_process % data.batch_size:
         fits = [b for b in range(min(data.batch_size, per_process), 0, -1) if per_process % b == 0][0]
-        raise UsageError(f"data.effective_batch_size={target} is not a whole number of batches of data.batch_size="
-                         f"{data.batch_size} x {world_size} process(es): set data.batch_size to a divisor of "
-                         f"{per_process} (e.g. {fits}), data.batch_size=auto, or another effective_batch_size.")
+        raise UsageError(
+            f"data.effective_batch_size={target} is not a whole number of batches of data.batch_size="
+            f"{data.batch_size} x {world_size} process(es): set data.batch_size to a divisor of "
+            f"{per_process} (e.g. {fits}), data.batch_size=auto, or another effective_batch_size."
+        )
     if accum not in (1, per_process // data.batch_size):
-        raise UsageError(f"data.effective_batch_size={target} = data.batch_size={data.batch_size} x optim.accum_steps x "
-                         f"{world_size} process(es) needs optim.accum_steps={per_process // data.batch_size}, but it is "
-                         f"{accum}: remove optim.accum_steps (it is derived) or data.effective_batch_size.")
+        raise UsageError(
+            f"data.effective_batch_size={target} = data.batch_size={data.batch_size} x optim.accum_steps x "
+            f"{world_size} process(es) needs optim.accum_steps={per_process // data.batch_size}, but it is "
+            f"{accum}: remove optim.accum_steps (it is derived) or data.effective_batch_size."
+        )
 
 
 def choose_batch(cfg, rt, log, ckpt: dict | None = None) -> BatchChoice:
@@ -206,8 +227,11 @@ def choose_batch(cfg, rt, log, ckpt: dict | None = None) -> BatchChoice:
         if target is None:
             return BatchChoice(data.batch_size, cfg.optim.accum_steps, "data.batch_size")
         accum = target // world // data.batch_size
-        return BatchChoice(data.batch_size, accum, f"data.batch_size; optim.accum_steps={accum} keeps "
-                           f"data.effective_batch_size={target}")
+        return BatchChoice(
+            data.batch_size,
+            accum,
+            f"data.batch_size; optim.accum_steps={accum} keeps data.effective_batch_size={target}",
+        )
     saved = (ckpt or {}).get("sampler", {})
     if "batch_size" in saved:
         largest, search = int(saved["batch_size"]), {"from_checkpoint": True}
@@ -220,9 +244,14 @@ def choose_batch(cfg, rt, log, ckpt: dict | None = None) -> BatchChoice:
     else:
         per_process = target // world
         b = max(d for d in range(1, min(largest, per_process) + 1) if per_process % d == 0)
-        choice = BatchChoice(b, per_process // b, why + (f"; {b}, the largest divisor of {per_process} not above it"
-                                                         if b != largest else "")
-                             + f"; optim.accum_steps={per_process // b} keeps data.effective_batch_size={target}", search)
+        choice = BatchChoice(
+            b,
+            per_process // b,
+            why
+            + (f"; {b}, the largest divisor of {per_process} not above it" if b != largest else "")
+            + f"; optim.accum_steps={per_process // b} keeps data.effective_batch_size={target}",
+            search,
+        )
     choice.splits = search.pop("splits", None)
     return choice
 
@@ -255,11 +284,16 @@ def search_batch_size(cfg, rt, log) -> tuple[int, dict]:
     if error is not None:
         raise UsageError(error)
     if found < 1:
-        raise UsageError(f"data.batch_size=auto: another process found no batch size that trains on its device "
-                         f"(this one: {record.get('found')}). Set data.batch_size to a number.")
+        raise UsageError(
+            f"data.batch_size=auto: another process found no batch size that trains on its device "
+            f"(this one: {record.get('found')}). Set data.batch_size to a number."
+        )
     record["found"] = found
-    log(f"data.batch_size=auto: {found} per process ({record['rule']}; trials " +
-        ", ".join(f"{n}{'' if ok else ' (out of memory)'}" for n, ok in record["trials"]) + ")")
+    log(
+        f"data.batch_size=auto: {found} per process ({record['rule']}; trials "
+        + ", ".join(f"{n}{'' if ok else ' (out of memory)'}" for n, ok in record["trials"])
+        + ")"
+    )
     return found, record
 
 
@@ -269,19 +303,26 @@ def _search(cfg, rt) -> tuple[int, dict]:
     device = rt.device
     per_rank = len(splits.train) // rt.world_size
     cap = max(min(per_rank, AUTO_MAX), 1)
-    record = {"cap": cap, "cap_why": f"min({per_rank} training images per process, AUTO_MAX={AUTO_MAX})",
-              "splits": splits}
+    record = {
+        "cap": cap,
+        "cap_why": f"min({per_rank} training images per process, AUTO_MAX={AUTO_MAX})",
+        "splits": splits,
+    }
     if device.type == "cuda":
-        record["rule"] = (f"doubling from {AUTO_START}, then bisecting on CUDA out-of-memory, up to {cap}; "
-                          "eager, without torch.compile/CUDA graphs")
+        record["rule"] = (
+            f"doubling from {AUTO_START}, then bisecting on CUDA out-of-memory, up to {cap}; "
+            "eager, without torch.compile/CUDA graphs"
+        )
         found, trials = binsearch(trial.fits, AUTO_START, cap)
     else:
         found, trials = cpu_search(trial.fits, cap, rt, record)
     record["trials"] = trials
     if found < 1:
-        raise UsageError(f"data.batch_size=auto: even a batch of 1 runs out of memory on {device} with model "
-                         f"{cfg.model.name} and precision {cfg.precision.mode}. Use smaller images, a smaller model or "
-                         "precision=amp_bf16 (amp_fp16), or free the device.")
+        raise UsageError(
+            f"data.batch_size=auto: even a batch of 1 runs out of memory on {device} with model "
+            f"{cfg.model.name} and precision {cfg.precision.mode}. Use smaller images, a smaller model or "
+            "precision=amp_bf16 (amp_fp16), or free the device."
+        )
     return found, record  # the throwaway objects go with this frame (search_batch_size then empties the CUDA cache)
 
 
@@ -293,19 +334,26 @@ def cpu_search(fits, cap: int, rt, record: dict) -> tuple[int, list]:
     peaks = [step_peak_bytes(lambda n=n: fits(n)) for n in (small, large)]
     available = available_memory()
     if None in peaks or available is None:
-        raise UsageError("data.batch_size=auto on the CPU measures a step's peak memory through Linux's "
-                         "/proc/self/clear_refs and /proc/meminfo, which this system does not offer. Set "
-                         "data.batch_size to a number.")
+        raise UsageError(
+            "data.batch_size=auto on the CPU measures a step's peak memory through Linux's "
+            "/proc/self/clear_refs and /proc/meminfo, which this system does not offer. Set "
+            "data.batch_size to a number."
+        )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
     bound = cpu_bound(peaks[0], peaks[1], PROBE_SIZES, available, local)
     start = power_of_two_floor(min(bound["bound"], cap))
-    record.update(bound, rule=f"{CPU_MEMORY_SHARE:.0%} of the free memory / measured step memory, a power of two, "
-                  f"at most {cap}, confirmed by a real step")
+    record.update(
+        bound,
+        rule=f"{CPU_MEMORY_SHARE:.0%} of the free memory / measured step memory, a power of two, "
+        f"at most {cap}, confirmed by a real step",
+    )
     if start < 1:
-        raise UsageError(f"data.batch_size=auto: not even one image per step fits in {CPU_MEMORY_SHARE:.0%} of the "
-                         f"{available / 2**30:.1f} GiB free (a step takes about {bound['fixed_bytes'] / 2**30:.1f} GiB "
-                         f"plus {bound['per_image_bytes'] / 2**20:.1f} MiB per image). Free memory, use smaller "
-                         "images or a smaller model, or set data.batch_size to a number.")
+        raise UsageError(
+            f"data.batch_size=auto: not even one image per step fits in {CPU_MEMORY_SHARE:.0%} of the "
+            f"{available / 2**30:.1f} GiB free (a step takes about {bound['fixed_bytes'] / 2**30:.1f} GiB "
+            f"plus {bound['per_image_bytes'] / 2**20:.1f} MiB per image). Free memory, use smaller "
+            "images or a smaller model, or set data.batch_size to a number."
+        )
     # Below `start` the bisection stops at `large`, measured above: it trained.
     return binsearch(fits, start, start, good=large if large <= start else 0)
 
@@ -379,10 +427,20 @@ def probe_trial(cfg, rt) -> tuple[Trial, object]:
     # The cpu backend, one process: the same preprocessing spec (shapes, dtype) as any backend, without decoding
     # the whole data set up front as the memory backend would; the run's own loaders are built afterwards.
     # data.progressive off: the probe crops at random_resized_crop's own size, the run's largest (its final one).
-    probe_cfg = cfg.data.model_copy(update={"batch_size": PROBE_SIZES[1], "backend": "cpu", "fallback": None,
-                                            "cpu_fraction": 0.0, "num_workers": 0, "prefetch_factor": 2,
-                                            "progressive": type(cfg.data.progressive)()})
-    probe = build_loaders(probe_cfg, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True, splits=splits)
+    probe_cfg = cfg.data.model_copy(
+        update={
+            "batch_size": PROBE_SIZES[1],
+            "backend": "cpu",
+            "fallback": None,
+            "cpu_fraction": 0.0,
+            "num_workers": 0,
+            "prefetch_factor": 2,
+            "progressive": type(cfg.data.progressive)(),
+        }
+    )
+    probe = build_loaders(
+        probe_cfg, rt, seed=cfg.run.seed, channels_last=cfg.speed.channels_last is True, splits=splits
+    )
     info = probe.info
     train = probe.train
     if check_mix(cfg.mix, cfg.task, task.targets, cfg.loss):
@@ -411,8 +469,9 @@ def probe_trial(cfg, rt) -> tuple[Trial, object]:
     # The batches' format as the run's loaders deliver it (plan.decide_input_format: under speed.channels_last=auto the
     # model is NHWC and the batches stay NCHW), not the model's: the probe measures the memory the run will use.
     four_d = images.ndim == 4 and decide_input_format(cfg.speed)[0]
-    return Trial(model, loss_fn, opt, prec, ema, images, targets, four_d, cfg.optim.clip_grad_norm, device,
-                 keep=(probe, train)), splits
+    return Trial(
+        model, loss_fn, opt, prec, ema, images, targets, four_d, cfg.optim.clip_grad_norm, device, keep=(probe, train)
+    ), splits
 
 
 def oom_message(error: BaseException, cfg, rt, step: int, run_dir: Path, evaluating: bool) -> str:
@@ -422,19 +481,31 @@ def oom_message(error: BaseException, cfg, rt, step: int, run_dir: Path, evaluat
     from torchsprint.state.resume import find_checkpoints
 
     b = cfg.data.batch_size
-    where = (f"evaluating (data.eval_batch_size={cfg.data.eval_batch_size or 2 * b})" if evaluating
-             else f"training (data.batch_size={b} per process x optim.accum_steps={cfg.optim.accum_steps})")
-    fix = (f"lower data.eval_batch_size (e.g. {max((cfg.data.eval_batch_size or 2 * b) // 2, 1)})" if evaluating
-           else f"lower data.batch_size (e.g. {max(b // 2, 1)}"
-           + ("; data.effective_batch_size keeps the effective batch through accumulation)" if cfg.data.effective_batch_size
-              else "; or set data.effective_batch_size to keep the effective batch through accumulation)"))
+    where = (
+        f"evaluating (data.eval_batch_size={cfg.data.eval_batch_size or 2 * b})"
+        if evaluating
+        else f"training (data.batch_size={b} per process x optim.accum_steps={cfg.optim.accum_steps})"
+    )
+    fix = (
+        f"lower data.eval_batch_size (e.g. {max((cfg.data.eval_batch_size or 2 * b) // 2, 1)})"
+        if evaluating
+        else f"lower data.batch_size (e.g. {max(b // 2, 1)}"
+        + (
+            "; data.effective_batch_size keeps the effective batch through accumulation)"
+            if cfg.data.effective_batch_size
+            else "; or set data.effective_batch_size to keep the effective batch through accumulation)"
+        )
+    )
     fix += ", or use precision=amp_bf16/amp_fp16 or smaller images"
     ckpts = find_checkpoints(run_dir)
     if ckpts:
         epoch_step = parse_checkpoint_name(ckpts[0].name)
-        left = (f"; the last checkpoint, {ckpts[0].relative_to(run_dir)}, is intact: resume with `torchsprint train "
-                f"--resume {run_dir}`" + (f" (from step {epoch_step[1]})" if epoch_step else "")
-                + "; a checkpoint saved mid-epoch resumes only with the same batch size")
+        left = (
+            f"; the last checkpoint, {ckpts[0].relative_to(run_dir)}, is intact: resume with `torchsprint train "
+            f"--resume {run_dir}`"
+            + (f" (from step {epoch_step[1]})" if epoch_step else "")
+            + "; a checkpoint saved mid-epoch resumes only with the same batch size"
+        )
     else:
         left = "; no checkpoint was saved yet (checkpoint.every_steps saves during an epoch)"
     device = str(rt.device)

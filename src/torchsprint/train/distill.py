@@ -135,15 +135,21 @@ def check_distill(cfg, targets: str) -> bool:
         if d.teacher.args:
             set_.append("distill.teacher.args")
         if set_:
-            raise UsageError(f"{', '.join(set_)}: distillation is off (no distill.teacher). Set distill.teacher.run (a run "
-                             "folder) or distill.teacher.model and distill.teacher.weights, or remove it.")
+            raise UsageError(
+                f"{', '.join(set_)}: distillation is off (no distill.teacher). Set distill.teacher.run (a run "
+                "folder) or distill.teacher.model and distill.teacher.weights, or remove it."
+            )
         return False
     if targets != "class_index":
-        raise UsageError(f"distill: logit distillation matches the softmax over classes of a teacher and a student, but "
-                         f"task={cfg.task} has {targets} targets (no class logits); remove the distill section.")
+        raise UsageError(
+            f"distill: logit distillation matches the softmax over classes of a teacher and a student, but "
+            f"task={cfg.task} has {targets} targets (no class logits); remove the distill section."
+        )
     if cfg.data.batch_size == "auto":
-        raise UsageError("distill with data.batch_size=auto: the batch-size search does not run the teacher, so its "
-                         "choice could run out of memory in training; set data.batch_size to a number.")
+        raise UsageError(
+            "distill with data.batch_size=auto: the batch-size search does not run the teacher, so its "
+            "choice could run out of memory in training; set data.batch_size to a number."
+        )
     return True
 
 
@@ -160,13 +166,17 @@ def _load_exact(model: nn.Module, state: dict, source: str, num_classes: int) ->
     head = head_keys(report, own, num_classes)
     if head:
         other = state[head[0]].shape[0]
-        raise _teacher_error(f"{source} has {other} output classes ({head[0]}), this run's data has {num_classes}: a "
-                             f"teacher must predict the same classes. Use a teacher trained on this data set.")
+        raise _teacher_error(
+            f"{source} has {other} output classes ({head[0]}), this run's data has {num_classes}: a "
+            f"teacher must predict the same classes. Use a teacher trained on this data set."
+        )
     if any(report.values()):
         from torchsprint.models.init import _details
 
-        raise _teacher_error(f"{source} does not fit the teacher's model ({_details(report, 3)}); name the model it was "
-                             "saved from with distill.teacher.model (and .args).")
+        raise _teacher_error(
+            f"{source} does not fit the teacher's model ({_details(report, 3)}); name the model it was "
+            "saved from with distill.teacher.model (and .args)."
+        )
     model.load_state_dict(state)
 
 
@@ -188,8 +198,10 @@ def _metadata(path: Path) -> dict[str, str]:
     try:
         return read_safetensors_metadata(path)
     except Exception as e:  # noqa: BLE001 - whatever safetensors raises for a damaged file: said, never a traceback
-        raise _teacher_error(f"{path} is not a readable safetensors file ({type(e).__name__}: {str(e)[:160]}). Give an "
-                             "intact weights file (re-train or re-export the teacher).") from None
+        raise _teacher_error(
+            f"{path} is not a readable safetensors file ({type(e).__name__}: {str(e)[:160]}). Give an "
+            "intact weights file (re-train or re-export the teacher)."
+        ) from None
 
 
 def _metadata_entry(meta: dict, key: str, source, default=None):
@@ -235,26 +247,33 @@ def _locate(t) -> tuple[object, Path, list[str]]:
             raise _teacher_error(f"run={t.run}: {e}") from None
         path = Path(t.run) / f"{which}.safetensors"
         if not path.is_file():
-            raise _teacher_error(f"run={t.run} has no {which}.safetensors (the run has not saved {which} weights); "
-                                 f"use weights={'last' if which != 'last' else 'best'} or let the run finish.")
+            raise _teacher_error(
+                f"run={t.run} has no {which}.safetensors (the run has not saved {which} weights); "
+                f"use weights={'last' if which != 'last' else 'best'} or let the run finish."
+            )
         return run_cfg.model, path, run_cfg.imports
     if t.weights is None:
-        raise _teacher_error(f"model={t.model} needs its weights: set distill.teacher.weights (a file, "
-                             "torchvision:..., timm:...).")
+        raise _teacher_error(
+            f"model={t.model} needs its weights: set distill.teacher.weights (a file, torchvision:..., timm:...)."
+        )
     if t.model is None and ":" in t.weights and not Path(t.weights).exists():
         raise _teacher_error(f"weights={t.weights} are a library's: name the architecture with distill.teacher.model.")
     try:
         path = resolve_pretrained(t.weights, t.model or "") if t.model else Path(t.weights)
     except UsageError as e:
-        raise _teacher_error(str(e).replace("model.pretrained=", "weights=").replace("model.name=", "teacher.model=")) from None
+        raise _teacher_error(
+            str(e).replace("model.pretrained=", "weights=").replace("model.name=", "teacher.model=")
+        ) from None
     if not path.is_file():
         raise _teacher_error(f"weights file not found: {path}. Give the path of the teacher's weights.")
     if t.model is not None:
         return ModelConfig(name=t.model, args=t.args), path, []
     meta = _metadata(path)
     if "config" not in meta:
-        raise _teacher_error(f"{path} does not say which model it holds (no torchsprint metadata); name it "
-                             "with distill.teacher.model (and .args).")
+        raise _teacher_error(
+            f"{path} does not say which model it holds (no torchsprint metadata); name it "
+            "with distill.teacher.model (and .args)."
+        )
     file_cfg = file_config(_metadata_entry(meta, "config", path), path)
     return file_cfg.model, path, file_cfg.imports
 
@@ -263,15 +282,21 @@ def _check_fits(meta: dict, source: str, classes: list[str], in_channels: int) -
     """Refuse a teacher whose file says it predicts other classes (count, names, order) or takes other images."""
     theirs = _metadata_entry(meta, "classes", source, default=None)
     if theirs is not None and len(theirs) != len(classes):
-        raise _teacher_error(f"{source} predicts {len(theirs)} classes, this run's data has {len(classes)}: a "
-                             "teacher must predict the same classes. Use a teacher trained on this data set.")
+        raise _teacher_error(
+            f"{source} predicts {len(theirs)} classes, this run's data has {len(classes)}: a "
+            "teacher must predict the same classes. Use a teacher trained on this data set."
+        )
     if theirs is not None and theirs != list(classes):
-        raise _teacher_error(f"{source} predicts classes {theirs[:6]}{' ...' if len(theirs) > 6 else ''}, "
-                             f"this run's are {list(classes)[:6]}{' ...' if len(classes) > 6 else ''} (names or order "
-                             "differ): its logits would be matched to the wrong classes. Use a teacher trained on this data set.")
+        raise _teacher_error(
+            f"{source} predicts classes {theirs[:6]}{' ...' if len(theirs) > 6 else ''}, "
+            f"this run's are {list(classes)[:6]}{' ...' if len(classes) > 6 else ''} (names or order "
+            "differ): its logits would be matched to the wrong classes. Use a teacher trained on this data set."
+        )
     if _metadata_entry(meta, "in_channels", source, default=in_channels) != in_channels:
-        raise _teacher_error(f"{source} takes {meta['in_channels']}-channel images, this run's have {in_channels} "
-                             "(data.options.mode sets grey or RGB); use a teacher trained on the same kind of images.")
+        raise _teacher_error(
+            f"{source} takes {meta['in_channels']}-channel images, this run's have {in_channels} "
+            "(data.options.mode sets grey or RGB); use a teacher trained on the same kind of images."
+        )
 
 
 def load_teacher_model(teacher_cfg, num_classes: int, in_channels: int, classes: list[str]) -> tuple[nn.Module, dict]:
@@ -293,9 +318,14 @@ def load_teacher_model(teacher_cfg, num_classes: int, in_channels: int, classes:
             raise _teacher_error(f"{e}") from None
     _load_exact(model, _read_file(path), source, num_classes)
     t = teacher_cfg
-    record = {"source": "run" if t.run else "file" if Path(t.weights).exists() else "library",
-              "model": model_cfg.name, "args": dict(model_cfg.args), "file": source, "sha256_16": fingerprint(path),
-              "parameters": sum(p.numel() for p in model.parameters())}
+    record = {
+        "source": "run" if t.run else "file" if Path(t.weights).exists() else "library",
+        "model": model_cfg.name,
+        "args": dict(model_cfg.args),
+        "file": source,
+        "sha256_16": fingerprint(path),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     return model, record
 
 
@@ -316,8 +346,9 @@ def half_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return HalfModel(model, dtype)
 
 
-def build_teacher(distill_cfg, info, device: torch.device, prec, channels_last: bool | str = False,
-                  log=lambda *_: None) -> tuple[Teacher, dict]:
+def build_teacher(
+    distill_cfg, info, device: torch.device, prec, channels_last: bool | str = False, log=lambda *_: None
+) -> tuple[Teacher, dict]:
     """The run's frozen teacher on `device` in the run's precision, and the record decisions.json keeps.
 
     Args:
@@ -338,9 +369,11 @@ def build_teacher(distill_cfg, info, device: torch.device, prec, channels_last: 
         model = half_weights(model, prec.half)
     teacher = Teacher(model, prec.autocast)
     record |= {"temperature": distill_cfg.temperature, "alpha": distill_cfg.alpha, "precision": prec.mode}
-    log(f"distill: teacher {record['model']} ({record['parameters']:,} parameters, frozen, eval mode) from "
+    log(
+        f"distill: teacher {record['model']} ({record['parameters']:,} parameters, frozen, eval mode) from "
         f"{record['file']} (sha256 {record['sha256_16']}); loss = {1 - distill_cfg.alpha:g} x task loss + "
-        f"{distill_cfg.alpha:g} x T^2 x KL(teacher || student) at T={distill_cfg.temperature:g}")
+        f"{distill_cfg.alpha:g} x T^2 x KL(teacher || student) at T={distill_cfg.temperature:g}"
+    )
     return teacher, record
 
 
@@ -353,10 +386,22 @@ def check_same_teacher(record: dict | None, ckpt, resume_path) -> None:
         return
     began = decisions_at_start(resume_path).get("distill") or {}
     if began.get("sha256_16") not in (None, record["sha256_16"]):
-        raise _teacher_error(f"{record['file']} changed since this run began (sha256 {began['sha256_16']} then, "
-                             f"{record['sha256_16']} now; from {began.get('file')}): the resumed run would learn from "
-                             "another teacher. Restore the teacher file, or start a new run (a new run.dir).")
+        raise _teacher_error(
+            f"{record['file']} changed since this run began (sha256 {began['sha256_16']} then, "
+            f"{record['sha256_16']} now; from {began.get('file')}): the resumed run would learn from "
+            "another teacher. Restore the teacher file, or start a new run (a new run.dir)."
+        )
 
 
-__all__ = ["Distilled", "DistillLoss", "DistillLoader", "Teacher", "build_teacher", "check_distill", "distill_on",
-           "check_same_teacher", "kd_loss", "load_teacher_model"]
+__all__ = [
+    "Distilled",
+    "DistillLoss",
+    "DistillLoader",
+    "Teacher",
+    "build_teacher",
+    "check_distill",
+    "distill_on",
+    "check_same_teacher",
+    "kd_loss",
+    "load_teacher_model",
+]

@@ -36,16 +36,22 @@ def build_run_loss(cfg, targets: str, info, log=lambda *_: None):
     if cfg.loss.class_weights == "auto":
         weight = class_weights(info)
         loss_cfg = cfg.loss.model_copy(update={"args": {**cfg.loss.args, "weight": weight}})
-        log("loss.class_weights=auto: cross_entropy weight per class (1 / training count, mean 1): "
+        log(
+            "loss.class_weights=auto: cross_entropy weight per class (1 / training count, mean 1): "
             + ", ".join(f"{c} {w:.3g}" for c, w in list(zip(info.classes, weight.tolist()))[:10])
-            + (f", ... {len(weight) - 10} more" if len(weight) > 10 else ""))
+            + (f", ... {len(weight) - 10} more" if len(weight) > 10 else "")
+        )
     loss_fn = build_loss(loss_cfg, targets, info.num_classes)
     if cfg.loss.logit_adjust > 0:
-        counts = torch.tensor(training_counts(info, f"loss.logit_adjust={cfg.loss.logit_adjust:g}"), dtype=torch.float64)
+        counts = torch.tensor(
+            training_counts(info, f"loss.logit_adjust={cfg.loss.logit_adjust:g}"), dtype=torch.float64
+        )
         loss_fn = LogitAdjusted(loss_fn, counts / counts.sum(), cfg.loss.logit_adjust)
-        log(f"loss.logit_adjust={cfg.loss.logit_adjust:g}: training logits shifted by tau x log(class share): "
+        log(
+            f"loss.logit_adjust={cfg.loss.logit_adjust:g}: training logits shifted by tau x log(class share): "
             + ", ".join(f"{c} {s:+.2f}" for c, s in list(zip(info.classes, loss_fn.shift.tolist()))[:10])
-            + (f", ... {len(counts) - 10} more" if len(counts) > 10 else ""))
+            + (f", ... {len(counts) - 10} more" if len(counts) > 10 else "")
+        )
     return loss_fn
 
 
@@ -68,12 +74,16 @@ def training_counts(info, setting: str) -> list[int]:
     """The training images per class (info.facts), every one > 0; else a UsageError naming `setting`."""
     counts = info.facts.get("class_counts", {}).get("per_class")
     if counts is None:
-        raise UsageError(f"{setting} needs the training set's class counts, which this dataset does not give (no "
-                         "per-sample class labels); remove it (or set loss.args.weight, one value per class).")
+        raise UsageError(
+            f"{setting} needs the training set's class counts, which this dataset does not give (no "
+            "per-sample class labels); remove it (or set loss.args.weight, one value per class)."
+        )
     empty = [c for c, n in zip(info.classes, counts) if n == 0]
     if empty:
-        raise UsageError(f"{setting}: class(es) {empty[:5]} have no training images, so their frequency is 0 (its "
-                         "inverse and its log are infinite); add images, or remove it.")
+        raise UsageError(
+            f"{setting}: class(es) {empty[:5]} have no training images, so their frequency is 0 (its "
+            "inverse and its log are infinite); add images, or remove it."
+        )
     return counts
 
 
@@ -90,10 +100,18 @@ def evaluate_test(cfg, b, ctx, step: int) -> dict:
     rt, task, logger = ctx.rt, ctx.task, ctx.logger
     state = load_file(str(ctx.run_dir / "best.safetensors")) if rt.is_main else None
     unwrap(b.model).load_state_dict(broadcast_object(state, rt))
-    loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), rt, seed=cfg.run.seed,
-                            channels_last=b.plan.channels_last_inputs, split="test", allowed=EVAL_BACKENDS)
+    loaders = build_loaders(
+        with_loading_spec(cfg.data, cfg.eval.tta),
+        rt,
+        seed=cfg.run.seed,
+        channels_last=b.plan.channels_last_inputs,
+        split="test",
+        allowed=EVAL_BACKENDS,
+    )
     tta = plan_tta(cfg.eval.tta, task, cfg.data.eval.transforms)
-    out = evaluate(wrap_tta(b.model, tta), loaders.val, b.loss_fn, b.prec, task.make_metrics(loaders.info, cfg.eval, rt.device))
+    out = evaluate(
+        wrap_tta(b.model, tta), loaders.val, b.loss_fn, b.prec, task.make_metrics(loaders.info, cfg.eval, rt.device)
+    )
     out = {f"test/{k}": v for k, v in out.items() if not isinstance(v, list)}
     logger.scalars(step, out, "test")  # at the last step: every sink's steps stay in order
     logger.info(f"test split, best weights: {task.summary({k.replace('test/', 'val/'): v for k, v in out.items()})}")
@@ -139,14 +157,24 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     cfg = load_run_config(run_dir, list(overrides) + ["strategy.name=single"])
     wpath = weights_file(run_dir, weights)
     if not wpath.is_file():
-        others = [w for w in ("best", "last", "ema", "swa") if w != weights and (run_dir / f"{w}.safetensors").is_file()]
-        how = {"best": "the run has not finished an evaluation yet",
-               "last": "the run has not finished (a paused run writes last.safetensors when it completes; resume it "
-                       "with `torchsprint train --resume RUN`)",
-               "ema": "the run did not train with ema.enabled=true", "swa": "the run did not train with swa.enabled=true"}
-        raise UsageError(f"{wpath} not found: {how.get(weights, 'no such weights file')}. "
-                         + (f"Weights this run has: --weights {' or '.join(others)}." if others else
-                            "This run has no weights file yet."))
+        others = [
+            w for w in ("best", "last", "ema", "swa") if w != weights and (run_dir / f"{w}.safetensors").is_file()
+        ]
+        how = {
+            "best": "the run has not finished an evaluation yet",
+            "last": "the run has not finished (a paused run writes last.safetensors when it completes; resume it "
+            "with `torchsprint train --resume RUN`)",
+            "ema": "the run did not train with ema.enabled=true",
+            "swa": "the run did not train with swa.enabled=true",
+        }
+        raise UsageError(
+            f"{wpath} not found: {how.get(weights, 'no such weights file')}. "
+            + (
+                f"Weights this run has: --weights {' or '.join(others)}."
+                if others
+                else "This run has no weights file yet."
+            )
+        )
     from torchsprint.tasks.core import check_data_task, get_task
 
     with naming_imports(cfg.imports, run_dir):  # a name the run's unimported module registers: say which --import
@@ -157,13 +185,24 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
         plan = plan_tta(cfg.eval.tta, task, cfg.data.eval.transforms)  # eval.tta (an override or the run's own)
         # The run's memory formats (plan.decide_input_format, parallel.channels_last_on): its own validation's
         # figures, to the last digit (NCHW throughout gave a val/loss 3.3e-9 off on digits)
-        loaders = build_loaders(with_loading_spec(cfg.data, cfg.eval.tta), rt, seed=cfg.run.seed, split=split,
-                                allowed=EVAL_BACKENDS, channels_last=decide_input_format(cfg.speed)[0])
+        loaders = build_loaders(
+            with_loading_spec(cfg.data, cfg.eval.tta),
+            rt,
+            seed=cfg.run.seed,
+            split=split,
+            allowed=EVAL_BACKENDS,
+            channels_last=decide_input_format(cfg.speed)[0],
+        )
         info = loaders.info
         check_data_task(cfg, info)
-        check_same_classes(trained_classes(wpath), info.classes, wpath, "evaluate on the data the run trained on (restore "
-                           "those class folders, or give its copy with data.root=...), or train a new run on the classes "
-                           "as they are now.")
+        check_same_classes(
+            trained_classes(wpath),
+            info.classes,
+            wpath,
+            "evaluate on the data the run trained on (restore "
+            "those class folders, or give its copy with data.root=...), or train a new run on the classes "
+            "as they are now.",
+        )
         model = build_model(cfg.model, info.num_classes, info.in_channels).to(rt.device)
         materialize_lazy(model, loaders.val, plan)
         if channels_last_on(cfg.speed.channels_last, model):
@@ -174,9 +213,11 @@ def evaluate_run(run_dir: str | Path, weights: str = "best", overrides: list[str
     try:
         model.load_state_dict(load_file(str(wpath), device=str(rt.device)))
     except Exception as e:  # a truncated or corrupt file, or weights of another model
-        raise UsageError(f"{wpath}: cannot load its weights into {cfg.model.name} ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200]}). The file is corrupt or from another model; evaluate "
-                         "--weights last/best, or re-train.") from None
+        raise UsageError(
+            f"{wpath}: cannot load its weights into {cfg.model.name} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}). The file is corrupt or from another model; evaluate "
+            "--weights last/best, or re-train."
+        ) from None
     metrics = task.make_metrics(info, cfg.eval, rt.device)
     with naming_imports(cfg.imports, run_dir):
         loss_fn = build_run_loss(cfg, task.targets, info).to(rt.device)
@@ -202,13 +243,20 @@ def finish_swa(cfg, b, ctx, summary: dict) -> None:
     swa, rt, task, logger = b.swa, ctx.rt, ctx.task, ctx.logger
     if not swa.enabled or summary["paused"]:
         return
-    info = {"start_epoch": swa.start + 1, "averaged_epochs": swa.count, "lr": cfg.swa.lr,
-            "anneal_epochs": cfg.swa.anneal_epochs, "anneal_strategy": cfg.swa.anneal_strategy}
+    info = {
+        "start_epoch": swa.start + 1,
+        "averaged_epochs": swa.count,
+        "lr": cfg.swa.lr,
+        "anneal_epochs": cfg.swa.anneal_epochs,
+        "anneal_strategy": cfg.swa.anneal_strategy,
+    }
     summary["swa"] = info
     if swa.count == 0:  # stopped (early_stop, run.max_steps) before the first averaged epoch ended
         info["file"] = None
-        logger.info(f"[yellow]SWA: no epoch averaged[/] (the run stopped before the end of epoch {swa.start + 1}); "
-                    "no swa.safetensors")
+        logger.info(
+            f"[yellow]SWA: no epoch averaged[/] (the run stopped before the end of epoch {swa.start + 1}); "
+            "no swa.safetensors"
+        )
         return
     swa.update_bn(b.loaders.train, cfg.run.epochs, rt, b.prec, cfg.run.seed)
     out = evaluate(swa.module, b.loaders.val, b.loss_fn, b.prec, task.make_metrics(b.loaders.info, cfg.eval, rt.device))
@@ -217,17 +265,32 @@ def finish_swa(cfg, b, ctx, summary: dict) -> None:
     info["file"] = "swa.safetensors"
     logger.scalars(summary["global_step"], metrics | {"epoch": cfg.run.epochs}, "eval")
     last = swa.start + swa.count
-    logger.info(f"SWA of epochs {swa.start + 1}-{last} ({swa.count} averaged, BatchNorm statistics recomputed): "
-                f"{task.summary({k[4:]: v for k, v in metrics.items()})}")
+    logger.info(
+        f"SWA of epochs {swa.start + 1}-{last} ({swa.count} averaged, BatchNorm statistics recomputed): "
+        f"{task.summary({k[4:]: v for k, v in metrics.items()})}"
+    )
     if rt.is_main:
-        save_weights(ctx.run_dir / "swa.safetensors", swa.module, ctx.weights_meta | {
-            "epoch": str(last), "step": str(summary["global_step"]), "weights": "swa",
-            "swa_epochs": f"{swa.start + 1}-{last}", "swa_averaged": str(swa.count)})
+        save_weights(
+            ctx.run_dir / "swa.safetensors",
+            swa.module,
+            ctx.weights_meta
+            | {
+                "epoch": str(last),
+                "step": str(summary["global_step"]),
+                "weights": "swa",
+                "swa_epochs": f"{swa.start + 1}-{last}",
+                "swa_averaged": str(swa.count),
+            },
+        )
 
 
 # What PyTorch's pooling and convolution layers say when an input is smaller than they can take.
-_TOO_SMALL = ("Output size is too small", "Kernel size can't be greater than actual input size",
-              "smaller than kernel size", "Padding size should be less than the corresponding input dimension")
+_TOO_SMALL = (
+    "Output size is too small",
+    "Kernel size can't be greater than actual input size",
+    "smaller than kernel size",
+    "Padding size should be less than the corresponding input dimension",
+)
 
 
 def input_too_small(error: RuntimeError, model, cfg, loaders) -> UsageError | None:
@@ -241,16 +304,20 @@ def input_too_small(error: RuntimeError, model, cfg, loaders) -> UsageError | No
     need = f"at least {side}x{side} pixels" if side else "larger images than 1024x1024"
     start = cfg.data.progressive.start_size
     if start is not None and (side is None or start < side):  # the first epochs' crops, not the eval batches, are small
-        return UsageError(f"data.progressive.start_size={start}: the first epochs train on {start}x{start} crops, but "
-                          f"model {cfg.model.name} needs inputs of {need}. Raise data.progressive.start_size to at least "
-                          f"{side or 1024} (a multiple of data.progressive.step), or remove data.progressive.")
+        return UsageError(
+            f"data.progressive.start_size={start}: the first epochs train on {start}x{start} crops, but "
+            f"model {cfg.model.name} needs inputs of {need}. Raise data.progressive.start_size to at least "
+            f"{side or 1024} (a multiple of data.progressive.step), or remove data.progressive."
+        )
     loaders.val.set_epoch(0)
     h, w = next(iter(loaders.val))[0].shape[-2:]  # the error path only: one batch to say what the data is
     size = f"{h}x{w}"
-    return UsageError(f"model {cfg.model.name} needs inputs of {need}, but the batches are {size} (dataset "
-                      f"{cfg.data.dataset}). Add a resize step, e.g. data.train.transforms=[resize: {side or 224}] and "
-                      f"the same in data.eval.transforms, or pick a model made for small images (small_cnn, "
-                      "cifar_resnet18).")
+    return UsageError(
+        f"model {cfg.model.name} needs inputs of {need}, but the batches are {size} (dataset "
+        f"{cfg.data.dataset}). Add a resize step, e.g. data.train.transforms=[resize: {side or 224}] and "
+        f"the same in data.eval.transforms, or pick a model made for small images (small_cnn, "
+        "cifar_resnet18)."
+    )
 
 
 def not_deterministic(error: RuntimeError, cfg) -> UsageError | None:
@@ -259,9 +326,11 @@ def not_deterministic(error: RuntimeError, cfg) -> UsageError | None:
     if "does not have a deterministic implementation" not in text:
         return None
     op = text.split(" does not have a deterministic implementation")[0].strip()
-    return UsageError(f"run.deterministic=true: {op} has no deterministic implementation on {cfg.run.device} "
-                      "(torch.use_deterministic_algorithms), so this run cannot be bit-exact. Set run.deterministic=false, "
-                      "or change the model or settings that use it.")
+    return UsageError(
+        f"run.deterministic=true: {op} has no deterministic implementation on {cfg.run.device} "
+        "(torch.use_deterministic_algorithms), so this run cannot be bit-exact. Set run.deterministic=false, "
+        "or change the model or settings that use it."
+    )
 
 
 EVAL_BACKENDS = ("cpu", "gpu")  # what data.backend=auto may pick when only one split is read (eval, report, export)

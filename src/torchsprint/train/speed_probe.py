@@ -62,9 +62,11 @@ MAX_PROBE_SHARE = 0.10
 OFF_ENV = "TORCHSPRINT_SPEED_PROBE"
 MEASURE_MIN_S = 60.0  # ...and the run's fp32 training is estimated at this long at least: below, a few percent of it
 # is seconds, not worth a decision that differs between machines (and below it no test's run measures anything)
-RULE = ("each candidate's speedup over the baseline in each of the interleaved rounds, their median; the largest "
-        "replaces the baseline (fp32, or the precision named, in the rule's format) when it is 5% or more; rounds that "
-        "disagree about the winner measured again")
+RULE = (
+    "each candidate's speedup over the baseline in each of the interleaved rounds, their median; the largest "
+    "replaces the baseline (fp32, or the precision named, in the rule's format) when it is 5% or more; rounds that "
+    "disagree about the winner measured again"
+)
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,7 @@ class AutoSpeed:
 
 def bf16_kernels() -> bool:
     """Whether amp_bf16 can beat fp32 on this CPU: native bf16 instructions, and PyTorch's oneDNN built with bf16."""
-    return (native_bf16() and torch.backends.mkldnn.is_available()
-            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return native_bf16() and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def candidates(asked: str, setting: bool | str, model: torch.nn.Module) -> tuple[list[Candidate], list[str]]:
@@ -112,8 +113,10 @@ def candidates(asked: str, setting: bool | str, model: torch.nn.Module) -> tuple
         if bf16_kernels():
             precisions.append("amp_bf16")
         else:
-            notes.append("amp_bf16 not tried: this CPU has no native bf16 (AVX-512 BF16 or AMX), where bf16 autocast "
-                         "runs slower than fp32")
+            notes.append(
+                "amp_bf16 not tried: this CPU has no native bf16 (AVX-512 BF16 or AMX), where bf16 autocast "
+                "runs slower than fp32"
+            )
     formats = [channels_last_on(setting, model)]
     if setting == "auto" and has_conv2d(model):
         formats.append(not formats[0])
@@ -141,8 +144,10 @@ def not_measured(cfg, rt, cands: list[Candidate], distilling: bool, run_batches:
         return "distillation (the teacher takes the run's precision before the student exists)"
     need = probe_steps(len(cands))
     if need > MAX_PROBE_SHARE * run_batches:
-        return (f"run too short ({run_batches:,} training steps; measuring takes {need}, which pays from "
-                f"{math.ceil(need / MAX_PROBE_SHARE):,}: {MAX_PROBE_SHARE:.0%} of the run)")
+        return (
+            f"run too short ({run_batches:,} training steps; measuring takes {need}, which pays from "
+            f"{math.ceil(need / MAX_PROBE_SHARE):,}: {MAX_PROBE_SHARE:.0%} of the run)"
+        )
     return None
 
 
@@ -156,8 +161,9 @@ def run_batches(cfg, batches_per_epoch: int) -> int:
     return total
 
 
-def measure(cands: list[Candidate], step, batches: int, budget_s: float | None = None,
-            scale: float = 1.0) -> tuple[dict | None, str | None]:
+def measure(
+    cands: list[Candidate], step, batches: int, budget_s: float | None = None, scale: float = 1.0
+) -> tuple[dict | None, str | None]:
     """Time the candidates (`step(candidate)` -> seconds of one real training step; cands[0] the baseline):
     (figures, None), or (None, why not) when the baseline's first timed step says the run (`batches` steps, within
     run.max_time's `budget_s`) is too short for it. `scale`: the run's batch over the probe's (the probe steps half
@@ -172,7 +178,8 @@ def measure(cands: list[Candidate], step, batches: int, budget_s: float | None =
         estimate, how = budget_s, "run.max_time"
     else:
         how = f"in {base.name}: {batches:,} steps x {1000 * first:.0f} ms" + (
-            f" (from a step of 1/{scale:g} of a batch)" if scale != 1 else "")
+            f" (from a step of 1/{scale:g} of a batch)" if scale != 1 else ""
+        )
     if estimate < MEASURE_MIN_S:
         return None, f"run too short (~{estimate:.0f} s {how}; measured from {MEASURE_MIN_S:.0f} s)"
     for c in cands[1:]:
@@ -184,7 +191,7 @@ def measure(cands: list[Candidate], step, batches: int, budget_s: float | None =
         if r == MEASURE_ROUNDS and not disagree(times, base):
             break
         rounds = r + 1  # the rounds disagree (a load change during one): measure EXTRA_ROUNDS more
-        for c in cands[r % len(cands):] + cands[: r % len(cands)]:  # each round starts with the next candidate
+        for c in cands[r % len(cands) :] + cands[: r % len(cands)]:  # each round starts with the next candidate
             times[c].append(step(c))
     return {"times": times, "estimate_s": estimate, "seconds": time.perf_counter() - t_all, "rounds": rounds}, None
 
@@ -219,26 +226,47 @@ def figures(measured: dict, base: Candidate, chosen: Candidate, margin: float, i
     """decisions.json's speed_measured: images/s and step times of each candidate, the margin, the choice."""
     med = {c: statistics.median(t) for c, t in measured["times"].items()}
     return {
-        "candidates": {c.name: {"precision": c.precision, "channels_last": c.channels_last,
-                                "images_per_s": round(images / med[c], 2),
-                                "step_ms": [round(1000 * t, 2) for t in measured["times"][c]]} for c in med},
-        "baseline": base.name, "chosen": chosen.name, "speedup": round(med[base] / med[chosen], 3),
-        "margin": round(margin, 3), "rule": RULE, "batch_images": images, "rounds": measured.get("rounds", MEASURE_ROUNDS),
+        "candidates": {
+            c.name: {
+                "precision": c.precision,
+                "channels_last": c.channels_last,
+                "images_per_s": round(images / med[c], 2),
+                "step_ms": [round(1000 * t, 2) for t in measured["times"][c]],
+            }
+            for c in med
+        },
+        "baseline": base.name,
+        "chosen": chosen.name,
+        "speedup": round(med[base] / med[chosen], 3),
+        "margin": round(margin, 3),
+        "rule": RULE,
+        "batch_images": images,
+        "rounds": measured.get("rounds", MEASURE_ROUNDS),
         "speedups": {c.name: [round(x, 3) for x in r] for c, r in ratios(measured["times"], base).items()},
-        "warmup_steps": WARMUP_STEPS, "run_batches": batches, "estimate_s": round(measured["estimate_s"], 1),
+        "warmup_steps": WARMUP_STEPS,
+        "run_batches": batches,
+        "estimate_s": round(measured["estimate_s"], 1),
         "seconds": round(measured["seconds"], 2),
     }
 
 
 def measured_text(m: dict) -> str:
     """The figures in words: 'fp32 NHWC 52 img/s (baseline), amp_bf16 NHWC 95 img/s: ...'."""
-    rates = ", ".join(f"{name} {c['images_per_s']:.0f} img/s" + (" (baseline)" if name == m["baseline"] else "")
-                      for name, c in m["candidates"].items())
-    when = (f"measured before, {m['measured_before']} (on this machine, model, input and batch; --remeasure to "
-            "measure again): " if m.get("measured_before") else "measured ")
-    return (f"{when}{rates} ({m['rounds']} rounds of batch {m['batch_images']}, {m['seconds']:.1f} s): "
-            f"{m['chosen']}" + (f", {m['speedup']:.2f}x the baseline" if m["chosen"] != m["baseline"] else
-                                f" (nothing faster by the margin, {m['margin']:.0%})"))
+    rates = ", ".join(
+        f"{name} {c['images_per_s']:.0f} img/s" + (" (baseline)" if name == m["baseline"] else "")
+        for name, c in m["candidates"].items()
+    )
+    when = (
+        f"measured before, {m['measured_before']} (on this machine, model, input and batch; --remeasure to "
+        "measure again): "
+        if m.get("measured_before")
+        else "measured "
+    )
+    return f"{when}{rates} ({m['rounds']} rounds of batch {m['batch_images']}, {m['seconds']:.1f} s): {m['chosen']}" + (
+        f", {m['speedup']:.2f}x the baseline"
+        if m["chosen"] != m["baseline"]
+        else f" (nothing faster by the margin, {m['margin']:.0%})"
+    )
 
 
 class ProbeSteps:
@@ -274,7 +302,9 @@ class ProbeSteps:
         model, opt, channels_last = self.copy
         if channels_last != c.channels_last:
             fmt = torch.channels_last if c.channels_last else torch.contiguous_format
-            model.to(memory_format=fmt)  # weights, buffers and gradients, in place (the parameters stay the same objects)
+            model.to(
+                memory_format=fmt
+            )  # weights, buffers and gradients, in place (the parameters stay the same objects)
             for state in opt.state.values():
                 for k, v in state.items():
                     if torch.is_tensor(v) and v.dim() == 4:
@@ -294,8 +324,9 @@ class ProbeSteps:
         return time.perf_counter() - t0
 
 
-def decide_auto(cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict | None = None,
-                distilling: bool = False, step=None) -> AutoSpeed:
+def decide_auto(
+    cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict | None = None, distilling: bool = False, step=None
+) -> AutoSpeed:
     """precision=auto and speed.channels_last=auto resolved for this run (the module docstring), once.
 
     Args:
@@ -310,9 +341,18 @@ def decide_auto(cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict 
     if ckpt is not None:
         return as_began(ckpt, asked, setting)
     if rt.device.type != "cpu":
-        return AutoSpeed(asked, "fp32" if asked == "auto" else asked, f"precision={asked}" + (
-            f": fp32 (on {rt.device.type} the existing choice stands; amp_bf16 or amp_fp16 when set: "
-            "precision=amp_bf16)" if asked == "auto" else ""), setting)
+        return AutoSpeed(
+            asked,
+            "fp32" if asked == "auto" else asked,
+            f"precision={asked}"
+            + (
+                f": fp32 (on {rt.device.type} the existing choice stands; amp_bf16 or amp_fp16 when set: "
+                "precision=amp_bf16)"
+                if asked == "auto"
+                else ""
+            ),
+            setting,
+        )
     cands, notes = candidates(asked, setting, model)
     base, batches = cands[0], run_batches(cfg, len(loader))
     why_not, measured = not_measured(cfg, rt, cands, distilling, batches), None
@@ -332,8 +372,9 @@ def decide_auto(cfg, rt, model: torch.nn.Module, loader, loss_fn, *, ckpt: dict 
             batch = half(whole) if whole is not None else None
             images = len(batch[0]) if batch is not None else cfg.data.batch_size
             scale = len(whole[0]) / images if batch is not None and batch is not whole else 1.0
-            measured, why_not = measure(cands, step or ProbeSteps(cfg, model, loss_fn, batch), batches, budget_s(cfg),
-                                        scale)
+            measured, why_not = measure(
+                cands, step or ProbeSteps(cfg, model, loss_fn, batch), batches, budget_s(cfg), scale
+            )
         finally:
             whole = batch = step = None
             gc.collect()  # the copies, their optimizer state and activations, before the run builds its own
@@ -351,11 +392,19 @@ def probe_keys(cfg, model: torch.nn.Module, cands: list[Candidate]) -> dict:
     """What the probe's figures depend on beyond the machine (runtime/measurements.py adds the CPU, its flags, the
     threads and torch): the model (name, arguments, parameter count), its training input (the transforms, the
     channels), the batch, the candidates, the data set."""
-    return {"model": cfg.model.name, "model_args": cfg.model.args, "params": sum(p.numel() for p in model.parameters()),
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "input": [cfg.data.train.transforms, cfg.data.options, cfg.data.progressive.model_dump()],
-            "batch": cfg.data.batch_size, "accum": cfg.optim.accum_steps, "optimizer": cfg.optim.name,
-            "candidates": [c.name for c in cands], "data": [cfg.data.dataset, cfg.data.root], "task": cfg.task}
+    return {
+        "model": cfg.model.name,
+        "model_args": cfg.model.args,
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "input": [cfg.data.train.transforms, cfg.data.options, cfg.data.progressive.model_dump()],
+        "batch": cfg.data.batch_size,
+        "accum": cfg.optim.accum_steps,
+        "optimizer": cfg.optim.name,
+        "candidates": [c.name for c in cands],
+        "data": [cfg.data.dataset, cfg.data.root],
+        "task": cfg.task,
+    }
 
 
 def half(batch):
@@ -385,8 +434,13 @@ def as_began(ckpt: dict, asked: str, setting: bool | str) -> AutoSpeed:
     mode = "fp32" if mode == "auto" else mode
     began = (saved.get("speed") or {}).get("channels_last", setting) if setting == "auto" else setting
     why = f"precision={asked}" + (f": {mode}, as the run began (its checkpoint's config)" if asked == "auto" else "")
-    return AutoSpeed(asked, mode, why, began, None if began == setting else
-                     "speed.channels_last=auto: false, as the run began (its checkpoint's config)")
+    return AutoSpeed(
+        asked,
+        mode,
+        why,
+        began,
+        None if began == setting else "speed.channels_last=auto: false, as the run began (its checkpoint's config)",
+    )
 
 
 def unmeasured(asked: str, cands: list[Candidate], setting: bool | str, why_not: str, notes: list[str]) -> AutoSpeed:
@@ -395,22 +449,39 @@ def unmeasured(asked: str, cands: list[Candidate], setting: bool | str, why_not:
     if asked == "auto":
         return AutoSpeed(asked, cands[0].precision, f"precision=auto: fp32, {why}; set precision to choose", setting)
     formats_vary = len({c.channels_last for c in cands}) == 2  # else the decide_speed's why says it all
-    return AutoSpeed(asked, asked, f"precision={asked}", setting,
-                     f"speed.channels_last=auto: the model has 2-D convolutions; {why}" if formats_vary else None)
+    return AutoSpeed(
+        asked,
+        asked,
+        f"precision={asked}",
+        setting,
+        f"speed.channels_last=auto: the model has 2-D convolutions; {why}" if formats_vary else None,
+    )
 
 
-def chosen_speed(asked: str, base: Candidate, chosen: Candidate, setting: bool | str, m: dict,
-                 notes: list[str]) -> AutoSpeed:
+def chosen_speed(
+    asked: str, base: Candidate, chosen: Candidate, setting: bool | str, m: dict, notes: list[str]
+) -> AutoSpeed:
     """The measured choice, in the run's settings and words."""
     other = "amp_bf16" if chosen.precision == "fp32" else "fp32"
-    prec_why = (f"precision=auto: {chosen.precision}, {measured_text(m)}; to choose otherwise: precision={other}"
-                + "".join(f"; {n}" for n in notes)) if asked == "auto" else f"precision={asked}"
+    prec_why = (
+        (
+            f"precision=auto: {chosen.precision}, {measured_text(m)}; to choose otherwise: precision={other}"
+            + "".join(f"; {n}" for n in notes)
+        )
+        if asked == "auto"
+        else f"precision={asked}"
+    )
     cl_why = None
-    rates = {c["channels_last"]: c["images_per_s"] for c in m["candidates"].values() if c["precision"] == chosen.precision}
+    rates = {
+        c["channels_last"]: c["images_per_s"] for c in m["candidates"].values() if c["precision"] == chosen.precision
+    }
     if len(rates) == 2:  # the format was measured (speed.channels_last=auto, a model with 2-D convolutions)
-        cl_why = (f"speed.channels_last=auto: {'on' if chosen.channels_last else 'off'}, measured NHWC "
-                  f"{rates[True]:.0f} vs NCHW {rates[False]:.0f} img/s in {chosen.precision}"
-                  + (" (the rule's choice)" if chosen.channels_last == base.channels_last else "") + f"; to choose otherwise: speed.channels_last={str(not chosen.channels_last).lower()}")
+        cl_why = (
+            f"speed.channels_last=auto: {'on' if chosen.channels_last else 'off'}, measured NHWC "
+            f"{rates[True]:.0f} vs NCHW {rates[False]:.0f} img/s in {chosen.precision}"
+            + (" (the rule's choice)" if chosen.channels_last == base.channels_last else "")
+            + f"; to choose otherwise: speed.channels_last={str(not chosen.channels_last).lower()}"
+        )
     # Measured NCHW faster: false in the run's config (config.yaml, a resume); else auto stays (the rule's NHWC).
     resolved = False if setting == "auto" and not chosen.channels_last else setting
     return AutoSpeed(asked, chosen.precision, prec_why, resolved, cl_why, m)

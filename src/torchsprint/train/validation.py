@@ -98,8 +98,11 @@ class Validation:
                 self.last |= {f"ema/val/{k}": v for k, v in evaluate_here(ema.module).items()}
         set_train_mode(b.model, b.frozen_norms)  # evaluate() restores train(), not frozen norms' eval mode
         self.last_at = (state.epoch + 1, state.global_step)
-        logger.scalars(state.global_step, {k: v for k, v in self.last.items() if not isinstance(v, list)} |
-                       {"epoch": state.epoch + 1}, "eval")
+        logger.scalars(
+            state.global_step,
+            {k: v for k, v in self.last.items() if not isinstance(v, list)} | {"epoch": state.epoch + 1},
+            "eval",
+        )
         if not isinstance(self.last.get(monitor), int | float):  # a number to compare (not a list or a class name)
             numbers = sorted(k for k, v in self.last.items() if isinstance(v, int | float))
             raise UsageError(f"checkpoint.monitor={monitor} is not a metric; available: {numbers}")
@@ -108,20 +111,42 @@ class Validation:
         if stop:
             state.stopped_epoch = state.epoch
         if plan.early_stop_patience is not None:
-            logger.scalars(state.global_step, {"early_stop/wait": state.stop_wait, "early_stop/best": state.stop_best,
-                                               "early_stop/stopped": state.stopped_epoch is not None,
-                                               "epoch": state.epoch + 1}, "early_stop")
+            logger.scalars(
+                state.global_step,
+                {
+                    "early_stop/wait": state.stop_wait,
+                    "early_stop/best": state.stop_best,
+                    "early_stop/stopped": state.stopped_epoch is not None,
+                    "epoch": state.epoch + 1,
+                },
+                "early_stop",
+            )
         ema_eval = {k[4:]: v for k, v in self.last.items() if k.startswith("ema/")}  # as val/... keys
-        where = f"epoch {state.epoch + 1}/{plan.epochs}" + (f" step {state.global_step}" if plan.eval_every_steps else "")
+        where = f"epoch {state.epoch + 1}/{plan.epochs}" + (
+            f" step {state.global_step}" if plan.eval_every_steps else ""
+        )
         logger.info(f"{where}  {task.summary(self.last)}" + (f"  | EMA {task.summary(ema_eval)}" if ema_eval else ""))
         if is_better(metric, state.best_metric, plan.mode):
             state.best_metric, state.best_epoch, state.best_step = metric, state.epoch + 1, state.global_step
             if ctx.rt.is_main:
                 best, which = (ema.module, "ema") if monitor.startswith("ema/") else (b.model, "model")
-                save_weights(ctx.run_dir / "best.safetensors", best, ctx.weights_meta | {
-                    "epoch": str(state.epoch + 1), "step": str(state.global_step), monitor: str(metric), "weights": which})
-                task.write_artifacts(ctx.run_dir, ema_eval if which == "ema" else self.last, b.loaders.info,
-                                     weights_tag("best", state.best_epoch, state.best_step))
+                save_weights(
+                    ctx.run_dir / "best.safetensors",
+                    best,
+                    ctx.weights_meta
+                    | {
+                        "epoch": str(state.epoch + 1),
+                        "step": str(state.global_step),
+                        monitor: str(metric),
+                        "weights": which,
+                    },
+                )
+                task.write_artifacts(
+                    ctx.run_dir,
+                    ema_eval if which == "ema" else self.last,
+                    b.loaders.info,
+                    weights_tag("best", state.best_epoch, state.best_step),
+                )
         return stop
 
 

@@ -40,6 +40,10 @@ if __name__ == "__main__":
     (HERE / "12bit.jpg").write_bytes(imagecodecs.jpeg8_encode(img.astype(np.uint16) * 16, level=90, bitspersample=12))
     Image.fromarray(img).save(HERE / "baseline.jpg", quality=90)
     lib = debian / "usr/lib/x86_64-linux-gnu"
-    out = subprocess.run([str(debian / "usr/bin/jpegtran"), "-arithmetic", str(HERE / "baseline.jpg")], check=True,
-                         capture_output=True, env={"LD_LIBRARY_PATH": str(lib)}).stdout
+    out = subprocess.run(
+        [str(debian / "usr/bin/jpegtran"), "-arithmetic", str(HERE / "baseline.jpg")],
+        check=True,
+        capture_output=True,
+        env={"LD_LIBRARY_PATH": str(lib)},
+    ).stdout
     (HERE / "arithmetic.jpg").write_bytes(out)

@@ -16,9 +16,21 @@ from torchsprint.commands.bench.variants import Variant
 def test_bench_cli_writes_every_output(cli_in_process, tmp_path):
     """The bench command through cli.main in this process (a `python -m torchsprint` costs ~3 s of imports); the
     variants still run in processes of their own, as bench always measures them (isolate)."""
-    r = cli_in_process("bench", "--steps", "8", "--warmup", "2", "--repeats", "2", "--out", "b",
-                "--variants", "+ tuned cpu loader,+ memory loader,+ gpu loader,+ amp_bf16,+ ddp x2,your config",
-                "data.num_workers=0", "model.args={width: 8}")
+    r = cli_in_process(
+        "bench",
+        "--steps",
+        "8",
+        "--warmup",
+        "2",
+        "--repeats",
+        "2",
+        "--out",
+        "b",
+        "--variants",
+        "+ tuned cpu loader,+ memory loader,+ gpu loader,+ amp_bf16,+ ddp x2,your config",
+        "data.num_workers=0",
+        "model.args={width: 8}",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = tmp_path / "b"
     for name in ("bench.md", "bench.csv", "bench.json", "bench.png"):
@@ -41,7 +53,10 @@ def test_bench_cli_writes_every_output(cli_in_process, tmp_path):
         assert len(raw) == 2  # --repeats 2
         ips = [r["images_per_s"] for r in raw]
         assert (row["images_per_s"], row["images_per_s_min"], row["images_per_s_max"]) == (
-            statistics.median(ips), min(ips), max(ips))
+            statistics.median(ips),
+            min(ips),
+            max(ips),
+        )
         assert row["speedup"] == statistics.median(ips) / statistics.median(r["images_per_s"] for r in raw_base)
         share = statistics.median(r["data_wait_share"] for r in raw)
         assert row["bottleneck"] == ("input-bound" if share > INPUT_BOUND else "compute-bound")
@@ -70,11 +85,19 @@ def test_best_combination_picks_fastest_backend_and_winning_switches():
 def test_best_combination_captures_the_model_one_way_only():
     """torch.compile and a CUDA graph of the step are refused together (parallel.check_speed): the faster
     one goes in, whichever it is."""
+
     def rows(compile_speedup, graphs_speedup):
-        return [{"variant": "baseline (seeds)", "status": "ok", "overrides": [], "speedup": 1.0},
-                {"variant": "+ compile", "status": "ok", "overrides": ["speed.compile=true"], "speedup": compile_speedup},
-                {"variant": "+ cuda graphs", "status": "ok", "overrides": ["speed.cuda_graphs=true"], "speedup": graphs_speedup},
-                {"variant": "+ amp_bf16", "status": "ok", "overrides": ["precision.mode=amp_bf16"], "speedup": 1.5}]
+        return [
+            {"variant": "baseline (seeds)", "status": "ok", "overrides": [], "speedup": 1.0},
+            {"variant": "+ compile", "status": "ok", "overrides": ["speed.compile=true"], "speedup": compile_speedup},
+            {
+                "variant": "+ cuda graphs",
+                "status": "ok",
+                "overrides": ["speed.cuda_graphs=true"],
+                "speedup": graphs_speedup,
+            },
+            {"variant": "+ amp_bf16", "status": "ok", "overrides": ["precision.mode=amp_bf16"], "speedup": 1.5},
+        ]
 
     assert best_combination(rows(1.3, 1.6)) == ["speed.cuda_graphs=true", "precision.mode=amp_bf16"]
     assert best_combination(rows(1.7, 1.6)) == ["speed.compile=true", "precision.mode=amp_bf16"]
@@ -91,7 +114,8 @@ def test_a_crashing_variant_says_why_in_its_row(tmp_path, monkeypatch):
         "    class Boom(nn.Linear):\n"
         "        def forward(self, x):\n"
         "            raise RuntimeError('boom in forward')\n"
-        "    return Boom(1, num_classes)\n")
+        "    return Boom(1, num_classes)\n"
+    )
     cfg = tmp_path / "v.yaml"
     cfg.write_text("imports: [boom_model]\nmodel: {name: boom}\nlog: {tensorboard: false}\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -115,8 +139,9 @@ def test_bench_json_keeps_the_variants_measured_before_a_stop(tmp_path, monkeypa
 
     monkeypatch.setattr(bench_mod, "measure", measure_then_stop)
     with pytest.raises(KeyboardInterrupt):
-        bench_mod.bench(None, [], steps=2, warmup=1, repeats=1, only=["+ channels_last"], out=tmp_path / "b",
-                        isolate=False)
+        bench_mod.bench(
+            None, [], steps=2, warmup=1, repeats=1, only=["+ channels_last"], out=tmp_path / "b", isolate=False
+        )
     saved = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert saved["meta"]["partial"] is True
     assert [r["variant"] for r in saved["rows"]] == ["baseline (seeds)"] and saved["rows"][0]["images_per_s"] > 0
@@ -125,9 +150,12 @@ def test_bench_json_keeps_the_variants_measured_before_a_stop(tmp_path, monkeypa
 def test_summarize_reports_median_min_max_ratio_and_bottleneck():
     """Known per-repeat figures, chosen so median != mean and the two wait shares fall either side of the
     input-bound threshold: each column must be the statistic it claims."""
+
     def results(ips, shares):
-        return [{"images_per_s": i, "step_ms": 1000 * 128 / i, "data_wait_share": s, "peak_mem_mb": None}
-                for i, s in zip(ips, shares)]
+        return [
+            {"images_per_s": i, "step_ms": 1000 * 128 / i, "data_wait_share": s, "peak_mem_mb": None}
+            for i, s in zip(ips, shares)
+        ]
 
     lo, hi = INPUT_BOUND - 0.05, INPUT_BOUND + 0.05
     v = Variant("+ memory loader", ["data.backend=memory"], "memory", results=results([100, 110, 400], [hi, lo, lo]))

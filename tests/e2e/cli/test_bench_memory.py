@@ -32,9 +32,14 @@ def row(name, ips, overrides):
 
 
 def test_best_combination_is_never_slower_than_the_best_single_change():
-    rows = [row("baseline (seeds)", 100, []), row("+ memory loader", 325, ["data.backend=memory"]),
-            row("+ compile", 150, ["speed.compile=true"])]
-    combined = row("best combination", 265, ["data.backend=memory", "speed.compile=true"]) | {"what": "memory loader + compile"}
+    rows = [
+        row("baseline (seeds)", 100, []),
+        row("+ memory loader", 325, ["data.backend=memory"]),
+        row("+ compile", 150, ["speed.compile=true"]),
+    ]
+    combined = row("best combination", 265, ["data.backend=memory", "speed.compile=true"]) | {
+        "what": "memory loader + compile"
+    }
     kept = keep_the_faster(combined, rows)
     assert kept["images_per_s"] == 325 and kept["overrides"] == ["data.backend=memory"]
     assert kept["variant"] == "best combination" and "265 images/s, slower" in kept["what"]

@@ -26,8 +26,10 @@ BENCH = REPO / "benchmarks"
 SCRIPTS = sorted(p for p in BENCH.rglob("*.py") if p.name != "__init__.py")
 RESULTS = BENCH / "results"
 # <benchmark>_<device>_<YYYY-MM-DD>[_<variant>].json: benchmarks/results/README.md
-RESULT_NAME = re.compile(r"^(?P<benchmark>[a-z0-9]+(?:_[a-z0-9]+)*)_(?P<device>[a-z0-9]+(?:-[a-z0-9]+)*)"
-                         r"_(?P<date>\d{4}-\d{2}-\d{2})(?:_(?P<variant>[a-z0-9]+(?:-[a-z0-9]+)*))?\.json$")
+RESULT_NAME = re.compile(
+    r"^(?P<benchmark>[a-z0-9]+(?:_[a-z0-9]+)*)_(?P<device>[a-z0-9]+(?:-[a-z0-9]+)*)"
+    r"_(?P<date>\d{4}-\d{2}-\d{2})(?:_(?P<variant>[a-z0-9]+(?:-[a-z0-9]+)*))?\.json$"
+)
 
 
 def module_name(path: Path) -> str:
@@ -68,7 +70,9 @@ def test_every_folder_of_benchmarks_is_a_package():
 
 
 TEST_MODULES = {p.stem for p in (REPO / "tests").rglob("*.py")} | {"tests"}
-PATH_CALL = re.compile(r"^(.*\.)?(Path|PurePath|joinpath|join|open)$")  # ROOT / "tests", Path("tests"), os.path.join(...)
+PATH_CALL = re.compile(
+    r"^(.*\.)?(Path|PurePath|joinpath|join|open)$"
+)  # ROOT / "tests", Path("tests"), os.path.join(...)
 
 
 def offences(source: str) -> list[str]:
@@ -76,17 +80,33 @@ def offences(source: str) -> list[str]:
     one is run wrongly), loading a file as a module by path, importing a module of tests/."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
-                and node.value.id == "sys":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "path"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        ):
             found.append(f"line {node.lineno}: sys.path")
         if isinstance(node, ast.Attribute) and node.attr in ("spec_from_file_location", "run_path"):
             found.append(f"line {node.lineno}: {node.attr} (import the module by its name)")
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and not node.level
+            else []
+        )
         found += [f"line {node.lineno}: imports {n} from tests/" for n in names if n.split(".")[0] in TEST_MODULES]
-        parts = [node.left, node.right] if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) else \
-            node.args if isinstance(node, ast.Call) and PATH_CALL.match(ast.unparse(node.func)) else []
-        if any(isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.split("/")[0] == "tests" for a in parts):
+        parts = (
+            [node.left, node.right]
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+            else node.args
+            if isinstance(node, ast.Call) and PATH_CALL.match(ast.unparse(node.func))
+            else []
+        )
+        if any(
+            isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.split("/")[0] == "tests" for a in parts
+        ):
             found.append(f"line {node.lineno}: a path into tests/")
     return found
 
@@ -97,9 +117,11 @@ def test_no_benchmark_edits_sys_path_or_imports_tests():
     a test's refactor broke a benchmark. Shared code lives in benchmarks/common/, imported by name."""
     bad = {str(p.relative_to(REPO)): o for p in SCRIPTS if (o := offences(p.read_text()))}
     assert not bad, bad
-    planted = ("import sys\nsys.path.insert(0, 'x')\nfrom test_serve import soak\nimport importlib.util\n"
-               "importlib.util.spec_from_file_location('m', 'm.py')\nROOT = None; ROOT / 'tests'\n"
-               "out = {'tests': {}}; out.get('tests')\n")  # a key named "tests" is no path
+    planted = (
+        "import sys\nsys.path.insert(0, 'x')\nfrom test_serve import soak\nimport importlib.util\n"
+        "importlib.util.spec_from_file_location('m', 'm.py')\nROOT = None; ROOT / 'tests'\n"
+        "out = {'tests': {}}; out.get('tests')\n"
+    )  # a key named "tests" is no path
     assert len(offences(planted)) == 4, offences(planted)  # the check sees each kind
 
 
@@ -125,8 +147,10 @@ def results_readme() -> tuple[set[str], set[str]]:
 def recorded_date(path: Path) -> str | None:
     """The YYYY-MM-DD a results file records for itself (its `date`, or its machine's), if any."""
     data = json.loads(path.read_text())
-    for date in (data.get("date"), (data.get("machine") or {}).get("date") if isinstance(data.get("machine"), dict)
-                 else None):
+    for date in (
+        data.get("date"),
+        (data.get("machine") or {}).get("date") if isinstance(data.get("machine"), dict) else None,
+    ):
         if isinstance(date, str) and re.match(r"\d{4}-\d{2}-\d{2}", date):
             return date[:10]
     return None
@@ -170,14 +194,32 @@ def test_merge_results_adds_a_later_calls_dali_figures_to_m2_and_m3():
     the earlier ones, not replace M2 or M3, and its `None`s must not erase measured figures."""
     merge = load("benchmarks.gpu.merge_results").merge
     env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"}
-    full = env | {"date": "2026-12-01T10:00", "command": "measure.py --only M2,M3", "measurements": {
-        "M2": {"images_per_s": {"gpu backend, cpu_fraction 0": 9000.0, "dali backend": None}, "workers": 16,
-               "dali": "not measured", "details": {"gpu backend, cpu_fraction 0": {"epochs": 3}}},
-        "M3": {"backend": "gpu", "images_per_s": 20000.0, "by_backend": {"gpu": {"images_per_s": 20000.0}}}}}
-    dali = env | {"date": "2026-12-01T10:20", "command": "measure.py --only M2,M3 --backends dali", "measurements": {
-        "M2": {"images_per_s": {"dali backend": 11000.0}, "workers": 16, "dali": "measured",
-               "details": {"dali backend": {"epochs": 3}}},
-        "M3": {"by_backend": {"dali": {"images_per_s": 21000.0}}}}}
+    full = env | {
+        "date": "2026-12-01T10:00",
+        "command": "measure.py --only M2,M3",
+        "measurements": {
+            "M2": {
+                "images_per_s": {"gpu backend, cpu_fraction 0": 9000.0, "dali backend": None},
+                "workers": 16,
+                "dali": "not measured",
+                "details": {"gpu backend, cpu_fraction 0": {"epochs": 3}},
+            },
+            "M3": {"backend": "gpu", "images_per_s": 20000.0, "by_backend": {"gpu": {"images_per_s": 20000.0}}},
+        },
+    }
+    dali = env | {
+        "date": "2026-12-01T10:20",
+        "command": "measure.py --only M2,M3 --backends dali",
+        "measurements": {
+            "M2": {
+                "images_per_s": {"dali backend": 11000.0},
+                "workers": 16,
+                "dali": "measured",
+                "details": {"dali backend": {"epochs": 3}},
+            },
+            "M3": {"by_backend": {"dali": {"images_per_s": 21000.0}}},
+        },
+    }
     m = merge([full, dali])["measurements"]
     assert m["M2"]["images_per_s"] == {"gpu backend, cpu_fraction 0": 9000.0, "dali backend": 11000.0}
     assert set(m["M2"]["details"]) == {"gpu backend, cpu_fraction 0", "dali backend"} and m["M2"]["dali"] == "measured"
@@ -193,7 +235,10 @@ def test_merge_results_names_the_fastest_jpeg_backend_over_every_call():
     measured in the last call, must compete with the cpu and gpu backends' of an earlier call, and lose when slower."""
     merge = load("benchmarks.gpu.merge_results").merge
     env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"}
-    call2 = env | {"date": "d1", "measurements": {"M2": {"by_backend": {"cpu": 7666.0, "gpu": 9690.0, "gpu_split_auto": 8031.0}}}}
+    call2 = env | {
+        "date": "d1",
+        "measurements": {"M2": {"by_backend": {"cpu": 7666.0, "gpu": 9690.0, "gpu_split_auto": 8031.0}}},
+    }
     for dali_rate, fastest in ((11000.0, "dali"), (9000.0, "gpu")):
         call3 = env | {"date": "d2", "measurements": {"M2": {"by_backend": {"dali": dali_rate}}}}
         m2 = merge([call2, call3])["measurements"]["M2"]
@@ -221,7 +266,7 @@ def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
     subprocess.run(f"tar -C {site} -cf - . | xz -1 > {archive}", shell=True, check=True)
     blob = archive.read_bytes()
     parts_root = tmp_path / "repo"
-    chunks = [blob[: len(blob) // 2], blob[len(blob) // 2:]]
+    chunks = [blob[: len(blob) // 2], blob[len(blob) // 2 :]]
     pyver = f"{sys.version_info[0]}.{sys.version_info[1]}"
     manifest = f'PARTS=2\nSHA256={hashlib.sha256(blob).hexdigest()}\nPYVER={pyver}\nPACKAGES="dalistandin"\n'
     for k, chunk in enumerate(chunks, 1):
@@ -230,11 +275,17 @@ def test_run_all_installs_dali_only_from_every_matching_part(tmp_path):
         (parts_root / f".dali-{k}" / "manifest").write_text(manifest)
 
     def setup() -> str:
-        env = os.environ | {"OUT": str(tmp_path / "out"), "NO_INSTALL": "1", "PY": sys.executable,
-                            "DALI_PARTS": str(parts_root), "DALI_SITE": str(tmp_path / "site-dali"),
-                            "WHEELS": str(tmp_path / "no-wheels")}  # not the repository's .whl/ (the device's Python)
-        p = subprocess.run(["bash", str(BENCH / "gpu" / "run_all.sh"), "setup"], env=env, capture_output=True,
-                           text=True, timeout=120)
+        env = os.environ | {
+            "OUT": str(tmp_path / "out"),
+            "NO_INSTALL": "1",
+            "PY": sys.executable,
+            "DALI_PARTS": str(parts_root),
+            "DALI_SITE": str(tmp_path / "site-dali"),
+            "WHEELS": str(tmp_path / "no-wheels"),
+        }  # not the repository's .whl/ (the device's Python)
+        p = subprocess.run(
+            ["bash", str(BENCH / "gpu" / "run_all.sh"), "setup"], env=env, capture_output=True, text=True, timeout=120
+        )
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
         return p.stdout
 
@@ -263,9 +314,28 @@ def test_data_throughput_runs_its_cpu_tables(tmp_path):
     """benchmarks/data/data_throughput.py end to end on 64 JPEGs: it reaches into the cpu backend's dataset and
     collate (the per-core CPU figure, also M2's on the GPU machine), which a refactor of the backend broke
     unnoticed (AttributeError) while --help still worked."""
-    p = subprocess.run([sys.executable, "-m", "benchmarks.data.data_throughput", "--images", "64", "--workers", "1",
-                        "--repeats", "1", "--batch-size", "16", "--root", str(tmp_path)], cwd=REPO,
-                       capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.data.data_throughput",
+            "--images",
+            "64",
+            "--workers",
+            "1",
+            "--repeats",
+            "1",
+            "--batch-size",
+            "16",
+            "--root",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in p.stdout.splitlines() if line.startswith("| ")}
     for name in ("cpu backend, decoder=auto", "cpu backend, decoder=torchvision", "cpu backend, decoder=pil"):
@@ -291,9 +361,23 @@ def test_gpu_measurements_run_end_to_end_on_the_cpu(tmp_path):
     names; the only errors allowed are the gpu backend's refusal without CUDA. A script that would crash on the
     GPU machine (an attribute a refactor renamed, a wrong key) fails here first."""
     out = tmp_path / "results.json"
-    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu.measure", "--smoke-cpu", "--out", str(out),
-                        "--data", str(tmp_path / "jpegs")], capture_output=True, text=True, timeout=900, cwd=REPO,
-                       env=os.environ | {"OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu.measure",
+            "--smoke-cpu",
+            "--out",
+            str(out),
+            "--data",
+            str(tmp_path / "jpegs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert {"device", "torch", "cuda", "date", "command"} <= set(res) and res["device"] == "cpu"
@@ -301,8 +385,12 @@ def test_gpu_measurements_run_end_to_end_on_the_cpu(tmp_path):
     assert sorted(m) == ["M1", "M2", "M3", "M4", "M5", "M6"]
     bad = [(path, msg) for path, msg in errors_in(m) if "needs a CUDA GPU" not in msg]
     assert not bad, bad
-    assert {"resnet18 | fp32", "resnet18 | amp_bf16", "resnet18 | amp_bf16 + channels_last",
-            "resnet50 | amp_bf16 + channels_last"} <= set(m["M1"]["images_per_s"])
+    assert {
+        "resnet18 | fp32",
+        "resnet18 | amp_bf16",
+        "resnet18 | amp_bf16 + channels_last",
+        "resnet50 | amp_bf16 + channels_last",
+    } <= set(m["M1"]["images_per_s"])
     assert all(v > 0 for v in m["M1"]["images_per_s"].values())
     # Every measured variant beside the plain loop, timed in alternating windows, with its ratio.
     assert set(m["M1"]["plain_images_per_s"]) == set(m["M1"]["ratio_to_plain"]) == set(m["M1"]["images_per_s"])
@@ -316,13 +404,19 @@ def test_gpu_measurements_run_end_to_end_on_the_cpu(tmp_path):
     assert m["M2"]["by_backend"]["cpu"] == m["M2"]["images_per_s"]["cpu backend, 1 workers"]
     assert m["M2"]["images_per_s"]["cpu backend, 1 workers"] > 0
     assert m["M2"]["images_per_s"]["cpu backend per core (CPU time)"] > 0
-    assert [k for k, _ in errors_in(m["M2"])] == ["/details/gpu backend, cpu_fraction 0",
-                                                  "/details/gpu backend, cpu_fraction auto"]
+    assert [k for k, _ in errors_in(m["M2"])] == [
+        "/details/gpu backend, cpu_fraction 0",
+        "/details/gpu backend, cpu_fraction auto",
+    ]
     assert m["M3"]["images_per_s"] > 0 and m["M3"]["ratio_to_m1"] > 0 and 0 <= m["M3"]["data_wait_share"] < 1
     assert m["M3"]["by_backend"]["cpu"]["images_per_s"] == m["M3"]["images_per_s"]
     assert m["M4"]["seconds_per_epoch"] > 0 and 0 < m["M4"]["loader_share"] < 1
-    assert set(m["M5"]["images_per_s"]) == {"default run | baseline (seeds)", "default run | + channels_last",
-                                            "jpeg 224 | baseline (seeds)", "jpeg 224 | + channels_last"}
+    assert set(m["M5"]["images_per_s"]) == {
+        "default run | baseline (seeds)",
+        "default run | + channels_last",
+        "jpeg 224 | baseline (seeds)",
+        "jpeg 224 | + channels_last",
+    }
     assert all(v > 0 for v in m["M5"]["images_per_s"].values())
     assert m["M6"]["exit_code"] == 0 and any(v > 0 for v in m["M6"]["images_per_s"].values())
 
@@ -332,17 +426,47 @@ def test_backend_agreement_smoke_run(tmp_path, monkeypatch, capsys):
     every run lands in the table and the JSON; and its spread test flags separated means, not equal ones."""
     module = load("benchmarks.numerics.backend_agreement")
     out = tmp_path / "agree.json"
-    monkeypatch.setattr(sys, "argv", ["backend_agreement.py", "--job", "jpeg", "--model", "small_cnn", "--seeds", "0,1",
-                                      "--train-images", "20", "--val-images", "10", "--size", "20", "--crop", "16",
-                                      "--epochs", "1", "--batch-size", "8", "--root", str(tmp_path / "data"),
-                                      "--json", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "backend_agreement.py",
+            "--job",
+            "jpeg",
+            "--model",
+            "small_cnn",
+            "--seeds",
+            "0,1",
+            "--train-images",
+            "20",
+            "--val-images",
+            "10",
+            "--size",
+            "20",
+            "--crop",
+            "16",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--root",
+            str(tmp_path / "data"),
+            "--json",
+            str(out),
+        ],
+    )
     module.main()
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
-    assert [(r["backend"], r["seed"]) for r in result["runs"]] == [(b, s) for s in (0, 1) for b in ("cpu", "memory", "gpu_on_cpu")]
+    assert [(r["backend"], r["seed"]) for r in result["runs"]] == [
+        (b, s) for s in (0, 1) for b in ("cpu", "memory", "gpu_on_cpu")
+    ]
     assert all(0 <= r["top1"] <= 1 for r in result["runs"]) and len(result["comparison"]) == 3
     assert "gpu_on_cpu" in printed and "seed-to-seed spread" in printed
-    same, apart = module.compare({"a": [0.5, 0.6, 0.7], "b": [0.5, 0.6, 0.7]}), module.compare({"a": [0.5, 0.51, 0.52], "b": [0.9, 0.91, 0.92]})
+    same, apart = (
+        module.compare({"a": [0.5, 0.6, 0.7], "b": [0.5, 0.6, 0.7]}),
+        module.compare({"a": [0.5, 0.51, 0.52], "b": [0.9, 0.91, 0.92]}),
+    )
     assert not same[0]["beyond_spread"] and apart[0]["beyond_spread"] and apart[0]["diff"] == pytest.approx(-0.4)
 
 
@@ -352,17 +476,25 @@ def test_photo_folder_parses_the_feedback_times_from_timestamped_cli_lines():
     first matching line only. Canned lines (the shapes of a real run's, times in seconds since the process began)
     against times worked out by hand."""
     parse = load("benchmarks.defaults.photo_folder").parse_lines
-    lines = [(25.1, "model resnet18: initialised from random initialisation"),
-             (25.6, "loader: data.backend=cpu (measured ...), decoder simplejpeg (JPEG: 200 files)"),
-             (36.8, "epoch 1/10: step 1/25 (4%), 5.7 img/s, elapsed 11.2 s, ETA 2:01 (rough: from the first step, its warm-up included)"),
-             (45.3, "estimate: epoch 1 takes ~1:19 (25 steps at 20.1 img/s); the run ~14:02 (10 epoch(s) x 25 steps)"),
-             (98.0, "epoch 1/10: step 20/25 (80%), 21.0 img/s, elapsed 1:12, ETA 14.0 s"),
-             (112.0, "epoch 1: train loss 1.2, top1 0.45, 20 img/s, data wait 3%"),
-             (120.5, "epoch 1/10  val loss 1.1  top1 0.5000  balanced acc 0.2500"),
-             (130.0, "epoch 2/10: step 1/25 (4%), 5.7 img/s, elapsed 90.0 s, ETA 3.0 s"),
-             (200.0, "epoch 2/10  val loss 1.0  top1 0.6000")]
+    lines = [
+        (25.1, "model resnet18: initialised from random initialisation"),
+        (25.6, "loader: data.backend=cpu (measured ...), decoder simplejpeg (JPEG: 200 files)"),
+        (
+            36.8,
+            "epoch 1/10: step 1/25 (4%), 5.7 img/s, elapsed 11.2 s, ETA 2:01 (rough: from the first step, its warm-up included)",
+        ),
+        (45.3, "estimate: epoch 1 takes ~1:19 (25 steps at 20.1 img/s); the run ~14:02 (10 epoch(s) x 25 steps)"),
+        (98.0, "epoch 1/10: step 20/25 (80%), 21.0 img/s, elapsed 1:12, ETA 14.0 s"),
+        (112.0, "epoch 1: train loss 1.2, top1 0.45, 20 img/s, data wait 3%"),
+        (120.5, "epoch 1/10  val loss 1.1  top1 0.5000  balanced acc 0.2500"),
+        (130.0, "epoch 2/10: step 1/25 (4%), 5.7 img/s, elapsed 90.0 s, ETA 3.0 s"),
+        (200.0, "epoch 2/10  val loss 1.0  top1 0.6000"),
+    ]
     got = parse(lines)
     assert got["first_line_s"] == 25.1 and got["epoch_start_s"] == 25.6  # 36.8 - 11.2
     assert got["first_progress_after_start_s"] == 11.2 and got["first_estimate_after_start_s"] == 19.7  # 45.3 - 25.6
     assert got["epoch1_train_end_s"] == 112.0 and got["epoch1_end_s"] == 120.5
-    assert parse([(10.0, "x"), (85.0, "epoch 1/3: step 9/9 (100%), 1.0 img/s, elapsed 1:05, ETA 0.0 s")])["epoch_start_s"] == 20.0
+    assert (
+        parse([(10.0, "x"), (85.0, "epoch 1/3: step 9/9 (100%), 1.0 img/s, elapsed 1:05, ETA 0.0 s")])["epoch_start_s"]
+        == 20.0
+    )

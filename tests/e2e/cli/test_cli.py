@@ -18,10 +18,17 @@ def test_help_is_fast_and_lists_commands(run_cli):
     for cmd in ("train", "eval", "export", "predict", "data", "bench", "config", "list"):
         assert cmd in r.stdout
     # --help never imports torch (a start-up regression would show up here as seconds, not ms)
-    probe = subprocess.run([sys.executable, "-c", "import sys, torchsprint.cli as c\n"
-                            "try:\n c.main(['--help'])\nexcept SystemExit: pass\n"
-                            "print('torch' in sys.modules, 'torchsprint.commands.serve' in sys.modules)"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torchsprint.cli as c\n"
+            "try:\n c.main(['--help'])\nexcept SystemExit: pass\n"
+            "print('torch' in sys.modules, 'torchsprint.commands.serve' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+    )
     # nor the server's module (its flags live in commands/args.py; importing it cost --help 17 ms, a third more)
     assert probe.stdout.strip().endswith("False False")
     assert elapsed < 5  # generous bound for a loaded CI machine; measured ~0.1 s
@@ -63,8 +70,11 @@ def test_user_module_registers_a_model(run_cli, tmp_path):
     (tmp_path / "my_models.py").write_text(
         "from torch import nn\nfrom torchsprint.models import MODELS\n\n"
         "@MODELS.register('my_mlp')\ndef my_mlp(num_classes, in_channels=3):\n"
-        "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, 32), nn.ReLU(), nn.Linear(32, num_classes))\n")
-    r = run_cli("train", "--import", "my_models", "model.name=my_mlp", "run.epochs=1", "run.dir=run", "log.tensorboard=false")
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, 32), nn.ReLU(), nn.Linear(32, num_classes))\n"
+    )
+    r = run_cli(
+        "train", "--import", "my_models", "model.name=my_mlp", "run.epochs=1", "run.dir=run", "log.tensorboard=false"
+    )
     assert r.returncode == 0, r.stderr
     assert "model my_mlp" in r.stdout
     (tmp_path / "cfg.yaml").write_text("imports: [my_models]\nmodel: {name: my_mlp}\nrun: {epochs: 1, dir: run2}\n")
@@ -142,8 +152,19 @@ def test_an_unknown_name_points_at_a_command_that_lists_the_names(cli_in_process
     from torchsprint.optim import LOSSES, OPTIMIZERS, SCHEDULERS
     from torchsprint.tasks.core import TASKS
 
-    for reg in (MODELS, OPTIMIZERS, SCHEDULERS, LOSSES, DATASETS, LOADERS, TRANSFORMS, TASKS, EXPORTERS, BATCH_OPS,
-                DECODERS):
+    for reg in (
+        MODELS,
+        OPTIMIZERS,
+        SCHEDULERS,
+        LOSSES,
+        DATASETS,
+        LOADERS,
+        TRANSFORMS,
+        TASKS,
+        EXPORTERS,
+        BATCH_OPS,
+        DECODERS,
+    ):
         with pytest.raises(UsageError) as e:
             reg.get("zz_no_such_name")
         msg = str(e.value)

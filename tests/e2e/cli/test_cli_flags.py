@@ -56,14 +56,27 @@ def places(tmp_path):
     (tmp_path / "file").write_text("x")
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    for name in ("config.yaml", "last.safetensors", "best.safetensors", "metrics.jsonl", "checkpoints/ckpt-e001-s0000001.pt"):
+    for name in (
+        "config.yaml",
+        "last.safetensors",
+        "best.safetensors",
+        "metrics.jsonl",
+        "checkpoints/ckpt-e001-s0000001.pt",
+    ):
         (run / name).write_text("x")
     ro = tmp_path / "readonly"
     ro.mkdir()
     ro.chmod(0o555)
-    return {"file": tmp_path / "file", "below_file": tmp_path / "file" / "sub" / "out.x", "run": run,
-            "own": [run / n for n in ("config.yaml", "last.safetensors", "metrics.jsonl", "checkpoints", "checkpoints/x.pt")],
-            "readonly": ro / "out", "ok": tmp_path / "fine"}
+    return {
+        "file": tmp_path / "file",
+        "below_file": tmp_path / "file" / "sub" / "out.x",
+        "run": run,
+        "own": [
+            run / n for n in ("config.yaml", "last.safetensors", "metrics.jsonl", "checkpoints", "checkpoints/x.pt")
+        ],
+        "readonly": ro / "out",
+        "ok": tmp_path / "fine",
+    }
 
 
 def is_number(text: str) -> bool:
@@ -79,7 +92,7 @@ def bad_values(action, places) -> st.SearchStrategy[str]:
     t = action.type
     junk = st.text(min_size=1, max_size=8).filter(lambda s: not is_number(s))
     if isinstance(t, cli_args.Count):
-        return st.one_of(st.integers(-10**9, t.minimum - 1).map(str), junk, st.sampled_from(["1.5", "1e3", ""]))
+        return st.one_of(st.integers(-(10**9), t.minimum - 1).map(str), junk, st.sampled_from(["1.5", "1e3", ""]))
     if isinstance(t, cli_args.Number):
         out = [st.sampled_from(["nan", "inf", "-inf", "1e999"]), junk]
         if t.low is not None:
@@ -88,8 +101,10 @@ def bad_values(action, places) -> st.SearchStrategy[str]:
             out.append(st.floats(min_value=t.high, exclude_min=True, allow_nan=False, max_value=1e9).map(repr))
         return st.one_of(*out)
     if t is cli_args.device:
-        return st.one_of(st.sampled_from(["cuda", "cuda:0", "cuda:7", "meta", "mps", "tpu", "gpu", "", "cuda:-1"]),
-                         junk.filter(lambda s: s not in ("auto",) and not s.startswith("cpu")))
+        return st.one_of(
+            st.sampled_from(["cuda", "cuda:0", "cuda:7", "meta", "mps", "tpu", "gpu", "", "cuda:-1"]),
+            junk.filter(lambda s: s not in ("auto",) and not s.startswith("cpu")),
+        )
     if t is cli_args.nnodes:
         return st.sampled_from(["0", "-1", "3:2", "a", "1:0", "0:4", "", "2:x"])
     if t is cli_args.shard_size:
@@ -117,12 +132,17 @@ def argv_for(words, parser, tested, value, places) -> list[str]:
     if tested.option_strings:
         return [*argv, f"{max(tested.option_strings, key=len)}={value}"]
     i = [a for a in parser._actions if not a.option_strings and not isinstance(a, argparse._HelpAction)].index(tested)
-    return [*argv[: len(words) + i], value, *argv[len(words) + i + 1:]]
+    return [*argv[: len(words) + i], value, *argv[len(words) + i + 1 :]]
 
 
 @pytest.mark.parametrize("words,parser,action", FLAGS, ids=[f"{' '.join(w)} {a.dest}" for w, _, a in FLAGS])
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_a_bad_flag_value_is_one_line_naming_the_flag(words, parser, action, places, cli_in_process, data):
     value = data.draw(bad_values(action, places))
@@ -137,8 +157,24 @@ def test_a_bad_flag_value_is_one_line_naming_the_flag(words, parser, action, pla
 def test_the_flags_still_take_good_values(tmp_path, cli_in_process):
     """The types accept what the commands always took (the defaults go through them too)."""
     p = cli.build_parser()
-    args = p.parse_args(["predict", "-r", "x", "y", "--batch-size", "1", "--topk", "3", "--threshold", "0.5",
-                         "--device", "cpu", "--out", str(tmp_path / "new" / "r.jsonl")])
+    args = p.parse_args(
+        [
+            "predict",
+            "-r",
+            "x",
+            "y",
+            "--batch-size",
+            "1",
+            "--topk",
+            "3",
+            "--threshold",
+            "0.5",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "new" / "r.jsonl"),
+        ]
+    )
     assert (args.batch_size, args.topk, args.threshold, args.device) == (1, 3, 0.5, "cpu")
     assert not (tmp_path / "new").exists()  # checked, not created
     args = p.parse_args(["lr-find", "--steps", "10", "--start", "1e-6", "--end", "1", "--out", str(tmp_path)])
@@ -163,13 +199,27 @@ def test_lr_find_out_is_refused_before_the_sweep(tmp_path, cli_in_process):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run = tmp_path_factory.mktemp("flags") / "run"
-    assert cli.main(["train", "run.epochs=1", "log.tensorboard=false", "log.progress=false", "model.args={width: 4}",
-                     f"run.dir={run}"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "run.epochs=1",
+                "log.tensorboard=false",
+                "log.progress=false",
+                "model.args={width: 4}",
+                f"run.dir={run}",
+            ]
+        )
+        == 0
+    )
     return run
 
 
-@pytest.mark.parametrize("flags", [["--batch-size", "0"], ["--topk", "-1"], ["--device", "cuda"], ["--device", "cuda:7"]],
-                         ids=lambda f: " ".join(f))
+@pytest.mark.parametrize(
+    "flags",
+    [["--batch-size", "0"], ["--topk", "-1"], ["--device", "cuda"], ["--device", "cuda:7"]],
+    ids=lambda f: " ".join(f),
+)
 def test_the_reported_predict_flags_on_a_real_run(trained, tmp_path, cli_in_process, flags):
     """The reported cases end to end on a trained run and a real image (before: ValueError 'range() arg 3 must not
     be zero', RuntimeError 'selected index k out of range', RuntimeError 'Found no NVIDIA driver')."""

@@ -24,9 +24,23 @@ def lscpu() -> dict:
 def test_env_json_records_the_cpu_as_lscpu_and_the_run_s_pytorch_see_it(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(__import__("os").environ, ATEN_CPU_CAPABILITY="default")
-    proc = subprocess.run([sys.executable, "-m", "torchsprint", "train", "run.epochs=1", "model.args={width: 4}",
-                           "log.tensorboard=false", "log.progress=false", f"run.dir={run_dir}"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchsprint",
+            "train",
+            "run.epochs=1",
+            "model.args={width: 4}",
+            "log.tensorboard=false",
+            "log.progress=false",
+            f"run.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     cpu = json.loads((run_dir / "env.json").read_text())["cpu"]
     ref = lscpu()

@@ -36,8 +36,24 @@ def test_site_builds_without_a_warning(tmp_path):
     for module in ("mkdocs", "material", "mkdocstrings_handlers.python"):
         pytest.importorskip(module, reason='the docs site needs pip install -e ".[docs]" (in the dev extra)')
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")  # Material's end-of-life banner, not a warning of ours
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(REPO / "mkdocs.yml"),
-                        "-d", str(tmp_path / "site")], capture_output=True, text=True, env=env, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--quiet",
+            "-f",
+            str(REPO / "mkdocs.yml"),
+            "-d",
+            str(tmp_path / "site"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     warnings = [line for line in r.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
     assert r.returncode == 0 and not warnings, "\n".join(warnings) or r.stderr[-3000:]
     # The hook put BENCHMARKS.md's text in the site (its sections are what the docs link to).
@@ -45,15 +61,21 @@ def test_site_builds_without_a_warning(tmp_path):
 
 
 def api_references() -> set[str]:
-    return {m for page in (DOCS / "api").glob("*.md")
-            for m in re.findall(r"^::: (torchsprint[\w.]*)\s*$", page.read_text(), flags=re.M)}
+    return {
+        m
+        for page in (DOCS / "api").glob("*.md")
+        for m in re.findall(r"^::: (torchsprint[\w.]*)\s*$", page.read_text(), flags=re.M)
+    }
 
 
 def test_every_module_has_an_api_page():
     """A module added without its `::: torchsprint.x.y` block would be missing from the API pages (mkdocs builds
     fine without it); a block naming a module that is gone fails the strict build above."""
-    modules = {".".join(("torchsprint", *p.relative_to(SRC).with_suffix("").parts)) for p in SRC.rglob("*.py")
-               if p.name not in ("__init__.py", "__main__.py")}
+    modules = {
+        ".".join(("torchsprint", *p.relative_to(SRC).with_suffix("").parts))
+        for p in SRC.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+    }
     missing = sorted(modules - api_references())
     assert not missing, f"modules without an API page (add `::: NAME` to a page of docs/api/): {missing}"
 
@@ -75,10 +97,11 @@ def github_slug(heading: str) -> str:
 def benchmark_sections(path: Path = BENCHMARKS) -> dict[str, str]:
     """{anchor: text of the section, its subsections included} of BENCHMARKS.md (or another page)."""
     sections, lines = {}, path.read_text().splitlines()
-    heads = [(i, len(m.group(1)), m.group(2)) for i, line in enumerate(lines)
-             if (m := re.match(r"^(#{1,4}) (.+)$", line))]
+    heads = [
+        (i, len(m.group(1)), m.group(2)) for i, line in enumerate(lines) if (m := re.match(r"^(#{1,4}) (.+)$", line))
+    ]
     for k, (i, level, title) in enumerate(heads):
-        end = next((j for j, lv, _ in heads[k + 1:] if lv <= level), len(lines))
+        end = next((j for j, lv, _ in heads[k + 1 :] if lv <= level), len(lines))
         sections[github_slug(title)] = "\n".join(lines[i:end])
     return sections
 
@@ -101,7 +124,7 @@ def test_readme_results_stand_in_the_benchmark_sections_they_link():
     """Every figure of the README's results table is in the BENCHMARKS.md section its row links to: a figure
     typed wrong, or a section renamed or re-measured without the README following, fails here."""
     text = README.read_text()
-    table = text[text.index("## Measured results"):]
+    table = text[text.index("## Measured results") :]
     table = table[: table.index("\n## ", 1)]
     sections = benchmark_sections()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "](BENCHMARKS.md#" in line]
@@ -140,22 +163,29 @@ def test_no_internal_issue_numbers_reach_a_reader():
     found = []
     for name in tracked.stdout.splitlines():
         path = REPO / name
-        if path.suffix not in (".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".txt", ".cfg") and path.parent.name != ".ci":
+        if (
+            path.suffix not in (".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".txt", ".cfg")
+            and path.parent.name != ".ci"
+        ):
             continue
         try:
             lines = path.read_text().splitlines()
         except (OSError, UnicodeDecodeError):
             continue
         found += [f"{name}:{i}: {line.strip()[:120]}" for i, line in enumerate(lines, 1) if ISSUE.search(line)]
-    assert not found, "internal issue numbers (cite the BENCHMARKS.md section or the test instead):\n" + "\n".join(found)
+    assert not found, "internal issue numbers (cite the BENCHMARKS.md section or the test instead):\n" + "\n".join(
+        found
+    )
 
 
 def test_the_issue_check_finds_what_it_looks_for(tmp_path):
     """The checks above would pass on nothing: they must see a string, a docstring and an f-string piece."""
     mod = tmp_path / "m.py"
     word = "issue"  # the fixture's numbers are joined here, so this file holds none itself
-    mod.write_text(f'"""Docstring ({word} 31)."""\nx = 1  # {word} 5 in a comment is not user-facing\n'
-                   f'y = f"{{x}} fixed in {word.title()} #12"\n')
+    mod.write_text(
+        f'"""Docstring ({word} 31)."""\nx = 1  # {word} 5 in a comment is not user-facing\n'
+        f'y = f"{{x}} fixed in {word.title()} #12"\n'
+    )
     hits = [s for _, s in string_literals(mod) if ISSUE.search(s)]
     assert len(hits) == 2, hits
     assert figures("5,417 images/s; 2.13x and 99.72%, 2.7 s") == ["5417", "2.13x", "99.72%", "2.7 s"]
@@ -168,10 +198,21 @@ def test_the_issue_check_finds_what_it_looks_for(tmp_path):
 # ---------------------------------------------------------------- what the pages name in benchmarks/ exists
 
 # The pages that cite benchmarks, their results and their sections, and the code that does (comments included).
-PAGES = [README, BENCHMARKS, HISTORY, REPO / "benchmarks" / "results" / "README.md", REPO / "TESTING.md",
-         REPO / "ARCHITECTURE.md", *sorted(DOCS.rglob("*.md"))]
-CODE = [*sorted((REPO / "benchmarks").rglob("*.py")), *sorted((REPO / "benchmarks").rglob("*.sh")),
-        *sorted(SRC.rglob("*.py")), *sorted((REPO / ".ci").glob("*"))]
+PAGES = [
+    README,
+    BENCHMARKS,
+    HISTORY,
+    REPO / "benchmarks" / "results" / "README.md",
+    REPO / "TESTING.md",
+    REPO / "ARCHITECTURE.md",
+    *sorted(DOCS.rglob("*.md")),
+]
+CODE = [
+    *sorted((REPO / "benchmarks").rglob("*.py")),
+    *sorted((REPO / "benchmarks").rglob("*.sh")),
+    *sorted(SRC.rglob("*.py")),
+    *sorted((REPO / ".ci").glob("*")),
+]
 BENCH_PATH = re.compile(r"(?<![\w/.-])benchmarks/[\w./*-]*[\w*]")  # benchmarks/compare/vs_timm.py, .../x_*.json
 RESULT_FILE = re.compile(r"(?<![\w/.-])[a-z0-9_-]+_\d{4}-\d{2}-\d{2}[a-z0-9_-]*\.json\b")  # a results file's name
 MODULE = re.compile(r"python3? -m (benchmarks(?:\.\w+)+)")
@@ -188,15 +229,14 @@ def flat(path: Path) -> str:
 def named_paths(text: str) -> list[str]:
     """Every benchmarks/... path and results file name a text names (a template such as .../measure_<device>_... is
     no name)."""
-    found = [m.group() for m in BENCH_PATH.finditer(text) if text[m.end(): m.end() + 1] != "<"]
+    found = [m.group() for m in BENCH_PATH.finditer(text) if text[m.end() : m.end() + 1] != "<"]
     found += ["benchmarks/results/" + m.group() for m in RESULT_FILE.finditer(text)]
     found += [m.group(1).replace(".", "/") + ".py" for m in MODULE.finditer(text)]
     return found
 
 
 def missing_paths(text: str) -> list[str]:
-    return sorted({p for p in named_paths(text)
-                   if not (any(REPO.glob(p)) if "*" in p else (REPO / p).exists())})
+    return sorted({p for p in named_paths(text) if not (any(REPO.glob(p)) if "*" in p else (REPO / p).exists())})
 
 
 def headings(path: Path) -> list[str]:
@@ -223,8 +263,11 @@ def test_what_the_pages_name_in_benchmarks_exists():
     bad = {str(p.relative_to(REPO)): m for p in PAGES + CODE if p.is_file() and (m := missing_paths(flat(p)))}
     assert not bad, bad
     planted = "`benchmarks/vs_timm.py`, benchmarks/results/serve_load_2026-11-29c_digits.json, python -m benchmarks.x.y"
-    assert missing_paths(planted) == ["benchmarks/results/serve_load_2026-11-29c_digits.json", "benchmarks/vs_timm.py",
-                                      "benchmarks/x/y.py"], missing_paths(planted)
+    assert missing_paths(planted) == [
+        "benchmarks/results/serve_load_2026-11-29c_digits.json",
+        "benchmarks/vs_timm.py",
+        "benchmarks/x/y.py",
+    ], missing_paths(planted)
     assert not missing_paths("benchmarks/results/measure_<device>_<date>.json, benchmarks/compare/")
 
 

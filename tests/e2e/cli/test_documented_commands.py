@@ -62,7 +62,7 @@ def torchsprint_part(tokens: list[str]) -> list[str] | None:
         if Path(tok).name != "torchsprint":
             continue
         if k == 0 or tokens[k - 1] in LAUNCHERS or (k >= 2 and tokens[k - 2] == "ssh"):
-            return tokens[k + 1:]
+            return tokens[k + 1 :]
     return None
 
 
@@ -105,8 +105,11 @@ def documented_commands() -> list[Documented]:
             if fence.group(1) in SHELL:
                 body = [(j + 1, lines[j]) for j in range(i + 1, end)]
                 for number, argv in commands_of_block(body):
-                    found.append(Documented(str(page.relative_to(REPO)), number, tuple(argv),
-                                            marker.group(1) if marker else None))
+                    found.append(
+                        Documented(
+                            str(page.relative_to(REPO)), number, tuple(argv), marker.group(1) if marker else None
+                        )
+                    )
             i = end + 1
     return found
 
@@ -151,17 +154,30 @@ def workspace(tmp_path_factory):
     for name in ("photo.jpg", "more.jpg", "img.jpg"):
         shutil.copy(root / "images" / "0.jpg", root / name)
     (root / "configs").symlink_to(REPO / "configs")
-    (root / "run.yaml").write_text("# a short digits run: what the docs' run.yaml stands for here\n"
-                                   "run: {epochs: 1}\nmodel: {name: small_cnn, args: {width: 8}}\n")
+    (root / "run.yaml").write_text(
+        "# a short digits run: what the docs' run.yaml stands for here\n"
+        "run: {epochs: 1}\nmodel: {name: small_cnn, args: {width: 8}}\n"
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         run = f"runs/default/{RUN_NAME}"
-        calls = [["train", "data.root=pets", "model.name=small_cnn", "model.args={width: 8}", "run.epochs=3",
-                  "data.train.transforms=[random_resized_crop: 32, hflip]",
-                  "data.eval.transforms=[resize: 36, center_crop: 32]", "checkpoint.keep_last=3",
-                  "log.tensorboard=false", "log.progress=false", f"run.dir={run}"],
-                 ["average", run, run, "-o", "soup.safetensors"],
-                 ["data", "shard", "pets", "shards", "--shard-size", "1GB"]]  # the docs' size: a rerun keeps them
+        calls = [
+            [
+                "train",
+                "data.root=pets",
+                "model.name=small_cnn",
+                "model.args={width: 8}",
+                "run.epochs=3",
+                "data.train.transforms=[random_resized_crop: 32, hflip]",
+                "data.eval.transforms=[resize: 36, center_crop: 32]",
+                "checkpoint.keep_last=3",
+                "log.tensorboard=false",
+                "log.progress=false",
+                f"run.dir={run}",
+            ],
+            ["average", run, run, "-o", "soup.safetensors"],
+            ["data", "shard", "pets", "shards", "--shard-size", "1GB"],
+        ]  # the docs' size: a rerun keeps them
         for argv in calls:
             assert cli.main(argv) == 0, argv
     return root
@@ -178,7 +194,7 @@ def materialize(tok: str, workspace: Path, cwd: Path) -> str:
     if re.match(r"^/shared/[\w-]*shards$", tok):
         return "shards"
     if tok.startswith("/shared/"):
-        return "shared/" + tok[len("/shared/"):]
+        return "shared/" + tok[len("/shared/") :]
     m = re.match(r"^runs/([\w-]+)/(<[^>]+>|\d{8}-\d{6})(/.*)?$", tok) or re.match(r"^()(RUN(?:_[A-Z])?)()$", tok)
     if m:
         folder = cwd / "runs" / (m.group(1) or "x") / re.sub(r"\W", "", m.group(2))
@@ -208,8 +224,19 @@ def kept_short(argv: list[str]) -> list[str]:
     if command == "train" and "--dry-run" not in argv:
         return [*argv, "--dry-run"]
     if command == "bench":  # argparse keeps the last of a repeated option
-        return [*argv, "--steps", "2", "--warmup", "1", "--repeats", "1", "--variants", "baseline (seeds)",
-                "--out", "bench-out"]
+        return [
+            *argv,
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--variants",
+            "baseline (seeds)",
+            "--out",
+            "bench-out",
+        ]
     if command == "lr-find":
         return [*argv, "--steps", "10"]
     return argv
@@ -239,11 +266,13 @@ def test_documented_command_runs(documented, workspace, tmp_path, cli_in_process
 
         monkeypatch.setattr(bench_main, "bench", functools.partial(bench_main.bench, isolate=False))
     r = cli_in_process(*argv)
-    assert r.returncode == 0, (f"{documented}{also}\nran as: torchsprint {shlex.join(argv)}\nexit {r.returncode}\n"
-                               f"{r.stderr[-3000:]}")
+    assert r.returncode == 0, (
+        f"{documented}{also}\nran as: torchsprint {shlex.join(argv)}\nexit {r.returncode}\n{r.stderr[-3000:]}"
+    )
 
 
 # ------------------------------------------------------------------------------------------ the extraction
+
 
 def test_the_pages_document_commands_and_every_not_run_marker_is_used():
     """The extraction finds the commands (a change to the fences or the parser would otherwise test nothing),
@@ -254,29 +283,53 @@ def test_the_pages_document_commands_and_every_not_run_marker_is_used():
     run = [c for c in COMMANDS if not c.not_run]
     assert len(run) >= 40, len(run)
     subcommands = {c.argv[0] for c in run}
-    assert {"train", "eval", "export", "predict", "bench", "lr-find", "report", "average", "data", "config",
-            "list"} <= subcommands, subcommands
+    assert {
+        "train",
+        "eval",
+        "export",
+        "predict",
+        "bench",
+        "lr-find",
+        "report",
+        "average",
+        "data",
+        "config",
+        "list",
+    } <= subcommands, subcommands
     for page in PAGES:
         lines = page.read_text().splitlines()
         for i, line in enumerate(lines):
             if NOT_RUN.match(line.strip()):
                 nxt = next((j for j in range(i + 1, len(lines)) if lines[j].strip()), None)
-                assert nxt is not None and FENCE.match(lines[nxt]), f"{page.name}:{i + 1}: a marker must precede a block"
-                assert any(c.page.endswith(page.name) and c.line > nxt and c.not_run for c in COMMANDS), \
+                assert nxt is not None and FENCE.match(lines[nxt]), (
+                    f"{page.name}:{i + 1}: a marker must precede a block"
+                )
+                assert any(c.page.endswith(page.name) and c.line > nxt and c.not_run for c in COMMANDS), (
                     f"{page.name}:{i + 1}: marker before a block without a torchsprint command"
+                )
 
 
 def test_extraction_of_a_block():
-    body = list(enumerate([
-        "torchsprint train -c a.yaml   # a comment",
-        "torchrun --nproc-per-node 4 -m torchsprint train -c run.yaml",
-        "ssh host-a torchsprint eval -r RUN && echo done",
-        "exec torchsprint train --nproc-per-node 8 \\",
-        "    run.dir=/shared/x",
-        "torchsprint config schema > schema.json",
-        "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/torchsprint train",
-        "pip install torchsprint; tensorboard --logdir runs",
-    ], start=1))
+    body = list(
+        enumerate(
+            [
+                "torchsprint train -c a.yaml   # a comment",
+                "torchrun --nproc-per-node 4 -m torchsprint train -c run.yaml",
+                "ssh host-a torchsprint eval -r RUN && echo done",
+                "exec torchsprint train --nproc-per-node 8 \\",
+                "    run.dir=/shared/x",
+                "torchsprint config schema > schema.json",
+                "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/torchsprint train",
+                "pip install torchsprint; tensorboard --logdir runs",
+            ],
+            start=1,
+        )
+    )
     assert commands_of_block(body) == [
-        (1, ["train", "-c", "a.yaml"]), (2, ["train", "-c", "run.yaml"]), (3, ["eval", "-r", "RUN"]),
-        (4, ["train", "--nproc-per-node", "8", "run.dir=/shared/x"]), (6, ["config", "schema"]), (7, ["train"])]
+        (1, ["train", "-c", "a.yaml"]),
+        (2, ["train", "-c", "run.yaml"]),
+        (3, ["eval", "-r", "RUN"]),
+        (4, ["train", "--nproc-per-node", "8", "run.dir=/shared/x"]),
+        (6, ["config", "schema"]),
+        (7, ["train"]),
+    ]

@@ -19,7 +19,9 @@ PROBE = "import torch; print(torch.cuda.is_available(), torch.cuda.device_count(
 
 
 def probe(env):
-    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120).stdout.split()
+    return subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+    ).stdout.split()
 
 
 def test_unmarked_tests_see_no_gpu_in_process_or_in_children():
@@ -36,7 +38,7 @@ def test_gpu_marked_tests_see_the_gpu():
     torch.ones(1, device="cuda").add_(1)  # the CUDA context works after unmarked tests ran in this process
 
 
-INNER = '''
+INNER = """
 import os
 
 import pytest
@@ -64,7 +66,7 @@ def test_marked_between():
 
 def test_unmarked_after(reference_run):
     assert not torch.cuda.is_available() and os.environ["CUDA_VISIBLE_DEVICES"] == ""
-'''
+"""
 
 
 def test_the_gpu_is_hidden_before_module_scoped_fixtures_of_unmarked_tests(tmp_path):
@@ -75,7 +77,24 @@ def test_the_gpu_is_hidden_before_module_scoped_fixtures_of_unmarked_tests(tmp_p
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_inner.py").write_text(INNER)
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"TORCHSPRINT_TEST_PRETEND_CUDA": "1"}
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                        "-W", "ignore::pytest.PytestUnknownMarkWarning", "test_inner.py"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-W",
+            "ignore::pytest.PytestUnknownMarkWarning",
+            "test_inner.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0 and "3 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]

@@ -34,8 +34,19 @@ def folder(tmp_path):
 
 def test_bad_sample_inside_a_dataloader_worker(tmp_path, folder, capsys):
     (folder / "train" / "circle" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0truncated")
-    line = fails_cleanly(capsys, ["train", *FAST, *RESIZE, "data.dataset=image_folder", f"data.root={folder}",
-                                  "data.num_workers=2", f"run.dir={tmp_path / 'r'}"], "unreadable sample")
+    line = fails_cleanly(
+        capsys,
+        [
+            "train",
+            *FAST,
+            *RESIZE,
+            "data.dataset=image_folder",
+            f"data.root={folder}",
+            "data.num_workers=2",
+            f"run.dir={tmp_path / 'r'}",
+        ],
+        "unreadable sample",
+    )
     assert "bad.jpg" in line and "on_bad_sample=skip" in line and "DataLoader worker" not in line
 
 
@@ -50,8 +61,11 @@ def test_non_finite_settings_are_refused(capsys, lr):
 
 
 def test_a_diverging_run_says_at_which_step_and_what_to_try(tmp_path, capsys):
-    line = fails_cleanly(capsys, ["train", *FAST, "optim.lr=1e30", "log.every_steps=5", f"run.dir={tmp_path / 'r'}"],
-                         "training diverged: the loss became non-finite")
+    line = fails_cleanly(
+        capsys,
+        ["train", *FAST, "optim.lr=1e30", "log.every_steps=5", f"run.dir={tmp_path / 'r'}"],
+        "training diverged: the loss became non-finite",
+    )
     # lr 1e30 blows the weights up at step 1, so step 2's loss is the first non-finite one (measured).
     assert "at step 2" in line and "optim.lr" in line and "precision=fp32" in line
     assert "fp16" not in line  # an fp32 run is not told to leave fp16
@@ -59,14 +73,20 @@ def test_a_diverging_run_says_at_which_step_and_what_to_try(tmp_path, capsys):
 
 def test_single_class_dataset(tmp_path, capsys):
     root = make_image_folder(tmp_path / "one", classes=("only",))
-    fails_cleanly(capsys, ["train", *FAST, *RESIZE, "data.dataset=image_folder", f"data.root={root}",
-                           f"run.dir={tmp_path / 'r'}"], "has 1 class (only)")
+    fails_cleanly(
+        capsys,
+        ["train", *FAST, *RESIZE, "data.dataset=image_folder", f"data.root={root}", f"run.dir={tmp_path / 'r'}"],
+        "has 1 class (only)",
+    )
     assert not (tmp_path / "r").exists()
 
 
 def test_images_too_small_for_the_model_name_the_minimum(tmp_path, capsys):
-    line = fails_cleanly(capsys, ["train", *FAST, "model.name=alexnet", "model.args={}", f"run.dir={tmp_path / 'r'}"],
-                         "needs inputs of at least 63x63 pixels, but the batches are 8x8")
+    line = fails_cleanly(
+        capsys,
+        ["train", *FAST, "model.name=alexnet", "model.args={}", f"run.dir={tmp_path / 'r'}"],
+        "needs inputs of at least 63x63 pixels, but the batches are 8x8",
+    )
     assert "resize" in line
 
 
@@ -81,8 +101,9 @@ def trained(tmp_path_factory):
 def test_export_to_an_impossible_path(tmp_path, trained, capsys, fmt):
     blocker = tmp_path / "file"
     blocker.write_text("")  # a folder cannot be made below a file, even by root
-    fails_cleanly(capsys, ["export", "-r", str(trained), "--format", fmt, "--out", str(blocker / "m.x")],
-                  "cannot write there")
+    fails_cleanly(
+        capsys, ["export", "-r", str(trained), "--format", fmt, "--out", str(blocker / "m.x")], "cannot write there"
+    )
 
 
 def test_predict_out_is_checked_before_predicting(tmp_path, trained, capsys):
@@ -93,7 +114,9 @@ def test_predict_out_is_checked_before_predicting(tmp_path, trained, capsys):
 
     Image.new("L", (8, 8), 100).save(img)
     fails_cleanly(capsys, ["predict", "-r", str(trained), str(img), "--out", str(blocker / "r.jsonl")], "cannot write")
-    fails_cleanly(capsys, ["predict", "-r", str(trained), str(img), "--out", str(tmp_path / "r.xyz")], "unknown format '.xyz'")
+    fails_cleanly(
+        capsys, ["predict", "-r", str(trained), str(img), "--out", str(tmp_path / "r.xyz")], "unknown format '.xyz'"
+    )
     assert not (tmp_path / "r.xyz").exists()
 
 
@@ -134,8 +157,11 @@ def test_malformed_cifar(tmp_path, capsys):
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         (root / name).write_bytes(pickle.dumps({b"data": b"x" * 10, b"labels": [0]})[:-3])  # truncated
     (root / "batches.meta").write_bytes(pickle.dumps({b"label_names": [b"a", b"b"]}))
-    fails_cleanly(capsys, ["train", "data.dataset=cifar10", f"data.root={root.parent}", f"run.dir={tmp_path / 'r'}"],
-                  "is not a CIFAR python batch")
+    fails_cleanly(
+        capsys,
+        ["train", "data.dataset=cifar10", f"data.root={root.parent}", f"run.dir={tmp_path / 'r'}"],
+        "is not a CIFAR python batch",
+    )
 
 
 def test_empty_class_folder_is_left_out_with_a_warning(tmp_path, capsys):
@@ -144,8 +170,12 @@ def test_empty_class_folder_is_left_out_with_a_warning(tmp_path, capsys):
         for f in (root / split / "b").iterdir():
             f.unlink()
     with pytest.warns(UserWarning, match=r"class folder\(s\) \['b'\] hold no images"):
-        assert cli.main(["train", *FAST, *RESIZE, "data.dataset=image_folder", f"data.root={root}",
-                         f"run.dir={tmp_path / 'r'}"]) == 0
+        assert (
+            cli.main(
+                ["train", *FAST, *RESIZE, "data.dataset=image_folder", f"data.root={root}", f"run.dir={tmp_path / 'r'}"]
+            )
+            == 0
+        )
     import json
 
     import yaml
@@ -157,14 +187,20 @@ def test_empty_class_folder_is_left_out_with_a_warning(tmp_path, capsys):
 
 def test_digits_refuses_a_root_it_would_ignore(tmp_path, capsys):
     (tmp_path / "d").mkdir()  # the run folder goes beside data.root, never inside it (refused first)
-    fails_cleanly(capsys, ["train", *FAST, "data.dataset=digits", f"data.root={tmp_path / 'd'}", f"run.dir={tmp_path / 'r'}"],
-                  "takes no data.root")
+    fails_cleanly(
+        capsys,
+        ["train", *FAST, "data.dataset=digits", f"data.root={tmp_path / 'd'}", f"run.dir={tmp_path / 'r'}"],
+        "takes no data.root",
+    )
 
 
 def test_a_root_alone_without_images_says_what_it_holds(tmp_path, capsys):
     (tmp_path / "notes.txt.bak").write_text("x")
-    fails_cleanly(capsys, ["train", *FAST, f"data.root={tmp_path}", f"run.dir={tmp_path / 'r'}"],
-                  f"data.root={tmp_path} holds 1 loose file(s), no class folders")
+    fails_cleanly(
+        capsys,
+        ["train", *FAST, f"data.root={tmp_path}", f"run.dir={tmp_path / 'r'}"],
+        f"data.root={tmp_path} holds 1 loose file(s), no class folders",
+    )
     fails_cleanly(capsys, ["train", *FAST, f"data.root={tmp_path / 'nothing'}"], "does not exist")
 
 
@@ -186,8 +222,22 @@ def test_class_folders_added_or_removed_since_training_are_named(tmp_path, capsy
 
     root = make_image_folder(tmp_path / "imgs", classes=("circle", "square", "star"), per_class=4)
     run = tmp_path / "run"
-    assert cli.main(["train", *FAST, *RESIZE, "data.dataset=image_folder", f"data.root={root}", f"run.dir={run}",
-                     "run.epochs=2", "run.stop_after_steps=1", "checkpoint.every_steps=1"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                *FAST,
+                *RESIZE,
+                "data.dataset=image_folder",
+                f"data.root={root}",
+                f"run.dir={run}",
+                "run.epochs=2",
+                "run.stop_after_steps=1",
+                "checkpoint.every_steps=1",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     make_image_folder(tmp_path / "more", classes=("disc",), per_class=4)
     for split in ("train", "val"):

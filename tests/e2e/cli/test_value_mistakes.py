@@ -38,8 +38,10 @@ def numeric_fields() -> list[tuple[str, str]]:
     def types(s) -> set[str]:
         s = resolve(s)
         out = {s["type"]} if isinstance(s.get("type"), str) else set(s.get("type", []))
-        out |= {{bool: "boolean", int: "integer", float: "number", str: "string"}.get(type(v), "null")
-                for v in s.get("enum", []) + ([s["const"]] if "const" in s else [])}
+        out |= {
+            {bool: "boolean", int: "integer", float: "number", str: "string"}.get(type(v), "null")
+            for v in s.get("enum", []) + ([s["const"]] if "const" in s else [])
+        }
         for member in s.get("anyOf", []) + s.get("oneOf", []):
             out |= types(member)
         return out
@@ -73,8 +75,17 @@ NUMERIC = numeric_fields()
 
 def test_the_schema_walk_finds_the_number_fields():
     keys = {k for k, _ in NUMERIC}
-    assert {"run.epochs", "run.max_time", "optim.lr", "optim.betas", "sched.milestones", "data.progressive.start_size",
-            "data.batch_size", "data.max_file_mb", "swa.start"} <= keys, keys
+    assert {
+        "run.epochs",
+        "run.max_time",
+        "optim.lr",
+        "optim.betas",
+        "sched.milestones",
+        "data.progressive.start_size",
+        "data.batch_size",
+        "data.max_file_mb",
+        "swa.start",
+    } <= keys, keys
     assert not keys & {"run.deterministic", "speed.channels_last", "log.csv"}  # booleans (or bool | 'auto') stay
     assert len(keys) >= 60, len(keys)
 
@@ -87,8 +98,10 @@ def test_true_is_not_a_number(cli_in_process, key, value):
 
 def test_numbers_still_load_as_numbers(tmp_path, cli_in_process):
     """1 is a float's 1.0, YAML ints and floats load, and the booleans of flag fields stay booleans."""
-    (tmp_path / "c.yaml").write_text("optim: {lr: 1, betas: [0.9, 1]}\nsched: {milestones: [1, 2.5]}\nrun: {max_time: 90}\n"
-                                     "speed: {channels_last: true}\nlog: {csv: false}\n")
+    (tmp_path / "c.yaml").write_text(
+        "optim: {lr: 1, betas: [0.9, 1]}\nsched: {milestones: [1, 2.5]}\nrun: {max_time: 90}\n"
+        "speed: {channels_last: true}\nlog: {csv: false}\n"
+    )
     r = cli_in_process("config", "show", "-c", tmp_path / "c.yaml")
     assert r.returncode == 0, r.stderr
     for text in ("lr: 1.0", "betas: [0.9, 1.0]", "milestones: [1.0, 2.5]", "max_time: 90", "channels_last: true"):
@@ -97,17 +110,29 @@ def test_numbers_still_load_as_numbers(tmp_path, cli_in_process):
 
 def test_an_effective_batch_larger_than_the_training_set(tmp_path, cli_in_process):
     """Digits: 1,437 training images; 2048 made every optimizer step average an epoch's 1,408."""
-    refused(cli_in_process("train", *FAST, "data.effective_batch_size=2048", f"run.dir={tmp_path / 'r'}"),
-            "data.effective_batch_size=2048 is more than the 1,437 training images")
+    refused(
+        cli_in_process("train", *FAST, "data.effective_batch_size=2048", f"run.dir={tmp_path / 'r'}"),
+        "data.effective_batch_size=2048 is more than the 1,437 training images",
+    )
     assert not (tmp_path / "r").exists()
 
 
 def test_a_progressive_start_below_what_the_model_takes_names_the_setting(tmp_path, cli_in_process):
     """Before: 'small_cnn needs inputs of at least 2x2 pixels, but the batches are 8x8' (the eval batches)."""
-    refused(cli_in_process("train", *FAST, "run.epochs=2", "data.train.transforms=[random_resized_crop: 8]",
-                           "data.progressive.start_size=1", "data.progressive.step=1", "data.progressive.end_epoch=2",
-                           f"run.dir={tmp_path / 'r'}"),
-            "data.progressive.start_size=1: the first epochs train on 1x1 crops", "at least 2x2")
+    refused(
+        cli_in_process(
+            "train",
+            *FAST,
+            "run.epochs=2",
+            "data.train.transforms=[random_resized_crop: 8]",
+            "data.progressive.start_size=1",
+            "data.progressive.step=1",
+            "data.progressive.end_epoch=2",
+            f"run.dir={tmp_path / 'r'}",
+        ),
+        "data.progressive.start_size=1: the first epochs train on 1x1 crops",
+        "at least 2x2",
+    )
 
 
 def test_balanced_sampling_with_a_class_without_training_images(tmp_path, cli_in_process):
@@ -116,18 +141,31 @@ def test_balanced_sampling_with_a_class_without_training_images(tmp_path, cli_in
     root = make_image_folder(tmp_path / "imgs", per_class=4, splits=("train",))
     files = sorted((root / "train").rglob("*.jpg"))
     (tmp_path / "list.csv").write_text("".join(f"{p},{2 * (i % 2)}\n" for i, p in enumerate(files)))
-    base = [*FAST, "data.dataset=file_list", f"data.root={tmp_path / 'list.csv'}", "data.val_fraction=0.5",
-            "data.train.transforms=[resize: [16, 16]]", "data.eval.transforms=[resize: [16, 16]]"]
-    refused(cli_in_process("train", *base, "data.sampler=balanced", f"run.dir={tmp_path / 'r'}"),
-            "data.sampler=balanced: class(es) ['1'] have no training images")
-    refused(cli_in_process("train", *base, "loss.class_weights=auto", f"run.dir={tmp_path / 'r2'}"),
-            "class(es) ['1'] have no training images")
+    base = [
+        *FAST,
+        "data.dataset=file_list",
+        f"data.root={tmp_path / 'list.csv'}",
+        "data.val_fraction=0.5",
+        "data.train.transforms=[resize: [16, 16]]",
+        "data.eval.transforms=[resize: [16, 16]]",
+    ]
+    refused(
+        cli_in_process("train", *base, "data.sampler=balanced", f"run.dir={tmp_path / 'r'}"),
+        "data.sampler=balanced: class(es) ['1'] have no training images",
+    )
+    refused(
+        cli_in_process("train", *base, "loss.class_weights=auto", f"run.dir={tmp_path / 'r2'}"),
+        "class(es) ['1'] have no training images",
+    )
 
 
 @pytest.mark.parametrize("freeze,epochs", [(3, 3), (5, 2)])
 def test_freeze_epochs_that_never_unfreeze(cli_in_process, freeze, epochs):
-    refused(cli_in_process("config", "show", f"model.freeze_epochs={freeze}", f"run.epochs={epochs}"),
-            f"model.freeze_epochs={freeze} is not below run.epochs={epochs}", "never be unfrozen")
+    refused(
+        cli_in_process("config", "show", f"model.freeze_epochs={freeze}", f"run.epochs={epochs}"),
+        f"model.freeze_epochs={freeze} is not below run.epochs={epochs}",
+        "never be unfrozen",
+    )
     assert cli_in_process("config", "show", "model.freeze_epochs=2", "run.epochs=3").returncode == 0
 
 
@@ -153,11 +191,18 @@ def test_a_class_too_small_for_a_validation_image_is_said(tmp_path, cli_in_proce
     assert any(note in n for n in json.loads((tmp_path / "r" / "decisions.json").read_text())["notes"])
 
 
-@pytest.mark.parametrize(("model", "key", "value"), [
-    ("resnet18", "zero_init_residual", "maybe"), ("resnet18", "zero_init_residual", 2),
-    ("resnet18", "zero_init_residual", "false"), ("timm/resnet18", "zero_init_last", "no"),
-    ("small_cnn", "width", 8.5), ("small_cnn", "width", True), ("small_cnn", "dropout", "0.1"),
-])
+@pytest.mark.parametrize(
+    ("model", "key", "value"),
+    [
+        ("resnet18", "zero_init_residual", "maybe"),
+        ("resnet18", "zero_init_residual", 2),
+        ("resnet18", "zero_init_residual", "false"),
+        ("timm/resnet18", "zero_init_last", "no"),
+        ("small_cnn", "width", 8.5),
+        ("small_cnn", "width", True),
+        ("small_cnn", "dropout", "0.1"),
+    ],
+)
 def test_model_args_of_the_wrong_kind_are_refused(model, key, value):
     """torchvision tests `if zero_init_residual:`, so a string or 2 turned the zero init on without a word. A key the
     builder declares as a boolean (or a number) is read as one: the builder's own signature, or the library class
@@ -168,7 +213,9 @@ def test_model_args_of_the_wrong_kind_are_refused(model, key, value):
 
     cfg = config.load(None, [f"model.name={model}"]).model
     cfg.args = {key: value}
-    with pytest.raises(UsageError, match=rf"^model\.args\.{key}=.*: model '{model}' takes (a boolean|an integer|a number)"):
+    with pytest.raises(
+        UsageError, match=rf"^model\.args\.{key}=.*: model '{model}' takes (a boolean|an integer|a number)"
+    ):
         build_model(cfg, 3, 3)
 
 

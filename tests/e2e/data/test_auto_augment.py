@@ -25,8 +25,11 @@ def assert_same_image(got: torch.Tensor, ref: torch.Tensor, what=None) -> None:
     Measured on an AMD EPYC: AVX2 kernels 0 values differ; default kernels 1 level on 4-118 values of 17,280-61,440.
     A wrong magnitude, sign or op moves most values by several levels."""
     d = (got.int() - ref.int()).abs()
-    assert got.shape == ref.shape and int(d.max()) <= 1 and int((d > 0).sum()) <= 0.01 * d.numel(), \
-        (what, int(d.max()), int((d > 0).sum()))
+    assert got.shape == ref.shape and int(d.max()) <= 1 and int((d > 0).sum()) <= 0.01 * d.numel(), (
+        what,
+        int(d.max()),
+        int((d > 0).sum()),
+    )
 
 
 def images(shape, n=12, seed=0):
@@ -44,18 +47,34 @@ def test_every_batched_op_equals_torchvision_on_each_image(name, interpolation):
         for t in (TA, RA):
             fn, signed = type(t)._AUGMENTATION_SPACE[name]
             values = fn(31, shape[1], shape[2])
-            mags = [0.0] * 12 if values is None else [float(values[2 * i % 31]) * (-1 if signed and i % 2 else 1) for i in range(12)]
+            mags = (
+                [0.0] * 12
+                if values is None
+                else [float(values[2 * i % 31]) * (-1 if signed and i % 2 else 1) for i in range(12)]
+            )
             got = apply_aug_op(x, name, mags, interpolation)
-            ref = torch.stack([t._apply_image_or_video_transform(x[i], name, mags[i], interpolation=v2.InterpolationMode(interpolation),
-                                                                 fill=t._fill) for i in range(12)])
+            ref = torch.stack(
+                [
+                    t._apply_image_or_video_transform(
+                        x[i], name, mags[i], interpolation=v2.InterpolationMode(interpolation), fill=t._fill
+                    )
+                    for i in range(12)
+                ]
+            )
             assert_same_image(got, ref, (shape, type(t).__name__))
 
 
-@pytest.mark.parametrize("step, ref", [
-    ("rand_augment", v2.RandAugment()), ({"rand_augment": {"num_ops": 3, "magnitude": 14}}, v2.RandAugment(3, 14)),
-    ("trivial_augment_wide", v2.TrivialAugmentWide()), ("auto_augment", v2.AutoAugment()),
-    ({"auto_augment": {"policy": "cifar10"}}, v2.AutoAugment(v2.AutoAugmentPolicy.CIFAR10)), ("augmix", v2.AugMix()),
-])
+@pytest.mark.parametrize(
+    "step, ref",
+    [
+        ("rand_augment", v2.RandAugment()),
+        ({"rand_augment": {"num_ops": 3, "magnitude": 14}}, v2.RandAugment(3, 14)),
+        ("trivial_augment_wide", v2.TrivialAugmentWide()),
+        ("auto_augment", v2.AutoAugment()),
+        ({"auto_augment": {"policy": "cifar10"}}, v2.AutoAugment(v2.AutoAugmentPolicy.CIFAR10)),
+        ("augmix", v2.AugMix()),
+    ],
+)
 def test_cpu_steps_equal_torchvision_under_the_same_generator_state(step, ref):
     pipe = compile_spec([step]).cpu
     img = images((3, 20, 24), n=1)[0]
@@ -85,8 +104,9 @@ def reference_per_sample(x, u, t, num_ops, magnitude=None):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("step, t, num_ops, magnitude", [
-    ("trivial_augment_wide", TA, 1, None), ("rand_augment", RA, 2, 9)])
+@pytest.mark.parametrize(
+    "step, t, num_ops, magnitude", [("trivial_augment_wide", TA, 1, None), ("rand_augment", RA, 2, 9)]
+)
 def test_batched_pipeline_gives_each_sample_its_own_op(step, t, num_ops, magnitude):
     p = compile_batch_spec([step], "data.train.transforms", 3, "memory")
     x = images((3, 16, 20), n=64)
@@ -119,8 +139,11 @@ def test_batched_backends_refuse_what_they_cannot_run_naming_cpu():
     for step in ("auto_augment", "augmix"):
         with pytest.raises(UsageError, match=f"step '{step}' is not supported by data.backend=gpu.*data.backend=cpu"):
             compile_batch_spec([step], "data.train.transforms", 3, "gpu")
-    for arg, match in (({"fill": 128}, "fill"), ({"interpolation": "bicubic"}, "nearest and bilinear"),
-                       ({"magnitude": 31}, "magnitude=31")):
+    for arg, match in (
+        ({"fill": 128}, "fill"),
+        ({"interpolation": "bicubic"}, "nearest and bilinear"),
+        ({"magnitude": 31}, "magnitude=31"),
+    ):
         with pytest.raises(UsageError, match=match):
             compile_batch_spec([{"rand_augment": arg}], "t", 3, "memory")
     with pytest.raises(UsageError, match="policy"):
@@ -134,9 +157,16 @@ def test_training_with_auto_augmentation_runs_on_digits(tmp_path, backend):
     from torchsprint import config
     from torchsprint.train.run import train
 
-    common = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.max_steps=3",
-              f"data.backend={backend}"]
-    cfg = config.load(None, [*common, "data.train.transforms=[trivial_augment_wide, rand_augment]", f"run.dir={tmp_path / 'r'}"])
+    common = [
+        "model.args={width: 8}",
+        "log.tensorboard=false",
+        "log.progress=false",
+        "run.max_steps=3",
+        f"data.backend={backend}",
+    ]
+    cfg = config.load(
+        None, [*common, "data.train.transforms=[trivial_augment_wide, rand_augment]", f"run.dir={tmp_path / 'r'}"]
+    )
     assert train(cfg, quiet=True)["global_step"] == 3
     # and the steps were applied: the same run without them trains other weights
     train(config.load(None, [*common, f"run.dir={tmp_path / 'plain'}"]), quiet=True)

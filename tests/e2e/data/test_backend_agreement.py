@@ -36,12 +36,21 @@ STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 
 
 def jpeg_cfg(root, backend: str, *extra: str):
-    return config.load(None, [
-        "data.dataset=synthetic_jpeg", f"data.root={root}",
-        "data.options={num_images: 40, val_images: 20, size: [40, 30], classes: 4}",
-        f"data.backend={'gpu' if backend == 'gpu_on_cpu' else backend}", "data.batch_size=8", "data.eval_batch_size=6",
-        "data.decoder=torchvision",  # the decoder the gpu backend uses on a CPU device: only the resizes may differ
-        f"data.train.transforms={TRAIN}", f"data.eval.transforms={EVAL}", *extra]).data
+    return config.load(
+        None,
+        [
+            "data.dataset=synthetic_jpeg",
+            f"data.root={root}",
+            "data.options={num_images: 40, val_images: 20, size: [40, 30], classes: 4}",
+            f"data.backend={'gpu' if backend == 'gpu_on_cpu' else backend}",
+            "data.batch_size=8",
+            "data.eval_batch_size=6",
+            "data.decoder=torchvision",  # the decoder the gpu backend uses on a CPU device: only the resizes may differ
+            f"data.train.transforms={TRAIN}",
+            f"data.eval.transforms={EVAL}",
+            *extra,
+        ],
+    ).data
 
 
 def loaders_for(root, backend: str, seed: int = 3):
@@ -78,10 +87,19 @@ def test_same_seed_same_initial_weights_on_cpu_and_memory(tmp_path):
 
     weights = {}
     for backend in ("cpu", "memory"):
-        cfg = config.load(None, [
-            "data.dataset=synthetic_jpeg", f"data.root={tmp_path}",
-            "data.options={num_images: 40, val_images: 20, size: [40, 30], classes: 4}", f"data.backend={backend}",
-            f"data.train.transforms={TRAIN}", f"data.eval.transforms={EVAL}", "run.seed=0", f"run.dir={tmp_path / backend}"])
+        cfg = config.load(
+            None,
+            [
+                "data.dataset=synthetic_jpeg",
+                f"data.root={tmp_path}",
+                "data.options={num_images: 40, val_images: 20, size: [40, 30], classes: 4}",
+                f"data.backend={backend}",
+                f"data.train.transforms={TRAIN}",
+                f"data.eval.transforms={EVAL}",
+                "run.seed=0",
+                f"run.dir={tmp_path / backend}",
+            ],
+        )
         rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
         try:
             model = build_training(cfg, rt, lambda m: None).model
@@ -130,7 +148,9 @@ def test_train_batches_follow_the_spec_on_every_backend(tmp_path, epoch):
     for (_, ya), (_, ym), (_, yg) in zip(*batches.values()):
         assert torch.equal(ya, ym) and torch.equal(ya, yg)
     for (m, _), (g, _) in zip(batches["memory"], batches["gpu_on_cpu"]):
-        assert float((levels(m) - levels(g)).abs().max()) < 1.01  # same draws; memory's decoded tensor vs a fresh decode
+        assert (
+            float((levels(m) - levels(g)).abs().max()) < 1.01
+        )  # same draws; memory's decoded tensor vs a fresh decode
     mem = loaders["memory"].train
     order = mem.sampler.keyed_indices()[0]
     images = mem.images  # the decoded training set (the same decoder as the cpu backend's files)
@@ -144,7 +164,9 @@ def test_train_batches_follow_the_spec_on_every_backend(tmp_path, epoch):
         img = images[idx]
         torch.manual_seed(sample_seed(seed, epoch, idx))
         assert (cpu[pos] - tv_flip(tv_crop(img)).float()).abs().max() < 1e-3, pos
-        ref = reference_crop(img, crop["top"][pos], crop["left"][pos], crop["h"][pos], crop["w"][pos], bool(flip["flip"][pos]))
+        ref = reference_crop(
+            img, crop["top"][pos], crop["left"][pos], crop["h"][pos], crop["w"][pos], bool(flip["flip"][pos])
+        )
         assert (batched[pos] - ref.float()).abs().max() < 1.01, pos
 
 
@@ -159,8 +181,12 @@ def ks(a: np.ndarray, b: np.ndarray) -> float:
 
 def crop_stats(top, left, h, w, height: int, width: int) -> dict[str, np.ndarray]:
     top, left, h, w = (np.asarray(v, dtype=np.float64) for v in (top, left, h, w))
-    return {"area": h * w / (height * width), "log_ratio": np.log(w / h),
-            "top": top / np.maximum(height - h, 1), "left": left / np.maximum(width - w, 1)}
+    return {
+        "area": h * w / (height * width),
+        "log_ratio": np.log(w / h),
+        "top": top / np.maximum(height - h, 1),
+        "left": left / np.maximum(width - w, 1),
+    }
 
 
 @pytest.mark.parametrize("height,width", [(160, 160), (375, 500)])
@@ -191,8 +217,14 @@ def test_crop_and_flip_statistics_of_both_samplers_match_torchvision(height, wid
     torch.manual_seed(12345)
     ref = [ref_crop.make_params([img]) for _ in range(n)]
     ref_flips = sum(int(ref_flip(pair)[0, 0, 0]) for _ in range(n)) / n
-    reference = crop_stats([r["top"] for r in ref], [r["left"] for r in ref], [r["height"] for r in ref],
-                           [r["width"] for r in ref], height, width)
+    reference = crop_stats(
+        [r["top"] for r in ref],
+        [r["left"] for r in ref],
+        [r["height"] for r in ref],
+        [r["width"] for r in ref],
+        height,
+        width,
+    )
     # KS critical value at alpha = 0.001 for 10,000 vs 10,000: 1.95 * sqrt(2 / 10000) = 0.028. Measured 0.0075-0.0177
     # for both samplers on both sizes (at 4,000 draws one reached 0.040: too close to that n's 0.044); an aspect
     # ratio drawn uniformly instead of log-uniformly gives 0.072-0.075, a side drawn uniformly instead of the

@@ -37,7 +37,9 @@ def test_same_size_jpegs_are_decoded_once_into_memory_when_the_epochs_pay_for_it
     tests/e2e/data/test_backend_measured.py checks such choices against a direct measurement)."""
     root = make_image_folder(tmp_path, per_class=3)
     info = loaders("data.dataset=image_folder", f"data.root={root}", epochs=50).info
-    assert info.backend == "memory" and "12 cached images of one size a split (24x20 for training)" in info.backend_why, info.backend_why
+    assert (
+        info.backend == "memory" and "12 cached images of one size a split (24x20 for training)" in info.backend_why
+    ), info.backend_why
     # ...and from the files themselves (no decoded-image cache), the file headers say the same
     files = loaders("data.dataset=image_folder", f"data.root={root}", "data.cache=off", epochs=50).info
     assert files.backend == "memory" and "12 files of one size (24x20)" in files.backend_why, files.backend_why
@@ -68,9 +70,13 @@ def test_the_backends_are_measured_once_per_machine_data_and_settings(tmp_path, 
 def test_files_of_several_sizes_stream_through_the_cpu_backend(tmp_path):
     root = make_image_folder(tmp_path, per_class=3)
     Image.new("RGB", (30, 30)).save(root / "train" / "circle" / "big.jpg")
-    info = loaders("data.dataset=image_folder", f"data.root={root}", "data.train.transforms=[resize: [16, 16]]",
-                   "data.eval.transforms=[resize: [16, 16]]",
-                   "data.cache=off").info  # the decoded-image cache would store them resized, at one size
+    info = loaders(
+        "data.dataset=image_folder",
+        f"data.root={root}",
+        "data.train.transforms=[resize: [16, 16]]",
+        "data.eval.transforms=[resize: [16, 16]]",
+        "data.cache=off",
+    ).info  # the decoded-image cache would store them resized, at one size
     assert info.backend == "cpu" and "memory: the images have different sizes" in info.backend_why
     assert "gpu: needs a CUDA GPU: this machine has no CUDA device" in info.backend_why
 
@@ -108,10 +114,23 @@ def test_an_explicit_backend_is_kept_and_said_so():
 @pytest.mark.parametrize("backend", ["memory", "cpu"])
 def test_auto_trains_what_the_backend_it_picks_trains(tmp_path, backend):
     """auto is a choice, not a new pipeline: its run equals the run with the chosen backend named."""
-    a = cli.main(["train", *FAST, f"run.dir={tmp_path / 'a'}", *(["data.train.transforms=[random_rotation: 10]"]
-                                                                   if backend == "cpu" else [])])
-    b = cli.main(["train", *FAST, f"run.dir={tmp_path / 'b'}", f"data.backend={backend}",
-                  *(["data.train.transforms=[random_rotation: 10]"] if backend == "cpu" else [])])
+    a = cli.main(
+        [
+            "train",
+            *FAST,
+            f"run.dir={tmp_path / 'a'}",
+            *(["data.train.transforms=[random_rotation: 10]"] if backend == "cpu" else []),
+        ]
+    )
+    b = cli.main(
+        [
+            "train",
+            *FAST,
+            f"run.dir={tmp_path / 'b'}",
+            f"data.backend={backend}",
+            *(["data.train.transforms=[random_rotation: 10]"] if backend == "cpu" else []),
+        ]
+    )
     assert a == b == 0
     sa, sb = (json.loads((tmp_path / x / "summary.json").read_text()) for x in "ab")
     assert sa["final"] == sb["final"]

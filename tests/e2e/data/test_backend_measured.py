@@ -58,19 +58,31 @@ def chosen(overrides: list[str], epochs: int):
 CASES = {
     # Large JPEGs trained at 48 px, one epoch: the cpu backend's decoder scales in the DCT (1/8 of 768 px), the memory
     # backend decodes every file at full size up front and crops from 768 px images.
-    "large jpegs, 1 epoch": (lambda root: photos(root, 5, 768, "jpg"), 1, "cpu",
-                             ["data.train.transforms=[random_resized_crop: 48]",
-                              "data.eval.transforms=[resize: 48, center_crop: 48]"]),
+    "large jpegs, 1 epoch": (
+        lambda root: photos(root, 5, 768, "jpg"),
+        1,
+        "cpu",
+        ["data.train.transforms=[random_resized_crop: 48]", "data.eval.transforms=[resize: 48, center_crop: 48]"],
+    ),
     # A user's photos as reported (300x300 PNG, the default preprocessing for them: a random crop resized to 128 px), 1 epoch:
     # the memory backend's batches are faster than the cpu backend's, but not by enough to pay for its decode up
     # front (ignoring that decode picks the memory backend here).
     "photo pngs, 1 epoch": (lambda root: photos(root, 20, 300, "png"), 1, "cpu", []),
     # Small PNGs at their own size, 15 epochs: the cpu backend decodes every file every epoch, the memory backend once.
-    "small pngs, 15 epochs": (lambda root: photos(root, 60, 32, "png"), 15, "memory",
-                              ["data.train.transforms=[hflip]", "data.eval.transforms=[]"]),
+    "small pngs, 15 epochs": (
+        lambda root: photos(root, 60, 32, "png"),
+        15,
+        "memory",
+        ["data.train.transforms=[hflip]", "data.eval.transforms=[]"],
+    ),
     # The user's photos read from the decoded-image cache (data.cache=auto, the default): no decode on either side,
     # so the memory backend's batched gather wins over the cpu backend's call per image.
-    "photo pngs from the cache, 3 epochs": (lambda root: photos(root, 20, 300, "png"), 3, "memory", ["data.cache=auto"]),
+    "photo pngs from the cache, 3 epochs": (
+        lambda root: photos(root, 20, 300, "png"),
+        3,
+        "memory",
+        ["data.cache=auto"],
+    ),
 }
 
 
@@ -118,7 +130,12 @@ def test_auto_picks_the_backend_a_direct_measurement_finds_faster(tmp_path, case
 def test_nothing_is_measured_where_the_choice_is_forced(tmp_path):
     """data.backend set, one candidate (a task or command that allows only cpu), a dataset already in memory."""
     root = photos(tmp_path / "p", 4, 32, "png")
-    base = ["data.dataset=image_folder", f"data.root={root}", "data.train.transforms=[hflip]", "data.eval.transforms=[]"]
+    base = [
+        "data.dataset=image_folder",
+        f"data.root={root}",
+        "data.train.transforms=[hflip]",
+        "data.eval.transforms=[]",
+    ]
     assert chosen([*base, "data.backend=memory"], 5).backend_measured == {}
     cfg = config.load(None, base)
     info = build_loaders(cfg.data, CPU, seed=0, allowed=("cpu",), epochs=5).info
@@ -131,12 +148,24 @@ def test_the_run_records_the_figures_and_a_resume_keeps_the_backend(tmp_path, ca
     """decisions.json has backend_measured; the start-up line says the figures; a resumed run keeps the backend the
     run started with, whatever a new measurement would say (another backend augments differently)."""
     root = photos(tmp_path / "p", 12, 32, "png")
-    run = ["train", "data.dataset=image_folder", f"data.root={root}", "data.train.transforms=[hflip]",
-           "data.eval.transforms=[]", "model.name=small_cnn", "run.epochs=2", "log.tensorboard=false",
-           "eval.per_class=false", f"run.dir={tmp_path / 'r'}"]
+    run = [
+        "train",
+        "data.dataset=image_folder",
+        f"data.root={root}",
+        "data.train.transforms=[hflip]",
+        "data.eval.transforms=[]",
+        "model.name=small_cnn",
+        "run.epochs=2",
+        "log.tensorboard=false",
+        "eval.per_class=false",
+        f"run.dir={tmp_path / 'r'}",
+    ]
     assert cli.main([*run, "run.stop_after_steps=1"]) == 0
     d = json.loads((tmp_path / "r" / "decisions.json").read_text())
-    assert d["backend_measured"]["chosen"] == d["backend"] and set(d["backend_measured"]["backends"]) == {"cpu", "memory"}
+    assert d["backend_measured"]["chosen"] == d["backend"] and set(d["backend_measured"]["backends"]) == {
+        "cpu",
+        "memory",
+    }
     assert f"loader: data.backend={d['backend']} (measured on" in capsys.readouterr().out
     other = "cpu" if d["backend"] == "memory" else "memory"
     # A resume with a folder that would now measure otherwise: the decisions.json of the start is what counts.
@@ -152,7 +181,12 @@ def test_the_measuring_batch_is_the_runs(tmp_path):
     candidates are measured at data.batch_size where the training split holds two such batches (the measurement
     once capped it at 32 and a third of a 64-file sample: 21 images for a run of 64)."""
     root = photos(tmp_path / "p", 80, 32, "png")
-    base = ["data.dataset=image_folder", f"data.root={root}", "data.train.transforms=[hflip]", "data.eval.transforms=[]"]
+    base = [
+        "data.dataset=image_folder",
+        f"data.root={root}",
+        "data.train.transforms=[hflip]",
+        "data.eval.transforms=[]",
+    ]
     m = chosen([*base, "data.batch_size=64"], 3).backend_measured
     assert m["batch_size"] == 64 and m["files"] >= 128, m
     assert m["clock"] == "wall clock"
@@ -177,8 +211,14 @@ def test_a_slow_disk_counts(tmp_path, monkeypatch, figure):
 
     monkeypatch.setattr(decode, "read_bytes", slow_read)
     # data.cache=off: the files read every epoch (with the decoded-image cache the disk is read once, by its build)
-    overrides = ["data.dataset=image_folder", f"data.root={root}", "data.batch_size=16", "data.train.transforms=[hflip]",
-                 "data.eval.transforms=[]", "data.cache=off"]
+    overrides = [
+        "data.dataset=image_folder",
+        f"data.root={root}",
+        "data.batch_size=16",
+        "data.train.transforms=[hflip]",
+        "data.eval.transforms=[]",
+        "data.cache=off",
+    ]
     info = chosen(overrides, 3)
     cpu_s, memory_s = direct(overrides, "cpu", 3), direct(overrides, "memory", 3)
     # memory reads the 80 files once, cpu 3 x 64 training reads at 10 ms each

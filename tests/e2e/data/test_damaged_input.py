@@ -35,10 +35,12 @@ def fails_cleanly(capsys, argv, *fragments) -> str:
 
 
 def test_config_nested_deeper_than_python_can_parse(tmp_path, capsys):
-    for name, text in (("deep.yaml", "run: " + "[" * 1200 + "]" * 1200 + "\n"),
-                       ("deep.json", '{"run": ' + "[" * 1200 + "]" * 1200 + "}"),
-                       ("deep.toml", "x = " + "[" * 1200 + "]" * 1200 + "\n"),
-                       ("block.yaml", "".join("  " * i + f"a{i}:\n" for i in range(1200)))):
+    for name, text in (
+        ("deep.yaml", "run: " + "[" * 1200 + "]" * 1200 + "\n"),
+        ("deep.json", '{"run": ' + "[" * 1200 + "]" * 1200 + "}"),
+        ("deep.toml", "x = " + "[" * 1200 + "]" * 1200 + "\n"),
+        ("block.yaml", "".join("  " * i + f"a{i}:\n" for i in range(1200))),
+    ):
         (tmp_path / name).write_text(text)
         fails_cleanly(capsys, ["config", "show", "-c", str(tmp_path / name)], name, "nested too deeply")
 
@@ -62,7 +64,9 @@ def test_config_whose_aliases_expand_to_millions_of_values(tmp_path, capsys):
     lines += [f"l{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 9)]
     (tmp_path / "bomb.yaml").write_text("\n".join([*lines, "model: {name: small_cnn, args: {x: *l8}}"]) + "\n")
     t0 = time.perf_counter()
-    fails_cleanly(capsys, ["config", "show", "-c", str(tmp_path / "bomb.yaml")], "bomb.yaml", "holds over 100,000 values")
+    fails_cleanly(
+        capsys, ["config", "show", "-c", str(tmp_path / "bomb.yaml")], "bomb.yaml", "holds over 100,000 values"
+    )
     assert time.perf_counter() - t0 < 5  # measured 0.01 s
     (tmp_path / "ok.yaml").write_text("run: {epochs: &n 4}\nsched: {warmup_epochs: *n}\n")
     assert cli.main(["config", "show", "-c", str(tmp_path / "ok.yaml")]) == 0
@@ -81,12 +85,19 @@ def test_a_latin1_config_names_the_line_and_the_byte(tmp_path, capsys):
     fails_cleanly(capsys, ["config", "show", "-c", str(tmp_path / "c.yaml")], "c.yaml: line 3", "0xe9", "UTF-8")
 
 
-@pytest.mark.parametrize("name,text,where", [
-    ("c.yaml", "optim:\n  lr: 0.1\n  momentum: 0.8\n  lr: 0.2\n", "line 4: key 'lr' is written twice in one mapping (first on line 2)"),
-    ("c.yaml", "run: {epochs: 1}\nrun: {epochs: 2}\n", "line 2: key 'run' is written twice"),
-    ("c.json", '{"optim": {"lr": 0.1, "lr": 0.2}}', "key 'lr' is written twice"),
-    ("c.toml", "[optim]\nlr = 0.1\nlr = 0.2\n", "TOML syntax error"),  # tomllib refuses it itself
-])
+@pytest.mark.parametrize(
+    "name,text,where",
+    [
+        (
+            "c.yaml",
+            "optim:\n  lr: 0.1\n  momentum: 0.8\n  lr: 0.2\n",
+            "line 4: key 'lr' is written twice in one mapping (first on line 2)",
+        ),
+        ("c.yaml", "run: {epochs: 1}\nrun: {epochs: 2}\n", "line 2: key 'run' is written twice"),
+        ("c.json", '{"optim": {"lr": 0.1, "lr": 0.2}}', "key 'lr' is written twice"),
+        ("c.toml", "[optim]\nlr = 0.1\nlr = 0.2\n", "TOML syntax error"),  # tomllib refuses it itself
+    ],
+)
 def test_a_key_written_twice_is_refused(tmp_path, capsys, name, text, where):
     (tmp_path / name).write_text(text)
     fails_cleanly(capsys, ["config", "show", "-c", str(tmp_path / name)], name, where)
@@ -145,7 +156,9 @@ def test_a_damaged_summary_or_env_is_named(trained_run, tmp_path, capsys, name):
 
 def test_report_reads_a_summary_with_odd_types(trained_run, tmp_path, capsys):
     run = copy_run(trained_run, tmp_path)
-    (run / "summary.json").write_text(json.dumps({"best_metric": "high", "final": [1, 2], "train_images_per_s": "fast"}))
+    (run / "summary.json").write_text(
+        json.dumps({"best_metric": "high", "final": [1, 2], "train_images_per_s": "fast"})
+    )
     assert cli.main(["report", str(run)]) == 0, capsys.readouterr().err
 
 
@@ -170,14 +183,19 @@ def write_cifar(root, bad_label: int | None = None, k: int = 10):
 @pytest.mark.parametrize("bad", [10, 255, -1])
 def test_cifar_labels_out_of_range(tmp_path, capsys, bad):
     write_cifar(tmp_path / "data" / "cifar-10-batches-py", bad_label=bad)  # the run folder beside data.root, not inside
-    for argv in (["data", "check", "data.dataset=cifar10", f"data.root={tmp_path / 'data'}"],
-                 ["train", *FAST, "data.dataset=cifar10", f"data.root={tmp_path / 'data'}", f"run.dir={tmp_path / 'r'}"]):
+    for argv in (
+        ["data", "check", "data.dataset=cifar10", f"data.root={tmp_path / 'data'}"],
+        ["train", *FAST, "data.dataset=cifar10", f"data.root={tmp_path / 'data'}", f"run.dir={tmp_path / 'r'}"],
+    ):
         fails_cleanly(capsys, argv, "data_batch_3", f"label {bad} (sample 2", "outside 0..9")
 
 
 def test_cifar_labels_in_range_still_load(tmp_path, capsys):
     write_cifar(tmp_path / "cifar-10-batches-py", bad_label=9)
-    assert cli.main(["data", "check", "data.dataset=cifar10", f"data.root={tmp_path}", "--out", str(tmp_path / "chk")]) == 0
+    assert (
+        cli.main(["data", "check", "data.dataset=cifar10", f"data.root={tmp_path}", "--out", str(tmp_path / "chk")])
+        == 0
+    )
 
 
 # ---------------------------------------------------------------- run.dir
@@ -194,12 +212,29 @@ def test_a_run_dir_name_longer_than_the_filesystem_allows(tmp_path, capsys):
 
 def test_forced_memory_backend_over_the_budget_refuses_before_decoding(tmp_path, capsys):
     # digits decode to 1,797 x 1 x 8 x 8 = 115,008 bytes = 112.3 KiB; the budget 0.0001 GiB = 104.9 KiB
-    fails_cleanly(capsys, ["train", *FAST, "data.backend=memory", "data.memory_budget_gib=0.0001", f"run.dir={tmp_path / 'r'}"],
-                  "data.backend=memory", "about 112.3 KiB", "104.9 KiB it may use (data.memory_budget_gib=0.0001)",
-                  "data.backend=cpu")
+    fails_cleanly(
+        capsys,
+        ["train", *FAST, "data.backend=memory", "data.memory_budget_gib=0.0001", f"run.dir={tmp_path / 'r'}"],
+        "data.backend=memory",
+        "about 112.3 KiB",
+        "104.9 KiB it may use (data.memory_budget_gib=0.0001)",
+        "data.backend=cpu",
+    )
     root = make_image_folder(tmp_path / "imgs", per_class=3)  # 12 JPEGs of 24x20 RGB: 17,280 bytes decoded
-    fails_cleanly(capsys, ["train", *FAST, "data.backend=memory", "data.dataset=image_folder", f"data.root={root}",
-                           "data.memory_budget_gib=0.00001", f"run.dir={tmp_path / 'r2'}"], "about 16.9 KiB", "data.backend=cpu")
+    fails_cleanly(
+        capsys,
+        [
+            "train",
+            *FAST,
+            "data.backend=memory",
+            "data.dataset=image_folder",
+            f"data.root={root}",
+            "data.memory_budget_gib=0.00001",
+            f"run.dir={tmp_path / 'r2'}",
+        ],
+        "about 16.9 KiB",
+        "data.backend=cpu",
+    )
 
 
 def test_memory_backend_stops_decoding_at_the_budget(tmp_path, capsys):
@@ -209,11 +244,23 @@ def test_memory_backend_stops_decoding_at_the_budget(tmp_path, capsys):
 
     root = make_image_folder(tmp_path / "imgs", per_class=3)
     Image.new("RGB", (300, 300)).save(root / "train" / "square" / "zz.png")  # sorts last; 270,000 bytes decoded
-    line = fails_cleanly(capsys, ["train", *FAST, "data.backend=memory", "data.dataset=image_folder", f"data.root={root}",
-                                  "data.train.transforms=[resize: [16, 16]]", "data.eval.transforms=[resize: [16, 16]]",
-                                  "data.memory_budget_gib=0.0001", f"run.dir={tmp_path / 'r'}",
-                                  "data.cache=off"],  # the files decoded: the cache would resize them to 16x16 first
-                         "over the 104.9 KiB it may use", "data.backend=cpu")
+    line = fails_cleanly(
+        capsys,
+        [
+            "train",
+            *FAST,
+            "data.backend=memory",
+            "data.dataset=image_folder",
+            f"data.root={root}",
+            "data.train.transforms=[resize: [16, 16]]",
+            "data.eval.transforms=[resize: [16, 16]]",
+            "data.memory_budget_gib=0.0001",
+            f"run.dir={tmp_path / 'r'}",
+            "data.cache=off",
+        ],  # the files decoded: the cache would resize them to 16x16 first
+        "over the 104.9 KiB it may use",
+        "data.backend=cpu",
+    )
     assert "images" in line and "sizes" not in line
 
 
@@ -232,16 +279,36 @@ def test_memory_backend_budget_holds_the_address_space_limit(tmp_path):
         for c in ("a", "b"):
             (tmp_path / "imgs" / split / c).mkdir(parents=True)
             for i in range(12):
-                Image.new("RGB", (1024, 1024), (20 * i, 200 if c == "a" else 10, 50)).save(tmp_path / "imgs" / split / c / f"{i}.jpg")
-    child = ("import resource, sys\n"
-             "from torchsprint import cli, data\nfrom torchsprint.train import run  # noqa: F401  (mapped before the limit, as a shell's ulimit would)\n"
-             "import torchvision.transforms.v2  # noqa: F401\n"
-             "mapped = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
-             "resource.setrlimit(resource.RLIMIT_AS, (mapped + 128 * 2**20, resource.RLIM_INFINITY))\n"
-             "sys.exit(cli.main(sys.argv[1:]))\n")
-    r = subprocess.run([sys.executable, "-c", child, "train", *FAST, "data.backend=memory", "data.cache=off", "data.dataset=image_folder",
-                        f"data.root={tmp_path / 'imgs'}", f"run.dir={tmp_path / 'r'}"], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                Image.new("RGB", (1024, 1024), (20 * i, 200 if c == "a" else 10, 50)).save(
+                    tmp_path / "imgs" / split / c / f"{i}.jpg"
+                )
+    child = (
+        "import resource, sys\n"
+        "from torchsprint import cli, data\nfrom torchsprint.train import run  # noqa: F401  (mapped before the limit, as a shell's ulimit would)\n"
+        "import torchvision.transforms.v2  # noqa: F401\n"
+        "mapped = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (mapped + 128 * 2**20, resource.RLIM_INFINITY))\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            child,
+            "train",
+            *FAST,
+            "data.backend=memory",
+            "data.cache=off",
+            "data.dataset=image_folder",
+            f"data.root={tmp_path / 'imgs'}",
+            f"run.dir={tmp_path / 'r'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert "the decoded dataset would take about 144.0 MiB, over the" in line, line
@@ -257,20 +324,33 @@ def test_memory_budget_holds_the_cgroup_limit(tmp_path):
     import sys
 
     v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
-    group, limit_file = (v2 / f"ts-test-{os.getpid()}", "memory.max") if (v2 / "cgroup.controllers").is_file() and \
-        "memory" in (v2 / "cgroup.subtree_control").read_text() else (v1 / f"ts-test-{os.getpid()}", "memory.limit_in_bytes")
+    group, limit_file = (
+        (v2 / f"ts-test-{os.getpid()}", "memory.max")
+        if (v2 / "cgroup.controllers").is_file() and "memory" in (v2 / "cgroup.subtree_control").read_text()
+        else (v1 / f"ts-test-{os.getpid()}", "memory.limit_in_bytes")
+    )
     try:
         group.mkdir()
         (group / limit_file).write_text(str(2**30))
     except OSError as e:
         pytest.skip(f"cannot make a memory cgroup here ({e.strerror}): needs root and a memory controller")
     try:
-        code = ("import torch\nfrom torchsprint.data.core import memory_budget\n"
-                "print(*memory_budget(torch.device('cpu')), sep='|')")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                           preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+        code = (
+            "import torch\nfrom torchsprint.data.core import memory_budget\n"
+            "print(*memory_budget(torch.device('cpu')), sep='|')"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())),
+        )
         assert r.returncode == 0, r.stderr[-2000:]
-        assert r.stdout.strip() == f"268435456|25% of the 1.0 GiB memory limit of this process's cgroup ({group / limit_file})"
+        assert (
+            r.stdout.strip()
+            == f"268435456|25% of the 1.0 GiB memory limit of this process's cgroup ({group / limit_file})"
+        )
     finally:
         group.rmdir()
 
@@ -301,12 +381,31 @@ def test_model_file_metadata_that_is_not_json_is_one_line_everywhere(trained_run
     Image.new("L", (8, 8), 128).save(tmp_path / "x.png")
     where = f"{bad}: its metadata entry '{key}' is not valid JSON"
     fails_cleanly(capsys, ["predict", "-r", str(bad), str(tmp_path / "x.png")], where)
-    fails_cleanly(capsys, ["train", *FAST, f"run.dir={tmp_path / 'student'}", f"distill.teacher.weights={bad}"],
-                  "distill.teacher: " + where)
+    fails_cleanly(
+        capsys,
+        ["train", *FAST, f"run.dir={tmp_path / 'student'}", f"distill.teacher.weights={bad}"],
+        "distill.teacher: " + where,
+    )
     if key == "classes":  # export and average read a run's weights file for its classes (the config is config.yaml)
-        fails_cleanly(capsys, ["export", "-r", str(trained_run), "--weights", str(bad), "--format", "safetensors",
-                               "--out", str(tmp_path / "out.safetensors")], where)
+        fails_cleanly(
+            capsys,
+            [
+                "export",
+                "-r",
+                str(trained_run),
+                "--weights",
+                str(bad),
+                "--format",
+                "safetensors",
+                "--out",
+                str(tmp_path / "out.safetensors"),
+            ],
+            where,
+        )
         run = copy_run(trained_run, tmp_path)
         damage_metadata(trained_run / "last.safetensors", run / "last.safetensors", key)
-        fails_cleanly(capsys, ["average", str(trained_run), str(run), "-o", str(tmp_path / "avg.safetensors")],
-                      f"{run / 'last.safetensors'}: its metadata entry 'classes' is not valid JSON")
+        fails_cleanly(
+            capsys,
+            ["average", str(trained_run), str(run), "-o", str(tmp_path / "avg.safetensors")],
+            f"{run / 'last.safetensors'}: its metadata entry 'classes' is not valid JSON",
+        )

@@ -19,8 +19,16 @@ MEM_SPEC = "[{random_crop: {size: 8, padding: 2}}, hflip, {cutout: {size: 3}}, {
 
 
 def mem_cfg(*extra):
-    return config.load(None, ["data.backend=memory", "data.batch_size=32", f"data.train.transforms={MEM_SPEC}",
-                              "data.eval.transforms=[{normalize: half}]", *extra]).data
+    return config.load(
+        None,
+        [
+            "data.backend=memory",
+            "data.batch_size=32",
+            f"data.train.transforms={MEM_SPEC}",
+            "data.eval.transforms=[{normalize: half}]",
+            *extra,
+        ],
+    ).data
 
 
 def test_vectorised_seeds_match_scalar_and_uniforms_look_uniform():
@@ -49,7 +57,9 @@ def test_memory_deterministic_per_seed_and_epoch_and_exact_resume():
 
 def test_memory_crop_flip_cutout_match_a_per_sample_reference():
     """Each sample of one batch gets its own parameters; the batched ops equal a plain per-image loop."""
-    p = compile_batch_spec([{"random_crop": {"size": 8, "padding": 2}}, "hflip", {"cutout": {"size": 3}}], "t", 3, "memory")
+    p = compile_batch_spec(
+        [{"random_crop": {"size": 8, "padding": 2}}, "hflip", {"cutout": {"size": 3}}], "t", 3, "memory"
+    )
     x = torch.randint(0, 255, (64, 3, 8, 8), dtype=torch.uint8)
     seeds = sample_seeds(1, 0, torch.arange(64))
     out = p(x, seeds)
@@ -75,7 +85,9 @@ def test_batched_random_resized_crop_params_are_valid_and_cover_the_range():
     (prm,) = p.params(p.draw(sample_seeds(0, 0, torch.arange(n))), hs, ws)
     area = (prm["h"] * prm["w"]).double() / (375 * 500)
     ratio = prm["w"].double() / prm["h"].double()
-    assert bool((prm["top"] >= 0).all() and (prm["top"] + prm["h"] <= 375).all() and (prm["left"] + prm["w"] <= 500).all())
+    assert bool(
+        (prm["top"] >= 0).all() and (prm["top"] + prm["h"] <= 375).all() and (prm["left"] + prm["w"] <= 500).all()
+    )
     assert area.min() > 0.07 and area.max() <= 1.0 and ratio.min() > 0.74 and ratio.max() < 1.35
     # same distribution as torchvision's own sampler (independent reference), 4,000 draws each
     from torchvision.transforms import RandomResizedCrop
@@ -126,11 +138,21 @@ def test_cpu_backend_cutout_and_memory_have_the_same_geometry():
 
 
 def gpu_cfg(root, frac, *extra):
-    return config.load(None, [
-        "data.dataset=synthetic_jpeg", f"data.root={root}", "data.options={num_images: 12, val_images: 4, size: [40, 30], classes: 3}",
-        "data.batch_size=5", f"data.cpu_fraction={frac}", "data.decoder=torchvision", "data.drop_last=false",
-        "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {cutout: {size: 4}}, {normalize: imagenet}]",
-        "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]", *extra]).data
+    return config.load(
+        None,
+        [
+            "data.dataset=synthetic_jpeg",
+            f"data.root={root}",
+            "data.options={num_images: 12, val_images: 4, size: [40, 30], classes: 3}",
+            "data.batch_size=5",
+            f"data.cpu_fraction={frac}",
+            "data.decoder=torchvision",
+            "data.drop_last=false",
+            "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {cutout: {size: 4}}, {normalize: imagenet}]",
+            "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]",
+            *extra,
+        ],
+    ).data
 
 
 IMAGENET_STD_LEVELS = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255  # normalised units -> uint8 levels
@@ -203,8 +225,9 @@ def test_dali_is_registered_and_says_why_it_cannot_run():
     from torchsprint.data.core import as_backend
 
     why_not = as_backend(LOADERS.get("dali")).cannot_run(CPU)
-    assert "dali" in LOADERS and why_not == (NOT_INSTALLED if not dali_available() else
-                                            "needs a CUDA GPU: this machine has no CUDA device")
+    assert "dali" in LOADERS and why_not == (
+        NOT_INSTALLED if not dali_available() else "needs a CUDA GPU: this machine has no CUDA device"
+    )
 
 
 @pytest.mark.gpu
@@ -267,9 +290,16 @@ def test_cpu_backend_train_and_eval_share_two_workers_and_match_a_worker_free_ru
     import os
 
     def cfg(workers):
-        return config.load(None, ["data.backend=cpu", "data.batch_size=64", f"data.num_workers={workers}",
-                                  "data.train.transforms=[{random_crop: {size: 8, padding: 2}}, hflip, {normalize: half}]",
-                                  "data.eval.transforms=[{normalize: half}]"]).data
+        return config.load(
+            None,
+            [
+                "data.backend=cpu",
+                "data.batch_size=64",
+                f"data.num_workers={workers}",
+                "data.train.transforms=[{random_crop: {size: 8, padding: 2}}, hflip, {normalize: half}]",
+                "data.eval.transforms=[{normalize: half}]",
+            ],
+        ).data
 
     ref, shared = build_loaders(cfg(0), CPU, seed=3), build_loaders(cfg(2), CPU, seed=3)
     assert shared.train.loader.shared is shared.val.loader.shared

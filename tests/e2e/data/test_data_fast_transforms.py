@@ -31,15 +31,24 @@ def images():
 
 
 SPECS = {
-    "rrc+hflip": ([{"random_resized_crop": {"size": 24}}, "hflip"],
-                  v2.Compose([v2.RandomResizedCrop(24), v2.RandomHorizontalFlip()])),
-    "rrc rect+vflip": ([{"random_resized_crop": {"size": [12, 20], "scale": [0.5, 1.0], "ratio": [0.5, 2.0]}}, {"vflip": 0.3}],
-                       v2.Compose([v2.RandomResizedCrop([12, 20], scale=(0.5, 1.0), ratio=(0.5, 2.0)), v2.RandomVerticalFlip(0.3)])),
+    "rrc+hflip": (
+        [{"random_resized_crop": {"size": 24}}, "hflip"],
+        v2.Compose([v2.RandomResizedCrop(24), v2.RandomHorizontalFlip()]),
+    ),
+    "rrc rect+vflip": (
+        [{"random_resized_crop": {"size": [12, 20], "scale": [0.5, 1.0], "ratio": [0.5, 2.0]}}, {"vflip": 0.3}],
+        v2.Compose([v2.RandomResizedCrop([12, 20], scale=(0.5, 1.0), ratio=(0.5, 2.0)), v2.RandomVerticalFlip(0.3)]),
+    ),
     "eval resize+center_crop": ([{"resize": 28}, {"center_crop": 24}], v2.Compose([v2.Resize(28), v2.CenterCrop(24)])),
     "resize max_size": ([{"resize": {"size": 16, "max_size": 30}}], v2.Resize(16, max_size=30)),
-    "bicubic": ([{"resize": {"size": [10, 14], "interpolation": "bicubic"}}],
-                v2.Resize([10, 14], interpolation=v2.InterpolationMode.BICUBIC)),
-    "nearest": ([{"resize": {"size": 9, "interpolation": "nearest"}}], v2.Resize(9, interpolation=v2.InterpolationMode.NEAREST)),
+    "bicubic": (
+        [{"resize": {"size": [10, 14], "interpolation": "bicubic"}}],
+        v2.Resize([10, 14], interpolation=v2.InterpolationMode.BICUBIC),
+    ),
+    "nearest": (
+        [{"resize": {"size": 9, "interpolation": "nearest"}}],
+        v2.Resize(9, interpolation=v2.InterpolationMode.NEAREST),
+    ),
 }
 
 
@@ -91,11 +100,17 @@ def test_device_normalize_in_place_equals_the_formula_and_leaves_the_input_alone
 
 def cpu_backend_batches(root, workers: int) -> list:
     """Epoch 2's training batches and the validation batches of the cpu backend over `root` (seed 5)."""
-    cfg = config.load(None, [
-        "data.dataset=image_folder", f"data.root={root}", "data.batch_size=4", f"data.num_workers={workers}",
-        "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {normalize: imagenet}]",
-        "data.eval.transforms=[{resize: 18}, {center_crop: 16}, {normalize: imagenet}]",
-    ])
+    cfg = config.load(
+        None,
+        [
+            "data.dataset=image_folder",
+            f"data.root={root}",
+            "data.batch_size=4",
+            f"data.num_workers={workers}",
+            "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {normalize: imagenet}]",
+            "data.eval.transforms=[{resize: 18}, {center_crop: 16}, {normalize: imagenet}]",
+        ],
+    )
     loaders = build_loaders(cfg.data, Runtime(torch.device("cpu")), seed=5)
     loaders.train.set_epoch(2)
     return list(loaders.train) + list(loaders.val)
@@ -113,9 +128,11 @@ def test_cpu_backend_batches_from_workers_equal_single_process(image_folder, tmp
     import sys
 
     out = tmp_path / "ref.pt"
-    code = (f"import sys, torch; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(TESTS)!r}]; "
-            f"from test_data_fast_transforms import cpu_backend_batches; "
-            f"torch.save(cpu_backend_batches({str(image_folder)!r}, 0), {str(out)!r})")
+    code = (
+        f"import sys, torch; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(TESTS)!r}]; "
+        f"from test_data_fast_transforms import cpu_backend_batches; "
+        f"torch.save(cpu_backend_batches({str(image_folder)!r}, 0), {str(out)!r})"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     ref, got = torch.load(out, weights_only=False), cpu_backend_batches(image_folder, 2)
@@ -129,7 +146,10 @@ def test_recycled_normalize_buffers_never_overwrite_a_batch_still_referenced():
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     plain = DeviceNormalize(mean, std, torch.device("cpu"))
     rec = DeviceNormalize(mean, std, torch.device("cpu"), recycle=True)
-    xs = [torch.randint(0, 256, (2, 3, 4, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    xs = [
+        torch.randint(0, 256, (2, 3, 4, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+        for i in range(4)
+    ]
     held = [rec(x) for x in xs]  # more batches alive than the pool keeps
     for h, x in zip(held, xs):
         assert torch.equal(h, plain(x))

@@ -28,8 +28,10 @@ from torchsprint.runtime.core import Runtime
 
 def source_set(root: Path) -> set[tuple[str, str, str]]:
     """(split, class, digest of the bytes) of every image file under an image folder."""
-    return {(p.parts[-3], p.parts[-2], hashlib.blake2b(p.read_bytes(), digest_size=16).hexdigest())
-            for p in root.rglob("*.jpg")}
+    return {
+        (p.parts[-3], p.parts[-2], hashlib.blake2b(p.read_bytes(), digest_size=16).hexdigest())
+        for p in root.rglob("*.jpg")
+    }
 
 
 def shard_set(out: Path) -> set[tuple[str, str, str]]:
@@ -39,7 +41,9 @@ def shard_set(out: Path) -> set[tuple[str, str, str]]:
     got = []
     for tar in sorted(out.glob("*.tar")):
         for s in wds.WebDataset(str(tar), shardshuffle=False, empty_check=False):
-            got.append((tar.name.split("-")[0], classes[int(s["cls"])], hashlib.blake2b(s["jpg"], digest_size=16).hexdigest()))
+            got.append(
+                (tar.name.split("-")[0], classes[int(s["cls"])], hashlib.blake2b(s["jpg"], digest_size=16).hexdigest())
+            )
     assert len(got) == len(set(got))  # no sample twice
     return set(got)
 
@@ -49,8 +53,11 @@ def shard_order(out: Path, split: str) -> list[tuple[str, str]]:
     import webdataset as wds
 
     classes = json.loads((out / "index.json").read_text())["classes"]
-    return [(classes[int(s["cls"])], hashlib.blake2b(s["jpg"], digest_size=16).hexdigest())
-            for tar in sorted(out.glob(f"{split}-*.tar")) for s in wds.WebDataset(str(tar), shardshuffle=False, empty_check=False)]
+    return [
+        (classes[int(s["cls"])], hashlib.blake2b(s["jpg"], digest_size=16).hexdigest())
+        for tar in sorted(out.glob(f"{split}-*.tar"))
+        for s in wds.WebDataset(str(tar), shardshuffle=False, empty_check=False)
+    ]
 
 
 def test_killed_midway_then_rerun_is_complete_and_identical(tmp_path, cli_in_process):
@@ -59,7 +66,19 @@ def test_killed_midway_then_rerun_is_complete_and_identical(tmp_path, cli_in_pro
     ref = shard(str(src), str(tmp_path / "ref"), "12KB", seed=3, progress=False)
     out = tmp_path / "out"
     env = fault_env(dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1"), shard_pause_s="0.05")
-    cmd = [sys.executable, "-m", "torchsprint", "data", "shard", str(src), str(out), "--shard-size", "12KB", "--seed", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchsprint",
+        "data",
+        "shard",
+        str(src),
+        str(out),
+        "--shard-size",
+        "12KB",
+        "--seed",
+        "3",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
     while len(list(out.glob("*.tar"))) < 2 and time.time() < deadline and proc.poll() is None:
@@ -80,7 +99,9 @@ def test_killed_midway_then_rerun_is_complete_and_identical(tmp_path, cli_in_pro
     assert not list(out.glob(".*.tmp*"))  # write_shard's .<shard>.tmp, atomic_write's .<file>.tmp-<pid>
     assert shard_set(out) == source_set(src)
     index = json.loads((out / "index.json").read_text())
-    assert sum(v["count"] for v in index["shards"].values()) == 72 and all(v["bytes"] <= 12000 for v in index["shards"].values())
+    assert sum(v["count"] for v in index["shards"].values()) == 72 and all(
+        v["bytes"] <= 12000 for v in index["shards"].values()
+    )
 
 
 def test_shards_train_and_a_damaged_shard_is_rewritten(tmp_path):
@@ -88,8 +109,17 @@ def test_shards_train_and_a_damaged_shard_is_rewritten(tmp_path):
     out = tmp_path / "out"
     first = shard(str(src), str(out), "11KB", progress=False)
     assert first["samples"] == {"train": 20, "val": 20} and first["written"] == first["shards"] > 4
-    data = config.load(None, ["data.dataset=webdataset", f"data.root={out}", "data.batch_size=4", "data.drop_last=false",
-                              "data.train.transforms=[normalize]", "data.eval.transforms=[normalize]"]).data
+    data = config.load(
+        None,
+        [
+            "data.dataset=webdataset",
+            f"data.root={out}",
+            "data.batch_size=4",
+            "data.drop_last=false",
+            "data.train.transforms=[normalize]",
+            "data.eval.transforms=[normalize]",
+        ],
+    ).data
     loaders = build_loaders(data, Runtime(torch.device("cpu")), seed=0)
     assert loaders.info.classes == ["a", "b"] and len(loaders.train) == 5 and len(loaders.val) == 3
     loaders.train.set_epoch(0)

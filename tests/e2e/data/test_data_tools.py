@@ -13,7 +13,7 @@ def write_cfg(tmp_path, backend="cpu"):
     cfg.write_text(f"""
 data:
   dataset: synthetic_jpeg
-  root: {tmp_path / 'data'}
+  root: {tmp_path / "data"}
   options: {{num_images: 12, val_images: 6, size: [48, 36], classes: 3}}
   backend: {backend}
   batch_size: 4
@@ -51,8 +51,22 @@ def test_data_check_reads_every_file_and_names_every_problem(tmp_path, capsys):
     shutil.copy(train[3], train[3].with_name("copy.jpg"))
     capsys.readouterr()
     for policy in ("error", "skip"):
-        assert main(["data", "check", "-c", str(cfg), f"data.on_bad_sample={policy}", "--batches", "1",
-                     "--out", str(tmp_path / "o")]) == 1
+        assert (
+            main(
+                [
+                    "data",
+                    "check",
+                    "-c",
+                    str(cfg),
+                    f"data.on_bad_sample={policy}",
+                    "--batches",
+                    "1",
+                    "--out",
+                    str(tmp_path / "o"),
+                ]
+            )
+            == 1
+        )
         out = capsys.readouterr().out
         assert f"{train[0].name}: empty file" in out and f"{train[1].name}: not an image: text starting" in out
         assert "in more than one split" in out and val[0].name in out
@@ -67,10 +81,16 @@ def test_data_check_warns_about_few_images_and_refuses_one_class(tmp_path, capsy
     for f in sorted((root / "train" / "b").iterdir())[:4]:
         f.unlink()
     resize = ["data.train.transforms=[resize: [16, 16]]", "data.eval.transforms=[resize: [16, 16]]"]
-    assert main(["data", "check", "data.dataset=image_folder", f"data.root={root}", *resize, "--out", str(tmp_path / "o")]) == 0
+    assert (
+        main(["data", "check", "data.dataset=image_folder", f"data.root={root}", *resize, "--out", str(tmp_path / "o")])
+        == 0
+    )
     assert "warning: class(es) with fewer than 5 training images: b (2)" in capsys.readouterr().out
     one = make_image_folder(tmp_path / "one", classes=("only",), per_class=4)
-    assert main(["data", "check", "data.dataset=image_folder", f"data.root={one}", *resize, "--out", str(tmp_path / "p")]) == 1
+    assert (
+        main(["data", "check", "data.dataset=image_folder", f"data.root={one}", *resize, "--out", str(tmp_path / "p")])
+        == 1
+    )
     assert "problem: 1 class (only): nothing to tell apart" in capsys.readouterr().out
 
 

@@ -53,8 +53,16 @@ def write_shards(root: Path, counts=COUNTS, *, split="train", index=True, bad: s
 
 
 def cfg_for(root, *extra):
-    return config.load(None, ["data.dataset=webdataset", f"data.root={root}", "data.train.transforms=[normalize]",
-                              "data.eval.transforms=[normalize]", *extra]).data
+    return config.load(
+        None,
+        [
+            "data.dataset=webdataset",
+            f"data.root={root}",
+            "data.train.transforms=[normalize]",
+            "data.eval.transforms=[normalize]",
+            *extra,
+        ],
+    ).data
 
 
 def epoch_targets(loader, epoch, start=0):
@@ -62,8 +70,10 @@ def epoch_targets(loader, epoch, start=0):
     return [y.tolist() for _, y in loader]
 
 
-@pytest.mark.parametrize("world,workers,batch,drop", [(2, 2, 4, False), (3, 2, 5, False), (2, 3, 2, False), (4, 1, 3, True),
-                                                      (2, 2, 4, True), (1, 1, 64, False)])
+@pytest.mark.parametrize(
+    "world,workers,batch,drop",
+    [(2, 2, 4, False), (3, 2, 5, False), (2, 3, 2, False), (4, 1, 3, True), (2, 2, 4, True), (1, 1, 64, False)],
+)
 def test_plan_every_sample_once_equal_steps(world, workers, batch, drop):
     """The plan alone (no I/O): every sample in exactly one stream (drop_last: fewer than batch + 1 per rank
     dropped), every rank the same number of batches, no batch empty or over batch_size, a shard read by a
@@ -76,8 +86,19 @@ def test_plan_every_sample_once_equal_steps(world, workers, batch, drop):
             steps.add(len(sizes))
             assert all(1 <= s <= batch for s in sizes)
             for w in range(workers):
-                p = stream_plan(COUNTS, seed=3, epoch=epoch, shuffle=True, buffer=4, rank=rank, world_size=world,
-                                workers=workers, stream=w, batch_size=batch, drop_last=drop)
+                p = stream_plan(
+                    COUNTS,
+                    seed=3,
+                    epoch=epoch,
+                    shuffle=True,
+                    buffer=4,
+                    rank=rank,
+                    world_size=world,
+                    workers=workers,
+                    stream=w,
+                    batch_size=batch,
+                    drop_last=drop,
+                )
                 assert sum(p.sizes) == len(p.order)
                 seen += p.order.tolist()
                 readers.update(s for s, _, _ in p.pieces)
@@ -96,9 +117,22 @@ def test_two_ranks_two_workers_seven_shards_every_sample_once(tmp_path):
     root = write_shards(tmp_path / "shards")
     out = tmp_path / "res.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO / 'tests'}")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(WORKERS / "webdataset_worker.py"), str(root), str(out)],
-                          env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(WORKERS / "webdataset_worker.py"),
+            str(root),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     orders = []
@@ -116,7 +150,9 @@ def test_reproducible_and_exact_resume(tmp_path):
     (pixels and labels), across 2 loader workers and a shuffle buffer spanning shards."""
     root = write_shards(tmp_path / "shards")
     rt = Runtime(torch.device("cpu"))
-    data = cfg_for(root, "data.num_workers=2", "data.batch_size=3", "data.drop_last=false", "data.options.shuffle_buffer=5")
+    data = cfg_for(
+        root, "data.num_workers=2", "data.batch_size=3", "data.drop_last=false", "data.options.shuffle_buffer=5"
+    )
 
     def batches(start=0, epoch=1):
         loaders = build_loaders(data, rt, seed=11)
@@ -161,11 +197,21 @@ def test_same_pixels_as_the_same_files_in_a_folder(tmp_path, backend):
     spec = "[{resize: {size: 10}}, {center_crop: {size: 8}}, normalize]"
     rt = Runtime(torch.device("cuda" if backend == "gpu" else "cpu"))
     out = {}
-    for name, extra in (("wds", ["data.dataset=webdataset", f"data.root={shards}"]),
-                        ("folder", ["data.dataset=image_folder", f"data.root={folder}"])):
-        data = config.load(None, [*extra, f"data.eval.transforms={spec}", f"data.train.transforms={spec}",
-                                  "data.decoder=torchvision", f"data.backend={'gpu' if backend == 'gpu_on_cpu' else backend}",
-                                  "data.num_workers=0"]).data
+    for name, extra in (
+        ("wds", ["data.dataset=webdataset", f"data.root={shards}"]),
+        ("folder", ["data.dataset=image_folder", f"data.root={folder}"]),
+    ):
+        data = config.load(
+            None,
+            [
+                *extra,
+                f"data.eval.transforms={spec}",
+                f"data.train.transforms={spec}",
+                "data.decoder=torchvision",
+                f"data.backend={'gpu' if backend == 'gpu_on_cpu' else backend}",
+                "data.num_workers=0",
+            ],
+        ).data
         if backend == "gpu_on_cpu":  # the gpu backend's code with CPU decoding (gpu_loader itself needs CUDA)
             loaders = build_gpu_loaders(data, DATASETS.get(data.dataset)(data), rt, seed=0)
         else:
@@ -199,21 +245,37 @@ def test_pipe_urls_brace_expansion_and_index_counts(tmp_path):
     """`pipe:cat ...` shards named by brace expansion, counted from the index: the same samples as local files."""
     root = write_shards(tmp_path / "shards", index=False)
     names = [f"train-{s:06d}.tar" for s in range(7)]
-    (root / "index.json").write_text(json.dumps({"classes": [f"c{i}" for i in range(35)],
-                                                 "shards": {n: {"count": c} for n, c in zip(names, COUNTS)}}))
+    (root / "index.json").write_text(
+        json.dumps(
+            {"classes": [f"c{i}" for i in range(35)], "shards": {n: {"count": c} for n, c in zip(names, COUNTS)}}
+        )
+    )
     rt = Runtime(torch.device("cpu"))
     local = build_loaders(cfg_for(root, "data.drop_last=false", "data.batch_size=8"), rt, seed=1)
-    piped = build_loaders(cfg_for(root, "data.drop_last=false", "data.batch_size=8",
-                                  f"data.options.train=pipe:cat {root}/train-{{000000..000006}}.tar"), rt, seed=1)
+    piped = build_loaders(
+        cfg_for(
+            root,
+            "data.drop_last=false",
+            "data.batch_size=8",
+            f"data.options.train=pipe:cat {root}/train-{{000000..000006}}.tar",
+        ),
+        rt,
+        seed=1,
+    )
     assert epoch_targets(piped.train, 0) == epoch_targets(local.train, 0)
     # A pipe: shard the index does not count cannot be planned: refused at start-up, naming the fix.
     (root / "index.json").write_text(json.dumps([f"c{i}" for i in range(35)]))
     with pytest.raises(UsageError, match="no sample count for 'pipe:cat"):
         build_loaders(cfg_for(root, f"data.options.train=pipe:cat {root}/train-000000.tar"), rt, seed=1)
     # A shard shorter than its index says stops the epoch with a clear error, not a hang or a short epoch.
-    (root / "index.json").write_text(json.dumps({"classes": [f"c{i}" for i in range(35)],
-                                                 "shards": {n: {"count": c + 1} for n, c in zip(names, COUNTS)}}))
-    bad = build_loaders(cfg_for(root, "data.drop_last=false", f"data.options.train=pipe:cat {root}/train-000000.tar"), rt, seed=1)
+    (root / "index.json").write_text(
+        json.dumps(
+            {"classes": [f"c{i}" for i in range(35)], "shards": {n: {"count": c + 1} for n, c in zip(names, COUNTS)}}
+        )
+    )
+    bad = build_loaders(
+        cfg_for(root, "data.drop_last=false", f"data.options.train=pipe:cat {root}/train-000000.tar"), rt, seed=1
+    )
     bad.train.set_epoch(0)
     with pytest.raises(UsageError, match="holds 5 samples but the index says 6"):
         list(bad.train)
@@ -238,8 +300,16 @@ def test_data_check_reads_shards(tmp_path):
     root = write_shards(tmp_path / "shards", [4, 3], bad={2})
     write_shards(root, [3], split="val", index=False, start=7)
     (root / "index.json").write_text(json.dumps([f"c{i}" for i in range(10)]))
-    cfg = config.load(None, ["data.dataset=webdataset", f"data.root={root}", "data.batch_size=2",
-                             "data.train.transforms=[normalize]", "data.eval.transforms=[normalize]"])
+    cfg = config.load(
+        None,
+        [
+            "data.dataset=webdataset",
+            f"data.root={root}",
+            "data.batch_size=2",
+            "data.train.transforms=[normalize]",
+            "data.eval.transforms=[normalize]",
+        ],
+    )
     r = check(cfg, 1, tmp_path / "check")
     assert r["splits"]["train"]["samples"] == 7 and r["splits"]["val"]["samples"] == 3
     assert len(r["bad"]) == 1 and "train-000000.tar#s00002" in json.dumps(r["bad"])
@@ -262,14 +332,29 @@ def test_train_paused_and_resumed_on_shards_matches_uninterrupted(tmp_path):
 
     root = write_shards(tmp_path / "shards")
     write_shards(root, [4, 3], split="val", index=False, start=35)
-    common = ["data.dataset=webdataset", f"data.root={root}", "data.num_workers=2", "data.batch_size=3",
-              "data.options.shuffle_buffer=5", "data.train.transforms=[hflip, normalize]", "data.eval.transforms=[normalize]",
-              "model.args={width: 4}", "run.epochs=2", "log.tensorboard=false", "log.progress=false",
-              "checkpoint.every_epochs=null", "data.drop_last=false", "log.every_steps=1"]
+    common = [
+        "data.dataset=webdataset",
+        f"data.root={root}",
+        "data.num_workers=2",
+        "data.batch_size=3",
+        "data.options.shuffle_buffer=5",
+        "data.train.transforms=[hflip, normalize]",
+        "data.eval.transforms=[normalize]",
+        "model.args={width: 4}",
+        "run.epochs=2",
+        "log.tensorboard=false",
+        "log.progress=false",
+        "checkpoint.every_epochs=null",
+        "data.drop_last=false",
+        "log.every_steps=1",
+    ]
     full = train(config.load(None, [*common, f"run.dir={tmp_path / 'full'}"]), quiet=True)
     train(config.load(None, [*common, f"run.dir={tmp_path / 'paused'}", "run.stop_after_steps=5"]), quiet=True)
     train(config.load(None, [*common, f"run.dir={tmp_path / 'paused'}", "checkpoint.resume=auto"]), quiet=True)
-    a, b = load_file(str(tmp_path / "full" / "last.safetensors")), load_file(str(tmp_path / "paused" / "last.safetensors"))
+    a, b = (
+        load_file(str(tmp_path / "full" / "last.safetensors")),
+        load_file(str(tmp_path / "paused" / "last.safetensors")),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # exact: same batches, same augmentation
     # resumed at step 5, not started over (which would train the same weights): every step logged once
     lines = [json.loads(x) for x in (tmp_path / "paused" / "metrics.jsonl").read_text().splitlines()]

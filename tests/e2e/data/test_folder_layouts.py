@@ -12,12 +12,21 @@ from torchsprint import cli, config
 from torchsprint.data import DATASETS
 from torchsprint.errors import UsageError
 
-FAST = ["data.dataset=image_folder", "run.epochs=1", "model.args={width: 8}", "log.tensorboard=false",
-        "log.progress=false", "data.batch_size=4", "eval.per_class=false"]
+FAST = [
+    "data.dataset=image_folder",
+    "run.epochs=1",
+    "model.args={width: 8}",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "data.batch_size=4",
+    "eval.per_class=false",
+]
 
 
 def splits_of(root, *overrides):
-    return DATASETS.get("image_folder")(config.load(None, ["data.dataset=image_folder", f"data.root={root}", *overrides]).data)
+    return DATASETS.get("image_folder")(
+        config.load(None, ["data.dataset=image_folder", f"data.root={root}", *overrides]).data
+    )
 
 
 @pytest.mark.parametrize("val_name", ["val", "valid", "validation", "VAL"])
@@ -39,14 +48,21 @@ def test_train_val_test_and_train_alone_and_one_folder_of_classes(tmp_path):
     assert (len(s.train), len(s.val)) == (16, 4) and "20% of train/" in s.source
     make_image_folder(tmp_path / "flat", per_class=10, splits=("",))
     s = splits_of(tmp_path / "flat", "data.val_fraction=0.3")
-    assert (len(s.train), len(s.val), s.classes) == (14, 6, ["circle", "square"]) and "one folder of class folders" in s.source
+    assert (len(s.train), len(s.val), s.classes) == (
+        14,
+        6,
+        ["circle", "square"],
+    ) and "one folder of class folders" in s.source
 
 
-@pytest.mark.parametrize("layout, message", [
-    (("train", "val", "dogs"), r"besides the split folders \(train, val\) it has other folders \(dogs\)"),
-    (("train", "val", "valid"), r"val/ and valid/ both look like the val split"),
-    (("val", "test"), r"there is test/, val/ but no train/ folder"),
-])
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (("train", "val", "dogs"), r"besides the split folders \(train, val\) it has other folders \(dogs\)"),
+        (("train", "val", "valid"), r"val/ and valid/ both look like the val split"),
+        (("val", "test"), r"there is test/, val/ but no train/ folder"),
+    ],
+)
 def test_misread_layouts_are_refused_showing_what_was_found(tmp_path, layout, message):
     make_image_folder(tmp_path, per_class=1, splits=layout)
     with pytest.raises(UsageError, match=message) as e:
@@ -78,8 +94,21 @@ def test_test_split_end_to_end(tmp_path, capsys):
     root = make_image_folder(tmp_path / "img", per_class=4, splits=("train", "val", "test"))
     run_dir = tmp_path / "run"
     # 2 epochs, "best" = the highest val loss: epoch 1, so the best weights are not the last ones
-    assert cli.main(["train", *FAST, f"data.root={root}", "eval.test_at_end=true", f"run.dir={run_dir}", "run.epochs=2",
-                     "checkpoint.monitor=val/loss", "checkpoint.mode=max"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                *FAST,
+                f"data.root={root}",
+                "eval.test_at_end=true",
+                f"run.dir={run_dir}",
+                "run.epochs=2",
+                "checkpoint.monitor=val/loss",
+                "checkpoint.mode=max",
+            ]
+        )
+        == 0
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["test"]["test/count"] == 8 and summary["best_epoch"] == 1
     capsys.readouterr()

@@ -21,13 +21,25 @@ from torchsprint.runtime import Runtime
 CPU = Runtime(torch.device("cpu"))
 # 24x20 JPEGs; random_resized_crop 16 from 50%: the smallest crop is ~12 px across, so nothing is shrunk and the
 # cache holds the decoded pixels themselves. Eval: resize 18 then crop 16 (the resize is what the cache applies).
-SPEC = ["data.train.transforms=[{random_resized_crop: {size: 16, scale: [0.5, 1.0]}}, hflip]",
-        "data.eval.transforms=[{resize: 18}, {center_crop: 16}]"]
+SPEC = [
+    "data.train.transforms=[{random_resized_crop: {size: 16, scale: [0.5, 1.0]}}, hflip]",
+    "data.eval.transforms=[{resize: 18}, {center_crop: 16}]",
+]
 
 
 def settings(root: Path, cache_dir: Path, *more: str) -> list[str]:
-    return [f"data.root={root}", f"data.cache_dir={cache_dir}", "data.backend=cpu", "model.name=small_cnn",
-            "model.pretrained=null", "data.batch_size=4", "run.epochs=2", "precision.mode=fp32", *SPEC, *more]
+    return [
+        f"data.root={root}",
+        f"data.cache_dir={cache_dir}",
+        "data.backend=cpu",
+        "model.name=small_cnn",
+        "model.pretrained=null",
+        "data.batch_size=4",
+        "run.epochs=2",
+        "precision.mode=fp32",
+        *SPEC,
+        *more,
+    ]
 
 
 def batches(cfg, split: str = "train", epoch: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -99,8 +111,11 @@ def test_a_touched_file_rebuilds_the_cache_and_says_so(tmp_path):
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(after, before))
     want, _ = batches(load_resolved(overrides=settings(root, tmp_path / "cache", "data.cache=off")), "val")
     assert all(torch.equal(a[0], w[0]) for a, w in zip(after, want))
-    vals = [p for p in (tmp_path / "cache").iterdir() if (p / "meta.json").exists()
-            and json.loads((p / "meta.json").read_text())["split"] == "val"]
+    vals = [
+        p
+        for p in (tmp_path / "cache").iterdir()
+        if (p / "meta.json").exists() and json.loads((p / "meta.json").read_text())["split"] == "val"
+    ]
     assert len(vals) == 1
 
 
@@ -111,8 +126,9 @@ def test_a_damaged_cache_is_refused_in_one_line(tmp_path, cli_in_process, damage
     index read past its end (garbage images or a numpy traceback)."""
     root = make_image_folder(tmp_path / "images", per_class=8)
     # the pixels case reads in a DataLoader worker: its error crosses the process boundary as one line too
-    base = settings(root, tmp_path / "cache", "data.cache=on", "run.epochs=1",
-                    f"data.num_workers={1 if damage == 'pixels' else 0}")
+    base = settings(
+        root, tmp_path / "cache", "data.cache=on", "run.epochs=1", f"data.num_workers={1 if damage == 'pixels' else 0}"
+    )
     r = cli_in_process("data", "cache", "--json", *[x for s in base for x in ("--set", s)])
     assert r.returncode == 0, r.stderr
     folder = Path(json.loads(r.stdout)["splits"]["train"]["dir"])
@@ -136,9 +152,20 @@ def test_two_processes_building_one_cache_build_it_once(tmp_path):
     and reads it whole (reused), and no temporary folder is left. Bugs caught: both building and one renaming onto
     the other's folder (an error, or a half-read cache), a reader opening the cache before it is complete."""
     root = make_image_folder(tmp_path / "images", per_class=150)  # 600 files: the build takes its worker processes
-    args = [sys.executable, "-m", "torchsprint", "data", "cache", str(root), "--json",
-            "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "model.name=small_cnn", *[
-                x for s in SPEC for x in ("--set", s)]]
+    args = [
+        sys.executable,
+        "-m",
+        "torchsprint",
+        "data",
+        "cache",
+        str(root),
+        "--json",
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        "model.name=small_cnn",
+        *[x for s in SPEC for x in ("--set", s)],
+    ]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
@@ -207,8 +234,14 @@ def test_a_cached_run_paused_and_resumed_equals_the_uninterrupted_one(tmp_path):
     from torchsprint.train.run import train
 
     root = make_image_folder(tmp_path / "images", per_class=8)
-    base = settings(root, tmp_path / "cache", "data.cache=on", "log.progress=false", "checkpoint.every_steps=1",
-                    "model.args={dropout: 0.2}")
+    base = settings(
+        root,
+        tmp_path / "cache",
+        "data.cache=on",
+        "log.progress=false",
+        "checkpoint.every_steps=1",
+        "model.args={dropout: 0.2}",
+    )
     train(config.load(None, [*base, f"run.dir={tmp_path / 'whole'}"]), quiet=True)
     first = train(config.load(None, [*base, f"run.dir={tmp_path / 'resumed'}", "run.stop_after_steps=3"]), quiet=True)
     assert first["paused"] and first["global_step"] == 3
@@ -229,9 +262,15 @@ def test_ddp_ranks_read_their_shards_from_the_cache_as_from_the_files(tmp_path, 
 
     root = make_image_folder(tmp_path / "images", per_class=8)
     for name, cache in (("files", "off"), ("cached", "on")):
-        r = run_cli("train", "--nproc-per-node", "2", *settings(root, tmp_path / "cache", f"data.cache={cache}",
-                                                                  "log.progress=false", f"run.dir={tmp_path / name}"),
-                    timeout=300)
+        r = run_cli(
+            "train",
+            "--nproc-per-node",
+            "2",
+            *settings(
+                root, tmp_path / "cache", f"data.cache={cache}", "log.progress=false", f"run.dir={tmp_path / name}"
+            ),
+            timeout=300,
+        )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     a, b = (load_file(tmp_path / d / "last.safetensors") for d in ("files", "cached"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

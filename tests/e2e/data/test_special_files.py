@@ -29,8 +29,14 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (
 def run_limited(cwd: Path, *args, timeout: float = 240) -> subprocess.CompletedProcess:
     """`torchsprint ARGS` in a child process under the limits above; TimeoutExpired (the test fails) on a hang."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="300")
-    return subprocess.run([sys.executable, "-c", LIMIT, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", LIMIT, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+    )
 
 
 def add_special_files(folder: Path) -> dict[str, str]:
@@ -56,7 +62,9 @@ def test_special_files_in_class_folders_are_left_out_and_named(tmp_path):
 
     r = run_limited(tmp_path, "data", "check", f"data.root={root}", "--out", tmp_path / "chk")
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert "left out 2 not regular files" in r.stdout and "left out 1 larger than data.max_file_mb" in r.stdout, r.stdout
+    assert "left out 2 not regular files" in r.stdout and "left out 1 larger than data.max_file_mb" in r.stdout, (
+        r.stdout
+    )
 
     r = run_limited(tmp_path, "predict", "-r", run, root / "train" / "square", "--out", tmp_path / "p.jsonl")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -73,8 +81,16 @@ def test_file_list_rows_naming_special_files_are_left_out(tmp_path):
     lines += [f"{tmp_path / name},circle" for name in special]
     (tmp_path / "list.csv").write_text("\n".join(lines) + "\n")
     run = tmp_path / "run"
-    r = run_limited(tmp_path, "train", *FAST, f"data.root={tmp_path / 'list.csv'}", "data.val_fraction=0.5",
-                    "data.train.transforms=[resize: [16, 16]]", "data.eval.transforms=[resize: [16, 16]]", f"run.dir={run}")
+    r = run_limited(
+        tmp_path,
+        "train",
+        *FAST,
+        f"data.root={tmp_path / 'list.csv'}",
+        "data.val_fraction=0.5",
+        "data.train.transforms=[resize: [16, 16]]",
+        "data.eval.transforms=[resize: [16, 16]]",
+        f"run.dir={run}",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     skipped = json.loads((run / "decisions.json").read_text())["skipped"]
     assert sorted(n for v in skipped.values() for n in v["examples"]) == sorted(special), skipped
@@ -84,9 +100,12 @@ def test_a_label_of_a_billion_in_a_file_list_is_one_line(tmp_path):
     """Before: [str(i) for i in range(10**9 + 1)] as the class names, a MemoryError (or the machine's memory)."""
     root = make_image_folder(tmp_path / "imgs", per_class=2, splits=("train",))
     files = sorted((root / "train").rglob("*.jpg"))
-    (tmp_path / "list.csv").write_text("".join(f"{p},{i % 2}\n" for i, p in enumerate(files)) + f"{files[0]},1000000000\n")
-    r = run_limited(tmp_path, "train", *FAST, f"data.root={tmp_path / 'list.csv'}", f"run.dir={tmp_path / 'run'}",
-                    timeout=120)
+    (tmp_path / "list.csv").write_text(
+        "".join(f"{p},{i % 2}\n" for i, p in enumerate(files)) + f"{files[0]},1000000000\n"
+    )
+    r = run_limited(
+        tmp_path, "train", *FAST, f"data.root={tmp_path / 'list.csv'}", f"run.dir={tmp_path / 'run'}", timeout=120
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert "label 1000000000 means 1,000,000,001 classes" in line and "5 rows" in line, line

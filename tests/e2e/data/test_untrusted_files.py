@@ -45,16 +45,20 @@ def trained_run(tmp_path_factory):
     from torchsprint import cli
 
     root = tmp_path_factory.mktemp("trained")
-    assert cli.main(["train", "run.epochs=1", f"run.dir={root / 'run'}", "log.tensorboard=false",
-                     "model.args={width: 8}"]) == 0
+    assert (
+        cli.main(["train", "run.epochs=1", f"run.dir={root / 'run'}", "log.tensorboard=false", "model.args={width: 8}"])
+        == 0
+    )
     return root / "run"
 
 
 def test_hostile_checkpoints_and_weights_are_refused(tmp_path, cli_in_process):
     marker = tmp_path / "pwned"
     evil = hostile_pickle(tmp_path / "evil.pt", marker, wrap=lambda p: {"format": "torchsprint-checkpoint", "model": p})
-    for args in (["train", f"checkpoint.resume={evil}", "run.dir=a"],
-                 ["train", f"model.pretrained={evil}", "run.dir=b"]):
+    for args in (
+        ["train", f"checkpoint.resume={evil}", "run.dir=a"],
+        ["train", f"model.pretrained={evil}", "run.dir=b"],
+    ):
         r = cli_in_process(*args, "run.epochs=1", "log.tensorboard=false")
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert not marker.exists(), args
@@ -79,7 +83,8 @@ def test_model_file_metadata_never_imports_code(tmp_path, run_cli, cli_in_proces
     (tmp_path / f"{name}.py").write_text(
         f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
         "from torchsprint.models.core import MODELS\nfrom torchsprint.models.nets import small_cnn\n"
-        "MODELS.register('evil_net')(small_cnn)\n")
+        "MODELS.register('evil_net')(small_cnn)\n"
+    )
     state = load_file(str(trained_run / "best.safetensors"))
     from safetensors import safe_open
 
@@ -125,7 +130,8 @@ def test_run_folder_config_never_imports_code(tmp_path, trained_run, monkeypatch
     (tmp_path / f"{name}.py").write_text(
         f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
         "from torchsprint.models.core import MODELS\nfrom torchsprint.models.nets import small_cnn\n"
-        "MODELS.register('payload_net')(small_cnn)\n")
+        "MODELS.register('payload_net')(small_cnn)\n"
+    )
     monkeypatch.chdir(tmp_path)  # where config.import_modules would look for it
     monkeypatch.setattr(sys, "path", list(sys.path))
     image = tmp_path / "img.png"
@@ -193,10 +199,14 @@ def test_hostile_cifar_pickle_is_refused(tmp_path, cli_in_process):
     root.mkdir(parents=True)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]:
         hostile_pickle(root / name, marker, wrap=lambda p: {b"data": p, b"labels": [0]})
-    for args in (["train", "data.dataset=cifar10", f"data.root={root.parent}", "run.dir=r"],
-                 ["data", "check", "data.dataset=cifar10", f"data.root={root.parent}"]):
+    for args in (
+        ["train", "data.dataset=cifar10", f"data.root={root.parent}", "run.dir=r"],
+        ["data", "check", "data.dataset=cifar10", f"data.root={root.parent}"],
+    ):
         r = cli_in_process(*args)
-        assert r.returncode == 2 and "refusing to load posix.system" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.returncode == 2 and "refusing to load posix.system" in r.stderr and "Traceback" not in r.stderr, (
+            r.stderr
+        )
         assert not marker.exists()
 
 

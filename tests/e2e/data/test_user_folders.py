@@ -18,7 +18,10 @@ from torchsprint.data.build import describe_data
 from torchsprint.data.sources import folders
 
 FAST = ["run.epochs=1", "log.progress=false", "log.tensorboard=false", "eval.per_class=false", "data.batch_size=4"]
-SMALL = ["data.train.transforms=[{resize: 24}, {center_crop: 24}]", "data.eval.transforms=[{resize: 24}, {center_crop: 24}]"]
+SMALL = [
+    "data.train.transforms=[{resize: 24}, {center_crop: 24}]",
+    "data.eval.transforms=[{resize: 24}, {center_crop: 24}]",
+]
 
 
 def save(path: Path, size, mode: str, seed: int) -> Path:
@@ -68,7 +71,9 @@ def bad_folder(tmp: Path) -> tuple[Path, set[str], dict[str, set[str]]]:
 
 
 def splits_of(root, *overrides):
-    return DATASETS.get("image_folder")(load_resolved(None, ["data.dataset=image_folder", f"data.root={root}", *overrides]).data)
+    return DATASETS.get("image_folder")(
+        load_resolved(None, ["data.dataset=image_folder", f"data.root={root}", *overrides]).data
+    )
 
 
 def test_every_entry_is_a_sample_or_counted_with_its_reason(tmp_path):
@@ -108,7 +113,9 @@ def test_too_few_validation_images_for_the_classes_is_one_line(tmp_path):
     for c in "abcdef":
         for i in range(2):
             save(tmp_path / c / f"{i}.png", (8, 8), "RGB", i)
-    with pytest.raises(UsageError, match=r"data.val_fraction=0.2 of 12 images is too few to give each of the 6 classes"):
+    with pytest.raises(
+        UsageError, match=r"data.val_fraction=0.2 of 12 images is too few to give each of the 6 classes"
+    ):
         splits_of(tmp_path, "data.val_fraction=0.2")
 
 
@@ -122,8 +129,11 @@ def test_the_decoder_is_named_per_format(tmp_path):
     save(tmp_path / "b" / "x.bmp", (16, 16), "RGB", 9)
     facts = describe_data(splits_of(tmp_path, "data.val_fraction=0.4"))
     jpeg = resolve_decoder("auto")  # simplejpeg where installed, else torchvision
-    assert facts["decoders"] == {"PNG": {"decoder": "torchvision", "files": 3}, "JPEG": {"decoder": jpeg, "files": 3},
-                                 "BMP": {"decoder": "pil", "files": 1}}
+    assert facts["decoders"] == {
+        "PNG": {"decoder": "torchvision", "files": 3},
+        "JPEG": {"decoder": jpeg, "files": 3},
+        "BMP": {"decoder": "pil", "files": 1},
+    }
     facts = describe_data(splits_of(tmp_path, "data.val_fraction=0.4", "data.decoder=pil"))
     assert facts["decoders"]["JPEG"]["decoder"] == "pil" and facts["decoders"]["PNG"]["decoder"] == "torchvision"
 
@@ -152,8 +162,17 @@ def test_the_named_decoder_is_the_one_that_runs(tmp_path, monkeypatch):
 
 def test_cli_start_up_summary_counts_what_was_left_out(tmp_path, capsys):
     root, _, skipped = bad_folder(tmp_path)
-    code = cli.main(["train", "data.dataset=image_folder", f"data.root={root}", "data.val_fraction=0.3",
-                     f"run.dir={tmp_path / 'run'}", *FAST, *SMALL])
+    code = cli.main(
+        [
+            "train",
+            "data.dataset=image_folder",
+            f"data.root={root}",
+            "data.val_fraction=0.3",
+            f"run.dir={tmp_path / 'run'}",
+            *FAST,
+            *SMALL,
+        ]
+    )
     r = capsys.readouterr()
     assert code == 0, r.err
     out = r.out + r.err
@@ -181,11 +200,15 @@ def test_a_root_alone_is_detected_from_its_files(tmp_path):
     from conftest import make_image_folder
 
     make_image_folder(tmp_path / "split", per_class=1)
-    assert detected(tmp_path / "split") == ("image_folder", [f"detected: class folders under {tmp_path}/split/train "
-                                                             f"and {tmp_path}/split/val"])
+    assert detected(tmp_path / "split") == (
+        "image_folder",
+        [f"detected: class folders under {tmp_path}/split/train and {tmp_path}/split/val"],
+    )
     make_image_folder(tmp_path / "flat", per_class=1, splits=("",))
-    assert detected(tmp_path / "flat") == ("image_folder", [f"detected: class folders under {tmp_path}/flat (split by "
-                                                            "data.val_fraction)"])
+    assert detected(tmp_path / "flat") == (
+        "image_folder",
+        [f"detected: class folders under {tmp_path}/flat (split by data.val_fraction)"],
+    )
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "train-000000.tar").write_bytes(b"")
     assert detected(tmp_path / "shards")[0] == "webdataset"
@@ -210,8 +233,10 @@ def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, capsys):
     code = cli.main(["train", f"data.root={root}", f"run.dir={tmp_path / 'run'}", *FAST])
     r = capsys.readouterr()
     assert code == 0, r.err
-    assert (f"data.dataset: image_folder (detected: class folders under {root}/train and {root}/val; to choose "
-            "otherwise: set data.dataset)") in r.out
+    assert (
+        f"data.dataset: image_folder (detected: class folders under {root}/train and {root}/val; to choose "
+        "otherwise: set data.dataset)"
+    ) in r.out
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["dataset"] == "image_folder"
     decided = json.loads((tmp_path / "run" / "decisions.json").read_text())
     assert decided["dataset"] == "image_folder" and decided["chosen"][0]["setting"] == "data.dataset"
@@ -223,10 +248,21 @@ def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, capsys):
 # ---------------------------------------------------------------- defaults that fit the images
 
 
-@pytest.mark.parametrize("shorts, device, size", [
-    ([300] * 5, "cpu", 128), ([300] * 5, "cuda", 224), ([375, 375, 500], "cuda", 224), ([100, 90, 120], "cpu", 96),
-    ([40, 45, 300], "cpu", 32), ([20, 28, 30], "cuda", 32), ([110, 120, 130], "cpu", 96), ([100, 200], "cuda", 96), ([191, 200, 250], "cuda", 192), ([63, 64, 65], "cpu", 64),
-])
+@pytest.mark.parametrize(
+    "shorts, device, size",
+    [
+        ([300] * 5, "cpu", 128),
+        ([300] * 5, "cuda", 224),
+        ([375, 375, 500], "cuda", 224),
+        ([100, 90, 120], "cpu", 96),
+        ([40, 45, 300], "cpu", 32),
+        ([20, 28, 30], "cuda", 32),
+        ([110, 120, 130], "cpu", 96),
+        ([100, 200], "cuda", 96),
+        ([191, 200, 250], "cuda", 192),
+        ([63, 64, 65], "cpu", 64),
+    ],
+)
 def test_the_size_rule(shorts, device, size):
     """The stated rule, worked by hand: the median (lower) short side, capped (224 GPU, 128 CPU), floored to 32s, >= 32."""
     from torchsprint.data.detect import training_size
@@ -248,9 +284,16 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
     assert cfg.data.train.transforms == [{"random_resized_crop": {"size": 64, "scale": [0.35, 1.0]}}, "hflip"]
     assert cfg.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
     assert cfg.model.name == "resnet18"
-    assert [c["setting"] for c in cfg.chosen()] == ["data.dataset", "data.train.transforms", "data.eval.transforms",
-                                                   "model.name", "data.batch_size", "model.pretrained", "optim.lr",
-                                                   "sched.warmup_epochs"]
+    assert [c["setting"] for c in cfg.chosen()] == [
+        "data.dataset",
+        "data.train.transforms",
+        "data.eval.transforms",
+        "model.name",
+        "data.batch_size",
+        "model.pretrained",
+        "optim.lr",
+        "sched.warmup_epochs",
+    ]
     # Offline (tests/conftest.py) and nothing cached: from scratch, saying how to get the weights (models/start.py).
     assert cfg.model.pretrained is None and "weights get" in cfg.chosen()[5]["override"]
     assert all(c["why"] and c["override"] for c in cfg.chosen())
@@ -258,8 +301,11 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
     # photo model's lr: 0.1 per 256 images of the batch (torchvision's rule), worked by hand; a warm-up epoch.
     assert cfg.data.batch_size == 8
     assert (cfg.optim.lr, cfg.sched.warmup_epochs) == (0.1 * 8 / 256, 1.0)
-    for extra, lr in ((["data.batch_size=32", "optim.accum_steps=4"], 0.05), (["data.effective_batch_size=512"], 0.2),
-                      (["data.batch_size=auto"], 0.025)):
+    for extra, lr in (
+        (["data.batch_size=32", "optim.accum_steps=4"], 0.05),
+        (["data.effective_batch_size=512"], 0.2),
+        (["data.batch_size=auto"], 0.025),
+    ):
         assert load_resolved(None, [f"data.root={root}", "run.device=cpu", *extra]).optim.lr == pytest.approx(lr), extra
     # Under DDP one optimizer step sees every process's batch: read from WORLD_SIZE, as each torchrun worker has it
     # when it reads the config (`torchsprint train --nproc-per-node 2` starts such workers).
@@ -268,27 +314,42 @@ def test_larger_images_get_a_training_size_and_a_photo_model(tmp_path):
         ddp = load_resolved(None, [f"data.root={root}", "run.device=cpu", "strategy.name=ddp"])
         assert ddp.optim.lr == pytest.approx(0.1 * 64 * 2 / 256)
         assert "x 128 (data.batch_size x optim.accum_steps x 2 processes)" in next(
-            c["why"] for c in ddp.chosen() if c["setting"] == "optim.lr")
-        assert load_resolved(None, [f"data.root={root}", "run.device=cpu", "strategy.name=ddp",
-                                  "data.effective_batch_size=256"]).optim.lr == pytest.approx(0.1)  # global already
-        assert load_resolved(None, [f"data.root={root}", "run.device=cpu"]).optim.lr == pytest.approx(0.1 * 8 / 256)  # not ddp
+            c["why"] for c in ddp.chosen() if c["setting"] == "optim.lr"
+        )
+        assert load_resolved(
+            None, [f"data.root={root}", "run.device=cpu", "strategy.name=ddp", "data.effective_batch_size=256"]
+        ).optim.lr == pytest.approx(0.1)  # global already
+        assert load_resolved(None, [f"data.root={root}", "run.device=cpu"]).optim.lr == pytest.approx(
+            0.1 * 8 / 256
+        )  # not ddp
     # The user's optimizer, lr or warm-up wins (and the project's 0.1 stays for small_cnn and digits).
     assert load_resolved(None, [f"data.root={root}", "run.device=cpu", "optim.lr=0.3"]).optim.lr == 0.3
     theirs = load_resolved(None, [f"data.root={root}", "run.device=cpu", "optim.name=adamw"])
     assert theirs.optim.lr == 0.1 and "optim.lr" not in [c["setting"] for c in theirs.chosen()]
-    assert load_resolved(None, [f"data.root={root}", "run.device=cpu", "sched.warmup_epochs=0"]).sched.warmup_epochs == 0
+    assert (
+        load_resolved(None, [f"data.root={root}", "run.device=cpu", "sched.warmup_epochs=0"]).sched.warmup_epochs == 0
+    )
     assert load_resolved(None, []).optim.lr == 0.1
     # What the user sets wins: their transforms keep everything (and small_cnn); their model keeps the chosen size.
     mine = load_resolved(None, [f"data.root={root}", "data.train.transforms=[{resize: 40}]"])
-    assert (mine.data.train.transforms, mine.data.eval.transforms, mine.model.name) == ([{"resize": 40}], [], "small_cnn")
+    assert (mine.data.train.transforms, mine.data.eval.transforms, mine.model.name) == (
+        [{"resize": 40}],
+        [],
+        "small_cnn",
+    )
     assert mine.optim.lr == pytest.approx(0.1 * 8 / 256)  # the images are photo-sized: the photos' lr rule
     mine = load_resolved(None, [f"data.root={root}", "run.device=cpu", "model.name=mobilenet_v3_small"])
-    assert mine.model.name == "mobilenet_v3_small" and mine.data.eval.transforms == [{"resize": 72}, {"center_crop": 64}]
+    assert mine.model.name == "mobilenet_v3_small" and mine.data.eval.transforms == [
+        {"resize": 72},
+        {"center_crop": 64},
+    ]
     # ... and the photos' lr rule, as the picked model gets it (it applied only to the picked model before: a named
     # resnet50 on photos trained at digits' 0.1 and stayed at the majority class), with the user's transforms too.
     assert mine.optim.lr == pytest.approx(0.1 * 8 / 256) and mine.sched.warmup_epochs == 1.0
     assert "optim.lr" in [c["setting"] for c in mine.chosen()]
-    mine = load_resolved(None, [f"data.root={root}", "run.device=cpu", "model.name=resnet34", "data.train.transforms=[{resize: 40}]"])
+    mine = load_resolved(
+        None, [f"data.root={root}", "run.device=cpu", "model.name=resnet34", "data.train.transforms=[{resize: 40}]"]
+    )
     assert mine.optim.lr == pytest.approx(0.1 * 8 / 256)
     assert load_resolved(None, [f"data.root={root}", "model.name=resnet34", "optim.lr=0.5"]).optim.lr == 0.5
     # Digits-sized images of one size keep the native size and small_cnn (the fixture's 24x20 JPEGs).
@@ -343,8 +404,9 @@ def test_cli_photo_defaults_are_in_the_summary_and_the_run_folder(tmp_path, caps
     for c in ("a", "b"):
         for i in range(4):
             save(root / c / f"{i}.jpg", (70 + 10 * i, 64), "RGB", i)
-    code = cli.main(["train", f"data.root={root}", f"run.dir={tmp_path / 'run'}", "run.device=cpu",
-                     "data.val_fraction=0.5", *FAST])
+    code = cli.main(
+        ["train", f"data.root={root}", f"run.dir={tmp_path / 'run'}", "run.device=cpu", "data.val_fraction=0.5", *FAST]
+    )
     r = capsys.readouterr()
     assert code == 0, r.err
     assert "data.train.transforms: [{'random_resized_crop': {'size': 64" in r.out
@@ -352,7 +414,11 @@ def test_cli_photo_defaults_are_in_the_summary_and_the_run_folder(tmp_path, caps
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["model"]["name"] == "resnet18" and saved["data"]["eval"]["transforms"][-1] == {"center_crop": 64}
     decided = json.loads((tmp_path / "run" / "decisions.json").read_text())
-    assert [c["setting"] for c in decided["chosen"]][-4:] == ["model.name", "model.pretrained", "optim.lr",
-                                                              "sched.warmup_epochs"]
+    assert [c["setting"] for c in decided["chosen"]][-4:] == [
+        "model.name",
+        "model.pretrained",
+        "optim.lr",
+        "sched.warmup_epochs",
+    ]
     # The optimizer that ran used the chosen peak lr (0.1 x batch 4 / 256), recorded in config.yaml for resume/eval
     assert saved["optim"]["lr"] == pytest.approx(0.1 * 4 / 256) and saved["sched"]["warmup_epochs"] == 1.0

@@ -18,9 +18,21 @@ from paths import REPO, WORKERS  # noqa: E402
 @pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 def test_comm_hooks_two_processes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO / 'tests'}")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(WORKERS / "comm_hooks_worker.py"), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(WORKERS / "comm_hooks_worker.py"),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     w = {h: load_file(str(tmp_path / h / "last.safetensors")) for h in ("none", "fp16", "bf16", "powersgd")}
 

@@ -37,7 +37,9 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200")
 
 def reference(tmp: Path, name: str, extra: list[str] = ()) -> Path:
     """One process, batch 2B (for accumulation: 2 micro-batches of B), same data order."""
-    over = worker.overrides(name, 1) if name in worker.SCENARIOS else [*worker.COMMON, f"data.batch_size={2 * worker.B}"]
+    over = (
+        worker.overrides(name, 1) if name in worker.SCENARIOS else [*worker.COMMON, f"data.batch_size={2 * worker.B}"]
+    )
     cfg = config.load(None, [*over, *extra, f"run.dir={tmp / name}"])
     train(cfg, quiet=True)
     return tmp / name / "last.safetensors"
@@ -57,9 +59,21 @@ def test_ddp_two_processes_match_one_process(tmp_path):
     out.mkdir()
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKERS / "ddp_worker.py"), str(out), str(refs["linear"])],
-        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(WORKERS / "ddp_worker.py"),
+            str(out),
+            str(refs["linear"]),
+        ],
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((out / "results.json").read_text())
@@ -102,9 +116,20 @@ def test_cli_nproc_per_node_syncbn_matches_one_process(tmp_path, run_cli):
     """`torchsprint train --nproc-per-node 2` (commands/launch.py -> torchrun) with SyncBatchNorm on."""
     ref = reference(tmp_path / "ref", "bn", ["model.args.width=8"])
     run_dir = tmp_path / "ddp"
-    proc = run_cli("train", "--nproc-per-node", "2", *worker.COMMON, f"data.batch_size={worker.B}", "model.args.width=8",
-                   "strategy.sync_bn=true", f"run.dir={run_dir}", "--import", "ddp_worker",
-                   env={"PYTHONPATH": str(WORKERS)}, timeout=240)
+    proc = run_cli(
+        "train",
+        "--nproc-per-node",
+        "2",
+        *worker.COMMON,
+        f"data.batch_size={worker.B}",
+        "model.args.width=8",
+        "strategy.sync_bn=true",
+        f"run.dir={run_dir}",
+        "--import",
+        "ddp_worker",
+        env={"PYTHONPATH": str(WORKERS)},
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # One forward/backward of GlooSyncBatchNorm vs BatchNorm over the global batch differs by ~1e-7
     # (float rounding); six BN training steps amplify that to ~6e-5 (measured), while per-rank
@@ -114,8 +139,11 @@ def test_cli_nproc_per_node_syncbn_matches_one_process(tmp_path, run_cli):
     assert diff < 5e-4
     # Rank 0 alone logs and writes: one summary table, one line per logged step.
     assert proc.stdout.count("run summary") == 1
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if json.loads(x)["kind"] == "train"]
+    steps = [
+        json.loads(x)["step"]
+        for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(x)["kind"] == "train"
+    ]
     assert steps == [2, 4, 6]
     env = json.loads((run_dir / "env.json").read_text())
     assert env["world_size"] == 2
@@ -127,9 +155,21 @@ def test_cli_nproc_per_node_dry_run_checks_each_worker_and_writes_nothing(tmp_pa
     """Before: `train --nproc-per-node 2 --dry-run` checked in this one process, so a config saying strategy: ddp
     was refused ("start it with `torchsprint train --nproc-per-node N`", which the user had) and any other was planned
     as one process (world size 1, another batch per step). Now the launcher starts the workers and each dry-runs."""
-    proc = run_cli("train", "--nproc-per-node", "2", "--max-restarts", "2", "--dry-run", *worker.COMMON,
-                   f"data.batch_size={worker.B}", "strategy.name=ddp", "--import", "ddp_worker",
-                   env={"PYTHONPATH": str(WORKERS)}, timeout=240)
+    proc = run_cli(
+        "train",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--dry-run",
+        *worker.COMMON,
+        f"data.batch_size={worker.B}",
+        "strategy.name=ddp",
+        "--import",
+        "ddp_worker",
+        env={"PYTHONPATH": str(WORKERS)},
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = proc.stdout + proc.stderr
     assert "launching 2 DDP process(es)" in out and "--max-restarts=0" in out, out[-3000:]  # nothing to restart
@@ -144,11 +184,34 @@ def test_cli_two_machines_static_rendezvous(tmp_path):
     ref = reference(tmp_path / "ref", "linear")
     endpoint = f"127.0.0.1:{free_port()}"
     run_dir = tmp_path / "ddp"
-    launchers = [subprocess.Popen(
-        [sys.executable, "-m", "torchsprint", "train", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(node),
-         "--rdzv-endpoint", endpoint, "--import", "ddp_worker", *worker.overrides("linear", 2), f"run.dir={run_dir}"],
-        env=dict(ENV, PYTHONPATH=str(WORKERS)), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for node in (0, 1)]
+    launchers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torchsprint",
+                "train",
+                "--nproc-per-node",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--rdzv-endpoint",
+                endpoint,
+                "--import",
+                "ddp_worker",
+                *worker.overrides("linear", 2),
+                f"run.dir={run_dir}",
+            ],
+            env=dict(ENV, PYTHONPATH=str(WORKERS)),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=240) for p in launchers]
     finally:
@@ -179,11 +242,31 @@ def test_failed_rank_makes_the_other_exit_within_timeout(tmp_path, how):
     port = free_port()
     procs = []
     for rank in (0, 1):
-        env = dict(ENV, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "torchsprint", "train", f"run.dir={run_dir}", "run.epochs=1000", "log.every_steps=1",
-             "log.tensorboard=false", "model.args.width=8", "checkpoint.every_epochs=null", f"strategy.timeout_s={timeout_s}"],
-            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            ENV, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torchsprint",
+                    "train",
+                    f"run.dir={run_dir}",
+                    "run.epochs=1000",
+                    "log.every_steps=1",
+                    "log.tensorboard=false",
+                    "model.args.width=8",
+                    "checkpoint.every_epochs=null",
+                    f"strategy.timeout_s={timeout_s}",
+                ],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         deadline = time.monotonic() + 120
         metrics = run_dir / "metrics.jsonl"

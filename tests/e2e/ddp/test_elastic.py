@@ -24,20 +24,36 @@ from fault_env import fault_env
 pytestmark = pytest.mark.dist
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200")
 # digits, 2 ranks x batch 16: ~45 steps per epoch, so steps 1-12 are mid-epoch; a checkpoint every 4 steps.
-RUN = ["model.name=linear", "data.batch_size=16", "run.max_steps=12", "checkpoint.every_steps=4",
-       "checkpoint.every_epochs=null", "log.every_steps=1", "log.tensorboard=false", "run.seed=5"]
+RUN = [
+    "model.name=linear",
+    "data.batch_size=16",
+    "run.max_steps=12",
+    "checkpoint.every_steps=4",
+    "checkpoint.every_epochs=null",
+    "log.every_steps=1",
+    "log.tensorboard=false",
+    "run.seed=5",
+]
 
 
 def train(tmp: Path, name: str | None, *flags, env=None, timeout=300) -> subprocess.CompletedProcess:
     """`train --nproc-per-node 2 ... RUN` into run.dir=tmp/name, or with name None into run.out_dir=tmp/runs,
     run.name=elastic (no run.dir: the launcher makes the folder)."""
     where = [f"run.dir={tmp / name}"] if name else [f"run.out_dir={tmp / 'runs'}", "run.name=elastic"]
-    return subprocess.run([sys.executable, "-m", "torchsprint", "train", "--nproc-per-node", "2", *flags, *RUN, *where],
-                          env=fault_env(ENV, **(env or {})), cwd=tmp, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "torchsprint", "train", "--nproc-per-node", "2", *flags, *RUN, *where],
+        env=fault_env(ENV, **(env or {})),
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def steps_logged(run_dir: Path) -> list[int]:
-    return [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    return [
+        r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"
+    ]
 
 
 @pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
@@ -68,8 +84,11 @@ def test_sigkilled_rank_restarts_and_ends_with_the_uninterrupted_weights(tmp_pat
     # launch's memory figures (it said only "rank 1 failed (signal 9)", where 64 workers had run a machine out of memory)
     lost = train(tmp_path, "lost", env={"kill_at": "1:2"})
     assert lost.returncode == 128 + signal.SIGKILL and "rank 1 failed (signal 9)" in lost.stderr
-    oom = re.search(r"most likely the kernel's out-of-memory killer \(2 workers x at least ~\d+ MiB = [\d.]+ GiB, with "
-                    r"[\d.]+ GiB (available|left under the cgroup's memory limit)", lost.stderr)
+    oom = re.search(
+        r"most likely the kernel's out-of-memory killer \(2 workers x at least ~\d+ MiB = [\d.]+ GiB, with "
+        r"[\d.]+ GiB (available|left under the cgroup's memory limit)",
+        lost.stderr,
+    )
     assert oom, lost.stderr[-2000:]
 
 
@@ -78,14 +97,19 @@ def test_more_workers_than_the_memory_holds_are_refused_before_one_starts(tmp_pa
     that has imported torch takes several times 100 MiB): exit 2 with one line holding the estimate, and no worker
     started, nor the run folder made. The launcher used to start them all, the machine ran out of memory, and the
     one line said "rank 57 failed (signal 9)"."""
-    available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                     if line.startswith("MemAvailable:"))
+    available = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemAvailable:")
+    )
     nproc = available // (100 * 2**20) + 1
     t0 = time.monotonic()
     r = cli_in_process("train", "--nproc-per-node", nproc, f"run.dir={tmp_path / 'run'}", "log.tensorboard=false")
     assert r.returncode == 2, r.stderr[-2000:]
     line = r.stderr.strip()
-    assert line.count("\n") == 0 and line.startswith(f"error: --nproc-per-node {nproc}: each DDP worker takes at least ~"), line
+    assert line.count("\n") == 0 and line.startswith(
+        f"error: --nproc-per-node {nproc}: each DDP worker takes at least ~"
+    ), line
     assert f"{nproc} x that = " in line and "GiB, over the " in line and "out-of-memory killer" in line, line
     assert re.search(r"Use --nproc-per-node \d+ or fewer\.$", line), line
     assert not (tmp_path / "run").exists() and time.monotonic() - t0 < 20  # refused up front, nothing started
@@ -120,11 +144,37 @@ def test_c10d_two_nodes_dead_node_is_reported_and_the_survivor_stops(tmp_path):
 
     def start():
         return subprocess.Popen(
-            [sys.executable, "-m", "torchsprint", "train", "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", endpoint, "--max-restarts", "1", "model.name=linear", "data.batch_size=16", "run.epochs=1000",
-             "log.every_steps=1", "log.tensorboard=false", "checkpoint.every_epochs=null", f"strategy.timeout_s={timeout_s}",
-             f"run.dir={run_dir}"], env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "torchsprint",
+                "train",
+                "--nproc-per-node",
+                "1",
+                "--nnodes",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--max-restarts",
+                "1",
+                "model.name=linear",
+                "data.batch_size=16",
+                "run.epochs=1000",
+                "log.every_steps=1",
+                "log.tensorboard=false",
+                "checkpoint.every_epochs=null",
+                f"strategy.timeout_s={timeout_s}",
+                f"run.dir={run_dir}",
+            ],
+            env=ENV,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
 
     # The first launcher hosts c10d's rendezvous store (as the machine named in --rdzv-endpoint does); the second
     # node, the one that dies, only joins.
@@ -135,9 +185,12 @@ def test_c10d_two_nodes_dead_node_is_reported_and_the_survivor_stops(tmp_path):
     nodes.append(start())
     try:
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not ((run_dir / "metrics.jsonl").is_file() and
-                                                   '"train"' in (run_dir / "metrics.jsonl").read_text()):
-            assert all(p.poll() is None for p in nodes), [p.communicate()[1][-2000:] for p in nodes if p.poll() is not None]
+        while time.monotonic() < deadline and not (
+            (run_dir / "metrics.jsonl").is_file() and '"train"' in (run_dir / "metrics.jsonl").read_text()
+        ):
+            assert all(p.poll() is None for p in nodes), [
+                p.communicate()[1][-2000:] for p in nodes if p.poll() is not None
+            ]
             time.sleep(0.2)
         assert time.monotonic() < deadline, "training never started"
         # The whole "machine" at once: its launcher and its worker (torchrun starts workers in sessions of their own).

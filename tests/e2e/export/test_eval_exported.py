@@ -45,8 +45,9 @@ def test_torch_exports_eval_equals_the_runs_eval(digits_run, tmp_path, fmt):
     ref, got = evaluate_run(digits_run), evaluate_file(path)
     assert got["confusion"] == ref["confusion"] and got["count"] == ref["count"]
     if fmt == "safetensors":
-        assert {k: got[k] for k in ref if k not in ("weights", "epoch", "step")} == \
-               {k: ref[k] for k in ref if k not in ("weights", "epoch", "step")}
+        assert {k: got[k] for k in ref if k not in ("weights", "epoch", "step")} == {
+            k: ref[k] for k in ref if k not in ("weights", "epoch", "step")
+        }
     else:
         assert got["loss"] == pytest.approx(ref["loss"], abs=2e-7)
 
@@ -58,9 +59,23 @@ def test_test_split_of_an_image_folder_run(tmp_path):
     for f in sorted((data / "test" / "circle").glob("*.jpg"))[:3]:  # a test split of another size than val's
         f.unlink()
     run = tmp_path / "run"
-    train(config.load(None, [f"run.dir={run}", f"data.root={data}", "model.name=small_cnn", "model.args={width: 8}",
-                             "run.epochs=2", "data.eval.transforms=[resize: [20, 24]]", "precision.mode=fp32",
-                             "log.tensorboard=false", "log.progress=false"]), quiet=True)
+    train(
+        config.load(
+            None,
+            [
+                f"run.dir={run}",
+                f"data.root={data}",
+                "model.name=small_cnn",
+                "model.args={width: 8}",
+                "run.epochs=2",
+                "data.eval.transforms=[resize: [20, 24]]",
+                "precision.mode=fp32",
+                "log.tensorboard=false",
+                "log.progress=false",
+            ],
+        ),
+        quiet=True,
+    )
     path = export(run, "onnx", out=tmp_path / "m.onnx")["path"]
     ref, got = evaluate_run(run, split="test"), evaluate_file(path, split="test")
     assert got["count"] == ref["count"] == 9 and got["split"] == "test"

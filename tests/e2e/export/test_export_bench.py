@@ -78,12 +78,14 @@ def test_the_stub_clocks_fastest_is_recommended_and_timing_is_interleaved(report
     rows = {row["label"]: row for row in r["rows"]}
     assert rows["onnx-int8"]["img_s_serve"] == pytest.approx(r["serve_batch"] / FAST)
     assert rows["onnx-fp32"]["img_s_serve"] == pytest.approx(r["serve_batch"] / SLOW)
-    assert rows["onnx-int8"]["p50_ms"] == pytest.approx(1000 * FAST) and rows["torch-fp32"]["p99_ms"] == pytest.approx(1000 * SLOW)
+    assert rows["onnx-int8"]["p50_ms"] == pytest.approx(1000 * FAST) and rows["torch-fp32"]["p99_ms"] == pytest.approx(
+        1000 * SLOW
+    )
     labels = list(export_bench.ROWS)
     ours = [a for a in asked if a in labels]
     assert len(ours) == len(labels) * (export_bench.LATENCY_ROUNDS + int8_gate.ROUNDS)
     n = len(labels)
-    rounds = [ours[i:i + n] for i in range(0, len(ours), n)]
+    rounds = [ours[i : i + n] for i in range(0, len(ours), n)]
     assert all(sorted(rd) == sorted(labels) for rd in rounds)  # every format in every round
     assert rounds[0] == rounds[1][::-1]  # alternating order
 
@@ -91,11 +93,17 @@ def test_the_stub_clocks_fastest_is_recommended_and_timing_is_interleaved(report
 def test_a_format_more_than_a_point_below_torch_fp32_is_never_recommended():
     """Bug caught: the fastest row recommended whatever its accuracy, or the 1-point rule measured against the
     wrong reference (the best row instead of torch fp32), or an exact 1-point drop refused."""
+
     def row(label, top1, speed):
         return {"label": label, "status": "ok", "top1": top1, "img_s_serve": speed}
 
-    rows = [row("torch-fp32", 0.90, 100), row("onnx-int8", 0.8899, 900), row("onnx-fp32", 0.89, 200),
-            row("torchscript-fp32", 0.95, 150), {"label": "torch-bf16", "status": "skipped"}]
+    rows = [
+        row("torch-fp32", 0.90, 100),
+        row("onnx-int8", 0.8899, 900),
+        row("onnx-fp32", 0.89, 200),
+        row("torchscript-fp32", 0.95, 150),
+        {"label": "torch-bf16", "status": "skipped"},
+    ]
     rec = export_bench.recommend(rows, 32)
     assert rec["label"] == "onnx-fp32" and "onnx-int8" in rec["why"]
 
@@ -125,12 +133,15 @@ def test_files_are_written_and_the_csv_rows_are_the_jsons(report):
     assert export_bench.table(saved["rows"], saved["serve_batch"]) in md and saved["recommendation"]["label"] in md
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--benchmark", "--int8"], "--benchmark with --int8"),
-    (["--benchmark", "--format", "onnx"], "--benchmark with --format"),
-    (["--benchmark", "--out", "m.onnx"], "--benchmark with --out"),
-    (["--benchmark", "--uint8-input"], "--benchmark with --uint8-input"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--benchmark", "--int8"], "--benchmark with --int8"),
+        (["--benchmark", "--format", "onnx"], "--benchmark with --format"),
+        (["--benchmark", "--out", "m.onnx"], "--benchmark with --out"),
+        (["--benchmark", "--uint8-input"], "--benchmark with --uint8-input"),
+    ],
+)
 def test_refusals_are_one_line(digits_run, cli_in_process, args, says):
     """Bug caught: --benchmark silently ignoring a flag that asks for one file (--int8, --format, --out)."""
     r = cli_in_process("export", "-r", digits_run, *args)

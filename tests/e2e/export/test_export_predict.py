@@ -22,8 +22,17 @@ def digits_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("digits") / "run"
     # "best" = the highest val loss, i.e. epoch 1: best.safetensors (what export and predict use by default) is
     # not last.safetensors, so reading the wrong one shows
-    cfg = config.load(None, [f"run.dir={run}", "run.epochs=3", "log.tensorboard=false", "model.args={width: 16}",
-                             "checkpoint.monitor=val/loss", "checkpoint.mode=max"])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={run}",
+            "run.epochs=3",
+            "log.tensorboard=false",
+            "model.args={width: 16}",
+            "checkpoint.monitor=val/loss",
+            "checkpoint.mode=max",
+        ],
+    )
     assert train(cfg, quiet=True)["best_epoch"] == 1
     return run
 
@@ -91,13 +100,20 @@ def test_bad_inputs_get_error_entries_and_others_still_predict(digits_run, tmp_p
     Image.fromarray(np.full((8, 8), 128, dtype=np.uint8)).save(jpg)
     jpg.write_bytes(jpg.read_bytes()[:40])
     (tmp_path / "nothing").mkdir()
-    inputs = [str(good), str(tmp_path / "missing.png"), str(tmp_path / "empty.png"), str(tmp_path / "notes.jpg"),
-              str(jpg), str(tmp_path / "nothing")]
+    inputs = [
+        str(good),
+        str(tmp_path / "missing.png"),
+        str(tmp_path / "empty.png"),
+        str(tmp_path / "notes.jpg"),
+        str(jpg),
+        str(tmp_path / "nothing"),
+    ]
     results = Predictor.from_run(digits_run).predict(inputs)
     assert "top" in results[0]
     assert [("error" in r) for r in results] == [False, True, True, True, True, True]
-    assert cli.main(["predict", "-r", str(digits_run), *inputs, "--out", str(tmp_path / "out.jsonl")]) == 0, \
+    assert cli.main(["predict", "-r", str(digits_run), *inputs, "--out", str(tmp_path / "out.jsonl")]) == 0, (
         capsys.readouterr().err
+    )
     lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(lines) == 6 and sum("error" in x for x in lines) == 5
     assert cli.main(["predict", "-r", str(digits_run), *inputs, "--strict"]) == 1
@@ -187,11 +203,21 @@ def test_parity_failure_fails_the_export(digits_run, tmp_path):
 def test_gpu_decode_predict_agrees_with_cpu_path(tmp_path):
     """nvJPEG + GPU eval preprocessing vs the CPU decoder path: top-1 agreement >= 99.5% on real JPEGs."""
     run = tmp_path / "run"
-    cfg = config.load(None, [f"run.dir={run}", "data.dataset=synthetic_jpeg", f"data.root={tmp_path / 'data'}",
-                             "data.options={num_images: 400, size: [96, 72]}", "run.epochs=2", "log.tensorboard=false",
-                             "data.train.transforms=[random_resized_crop: {size: 64}, hflip, normalize: imagenet]",
-                             "data.eval.transforms=[resize: 72, center_crop: 64, normalize: imagenet]",
-                             "model.args={width: 8}", "run.device=cpu"])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={run}",
+            "data.dataset=synthetic_jpeg",
+            f"data.root={tmp_path / 'data'}",
+            "data.options={num_images: 400, size: [96, 72]}",
+            "run.epochs=2",
+            "log.tensorboard=false",
+            "data.train.transforms=[random_resized_crop: {size: 64}, hflip, normalize: imagenet]",
+            "data.eval.transforms=[resize: 72, center_crop: 64, normalize: imagenet]",
+            "model.args={width: 8}",
+            "run.device=cpu",
+        ],
+    )
     train(cfg, quiet=True)
     files = sorted(str(p) for p in (tmp_path / "data").rglob("*.jpg"))
     cpu = Predictor.from_run(run, device="cpu").predict(files, topk=1)

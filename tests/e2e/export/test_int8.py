@@ -74,10 +74,28 @@ def test_int8_export_is_bit_identical_for_the_same_run_and_n_and_records_how(dig
     assert (tmp_path / "a.onnx").read_bytes() != (tmp_path / "c.onnx").read_bytes()
     q = json.loads(meta_of(a["path"])["quantization"])
     assert q == a["quantization"]
-    assert {k: q[k] for k in ("type", "format", "activations", "weights", "per_channel", "calibration_images",
-                              "calibration_split", "seed")} == {
-        "type": "static", "format": "QDQ", "activations": "uint8", "weights": "int8", "per_channel": True,
-        "calibration_images": 64, "calibration_split": "train", "seed": 0}
+    assert {
+        k: q[k]
+        for k in (
+            "type",
+            "format",
+            "activations",
+            "weights",
+            "per_channel",
+            "calibration_images",
+            "calibration_split",
+            "seed",
+        )
+    } == {
+        "type": "static",
+        "format": "QDQ",
+        "activations": "uint8",
+        "weights": "int8",
+        "per_channel": True,
+        "calibration_images": 64,
+        "calibration_split": "train",
+        "seed": 0,
+    }
     assert json.loads(meta_of(c["path"])["quantization"])["calibration_images"] == 32
     # the fp32 export's metadata travels with it (classes, eval spec: what predict and serve read)
     assert json.loads(meta_of(a["path"])["classes"]) == [str(i) for i in range(10)]
@@ -99,13 +117,16 @@ def test_activation_type_is_honoured(digits_run, tmp_path, int8_faster):
     assert {i.data_type for i in model.graph.initializer if i.name in quantized} == {onnx.TensorProto.UINT8}
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--int8", "--format", "torchscript"], "--int8 quantizes an ONNX graph"),
-    (["--int8", "--format", "safetensors"], "--int8 quantizes an ONNX graph"),
-    (["--int8", "--calibration", "0"], "argument --calibration: must be >= 1"),
-    (["--calibration", "64"], "--int8 is not given"),
-    (["--int8-activations", "s8"], "--int8 is not given"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--int8", "--format", "torchscript"], "--int8 quantizes an ONNX graph"),
+        (["--int8", "--format", "safetensors"], "--int8 quantizes an ONNX graph"),
+        (["--int8", "--calibration", "0"], "argument --calibration: must be >= 1"),
+        (["--calibration", "64"], "--int8 is not given"),
+        (["--int8-activations", "s8"], "--int8 is not given"),
+    ],
+)
 def test_int8_settings_are_refused_in_one_line(digits_run, cli_in_process, args, says):
     """Bug caught: a setting silently ignored (--int8 with another format writes an fp32 file; --calibration
     without --int8 does nothing)."""
@@ -120,8 +141,9 @@ def test_calibration_zero_is_refused_by_the_function_too(digits_run, tmp_path):
         quantize.export_int8(digits_run, out=tmp_path / "m.onnx", calibration=0)
 
 
-def test_the_gate_refuses_a_model_damaged_on_purpose_and_force_writes_it(digits_run, tmp_path, monkeypatch,
-                                                                          int8_faster):
+def test_the_gate_refuses_a_model_damaged_on_purpose_and_force_writes_it(
+    digits_run, tmp_path, monkeypatch, int8_faster
+):
     """Calibrated on blank images (every activation's range measured on a constant grey image: the real ranges
     clip), the int8 graph loses ~22 points of top-1 here (0.66 vs 0.88). Bug caught: a gate that compares the
     int8 graph with itself, checks only speed, or reads the figures of the fp32 graph for both: it would write
@@ -130,8 +152,9 @@ def test_the_gate_refuses_a_model_damaged_on_purpose_and_force_writes_it(digits_
     from torchsprint.train.evaluation import evaluate_run
 
     real = quantize.calibration_batches
-    monkeypatch.setattr(quantize, "calibration_batches",
-                        lambda *a, **k: [b * 0 for b in real(*a, **k)])  # same shapes and dtype, blank
+    monkeypatch.setattr(
+        quantize, "calibration_batches", lambda *a, **k: [b * 0 for b in real(*a, **k)]
+    )  # same shapes and dtype, blank
     out = tmp_path / "damaged.onnx"
     with pytest.raises(UsageError, match=r"refused, .*damaged.onnx not written: its top-1 is [\d.]+ points below") as e:
         quantize.export_int8(digits_run, out=out, calibration=64)
@@ -144,8 +167,9 @@ def test_the_gate_refuses_a_model_damaged_on_purpose_and_force_writes_it(digits_
     assert r["check"].fp32["top1"] == pytest.approx(fp32_top1, abs=1.5 / 360)  # the fp32 side is the run's model
 
 
-def test_the_gate_refuses_an_int8_graph_that_is_not_faster_and_force_says_the_figures(digits_run, tmp_path,
-                                                                                      int8_slower, cli_in_process):
+def test_the_gate_refuses_an_int8_graph_that_is_not_faster_and_force_says_the_figures(
+    digits_run, tmp_path, int8_slower, cli_in_process
+):
     """The stub clock makes int8 1.25x slower. Bug caught: a gate that checks accuracy only, or compares the
     speeds the wrong way round (int8 0.80x fp32's images/s written). --force writes it and prints the figures."""
     out = tmp_path / "slow.onnx"
@@ -162,8 +186,9 @@ def test_the_gate_refuses_an_int8_graph_that_is_not_faster_and_force_says_the_fi
     assert "(0.80x; medians of 15 interleaved runs after 3 warm-ups)" in r.stdout
 
 
-def test_speed_is_measured_interleaved_after_warm_ups_at_the_serving_batch(digits_run, tmp_path, int8_faster,
-                                                                           monkeypatch):
+def test_speed_is_measured_interleaved_after_warm_ups_at_the_serving_batch(
+    digits_run, tmp_path, int8_faster, monkeypatch
+):
     """Bug caught: one graph timed after the other (a machine that warms up or slows down favours one), no
     warm-up, or a batch other than the run's serve.max_batch. The stub clock records which graph each timing was."""
     calls = {"fp32": 0, "int8": 0}
@@ -182,12 +207,15 @@ def test_speed_is_measured_interleaved_after_warm_ups_at_the_serving_batch(digit
     assert r["check"].ratio == pytest.approx(2.0) and r["check"].passed
 
 
-@pytest.mark.parametrize("int8, balanced, refused", [
-    ({"top1": 0.90, "balanced_acc": 0.90}, False, []),          # exactly 1 point: accepted
-    ({"top1": 0.8999, "balanced_acc": 0.90}, False, ["top-1"]),
-    ({"top1": 0.91, "balanced_acc": 0.85}, False, []),          # balanced accuracy not monitored: not held
-    ({"top1": 0.91, "balanced_acc": 0.85}, True, ["balanced accuracy"]),
-])
+@pytest.mark.parametrize(
+    "int8, balanced, refused",
+    [
+        ({"top1": 0.90, "balanced_acc": 0.90}, False, []),  # exactly 1 point: accepted
+        ({"top1": 0.8999, "balanced_acc": 0.90}, False, ["top-1"]),
+        ({"top1": 0.91, "balanced_acc": 0.85}, False, []),  # balanced accuracy not monitored: not held
+        ({"top1": 0.91, "balanced_acc": 0.85}, True, ["balanced accuracy"]),
+    ],
+)
 def test_judge_holds_top1_and_monitored_balanced_accuracy_to_one_point(int8, balanced, refused):
     """Bug caught: balanced accuracy ignored where the run monitors it (a majority-class model passes on top-1),
     a drop of exactly 1 point refused (float rounding of 0.91 - 0.90), or the fraction read as points."""
@@ -195,7 +223,8 @@ def test_judge_holds_top1_and_monitored_balanced_accuracy_to_one_point(int8, bal
     got = int8_gate.judge(fp32, int8, {"fp32": 100.0, "int8": 200.0}, balanced)
     assert [next(n for n in ("balanced accuracy", "top-1") if n in r) for r in got] == refused
     assert int8_gate.judge(fp32, fp32, {"fp32": 100.0, "int8": 100.0}, balanced) == [
-        "it is not faster (1.00x fp32's images/s)"]  # equal speed is not faster
+        "it is not faster (1.00x fp32's images/s)"
+    ]  # equal speed is not faster
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +288,13 @@ def test_serve_answers_with_the_int8_file_as_predict_does(digits_run, tmp_path, 
     try:
         assert httpx.get(server.url + "/ready", timeout=30).json()["precision"] == "int8"
         for p, r in zip(paths, ref):
-            answer = httpx.post(server.url + "/predict", content=p.read_bytes(), params={"topk": 10}, timeout=60,
-                                headers={"content-type": "application/octet-stream"}).json()["predictions"][0]
+            answer = httpx.post(
+                server.url + "/predict",
+                content=p.read_bytes(),
+                params={"topk": 10},
+                timeout=60,
+                headers={"content-type": "application/octet-stream"},
+            ).json()["predictions"][0]
             got, want = ({t["class"]: t["prob"] for t in x["top"]} for x in (answer, r))
             assert got.keys() == want.keys() and max(abs(got[c] - want[c]) for c in got) <= TOL
     finally:

@@ -21,11 +21,20 @@ LEVELS = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255  # imagenet 
 
 
 def cfg(root, *extra):
-    return config.load(None, [
-        "data.dataset=synthetic_jpeg", f"data.root={root}", "data.options={num_images: 22, val_images: 6, size: [40, 30], classes: 3}",
-        "data.batch_size=5", "data.decoder=torchvision", "data.drop_last=false",
-        "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {normalize: imagenet}]",
-        "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]", *extra]).data
+    return config.load(
+        None,
+        [
+            "data.dataset=synthetic_jpeg",
+            f"data.root={root}",
+            "data.options={num_images: 22, val_images: 6, size: [40, 30], classes: 3}",
+            "data.batch_size=5",
+            "data.decoder=torchvision",
+            "data.drop_last=false",
+            "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {normalize: imagenet}]",
+            "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]",
+            *extra,
+        ],
+    ).data
 
 
 def dali_cpu(d, splits, rt=CPU, seed=3):
@@ -57,17 +66,21 @@ def test_dali_draws_what_the_gpu_backend_draws_and_resumes_exactly(tmp_path):
 
 
 def test_dali_randomness_is_per_sample_and_differs_by_rank(tmp_path):
-    d = cfg(tmp_path, "data.options={num_images: 40, val_images: 4, size: [40, 30], classes: 2}", "data.batch_size=20",
-            "data.train.transforms=[{center_crop: 16}, hflip, {normalize: imagenet}]")
+    d = cfg(
+        tmp_path,
+        "data.options={num_images: 40, val_images: 4, size: [40, 30], classes: 2}",
+        "data.batch_size=20",
+        "data.train.transforms=[{center_crop: 16}, hflip, {normalize: imagenet}]",
+    )
     splits = DATASETS.get("synthetic_jpeg")(d)
     flips = []
     for rank in (0, 1):
         tr = dali_cpu(d, splits, Runtime(torch.device("cpu"), rank=rank, world_size=2)).train
         tr.set_epoch(0)
-        (x, _), = list(tr)
+        ((x, _),) = list(tr)
         ref = build_gpu_loaders(d, splits, Runtime(torch.device("cpu"), rank=rank, world_size=2), seed=3).train
         ref.set_epoch(0)
-        (xr, _), = list(ref)
+        ((xr, _),) = list(ref)
         assert torch.equal(x, xr)  # a centre crop has no resampling: bit-identical, flips included
         flips.append(x)
     assert not torch.equal(flips[0], flips[1])
@@ -90,7 +103,10 @@ def test_dali_decode_errors_follow_the_bad_sample_policy(tmp_path):
 
 
 def test_dali_refuses_steps_it_cannot_run(tmp_path):
-    d = cfg(tmp_path, "data.train.transforms=[{random_resized_crop: {size: 16}}, {cutout: {size: 4}}, {normalize: imagenet}]")
+    d = cfg(
+        tmp_path,
+        "data.train.transforms=[{random_resized_crop: {size: 16}}, {cutout: {size: 4}}, {normalize: imagenet}]",
+    )
     with pytest.raises(UsageError, match="cutout' is not supported by data.backend=dali"):
         dali_cpu(d, DATASETS.get("synthetic_jpeg")(d))
 

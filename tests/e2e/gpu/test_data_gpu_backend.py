@@ -36,8 +36,11 @@ def pillow_variants(folder: Path) -> dict[str, bytes]:
 
     img = Image.fromarray(picture())
     out = {}
-    for name, im, kw in (("progressive.jpg", img, {"progressive": True, "quality": 90}), ("cmyk.jpg", img.convert("CMYK"), {}),
-                         ("gray.jpg", img.convert("L"), {})):
+    for name, im, kw in (
+        ("progressive.jpg", img, {"progressive": True, "quality": 90}),
+        ("cmyk.jpg", img.convert("CMYK"), {}),
+        ("gray.jpg", img.convert("L"), {}),
+    ):
         b = io.BytesIO()
         im.save(b, "JPEG", **kw)
         out[name] = b.getvalue()
@@ -51,8 +54,15 @@ def pillow_variants(folder: Path) -> dict[str, bytes]:
 def test_routing_by_header_sends_only_what_nvjpeg_decodes_to_it(tmp_path):
     files = pillow_variants(tmp_path)
     routed = {name: nvjpeg_ok(read_header(data)) for name, data in files.items()}
-    assert routed == {"baseline.jpg": True, "progressive.jpg": True, "cmyk.jpg": False, "gray.jpg": False,
-                      "lossless.jpg": False, "12bit.jpg": False, "arithmetic.jpg": False}
+    assert routed == {
+        "baseline.jpg": True,
+        "progressive.jpg": True,
+        "cmyk.jpg": False,
+        "gray.jpg": False,
+        "lossless.jpg": False,
+        "12bit.jpg": False,
+        "arithmetic.jpg": False,
+    }
     # what the CPU makes of them: the arithmetic-coded file holds the baseline file's coefficients,
     # the lossless one the exact picture; no CPU decoder here reads 12-bit samples (a bad sample)
     assert torch.equal(decode_bytes(files["arithmetic.jpg"]), decode_bytes(files["baseline.jpg"]))
@@ -65,10 +75,20 @@ def test_routing_by_header_sends_only_what_nvjpeg_decodes_to_it(tmp_path):
 
 
 def variant_cfg(root, *extra):
-    return config.load(None, ["data.dataset=image_folder", f"data.root={root}", "data.batch_size=8", "data.drop_last=false",
-                              "data.decoder=torchvision", "data.on_bad_sample=skip",
-                              "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {normalize: imagenet}]",
-                              "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]", *extra]).data
+    return config.load(
+        None,
+        [
+            "data.dataset=image_folder",
+            f"data.root={root}",
+            "data.batch_size=8",
+            "data.drop_last=false",
+            "data.decoder=torchvision",
+            "data.on_bad_sample=skip",
+            "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {normalize: imagenet}]",
+            "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]",
+            *extra,
+        ],
+    ).data
 
 
 def test_every_variant_a_cpu_decoder_reads_is_trained_on_and_12bit_is_named(tmp_path):
@@ -141,12 +161,16 @@ def test_decoded_batch_equals_decoding_each_file_and_running_the_spec(tmp_path):
         (root / split / "a").mkdir(parents=True)
         for i in range(6):
             h, w = (int(v) for v in rng.integers(20, 60, 2))
-            Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(root / split / "a" / f"{i}.jpg", quality=90)
-    d = variant_cfg(root, "data.train.transforms=[{random_resized_crop: {size: 16}}]", "data.eval.transforms=[{center_crop: 16}]")
+            Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(
+                root / split / "a" / f"{i}.jpg", quality=90
+            )
+    d = variant_cfg(
+        root, "data.train.transforms=[{random_resized_crop: {size: 16}}]", "data.eval.transforms=[{center_crop: 16}]"
+    )
     splits = DATASETS.get("image_folder")(d)
     tr = build_gpu_loaders(d, splits, CPU, seed=1).train
     tr.set_epoch(0)
-    (x, _), = list(tr)
+    ((x, _),) = list(tr)
     keys = list(tr.sampler)
     p = tr.pipeline
     for row, (index, seed) in enumerate(keys):

@@ -32,15 +32,28 @@ def producers() -> list[threading.Thread]:
 
 
 def cfg(root, *extra):
-    return config.load(None, [
-        f"data.root={root}", "data.decoder=torchvision", "data.drop_last=false", "data.batch_size=5",
-        "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {cutout: {size: 4}}, {normalize: imagenet}]",
-        "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]", *extra]).data
+    return config.load(
+        None,
+        [
+            f"data.root={root}",
+            "data.decoder=torchvision",
+            "data.drop_last=false",
+            "data.batch_size=5",
+            "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {cutout: {size: 4}}, {normalize: imagenet}]",
+            "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]",
+            *extra,
+        ],
+    ).data
 
 
 def synthetic(root, frac, *extra):
-    return cfg(root, "data.dataset=synthetic_jpeg", "data.options={num_images: 12, val_images: 4, size: [40, 30], classes: 3}",
-               f"data.cpu_fraction={frac}", *extra)
+    return cfg(
+        root,
+        "data.dataset=synthetic_jpeg",
+        "data.options={num_images: 12, val_images: 4, size: [40, 30], classes: 3}",
+        f"data.cpu_fraction={frac}",
+        *extra,
+    )
 
 
 def mixed_folder(root: Path) -> Path:
@@ -75,8 +88,10 @@ def epochs(loader, resume=True) -> list:
 
 
 def same(a, b) -> bool:
-    return len(a) == len(b) and all(len(p) == len(q) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in
-                                                                zip(p, q)) for p, q in zip(a, b))
+    return len(a) == len(b) and all(
+        len(p) == len(q) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(p, q))
+        for p, q in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize("case", ["synthetic-frac0", "synthetic-frac0.3-1worker", "mixed-frac0.3-skip"])
@@ -85,7 +100,12 @@ def test_threaded_loader_yields_the_synchronous_batches_bit_for_bit(tmp_path, ca
     assembly on the iterating thread, the path before the producer thread): every batch of train and val, two epochs
     and a resumed one, equal exactly; the thread is gone after each epoch."""
     if case.startswith("mixed"):
-        d = cfg(mixed_folder(tmp_path / "m"), "data.dataset=image_folder", "data.cpu_fraction=0.3", "data.on_bad_sample=skip")
+        d = cfg(
+            mixed_folder(tmp_path / "m"),
+            "data.dataset=image_folder",
+            "data.cpu_fraction=0.3",
+            "data.on_bad_sample=skip",
+        )
     else:
         d = synthetic(tmp_path, 0.3 if "0.3" in case else 0.0, *(["data.num_workers=1"] if "worker" in case else []))
     splits = DATASETS.get(d.dataset)(d)
@@ -107,19 +127,30 @@ def test_header_routed_samples_land_where_the_sampler_put_them(tmp_path):
     resized_crop at its own window; the two resizes differ by at most one level (module docstring)."""
     from torchvision.transforms.v2 import functional as F
 
-    d = cfg(mixed_folder(tmp_path / "m"), "data.dataset=image_folder", "data.cpu_fraction=0", "data.on_bad_sample=skip",
-            "data.batch_size=14", "data.train.transforms=[{random_resized_crop: {size: 16}}]", "data.eval.transforms=[{center_crop: 16}]")
+    d = cfg(
+        mixed_folder(tmp_path / "m"),
+        "data.dataset=image_folder",
+        "data.cpu_fraction=0",
+        "data.on_bad_sample=skip",
+        "data.batch_size=14",
+        "data.train.transforms=[{random_resized_crop: {size: 16}}]",
+        "data.eval.transforms=[{center_crop: 16}]",
+    )
     splits = DATASETS.get("image_folder")(d)
     tr = build_gpu_loaders(d, splits, CPU, seed=1).train
     tr.set_epoch(0)
-    (x, y), = list(tr)
-    keys = [k for k in tr.sampler if not splits.train.samples[k[0]][0].endswith("b/4.jpg")]  # the unreadable file is skipped
+    ((x, y),) = list(tr)
+    keys = [
+        k for k in tr.sampler if not splits.train.samples[k[0]][0].endswith("b/4.jpg")
+    ]  # the unreadable file is skipped
     assert len(keys) == len(x) == 13
     p = tr.pipeline
     for row, (index, seed) in enumerate(keys):
         path, target = splits.train.samples[index]
         img = decode_bytes(Path(path).read_bytes())
-        (prm,) = p.params(p.draw(torch.tensor([seed])), torch.tensor([img.shape[1]]), torch.tensor([img.shape[2]]), 0, 1)
+        (prm,) = p.params(
+            p.draw(torch.tensor([seed])), torch.tensor([img.shape[1]]), torch.tensor([img.shape[2]]), 0, 1
+        )
         ref = F.resized_crop(img.float(), int(prm["top"]), int(prm["left"]), int(prm["h"]), int(prm["w"]), [16, 16])
         got = x[row] * 255  # no normalize in this spec: mean 0, std 1
         assert (got - ref.round()).abs().max() <= 1.001, path
@@ -145,8 +176,13 @@ def test_training_thread_runs_no_torch_op_per_batch_of_256(tmp_path, figure):
     does it), the decode and crop ran inside next(): ~970 ops per batch here, so the bound fails there. The training
     thread's CPU time per batch is recorded as a figure (0.2-0.5 ms measured here), not asserted: a CPU-time bound
     failed CI once on a loaded machine."""
-    d = cfg(tmp_path, "data.dataset=synthetic_jpeg", "data.options={num_images: 512, val_images: 4, size: [64, 48], classes: 3}",
-            "data.batch_size=256", "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {normalize: imagenet}]")
+    d = cfg(
+        tmp_path,
+        "data.dataset=synthetic_jpeg",
+        "data.options={num_images: 512, val_images: 4, size: [64, 48], classes: 3}",
+        "data.batch_size=256",
+        "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {normalize: imagenet}]",
+    )
     tr = build_gpu_loaders(d, DATASETS.get("synthetic_jpeg")(d), CPU, seed=0).train
     spent, n = [], 0
     for epoch in (0, 1):
@@ -176,7 +212,10 @@ def test_producer_errors_are_raised_on_the_training_thread_as_they_are(tmp_path)
         (root / split / "a").mkdir(parents=True)
         for i in range(3):
             (root / split / "a" / f"{i}.jpg").write_bytes(b"\xff\xd8 truncated")
-    for policy, match in (("error", r"unreadable sample .*\.jpg.*on_bad_sample=skip"), ("skip", "every sample of a batch was unreadable")):
+    for policy, match in (
+        ("error", r"unreadable sample .*\.jpg.*on_bad_sample=skip"),
+        ("skip", "every sample of a batch was unreadable"),
+    ):
         d = cfg(root, "data.dataset=image_folder", f"data.on_bad_sample={policy}", "data.cpu_fraction=0")
         messages = []
         for ahead in (2, 0):
@@ -246,9 +285,15 @@ def test_assembly_draws_nothing_from_the_global_rng(tmp_path):
 def test_stage_packs_every_tensor_into_one_buffer_and_back():
     """stage(): one uint8 buffer and one copy for many small tensors of any dtype and shape; each comes back equal,
     as a view of that one buffer (16-byte aligned, so every dtype's view is legal)."""
-    tensors = [torch.tensor([True, False, True]), torch.tensor(2.5, dtype=torch.float64), torch.arange(24).view(2, 4, 3),
-               torch.empty(0, dtype=torch.float32), torch.arange(7, dtype=torch.uint8), torch.rand(3, 5).t(),
-               torch.tensor([1.25, -3.0], dtype=torch.float64)]
+    tensors = [
+        torch.tensor([True, False, True]),
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.arange(24).view(2, 4, 3),
+        torch.empty(0, dtype=torch.float32),
+        torch.arange(7, dtype=torch.uint8),
+        torch.rand(3, 5).t(),
+        torch.tensor([1.25, -3.0], dtype=torch.float64),
+    ]
     out = stage(tensors, torch.device("cpu"), pack=True)
     base = out[0].untyped_storage().data_ptr()
     for t, o in zip(tensors, out):

@@ -15,8 +15,14 @@ from torchsprint import config, runtime
 from torchsprint.errors import UsageError
 from torchsprint.train.run import build_training, train
 
-BASE = ["log.tensorboard=false", "log.progress=false", "run.epochs=1", "eval.per_class=false",
-        "data.train.transforms=[resize: 32]", "data.eval.transforms=[resize: 32]"]
+BASE = [
+    "log.tensorboard=false",
+    "log.progress=false",
+    "run.epochs=1",
+    "eval.per_class=false",
+    "data.train.transforms=[resize: 32]",
+    "data.eval.transforms=[resize: 32]",
+]
 
 
 def build(*over):
@@ -68,9 +74,23 @@ def test_the_run_summary_records_the_replaced_head(tmp_path, monkeypatch):
     path = tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
     path.parent.mkdir(parents=True)
     torch.save(imagenet_resnet18(seed=4), path)
-    summary = train(config.load(None, [*BASE, "model.name=resnet18", "model.pretrained=torchvision:DEFAULT",
-                                       "run.max_steps=2", f"run.dir={tmp_path / 'r'}"]), quiet=True)
-    assert summary["init"]["head_replaced"] == ["fc.weight", "fc.bias"] and summary["init"]["source"] == "torchvision:DEFAULT"
+    summary = train(
+        config.load(
+            None,
+            [
+                *BASE,
+                "model.name=resnet18",
+                "model.pretrained=torchvision:DEFAULT",
+                "run.max_steps=2",
+                f"run.dir={tmp_path / 'r'}",
+            ],
+        ),
+        quiet=True,
+    )
+    assert (
+        summary["init"]["head_replaced"] == ["fc.weight", "fc.bias"]
+        and summary["init"]["source"] == "torchvision:DEFAULT"
+    )
 
 
 def test_timm_weights_from_the_hugging_face_cache(tmp_path, monkeypatch):

@@ -65,8 +65,11 @@ def test_frozen_parameters_are_not_optimised():
 @pytest.mark.parametrize("interval", ["step", "epoch"])
 def test_every_scheduler_builds_and_steps(name, interval):
     model = nn.Linear(2, 2)
-    own = {"step": ["sched.step_size=2", "sched.gamma=0.5"], "multistep": ["sched.milestones=[2, 3]", "sched.gamma=0.5"],
-           "exponential": ["sched.gamma=0.5"]}.get(name, [])  # each schedule's own fields (others are refused)
+    own = {
+        "step": ["sched.step_size=2", "sched.gamma=0.5"],
+        "multistep": ["sched.milestones=[2, 3]", "sched.gamma=0.5"],
+        "exponential": ["sched.gamma=0.5"],
+    }.get(name, [])  # each schedule's own fields (others are refused)
     cfg = cfg_with(f"sched.name={name}", f"sched.interval={interval}", "sched.warmup_epochs=1", *own)
     opt = build_optimizer(cfg.optim, model)
     sched = build_scheduler(cfg.sched, opt, epochs=4, steps_per_epoch=5)
@@ -122,7 +125,8 @@ def test_label_smoothing_and_weighted_sum():
     cfg = cfg_with("loss.terms=[{name: cross_entropy, weight: 0.5}, {name: bce_with_logits, weight: 2.0}]")
     got = build_loss(cfg.loss)(logits, target)
     want = 0.5 * nn.functional.cross_entropy(logits, target) + 2.0 * nn.functional.binary_cross_entropy_with_logits(
-        logits, nn.functional.one_hot(target, 5).float())
+        logits, nn.functional.one_hot(target, 5).float()
+    )
     assert torch.allclose(got, want)
 
 
@@ -130,7 +134,9 @@ def test_label_smoothing_and_weighted_sum():
 @pytest.mark.parametrize("in_channels", [1, 3])
 def test_builtin_models_forward_backward(name, in_channels):
     args = {"width": 8} if name != "linear" else {}
-    model = build_model(cfg_with(f"model.name={name}", f"model.args={args}").model, num_classes=7, in_channels=in_channels)
+    model = build_model(
+        cfg_with(f"model.name={name}", f"model.args={args}").model, num_classes=7, in_channels=in_channels
+    )
     x = torch.randn(2, in_channels, 16, 16)
     out = model(x)
     assert out.shape == (2, 7)
@@ -138,8 +144,20 @@ def test_builtin_models_forward_backward(name, in_channels):
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "efficientnet_b0", "convnext_tiny", "vit_b_16",
-                                  "densenet121", "regnet_y_400mf", "shufflenet_v2_x0_5", "squeezenet1_0"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "resnet18",
+        "mobilenet_v3_small",
+        "efficientnet_b0",
+        "convnext_tiny",
+        "vit_b_16",
+        "densenet121",
+        "regnet_y_400mf",
+        "shufflenet_v2_x0_5",
+        "squeezenet1_0",
+    ],
+)
 def test_torchvision_models_take_data_classes_and_channels(name):
     model = build_model(cfg_with(f"model.name={name}").model, num_classes=5, in_channels=1)
     model.eval()
@@ -162,9 +180,16 @@ def test_unknown_model_lists_closest():
     assert "resnet18" in str(e.value) and "torchsprint list models" in str(e.value)
 
 
-@pytest.mark.parametrize("registry,bad,good", [(DATASETS, "digit", "digits"), (LOADERS, "cpuu", "cpu"),
-                                               (SCHEDULERS, "cosin", "cosine"), (LOSSES, "crossentropy", "cross_entropy"),
-                                               (TRANSFORMS, "hflp", "hflip")])
+@pytest.mark.parametrize(
+    "registry,bad,good",
+    [
+        (DATASETS, "digit", "digits"),
+        (LOADERS, "cpuu", "cpu"),
+        (SCHEDULERS, "cosin", "cosine"),
+        (LOSSES, "crossentropy", "cross_entropy"),
+        (TRANSFORMS, "hflp", "hflip"),
+    ],
+)
 def test_unknown_names_suggest(registry, bad, good):
     with pytest.raises(UsageError, match=good):
         registry.get(bad)
@@ -210,7 +235,9 @@ def test_bn_momentum_sets_the_running_statistics_update():
 
     torch.manual_seed(0)
     for value, expected in ((None, {0.01}), (0.1, {0.1})):
-        cfg = config.load(None, ["model.name=mobilenet_v3_small"] + ([] if value is None else [f"model.bn_momentum={value}"]))
+        cfg = config.load(
+            None, ["model.name=mobilenet_v3_small"] + ([] if value is None else [f"model.bn_momentum={value}"])
+        )
         model = build_model(cfg.model, num_classes=4, in_channels=3)
         norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
         assert {m.momentum for m in norms} == expected

@@ -49,9 +49,11 @@ def test_an_html_login_page_is_refused_and_nothing_is_cached(online, server, r18
     torchvision's name through TORCHSPRINT_WEIGHTS_MIRROR); every later run then failed on the cached page, blaming
     weights_only. Now: refused before it takes the name, in one line naming the URL and the page."""
     monkeypatch.setenv("TORCHSPRINT_WEIGHTS_MIRROR", server.url)
-    path, spec = {"url": ("/w/r18.pth", f"{server.url}/w/r18.pth"),
-                  "url-pinned": ("/w/r18.pth", f"{server.url}/w/r18.pth#sha256={sha256(r18.pth)}"),
-                  "torchvision": (TV_PATH, "torchvision:ResNet18_Weights.IMAGENET1K_V1")}[kind]
+    path, spec = {
+        "url": ("/w/r18.pth", f"{server.url}/w/r18.pth"),
+        "url-pinned": ("/w/r18.pth", f"{server.url}/w/r18.pth#sha256={sha256(r18.pth)}"),
+        "torchvision": (TV_PATH, "torchvision:ResNet18_Weights.IMAGENET1K_V1"),
+    }[kind]
     server.files[path] = r18.pth
     server.misbehave[path] = ["html"]
     with pytest.raises(UsageError) as e:
@@ -100,8 +102,9 @@ def put_in_cache(home: Path, name: str, data: bytes) -> Path:
     return cached
 
 
-def test_a_cached_file_that_is_not_weights_is_one_line_then_replaced(online, server, r18, monkeypatch,
-                                                                     cli_in_process, tmp_path):
+def test_a_cached_file_that_is_not_weights_is_one_line_then_replaced(
+    online, server, r18, monkeypatch, cli_in_process, tmp_path
+):
     """Bug: a page already in the cache under the weights' name (left there by the bug above, or copied by hand) was
     used by every run, which failed with torch's weights_only text (never saying the file was a page), and was never
     fetched again; `weights path` said "in the cache". Now: offline, one line saying the cached file at PATH is not
@@ -236,22 +239,44 @@ def test_a_cache_folder_that_is_not_writable_is_one_line(server, r18, readonly_b
         for folder in (checkpoints_dir, checkpoints_dir.parent, base / "torch", base / "empty", base / "hf"):
             folder.chmod(0o555)
     torch_home = str(base / "torch")
-    cases = [("url", torch_home, f"{server.url}/w/r18.pth"), ("fresh", str(base / "empty"), f"{server.url}/w/r18.pth"),
-             ("torchvision", torch_home, "torchvision:DEFAULT"), ("hf-hub", torch_home, f"hf-hub:{HF_REPO}"),
-             ("cached", torch_home, f"{server.url}/w/good.pth#sha256={sha256(r18.pth)}")]
+    cases = [
+        ("url", torch_home, f"{server.url}/w/r18.pth"),
+        ("fresh", str(base / "empty"), f"{server.url}/w/r18.pth"),
+        ("torchvision", torch_home, "torchvision:DEFAULT"),
+        ("hf-hub", torch_home, f"hf-hub:{HF_REPO}"),
+        ("cached", torch_home, f"{server.url}/w/good.pth#sha256={sha256(r18.pth)}"),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHSPRINT_OFFLINE", "HF_HUB_OFFLINE", "HF_HUB_CACHE")}
-    env.update(HF_HOME=str(base / "hf"), HF_ENDPOINT=server.url, TORCHSPRINT_WEIGHTS_MIRROR=server.url,
-               NO_PROXY="127.0.0.1,localhost", HOME=str(base), CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([*prefix, sys.executable, "-c", READONLY_CHILD, json.dumps(cases)], capture_output=True,
-                       text=True, env=env, timeout=120)
+    env.update(
+        HF_HOME=str(base / "hf"),
+        HF_ENDPOINT=server.url,
+        TORCHSPRINT_WEIGHTS_MIRROR=server.url,
+        NO_PROXY="127.0.0.1,localhost",
+        HOME=str(base),
+        CUDA_VISIBLE_DEVICES="",
+    )
+    r = subprocess.run(
+        [*prefix, sys.executable, "-c", READONLY_CHILD, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["cached"] == {"path": str(checkpoints_dir / "good.pth")}, out
-    for name, folder, setting in (("url", checkpoints_dir, "TORCH_HOME"), ("fresh", base / "empty", "TORCH_HOME"),
-                                  ("torchvision", checkpoints_dir, "TORCH_HOME"), ("hf-hub", base / "hf", "HF_HOME")):
+    for name, folder, setting in (
+        ("url", checkpoints_dir, "TORCH_HOME"),
+        ("fresh", base / "empty", "TORCH_HOME"),
+        ("torchvision", checkpoints_dir, "TORCH_HOME"),
+        ("hf-hub", base / "hf", "HF_HOME"),
+    ):
         msg = out[name].get("error", "")
         assert "\n" not in msg and "is not writable" in msg and str(folder) in msg, (name, msg)
-        assert f"set {setting}" in msg and "to a writable folder" in msg and "`torchsprint weights get" in msg, (name, msg)
+        assert f"set {setting}" in msg and "to a writable folder" in msg and "`torchsprint weights get" in msg, (
+            name,
+            msg,
+        )
     assert server.gets("/w/r18.pth") == server.gets(TV_PATH) == server.gets(HF_PATH) == 0
     assert sorted(p.name for p in checkpoints_dir.iterdir()) == ["good.pth"]
 
@@ -265,8 +290,10 @@ def test_a_redirect_loop_is_one_line(online, server, monkeypatch, kind):
     server returned a redirect error that would lead to an infinite loop.\\nThe last 30x error message was:\\nFound").
     Now: one line saying the address redirects in a loop."""
     monkeypatch.setenv("TORCHSPRINT_WEIGHTS_MIRROR", server.url)
-    path, spec = {"url": ("/w/loop.pth", f"{server.url}/w/loop.pth"),
-                  "torchvision": (TV_PATH, "torchvision:ResNet18_Weights.IMAGENET1K_V1")}[kind]
+    path, spec = {
+        "url": ("/w/loop.pth", f"{server.url}/w/loop.pth"),
+        "torchvision": (TV_PATH, "torchvision:ResNet18_Weights.IMAGENET1K_V1"),
+    }[kind]
     server.redirect[path] = path
     msg = one_line(pytest.raises(UsageError, fetch, spec, "resnet18", log=lambda _: None))
     assert f"{server.url}{path} redirects in a loop" in msg and "put the file at" in msg, msg
@@ -301,8 +328,16 @@ def test_two_processes_downloading_the_same_weights_fetch_them_once(online, serv
     ready = tmp_path / "ready"
     ready.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "TORCHSPRINT_OFFLINE"}
-    children = [subprocess.Popen([sys.executable, "-c", LOCK_CHILD, spec, str(ready), str(i)], env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (0, 1)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOCK_CHILD, spec, str(ready), str(i)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in (0, 1)
+    ]
     outs = []
     for child in children:
         out, err = child.communicate(timeout=120)

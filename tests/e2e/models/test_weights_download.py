@@ -28,15 +28,24 @@ from torchsprint.errors import UsageError
 from torchsprint.models.download import fetch
 from torchsprint.train.run import build_training, train
 
-BASE = ["log.tensorboard=false", "log.progress=false", "run.epochs=1", "eval.per_class=false",
-        "data.train.transforms=[resize: 32]", "data.eval.transforms=[resize: 32]", "model.name=resnet18"]
+BASE = [
+    "log.tensorboard=false",
+    "log.progress=false",
+    "run.epochs=1",
+    "eval.per_class=false",
+    "data.train.transforms=[resize: 32]",
+    "data.eval.transforms=[resize: 32]",
+    "model.name=resnet18",
+]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the X-Repo-Commit huggingface_hub needs from a hub
 TV_PATH = "/models/resnet18-f37072fd.pth"  # torchvision's ResNet18_Weights.IMAGENET1K_V1, under the mirror
 HF_REPO = "timm/resnet18.a1_in1k"
 HF_PATH = f"/{HF_REPO}/resolve/main/model.safetensors"
 HEAD_AND_STEM = {"conv1.weight", "fc.weight", "fc.bias"}  # digits: 1 channel (conv1 adapted), 10 classes (fc)
-LOGIN_PAGE = (b"<!DOCTYPE html>\n<html><head><title>Sign in - Example SSO</title></head>"
-              b"<body><form action='/login'>user <input name=u></form></body></html>\n")
+LOGIN_PAGE = (
+    b"<!DOCTYPE html>\n<html><head><title>Sign in - Example SSO</title></head>"
+    b"<body><form action='/login'>user <input name=u></form></body></html>\n"
+)
 
 
 def sha256(data: bytes) -> str:
@@ -111,8 +120,12 @@ class Server:
         how = self.misbehave.get(path, []).pop(0) if not head and self.misbehave.get(path) else "ok"
         data = {"other": body[::-1], "html": LOGIN_PAGE}.get(how, body)
         h.send_response(200)
-        headers = {"Content-Length": str(len(data)), "ETag": f'"{sha256(body)}"', "X-Repo-Commit": COMMIT,
-                   "Content-Type": "text/html; charset=utf-8" if how == "html" else "application/octet-stream"}
+        headers = {
+            "Content-Length": str(len(data)),
+            "ETag": f'"{sha256(body)}"',
+            "X-Repo-Commit": COMMIT,
+            "Content-Type": "text/html; charset=utf-8" if how == "html" else "application/octet-stream",
+        }
         for k, v in headers.items():
             if not (how == "cut" and k == "Content-Length"):  # HTTP/1.0: the body then ends where the server closes
                 h.send_header(k, v)
@@ -213,14 +226,20 @@ def test_torchvision_weights_through_torch_hub_land_under_their_name(online, ser
 
     name = f"resnet18-{sha256(r18.pth)[:8]}.pth"
     server.files[f"/models/{name}"] = r18.pth
-    src = WeightsSource("torchvision:test", "torchvision", hub_checkpoints() / name, url=f"{server.url}/models/{name}",
-                        hash_prefix=sha256(r18.pth)[:8])
+    src = WeightsSource(
+        "torchvision:test",
+        "torchvision",
+        hub_checkpoints() / name,
+        url=f"{server.url}/models/{name}",
+        hash_prefix=sha256(r18.pth)[:8],
+    )
     fetch_torchvision(src, "model.pretrained", progress=False)
     assert (online / "torch/hub/checkpoints" / name).read_bytes() == r18.pth and checkpoints(online) == [name]
 
 
-@pytest.mark.parametrize("kind, how", [("torchvision", "other"), ("torchvision", "drop"), ("url", "other"),
-                                       ("hf-hub", "other")])
+@pytest.mark.parametrize(
+    "kind, how", [("torchvision", "other"), ("torchvision", "drop"), ("url", "other"), ("hf-hub", "other")]
+)
 def test_bytes_that_are_not_the_published_ones_are_not_kept(online, server, r18, monkeypatch, kind, how):
     # Catches: a file whose sha256 does not match the published one left in the cache (torchvision: the prefix in
     # its name, through torch.hub's own check; a URL's #sha256=; hf-hub: the LFS blob's sha256, which
@@ -258,14 +277,23 @@ def test_offline_no_connection_is_attempted(online, server, monkeypatch, cli_in_
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     monkeypatch.setenv(env, "1")
     spec, target, published = {
-        "torchvision": ("torchvision:DEFAULT", online / "torch/hub/checkpoints/resnet18-f37072fd.pth",
-                        "https://download.pytorch.org/models/resnet18-f37072fd.pth"),
+        "torchvision": (
+            "torchvision:DEFAULT",
+            online / "torch/hub/checkpoints/resnet18-f37072fd.pth",
+            "https://download.pytorch.org/models/resnet18-f37072fd.pth",
+        ),
         "url": (f"{server.url}/w/r18.pth", online / "torch/hub/checkpoints/r18.pth", f"{server.url}/w/r18.pth"),
-        "hf-hub": (f"hf-hub:{HF_REPO}", online / "hf/hub/models--timm--resnet18.a1_in1k/snapshots/main/model.safetensors",
-                   f"https://huggingface.co/{HF_PATH[1:]}"),
-        "timm-github": ("timm:gcvit_tiny.in1k", online / "torch/hub/checkpoints/gcvit_tiny_224_nvidia-ac783954.pth",
-                        "https://github.com/rwightman/pytorch-image-models/releases/download/v0.1-weights-morevit/"
-                        "gcvit_tiny_224_nvidia-ac783954.pth"),
+        "hf-hub": (
+            f"hf-hub:{HF_REPO}",
+            online / "hf/hub/models--timm--resnet18.a1_in1k/snapshots/main/model.safetensors",
+            f"https://huggingface.co/{HF_PATH[1:]}",
+        ),
+        "timm-github": (
+            "timm:gcvit_tiny.in1k",
+            online / "torch/hub/checkpoints/gcvit_tiny_224_nvidia-ac783954.pth",
+            "https://github.com/rwightman/pytorch-image-models/releases/download/v0.1-weights-morevit/"
+            "gcvit_tiny_224_nvidia-ac783954.pth",
+        ),
     }[kind]
     r = cli_in_process("weights", "get", spec, *(["--model", "resnet18"] if kind == "torchvision" else []))
     assert r.returncode == 2 and r.stdout == "", r.stderr
@@ -352,8 +380,12 @@ def test_under_ddp_local_rank_0_downloads_and_the_others_wait(online, server, r1
     out.mkdir()
     from weights_ddp_worker import rank
 
-    torch.multiprocessing.spawn(rank, args=(str(online / "pg"), f"{server.url}/w/r18.pth", f"{server.url}/w/gone.pth",
-                                             str(out)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(
+        rank,
+        args=(str(online / "pg"), f"{server.url}/w/r18.pth", f"{server.url}/w/gone.pth", str(out)),
+        nprocs=2,
+        join=True,
+    )
     r0, r1 = (json.loads((out / f"{r}.json").read_text()) for r in (0, 1))
     assert r0["path"] == r1["path"] == str(online / "torch/hub/checkpoints/r18.pth")
     assert Path(r0["path"]).read_bytes() == r18.pth
@@ -372,8 +404,9 @@ def test_under_ddp_the_other_ranks_wait_for_a_download_longer_than_the_runs_time
     out.mkdir()
     from weights_ddp_worker import rank_waits
 
-    torch.multiprocessing.spawn(rank_waits, args=(str(online / "pg"), f"{server.url}/w/r18.pth", 2.0, str(out)),
-                                nprocs=2, join=True)
+    torch.multiprocessing.spawn(
+        rank_waits, args=(str(online / "pg"), f"{server.url}/w/r18.pth", 2.0, str(out)), nprocs=2, join=True
+    )
     r0, r1 = (json.loads((out / f"{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1 == {"path": str(online / "torch/hub/checkpoints/r18.pth")}, (r0, r1)
     assert Path(r0["path"]).read_bytes() == r18.pth and server.gets("/w/r18.pth") == 1

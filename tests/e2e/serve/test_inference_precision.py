@@ -23,21 +23,37 @@ def bf16_run(tmp_path_factory):
     """A tiny digits run trained and validated in amp_bf16 with channels_last (what precision auto picks for a
     convolutional net on a CPU with native bf16)."""
     d = tmp_path_factory.mktemp("bf16") / "run"
-    assert cli.main(["train", "run.epochs=1", "model.args={width: 8}", f"run.dir={d}", "log.tensorboard=false",
-                     "log.progress=false", "precision=amp_bf16", "speed.channels_last=true"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "run.epochs=1",
+                "model.args={width: 8}",
+                f"run.dir={d}",
+                "log.tensorboard=false",
+                "log.progress=false",
+                "precision=amp_bf16",
+                "speed.channels_last=true",
+            ]
+        )
+        == 0
+    )
     return d
 
 
-@pytest.mark.parametrize("asked, run_precision, native, device, want", [
-    ("auto", "amp_bf16", True, "cpu", ("bf16", True)),
-    ("auto", "bf16", True, "cpu", ("bf16", True)),
-    ("auto", "amp_bf16", False, "cpu", ("fp32", False)),  # no native bf16: bf16 would be slower than fp32
-    ("auto", "fp32", True, "cpu", ("fp32", False)),  # the run validated in fp32
-    ("auto", "amp_fp16", True, "cpu", ("fp32", False)),
-    ("auto", "amp_bf16", True, "cuda", ("fp32", False)),  # not measured on a GPU yet: the existing choice
-    ("fp32", "amp_bf16", True, "cpu", ("fp32", False)),  # named: never changed
-    ("bf16", "fp32", False, "cpu", ("bf16", True)),  # named: honoured, said to be slow
-])
+@pytest.mark.parametrize(
+    "asked, run_precision, native, device, want",
+    [
+        ("auto", "amp_bf16", True, "cpu", ("bf16", True)),
+        ("auto", "bf16", True, "cpu", ("bf16", True)),
+        ("auto", "amp_bf16", False, "cpu", ("fp32", False)),  # no native bf16: bf16 would be slower than fp32
+        ("auto", "fp32", True, "cpu", ("fp32", False)),  # the run validated in fp32
+        ("auto", "amp_fp16", True, "cpu", ("fp32", False)),
+        ("auto", "amp_bf16", True, "cuda", ("fp32", False)),  # not measured on a GPU yet: the existing choice
+        ("fp32", "amp_bf16", True, "cpu", ("fp32", False)),  # named: never changed
+        ("bf16", "fp32", False, "cpu", ("bf16", True)),  # named: honoured, said to be slow
+    ],
+)
 def test_auto_follows_the_run_and_the_cpu_and_a_named_precision_stands(asked, run_precision, native, device, want):
     """Bugs caught: auto giving bf16 to a CPU without it or to a run validated in fp32, a named precision overridden,
     channels_last dropped where the run trained so."""
@@ -76,7 +92,9 @@ def test_each_precision_computes_what_it_says(bf16_run):
     with torch.inference_mode():
         plain = model(xn).float()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            ref_bf16 = model.to(memory_format=torch.channels_last)(xn.contiguous(memory_format=torch.channels_last)).float()
+            ref_bf16 = model.to(memory_format=torch.channels_last)(
+                xn.contiguous(memory_format=torch.channels_last)
+            ).float()
     got32 = fp32.logits(x)
     got16 = Predictor.from_run(bf16_run, precision="bf16").logits(x)
     assert (got32 - plain).abs().max().item() <= 1e-6
@@ -102,8 +120,12 @@ def test_serve_in_bf16_answers_as_predict_does_however_batched(bf16_run, tmp_pat
         answers: dict = {}
 
         def send(i):
-            answers[i] = httpx.post(server.url + "/predict?topk=10", content=paths[i].read_bytes(),
-                                    headers={"content-type": "image/png"}, timeout=60)
+            answers[i] = httpx.post(
+                server.url + "/predict?topk=10",
+                content=paths[i].read_bytes(),
+                headers={"content-type": "image/png"},
+                timeout=60,
+            )
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(len(paths))]
         for t in threads:

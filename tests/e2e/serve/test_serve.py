@@ -110,23 +110,33 @@ def test_concurrent_answers_equal_predict_however_batched(run, files, gate):
 
         async def send_all():
             async with httpx.AsyncClient(timeout=120) as http:
+
                 async def one(group):
                     if len(group) == 1:
-                        r = await http.post(server.url + "/predict?topk=10", content=group[0].read_bytes(),
-                                            headers={"content-type": "image/png"})
+                        r = await http.post(
+                            server.url + "/predict?topk=10",
+                            content=group[0].read_bytes(),
+                            headers={"content-type": "image/png"},
+                        )
                     else:
-                        r = await http.post(server.url + "/predict?topk=10",
-                                            files=[("image", (p.name, p.read_bytes())) for p in group])
+                        r = await http.post(
+                            server.url + "/predict?topk=10", files=[("image", (p.name, p.read_bytes())) for p in group]
+                        )
                     return group, r
 
                 return await asyncio.gather(*(one(g) for g in groups))
 
         box = in_background(asyncio.run, send_all())
         total = len(paths)
-        wait_until(lambda: (m := server.metrics()) and metric(m, "torchsprint_serve_in_flight") == len(groups)
-                   and metric(m, "torchsprint_serve_waiting") == metric(m, "torchsprint_serve_queue_depth")
-                   and metric(m, "torchsprint_serve_waiting") + metric(m, "torchsprint_serve_in_model") == total,
-                   what="every image decoded and waiting behind the held batch")
+        wait_until(
+            lambda: (
+                (m := server.metrics())
+                and metric(m, "torchsprint_serve_in_flight") == len(groups)
+                and metric(m, "torchsprint_serve_waiting") == metric(m, "torchsprint_serve_queue_depth")
+                and metric(m, "torchsprint_serve_waiting") + metric(m, "torchsprint_serve_in_model") == total
+            ),
+            what="every image decoded and waiting behind the held batch",
+        )
         gate.touch()
         for group, r in result(box):
             assert r.status_code == 200, r.text
@@ -155,10 +165,19 @@ def test_on_cuda_concurrent_answers_equal_predict_on_cuda(run, files, gate, figu
     expected = {p: {t["class"]: t["prob"] for t in r["top"]} for p, r in zip(paths, on_gpu)}
     server = ThreadServer(run, device="cuda", max_batch=8, max_wait_ms=50)
     try:
+
         async def send_all():
             async with httpx.AsyncClient(timeout=120) as http:
-                return await asyncio.gather(*(http.post(server.url + "/predict?topk=10", content=p.read_bytes(),
-                                                        headers={"content-type": "image/png"}) for p in paths))
+                return await asyncio.gather(
+                    *(
+                        http.post(
+                            server.url + "/predict?topk=10",
+                            content=p.read_bytes(),
+                            headers={"content-type": "image/png"},
+                        )
+                        for p in paths
+                    )
+                )
 
         box = in_background(asyncio.run, send_all())
         wait_until(lambda: server.metric("torchsprint_serve_in_flight") == len(paths), what="every request in flight")
@@ -172,7 +191,8 @@ def test_on_cuda_concurrent_answers_equal_predict_on_cuda(run, files, gate, figu
         figure("serve_cuda_vs_predict_cuda_max_prob_diff", worst, "digits small_cnn, batches of 1-8 padded to buckets")
         assert worst <= 1e-3
         assert server.metric("torchsprint_serve_batch_size_bucket", '{le="1.0"}') < server.metric(
-            "torchsprint_serve_batch_size_count")  # at least one batch of more than one
+            "torchsprint_serve_batch_size_count"
+        )  # at least one batch of more than one
     finally:
         server.close()
 
@@ -195,7 +215,9 @@ def test_max_wait_ms_holds_an_image_for_one_on_its_way_and_no_longer(run, files)
         assert status == 200 and result(first).status_code == 200
         same_as_predict(answer["predictions"][0], _top(files[b], 7))
         m = server.metrics()
-        assert metric(m, "torchsprint_serve_batch_size_count") == 1 and metric(m, "torchsprint_serve_batch_size_sum") == 2
+        assert (
+            metric(m, "torchsprint_serve_batch_size_count") == 1 and metric(m, "torchsprint_serve_batch_size_sum") == 2
+        )
         started = time.monotonic()
         assert post(server.url, c).status_code == 200
         assert time.monotonic() - started < 9  # not held for the 10 s of max_wait_ms
@@ -210,7 +232,9 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, rest = data.split(b"\r\n\r\n", 1)
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    )
     while len(rest) < length:
         rest += sock.recv(65536)
     sock.close()
@@ -261,8 +285,14 @@ def test_timeout_answers_503_and_drops_the_queued_image(run, files, gate):
         assert r.status_code == 503 and r.json()["kind"] == "timeout" and r.headers["retry-after"] == "1"
         assert result(first).status_code == 503
         gate.touch()
-        wait_until(lambda: (m := server.metrics()) and metric(m, "torchsprint_serve_queue_depth") == 0
-                   and metric(m, "torchsprint_serve_in_model") == 0, what="the queue drained")
+        wait_until(
+            lambda: (
+                (m := server.metrics())
+                and metric(m, "torchsprint_serve_queue_depth") == 0
+                and metric(m, "torchsprint_serve_in_model") == 0
+            ),
+            what="the queue drained",
+        )
         assert server.metric("torchsprint_serve_forward_seconds_count") == 1  # a's forward; b was dropped
         r = post(server.url, c)
         assert r.status_code == 200 and server.metric("torchsprint_serve_forward_seconds_count") == 2
@@ -274,8 +304,11 @@ def raw_request(url: str, body: bytes, send: int) -> socket.socket:
     """A client on a bare socket that sends the headers and the first `send` bytes of the body, and stays open."""
     host, port = url.removeprefix("http://").split(":")
     s = socket.create_connection((host, int(port)))
-    s.sendall(f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Type: image/png\r\nContent-Length: {len(body)}"
-              f"\r\n\r\n".encode() + body[:send])
+    s.sendall(
+        f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Type: image/png\r\nContent-Length: {len(body)}"
+        f"\r\n\r\n".encode()
+        + body[:send]
+    )
     return s
 
 
@@ -330,14 +363,22 @@ def bad_requests(tmp_path: Path) -> list[tuple[str, dict, int, str]]:
         ("oversized body", {"content": b"x" * 60_000, "headers": raw}, 413, "body_too_large"),
         ("oversized, chunked", {"content": iter([b"x" * 30_000] * 2), "headers": raw}, 413, "body_too_large"),
         ("decompression bomb (header)", {"content": bytes(bomb), "headers": raw}, 422, "too_many_pixels"),
-        ("too many pixels (BMP, no header sniffing)",
-         {"content": encode(np.zeros((120, 120), np.uint8), "BMP"), "headers": raw}, 422, "too_many_pixels"),
+        (
+            "too many pixels (BMP, no header sniffing)",
+            {"content": encode(np.zeros((120, 120), np.uint8), "BMP"), "headers": raw},
+            422,
+            "too_many_pixels",
+        ),
         ("JSON", {"json": {"path": "/etc/passwd"}}, 415, "unsupported_media_type"),
         ("no content type", {"content": png, "headers": {"content-type": ""}}, 415, "unsupported_media_type"),
         ("wrong field name", {"files": [("file", ("a.png", png))]}, 400, "wrong_field"),
         ("a text field", {"data": {"image": "not a file"}, "files": [("image", ("a.png", png))]}, 400, "wrong_field"),
-        ("malformed multipart", {"content": b"--zz\r\nnonsense", "headers": {"content-type": "multipart/form-data; "
-                                                                              "boundary=yy"}}, 400, "bad_multipart"),
+        (
+            "malformed multipart",
+            {"content": b"--zz\r\nnonsense", "headers": {"content-type": "multipart/form-data; boundary=yy"}},
+            400,
+            "bad_multipart",
+        ),
         ("two 1x1 images", {"files": [("image", ("a.png", tiny)), ("image", ("b.png", tiny))]}, 422, "model_refused"),
         ("topk=0", {"content": png, "headers": raw, "params": {"topk": 0}}, 422, "bad_request"),
     ]
@@ -365,10 +406,14 @@ def test_bad_input_gets_one_line_4xx_and_batch_mates_are_unaffected(run, files, 
 
         async def send_all():
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-                jobs = [http.post("/predict", **({**kw, "content": chunks(kw["content"])} if _chunked(kw) else kw))
-                        for _, kw, _, _ in bad]
-                jobs += [http.post("/predict?topk=10", content=p.read_bytes(), headers={"content-type": "image/png"})
-                         for p in good]
+                jobs = [
+                    http.post("/predict", **({**kw, "content": chunks(kw["content"])} if _chunked(kw) else kw))
+                    for _, kw, _, _ in bad
+                ]
+                jobs += [
+                    http.post("/predict?topk=10", content=p.read_bytes(), headers={"content-type": "image/png"})
+                    for p in good
+                ]
                 return await asyncio.gather(*jobs)
 
         answers = asyncio.run(send_all())
@@ -381,7 +426,10 @@ def test_bad_input_gets_one_line_4xx_and_batch_mates_are_unaffected(run, files, 
             same_as_predict(r.json()["predictions"][0], files[p])
         mixed = post(server.url, files=[("image", ("good.png", good[0].read_bytes())), ("image", ("bad.png", b"nope"))])
         assert mixed.status_code == 200  # one answered: per-image entries, the bad one with its error
-        assert [("top" in e, e.get("kind")) for e in mixed.json()["predictions"]] == [(True, None), (False, "bad_image")]
+        assert [("top" in e, e.get("kind")) for e in mixed.json()["predictions"]] == [
+            (True, None),
+            (False, "bad_image"),
+        ]
         assert httpx.get(server.url + "/predict").status_code == 405
         m = server.metrics()
         assert metric(m, "torchsprint_serve_requests_total", '{code="500"}') == 0
@@ -524,8 +572,13 @@ def test_a_lone_request_runs_on_the_model_thread_while_health_answers(run, files
 def serve_process(run: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`python -m torchsprint serve RUN --port 0 ...` with this tree's torchsprint; (process, URL)."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "torchsprint", "serve", str(run), *args, "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchsprint", "serve", str(run), *args, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     line = proc.stdout.readline()
     assert " on http://127.0.0.1:" in line, line + proc.stdout.read()
     url = "http://" + line.split("http://")[1].split()[0]
@@ -542,9 +595,15 @@ def test_sigterm_stops_accepting_answers_what_was_accepted_and_exits_0(run, file
         wait_until(lambda: _ready(proc, url), 120, "ready")
         paths = list(files)[:3]
         boxes = [in_background(post, url, p) for p in paths]
-        wait_until(lambda: (m := httpx.get(url + "/metrics").text) and metric(m, "torchsprint_serve_in_flight") == 3
-                   and metric(m, "torchsprint_serve_in_model") == 1 and metric(m, "torchsprint_serve_queue_depth") == 2,
-                   what="three requests accepted")
+        wait_until(
+            lambda: (
+                (m := httpx.get(url + "/metrics").text)
+                and metric(m, "torchsprint_serve_in_flight") == 3
+                and metric(m, "torchsprint_serve_in_model") == 1
+                and metric(m, "torchsprint_serve_queue_depth") == 2
+            ),
+            what="three requests accepted",
+        )
         proc.send_signal(signal.SIGTERM)
         wait_until(lambda: not listening(url), 60, "the listening socket closed")
         gate.touch()
@@ -577,36 +636,61 @@ def test_settings_come_from_the_run_a_file_overrides_and_flags(run, tmp_path, mo
     sock.close()
     conf = tmp_path / "serve.yaml"
     conf.write_text("serve: {topk: 3, max_batch: 16}\n")
-    assert (resolve_settings(run, str(conf), [], {}).topk, resolve_settings(run, str(conf), [], {}).max_batch) == (3, 16)
+    assert (resolve_settings(run, str(conf), [], {}).topk, resolve_settings(run, str(conf), [], {}).max_batch) == (
+        3,
+        16,
+    )
     assert resolve_settings(run, str(conf), ["serve.topk=2"], {}).topk == 2
     assert resolve_settings(run, str(conf), ["serve.topk=2"], {"topk": 4}).topk == 4
     monkeypatch.setenv("TORCHSPRINT_SERVE_TOKEN", "from-env")
     assert resolve_settings(run, None, [], {}).token == "from-env"
     assert resolve_settings(run, None, [], {"token": "flag"}).token == "flag"
-    values = {"host": "0.0.0.0", "port": "9999", "max_batch": "5", "max_wait_ms": "7.5", "queue_limit": "9",
-              "timeout_s": "3", "workers": "2", "runtime": "onnxruntime", "device": "cpu", "token": "t",
-              "max_body_mb": "2", "max_pixels": "1234", "max_model_pixels": "5000", "topk": "3", "buckets": "off",
-              "precision": "fp32"}
+    values = {
+        "host": "0.0.0.0",
+        "port": "9999",
+        "max_batch": "5",
+        "max_wait_ms": "7.5",
+        "queue_limit": "9",
+        "timeout_s": "3",
+        "workers": "2",
+        "runtime": "onnxruntime",
+        "device": "cpu",
+        "token": "t",
+        "max_body_mb": "2",
+        "max_pixels": "1234",
+        "max_model_pixels": "5000",
+        "topk": "3",
+        "buckets": "off",
+        "precision": "fp32",
+    }
     assert set(values) == set(FLAGS) == set(ServeConfig.model_fields)
     assert resolve_settings(run, None, ["serve.max_model_pixels=5000"], {}).max_model_pixels == 5000
     assert cli.build_parser().parse_args(["serve", str(run), "--max-model-pixels", "auto"]).max_model_pixels == "auto"
-    args = cli.build_parser().parse_args(["serve", str(run), *[x for k, v in values.items()
-                                                              for x in (f"--{k.replace('_', '-')}", v)]])
+    args = cli.build_parser().parse_args(
+        ["serve", str(run), *[x for k, v in values.items() for x in (f"--{k.replace('_', '-')}", v)]]
+    )
     got = resolve_settings(run, None, [], {k: getattr(args, k) for k in FLAGS}).model_dump()
-    assert {k: str(v) for k, v in got.items() if k in FLAGS} == {**values, "max_wait_ms": "7.5", "timeout_s": "3.0",
-                                                     "max_body_mb": "2.0"}
+    assert {k: str(v) for k, v in got.items() if k in FLAGS} == {
+        **values,
+        "max_wait_ms": "7.5",
+        "timeout_s": "3.0",
+        "max_body_mb": "2.0",
+    }
 
 
-@pytest.mark.parametrize("argv, env, message", [
-    (["serve", "{tmp}/missing"], {}, "no such run folder"),
-    (["serve", "{run}", "--port", "{busy}"], {}, "cannot listen on 127.0.0.1:"),
-    (["serve", "{run}", "--token", ""], {}, "serve.token"),
-    (["serve", "{run}"], {"TORCHSPRINT_SERVE_TOKEN": ""}, "TORCHSPRINT_SERVE_TOKEN is set but empty"),
-    (["serve", "{run}", "serve.prot=1"], {}, "Did you mean: serve.port"),
-    (["serve", "{run}", "run.epochs=3"], {}, "serve.KEY=VALUE overrides only"),
-    (["serve", "{run}", "--device", "cuda"], {"CUDA_VISIBLE_DEVICES": ""}, "no CUDA device"),
-    (["serve", "{tmp}/model.txt"], {}, "serve takes a run folder, a .onnx or a .safetensors"),
-])
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["serve", "{tmp}/missing"], {}, "no such run folder"),
+        (["serve", "{run}", "--port", "{busy}"], {}, "cannot listen on 127.0.0.1:"),
+        (["serve", "{run}", "--token", ""], {}, "serve.token"),
+        (["serve", "{run}"], {"TORCHSPRINT_SERVE_TOKEN": ""}, "TORCHSPRINT_SERVE_TOKEN is set but empty"),
+        (["serve", "{run}", "serve.prot=1"], {}, "Did you mean: serve.port"),
+        (["serve", "{run}", "run.epochs=3"], {}, "serve.KEY=VALUE overrides only"),
+        (["serve", "{run}", "--device", "cuda"], {"CUDA_VISIBLE_DEVICES": ""}, "no CUDA device"),
+        (["serve", "{tmp}/model.txt"], {}, "serve takes a run folder, a .onnx or a .safetensors"),
+    ],
+)
 def test_bad_settings_are_one_line_errors(run, tmp_path, capsys, monkeypatch, argv, env, message):
     """Bug caught: a traceback (or a server that starts) instead of `error: ...` and exit 2."""
     import torch
@@ -635,7 +719,10 @@ def test_workers_share_the_port_and_metrics_add_up(run, files):
         children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == proc.pid]
         assert len(children) >= 2, children
         for p in list(files)[:20]:  # new connections: the kernel spreads them over both workers
-            assert httpx.post(url + "/predict", content=p.read_bytes(), headers={"content-type": "image/png"}).status_code == 200
+            assert (
+                httpx.post(url + "/predict", content=p.read_bytes(), headers={"content-type": "image/png"}).status_code
+                == 200
+            )
         assert metric(httpx.get(url + "/metrics").text, "torchsprint_serve_images_total") == 20
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0

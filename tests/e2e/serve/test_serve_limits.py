@@ -66,8 +66,10 @@ def test_a_large_png_of_few_bytes_is_refused_before_it_costs_and_sigterm_still_e
         gate.unlink()  # the next forward waits for the gate: the model thread holds a request
         digit = encode(digit_images(1)[0], "PNG")
         held = in_background(predict_post, server.url, digit)
-        wait_until(lambda: metric(httpx.get(server.url + "/metrics", timeout=30).text,
-                                  "torchsprint_serve_in_model") == 1, what="a digit held in the model")
+        wait_until(
+            lambda: metric(httpx.get(server.url + "/metrics", timeout=30).text, "torchsprint_serve_in_model") == 1,
+            what="a digit held in the model",
+        )
         assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "alive"}
         r = predict_post(server.url, big, timeout=30)  # decoded (its header) by the pool while the model is held
         assert r.status_code == 422 and r.json()["kind"] == "too_many_pixels", r.text
@@ -82,8 +84,7 @@ def test_a_large_png_of_few_bytes_is_refused_before_it_costs_and_sigterm_still_e
         server.close()
 
 
-def test_a_batch_never_holds_more_pixels_than_the_limit_and_larger_images_are_refused(serve_run, tmp_path,
-                                                                                       monkeypatch):
+def test_a_batch_never_holds_more_pixels_than_the_limit_and_larger_images_are_refused(serve_run, tmp_path, monkeypatch):
     """serve.max_model_pixels=150 on the keep-size digits run (8x8 = 64 pixels an image), max_batch=8: behind a held
     batch, the other digits wait, and every forward pass takes at most two of them (128 <= 150 < 192); a 16x16 image (256
     pixels) is refused with a one-line 422 naming its size and the limit; the answers equal predict's. Bugs
@@ -98,21 +99,30 @@ def test_a_batch_never_holds_more_pixels_than_the_limit_and_larger_images_are_re
     for i, data in enumerate(digits):
         paths.append(tmp_path / f"d{i}.png")
         paths[-1].write_bytes(data)
-    expected = [{t["class"]: t["prob"] for t in r["top"]} for r in Predictor.from_run(serve_run).predict(
-        [str(p) for p in paths], topk=10)]
+    expected = [
+        {t["class"]: t["prob"] for t in r["top"]}
+        for r in Predictor.from_run(serve_run).predict([str(p) for p in paths], topk=10)
+    ]
     server = ThreadServer(serve_run, max_batch=8, max_wait_ms=50, max_model_pixels=150)
     try:
         assert "stopped" not in httpx.get(server.url + "/ready", timeout=30).json()["warm_up"]
         r = predict_post(server.url, encode(digit_images(1)[0].repeat(2, 0).repeat(2, 1), "PNG"))
         assert r.status_code == 422 and r.json()["kind"] == "too_many_pixels", r.text
         assert "16x16" in r.json()["error"] and "serve.max_model_pixels=150" in r.json()["error"], r.text
-        boxes = [in_background(lambda d=d: httpx.post(server.url + "/predict?topk=10", content=d, headers=PNG,
-                                                      timeout=120)) for d in digits]
+        boxes = [
+            in_background(lambda d=d: httpx.post(server.url + "/predict?topk=10", content=d, headers=PNG, timeout=120))
+            for d in digits
+        ]
         # The held batch holds one digit or two (two arrive within max_wait_ms on a loaded machine): either way
         # all six are in, the rest waiting behind it.
-        wait_until(lambda: (m := server.metrics()) and 1 <= metric(m, "torchsprint_serve_in_model") <= 2
-                   and metric(m, "torchsprint_serve_in_model") + metric(m, "torchsprint_serve_waiting") == 6,
-                   what="one or two digits held, the rest waiting")
+        wait_until(
+            lambda: (
+                (m := server.metrics())
+                and 1 <= metric(m, "torchsprint_serve_in_model") <= 2
+                and metric(m, "torchsprint_serve_in_model") + metric(m, "torchsprint_serve_waiting") == 6
+            ),
+            what="one or two digits held, the rest waiting",
+        )
         gate.touch()
         for box, want in zip(boxes, expected):
             r = result(box)
@@ -122,7 +132,8 @@ def test_a_batch_never_holds_more_pixels_than_the_limit_and_larger_images_are_re
         m = server.metrics()
         assert metric(m, "torchsprint_serve_batch_size_sum") == 6
         assert metric(m, "torchsprint_serve_batch_size_bucket", '{le="2.0"}') == metric(
-            m, "torchsprint_serve_batch_size_count")  # no forward of more than two
+            m, "torchsprint_serve_batch_size_count"
+        )  # no forward of more than two
     finally:
         server.close()
 
@@ -147,8 +158,9 @@ def exported(serve_run, tmp_path_factory) -> Path:
     return Path(export(serve_run, "safetensors", out=tmp_path_factory.mktemp("exported") / "m.safetensors")["path"])
 
 
-def test_max_model_pixels_auto_follows_the_run_and_a_fixed_eval_size_is_not_undercut(serve_run, exported, tmp_path,
-                                                                                     capsys):
+def test_max_model_pixels_auto_follows_the_run_and_a_fixed_eval_size_is_not_undercut(
+    serve_run, exported, tmp_path, capsys
+):
     """auto: 4x the largest training image the run's decisions.json records, at least 512x512 (the digits run:
     262,144; a copy of it whose record says 400x300: 480,000); an eval spec that fixes the size (resize: [12, 12])
     bounds the model input itself, and a serve.max_model_pixels below it is refused at start-up in one line. Bugs
@@ -177,8 +189,12 @@ def test_max_model_pixels_auto_follows_the_run_and_a_fixed_eval_size_is_not_unde
     with safe_open(str(exported), "pt") as f:
         config = json.loads(f.metadata()["config"])
     config["data"]["eval"]["transforms"] = [{"resize": [12, 12]}]
-    fixed = rewrite_metadata(exported, tmp_path / "fixed.safetensors", config=json.dumps(config),
-                             eval_transforms=json.dumps([{"resize": [12, 12]}]))
+    fixed = rewrite_metadata(
+        exported,
+        tmp_path / "fixed.safetensors",
+        config=json.dumps(config),
+        eval_transforms=json.dumps([{"resize": [12, 12]}]),
+    )
     got = limits(fixed)
     assert (got.fixed, got.model_pixels, got.batch_pixels) == ((12, 12), 144, 32 * 144)
     assert limits(fixed, "serve.max_model_pixels=144").model_pixels == 144
@@ -219,7 +235,9 @@ def test_a_host_other_than_loopback_without_a_token_warns_at_start_up(serve_run)
     finally:
         server.close()
     assert exposure_warning("192.168.1.7", None) is not None
-    assert [exposure_warning(a, t) for a, t in (("127.0.0.1", None), ("::1", None), ("0.0.0.0", "s3cret"))] == [None] * 3
+    assert [exposure_warning(a, t) for a, t in (("127.0.0.1", None), ("::1", None), ("0.0.0.0", "s3cret"))] == [
+        None
+    ] * 3
 
 
 def test_onnxruntime_says_its_fixed_input_size_at_start_up_and_refuses_another_in_predicts_line(serve_run, tmp_path):
@@ -245,8 +263,17 @@ def test_onnxruntime_says_its_fixed_input_size_at_start_up_and_refuses_another_i
         server.close()
 
 
-@pytest.mark.parametrize("spec", [[], ["hflip"], [{"resize": 16}], [{"resize": {"size": 16, "max_size": 20}}, "hflip"],
-                                  [{"resize": 12}, {"center_crop": 8}], [{"resize": [6, 9]}]])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [],
+        ["hflip"],
+        [{"resize": 16}],
+        [{"resize": {"size": 16, "max_size": 20}}, "hflip"],
+        [{"resize": 12}, {"center_crop": 8}],
+        [{"resize": [6, 9]}],
+    ],
+)
 def test_the_model_input_size_read_from_a_header_is_what_the_eval_spec_makes(spec):
     """Limits.model_size (what serve refuses from a file's header, before decoding) against the compiled eval spec's
     real output for files of several shapes. Bug caught: a rule that differs from torchvision's resize (an image

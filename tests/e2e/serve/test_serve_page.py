@@ -16,8 +16,16 @@ from serve_helpers import TOL, ThreadServer, digit_images, encode
 from torchsprint.commands.predict import Predictor
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 class DevTools:
@@ -32,9 +40,13 @@ class DevTools:
             os.dup2(to_browser, 3)
             os.dup2(from_browser, 4)
 
-        self.proc = subprocess.Popen([CHROMIUM, *FLAGS, "--remote-debugging-pipe", f"--user-data-dir={profile}",
-                                      "about:blank"], preexec_fn=pipes, close_fds=False,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [CHROMIUM, *FLAGS, "--remote-debugging-pipe", f"--user-data-dir={profile}", "about:blank"],
+            preexec_fn=pipes,
+            close_fds=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_browser)
         os.close(from_browser)
         self._buf, self._id, self.events = b"", 0, []
@@ -85,7 +97,9 @@ def test_dropping_images_on_the_page_shows_predicts_labels(serve_run, tmp_path):
     for i, arr in enumerate(digit_images(3)):
         paths.append(tmp_path / f"digit{i}.png")
         paths[-1].write_bytes(encode(arr, "PNG"))
-    expected = {p.name: r["top"] for p, r in zip(paths, Predictor.from_run(run).predict([str(p) for p in paths], topk=5))}
+    expected = {
+        p.name: r["top"] for p, r in zip(paths, Predictor.from_run(run).predict([str(p) for p in paths], topk=5))
+    }
     server = ThreadServer(run, topk=5)
     browser = DevTools(tmp_path / "profile")
     try:
@@ -96,7 +110,9 @@ def test_dropping_images_on_the_page_shows_predicts_labels(serve_run, tmp_path):
         browser.wait_event("Page.loadEventFired")
 
         def evaluate(expression: str):
-            return browser.send("Runtime.evaluate", session, expression=expression, returnByValue=True)["result"].get("value")
+            return browser.send("Runtime.evaluate", session, expression=expression, returnByValue=True)["result"].get(
+                "value"
+            )
 
         box = json.loads(evaluate("JSON.stringify(document.getElementById('drop').getBoundingClientRect())"))
         x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
@@ -107,9 +123,13 @@ def test_dropping_images_on_the_page_shows_predicts_labels(serve_run, tmp_path):
         while evaluate("document.body.dataset.state") != "done":
             assert time.monotonic() < deadline, evaluate("document.body.innerText")
             time.sleep(0.05)
-        shown = json.loads(evaluate("JSON.stringify([...document.querySelectorAll('section.result')].map(s => "
-                                    "[s.dataset.file, s.dataset.state, [...s.querySelectorAll('tr.pred')].map(r => "
-                                    "[r.dataset.class, Number(r.dataset.prob), r.querySelector('.label').textContent])]))"))
+        shown = json.loads(
+            evaluate(
+                "JSON.stringify([...document.querySelectorAll('section.result')].map(s => "
+                "[s.dataset.file, s.dataset.state, [...s.querySelectorAll('tr.pred')].map(r => "
+                "[r.dataset.class, Number(r.dataset.prob), r.querySelector('.label').textContent])]))"
+            )
+        )
         assert sorted(name for name, _, _ in shown) == sorted(expected)
         for name, state, rows in shown:
             assert state == "done", (name, rows)

@@ -1,4 +1,4 @@
-""""Everything else applies" for multilabel, image_to_image and video: exact resume, amp_bf16,
+""" "Everything else applies" for multilabel, image_to_image and video: exact resume, amp_bf16,
 2-process DDP and `bench`, each against an independent reference (an uninterrupted run, fp32, one process).
 
 Run under torchrun (`python -m torch.distributed.run --nproc-per-node 2 tests/e2e/tasks/test_task_everything.py DATA OUT`)
@@ -29,17 +29,39 @@ VIDEO_VAL = 7  # odd: rank 0 evaluates 4 clips, rank 1 three
 # multilabel and video use BatchNorm models (DDP compares with SyncBN), unet_small has none.
 # The val sets are odd-sized (15 images, 7 pairs, 7 clips) so the two DDP ranks hold uneven shards.
 CFG = {
-    "multilabel": ["task=multilabel", "data.dataset=synthetic_multilabel", "model.args={width: 8}", "data.batch_size=16",
-                   "optim.lr=0.05", "data.options={num_images: 64, val_images: 15, size: 16}"],
-    "image_to_image": ["task=image_to_image", "data.dataset=synthetic_blur", "model.name=unet_small", "model.args={width: 8}",
-                       "data.batch_size=8", "optim.name=adam", "optim.lr=0.003", "optim.weight_decay=0",
-                       "data.options={num_images: 32, val_images: 7, size: 24}",
-                       "data.train.transforms=[{random_crop: 16}, hflip]"],
-    "video": ["task=video", "data.dataset=synthetic_video_odd", "model.name=small_3d_cnn", "model.args={width: 4}",
-              "data.batch_size=8", "optim.name=adam", "optim.lr=0.01", "optim.weight_decay=0",
-              "data.options={per_class: 8, val_per_class: 2, size: 16, frames: 8}",
-              "data.train.transforms=[{random_clip: {frames: 4, stride: 1}}, {random_crop: 14}]",  # no flips: classes are directions
-              "data.eval.transforms=[{center_clip: {frames: 4}}, {center_crop: 14}]"],
+    "multilabel": [
+        "task=multilabel",
+        "data.dataset=synthetic_multilabel",
+        "model.args={width: 8}",
+        "data.batch_size=16",
+        "optim.lr=0.05",
+        "data.options={num_images: 64, val_images: 15, size: 16}",
+    ],
+    "image_to_image": [
+        "task=image_to_image",
+        "data.dataset=synthetic_blur",
+        "model.name=unet_small",
+        "model.args={width: 8}",
+        "data.batch_size=8",
+        "optim.name=adam",
+        "optim.lr=0.003",
+        "optim.weight_decay=0",
+        "data.options={num_images: 32, val_images: 7, size: 24}",
+        "data.train.transforms=[{random_crop: 16}, hflip]",
+    ],
+    "video": [
+        "task=video",
+        "data.dataset=synthetic_video_odd",
+        "model.name=small_3d_cnn",
+        "model.args={width: 4}",
+        "data.batch_size=8",
+        "optim.name=adam",
+        "optim.lr=0.01",
+        "optim.weight_decay=0",
+        "data.options={per_class: 8, val_per_class: 2, size: 16, frames: 8}",
+        "data.train.transforms=[{random_clip: {frames: 4, stride: 1}}, {random_crop: 14}]",  # no flips: classes are directions
+        "data.eval.transforms=[{center_clip: {frames: 4}}, {center_crop: 14}]",
+    ],
 }
 COMMON = ["log.tensorboard=false", "log.progress=false", "run.epochs=2", "log.every_steps=2"]
 STEPS = 8  # 2 epochs x 4 steps
@@ -58,7 +80,9 @@ def synthetic_video_odd(data_cfg):
 def overrides(task: str, data_root: Path, run_dir: Path, world_size: int = 1) -> list[str]:
     """The task's tiny config for `world_size` processes over the same global batches."""
     batch = int(next(o for o in CFG[task] if o.startswith("data.batch_size=")).split("=")[1]) // world_size
-    extra = ["strategy=ddp", f"data.batch_size={batch}"] + (["strategy.sync_bn=true"] if task != "image_to_image" else [])
+    extra = ["strategy=ddp", f"data.batch_size={batch}"] + (
+        ["strategy.sync_bn=true"] if task != "image_to_image" else []
+    )
     return [*CFG[task], *COMMON, f"data.root={data_root}", f"run.dir={run_dir}", *(extra if world_size > 1 else [])]
 
 
@@ -140,7 +164,11 @@ def chance(task: str, data_root: Path) -> float:
 # 0.08 dB over the seeds); video 2 of 16 clips (seeds 2 and 3). The bounds: 0.02 mAP, 0.15 dB (2.4x; a bf16 run
 # that learned half of fp32's ~0.35 dB gain would still fail), 3 clips of 16. Learning itself is AMP_MARGIN's check.
 EPOCHS = {"multilabel": 8, "image_to_image": 24}
-AMP_MARGIN = {"multilabel": 0.3, "image_to_image": 0.25, "video": 0.3}  # above chance, both precisions (video: > 8 of 16 clips)
+AMP_MARGIN = {
+    "multilabel": 0.3,
+    "image_to_image": 0.25,
+    "video": 0.3,
+}  # above chance, both precisions (video: > 8 of 16 clips)
 AMP_TOL = {"multilabel": 0.02, "image_to_image": 0.15, "video": 3 / 16}  # |bf16 - fp32|: mAP, dB, three clips of 16
 
 
@@ -154,14 +182,24 @@ def test_amp_bf16_trains_close_to_fp32(task, data_root, tmp_path):
     for prec in ("fp32", "amp_bf16"):
         # Video needs more to learn the directions reliably: width 8, 16 epochs: val top-1 0.81-1.0 over seeds 0-2
         # on 16 clips (width 4, 8 epochs, 8 clips: 0.125-0.5; it passed before only with label-swapping flips).
-        more = ["run.epochs=16", "model.args={width: 8}", "data.options={per_class: 8, val_per_class: 4, size: 16, frames: 8}"]
-        over = overrides(task, data_root, tmp_path / prec) + (more if task == "video" else [f"run.epochs={EPOCHS[task]}"]) + [f"precision={prec}"]
+        more = [
+            "run.epochs=16",
+            "model.args={width: 8}",
+            "data.options={per_class: 8, val_per_class: 4, size: 16, frames: 8}",
+        ]
+        over = (
+            overrides(task, data_root, tmp_path / prec)
+            + (more if task == "video" else [f"run.epochs={EPOCHS[task]}"])
+            + [f"precision={prec}"]
+        )
         over = [o.replace("synthetic_video_odd", "synthetic_video") for o in over]  # the whole balanced val set
         final[prec] = train(config.load(None, over), quiet=True)["final"]
         w[prec] = weights(tmp_path / prec)
     got, want, base = final["amp_bf16"][MONITOR[task]], final["fp32"][MONITOR[task]], chance(task, data_root)
-    print(f"{task}: amp_bf16 {MONITOR[task]} {got:.4f} vs fp32 {want:.4f} (chance {base:.4f}), "
-          f"max |w diff| {max_diff(w['amp_bf16'], w['fp32']):.2e}")
+    print(
+        f"{task}: amp_bf16 {MONITOR[task]} {got:.4f} vs fp32 {want:.4f} (chance {base:.4f}), "
+        f"max |w diff| {max_diff(w['amp_bf16'], w['fp32']):.2e}"
+    )
     assert max_diff(w["amp_bf16"], w["fp32"]) > 0  # bf16 autocast really ran
     assert final["amp_bf16"]["val/count"] == final["fp32"]["val/count"]
     assert min(got, want) > base + AMP_MARGIN[task], (final, base)
@@ -180,9 +218,23 @@ def test_ddp_two_processes_match_one_process(straight, data_root, tmp_path):
     out.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-                           str(data_root), str(out)], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            __file__,
+            str(data_root),
+            str(out),
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((out / "results.json").read_text())
     print(f"2-process worker: {time.perf_counter() - t0:.1f} s")
@@ -214,8 +266,10 @@ def ddp_worker(data_root: Path, out: Path) -> None:
     from torchsprint.train.run import train
 
     torch.distributed.init_process_group("gloo")
-    results = {task: train(config.load(None, overrides(task, data_root, out / task, world_size=2)), quiet=True)["final"]
-               for task in TASKS}
+    results = {
+        task: train(config.load(None, overrides(task, data_root, out / task, world_size=2)), quiet=True)["final"]
+        for task in TASKS
+    }
     if torch.distributed.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
@@ -225,14 +279,23 @@ def ddp_worker(data_root: Path, out: Path) -> None:
 
 
 # 10-12 s each on an AVX2-only CPU: classification and multilabel in the main suite, the other two in .ci/slow
-@pytest.mark.parametrize("task", [pytest.param(t, marks=pytest.mark.slow) if t in ("video", "image_to_image") else t
-                                  for t in TASKS])
+@pytest.mark.parametrize(
+    "task", [pytest.param(t, marks=pytest.mark.slow) if t in ("video", "image_to_image") else t for t in TASKS]
+)
 def test_bench_runs_or_refuses_by_name(task, straight, data_root, tmp_path):
     from torchsprint.commands.bench.main import bench
 
-    rows = bench(None, overrides(task, data_root, tmp_path / "unused")[:-1] + ["data.num_workers=0"], steps=2, warmup=1,
-                 repeats=1, only=["+ amp_bf16", "+ memory loader", "+ channels_last"], out=tmp_path / "bench",
-                 to_accuracy=1e-3, isolate=False)  # in-process: synthetic_video_odd is registered by this module  # > 0: a missing val/top1 read as 0 would never reach it
+    rows = bench(
+        None,
+        overrides(task, data_root, tmp_path / "unused")[:-1] + ["data.num_workers=0"],
+        steps=2,
+        warmup=1,
+        repeats=1,
+        only=["+ amp_bf16", "+ memory loader", "+ channels_last"],
+        out=tmp_path / "bench",
+        to_accuracy=1e-3,
+        isolate=False,
+    )  # in-process: synthetic_video_odd is registered by this module  # > 0: a missing val/top1 read as 0 would never reach it
     by = {r["variant"]: r for r in rows}
     for name in ("baseline (seeds)", "+ amp_bf16"):
         assert by[name]["status"] == "ok" and by[name]["images_per_s"] > 0, by[name]

@@ -13,10 +13,20 @@ from torchsprint import cli, config
 from torchsprint.errors import UsageError
 from torchsprint.train.run import train
 
-BASE = ["task=image_to_image", "data.dataset=synthetic_blur", "log.tensorboard=false", "log.progress=false",
-        "model.name=unet_small", "model.args={width: 16}", "data.batch_size=8", "optim.name=adam", "optim.lr=0.003",
-        "optim.weight_decay=0", "data.options={num_images: 48, val_images: 12}",
-        "data.train.transforms=[{random_crop: 24}, hflip]"]
+BASE = [
+    "task=image_to_image",
+    "data.dataset=synthetic_blur",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "model.name=unet_small",
+    "model.args={width: 16}",
+    "data.batch_size=8",
+    "optim.name=adam",
+    "optim.lr=0.003",
+    "optim.weight_decay=0",
+    "data.options={num_images: 48, val_images: 12}",
+    "data.train.transforms=[{random_crop: 24}, hflip]",
+]
 
 
 def psnr_of_files(folder: Path) -> float:
@@ -53,8 +63,9 @@ def test_predict_writes_images_and_onnx_matches(deblur_run, tmp_path, capsys):
 
     run, _, data = deblur_run
     files = sorted((data / "val" / "input").glob("*.png"))[:3]
-    assert cli.main(["predict", "-r", str(run), *map(str, files), "--out-dir", str(tmp_path / "out")]) == 0, \
+    assert cli.main(["predict", "-r", str(run), *map(str, files), "--out-dir", str(tmp_path / "out")]) == 0, (
         capsys.readouterr().err
+    )
     model = load_run(run).model
     for f in files:
         x = torch.from_numpy(np.array(Image.open(f))).permute(2, 0, 1)[None].float() / 255
@@ -91,9 +102,18 @@ def test_crop_and_flip_drawn_once_per_pair(tmp_path, backend):
     from torchsprint.data import build_loaders
 
     make_identity_pairs(tmp_path / "pairs")
-    cfg = config.load(None, ["task=image_to_image", "data.dataset=paired_folder", f"data.root={tmp_path / 'pairs'}",
-                             f"data.backend={backend}", "data.batch_size=4", "data.val_fraction=0.34",
-                             "data.train.transforms=[{random_crop: 12}, hflip, vflip]"])
+    cfg = config.load(
+        None,
+        [
+            "task=image_to_image",
+            "data.dataset=paired_folder",
+            f"data.root={tmp_path / 'pairs'}",
+            f"data.backend={backend}",
+            "data.batch_size=4",
+            "data.val_fraction=0.34",
+            "data.train.transforms=[{random_crop: 12}, hflip, vflip]",
+        ],
+    )
     loaders = build_loaders(cfg.data, runtime.Runtime(torch.device("cpu")), seed=3)
     assert loaders.info.in_channels == 3 and loaders.info.num_classes == 3
     for epoch in range(3):
@@ -110,13 +130,30 @@ def test_crop_and_flip_drawn_once_per_pair(tmp_path, backend):
 
 def test_missing_partner_and_bad_specs_are_named(tmp_path):
     make_identity_pairs(tmp_path / "pairs", missing="sub/2")
-    cfg = config.load(None, ["task=image_to_image", "data.dataset=paired_folder", f"data.root={tmp_path / 'pairs'}",
-                             f"run.dir={tmp_path / 'run'}"])
+    cfg = config.load(
+        None,
+        [
+            "task=image_to_image",
+            "data.dataset=paired_folder",
+            f"data.root={tmp_path / 'pairs'}",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+    )
     with pytest.raises(UsageError, match=r"sub/2\.png has no target partner"):
         train(cfg, quiet=True)
-    (tmp_path / "pairs" / "target" / "sub" / "2.png").write_bytes((tmp_path / "pairs" / "input" / "sub" / "2.png").read_bytes())
+    (tmp_path / "pairs" / "target" / "sub" / "2.png").write_bytes(
+        (tmp_path / "pairs" / "input" / "sub" / "2.png").read_bytes()
+    )
     for spec, msg in (("[color_jitter: {brightness: 0.2}]", "geometric"), ("[normalize: imagenet]", "normalize: none")):
-        bad = config.load(None, ["task=image_to_image", "data.dataset=paired_folder", f"data.root={tmp_path / 'pairs'}",
-                                 f"run.dir={tmp_path / 'run'}", f"data.train.transforms={spec}"])
+        bad = config.load(
+            None,
+            [
+                "task=image_to_image",
+                "data.dataset=paired_folder",
+                f"data.root={tmp_path / 'pairs'}",
+                f"run.dir={tmp_path / 'run'}",
+                f"data.train.transforms={spec}",
+            ],
+        )
         with pytest.raises(UsageError, match=msg):
             train(bad, quiet=True)

@@ -11,18 +11,35 @@ from torchsprint.errors import UsageError
 
 pytest.importorskip("av")
 
-CLIPS = ["data.train.transforms=[{random_clip: {frames: 6, stride: 1}}, {random_crop: 20}]",
-         "data.eval.transforms=[{center_clip: {frames: 6}}, {center_crop: 20}]"]
+CLIPS = [
+    "data.train.transforms=[{random_clip: {frames: 6, stride: 1}}, {random_crop: 20}]",
+    "data.eval.transforms=[{center_clip: {frames: 6}}, {center_crop: 20}]",
+]
 
 
 @pytest.mark.slow  # > 12 s on 2 cores: .ci/slow runs it (the main suite stays under 10 minutes)
 def test_learns_direction_above_chance(tmp_path):
     from torchsprint.train.run import train
 
-    cfg = config.load(None, ["task=video", "data.dataset=synthetic_video", f"data.root={tmp_path / 'data'}",
-                             f"run.dir={tmp_path / 'run'}", "run.epochs=12", "log.tensorboard=false", "log.progress=false",
-                             "model.name=small_3d_cnn", "model.args={width: 8}", "data.batch_size=8", "optim.name=adam",
-                             "optim.lr=0.01", "optim.weight_decay=0", *CLIPS])
+    cfg = config.load(
+        None,
+        [
+            "task=video",
+            "data.dataset=synthetic_video",
+            f"data.root={tmp_path / 'data'}",
+            f"run.dir={tmp_path / 'run'}",
+            "run.epochs=12",
+            "log.tensorboard=false",
+            "log.progress=false",
+            "model.name=small_3d_cnn",
+            "model.args={width: 8}",
+            "data.batch_size=8",
+            "optim.name=adam",
+            "optim.lr=0.01",
+            "optim.weight_decay=0",
+            *CLIPS,
+        ],
+    )
     s = train(cfg, quiet=True)
     chance = 1 / 4  # four directions, balanced validation set (4 videos each)
     assert s["final"]["val/count"] == 16
@@ -47,15 +64,26 @@ def test_unreadable_and_short_videos_are_named_and_counted(tmp_path, on_bad):
             write(tmp_path / "v" / "train" / c / f"{i}.mp4", g.integers(0, 255, (8, 24, 24, 3), dtype=np.uint8))
     write(tmp_path / "v" / "train" / "a" / "short.mp4", g.integers(0, 255, (3, 24, 24, 3), dtype=np.uint8))
     (tmp_path / "v" / "train" / "b" / "broken.mp4").write_bytes(b"not a video at all" * 10)
-    cfg = config.load(None, ["task=video", "data.dataset=video_folder", f"data.root={tmp_path / 'v'}", "data.batch_size=8",
-                             "data.val_fraction=0", "data.drop_last=false", f"data.on_bad_sample={on_bad}", *CLIPS])
+    cfg = config.load(
+        None,
+        [
+            "task=video",
+            "data.dataset=video_folder",
+            f"data.root={tmp_path / 'v'}",
+            "data.batch_size=8",
+            "data.val_fraction=0",
+            "data.drop_last=false",
+            f"data.on_bad_sample={on_bad}",
+            *CLIPS,
+        ],
+    )
     loaders = build_loaders(cfg.data, runtime.Runtime(torch.device("cpu")), seed=0)
     loaders.train.set_epoch(0)
     if on_bad == "error":
         with pytest.raises(UsageError, match=r"(short|broken)\.mp4"):
             list(loaders.train)
         return
-    (x, y), = list(loaders.train)
+    ((x, y),) = list(loaders.train)
     assert x.shape == (6, 6, 3, 20, 20) and y.tolist().count(0) == 3  # (N, T, C, H, W): the 6 good videos
     reasons = sorted(loaders.train.skipped)
     assert len(reasons) == 2
@@ -93,9 +121,18 @@ def test_clip_step_required_and_video_models_registered():
 
 # ---------------------------------------------------------------- multi-clip evaluation
 
-TINY = ["task=video", "data.dataset=synthetic_video", "model.name=small_3d_cnn", "model.args={width: 4}",
-        "data.batch_size=8", "data.options={per_class: 4, val_per_class: 2, size: 16, frames: 8}", "run.epochs=1",
-        "log.tensorboard=false", "log.progress=false", "data.train.transforms=[{random_clip: {frames: 4}}, {random_crop: 14}]"]
+TINY = [
+    "task=video",
+    "data.dataset=synthetic_video",
+    "model.name=small_3d_cnn",
+    "model.args={width: 4}",
+    "data.batch_size=8",
+    "data.options={per_class: 4, val_per_class: 2, size: 16, frames: 8}",
+    "run.epochs=1",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "data.train.transforms=[{random_clip: {frames: 4}}, {random_crop: 14}]",
+]
 
 
 def eval_spec(step: str) -> str:
@@ -145,8 +182,15 @@ def test_multi_clip_in_training_spec_is_refused(tmp_path):
     from torchsprint import runtime
     from torchsprint.data import build_loaders
 
-    cfg = config.load(None, TINY + [f"data.root={tmp_path / 'data'}", eval_spec("{center_clip: {frames: 4}}"),
-                                    "data.train.transforms=[{multi_clip: {frames: 4, clips: 2}}]"])
+    cfg = config.load(
+        None,
+        TINY
+        + [
+            f"data.root={tmp_path / 'data'}",
+            eval_spec("{center_clip: {frames: 4}}"),
+            "data.train.transforms=[{multi_clip: {frames: 4, clips: 2}}]",
+        ],
+    )
     with pytest.raises(UsageError, match=r"data.train.transforms: multi_clip is for evaluation only.*random_clip"):
         build_loaders(cfg.data, runtime.Runtime(torch.device("cpu")), seed=0)
 
@@ -159,8 +203,10 @@ def test_multi_clip_eval_k1_equals_center_clip_and_export_takes_one_clip(tmp_pat
     from torchsprint.train.run import train
 
     run = tmp_path / "run"
-    cfg = config.load(None, TINY + [f"data.root={tmp_path / 'data'}", f"run.dir={run}",
-                                    eval_spec("{multi_clip: {frames: 4, clips: 3}}")])
+    cfg = config.load(
+        None,
+        TINY + [f"data.root={tmp_path / 'data'}", f"run.dir={run}", eval_spec("{multi_clip: {frames: 4, clips: 3}}")],
+    )
     s = train(cfg, quiet=True)  # validation batches are (N, 3, 4, 3, 14, 14) during fit
     assert s["final"]["val/count"] == 8
     run_dir = run
@@ -198,10 +244,14 @@ def test_a_video_folder_says_what_it_left_out(tmp_path):
     os.mkfifo(root / "train" / "a" / "fifo.mp4")
     (root / "train" / "b" / "notes.txt").write_text("shot on a phone")
     (root / "train" / "b" / "._0.mp4").write_bytes(b"\x00\x05\x16\x07" * 8)
-    cfg = config.load(None, ["task=video", "data.dataset=video_folder", f"data.root={root}", "data.val_fraction=0.5",
-                             *CLIPS])
+    cfg = config.load(
+        None, ["task=video", "data.dataset=video_folder", f"data.root={root}", "data.val_fraction=0.5", *CLIPS]
+    )
     splits = DATASETS.get("video_folder")(cfg.data)
-    assert splits.skipped == {NOT_REGULAR: [str(root / "train/a/fifo.mp4")], NOT_VIDEO: [str(root / "train/b/notes.txt")],
-                              HIDDEN: [str(root / "train/b/._0.mp4")]}
+    assert splits.skipped == {
+        NOT_REGULAR: [str(root / "train/a/fifo.mp4")],
+        NOT_VIDEO: [str(root / "train/b/notes.txt")],
+        HIDDEN: [str(root / "train/b/._0.mp4")],
+    }
     listed = sorted(p for p, _ in splits.train.samples + splits.val.samples)
     assert listed == sorted(str(root / "train" / c / f"{i}.mp4") for c in "ab" for i in range(2))

@@ -30,8 +30,9 @@ FAST = ["log.tensorboard=false", "log.progress=false", "data.backend=cpu", "data
 def digits_run(tmp_path_factory):
     """Digits trained one epoch with eval.tta=hflip: validation during training ran with it."""
     run = tmp_path_factory.mktemp("tta_digits") / "run"
-    cfg = config.load(None, [f"run.dir={run}", "run.epochs=1", "model.args={width: 8}", "eval.tta=hflip",
-                             "data.batch_size=32", *FAST])
+    cfg = config.load(
+        None, [f"run.dir={run}", "run.epochs=1", "model.args={width: 8}", "eval.tta=hflip", "data.batch_size=32", *FAST]
+    )
     summary = train(cfg, quiet=True)
     return run, summary
 
@@ -76,10 +77,14 @@ def test_hflip_equals_plain_torch_on_eval_predict_and_onnx(digits_run):
     got = pred.logits(x8)
     assert (got.double() - ref).abs().max().item() < 2.1e-6  # measured 7.9e-7 (float32 log-probabilities, |.| < 9)
     top = pred.predict(list(x8[:5]), topk=1)
-    assert [r["top"][0]["prob"] for r in top] == pytest.approx(ref[:5].exp().max(1).values.tolist(), abs=1.4e-7)  # 4.8e-8
+    assert [r["top"][0]["prob"] for r in top] == pytest.approx(
+        ref[:5].exp().max(1).values.tolist(), abs=1.4e-7
+    )  # 4.8e-8
     # the ONNX graph holds the views and the combination: ONNX Runtime on the normalised batch
     r = export(run, "onnx", weights="last")  # the default file of the setting (test_bad_tta_... reads it too)
-    assert r["path"] == str(run / "export" / "model-tta-hflip.onnx") and r["tta"] == "hflip" and r["max_abs_diff"] < 2.8e-6  # parity against the torch wrapper, measured 9.5e-7
+    assert (
+        r["path"] == str(run / "export" / "model-tta-hflip.onnx") and r["tta"] == "hflip" and r["max_abs_diff"] < 2.8e-6
+    )  # parity against the torch wrapper, measured 9.5e-7
     got_onnx = onnx_logits(Path(r["path"]), x)
     assert (got_onnx.double() - ref).abs().max().item() < 4e-6  # measured 1.36e-6
     import onnx
@@ -105,10 +110,22 @@ def folder_run(tmp_path_factory):
 
     root = make_image_folder(tmp_path_factory.mktemp("tta_imgs"), per_class=8)
     run = tmp_path_factory.mktemp("tta_folder") / "run"
-    cfg = config.load(None, [f"run.dir={run}", "data.dataset=image_folder", f"data.root={root}", "run.epochs=1",
-                             "model.name=small_cnn", "model.args={width: 8}", "data.batch_size=8",
-                             "data.train.transforms=[resize: [16, 16], hflip]",
-                             "data.eval.transforms=[resize: 19, center_crop: 16]", "eval.tta=ten_crop", *FAST])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={run}",
+            "data.dataset=image_folder",
+            f"data.root={root}",
+            "run.epochs=1",
+            "model.name=small_cnn",
+            "model.args={width: 8}",
+            "data.batch_size=8",
+            "data.train.transforms=[resize: [16, 16], hflip]",
+            "data.eval.transforms=[resize: 19, center_crop: 16]",
+            "eval.tta=ten_crop",
+            *FAST,
+        ],
+    )
     train(cfg, quiet=True)
     return run, root
 
@@ -163,12 +180,15 @@ def test_combination_per_target_kind():
     torch.testing.assert_close(torch.sigmoid(z.double()), want, atol=1e-6, rtol=0)  # float32 logits: measured 6e-8
 
 
-@pytest.mark.parametrize("over, match", [
-    (["eval.tta=five_crop"], "must end with center_crop"),  # digits: no resize/center_crop in the eval spec
-    (["eval.tta=ten_crop", "data.eval.transforms=[resize: 16, center_crop: 16]"], "no resize larger than the crop"),
-    (["eval.tta=five_crop", "task=image_to_image", "data.dataset=synthetic_blur"], "outputs images"),
-    (["eval.tta=hflip", "task=video", "data.dataset=synthetic_video"], "does not support test-time augmentation"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (["eval.tta=five_crop"], "must end with center_crop"),  # digits: no resize/center_crop in the eval spec
+        (["eval.tta=ten_crop", "data.eval.transforms=[resize: 16, center_crop: 16]"], "no resize larger than the crop"),
+        (["eval.tta=five_crop", "task=image_to_image", "data.dataset=synthetic_blur"], "outputs images"),
+        (["eval.tta=hflip", "task=video", "data.dataset=synthetic_video"], "does not support test-time augmentation"),
+    ],
+)
 def test_meaningless_tta_is_refused_with_the_fix(over, match):
     """(d) at start-up (Task.check, before any data is read), naming the setting and what to do."""
     from torchsprint.tasks.core import get_task
@@ -187,8 +207,10 @@ def test_bad_tta_exits_2_with_one_line(digits_run, tmp_path, cli_in_process):
     from PIL import Image
 
     Image.new("L", (8, 8), 100).save(img)
-    for args, words in [(["eval", "-r", str(run), "eval.tta=five_crop"], "center_crop"),
-                        (["predict", "-r", str(run), str(img), "--tta", "flip"], "unknown; choose one of none, hflip")]:
+    for args, words in [
+        (["eval", "-r", str(run), "eval.tta=five_crop"], "center_crop"),
+        (["predict", "-r", str(run), str(img), "--tta", "flip"], "unknown; choose one of none, hflip"),
+    ]:
         p = cli_in_process(*args)
         assert p.returncode == 2, (args, p.stdout, p.stderr)
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]

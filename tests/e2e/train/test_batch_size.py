@@ -92,10 +92,15 @@ def decisions(run_dir: Path) -> dict:
 # ---------------------------------------------------------------- the search itself
 
 
-@pytest.mark.parametrize("limit, start, cap, good", [
-    (limit, start, cap, good) for limit in (1, 2, 3, 37, 64, 100, 511, 512, 1000)
-    for start, cap, good in ((2, 512, 0), (512, 512, 8), (1, 700, 0)) if good <= limit  # `good` is known to fit
-])
+@pytest.mark.parametrize(
+    "limit, start, cap, good",
+    [
+        (limit, start, cap, good)
+        for limit in (1, 2, 3, 37, 64, 100, 511, 512, 1000)
+        for start, cap, good in ((2, 512, 0), (512, 512, 8), (1, 700, 0))
+        if good <= limit  # `good` is known to fit
+    ],
+)
 def test_binsearch_finds_the_largest_size_that_fits(limit, start, cap, good):
     """Against brute force over every size, in at most 2 x log2(cap) + 2 trials; never tries above cap."""
     found, trials = binsearch(lambda n: n <= limit, start, cap, good=good)
@@ -150,7 +155,10 @@ def test_auto_backs_off_on_oom_and_equals_the_explicit_size_bit_for_bit(tmp_path
     assert saved["data"]["batch_size"] == 100  # resuming from the folder trains with the size found
 
     ref = run(tmp_path / "explicit", *oom_net, "model.args={limit: 100}", "data.batch_size=100")
-    a, b = load_file(str(tmp_path / "auto" / "last.safetensors")), load_file(str(tmp_path / "explicit" / "last.safetensors"))
+    a, b = (
+        load_file(str(tmp_path / "auto" / "last.safetensors")),
+        load_file(str(tmp_path / "explicit" / "last.safetensors")),
+    )
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []  # BatchNorm running statistics included
     assert auto["final"] == ref["final"] and auto["global_step"] == ref["global_step"] == 898 // 100
@@ -162,8 +170,14 @@ def test_auto_keeps_the_effective_batch_through_accumulation(tmp_path, oom_net):
     """Found 100 (out of memory above), effective batch 600: 100 x accum 6; 450: 90 (its largest divisor <= 100) x 5."""
     for effective, batch, accum in ((600, 100, 6), (450, 90, 5)):
         out = tmp_path / str(effective)
-        run(out, *oom_net, "model.args={limit: 100}", "data.batch_size=auto", f"data.effective_batch_size={effective}",
-            "run.max_steps=1")
+        run(
+            out,
+            *oom_net,
+            "model.args={limit: 100}",
+            "data.batch_size=auto",
+            f"data.effective_batch_size={effective}",
+            "run.max_steps=1",
+        )
         d = decisions(out)
         assert (d["batch_size"], d["accum_steps"], d["effective_batch_size"]) == (batch, accum, effective)
         assert f"optim.accum_steps={accum} keeps data.effective_batch_size={effective}" in d["batch_size_why"]
@@ -200,12 +214,24 @@ def test_bad_batch_size_is_one_line(value):
         config.load(None, [f"data.batch_size={value}"])
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (["data.batch_size=30", "data.effective_batch_size=100"], r"not a whole number of batches .* divisor of 100 \(e\.g\. 25\)"),
-    (["data.batch_size=auto", "data.effective_batch_size=100", "optim.accum_steps=2"], "remove optim.accum_steps=2"),
-    (["data.batch_size=25", "data.effective_batch_size=100", "optim.accum_steps=3"], "needs optim.accum_steps=4, but it is 3"),
-    (["data.batch_size=auto", "strategy=dp"], "data.batch_size=auto with strategy=dp"),
-])
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (
+            ["data.batch_size=30", "data.effective_batch_size=100"],
+            r"not a whole number of batches .* divisor of 100 \(e\.g\. 25\)",
+        ),
+        (
+            ["data.batch_size=auto", "data.effective_batch_size=100", "optim.accum_steps=2"],
+            "remove optim.accum_steps=2",
+        ),
+        (
+            ["data.batch_size=25", "data.effective_batch_size=100", "optim.accum_steps=3"],
+            "needs optim.accum_steps=4, but it is 3",
+        ),
+        (["data.batch_size=auto", "strategy=dp"], "data.batch_size=auto with strategy=dp"),
+    ],
+)
 def test_bad_combinations_are_refused(tmp_path, overrides, says):
     with pytest.raises(UsageError, match=says):
         run(tmp_path, *overrides)
@@ -238,7 +264,10 @@ def test_oom_mid_run_ends_in_one_line_and_the_checkpoint_resumes_exactly(tmp_pat
     assert "\n" not in line and "Traceback" not in line
     assert line.startswith("error: out of memory on cpu at step 5 while training (data.batch_size=64 per process")
     ckpts = find_checkpoints(tmp_path / "oom")
-    assert "lower data.batch_size (e.g. 32" in line and f"the last checkpoint, checkpoints/{ckpts[0].name}, is intact" in line
+    assert (
+        "lower data.batch_size (e.g. 32" in line
+        and f"the last checkpoint, checkpoints/{ckpts[0].name}, is intact" in line
+    )
     assert load_checkpoint(ckpts[0])["train_state"]["global_step"] == 3  # the last one written before the failure
 
     done = run(tmp_path / "oom", *oom_net, "data.batch_size=64", "checkpoint.every_steps=3", "checkpoint.resume=auto")
@@ -259,9 +288,19 @@ def test_the_probe_feeds_batches_in_the_format_the_run_plans(setting, tmp_path):
     from torchsprint.train.run import build_training
 
     make_image_folder(tmp_path / "imgs")  # RGB: with one channel (digits) NCHW and NHWC are the same memory
-    cfg = config.load(None, [f"speed.channels_last={setting}", "log.tensorboard=false", "model.name=resnet18",
-                             "data.dataset=image_folder", f"data.root={tmp_path / 'imgs'}", "data.backend=cpu",
-                             "data.batch_size=4", f"run.dir={tmp_path / 'run'}"])
+    cfg = config.load(
+        None,
+        [
+            f"speed.channels_last={setting}",
+            "log.tensorboard=false",
+            "model.name=resnet18",
+            "data.dataset=image_folder",
+            f"data.root={tmp_path / 'imgs'}",
+            "data.backend=cpu",
+            "data.batch_size=4",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+    )
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
         trial, _ = probe_trial(cfg, rt)

@@ -37,8 +37,14 @@ from torchsprint.train.run import train
 
 CPU = Runtime(torch.device("cpu"))
 # No augmentation: these runs test bookkeeping, so keep them as fast as the loader allows.
-FAST = ["model.args={width: 8}", "data.batch_size=128", "eval.per_class=false", "log.tensorboard=false",
-        "log.progress=false", "checkpoint.every_epochs=null"]
+FAST = [
+    "model.args={width: 8}",
+    "data.batch_size=128",
+    "eval.per_class=false",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "checkpoint.every_epochs=null",
+]
 
 
 def fast_run(run_dir: Path, *extra: str, quiet: bool = True) -> dict:
@@ -57,8 +63,13 @@ def make_saver(run_dir: Path, *overrides: str, rt: Runtime = CPU) -> tuple[Saver
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    saver = Saver(run_dir, cfg.checkpoint, rt, {"config": config.to_dict(cfg), "classes": ["a", "b"]},
-                  geometry=data_geometry(cfg, rt.world_size))
+    saver = Saver(
+        run_dir,
+        cfg.checkpoint,
+        rt,
+        {"config": config.to_dict(cfg), "classes": ["a", "b"]},
+        geometry=data_geometry(cfg, rt.world_size),
+    )
     return saver, (model, opt, sched, Precision("fp32", CPU.device))
 
 
@@ -81,24 +92,60 @@ def test_saver_keeps_last_k_and_best_k_and_records_every_save(tmp_path, mode, ke
 
 
 def test_checkpoint_holds_everything_needed_to_continue(tmp_path):
-    saver, (model, opt, sched, prec) = make_saver(tmp_path, "run.seed=3", "data.batch_size=32", "optim.accum_steps=2",
-                                                 "data.sampler=shuffle")  # a run resolves auto before saving
+    saver, (model, opt, sched, prec) = make_saver(
+        tmp_path, "run.seed=3", "data.batch_size=32", "optim.accum_steps=2", "data.sampler=shuffle"
+    )  # a run resolves auto before saving
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
-    path = saver.save(TrainState(epoch=1, step_in_epoch=5, global_step=20, best_metric=0.5, best_epoch=1,
-                                 epoch_loss_sum=2.5, epoch_steps=5, epoch_correct=70, epoch_samples=160),
-                      model, opt, sched, prec, metric=None)
+    path = saver.save(
+        TrainState(
+            epoch=1,
+            step_in_epoch=5,
+            global_step=20,
+            best_metric=0.5,
+            best_epoch=1,
+            epoch_loss_sum=2.5,
+            epoch_steps=5,
+            epoch_correct=70,
+            epoch_samples=160,
+        ),
+        model,
+        opt,
+        sched,
+        prec,
+        metric=None,
+    )
     ck = load_checkpoint(path)
     assert torch.equal(ck["model"]["weight"], model.weight.detach())
     assert torch.equal(ck["optimizer"]["state"][0]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
     assert ck["scheduler"]["last_epoch"] == sched.last_epoch and "scaler" in ck
-    assert ck["train_state"] == {"epoch": 1, "step_in_epoch": 5, "global_step": 20, "best_metric": 0.5,
-                                 "best_epoch": 1, "skipped_steps": 0, "epoch_loss_sum": 2.5, "epoch_steps": 5,
-                                 "epoch_correct": 70, "epoch_samples": 160, "stop_best": None, "stop_wait": 0,
-                                 "stopped_epoch": None, "best_step": None}
-    assert ck["sampler"] == {"epoch": 1, "batches_done": 10, "batch_size": 32, "accum_steps": 2, "world_size": 1, "seed": 3,
-                             "repeated_aug": 1, "data_sampler": "shuffle",
-                             "data_sampler_from_epoch": 1}
+    assert ck["train_state"] == {
+        "epoch": 1,
+        "step_in_epoch": 5,
+        "global_step": 20,
+        "best_metric": 0.5,
+        "best_epoch": 1,
+        "skipped_steps": 0,
+        "epoch_loss_sum": 2.5,
+        "epoch_steps": 5,
+        "epoch_correct": 70,
+        "epoch_samples": 160,
+        "stop_best": None,
+        "stop_wait": 0,
+        "stopped_epoch": None,
+        "best_step": None,
+    }
+    assert ck["sampler"] == {
+        "epoch": 1,
+        "batches_done": 10,
+        "batch_size": 32,
+        "accum_steps": 2,
+        "world_size": 1,
+        "seed": 3,
+        "repeated_aug": 1,
+        "data_sampler": "shuffle",
+        "data_sampler_from_epoch": 1,
+    }
     assert set(ck["rng"][0]) == {"python", "numpy", "torch"}  # + "cuda" when training on a GPU
     assert ck["config"]["run"]["seed"] == 3 and ck["classes"] == ["a", "b"]
 
@@ -158,10 +205,18 @@ def test_loading_never_executes_code_from_the_file(tmp_path):
 
 def test_saves_every_n_epochs_every_n_steps_and_at_the_end(tmp_path):
     # 3 epochs x 11 steps; steps 8, 16, 24, 32; after epoch 2 (step 22); the end (step 33).
-    fast_run(tmp_path, "run.epochs=3", "checkpoint.every_epochs=2", "checkpoint.every_steps=8", "checkpoint.keep_last=10")
+    fast_run(
+        tmp_path, "run.epochs=3", "checkpoint.every_epochs=2", "checkpoint.every_steps=8", "checkpoint.keep_last=10"
+    )
     history = json.loads((tmp_path / "checkpoints" / "status.json").read_text())["history"]
     assert [(e["epoch"], e["step_in_epoch"], e["step"]) for e in history] == [
-        (1, 8, 8), (2, 5, 16), (2, 0, 22), (3, 2, 24), (3, 10, 32), (3, 0, 33)]  # 1-based epoch numbers
+        (1, 8, 8),
+        (2, 5, 16),
+        (2, 0, 22),
+        (3, 2, 24),
+        (3, 10, 32),
+        (3, 0, 33),
+    ]  # 1-based epoch numbers
     assert [e["metric"] is None for e in history] == [True, True, False, True, True, False]
 
 
@@ -173,7 +228,9 @@ def test_resume_from_an_explicit_file_or_run_folder(tmp_path):
     assert fast_run(tmp_path / "b", f"checkpoint.resume={a}", "run.stop_after_steps=1")["global_step"] == 3
     # An explicit older file of the same folder: the newer one is another timeline now, set aside
     # so that a later `resume: auto` cannot pick it.
-    assert fast_run(a, f"checkpoint.resume={s1}", "run.stop_after_steps=2", "checkpoint.every_steps=5")["global_step"] == 3
+    assert (
+        fast_run(a, f"checkpoint.resume={s1}", "run.stop_after_steps=2", "checkpoint.every_steps=5")["global_step"] == 3
+    )
     assert [p.name for p in find_checkpoints(a)] == ["ckpt-e001-s0000003.pt", s1.name]
     assert [p.name for p in (a / "checkpoints").glob("superseded-*/*.pt")] == [s2.name]
 
@@ -202,8 +259,9 @@ assert "torchsprint" not in sys.modules
     # logits differ in the last bits (the default kernels against AVX2: not equal; oneDNN capped to AVX2 against
     # uncapped: not equal), which would say nothing about the weights.
     kernels = {k: v for k, v in os.environ.items() if k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
-    subprocess.run([sys.executable, "-c", script], check=True, cwd="/",
-                   env={"PATH": "/usr/bin", "OMP_NUM_THREADS": "1", **kernels})
+    subprocess.run(
+        [sys.executable, "-c", script], check=True, cwd="/", env={"PATH": "/usr/bin", "OMP_NUM_THREADS": "1", **kernels}
+    )
     from torchsprint.models.nets import small_cnn
 
     torch.manual_seed(0)
@@ -245,7 +303,9 @@ def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
     fast_run(tmp_path, "run.stop_after_steps=2", "checkpoint.every_steps=1")
     saved = find_checkpoints(tmp_path)
     digests = {p: sha(p) for p in saved}
-    with pytest.raises(UsageError, match=r"does not fit this model.*0\.0\.weight: file \(8, 1, 3, 3\) vs model \(16, 1, 3, 3\)"):
+    with pytest.raises(
+        UsageError, match=r"does not fit this model.*0\.0\.weight: file \(8, 1, 3, 3\) vs model \(16, 1, 3, 3\)"
+    ):
         fast_run(tmp_path, "checkpoint.resume=auto", "model.args={width: 16}")
     assert {p: sha(p) for p in find_checkpoints(tmp_path)} == digests
 
@@ -301,7 +361,9 @@ def test_full_disk_during_save_is_a_clear_error_and_loses_nothing(tmp_path, monk
     assert {e["file"] for e in status["checkpoints"]} == {p.name for p in saved}
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if TEMP_RE.match(p.name)]
     # Space freed: the run continues from the newest checkpoint and completes.
-    summary = fast_run(tmp_path, "run.epochs=1", "checkpoint.every_steps=3", "checkpoint.keep_last=5", "checkpoint.resume=auto")
+    summary = fast_run(
+        tmp_path, "run.epochs=1", "checkpoint.every_steps=3", "checkpoint.keep_last=5", "checkpoint.resume=auto"
+    )
     assert summary["global_step"] == 11 and not summary["paused"]
 
 
@@ -330,9 +392,18 @@ def _two_rank_worker(rank: int, run_dir: str, results: str) -> None:
         error = None
     except UsageError as e:
         error = str(e)
-    Path(results, f"rank{rank}.json").write_text(json.dumps(
-        {"path": str(path), "found": str(found), "files": files_after_save, "rng_ok": rng_ok, "n_rng": len(ck["rng"]),
-         "error": error}))
+    Path(results, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "path": str(path),
+                "found": str(found),
+                "files": files_after_save,
+                "rng_ok": rng_ok,
+                "n_rng": len(ck["rng"]),
+                "error": error,
+            }
+        )
+    )
     dist.destroy_process_group()
     # What this test checks is written. Once in ~14 runs here rank 0 then died of SIGABRT ("terminate called without an
     # active exception": a joinable C++ thread destroyed, gloo's, on 2026-11-29); if that comes from the destructors
@@ -372,7 +443,9 @@ def assert_whole_and_once(run_dir: Path) -> None:
                 im.load()
         elif p.suffix == ".json":
             json.loads(p.read_text())
-    rows = Counter((r["kind"], r["step"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()))
+    rows = Counter(
+        (r["kind"], r["step"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    )
     assert [k for k, n in rows.items() if n > 1] == []
 
 
@@ -387,18 +460,38 @@ def run_with_file_size_limit(tmp_path: Path, overrides: list[str], limit: int) -
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited through exec: EFBIG instead of a kill
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    return subprocess.run([sys.executable, "-m", "torchsprint", "train", *overrides], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path, preexec_fn=limit_files)
+    return subprocess.run(
+        [sys.executable, "-m", "torchsprint", "train", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        preexec_fn=limit_files,
+    )
 
 
-@pytest.mark.parametrize("fills, extra", [
-    # a linear model's checkpoint is ~27 KB, under the 32 KiB limit; the confusion matrix PNG (~36 KB) is over it
-    pytest.param("confusion_matrix.png", ["run.epochs=1", "checkpoint.every_steps=5"], marks=pytest.mark.slow),  # the
-    # same path as metrics.jsonl's below (a write outside the checkpoint failing), 10-18 s: in .ci/slow
-    # 101 steps per epoch, a record of ~220 bytes each: metrics.jsonl passes 32 KiB in epoch 2
-    ("metrics.jsonl", ["run.epochs=2", "eval.per_class=false", "data.batch_size=16", "log.every_steps=1",
-                       "checkpoint.every_steps=20"]),
-], ids=["confusion-png", "metrics-jsonl"])
+@pytest.mark.parametrize(
+    "fills, extra",
+    [
+        # a linear model's checkpoint is ~27 KB, under the 32 KiB limit; the confusion matrix PNG (~36 KB) is over it
+        pytest.param(
+            "confusion_matrix.png", ["run.epochs=1", "checkpoint.every_steps=5"], marks=pytest.mark.slow
+        ),  # the
+        # same path as metrics.jsonl's below (a write outside the checkpoint failing), 10-18 s: in .ci/slow
+        # 101 steps per epoch, a record of ~220 bytes each: metrics.jsonl passes 32 KiB in epoch 2
+        (
+            "metrics.jsonl",
+            [
+                "run.epochs=2",
+                "eval.per_class=false",
+                "data.batch_size=16",
+                "log.every_steps=1",
+                "checkpoint.every_steps=20",
+            ],
+        ),
+    ],
+    ids=["confusion-png", "metrics-jsonl"],
+)
 def test_no_room_outside_the_checkpoint_write_is_one_line_and_resume_finishes(tmp_path, capsys, fills, extra):
     """A write that finds no room outside the checkpoint's own (the confusion matrix PNG, metrics.jsonl): one line
     naming the file and the intact last checkpoint, exit 2, no cut or empty file besides the appended log's last
@@ -409,9 +502,11 @@ def test_no_room_outside_the_checkpoint_write_is_one_line_and_resume_finishes(tm
     assert first.returncode == 2 and "Traceback" not in first.stderr, first.stderr[-3000:]
     (line,) = [ln for ln in first.stderr.splitlines() if ln.startswith("error:")]
     newest = find_checkpoints(run_dir)[0]
-    assert line == (f"error: a file reached the file size limit (ulimit -f) (File too large): writing {run_dir / fills} "
-                    f"failed; the last checkpoint, {newest}, is intact: free space, then continue with `torchsprint "
-                    f"train --resume {run_dir}`."), line
+    assert line == (
+        f"error: a file reached the file size limit (ulimit -f) (File too large): writing {run_dir / fills} "
+        f"failed; the last checkpoint, {newest}, is intact: free space, then continue with `torchsprint "
+        f"train --resume {run_dir}`."
+    ), line
     if fills.endswith(".png"):
         assert not (run_dir / fills).exists()  # whole or not at all
     assert cli.main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err[-2000:]
@@ -425,7 +520,9 @@ def small_tmpfs(tmp_path: Path):
     """A real 4 MiB filesystem at tmp_path/disk for the duration (mounting one needs root: skipped elsewhere)."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()[:120]}): needs root")
     try:
@@ -444,9 +541,25 @@ def test_a_real_full_disk_mid_run_is_one_line_and_resume_finishes(tmp_path, caps
 
     with small_tmpfs(tmp_path) as disk:
         run_dir = disk / "run"
-        proc = subprocess.Popen([sys.executable, "-m", "torchsprint", "train", *ROOMY, "run.epochs=2", "eval.per_class=false",
-                                 "data.batch_size=16", "log.every_steps=1", "checkpoint.every_steps=50", f"run.dir={run_dir}"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torchsprint",
+                "train",
+                *ROOMY,
+                "run.epochs=2",
+                "eval.per_class=false",
+                "data.batch_size=16",
+                "log.every_steps=1",
+                "checkpoint.every_steps=50",
+                f"run.dir={run_dir}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
         status = run_dir / "checkpoints" / "status.json"
 
         def saved() -> bool:  # the first save done, status.json included (its own write would fail otherwise)
@@ -469,8 +582,10 @@ def test_a_real_full_disk_mid_run_is_one_line_and_resume_finishes(tmp_path, caps
         (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
         newest = find_checkpoints(run_dir)[0]
         assert line.startswith(f"error: the disk is full (No space left on device): writing {run_dir}/"), line
-        assert line.endswith(f"failed; the last checkpoint, {newest}, is intact: free space, then continue with "
-                             f"`torchsprint train --resume {run_dir}`."), line
+        assert line.endswith(
+            f"failed; the last checkpoint, {newest}, is intact: free space, then continue with "
+            f"`torchsprint train --resume {run_dir}`."
+        ), line
         (disk / "filler").unlink()
         assert cli.main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err[-2000:]
         assert json.loads((run_dir / "summary.json").read_text())["stopped"] == "completed"
@@ -492,8 +607,12 @@ def test_a_resume_on_a_full_disk_is_only_the_line_and_leaves_no_empty_event_file
             while True:
                 f.write(b"\0" * 65536)
                 f.flush()
-        resumed = subprocess.run([sys.executable, "-m", "torchsprint", "train", "--resume", str(run_dir), "run.epochs=2"],
-                                 capture_output=True, text=True, cwd=tmp_path)
+        resumed = subprocess.run(
+            [sys.executable, "-m", "torchsprint", "train", "--resume", str(run_dir), "run.epochs=2"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
         assert resumed.returncode == 2, resumed.stderr[-3000:]
         assert "Traceback" not in resumed.stderr and "Exception in thread" not in resumed.stderr, resumed.stderr[-3000:]
         (line,) = resumed.stderr.strip().splitlines()

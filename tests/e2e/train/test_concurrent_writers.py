@@ -21,8 +21,13 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # PYTHONPATH,
 
 
 def torchsprint(*args, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "torchsprint", *args], env=env or ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torchsprint", *args],
+        env=env or ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_a_second_shard_job_into_the_same_folder_is_refused(tmp_path, cli_in_process):
@@ -60,8 +65,19 @@ def test_a_second_shard_job_into_the_same_folder_is_refused(tmp_path, cli_in_pro
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("export") / "run"
-    assert cli.main(["train", "run.epochs=1", "log.tensorboard=false", "log.progress=false", "model.args={width: 4}",
-                     f"run.dir={run}"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "run.epochs=1",
+                "log.tensorboard=false",
+                "log.progress=false",
+                "model.args={width: 4}",
+                f"run.dir={run}",
+            ]
+        )
+        == 0
+    )
     return run
 
 
@@ -97,7 +113,9 @@ def test_concurrent_torchscript_exports_of_one_run(small_run, tmp_path):
     file for its parity check: 1 RuntimeError in 9 pairs, too rare for a test to catch here; the rename
     itself is proved by test_export_replaces_the_file_by_a_rename."""
     out = tmp_path / "m.pt"
-    procs = [torchsprint("export", "-r", str(small_run), "--format", "torchscript", "--out", str(out)) for _ in range(2)]
+    procs = [
+        torchsprint("export", "-r", str(small_run), "--format", "torchscript", "--out", str(out)) for _ in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     for p, (stdout, stderr) in zip(procs, results):
         assert p.returncode == 0 and "exported torchscript" in stdout, stderr

@@ -21,8 +21,14 @@ from torchsprint.train.plan import NO_SPEED, decide_speed, describe_decisions
 from torchsprint.train.run import train
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU: the decision only reads .type
-TINY = ["log.tensorboard=false", "run.max_steps=3", "checkpoint.every_epochs=null", "eval.per_class=false",
-        "log.progress=false", "model.args={width: 4}"]
+TINY = [
+    "log.tensorboard=false",
+    "run.max_steps=3",
+    "checkpoint.every_epochs=null",
+    "eval.per_class=false",
+    "log.progress=false",
+    "model.args={width: 4}",
+]
 
 
 def decide(*over, device=CUDA, world_size=1):
@@ -50,8 +56,9 @@ TABLE = [
 ]
 
 
-@pytest.mark.parametrize("over,device,world,on,why", TABLE, ids=[f"{' '.join(t[0]) or 'defaults'}-{t[1].type}-x{t[2]}"
-                                                                    for t in TABLE])
+@pytest.mark.parametrize(
+    "over,device,world,on,why", TABLE, ids=[f"{' '.join(t[0]) or 'defaults'}-{t[1].type}-x{t[2]}" for t in TABLE]
+)
 def test_the_decision_truth_table(over, device, world, on, why):
     d = decide(*over, device=device, world_size=world)
     assert d.on is on and why in d.why, d
@@ -99,8 +106,9 @@ def test_build_training_reads_one_decision(tmp_path, monkeypatch):
     assert (d["cuda_graphs"], d["cuda_graphs_why"]) == (True, said.why)
 
 
-@pytest.mark.parametrize("over, by_auto", [(["speed.channels_last=false"], True), (["speed.cuda_graphs=true"], False),
-                                           ([], True)])
+@pytest.mark.parametrize(
+    "over, by_auto", [(["speed.channels_last=false"], True), (["speed.cuda_graphs=true"], False), ([], True)]
+)
 def test_graphs_by_auto_reads_the_cuda_graphs_setting(over, by_auto):
     """graphs_by_auto (a failed capture becomes one line naming speed.cuda_graphs) follows speed.cuda_graphs, not
     another setting: it once read speed.channels_last's, so cuda_graphs=true with channels_last=auto said auto chose it,
@@ -115,28 +123,42 @@ def test_wrap_model_follows_the_decision_it_is_given(monkeypatch):
     decision inside wrap_model)."""
     calls = []
     monkeypatch.setattr(parallel, "capture_cuda_graphs", lambda m, *a, **k: calls.append(k) or m)
-    wrap_model(torch.nn.Linear(2, 2), config.load(None, ["speed.cuda_graphs=false"]).strategy, Runtime(device=CPU),
-               speed=dataclasses.replace(NO_SPEED, cuda_graphs=GraphsDecision(True, "x")), example=lambda: torch.zeros(1, 2))
+    wrap_model(
+        torch.nn.Linear(2, 2),
+        config.load(None, ["speed.cuda_graphs=false"]).strategy,
+        Runtime(device=CPU),
+        speed=dataclasses.replace(NO_SPEED, cuda_graphs=GraphsDecision(True, "x")),
+        example=lambda: torch.zeros(1, 2),
+    )
     assert len(calls) == 1
     cfg = config.load(None, [])
-    wrap_model(torch.nn.Linear(2, 2), cfg.strategy, Runtime(device=CPU),
-               speed=dataclasses.replace(NO_SPEED, cuda_graphs=GraphsDecision(False, "x")))
+    wrap_model(
+        torch.nn.Linear(2, 2),
+        cfg.strategy,
+        Runtime(device=CPU),
+        speed=dataclasses.replace(NO_SPEED, cuda_graphs=GraphsDecision(False, "x")),
+    )
     assert len(calls) == 1
     net = torch.nn.Linear(2, 2)
-    wrap_model(net, cfg.strategy, Runtime(device=CPU), speed=decide_speed(cfg.speed, cfg.strategy, net, CPU))  # cpu: off
+    wrap_model(
+        net, cfg.strategy, Runtime(device=CPU), speed=decide_speed(cfg.speed, cfg.strategy, net, CPU)
+    )  # cpu: off
     assert len(calls) == 1
 
 
 def test_a_model_auto_cannot_capture_stops_with_one_line(monkeypatch):
     """Under auto a failed capture is a UsageError naming speed.cuda_graphs=false (not a CUDA traceback); under
     true the error is torch's own."""
+
     def fails(*a, **k):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
 
     monkeypatch.setattr(parallel, "CudaGraphed", fails)
     monkeypatch.setattr(torch.random, "fork_rng", lambda **k: contextlib.nullcontext())  # its CUDA RNG needs a GPU
     net = torch.nn.Linear(2, 2)
-    with pytest.raises(UsageError, match=r"speed.cuda_graphs=auto .* operation not permitted .*speed.cuda_graphs=false"):
+    with pytest.raises(
+        UsageError, match=r"speed.cuda_graphs=auto .* operation not permitted .*speed.cuda_graphs=false"
+    ):
         parallel.capture_cuda_graphs(net, lambda: torch.zeros(1, 2), None, chosen_by_auto=True)
     with pytest.raises(RuntimeError, match="operation not permitted"):
         parallel.capture_cuda_graphs(net, lambda: torch.zeros(1, 2), None)
@@ -151,20 +173,39 @@ def test_cpu_run_says_off_and_why_and_trains_as_before(tmp_path, capsys):
     assert "optimizer update " in out
     d = json.loads((tmp_path / "auto" / "decisions.json").read_text())
     assert d["cuda_graphs"] is False and "needs a CUDA device" in d["cuda_graphs_why"]
-    assert d["optimizer_impl"] in ("foreach", "for_loop", "default") and d["optimizer_impl_why"].startswith("optim.impl=auto")
+    assert d["optimizer_impl"] in ("foreach", "for_loop", "default") and d["optimizer_impl_why"].startswith(
+        "optim.impl=auto"
+    )
     train(config.load(None, [*TINY, "speed.cuda_graphs=false", f"run.dir={tmp_path / 'off'}"]), quiet=True)
     a, b = (load_file(str(tmp_path / n / "last.safetensors")) for n in ("auto", "off"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_summary_line_reports_an_on_decision_and_the_fused_optimizer():
-    d = {"dataset": "digits", "root": None, "backend": "memory", "backend_why": "w", "device": "cuda:0", "world_size": 1,
-         "precision": "fp32", "channels_last": True, "channels_last_why": "c", "batch_size": 64, "accum_steps": 1,
-         "effective_batch_size": 64, "steps_per_epoch": 22, "epochs": 10, "cuda_graphs": True,
-         "cuda_graphs_why": "speed.cuda_graphs=auto: on (...)", "optimizer_impl": "fused",
-         "optimizer_impl_why": "optim.impl=auto: fused kernels for sgd/adam/adamw on CUDA"}
-    assert ("CUDA graphs on (speed.cuda_graphs=auto: on (...)); optimizer update fused (optim.impl=auto: fused kernels "
-            "for sgd/adam/adamw on CUDA)") in describe_decisions(d)
+    d = {
+        "dataset": "digits",
+        "root": None,
+        "backend": "memory",
+        "backend_why": "w",
+        "device": "cuda:0",
+        "world_size": 1,
+        "precision": "fp32",
+        "channels_last": True,
+        "channels_last_why": "c",
+        "batch_size": 64,
+        "accum_steps": 1,
+        "effective_batch_size": 64,
+        "steps_per_epoch": 22,
+        "epochs": 10,
+        "cuda_graphs": True,
+        "cuda_graphs_why": "speed.cuda_graphs=auto: on (...)",
+        "optimizer_impl": "fused",
+        "optimizer_impl_why": "optim.impl=auto: fused kernels for sgd/adam/adamw on CUDA",
+    }
+    assert (
+        "CUDA graphs on (speed.cuda_graphs=auto: on (...)); optimizer update fused (optim.impl=auto: fused kernels "
+        "for sgd/adam/adamw on CUDA)"
+    ) in describe_decisions(d)
 
 
 def test_impl_in_use_reads_the_built_optimizer():
@@ -176,8 +217,10 @@ def test_impl_in_use_reads_the_built_optimizer():
     assert impl_in_use(torch.optim.SGD(p, lr=0.1, fused=True), cfg)[0] == "fused"
     assert impl_in_use(torch.optim.SGD(p, lr=0.1, foreach=True), cfg)[0] == "foreach"
     assert impl_in_use(torch.optim.SGD(p, lr=0.1, foreach=False), cfg)[0] == "for_loop"
-    assert impl_in_use(torch.optim.SGD(p, lr=0.1), cfg) == ("default", "optim.impl=auto: PyTorch's choice (fused is used "
-                                                             "for sgd/adam/adamw on CUDA only)")
+    assert impl_in_use(torch.optim.SGD(p, lr=0.1), cfg) == (
+        "default",
+        "optim.impl=auto: PyTorch's choice (fused is used for sgd/adam/adamw on CUDA only)",
+    )
     args = config.load(None, ["optim.args={foreach: true}"]).optim
     assert impl_in_use(torch.optim.SGD(p, lr=0.1, foreach=True), args) == ("foreach", "optim.args.foreach=True")
 

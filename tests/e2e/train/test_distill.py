@@ -73,7 +73,7 @@ def test_kd_loss_equals_the_formula_in_plain_torch(temp, alpha, soft):
     assert abs(loss.item() - ref.item()) < 5e-6, (loss.item(), ref.item())
     # The gradient of the soft term is alpha * T * (p_s - p_t) / B (Hinton et al., eq. 2, T^2 included): checks the
     # T^2 factor and that the teacher's side is a constant, with an independent formula.
-    grad, = torch.autograd.grad(loss, s)
+    (grad,) = torch.autograd.grad(loss, s)
     p_s, p_t = torch.softmax(s.detach() / temp, 1), torch.softmax(t / temp, 1)
     q = torch.softmax(s.detach(), 1)
     hard = (q - (F.one_hot(y, 10).float() if not soft else y)) / 16
@@ -98,7 +98,11 @@ def test_teacher_stays_frozen_in_eval_mode_while_the_student_trains(teacher_run)
 
     cfg, b = build(f"distill.teacher.run={teacher_run}", "model.args={width: 4}", "data.batch_size=32")
     teacher = b.loaders.train.teacher
-    assert isinstance(teacher, Teacher) and b.plan.distill["model"] == "small_cnn" and b.plan.distill["args"] == {"width": 8}
+    assert (
+        isinstance(teacher, Teacher)
+        and b.plan.distill["model"] == "small_cnn"
+        and b.plan.distill["args"] == {"width": 8}
+    )
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     assert any("running_mean" in k for k in before)
     student_before = {k: v.clone() for k, v in b.model.state_dict().items()}
@@ -227,13 +231,19 @@ def test_teacher_from_a_weights_file_and_a_library_cache(teacher_run, tmp_path, 
     save_file(load_file(str(best)), str(plain))  # no metadata
     with pytest.raises(UsageError, match="does not say which model"):
         build(f"distill.teacher.weights={plain}")
-    _, b = build(f"distill.teacher.weights={plain}", "distill.teacher.model=small_cnn", "distill.teacher.args={width: 8}")
+    _, b = build(
+        f"distill.teacher.weights={plain}", "distill.teacher.model=small_cnn", "distill.teacher.args={width: 8}"
+    )
     assert b.plan.distill["args"] == {"width": 8}
     # A library name: torchvision's resnet18 for the digits' 10 classes and 1 channel, its file in the hub cache.
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub"))
     weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
-    lib = ["distill.teacher.model=resnet18", f"distill.teacher.weights=torchvision:ResNet18_Weights.{weights.name}",
-           "data.train.transforms=[resize: 32]", "data.eval.transforms=[resize: 32]"]
+    lib = [
+        "distill.teacher.model=resnet18",
+        f"distill.teacher.weights=torchvision:ResNet18_Weights.{weights.name}",
+        "data.train.transforms=[resize: 32]",
+        "data.eval.transforms=[resize: 32]",
+    ]
     with pytest.raises(UsageError, match=r"not in the local cache .*put the file at .*resnet18-f37072fd\.pth"):
         build(*lib)
     from torchsprint.models import build_model
@@ -257,10 +267,26 @@ def _five_class_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case", ["unknown model", "no run folder", "no such run weights", "missing file",
-                                  "corrupt file", "truncated file", "other class count", "other class names",
-                                  "restoration task", "multilabel task", "off but set", "run and model",
-                                  "model without weights", "batch auto", "library without model"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unknown model",
+        "no run folder",
+        "no such run weights",
+        "missing file",
+        "corrupt file",
+        "truncated file",
+        "other class count",
+        "other class names",
+        "restoration task",
+        "multilabel task",
+        "off but set",
+        "run and model",
+        "model without weights",
+        "batch auto",
+        "library without model",
+    ],
+)
 def test_bad_teacher_is_one_line_naming_the_fix(case, teacher_run, tmp_path):
     best = teacher_run / "best.safetensors"
     bad = tmp_path / "bad.safetensors"
@@ -272,29 +298,62 @@ def test_bad_teacher_is_one_line_naming_the_fix(case, teacher_run, tmp_path):
         meta = {"classes": json.dumps([str(9 - i) for i in range(10)]), "in_channels": "1"}
         save_file(load_file(str(best)), str(bad), metadata=meta)
     over, match = {
-        "unknown model": ([f"distill.teacher.weights={best}", "distill.teacher.model=small_cnnn"],
-                          "unknown model 'small_cnnn'. Did you mean: small_cnn"),
+        "unknown model": (
+            [f"distill.teacher.weights={best}", "distill.teacher.model=small_cnnn"],
+            "unknown model 'small_cnnn'. Did you mean: small_cnn",
+        ),
         "no run folder": ([f"distill.teacher.run={tmp_path / 'nowhere'}"], "not a torchsprint run folder"),
-        "no such run weights": ([f"distill.teacher.run={teacher_run}", "distill.teacher.weights=ema"],
-                                "has no ema.safetensors"),
-        "missing file": ([f"distill.teacher.weights={tmp_path / 'gone.safetensors'}", "distill.teacher.model=small_cnn"],
-                         "not found"),
-        "corrupt file": ([f"distill.teacher.weights={bad}", "distill.teacher.model=small_cnn"], "not a readable safetensors"),
-        "truncated file": ([f"distill.teacher.weights={bad}", "distill.teacher.model=small_cnn"],
-                           "not a readable safetensors"),
-        "other class count": ([f"distill.teacher.weights={_five_class_file(tmp_path)}", "distill.teacher.model=small_cnn",
-                               "distill.teacher.args={width: 8}"], "has 5 output classes.*this run's data has 10"),
-        "other class names": ([f"distill.teacher.weights={bad}", "distill.teacher.model=small_cnn",
-                               "distill.teacher.args={width: 8}"], "names or order differ"),
-        "restoration task": (["task=image_to_image", "data.dataset=synthetic_blur", "model.name=unet_small",
-                              f"distill.teacher.run={teacher_run}"], "task=image_to_image has image targets .no class"),
-        "multilabel task": (["task=multilabel", "data.dataset=synthetic_multilabel", f"distill.teacher.run={teacher_run}"],
-                            "task=multilabel has multi_hot targets"),
+        "no such run weights": (
+            [f"distill.teacher.run={teacher_run}", "distill.teacher.weights=ema"],
+            "has no ema.safetensors",
+        ),
+        "missing file": (
+            [f"distill.teacher.weights={tmp_path / 'gone.safetensors'}", "distill.teacher.model=small_cnn"],
+            "not found",
+        ),
+        "corrupt file": (
+            [f"distill.teacher.weights={bad}", "distill.teacher.model=small_cnn"],
+            "not a readable safetensors",
+        ),
+        "truncated file": (
+            [f"distill.teacher.weights={bad}", "distill.teacher.model=small_cnn"],
+            "not a readable safetensors",
+        ),
+        "other class count": (
+            [
+                f"distill.teacher.weights={_five_class_file(tmp_path)}",
+                "distill.teacher.model=small_cnn",
+                "distill.teacher.args={width: 8}",
+            ],
+            "has 5 output classes.*this run's data has 10",
+        ),
+        "other class names": (
+            [f"distill.teacher.weights={bad}", "distill.teacher.model=small_cnn", "distill.teacher.args={width: 8}"],
+            "names or order differ",
+        ),
+        "restoration task": (
+            [
+                "task=image_to_image",
+                "data.dataset=synthetic_blur",
+                "model.name=unet_small",
+                f"distill.teacher.run={teacher_run}",
+            ],
+            "task=image_to_image has image targets .no class",
+        ),
+        "multilabel task": (
+            ["task=multilabel", "data.dataset=synthetic_multilabel", f"distill.teacher.run={teacher_run}"],
+            "task=multilabel has multi_hot targets",
+        ),
         "off but set": (["distill.temperature=2"], "distillation is off"),
-        "run and model": ([f"distill.teacher.run={teacher_run}", "distill.teacher.model=small_cnn"],
-                          "remove distill.teacher.model"),
+        "run and model": (
+            [f"distill.teacher.run={teacher_run}", "distill.teacher.model=small_cnn"],
+            "remove distill.teacher.model",
+        ),
         "model without weights": (["distill.teacher.model=small_cnn"], "needs its weights"),
-        "batch auto": ([f"distill.teacher.run={teacher_run}", "data.batch_size=auto"], "set data.batch_size to a number"),
+        "batch auto": (
+            [f"distill.teacher.run={teacher_run}", "data.batch_size=auto"],
+            "set data.batch_size to a number",
+        ),
         "library without model": (["distill.teacher.weights=torchvision:DEFAULT"], "name the architecture"),
     }[case]
     with pytest.raises(UsageError, match=match) as e:
@@ -322,12 +381,21 @@ def test_ddp_distillation_matches_one_process(teacher_run, tmp_path, run_cli):
     batch statistics and move them apart."""
     from test_ddp import max_diff
 
-    common = [*QUIET, "model.name=linear", "run.max_steps=6", "checkpoint.every_epochs=null", "log.every_steps=2",
-              f"distill.teacher.run={teacher_run}", "distill.alpha=0.7", "distill.temperature=2"]
+    common = [
+        *QUIET,
+        "model.name=linear",
+        "run.max_steps=6",
+        "checkpoint.every_epochs=null",
+        "log.every_steps=2",
+        f"distill.teacher.run={teacher_run}",
+        "distill.alpha=0.7",
+        "distill.temperature=2",
+    ]
     ref = tmp_path / "one"
     train(config.load(None, [*common, "data.batch_size=32", f"run.dir={ref}"]), quiet=True)
-    proc = run_cli("train", "--nproc-per-node", "2", *common, "data.batch_size=16", f"run.dir={tmp_path / 'ddp'}",
-                   timeout=240)
+    proc = run_cli(
+        "train", "--nproc-per-node", "2", *common, "data.batch_size=16", f"run.dir={tmp_path / 'ddp'}", timeout=240
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     diff = max_diff(tmp_path / "ddp" / "last.safetensors", ref / "last.safetensors")
     print(f"distill, DDP vs one process: max |w_ddp - w_single| = {diff:.2e}")
@@ -352,8 +420,11 @@ def test_a_teacher_file_changed_between_pause_and_resume_is_refused(teacher_run,
         meta = f.metadata()
     state = load_file(str(teacher))
     save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}, str(teacher), metadata=meta)
-    with pytest.raises(UsageError, match=r"^distill.teacher: .*teacher.safetensors changed since this run began "
-                                         r"\(sha256 [0-9a-f]{16} then, [0-9a-f]{16} now"):
+    with pytest.raises(
+        UsageError,
+        match=r"^distill.teacher: .*teacher.safetensors changed since this run began "
+        r"\(sha256 [0-9a-f]{16} then, [0-9a-f]{16} now",
+    ):
         train(config.load(None, [*over, "checkpoint.resume=auto"]), quiet=True)
     teacher.write_bytes(original)
     done = train(config.load(None, [*over, "checkpoint.resume=auto"]), quiet=True)

@@ -38,7 +38,7 @@ def plain_loop(steps: int, batch_size: int, lr: float, accum: int = 1) -> dict[s
     for step in range(steps):
         opt.zero_grad()
         for m in range(accum):
-            b = order[(step * accum + m) * micro:(step * accum + m + 1) * micro]
+            b = order[(step * accum + m) * micro : (step * accum + m + 1) * micro]
             loss = criterion(model(x_all[b]), y_all[b])
             (loss / accum if accum > 1 else loss).backward()
         opt.step()
@@ -48,11 +48,22 @@ def plain_loop(steps: int, batch_size: int, lr: float, accum: int = 1) -> dict[s
 @pytest.mark.parametrize("accum", [1, 2])
 def test_train_matches_plain_pytorch_loop(tmp_path, accum):
     steps, bs, lr = 6, 32, 0.05
-    cfg = config.load(None, [
-        f"run.dir={tmp_path}", f"run.max_steps={steps}", "model.args={width: 8}", f"data.batch_size={bs}",
-        f"optim.lr={lr}", "optim.no_decay_norm_bias=false", "sched.name=constant", f"optim.accum_steps={accum}",
-        "log.tensorboard=false", "eval.per_class=false", "speed.channels_last=false",  # NCHW, like the plain loop
-    ])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={tmp_path}",
+            f"run.max_steps={steps}",
+            "model.args={width: 8}",
+            f"data.batch_size={bs}",
+            f"optim.lr={lr}",
+            "optim.no_decay_norm_bias=false",
+            "sched.name=constant",
+            f"optim.accum_steps={accum}",
+            "log.tensorboard=false",
+            "eval.per_class=false",
+            "speed.channels_last=false",  # NCHW, like the plain loop
+        ],
+    )
     train(cfg, quiet=True)
     got = load_file(str(tmp_path / "last.safetensors"))
     want = plain_loop(steps, bs, lr, accum)
@@ -66,12 +77,21 @@ def test_train_matches_plain_pytorch_loop(tmp_path, accum):
 
 
 def test_image_folder_end_to_end(tmp_path, image_folder):
-    cfg = config.load(None, [
-        f"run.dir={tmp_path / 'run'}", "data.dataset=image_folder", f"data.root={image_folder}", "data.batch_size=4",
-        "data.train.transforms=[random_resized_crop: {size: 16, scale: [0.6, 1.0]}, hflip, normalize: imagenet]",
-        "data.eval.transforms=[resize: 18, center_crop: 16, normalize: imagenet]",
-        "model.args={width: 8}", "run.epochs=4", "log.tensorboard=false", "optim.lr=0.05",
-    ])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "data.dataset=image_folder",
+            f"data.root={image_folder}",
+            "data.batch_size=4",
+            "data.train.transforms=[random_resized_crop: {size: 16, scale: [0.6, 1.0]}, hflip, normalize: imagenet]",
+            "data.eval.transforms=[resize: 18, center_crop: 16, normalize: imagenet]",
+            "model.args={width: 8}",
+            "run.epochs=4",
+            "log.tensorboard=false",
+            "optim.lr=0.05",
+        ],
+    )
     summary = train(cfg, quiet=True)
     assert summary["final"]["val/count"] == 12
     assert summary["final"]["val/top1"] >= 0.75  # a disc vs a square: easy, but needs real decoding to learn
@@ -79,12 +99,25 @@ def test_image_folder_end_to_end(tmp_path, image_folder):
 
 
 def test_gradient_clipping_bounds_the_update(tmp_path):
-    cfg = config.load(None, [f"run.dir={tmp_path}", "run.max_steps=1", "model.args={width: 8}", "optim.lr=1.0",
-                             "optim.momentum=0", "optim.weight_decay=0", "optim.clip_grad_norm=0.001",
-                             "sched.name=constant", "log.tensorboard=false"])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={tmp_path}",
+            "run.max_steps=1",
+            "model.args={width: 8}",
+            "optim.lr=1.0",
+            "optim.momentum=0",
+            "optim.weight_decay=0",
+            "optim.clip_grad_norm=0.001",
+            "sched.name=constant",
+            "log.tensorboard=false",
+        ],
+    )
     torch.manual_seed(0)
     before = small_cnn(num_classes=10, in_channels=1, width=8).state_dict()
     train(cfg, quiet=True)
     after = load_file(str(tmp_path / "last.safetensors"))
-    delta = torch.sqrt(sum(((after[k] - before[k]) ** 2).sum() for k in before if "running" not in k and "num_batches" not in k))
+    delta = torch.sqrt(
+        sum(((after[k] - before[k]) ** 2).sum() for k in before if "running" not in k and "num_batches" not in k)
+    )
     assert delta <= 0.001 * 1.0 + 1e-6  # |lr * clipped grad| <= lr * max_norm

@@ -48,8 +48,16 @@ from torchsprint.train.validation import early_stop_check, evaluate, is_better, 
 
 CPU = torch.device("cpu")
 N_TRAIN, N_VAL, C, H, W, K = 40, 24, 1, 4, 4, 3  # 40 images of 1x4x4, 3 classes
-FAST = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "data.backend=memory",
-        "data.batch_size=8", "sched.name=constant", "optim.momentum=0", "optim.weight_decay=0"]
+FAST = [
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "data.backend=memory",
+    "data.batch_size=8",
+    "sched.name=constant",
+    "optim.momentum=0",
+    "optim.weight_decay=0",
+]
 
 
 def dataset(seed: int = 0) -> Splits:
@@ -77,8 +85,16 @@ class Run(SimpleNamespace):
         return [r for r in rows if kind is None or r["kind"] == kind]
 
 
-def setup(tmp_path: Path, *overrides: str, lr: float = 0.1, sched=None, ema: bool = False, prec: str = "fp32",
-          on_nonfinite: str = "skip", model: nn.Module | None = None) -> Run:
+def setup(
+    tmp_path: Path,
+    *overrides: str,
+    lr: float = 0.1,
+    sched=None,
+    ema: bool = False,
+    prec: str = "fp32",
+    on_nonfinite: str = "skip",
+    model: nn.Module | None = None,
+) -> Run:
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = config.load(None, [*FAST, f"optim.lr={lr}", f"run.dir={tmp_path}", *overrides])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -90,11 +106,30 @@ def setup(tmp_path: Path, *overrides: str, lr: float = 0.1, sched=None, ema: boo
     if run_ema is not None:
         run_ema.attach(model)
     logger = RunLogger(tmp_path, cfg.log, console=True)
-    saver = Saver(tmp_path, cfg.checkpoint, rt, {"classes": loaders.info.classes}, geometry=data_geometry(cfg, 1),
-                  log=logger.info, ema=run_ema)
-    return Run(cfg=cfg, rt=rt, loaders=loaders, model=model, opt=opt, sched=sched, logger=logger, saver=saver,
-               prec=Precision(prec, CPU, on_nonfinite=on_nonfinite), loss_fn=nn.CrossEntropyLoss(), dir=tmp_path,
-               ema=run_ema, state=TrainState())
+    saver = Saver(
+        tmp_path,
+        cfg.checkpoint,
+        rt,
+        {"classes": loaders.info.classes},
+        geometry=data_geometry(cfg, 1),
+        log=logger.info,
+        ema=run_ema,
+    )
+    return Run(
+        cfg=cfg,
+        rt=rt,
+        loaders=loaders,
+        model=model,
+        opt=opt,
+        sched=sched,
+        logger=logger,
+        saver=saver,
+        prec=Precision(prec, CPU, on_nonfinite=on_nonfinite),
+        loss_fn=nn.CrossEntropyLoss(),
+        dir=tmp_path,
+        ema=run_ema,
+        state=TrainState(),
+    )
 
 
 def batches(loader, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -102,8 +137,9 @@ def batches(loader, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x.clone(), y.clone()) for x, y in loader]
 
 
-def plain_steps(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], lr: float,
-                clip: float | None = None) -> list[float]:
+def plain_steps(
+    model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], lr: float, clip: float | None = None
+) -> list[float]:
     """SGD over groups of micro-batches (gradients averaged over the group), written without torchsprint.
     Returns each step's mean micro-batch loss."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -124,7 +160,7 @@ def plain_steps(model: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Ten
 
 
 def group(bs: list, accum: int) -> list[list]:
-    return [bs[i:i + accum] for i in range(0, len(bs), accum)]
+    return [bs[i : i + accum] for i in range(0, len(bs), accum)]
 
 
 def plan_of(r: Run):
@@ -133,18 +169,37 @@ def plan_of(r: Run):
 
 
 def one_epoch(r: Run, stop=None, ema=NO_EMA) -> dict:
-    b = SimpleNamespace(model=r.model, loaders=r.loaders, loss_fn=r.loss_fn, opt=r.opt, sched=r.sched, prec=r.prec, ema=ema)
+    b = SimpleNamespace(
+        model=r.model, loaders=r.loaders, loss_fn=r.loss_fn, opt=r.opt, sched=r.sched, prec=r.prec, ema=ema
+    )
     return train_one_epoch(b, r.state, plan_of(r), RunContext(r.rt, r.dir, r.logger, r.saver, stop))
 
 
 def run_fit(r: Run, pass_task: bool = True, **kw) -> dict:
     """fit as run.train calls it; pass_task=False leaves `task` to fit's default (classification)."""
     task = get_task("classification")
-    built = SimpleNamespace(model=r.model, loaders=r.loaders, loss_fn=r.loss_fn, opt=r.opt, sched=r.sched, prec=r.prec,
-                            ema=r.ema if r.ema is not None else NO_EMA, frozen_norms=[], head_only=NO_HEAD_ONLY)
+    built = SimpleNamespace(
+        model=r.model,
+        loaders=r.loaders,
+        loss_fn=r.loss_fn,
+        opt=r.opt,
+        sched=r.sched,
+        prec=r.prec,
+        ema=r.ema if r.ema is not None else NO_EMA,
+        frozen_norms=[],
+        head_only=NO_HEAD_ONLY,
+    )
     stop = kw.pop("stop", None) or Stopper(r.cfg.run, r.state.global_step)
-    ctx = RunContext(r.rt, r.dir, r.logger, r.saver, stop, weights_meta={"model": "tiny"}, task=task if pass_task else None,
-                     make_metrics=lambda: task.make_metrics(r.loaders.info, r.cfg.eval, CPU))
+    ctx = RunContext(
+        r.rt,
+        r.dir,
+        r.logger,
+        r.saver,
+        stop,
+        weights_meta={"model": "tiny"},
+        task=task if pass_task else None,
+        make_metrics=lambda: task.make_metrics(r.loaders.info, r.cfg.eval, CPU),
+    )
     return fit(plan_of(r), built, r.state, ctx)
 
 
@@ -158,7 +213,7 @@ def plain_top1(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) 
 
 
 def test_train_step_one_micro_batch_is_one_plain_sgd_step():
-    (x, y), = [(torch.randn(6, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1, 2]))]
+    ((x, y),) = [(torch.randn(6, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1, 2]))]
     model, ref = tiny_model(), tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     correct: list = []
@@ -168,7 +223,7 @@ def test_train_step_one_micro_batch_is_one_plain_sgd_step():
         assert torch.equal(a, b)  # the same operations in the same order: bit-identical
         assert a.grad is None  # zero_grad(set_to_none=True)
     assert loss.item() == want[0] and not loss.requires_grad
-    (pred, tgt), = correct
+    ((pred, tgt),) = correct
     assert torch.equal(pred, ref_logits_argmax(x)) and tgt is y
 
 
@@ -231,7 +286,9 @@ def test_train_step_clips_the_gradient_norm_like_a_plain_loop():
     plain_steps(unclipped, [micro], 1.0)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
-    moved = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(model.parameters(), tiny_model().parameters(), strict=True)))
+    moved = torch.sqrt(
+        sum(((a - b) ** 2).sum() for a, b in zip(model.parameters(), tiny_model().parameters(), strict=True))
+    )
     assert moved <= 0.01 * (1 + 1e-5)  # lr 1 x clipped norm 0.01
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), unclipped.parameters(), strict=True))
 
@@ -323,8 +380,10 @@ def test_epoch_totals_sum_in_float64():
 
 def test_epoch_means():
     assert epoch_means(TrainState()) == {}
-    assert epoch_means(TrainState(epoch_loss_sum=3.0, epoch_steps=4, epoch_correct=3, epoch_samples=12)) == \
-        {"train/epoch_loss": 0.75, "train/epoch_top1": 0.25}
+    assert epoch_means(TrainState(epoch_loss_sum=3.0, epoch_steps=4, epoch_correct=3, epoch_samples=12)) == {
+        "train/epoch_loss": 0.75,
+        "train/epoch_top1": 0.25,
+    }
     assert epoch_means(TrainState(epoch_correct=1, epoch_samples=2)) == {"train/epoch_top1": 0.5}
 
 
@@ -359,13 +418,25 @@ def test_check_finite_counts_skipped_steps_and_names_the_bad_step():
 # ---------------------------------------------------------------- early stopping
 
 
-@pytest.mark.parametrize(("value", "best", "mode", "delta", "want"), [
-    (1.0, None, "max", 0.0, True), (1.0, None, "min", 5.0, True),
-    (0.6, 0.5, "max", 0.0, True), (0.5, 0.5, "max", 0.0, False), (0.4, 0.5, "max", 0.0, False),
-    (0.6, 0.5, "max", 0.1, False), (0.61, 0.5, "max", 0.1, True), (0.55, 0.5, "max", 0.1, False),
-    (0.4, 0.5, "min", 0.0, True), (0.5, 0.5, "min", 0.0, False), (0.6, 0.5, "min", 0.0, False),
-    (0.4, 0.5, "min", 0.1, False), (0.39, 0.5, "min", 0.1, True), (0.45, 0.5, "min", 0.1, False),
-])
+@pytest.mark.parametrize(
+    ("value", "best", "mode", "delta", "want"),
+    [
+        (1.0, None, "max", 0.0, True),
+        (1.0, None, "min", 5.0, True),
+        (0.6, 0.5, "max", 0.0, True),
+        (0.5, 0.5, "max", 0.0, False),
+        (0.4, 0.5, "max", 0.0, False),
+        (0.6, 0.5, "max", 0.1, False),
+        (0.61, 0.5, "max", 0.1, True),
+        (0.55, 0.5, "max", 0.1, False),
+        (0.4, 0.5, "min", 0.0, True),
+        (0.5, 0.5, "min", 0.0, False),
+        (0.6, 0.5, "min", 0.0, False),
+        (0.4, 0.5, "min", 0.1, False),
+        (0.39, 0.5, "min", 0.1, True),
+        (0.45, 0.5, "min", 0.1, False),
+    ],
+)
 def test_is_better(value, best, mode, delta, want):
     assert is_better(value, best, mode, delta) is want
 
@@ -423,8 +494,14 @@ def plain_epoch(model, bs, lrs, accum):
 
 def test_train_one_epoch_matches_a_plain_loop_logs_each_window_and_sums_the_epoch(tmp_path, capsys):
     # 5 batches of 8, 2 per step: steps of 2, 2 and 1 micro-batches; the lr falls every step (interval=step)
-    r = setup(tmp_path, "optim.accum_steps=2", "log.every_steps=2", "sched.interval=step", "run.epochs=3",
-              sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)))
+    r = setup(
+        tmp_path,
+        "optim.accum_steps=2",
+        "log.every_steps=2",
+        "sched.interval=step",
+        "run.epochs=3",
+        sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)),
+    )
     bs = batches(r.loaders.train, 0)
     ref = tiny_model()
     want, hits = plain_epoch(ref, bs, [0.1, 0.1 / 2, 0.1 / 3], accum=2)
@@ -450,8 +527,13 @@ def test_train_one_epoch_matches_a_plain_loop_logs_each_window_and_sums_the_epoc
 
 
 def test_train_one_epoch_resumes_mid_epoch_at_the_next_step(tmp_path):
-    r = setup(tmp_path, "optim.accum_steps=2", "log.every_steps=1", "sched.interval=epoch",
-              sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)))
+    r = setup(
+        tmp_path,
+        "optim.accum_steps=2",
+        "log.every_steps=1",
+        "sched.interval=epoch",
+        sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)),
+    )
     r.state = TrainState(epoch=1, step_in_epoch=1, global_step=4, epoch_loss_sum=2.0, epoch_steps=1)
     bs = batches(r.loaders.train, 1)[2:]  # step 1 of epoch 1 (batches 0-1) is done
     ref = tiny_model()
@@ -500,7 +582,9 @@ def test_train_one_epoch_draws_the_progress_bar_on_a_terminal(tmp_path, monkeypa
 @pytest.mark.parametrize("how", ["max_steps", "stop_at"])
 def test_train_one_epoch_stops_at_max_steps_or_stop_at(tmp_path, how):
     # 5 batches, 2 per step: 3 steps per epoch (the last of one batch); stopped after 2 of them
-    r = setup(tmp_path, "log.every_steps=100", "optim.accum_steps=2", *(["run.max_steps=2"] if how == "max_steps" else []))
+    r = setup(
+        tmp_path, "log.every_steps=100", "optim.accum_steps=2", *(["run.max_steps=2"] if how == "max_steps" else [])
+    )
     r.state.global_step = 10 if how == "stop_at" else 0
     r.loaders.train.set_epoch(0, start_batch=4)  # where a previous, resumed epoch left the loader: 1 batch to go
     stop = Stopper(r.cfg.run.model_copy(update={"stop_after_steps": 2}), start_step=10)  # a pause at global step 12
@@ -554,8 +638,9 @@ def test_the_kill_fault_lands_after_the_step_and_its_checkpoint(tmp_path):
         p.kill()
         p.join()
     assert p.exitcode == -signal.SIGKILL
-    assert sorted(x.name for x in (tmp_path / "checkpoints").glob("*.pt")) == \
-        [f"ckpt-e001-s000000{i}.pt" for i in (1, 2, 3)]
+    assert sorted(x.name for x in (tmp_path / "checkpoints").glob("*.pt")) == [
+        f"ckpt-e001-s000000{i}.pt" for i in (1, 2, 3)
+    ]
     # Without the fault (here, in this process; mutmut also sees which engine functions the test calls):
     r = setup(tmp_path / "plain", "log.every_steps=100")
     assert one_epoch(r)["finished_epoch"] and r.state.global_step == 5
@@ -577,15 +662,25 @@ def test_train_one_epoch_counts_skipped_non_finite_steps(tmp_path):
 
 def test_train_one_epoch_stops_on_a_non_finite_loss_naming_its_step(tmp_path):
     # The lr becomes inf at the 2nd step: its loss is still finite, the 3rd step's is not.
-    r = setup(tmp_path, "log.every_steps=3", "sched.interval=step", on_nonfinite="stop",
-              sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 1 else float("inf")))
+    r = setup(
+        tmp_path,
+        "log.every_steps=3",
+        "sched.interval=step",
+        on_nonfinite="stop",
+        sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 1 else float("inf")),
+    )
     with pytest.raises(Diverged, match="loss became non-finite .* at step 3, with precision=fp32"):
         one_epoch(r)
 
 
 def test_train_one_epoch_at_epoch_end_checks_the_steps_after_the_last_log_step(tmp_path):
-    r = setup(tmp_path, "log.every_steps=4", "sched.interval=step", on_nonfinite="stop",
-              sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 3 else float("inf")))
+    r = setup(
+        tmp_path,
+        "log.every_steps=4",
+        "sched.interval=step",
+        on_nonfinite="stop",
+        sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 3 else float("inf")),
+    )
     with pytest.raises(Diverged, match="at step 5,"):  # steps 1-4 finite and logged; step 5 diverges
         one_epoch(r)
     assert r.state.global_step == 5
@@ -636,12 +731,20 @@ def test_report_epoch_logs_means_throughput_and_flags_input_bound_runs(tmp_path,
     state = TrainState(epoch=2, global_step=7, epoch_loss_sum=3.0, epoch_steps=4, epoch_correct=3, epoch_samples=12)
     report_epoch(r.logger, state, {"data_wait": 0.5, "seconds": 2.0, "images": 400}, r.loaders.train, "memory")
     out = capsys.readouterr().out
-    assert out == ("epoch 3: train loss 0.7500, top1 0.2500, 200 img/s, data wait 25% - input-bound: the loader (memory) "
-                   "is the bottleneck; try more data.num_workers or another data.backend (memory for small datasets, gpu "
-                   "for JPEGs on CUDA); `torchsprint bench` measures which pays off\n")
+    assert out == (
+        "epoch 3: train loss 0.7500, top1 0.2500, 200 img/s, data wait 25% - input-bound: the loader (memory) "
+        "is the bottleneck; try more data.num_workers or another data.backend (memory for small datasets, gpu "
+        "for JPEGs on CUDA); `torchsprint bench` measures which pays off\n"
+    )
     (row,) = r.rows("epoch")
-    assert row == row | {"step": 7, "epoch": 3, "train/epoch_loss": 0.75, "train/epoch_top1": 0.25,
-                         "train/epoch_images_per_s": 200.0, "train/data_wait_share": 0.25}
+    assert row == row | {
+        "step": 7,
+        "epoch": 3,
+        "train/epoch_loss": 0.75,
+        "train/epoch_top1": 0.25,
+        "train/epoch_images_per_s": 200.0,
+        "train/data_wait_share": 0.25,
+    }
     report_epoch(r.logger, state, {"data_wait": 0.2, "seconds": 1.0, "images": 10}, r.loaders.train, "memory")
     out = capsys.readouterr().out
     assert "data wait 20%" in out and "input-bound" not in out  # 0.20 is not above the threshold
@@ -653,8 +756,9 @@ def test_report_epoch_logs_means_throughput_and_flags_input_bound_runs(tmp_path,
     report_epoch(r.logger, state, {"data_wait": 2e-9, "seconds": 0.0, "images": 0}, object(), "memory")
     assert r.rows("epoch")[-1]["train/data_wait_share"] == 2.0
     r.loaders.train.skipped.extend(f"bad{i}.jpg" for i in range(105))
-    report_epoch(r.logger, TrainState(global_step=12), {"data_wait": 0.0, "seconds": 1.0, "images": 0}, r.loaders.train,
-                 "cpu")
+    report_epoch(
+        r.logger, TrainState(global_step=12), {"data_wait": 0.0, "seconds": 1.0, "images": 0}, r.loaders.train, "cpu"
+    )
     out = capsys.readouterr().out
     assert "105 unreadable sample(s) skipped this epoch, e.g. ['bad0.jpg', 'bad1.jpg', 'bad2.jpg']" in out
     assert "epoch 1: train 0 img/s, data wait 0%" in out
@@ -669,13 +773,21 @@ def test_report_epoch_logs_means_throughput_and_flags_input_bound_runs(tmp_path,
 
 def test_fit_trains_evaluates_every_n_epochs_and_saves_the_best_and_last_weights(tmp_path, capsys):
     # 3 epochs of 5 steps; lr halves every epoch (interval=epoch); evaluations after epochs 2 and 3 (the last)
-    r = setup(tmp_path, "run.epochs=3", "eval.every_epochs=2", "log.every_steps=1", "sched.interval=epoch", "eval.per_class=true",
-              lr=0.5, sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 ** e))
+    r = setup(
+        tmp_path,
+        "run.epochs=3",
+        "eval.every_epochs=2",
+        "log.every_steps=1",
+        "sched.interval=epoch",
+        "eval.per_class=true",
+        lr=0.5,
+        sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e),
+    )
     ref = tiny_model()
     val = batches(r.loaders.val, 0)
     top1 = {}
     for e in range(3):
-        plain_epoch(ref, batches(r.loaders.train, e), [0.5 * 0.5 ** e] * 5, accum=1)
+        plain_epoch(ref, batches(r.loaders.train, e), [0.5 * 0.5**e] * 5, accum=1)
         top1[e + 1] = plain_top1(ref, val)
     t0 = time.perf_counter()
     summary = run_fit(r)
@@ -702,8 +814,11 @@ def test_fit_trains_evaluates_every_n_epochs_and_saves_the_best_and_last_weights
     # Totals over the epochs, recomputed from each epoch's row (seconds = images / images_per_s): float rounding only
     secs = [40 / x["train/epoch_images_per_s"] for x in epochs]
     assert math.isclose(summary["train_images_per_s"], 120 / sum(secs), rel_tol=1e-12)
-    assert math.isclose(summary["data_wait_share"], sum(x["train/data_wait_share"] * t for x, t in zip(epochs, secs,
-                                                                                                      strict=True)) / sum(secs), rel_tol=1e-12)
+    assert math.isclose(
+        summary["data_wait_share"],
+        sum(x["train/data_wait_share"] * t for x, t in zip(epochs, secs, strict=True)) / sum(secs),
+        rel_tol=1e-12,
+    )
     assert sum(secs) <= summary["seconds"] <= wall  # fit's own time, within the time around the call
     assert (r.state.epoch, r.state.step_in_epoch, r.state.epoch_steps, r.state.epoch_samples) == (3, 0, 0, 0)
     assert (r.state.epoch_loss_sum, r.state.epoch_correct) == (0.0, 0)
@@ -715,8 +830,13 @@ def test_fit_trains_evaluates_every_n_epochs_and_saves_the_best_and_last_weights
         assert f.metadata() == {"model": "tiny", "epoch": "3", "step": "15"}
     with safe_open(str(tmp_path / "best.safetensors"), "pt") as f:
         meta = f.metadata()
-    assert meta == {"model": "tiny", "epoch": str(best_epoch), "step": str(5 * best_epoch), "val/top1": meta["val/top1"],
-                    "weights": "model"}
+    assert meta == {
+        "model": "tiny",
+        "epoch": str(best_epoch),
+        "step": str(5 * best_epoch),
+        "val/top1": meta["val/top1"],
+        "weights": "model",
+    }
     assert float(meta["val/top1"]) == summary["best_metric"]
     assert not (tmp_path / "ema.safetensors").exists()
     assert (tmp_path / "confusion_matrix.csv").is_file()  # the task's artifacts go with the best weights
@@ -732,11 +852,19 @@ def test_fit_trains_evaluates_every_n_epochs_and_saves_the_best_and_last_weights
 
 
 def test_fit_checkpoints_every_n_epochs(tmp_path):
-    r = setup(tmp_path, "run.epochs=3", "checkpoint.every_epochs=2", "checkpoint.keep_last=5", "checkpoint.keep_best=0",
-              "eval.every_epochs=5")
+    r = setup(
+        tmp_path,
+        "run.epochs=3",
+        "checkpoint.every_epochs=2",
+        "checkpoint.keep_last=5",
+        "checkpoint.keep_best=0",
+        "eval.every_epochs=5",
+    )
     run_fit(r)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == \
-        ["ckpt-e002-s0000010.pt", "ckpt-e003-s0000015.pt"]  # epoch 2, and the last
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == [
+        "ckpt-e002-s0000010.pt",
+        "ckpt-e003-s0000015.pt",
+    ]  # epoch 2, and the last
     assert [x["epoch"] for x in r.rows("eval")] == [3]
 
 
@@ -750,24 +878,40 @@ def test_fit_best_weights_follow_the_monitor_in_min_mode(tmp_path):
 
 def test_fit_refuses_a_monitor_that_is_not_a_metric(tmp_path):
     r = setup(tmp_path, "run.epochs=1", "checkpoint.monitor=val/nope")
-    with pytest.raises(UsageError, match=r"checkpoint.monitor=val/nope is not a metric; available: \['val/balanced_acc', "
-                                         r"'val/class_imbalance', 'val/count', 'val/f1_macro', 'val/loss', 'val/min_recall', "
-                                         r"'val/top1'\]"):
+    with pytest.raises(
+        UsageError,
+        match=r"checkpoint.monitor=val/nope is not a metric; available: \['val/balanced_acc', "
+        r"'val/class_imbalance', 'val/count', 'val/f1_macro', 'val/loss', 'val/min_recall', "
+        r"'val/top1'\]",
+    ):
         run_fit(r)
-    r = setup(tmp_path / "name", "run.epochs=1", "checkpoint.monitor=val/min_recall_class")  # a class name, not a number
+    r = setup(
+        tmp_path / "name", "run.epochs=1", "checkpoint.monitor=val/min_recall_class"
+    )  # a class name, not a number
     with pytest.raises(UsageError, match=r"checkpoint.monitor=val/min_recall_class is not a metric"):
         run_fit(r)
 
 
 def test_fit_stops_at_max_steps_mid_epoch_and_evaluates(tmp_path):
-    r = setup(tmp_path, "run.epochs=3", "run.max_steps=7", "checkpoint.keep_last=5", "checkpoint.every_steps=3",
-              "sched.interval=step", sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)))
+    r = setup(
+        tmp_path,
+        "run.epochs=3",
+        "run.max_steps=7",
+        "checkpoint.keep_last=5",
+        "checkpoint.every_steps=3",
+        "sched.interval=step",
+        sched=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)),
+    )
     summary = run_fit(r)
     assert summary["global_step"] == 7 and summary["paused"] is False
     assert [x["step"] for x in r.rows("eval")] == [5, 7]  # epoch 1's end, and the stop
     assert (r.state.epoch, r.state.step_in_epoch) == (1, 2)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == \
-        ["ckpt-e001-s0000003.pt", "ckpt-e001-s0000005.pt", "ckpt-e002-s0000006.pt", "ckpt-e002-s0000007.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == [
+        "ckpt-e001-s0000003.pt",
+        "ckpt-e001-s0000005.pt",
+        "ckpt-e002-s0000006.pt",
+        "ckpt-e002-s0000007.pt",
+    ]
     assert r.opt.param_groups[0]["lr"] == pytest.approx(0.1 / 8)  # 7 steps, and no extra step at the epoch end
     assert (tmp_path / "last.safetensors").is_file()
 
@@ -781,8 +925,10 @@ def test_fit_pauses_mid_epoch_without_evaluating_and_continues_like_an_uninterru
     assert r.rows("eval") == [] and [x["epoch"] for x in r.rows("epoch")] == [1]
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").glob("*.pt")) == ["ckpt-e001-s0000003.pt"]
     assert not (tmp_path / "r" / "last.safetensors").exists()
-    assert f"paused at step 3 (run.stop_after_steps); continue with checkpoint.resume=auto or `torchsprint train " \
-           f"--resume {tmp_path / 'r'}`" in capsys.readouterr().out
+    assert (
+        f"paused at step 3 (run.stop_after_steps); continue with checkpoint.resume=auto or `torchsprint train "
+        f"--resume {tmp_path / 'r'}`" in capsys.readouterr().out
+    )
     assert (r.state.epoch, r.state.step_in_epoch) == (0, 3)
     r.cfg = config.load(None, [*FAST, "optim.lr=0.1", f"run.dir={tmp_path / 'r'}", "run.epochs=2"])
     summary = run_fit(r)  # the same objects: continues at step 4
@@ -805,16 +951,26 @@ def test_fit_pausing_at_an_epoch_end_evaluates_and_finishes_the_epoch(tmp_path):
 
 
 def test_fit_stops_early_when_the_monitor_stops_improving(tmp_path, capsys):
-    r = setup(tmp_path, "run.epochs=6", "early_stop.patience=2", "early_stop.min_delta=0.5", "checkpoint.keep_last=1",
-              "checkpoint.keep_best=0", "checkpoint.every_epochs=null")  # the stop itself saves a checkpoint
+    r = setup(
+        tmp_path,
+        "run.epochs=6",
+        "early_stop.patience=2",
+        "early_stop.min_delta=0.5",
+        "checkpoint.keep_last=1",
+        "checkpoint.keep_best=0",
+        "checkpoint.every_epochs=null",
+    )  # the stop itself saves a checkpoint
     summary = run_fit(r, pass_task=False)  # top1 never improves by 0.5 after the first evaluation: stops after epoch 3
     evals = [x["val/top1"] for x in r.rows("eval")]
     assert len(evals) == 3
     assert summary["early_stop"] == {"stopped_epoch": 3, "best": evals[0], "wait": 2, "patience": 2, "min_delta": 0.5}
     assert summary["global_step"] == 15 and summary["paused"] is False
     rows = r.rows("early_stop")
-    assert [(x["early_stop/wait"], x["early_stop/stopped"], x["epoch"], x["step"]) for x in rows] == \
-        [(0, False, 1, 5), (1, False, 2, 10), (2, True, 3, 15)]
+    assert [(x["early_stop/wait"], x["early_stop/stopped"], x["epoch"], x["step"]) for x in rows] == [
+        (0, False, 1, 5),
+        (1, False, 2, 10),
+        (2, True, 3, 15),
+    ]
     # measured top1: 0.25, 0.333, 0.333: the best is the first of the two equal maxima, not the last evaluation
     assert summary["best_epoch"] == 1 + evals.index(max(evals)) == 2
     assert all(x["early_stop/best"] == evals[0] for x in rows)
@@ -822,14 +978,24 @@ def test_fit_stops_early_when_the_monitor_stops_improving(tmp_path, capsys):
     assert [p.name for p in (tmp_path / "checkpoints").glob("*.pt")] == ["ckpt-e003-s0000015.pt"]
     assert (tmp_path / "last.safetensors").is_file()
     out = capsys.readouterr().out
-    assert f"early stop after epoch 3: val/top1 has not improved by more than 0.5 for 2 evaluation(s) (best " \
-           f"{evals[0]:.4g})" in out
+    assert (
+        f"early stop after epoch 3: val/top1 has not improved by more than 0.5 for 2 evaluation(s) (best "
+        f"{evals[0]:.4g})" in out
+    )
     assert f"epoch 3/6  {get_task('classification').summary(r.rows('eval')[-1])}\n" in out  # fit's default task
 
 
 def test_fit_evaluates_and_saves_the_ema(tmp_path, capsys):
-    r = setup(tmp_path, "run.epochs=2", "ema.enabled=true", "ema.decay=0.5", "checkpoint.monitor=ema/val/top1",
-              "eval.per_class=true", ema=True, lr=0.5)
+    r = setup(
+        tmp_path,
+        "run.epochs=2",
+        "ema.enabled=true",
+        "ema.decay=0.5",
+        "checkpoint.monitor=ema/val/top1",
+        "eval.per_class=true",
+        ema=True,
+        lr=0.5,
+    )
     summary = run_fit(r)
     val = batches(r.loaders.val, 0)
     evals = r.rows("eval")
@@ -913,8 +1079,14 @@ def test_fit_reports_skipped_samples_and_input_bound_epochs(tmp_path, capsys):
 
 @pytest.mark.parametrize(("mode", "monitor"), [("max", "val/top1"), ("min", "val/loss")])
 def test_fit_early_stop_follows_the_checkpoint_mode(tmp_path, mode, monitor):
-    r = setup(tmp_path, "run.epochs=6", "early_stop.patience=1", f"checkpoint.monitor={monitor}", f"checkpoint.mode={mode}",
-              lr=0.5)
+    r = setup(
+        tmp_path,
+        "run.epochs=6",
+        "early_stop.patience=1",
+        f"checkpoint.monitor={monitor}",
+        f"checkpoint.mode={mode}",
+        lr=0.5,
+    )
     summary = run_fit(r)
     values = [x[monitor] for x in r.rows("eval")]
     want = plain_early_stop(values, 1, 0.0, mode)
@@ -922,6 +1094,7 @@ def test_fit_early_stop_follows_the_checkpoint_mode(tmp_path, mode, monitor):
     assert summary["early_stop"]["stopped_epoch"] == (stopped[0] if stopped else None)
     assert len(values) == (stopped[0] if stopped else 6)
     # the same values read in the other direction stop elsewhere: the mode is what decides
-    other = [i for i, (*_, stop) in enumerate(plain_early_stop(values, 1, 0.0, "min" if mode == "max" else "max"), 1)
-             if stop]
+    other = [
+        i for i, (*_, stop) in enumerate(plain_early_stop(values, 1, 0.0, "min" if mode == "max" else "max"), 1) if stop
+    ]
     assert other[:1] != stopped[:1]

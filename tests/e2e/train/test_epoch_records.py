@@ -15,8 +15,14 @@ from torchsprint import config
 from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.run import train
 
-FAST = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false",
-        "data.batch_size=128", "data.val_fraction=0.5"]  # 898 training images: 7 steps per epoch
+FAST = [
+    "model.args={width: 8}",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "data.batch_size=128",
+    "data.val_fraction=0.5",
+]  # 898 training images: 7 steps per epoch
 
 
 def run(tmp_path, name, *overrides):
@@ -26,8 +32,9 @@ def run(tmp_path, name, *overrides):
 
 
 def test_epoch_loss_is_the_mean_of_the_step_losses_and_epochs_count_from_one(tmp_path):
-    summary, rows = run(tmp_path, "a", "run.epochs=2", "log.every_steps=1", "checkpoint.every_steps=3",
-                        "checkpoint.keep_last=10")
+    summary, rows = run(
+        tmp_path, "a", "run.epochs=2", "log.every_steps=1", "checkpoint.every_steps=3", "checkpoint.keep_last=10"
+    )
     steps = [r for r in rows if r["kind"] == "train"]
     epochs = [r for r in rows if r["kind"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [1, 2]
@@ -40,22 +47,38 @@ def test_epoch_loss_is_the_mean_of_the_step_losses_and_epochs_count_from_one(tmp
         # hits over the 7 x 128 = 896 images trained on (drop_last leaves out 2 of the 898): a whole number of hits
         hits = e["train/epoch_top1"] * 896
         assert abs(hits - round(hits)) < 1e-9 and 0 < round(hits) < 896, hits
-    assert epochs[1]["train/epoch_loss"] < epochs[0]["train/epoch_loss"]  # it learns: means are per epoch, not cumulative
+    assert (
+        epochs[1]["train/epoch_loss"] < epochs[0]["train/epoch_loss"]
+    )  # it learns: means are per epoch, not cumulative
     # best: the first evaluation with the highest val/top1 (checkpoint.monitor's default, mode max)
     top1 = [r["val/top1"] for r in rows if r["kind"] == "eval"]
     assert (summary["best_epoch"], summary["best_metric"]) == (top1.index(max(top1)) + 1, max(top1)), top1
     names = sorted(p.name for p in find_checkpoints(tmp_path / "a"))
     # Steps 3 and 6 fall in epoch 1, 9 and 12 in epoch 2, the epoch ends at 7 and 14.
-    assert names == ["ckpt-e001-s0000003.pt", "ckpt-e001-s0000006.pt", "ckpt-e001-s0000007.pt",
-                     "ckpt-e002-s0000009.pt", "ckpt-e002-s0000012.pt", "ckpt-e002-s0000014.pt"]
+    assert names == [
+        "ckpt-e001-s0000003.pt",
+        "ckpt-e001-s0000006.pt",
+        "ckpt-e001-s0000007.pt",
+        "ckpt-e002-s0000009.pt",
+        "ckpt-e002-s0000012.pt",
+        "ckpt-e002-s0000014.pt",
+    ]
 
 
 def test_epoch_accuracy_counts_the_hits_a_plain_loop_counts(tmp_path):
     """With a learning rate of 1e-30 the weights never change (w - 1e-30 * g rounds to w in float32), so the
     training accuracy of the epoch is the accuracy of the saved weights over the training set; a batch of
     449 divides the 898 training images, so no image is dropped."""
-    _, rows = run(tmp_path, "a", "model.name=linear", "model.args={}", "optim.lr=1e-30", "optim.weight_decay=0",
-                  "data.batch_size=449", "run.epochs=1")
+    _, rows = run(
+        tmp_path,
+        "a",
+        "model.name=linear",
+        "model.args={}",
+        "optim.lr=1e-30",
+        "optim.weight_decay=0",
+        "data.batch_size=449",
+        "run.epochs=1",
+    )
     (epoch,) = [r for r in rows if r["kind"] == "epoch"]
     from torchsprint.data import DATASETS
 
@@ -71,13 +94,16 @@ def test_epoch_accuracy_counts_the_hits_a_plain_loop_counts(tmp_path):
 def test_a_run_paused_mid_epoch_reports_the_same_epoch_means(tmp_path):
     _, ref = run(tmp_path, "ref", "run.epochs=2", "log.every_steps=1")
     run(tmp_path, "b", "run.epochs=2", "run.stop_after_steps=3", "checkpoint.every_steps=3", "log.every_steps=1")
-    _, got = run(tmp_path, "b", "run.epochs=2", "checkpoint.resume=auto", "checkpoint.every_steps=3", "log.every_steps=1")
+    _, got = run(
+        tmp_path, "b", "run.epochs=2", "checkpoint.resume=auto", "checkpoint.every_steps=3", "log.every_steps=1"
+    )
     # resumed, not started over: each of the 14 steps logged once over both invocations
     assert [r["step"] for r in got if r["kind"] == "train"] == list(range(1, 15))
     keys = ("epoch", "train/epoch_loss", "train/epoch_top1")
     # Sums of a few float32 losses in float64 are exact whatever the grouping: equal, not close.
-    assert [[r[k] for k in keys] for r in got if r["kind"] == "epoch"][-2:] == \
-        [[r[k] for k in keys] for r in ref if r["kind"] == "epoch"]
+    assert [[r[k] for k in keys] for r in got if r["kind"] == "epoch"][-2:] == [
+        [r[k] for k in keys] for r in ref if r["kind"] == "epoch"
+    ]
 
 
 def test_sigkill_after_an_epoch_line_at_a_checkpoint_step_then_resume_logs_each_record_once(tmp_path):
@@ -102,12 +128,19 @@ def test_sigkill_after_an_epoch_line_at_a_checkpoint_step_then_resume_logs_each_
     # a slow disk: torch.save writes a checkpoint in ~220 calls here, so ~1 s per checkpoint, the time to see the write
     env = fault_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), slow_write_s="0.005")
     with open(tmp_path / "out.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "torchsprint", "train", *FAST, *over, f"run.dir={run_dir}"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torchsprint", "train", *FAST, *over, f"run.dir={run_dir}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
     try:
         assert _wait(lambda: "epoch 1: train" in (tmp_path / "out.log").read_text(), proc, timeout=120)
         # the step-2 checkpoint is on disk by now: a temp file is the epoch's own checkpoint being written
-        assert _wait(lambda: bool(_temp_files(run_dir, proc.pid)), proc, timeout=120), (tmp_path / "out.log").read_text()
+        assert _wait(lambda: bool(_temp_files(run_dir, proc.pid)), proc, timeout=120), (
+            tmp_path / "out.log"
+        ).read_text()
         proc.kill()
     finally:
         proc.wait()
@@ -117,5 +150,6 @@ def test_sigkill_after_an_epoch_line_at_a_checkpoint_step_then_resume_logs_each_
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {(r["kind"], r["step"]) for r in rows} >= {("epoch", 2), ("eval", 2)}  # logged after the checkpoint
     _, got = run(tmp_path, "run", *over, "checkpoint.resume=auto")
-    assert Counter((r["kind"], r["step"]) for r in got) == Counter((r["kind"], r["step"]) for r in ref), \
-        [(r["kind"], r["step"]) for r in got]
+    assert Counter((r["kind"], r["step"]) for r in got) == Counter((r["kind"], r["step"]) for r in ref), [
+        (r["kind"], r["step"]) for r in got
+    ]

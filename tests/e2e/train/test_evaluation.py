@@ -14,8 +14,20 @@ from torchsprint.train.run import train
 def test_missing_weights_say_why_and_name_the_weights_the_run_has(tmp_path):
     run_dir = tmp_path / "paused"
     # Paused after 3 steps with an evaluation every 2: best.safetensors exists, last.safetensors does not yet.
-    train(config.load(None, ["model.args={width: 4}", "log.tensorboard=false", "log.progress=false",
-                             "eval.every_steps=2", "run.stop_after_steps=3", f"run.dir={run_dir}"]), quiet=True)
+    train(
+        config.load(
+            None,
+            [
+                "model.args={width: 4}",
+                "log.tensorboard=false",
+                "log.progress=false",
+                "eval.every_steps=2",
+                "run.stop_after_steps=3",
+                f"run.dir={run_dir}",
+            ],
+        ),
+        quiet=True,
+    )
     assert (run_dir / "best.safetensors").is_file() and not (run_dir / "last.safetensors").exists()
     with pytest.raises(UsageError) as e:
         evaluate_run(run_dir, weights="last")
@@ -35,8 +47,10 @@ def test_eval_gives_the_runs_own_validation_figures_to_the_last_digit(tmp_path, 
     "fp64") is evaluated in float64: its float64 weights loaded into fp32 parameters gave a val/loss 1e-8 off."""
     run_dir = tmp_path / "run"
     fmt = ["precision=fp64"] if channels_last == "fp64" else [f"speed.channels_last={channels_last}"]
-    s = train(config.load(None, ["run.epochs=2", *fmt, "log.tensorboard=false", "log.progress=false",
-                                 f"run.dir={run_dir}"]), quiet=True)
+    s = train(
+        config.load(None, ["run.epochs=2", *fmt, "log.tensorboard=false", "log.progress=false", f"run.dir={run_dir}"]),
+        quiet=True,
+    )
     if channels_last == "fp64":
         from safetensors.torch import load_file
 

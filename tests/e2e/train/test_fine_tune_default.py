@@ -82,14 +82,28 @@ def test_cached_weights_are_fine_tuned_with_their_normalisation_lr_and_head_firs
     assert got["data.train.transforms"]["value"][-1] == {"normalize": IMAGENET}  # the record says so too
     assert cfg.optim.lr == pytest.approx(0.01 * 64 / 256) and cfg.sched.warmup_epochs == 0
     assert cfg.model.freeze_epochs == 1 and "sched.warmup_epochs" not in got
-    assert str(path) in got["model.pretrained"]["why"] and "model.pretrained=null" in got["model.pretrained"]["override"]
+    assert (
+        str(path) in got["model.pretrained"]["why"] and "model.pretrained=null" in got["model.pretrained"]["override"]
+    )
     # ImageNet's statistics are what torchvision publishes with the weights, read from it (not typed here).
     t = torchvision.models.ResNet18_Weights.DEFAULT.transforms()
     assert start.normalization("torchvision:DEFAULT", "resnet18") == (list(t.mean), list(t.std))
 
     run = online / "run"
-    summary = train(load_resolved(None, [f"data.root={root}", *FAST, "run.epochs=2", "run.max_steps=1",
-                                       f"run.dir={run}", "checkpoint.every_epochs=null"]), quiet=True)
+    summary = train(
+        load_resolved(
+            None,
+            [
+                f"data.root={root}",
+                *FAST,
+                "run.epochs=2",
+                "run.max_steps=1",
+                f"run.dir={run}",
+                "checkpoint.every_epochs=null",
+            ],
+        ),
+        quiet=True,
+    )
     assert summary["init"]["file"] == str(path) and summary["init"]["head_replaced"] == ["fc.weight", "fc.bias"]
     trained = load_file(str(run / "last.safetensors"))
     # One step in the head-only epoch: the body is the file's, bit for bit (BatchNorm statistics too: frozen BN
@@ -183,8 +197,16 @@ def test_what_the_user_sets_wins(online, r18_state):
     assert load_resolved(None, [*base, "model.name=resnet34"]).model.pretrained is None  # a named model: not picked
     mine = load_resolved(None, [*base, "optim.lr=0.05", "model.freeze_epochs=0"])
     assert (mine.model.pretrained, mine.optim.lr, mine.model.freeze_epochs) == ("torchvision:DEFAULT", 0.05, 0)
-    own = load_resolved(None, [*base, "model.name=resnet18", "model.pretrained=torchvision:DEFAULT",
-                             "data.train.transforms=[resize: 64]", "data.eval.transforms=[resize: 64]"])
+    own = load_resolved(
+        None,
+        [
+            *base,
+            "model.name=resnet18",
+            "model.pretrained=torchvision:DEFAULT",
+            "data.train.transforms=[resize: 64]",
+            "data.eval.transforms=[resize: 64]",
+        ],
+    )
     assert own.data.train.transforms == [{"resize": 64}] and own.model.freeze_epochs == 1  # named weights: fine-tuned
     assert own.optim.lr == pytest.approx(0.0025)
     short = load_resolved(None, [*base, "run.epochs=1"])  # one epoch: no room for a head-only epoch
@@ -215,15 +237,36 @@ def test_a_resnet_from_scratch_starts_each_block_as_the_identity(online, name, l
     # With the photo defaults' warm-up it stays off: there it slowed learning (val top-1 0.980 vs 1.000 after 10
     # epochs, BENCHMARKS.md "Zero-initialised residuals: with and without a warm-up").
     assert load_resolved(None, [f"data.root={root}", *FAST, f"model.name={name}"]).model.args == {}
-    cfg = load_resolved(None, [f"data.root={root}", *FAST, f"model.name={name}", "optim.lr=0.1", "sched.warmup_epochs=0"])
+    cfg = load_resolved(
+        None, [f"data.root={root}", *FAST, f"model.name={name}", "optim.lr=0.1", "sched.warmup_epochs=0"]
+    )
     assert cfg.model.args == {"zero_init_residual": True}
     model = build_model(cfg.model, num_classes=2, in_channels=3)
     reference = torchvision.models.get_model(name, num_classes=2, zero_init_residual=True)  # torchvision's own switch
     zeros = {k for k, v in reference.state_dict().items() if k.endswith(f"{last_bn}.weight") and not v.any()}
     assert zeros and all(not model.state_dict()[k].any() for k in zeros)
     assert model.state_dict()["bn1.weight"].all()  # the stem's BatchNorm is not a block's last
-    off = load_resolved(None, [f"data.root={root}", *FAST, f"model.name={name}", "sched.warmup_epochs=0",
-                             "model.args={zero_init_residual: false}"])
+    off = load_resolved(
+        None,
+        [
+            f"data.root={root}",
+            *FAST,
+            f"model.name={name}",
+            "sched.warmup_epochs=0",
+            "model.args={zero_init_residual: false}",
+        ],
+    )
     assert off.model.args == {"zero_init_residual": False}
-    assert load_resolved(None, [f"data.root={root}", *FAST, "model.name=resnet18", "sched.warmup_epochs=0",
-                              "model.pretrained=x.safetensors"]).model.args == {}
+    assert (
+        load_resolved(
+            None,
+            [
+                f"data.root={root}",
+                *FAST,
+                "model.name=resnet18",
+                "sched.warmup_epochs=0",
+                "model.pretrained=x.safetensors",
+            ],
+        ).model.args
+        == {}
+    )

@@ -15,8 +15,17 @@ from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.run import build_training, train
 
 # digits: 1437 training images, batch 64 -> 22 steps per epoch; the head of small_cnn is its last Linear ("7.").
-OVER = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.device=cpu",
-        "data.backend=memory", "run.epochs=3", "model.freeze_epochs=2", "data.train.transforms=[random_crop: {size: 8, padding: 1}]"]
+OVER = [
+    "model.args={width: 8}",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "run.device=cpu",
+    "data.backend=memory",
+    "run.epochs=3",
+    "model.freeze_epochs=2",
+    "data.train.transforms=[random_crop: {size: 8, padding: 1}]",
+]
 HEAD = ("7.weight", "7.bias")
 
 
@@ -75,12 +84,15 @@ def test_frozen_epochs_change_training():
     assert [n for n, p in b.model.named_parameters() if p.requires_grad] == list(HEAD)
 
 
-@pytest.mark.parametrize("over,says", [
-    (["model.freeze_epochs=1", "model.head=[nothing.*]"], "matches no parameter"),
-    (["model.freeze_epochs=1", "model.head=['*']"], "nothing would be frozen"),
-    (["model.head=['7.*']"], "set model.freeze_epochs"),
-    (["model.freeze_epochs=1", "strategy.name=dp"], "strategy=single"),
-])
+@pytest.mark.parametrize(
+    "over,says",
+    [
+        (["model.freeze_epochs=1", "model.head=[nothing.*]"], "matches no parameter"),
+        (["model.freeze_epochs=1", "model.head=['*']"], "nothing would be frozen"),
+        (["model.head=['7.*']"], "set model.freeze_epochs"),
+        (["model.freeze_epochs=1", "strategy.name=dp"], "strategy=single"),
+    ],
+)
 def test_bad_settings_are_refused(over, says):
     cfg = config.load(None, ["model.args={width: 8}", "run.device=cpu", *over])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -105,10 +117,21 @@ def test_ddp_matches_one_process_and_resumes_exactly_across_the_switch(tmp_path)
     import freeze_ddp_worker as worker
 
     out = tmp_path / "ddp"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             str(WORKERS / "freeze_ddp_worker.py"), str(out)],
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(WORKERS / "freeze_ddp_worker.py"),
+            str(out),
+        ],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     # The one-process reference and the initial weights, while the DDP runs train.
     one = [*worker.COMMON, "data.batch_size=64"]
     cfg = config.load(None, [*one, f"run.dir={tmp_path / 'unused'}"])
@@ -143,7 +166,9 @@ def test_ddp_matches_one_process_and_resumes_exactly_across_the_switch(tmp_path)
     assert summary["final"]["val/top1"] == pytest.approx(single["final"]["val/top1"], abs=1e-3)
     for run in worker.PAUSES:
         lines = [json.loads(x) for x in (out / run / "metrics.jsonl").read_text().splitlines()]
-        assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, 43)), run  # resumed, not started over
+        assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, 43)), (
+            run
+        )  # resumed, not started over
         w = load_file(str(out / run / "last.safetensors"))
         assert all(torch.equal(w[k], final[k]) for k in final), run
         assert json.loads((out / run / "summary.json").read_text())["final"] == summary["final"], run

@@ -22,7 +22,13 @@ from torchsprint.data.core import EpochSampler, balanced_weights
 from torchsprint.errors import UsageError
 from torchsprint.train.run import build_training, train
 
-QUIET = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "model.args={width: 8}", "run.device=cpu"]
+QUIET = [
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "model.args={width: 8}",
+    "run.device=cpu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +58,17 @@ def test_sampler_class_frequencies_are_balanced():
 @pytest.mark.parametrize("backend", ["cpu", "memory"])
 def test_loader_draws_classes_equally_on_every_backend(skewed, backend):
     """Labels the real loader delivers over 10 epochs of 30 draws: about 150 of each class, not 240:60."""
-    cfg = config.load(None, QUIET + ["data.dataset=image_folder", f"data.root={skewed}", f"data.backend={backend}",
-                                     "data.sampler=balanced", "data.batch_size=5"])
+    cfg = config.load(
+        None,
+        QUIET
+        + [
+            "data.dataset=image_folder",
+            f"data.root={skewed}",
+            f"data.backend={backend}",
+            "data.sampler=balanced",
+            "data.batch_size=5",
+        ],
+    )
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     loaders = build_loaders(cfg.data, rt, seed=0)
     seen = Counter()
@@ -90,16 +105,27 @@ def test_ddp_shards_are_disjoint_equal_and_one_global_draw():
     assert list(zip(idx, seeds)) == list(one)[7:]  # mid-epoch resume skips exactly
 
 
-@pytest.mark.parametrize("sampler,stop", [
-    (["data.sampler=balanced"], 5),  # stopped mid-epoch 1 (7 steps an epoch)
-    # deferred: epoch 1 shuffles, epoch 2 draws by sqrt frequency; stopped mid-epoch 2, after the switch
-    (["data.sampler=sqrt", "data.sampler_from_epoch=2"], 10),
-])
+@pytest.mark.parametrize(
+    "sampler,stop",
+    [
+        (["data.sampler=balanced"], 5),  # stopped mid-epoch 1 (7 steps an epoch)
+        # deferred: epoch 1 shuffles, epoch 2 draws by sqrt frequency; stopped mid-epoch 2, after the switch
+        (["data.sampler=sqrt", "data.sampler_from_epoch=2"], 10),
+    ],
+)
 def test_balanced_run_resumes_exactly_and_changes_training(skewed, tmp_path, sampler, stop):
     """A run stopped mid-epoch and resumed ends with the uninterrupted run's weights (the draw is a function of the
     epoch); the weighted draw changes the weights (the setting is honoured) and keeps the epoch's length."""
-    over = QUIET + ["data.dataset=image_folder", f"data.root={skewed}", "data.backend=memory", *sampler,
-                    "data.batch_size=4", "run.epochs=2", "data.train.transforms=[hflip]", "log.every_steps=1"]
+    over = QUIET + [
+        "data.dataset=image_folder",
+        f"data.root={skewed}",
+        "data.backend=memory",
+        *sampler,
+        "data.batch_size=4",
+        "run.epochs=2",
+        "data.train.transforms=[hflip]",
+        "log.every_steps=1",
+    ]
     full = train(config.load(None, [*over, f"run.dir={tmp_path / 'a'}"]), quiet=True)
     train(config.load(None, [*over, f"run.dir={tmp_path / 'b'}", f"run.stop_after_steps={stop}"]), quiet=True)
     resumed = train(config.load(None, [*over, f"run.dir={tmp_path / 'b'}", "checkpoint.resume=auto"]), quiet=True)
@@ -115,8 +141,18 @@ def test_balanced_run_resumes_exactly_and_changes_training(skewed, tmp_path, sam
 def test_class_weights_equal_sklearn_and_reach_the_loss(skewed):
     from sklearn.utils.class_weight import compute_class_weight
 
-    cfg = config.load(None, QUIET + ["data.dataset=image_folder", f"data.root={skewed}", "data.backend=memory",
-                                     "loss.class_weights=auto", "data.batch_size=30", "data.drop_last=false"])
+    cfg = config.load(
+        None,
+        QUIET
+        + [
+            "data.dataset=image_folder",
+            f"data.root={skewed}",
+            "data.backend=memory",
+            "loss.class_weights=auto",
+            "data.batch_size=30",
+            "data.drop_last=false",
+        ],
+    )
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     b = build_training(cfg, rt, log=lambda *_: None)
     labels = np.array([0] * 24 + [1] * 6)
@@ -131,29 +167,52 @@ def test_class_weights_equal_sklearn_and_reach_the_loss(skewed):
     assert not torch.allclose(F.cross_entropy(logits, y), expected)  # the weights change the loss here
 
 
-@pytest.mark.parametrize("over,says", [
-    (["task=multilabel", "data.dataset=synthetic_multilabel", "data.sampler=balanced", "data.root=ROOT"],
-     "data.sampler=balanced balance classes, but task=multilabel"),
-    (["task=image_to_image", "data.dataset=synthetic_blur", "model.name=unet_small", "loss.class_weights=auto",
-      "data.root=ROOT"], "loss.class_weights=auto balance classes, but task=image_to_image"),
-    (["loss.class_weights=auto", "loss.name=bce_with_logits"], "use loss.name=cross_entropy"),
-    (["loss.class_weights=auto", "loss.args={weight: [1,1,1,1,1,1,1,1,1,1]}"], "keep one"),
-    (["data.sampler=balanced", "data.repeated_aug=2"], "use one of them"),
-])
+@pytest.mark.parametrize(
+    "over,says",
+    [
+        (
+            ["task=multilabel", "data.dataset=synthetic_multilabel", "data.sampler=balanced", "data.root=ROOT"],
+            "data.sampler=balanced balance classes, but task=multilabel",
+        ),
+        (
+            [
+                "task=image_to_image",
+                "data.dataset=synthetic_blur",
+                "model.name=unet_small",
+                "loss.class_weights=auto",
+                "data.root=ROOT",
+            ],
+            "loss.class_weights=auto balance classes, but task=image_to_image",
+        ),
+        (["loss.class_weights=auto", "loss.name=bce_with_logits"], "use loss.name=cross_entropy"),
+        (["loss.class_weights=auto", "loss.args={weight: [1,1,1,1,1,1,1,1,1,1]}"], "keep one"),
+        (["data.sampler=balanced", "data.repeated_aug=2"], "use one of them"),
+    ],
+)
 def test_bad_settings_are_refused(tmp_path, over, says):
     quiet = [o for o in QUIET if not o.startswith("eval.per_class")]  # refused for multilabel itself
-    cfg = config.load(None, quiet + [o.replace("ROOT", str(tmp_path / "d")) for o in over] + [f"run.dir={tmp_path / 'r'}"])
+    cfg = config.load(
+        None, quiet + [o.replace("ROOT", str(tmp_path / "d")) for o in over] + [f"run.dir={tmp_path / 'r'}"]
+    )
     with pytest.raises(UsageError, match=re.escape(says)):
         train(cfg, quiet=True, dry_run=True)
     assert not (tmp_path / "r").exists()
 
 
 def test_refusal_is_one_line_exit_2(cli_in_process, tmp_path):
-    r = cli_in_process("train", "--dry-run", "task=multilabel", "data.dataset=synthetic_multilabel", "data.sampler=balanced",
-                f"data.root={tmp_path / 'd'}")
+    r = cli_in_process(
+        "train",
+        "--dry-run",
+        "task=multilabel",
+        "data.dataset=synthetic_multilabel",
+        "data.sampler=balanced",
+        f"data.root={tmp_path / 'd'}",
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: data.sampler=balanced") and "task=multilabel" in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: data.sampler=balanced") and "task=multilabel" in lines[0], (
+        r.stderr
+    )
 
 
 # ---------------------------------------------------------------- sqrt, deferred, logit adjustment, default
@@ -201,8 +260,18 @@ def test_logit_adjusted_loss_equals_a_hand_computation(skewed):
     """loss.logit_adjust=tau: the run's loss is -log softmax(z + tau * log(prior))[y], prior = training counts / total
     (24 and 6 of 30 here), computed by hand in float64. Catches the shift's sign, a missing tau, a prior from the
     validation split, and the shift leaking into predictions (the model's logits are unchanged)."""
-    cfg = config.load(None, QUIET + ["data.dataset=image_folder", f"data.root={skewed}", "data.backend=memory",
-                                     "loss.logit_adjust=1.5", "data.batch_size=30", "data.drop_last=false"])
+    cfg = config.load(
+        None,
+        QUIET
+        + [
+            "data.dataset=image_folder",
+            f"data.root={skewed}",
+            "data.backend=memory",
+            "loss.logit_adjust=1.5",
+            "data.batch_size=30",
+            "data.drop_last=false",
+        ],
+    )
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     b = build_training(cfg, rt, log=lambda *_: None)
     b.loaders.train.set_epoch(0)
@@ -215,17 +284,24 @@ def test_logit_adjusted_loss_equals_a_hand_computation(skewed):
     assert b.cfg.loss.logit_adjust == 1.5 and not b.cfg.chosen()  # set by the user: no default on top
 
 
-@pytest.mark.parametrize("over,says", [
-    (["data.sampler=shuffle", "data.sampler_from_epoch=2"], "but data.sampler=shuffle;"),
-    (["data.sampler_from_epoch=2"], "but data.sampler=auto (the training classes are 1.1x imbalanced"),  # digits
-    (["data.sampler=sqrt", "data.sampler_from_epoch=3", "run.epochs=2"], "after the run's last epoch"),
-    (["loss.logit_adjust=1", "loss.name=bce_with_logits"], "use loss.name=cross_entropy"),
-    (["task=multilabel", "data.dataset=synthetic_multilabel", "loss.logit_adjust=1", "data.root=ROOT"],
-     "loss.logit_adjust=1 balance classes, but task=multilabel"),
-])
+@pytest.mark.parametrize(
+    "over,says",
+    [
+        (["data.sampler=shuffle", "data.sampler_from_epoch=2"], "but data.sampler=shuffle;"),
+        (["data.sampler_from_epoch=2"], "but data.sampler=auto (the training classes are 1.1x imbalanced"),  # digits
+        (["data.sampler=sqrt", "data.sampler_from_epoch=3", "run.epochs=2"], "after the run's last epoch"),
+        (["loss.logit_adjust=1", "loss.name=bce_with_logits"], "use loss.name=cross_entropy"),
+        (
+            ["task=multilabel", "data.dataset=synthetic_multilabel", "loss.logit_adjust=1", "data.root=ROOT"],
+            "loss.logit_adjust=1 balance classes, but task=multilabel",
+        ),
+    ],
+)
 def test_new_settings_are_refused_where_they_would_be_ignored(tmp_path, over, says):
     quiet = [o for o in QUIET if not o.startswith("eval.per_class")]
-    cfg = config.load(None, quiet + [o.replace("ROOT", str(tmp_path / "d")) for o in over] + [f"run.dir={tmp_path / 'r'}"])
+    cfg = config.load(
+        None, quiet + [o.replace("ROOT", str(tmp_path / "d")) for o in over] + [f"run.dir={tmp_path / 'r'}"]
+    )
     with pytest.raises(UsageError, match=re.escape(says)):
         train(cfg, quiet=True, dry_run=True)
 
@@ -296,28 +372,43 @@ def test_default_through_the_cli_is_printed_recorded_and_overridable(cli_in_proc
     from torchsprint.data.core import AUTO_SAMPLER, AUTO_SAMPLER_RATIO
     from torchsprint.train.imbalance import MONITOR
 
-    common = ["train", "model.name=small_cnn", "run.epochs=1", "log.progress=false", "log.tensorboard=false",
-              "data.batch_size=8", "run.device=cpu"]
+    common = [
+        "train",
+        "model.name=small_cnn",
+        "run.epochs=1",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "data.batch_size=8",
+        "run.device=cpu",
+    ]
     r = cli_in_process(*common, f"data.root={tenfold}", f"run.dir={tmp_path / 'a'}")
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
-    assert f"data.sampler: {AUTO_SAMPLER} (data.sampler=auto: the training classes are 10.0x imbalanced" in out, out[-3000:]
+    assert f"data.sampler: {AUTO_SAMPLER} (data.sampler=auto: the training classes are 10.0x imbalanced" in out, out[
+        -3000:
+    ]
     assert f"checkpoint.monitor: {MONITOR} (" in out and "to choose otherwise: set checkpoint.monitor=val/top1" in out
     decided = json.loads((tmp_path / "a" / "decisions.json").read_text())
-    assert [c["setting"] for c in decided["chosen"] if c["setting"] in ("data.sampler", "checkpoint.monitor")] == \
-        ["data.sampler", "checkpoint.monitor"]
+    assert [c["setting"] for c in decided["chosen"] if c["setting"] in ("data.sampler", "checkpoint.monitor")] == [
+        "data.sampler",
+        "checkpoint.monitor",
+    ]
     saved = yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())
     assert saved["data"]["sampler"] == AUTO_SAMPLER and saved["checkpoint"]["monitor"] == MONITOR
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     # the best weights' metric is the balanced accuracy (10:3 validation: top-1 differs unless every recall is equal)
     assert summary["best_metric"] == summary["final"]["val/balanced_acc"], summary
-    for over, root in ((["data.sampler=shuffle"], tenfold), ([], skewed)):  # set by the user; 4:1, under or at the ratio
+    for over, root in (
+        (["data.sampler=shuffle"], tenfold),
+        ([], skewed),
+    ):  # set by the user; 4:1, under or at the ratio
         run_dir = tmp_path / f"r{len(over)}"
         r = cli_in_process(*common, *over, f"data.root={root}", f"run.dir={run_dir}")
         assert r.returncode == 0, r.stderr[-2000:]
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
         chosen = [c["setting"] for c in json.loads((run_dir / "decisions.json").read_text())["chosen"]]
         applies = not over and 4.0 >= AUTO_SAMPLER_RATIO
-        assert (saved["data"]["sampler"], "data.sampler" in chosen) == \
-            ((AUTO_SAMPLER, True) if applies else ("shuffle", False)), (over, saved["data"], chosen)
+        assert (saved["data"]["sampler"], "data.sampler" in chosen) == (
+            (AUTO_SAMPLER, True) if applies else ("shuffle", False)
+        ), (over, saved["data"], chosen)
         assert saved["checkpoint"]["monitor"] == (MONITOR if applies else "val/top1")

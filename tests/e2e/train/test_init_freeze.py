@@ -18,8 +18,14 @@ from torchsprint.state.resume import find_checkpoints
 from torchsprint.train.engine import set_train_mode
 from torchsprint.train.run import train
 
-FAST = ["model.args={width: 8}", "data.batch_size=128", "eval.per_class=false", "log.tensorboard=false",
-        "log.progress=false", "run.epochs=1"]
+FAST = [
+    "model.args={width: 8}",
+    "data.batch_size=128",
+    "eval.per_class=false",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "run.epochs=1",
+]
 
 
 def fast_run(run_dir: Path, *extra: str, quiet: bool = True) -> dict:
@@ -56,11 +62,14 @@ def pretrained(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
 # ---------------------------------------------------------------- initialisation order
 
 
-@pytest.mark.parametrize("suffix, wrap", [
-    (".pt", lambda sd: {f"module.{k}": v for k, v in sd.items()}),  # saved from DDP / DataParallel
-    (".safetensors", lambda sd: {f"_orig_mod.{k}": v for k, v in sd.items()}),  # saved from torch.compile
-    (".pth", lambda sd: {"state_dict": {f"module._orig_mod.{k}": v for k, v in sd.items()}}),  # Lightning-style
-])
+@pytest.mark.parametrize(
+    "suffix, wrap",
+    [
+        (".pt", lambda sd: {f"module.{k}": v for k, v in sd.items()}),  # saved from DDP / DataParallel
+        (".safetensors", lambda sd: {f"_orig_mod.{k}": v for k, v in sd.items()}),  # saved from torch.compile
+        (".pth", lambda sd: {"state_dict": {f"module._orig_mod.{k}": v for k, v in sd.items()}}),  # Lightning-style
+    ],
+)
 def test_pretrained_loads_every_format_and_strips_wrapper_prefixes(tmp_path, suffix, wrap):
     src = state(net(seed=1))
     path = tmp_path / f"weights{suffix}"
@@ -82,8 +91,10 @@ def test_head_with_another_class_count_is_skipped_and_named(tmp_path):
     init_model(dst, model_cfg(f"model.pretrained={path}"), None, logs.append)
     assert torch.equal(dst[0][0].weight, src["0.0.weight"])  # the body is loaded
     assert torch.equal(dst[7].weight, own_head)  # the head keeps its random initialisation
-    assert any("shape mismatch" in line and "7.weight: file (5, 32) vs model (10, 32)" in line and "7.bias" in line
-               for line in logs), logs
+    assert any(
+        "shape mismatch" in line and "7.weight: file (5, 32) vs model (10, 32)" in line and "7.bias" in line
+        for line in logs
+    ), logs
     with pytest.raises(UsageError, match=r"model\.strict=true.*7\.weight: file \(5, 32\) vs model \(10, 32\)"):
         load_pretrained(net(seed=2), path, strict=True)
 
@@ -103,7 +114,9 @@ def test_checkpoint_beats_pretrained_beats_random(tmp_path, pretrained, capsys):
     assert any("not loaded" in line for line in logs)
 
     # ... and the log of a real run says which happened.
-    fast_run(tmp_path / "a", "checkpoint.resume=auto", f"model.pretrained={path}", "run.stop_after_steps=1", quiet=False)
+    fast_run(
+        tmp_path / "a", "checkpoint.resume=auto", f"model.pretrained={path}", "run.stop_after_steps=1", quiet=False
+    )
     out = capsys.readouterr().out
     assert f"initialised from checkpoint {ckpt_path}" in out and "not loaded" in out
     fast_run(tmp_path / "b", f"model.pretrained={path}", "run.stop_after_steps=1", quiet=False)
@@ -150,7 +163,9 @@ def test_a_pattern_that_matches_nothing_is_an_error_naming_it():
 
 def test_freeze_in_training_keeps_weights_and_bn_statistics(tmp_path, pretrained, capsys):
     path, src = pretrained
-    fast_run(tmp_path, f"model.pretrained={path}", "model.freeze=['0.*', 're:^1\\.1\\.']", "run.max_steps=4", quiet=False)
+    fast_run(
+        tmp_path, f"model.pretrained={path}", "model.freeze=['0.*', 're:^1\\.1\\.']", "run.max_steps=4", quiet=False
+    )
     out = capsys.readouterr().out
     frozen_names = ["0.0.weight", "0.1.weight", "0.1.bias", "1.1.weight", "1.1.bias"]
     n_frozen = sum(src[n].numel() for n in frozen_names)
@@ -168,8 +183,13 @@ def test_freeze_in_training_keeps_weights_and_bn_statistics(tmp_path, pretrained
 
 def test_train_only_and_unfrozen_bn_statistics(tmp_path, pretrained):
     path, src = pretrained
-    fast_run(tmp_path, f"model.pretrained={path}", "model.train_only=['7.*']", "model.freeze_bn_stats=false",
-             "run.max_steps=3")
+    fast_run(
+        tmp_path,
+        f"model.pretrained={path}",
+        "model.train_only=['7.*']",
+        "model.freeze_bn_stats=false",
+        "run.max_steps=3",
+    )
     after = load_file(str(tmp_path / "last.safetensors"))
     for n, v in src.items():
         if n in ("7.weight", "7.bias") or "running" in n or "num_batches" in n:

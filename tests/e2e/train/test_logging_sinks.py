@@ -135,8 +135,11 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_step(tmp_path):
     last checkpoint, and a finishing resumed run writes its own); the rest stays, byte for byte, in order."""
     from torchsprint.observe.logging import CsvSink, cut_back_jsonl
 
-    keep = [{"kind": "train", "step": 1, "train/loss": 2.0}, {"kind": "train", "step": 3, "train/loss": 1.5},
-            {"kind": "eval", "step": 3, "val/top1": 0.5}]
+    keep = [
+        {"kind": "train", "step": 1, "train/loss": 2.0},
+        {"kind": "train", "step": 3, "train/loss": 1.5},
+        {"kind": "eval", "step": 3, "val/top1": 0.5},
+    ]
     drop = [{"kind": "test", "step": 3, "test/top1": 0.4}, {"kind": "train", "step": 4, "train/loss": 1.4}]
     lines = [json.dumps(r) + "\n" for r in keep[:2]] + ["not json\n", json.dumps(keep[2]) + "\n"]
     lines += [json.dumps(r) + "\n" for r in drop] + ['{"kind": "train", "step": 5, "train/lo']
@@ -151,7 +154,9 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_step(tmp_path):
     assert cut_back_jsonl(path, 3, {"train": 2}) == (2, 1, {"train": 2})
     assert path.read_text() == "".join(json.dumps(r) + "\n" for r in keep[:2])
 
-    (tmp_path / "metrics_train.csv").write_text("step,time,train/loss\r\n1,10.0,2.0\r\n3,11.0,1.5\r\n4,12.0,1.4\r\n5,13")
+    (tmp_path / "metrics_train.csv").write_text(
+        "step,time,train/loss\r\n1,10.0,2.0\r\n3,11.0,1.5\r\n4,12.0,1.4\r\n5,13"
+    )
     (tmp_path / "metrics_test.csv").write_text("step,time,test/top1\r\n3,14.0,0.4\r\n")
     sink = CsvSink(tmp_path, resumed_step=3)
     sink.scalars(4, {"train/loss": 1.3}, "train", now=15.0)
@@ -192,13 +197,18 @@ def test_tensorboard_shows_each_record_of_the_checkpoint_step_once_after_a_resum
 
     tb = EventAccumulator(str(tmp_path / "tb"))
     tb.Reload()
-    seen = {tag: ([e.step for e in tb.Scalars(tag)], [e.value for e in tb.Scalars(tag)])
-            for tag in ("train/loss", "epoch/loss", "val/top1")}
+    seen = {
+        tag: ([e.step for e in tb.Scalars(tag)], [e.value for e in tb.Scalars(tag)])
+        for tag in ("train/loss", "epoch/loss", "val/top1")
+    }
     assert seen["train/loss"][0] == [1, 2, 3, 4] and seen["train/loss"][1] == pytest.approx([2.5, 2.0, 1.5, 1.2])
     assert seen["epoch/loss"][0] == [3] and seen["epoch/loss"][1] == pytest.approx([2.1])  # float32 in the file
     assert seen["val/top1"][0] == [3] and seen["val/top1"][1] == pytest.approx([0.6])
-    assert [json.loads(x)["kind"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
-        ["train"] * 3 + ["epoch", "eval", "train"]
+    assert [json.loads(x)["kind"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == ["train"] * 3 + [
+        "epoch",
+        "eval",
+        "train",
+    ]
 
 
 def test_a_step_checkpoint_before_anything_was_logged_still_cuts_the_epoch_row_logged_after_it(tmp_path):
@@ -222,10 +232,23 @@ def test_a_step_checkpoint_before_anything_was_logged_still_cuts_the_epoch_row_l
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    saver = Saver(tmp_path, cfg.checkpoint, rt, {"classes": ["a", "b"]}, geometry=data_geometry(cfg, 1),
-                  log=lambda m: None, flush_logs=first.flush)
-    saver.save(TrainState(epoch=0, step_in_epoch=22, global_step=22), model, opt, sched, Precision("fp32", rt.device),
-               metric=None)
+    saver = Saver(
+        tmp_path,
+        cfg.checkpoint,
+        rt,
+        {"classes": ["a", "b"]},
+        geometry=data_geometry(cfg, 1),
+        log=lambda m: None,
+        flush_logs=first.flush,
+    )
+    saver.save(
+        TrainState(epoch=0, step_in_epoch=22, global_step=22),
+        model,
+        opt,
+        sched,
+        Precision("fp32", rt.device),
+        metric=None,
+    )
     first.scalars(22, {"train/epoch_loss": 1.0}, "epoch")
     first.scalars(22, {"val/top1": 0.5}, "eval")
     first.flush()  # the crash: the records are on disk, the epoch's own checkpoint never written

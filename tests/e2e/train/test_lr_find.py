@@ -67,8 +67,9 @@ def test_suggestion_is_sane_and_trains(found, tmp_path):
     assert "valley" in result["rule"]
     # Training with the suggestion converges (3 epochs of digits): a bad pick (the loss minimum's neighbourhood or
     # the flat start) does not reach this.
-    summary = train(config.load(None, BASE + [f"optim.lr={lr}", "run.epochs=3", f"run.dir={tmp_path / 'run'}"]),
-                    quiet=True)
+    summary = train(
+        config.load(None, BASE + [f"optim.lr={lr}", "run.epochs=3", f"run.dir={tmp_path / 'run'}"]), quiet=True
+    )
     assert summary["final"]["val/top1"] >= 0.9, summary["final"]
     assert not (out / "run").exists()  # the module fixture's run.dir was never created
 
@@ -98,14 +99,17 @@ def test_cli_leaves_run_folder_and_writes_png(tmp_path, capsys, monkeypatch):
     assert json.loads(open(res["files"]["json"]).read())["suggestion"] == res["suggestion"]
 
 
-@pytest.mark.parametrize("args,says", [
-    # --steps and --start are checked while the command line is parsed (commands/args.py), as every command's flags are
-    (["--steps", "0"], "argument --steps: must be >= 10"),
-    (["--start", "1", "--end", "0.1"], "is not below --end"),
-    (["--start", "0.1", "--end", "0.1"], "is not below --end"),
-    (["--start", "-1"], "argument --start: must be a finite number > 0"),
-    (["strategy.name=ddp"], "add strategy.name=single"),
-])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        # --steps and --start are checked while the command line is parsed (commands/args.py), as every command's flags are
+        (["--steps", "0"], "argument --steps: must be >= 10"),
+        (["--start", "1", "--end", "0.1"], "is not below --end"),
+        (["--start", "0.1", "--end", "0.1"], "is not below --end"),
+        (["--start", "-1"], "argument --start: must be a finite number > 0"),
+        (["strategy.name=ddp"], "add strategy.name=single"),
+    ],
+)
 def test_bad_range_exits_2_one_line(cli_in_process, args, says):
     r = cli_in_process("lr-find", *args)
     assert r.returncode == 2, r.stderr

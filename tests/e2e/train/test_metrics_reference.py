@@ -54,7 +54,9 @@ class Batches(list):
 
 def run_evaluator(task_name: str, batches, num_classes: int, **eval_kw) -> dict:
     task = get_task(task_name)
-    info = DataInfo(classes=[f"c{i}" for i in range(num_classes)], in_channels=3, mean=(0.5,), std=(0.5,), task=task_name)
+    info = DataInfo(
+        classes=[f"c{i}" for i in range(num_classes)], in_channels=3, mean=(0.5,), std=(0.5,), task=task_name
+    )
     metrics = task.make_metrics(info, EvalConfig(**eval_kw), CPU)
     loss_fn = build_loss(LossConfig(name=task.loss), task.targets)
     return evaluate(Replay(), Batches(batches), loss_fn, Precision("fp32", CPU), metrics)
@@ -124,7 +126,7 @@ def test_majority_class_model_is_exposed_beside_top1():
     y = torch.tensor([0] * 57 + [1] * 30 + [2] * 10 + [3] * 3)
     logits = torch.zeros(100, 4)
     logits[:, 0] = 1.0
-    out = run_evaluator("classification", [(logits[i:i + 32], y[i:i + 32]) for i in range(0, 100, 32)], 4)
+    out = run_evaluator("classification", [(logits[i : i + 32], y[i : i + 32]) for i in range(0, 100, 32)], 4)
     assert out["top1"] == pytest.approx(0.57) and out["balanced_acc"] == pytest.approx(0.25)
     assert out["min_recall"] == 0.0 and out["class_imbalance"] == pytest.approx(19.0)
     line = get_task("classification").summary({f"val/{k}": v for k, v in out.items()})
@@ -141,16 +143,21 @@ def test_topk_is_right_when_the_first_batch_is_one_class_all_correct():
     n = len(y)  # 104: class 0 fills the first batch of 32, as in an image folder's val split
     logits = torch.randn(n, c, generator=g)
     logits[:32, 0] = 10.0  # first batch: class 0, all correct
-    out = run_evaluator("classification", [(logits[i:i + 32], y[i:i + 32]) for i in range(0, n, 32)], c)
+    out = run_evaluator("classification", [(logits[i : i + 32], y[i : i + 32]) for i in range(0, n, 32)], c)
     want5 = skm.top_k_accuracy_score(y.numpy(), logits.numpy(), k=5, labels=range(c))
     assert out["top5"] == pytest.approx(want5, abs=TOL)
     assert out["top5"] > out["top1"] + 0.1  # random logits for the rest: top-5 well above top-1 (0.63 vs 0.40 here)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31 - 1), num_classes=st.integers(2, 12), n=st.integers(1, 70),
-       sizes=st.lists(st.integers(1, 17), min_size=1, max_size=8), topk=st.integers(2, 6),
-       first=st.sampled_from(["random", "one_class", "all_correct", "one_class_all_correct"]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    num_classes=st.integers(2, 12),
+    n=st.integers(1, 70),
+    sizes=st.lists(st.integers(1, 17), min_size=1, max_size=8),
+    topk=st.integers(2, 6),
+    first=st.sampled_from(["random", "one_class", "all_correct", "one_class_all_correct"]),
+)
 def test_classification_figures_match_sklearn_in_any_batch_composition(seed, num_classes, n, sizes, topk, first):
     logits, y = classification_case(seed, num_classes, n, first)
     batches = [(logits[s], y[s]) for s in split(n, sizes)]
@@ -159,15 +166,28 @@ def test_classification_figures_match_sklearn_in_any_batch_composition(seed, num
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 40), sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6),
-       first=st.sampled_from(["random", "one_class_all_correct"]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 40),
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    first=st.sampled_from(["random", "one_class_all_correct"]),
+)
 def test_top_k_without_per_class_matches_sklearn(seed, n, sizes, first):
     """per_class=false leaves top-1 and top-k alone in the collection: no group may form there either."""
     logits, y = classification_case(seed, 7, n, first)
     out = run_evaluator("classification", [(logits[s], y[s]) for s in split(n, sizes)], 7, topk=3, per_class=False)
     lg = logits.double().numpy()
-    assert set(out) == {"top1", "top3", "loss", "count", "balanced_acc", "f1_macro", "min_recall", "min_recall_class",
-                        "class_imbalance"}
+    assert set(out) == {
+        "top1",
+        "top3",
+        "loss",
+        "count",
+        "balanced_acc",
+        "f1_macro",
+        "min_recall",
+        "min_recall_class",
+        "class_imbalance",
+    }
     check_balanced(out, y.numpy(), lg.argmax(1))
     assert out["top1"] == pytest.approx(skm.accuracy_score(y.numpy(), lg.argmax(1)), abs=TOL)
     assert out["top3"] == pytest.approx(skm.top_k_accuracy_score(y.numpy(), lg, k=3, labels=range(7)), abs=TOL)
@@ -195,9 +215,14 @@ def multilabel_reference(logits: torch.Tensor, y: torch.Tensor, threshold: float
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31 - 1), labels=st.integers(1, 6), n=st.integers(2, 50),
-       sizes=st.lists(st.integers(1, 13), min_size=1, max_size=6), threshold=st.sampled_from([0.3, 0.5, 0.8]),
-       first=st.sampled_from(["random", "all_zero", "all_correct"]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    labels=st.integers(1, 6),
+    n=st.integers(2, 50),
+    sizes=st.lists(st.integers(1, 13), min_size=1, max_size=6),
+    threshold=st.sampled_from([0.3, 0.5, 0.8]),
+    first=st.sampled_from(["random", "all_zero", "all_correct"]),
+)
 def test_multilabel_figures_match_sklearn_in_any_batch_composition(seed, labels, n, sizes, threshold, first):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, labels, generator=g) * 2
@@ -219,8 +244,12 @@ def test_multilabel_figures_match_sklearn_in_any_batch_composition(seed, labels,
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 12), sizes=st.lists(st.integers(1, 5), min_size=1, max_size=5),
-       first=st.sampled_from(["random", "identical", "constant"]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 12),
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=5),
+    first=st.sampled_from(["random", "identical", "constant"]),
+)
 def test_restoration_figures_match_an_independent_computation(seed, n, sizes, first):
     """PSNR: the mean of per-image PSNRs of clamped outputs, in plain torch. SSIM: torchmetrics' functional
     SSIM on the whole concatenated set (11x11 Gaussian window), so only the accumulation over batches is the
@@ -239,7 +268,9 @@ def test_restoration_figures_match_an_independent_computation(seed, n, sizes, fi
     out = run_evaluator("image_to_image", batches, 1)
     o, t = output.double().clamp(0, 1), target.double()
     mse = ((o - t) ** 2).flatten(1).mean(1)
-    assert out["psnr"] == pytest.approx((10 * torch.log10(1 / mse)).mean().item(), abs=1e-4)  # float32 log10: 2e-5 dB seen
+    assert out["psnr"] == pytest.approx(
+        (10 * torch.log10(1 / mse)).mean().item(), abs=1e-4
+    )  # float32 log10: 2e-5 dB seen
     assert out["ssim"] == pytest.approx(float(ssim(output.clamp(0, 1), target, data_range=1.0)), abs=1e-5)  # 1e-6 seen
     assert out["loss"] == pytest.approx(F.mse_loss(output.double(), t).item(), rel=LOSS_REL, abs=TOL)
     assert out["count"] == n
@@ -268,7 +299,9 @@ def test_video_accuracy_is_the_mean_of_each_videos_clip_logits():
     check_classification(out, video_logits, y, classes, 3)
     # single clips: clip accuracy
     metrics = get_task("video").make_metrics(info, EvalConfig(topk=3), CPU)
-    out = evaluate(model, Batches([(clips[s, 0], y[s]) for s in split(n, [5, 8])]), loss_fn, Precision("fp32", CPU), metrics)
+    out = evaluate(
+        model, Batches([(clips[s, 0], y[s]) for s in split(n, [5, 8])]), loss_fn, Precision("fp32", CPU), metrics
+    )
     check_classification(out, per_clip[:, 0], y, classes, 3)
 
 
@@ -276,7 +309,9 @@ def test_metrics_collection_never_infers_compute_groups():
     """Structural guard beside the property tests: only groups that share a state by construction."""
     m = MultilabelMetrics(4, 0.5, CPU)
     assert sorted(sorted(g) for g in m.metrics.compute_groups.values()) == [
-        ["f1", "f1_macro", "precision", "recall"], ["mAP"]]
+        ["f1", "f1_macro", "precision", "recall"],
+        ["mAP"],
+    ]
 
 
 def test_classification_metrics_do_not_import_torchmetrics():
@@ -285,11 +320,15 @@ def test_classification_metrics_do_not_import_torchmetrics():
     import subprocess
     import sys
 
-    code = ("import sys, torch; from torchsprint.tasks.metrics import ClassificationMetrics as M; "
-            "m = M(3, 5, True, torch.device('cpu')); m.update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]), "
-            "torch.tensor(1.0)); m.compute(); print('torchmetrics' in sys.modules, 'scipy' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == \
-        ["False", "False"]
+    code = (
+        "import sys, torch; from torchsprint.tasks.metrics import ClassificationMetrics as M; "
+        "m = M(3, 5, True, torch.device('cpu')); m.update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]), "
+        "torch.tensor(1.0)); m.compute(); print('torchmetrics' in sys.modules, 'scipy' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == [
+        "False",
+        "False",
+    ]
 
 
 def test_multilabel_logits_inside_zero_one_are_still_logits():

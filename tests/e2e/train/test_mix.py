@@ -27,8 +27,12 @@ def batch(b=8, h=10, w=12, seed=0):
 
 
 def params(b, *, cut, lam, box=(0, 0, 0, 0), use=True):
-    return MixParams(torch.full((b,), use), torch.full((b,), cut), torch.full((b,), float(lam), dtype=torch.float64),
-                     torch.tensor([box] * b, dtype=torch.int64))
+    return MixParams(
+        torch.full((b,), use),
+        torch.full((b,), cut),
+        torch.full((b,), float(lam), dtype=torch.float64),
+        torch.tensor([box] * b, dtype=torch.int64),
+    )
 
 
 class InjectedMixUp(v2.MixUp):
@@ -75,7 +79,9 @@ def test_cutmix_box_and_batch_equal_torchvision():
         box, lam_adj = cutmix_box(np.array([lam]), np.array([ry]), np.array([rx]), 17, 23)
         assert tuple(box[0].tolist()) == ref_params["box"] and lam_adj[0] == ref_params["lam_adjusted"]
         ref_x, ref_y = InjectedCutMix(ref_params, alpha=1.0, num_classes=C)(x, y)
-        got_x, got_y = Mixer(0, 1.0, 1, 0.5, "batch", C).apply(x, y, params(8, cut=True, lam=lam_adj[0], box=box[0].tolist()))
+        got_x, got_y = Mixer(0, 1.0, 1, 0.5, "batch", C).apply(
+            x, y, params(8, cut=True, lam=lam_adj[0], box=box[0].tolist())
+        )
         assert torch.equal(got_x, ref_x) and torch.equal(got_y, ref_y), seed
 
 
@@ -175,10 +181,21 @@ def test_elem_mode_equals_a_per_sample_loop():
 
 # ---------------------------------------------------------------- in training
 
-BASE = ["model.args={width: 8, dropout: 0.2}", "run.epochs=2", "data.batch_size=128", "data.val_fraction=0.5",
-        "data.train.transforms=[random_crop: {size: 8, padding: 1}, hflip]", "optim.lr=0.05", "eval.per_class=false",
-        "log.tensorboard=false", "log.progress=false", "checkpoint.every_steps=3", "loss.label_smoothing=0.1",
-        "mix.mixup_alpha=0.2", "mix.cutmix_alpha=1.0"]
+BASE = [
+    "model.args={width: 8, dropout: 0.2}",
+    "run.epochs=2",
+    "data.batch_size=128",
+    "data.val_fraction=0.5",
+    "data.train.transforms=[random_crop: {size: 8, padding: 1}, hflip]",
+    "optim.lr=0.05",
+    "eval.per_class=false",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "checkpoint.every_steps=3",
+    "loss.label_smoothing=0.1",
+    "mix.mixup_alpha=0.2",
+    "mix.cutmix_alpha=1.0",
+]
 
 
 def run(d: Path, *extra):
@@ -192,7 +209,9 @@ def test_pause_and_resume_with_mixing_is_bit_identical(tmp_path, backend):
     assert first["paused"]
     done = run(tmp_path / "b", f"data.backend={backend}", "checkpoint.resume=auto", "log.every_steps=1")
     lines = [json.loads(x) for x in ((tmp_path / "b") / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, ref["global_step"] + 1))  # resumed, not started over
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(
+        range(1, ref["global_step"] + 1)
+    )  # resumed, not started over
     a, b = load_file(str(tmp_path / "ref" / "last.safetensors")), load_file(str(tmp_path / "b" / "last.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert done["final"] == ref["final"]
@@ -203,8 +222,15 @@ def test_pause_and_resume_with_mixing_is_bit_identical(tmp_path, backend):
 
 
 def test_amp_bf16_trains_with_mixing(tmp_path):
-    s = run(tmp_path / "bf16", "precision=amp_bf16", "mix.mode=elem", "model.args={width: 8}", "data.batch_size=32",
-            "run.epochs=1", "optim.lr=0.1")
+    s = run(
+        tmp_path / "bf16",
+        "precision=amp_bf16",
+        "mix.mode=elem",
+        "model.args={width: 8}",
+        "data.batch_size=32",
+        "run.epochs=1",
+        "optim.lr=0.1",
+    )
     # 28 steps: above chance (0.1) already; measured 0.266 (fp32: 0.268), val loss 2.198 (fp32: 2.198)
     assert s["global_step"] == 28 and np.isfinite(s["final"]["val/loss"]) and s["final"]["val/top1"] > 0.18
     # both switches acted: the same run in fp32, and in bf16 without mixing, end with other weights
@@ -248,8 +274,19 @@ def test_ddp_two_processes_with_mixing(tmp_path, run_cli):
     """`torchsprint train --nproc-per-node 2` with Mixup/CutMix: each rank mixes its own batches with its
     own seed (rank in the seed), the run finishes and learns."""
     d = tmp_path / "ddp"
-    proc = run_cli("train", "--nproc-per-node", "2", *BASE, "data.batch_size=16", "run.epochs=1", "model.args={width: 8}",
-                   "optim.lr=0.1", "data.backend=cpu", f"run.dir={d}", timeout=240)  # the backend the bound was measured on
+    proc = run_cli(
+        "train",
+        "--nproc-per-node",
+        "2",
+        *BASE,
+        "data.batch_size=16",
+        "run.epochs=1",
+        "model.args={width: 8}",
+        "optim.lr=0.1",
+        "data.backend=cpu",
+        f"run.dir={d}",
+        timeout=240,
+    )  # the backend the bound was measured on
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summary = json.loads((d / "summary.json").read_text())
     # 28 steps of global batch 32: above chance (0.1); measured top-1 0.279 (one process, batch 32: 0.266)
@@ -260,14 +297,17 @@ def test_ddp_two_processes_with_mixing(tmp_path, run_cli):
     assert len({r0.batch_seed(0), r1.batch_seed(0), r0.batch_seed(1)}) == 3
 
 
-@pytest.mark.parametrize("over, match", [
-    (["mix.prob=0.5"], "mixing is off"),
-    (["mix.mode=elem"], "mixing is off"),
-    (["mix.mixup_alpha=0.2", "mix.switch_prob=0.2"], "only Mixup is on"),
-    (["mix.mixup_alpha=0.2", "loss.args={ignore_index: 0}"], "ignore_index"),
-    (["mix.cutmix_alpha=1", "task=image_to_image", "data.dataset=synthetic_blur"], "task=image_to_image"),
-    (["mix.cutmix_alpha=1", "task=multilabel", "data.dataset=synthetic_multilabel"], "task=multilabel"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (["mix.prob=0.5"], "mixing is off"),
+        (["mix.mode=elem"], "mixing is off"),
+        (["mix.mixup_alpha=0.2", "mix.switch_prob=0.2"], "only Mixup is on"),
+        (["mix.mixup_alpha=0.2", "loss.args={ignore_index: 0}"], "ignore_index"),
+        (["mix.cutmix_alpha=1", "task=image_to_image", "data.dataset=synthetic_blur"], "task=image_to_image"),
+        (["mix.cutmix_alpha=1", "task=multilabel", "data.dataset=synthetic_multilabel"], "task=multilabel"),
+    ],
+)
 def test_refusals(over, match):
     from torchsprint import runtime
     from torchsprint.train.run import build_training

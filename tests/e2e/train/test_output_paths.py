@@ -42,12 +42,14 @@ def test_no_command_writes_over_a_runs_own_files(runs, tmp_path, cli_in_process)
     from PIL import Image
 
     Image.new("L", (8, 8), 100).save(image)
-    for argv in (["average", a, b, "-o", b / "last.safetensors"],
-                 ["average", a, b, "-o", b / "last.safetensors", "--overwrite"],
-                 ["export", "-r", a, "--format", "safetensors", "--out", b / "best.safetensors", "--overwrite"],
-                 ["export", "-r", a, "--format", "onnx", "--out", b / "config.yaml"],
-                 ["predict", "-r", a, image, "--out", b / "metrics.jsonl", "--overwrite"],
-                 ["predict", "-r", a, image, "--out", b / "checkpoints" / "ckpt-e001-s0000001.pt"]):
+    for argv in (
+        ["average", a, b, "-o", b / "last.safetensors"],
+        ["average", a, b, "-o", b / "last.safetensors", "--overwrite"],
+        ["export", "-r", a, "--format", "safetensors", "--out", b / "best.safetensors", "--overwrite"],
+        ["export", "-r", a, "--format", "onnx", "--out", b / "config.yaml"],
+        ["predict", "-r", a, image, "--out", b / "metrics.jsonl", "--overwrite"],
+        ["predict", "-r", a, image, "--out", b / "checkpoints" / "ckpt-e001-s0000001.pt"],
+    ):
         refused(cli_in_process(*argv), "of the run in", str(b), "replace the run's own file")
     for argv in (["bench", "--out", b, "--steps", "1"], ["report", a, "--out", b]):  # a run folder as their --out
         refused(cli_in_process(*argv), "of the run in", "replace the run's own file")
@@ -61,8 +63,11 @@ def test_an_existing_file_needs_overwrite(runs, tmp_path, cli_in_process):
     from PIL import Image
 
     Image.new("L", (8, 8), 100).save(tmp_path / "a.png")
-    refused(cli_in_process("predict", "-r", a, tmp_path / "a.png", "--out", mine), f"--out {mine} already exists",
-            "--overwrite")
+    refused(
+        cli_in_process("predict", "-r", a, tmp_path / "a.png", "--out", mine),
+        f"--out {mine} already exists",
+        "--overwrite",
+    )
     assert mine.read_text() == "my notes\n"
     assert cli_in_process("predict", "-r", a, tmp_path / "a.png", "--out", mine, "--overwrite").returncode == 0
     assert mine.read_text() != "my notes\n"
@@ -82,10 +87,14 @@ def test_an_earlier_report_lr_find_or_bench_in_out_needs_overwrite(runs, tmp_pat
     replaced them without a word (writable_file was called with overwrite on). Their default folders (<run>/report,
     a temp folder, bench/<timestamp>) stay theirs: a second `report RUN` needs no flag."""
     a, _ = runs
-    cases = {"report": (["report", a, "--wrong", "0"], "report.html"),
-             "lr-find": (["lr-find", *FAST, "--steps", "10"], "lr_find.json"),
-             "bench": (["bench", *FAST, "--steps", "1", "--warmup", "0", "--repeats", "1", "--variants", "baseline (seeds)"],
-                       "bench.json")}
+    cases = {
+        "report": (["report", a, "--wrong", "0"], "report.html"),
+        "lr-find": (["lr-find", *FAST, "--steps", "10"], "lr_find.json"),
+        "bench": (
+            ["bench", *FAST, "--steps", "1", "--warmup", "0", "--repeats", "1", "--variants", "baseline (seeds)"],
+            "bench.json",
+        ),
+    }
     for name, (argv, own) in cases.items():
         out = tmp_path / name
         out.mkdir()
@@ -111,6 +120,9 @@ def test_a_run_folder_inside_data_root_is_refused(tmp_path, cli_in_process):
     root = make_image_folder(tmp_path / "imgs", per_class=3)
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
     for where in ([f"run.dir={root / 'train' / 'run'}"], [f"run.dir={root}"], [f"run.out_dir={root / 'runs'}"]):
-        refused(cli_in_process("train", *FAST, "data.dataset=image_folder", f"data.root={root}", *where),
-                "is inside data.root", "outside data.root")
+        refused(
+            cli_in_process("train", *FAST, "data.dataset=image_folder", f"data.root={root}", *where),
+            "is inside data.root",
+            "outside data.root",
+        )
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before

@@ -19,8 +19,13 @@ from torchsprint.train.plan import decide_speed
 from torchsprint.train.run import train
 
 CPU_RT = Runtime(device=torch.device("cpu"))
-TINY = ["log.tensorboard=false", "run.max_steps=4", "checkpoint.every_epochs=null",
-        "eval.per_class=false", "log.every_steps=2"]
+TINY = [
+    "log.tensorboard=false",
+    "run.max_steps=4",
+    "checkpoint.every_epochs=null",
+    "eval.per_class=false",
+    "log.every_steps=2",
+]
 
 
 # ---------------------------------------------------------------- bad input: what to use instead
@@ -91,9 +96,25 @@ def test_first_slurm_host():
 
 def test_launch_env_reads_torchrun_then_srun():
     assert launch_env({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}) == launch_env(
-        {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_STEP_ID": "0"})
-    srun = launch_env({"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-                       "SLURM_JOB_NODELIST": "gpu[3-4]", "SLURM_JOB_ID": "1234"})
+        {
+            "WORLD_SIZE": "4",
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "SLURM_NTASKS": "8",
+            "SLURM_PROCID": "5",
+            "SLURM_STEP_ID": "0",
+        }
+    )
+    srun = launch_env(
+        {
+            "SLURM_NTASKS": "8",
+            "SLURM_PROCID": "5",
+            "SLURM_LOCALID": "1",
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NODELIST": "gpu[3-4]",
+            "SLURM_JOB_ID": "1234",
+        }
+    )
     assert (srun.rank, srun.world_size, srun.local_rank, srun.source) == (5, 8, 1, "slurm")
     assert srun.init_method == f"tcp://gpu3:{15000 + 1234}"
     # The batch script of `sbatch --ntasks=8` (no job step) and a login shell are one process.
@@ -109,10 +130,20 @@ def train_args(*argv):
 
 def test_node_settings_from_flags_and_slurm():
     assert node_settings(train_args("--nproc-per-node", "2"), {}) == ("1", 0, None)
-    assert node_settings(train_args("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h0:29400"), {}) == ("2", 1, "h0:29400")
+    assert node_settings(train_args("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h0:29400"), {}) == (
+        "2",
+        1,
+        "h0:29400",
+    )
     with pytest.raises(UsageError, match="--rdzv-endpoint"):
         node_settings(train_args("--nnodes", "2"), {})
-    slurm = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[01-02]", "MASTER_PORT": "29777"}
+    slurm = {
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NODELIST": "n[01-02]",
+        "MASTER_PORT": "29777",
+    }
     assert node_settings(train_args("--nproc-per-node", "4"), slurm) == ("2", 1, "n01:29777")
     with pytest.raises(UsageError, match="ntasks-per-node=1"):
         node_settings(train_args("--nproc-per-node", "4"), slurm | {"SLURM_NTASKS": "8"})
@@ -124,17 +155,31 @@ def test_torchrun_command_line():
     assert script == ["train", "-c", "run.yaml", "optim.lr=0.05", "strategy.name=ddp"]
     assert torchrun_argv(2, "1", 0, None, 300, script)[:3] == ["--nproc-per-node=2", "--max-restarts=0", "--standalone"]
     multi = torchrun_argv(8, "2", 1, "h0:29400", 300, script)
-    assert {"--nnodes=2", "--node-rank=1", "--rdzv-backend=static", "--rdzv-endpoint=h0:29400", "--rdzv-conf=timeout=290"} <= set(multi)
-    assert multi[-len(script) - 2:] == ["-m", "torchsprint", *script]
+    assert {
+        "--nnodes=2",
+        "--node-rank=1",
+        "--rdzv-backend=static",
+        "--rdzv-endpoint=h0:29400",
+        "--rdzv-conf=timeout=290",
+    } <= set(multi)
+    assert multi[-len(script) - 2 :] == ["-m", "torchsprint", *script]
     # The parser accepts what we build (torchrun's own argument parser).
     from torch.distributed.run import get_args_parser
 
     parsed = get_args_parser().parse_args(multi)
     assert parsed.module and parsed.training_script == "torchsprint" and parsed.node_rank == 1
     # Elastic: restarts, and c10d rendezvous (ranks by arrival, one job id, joins bounded by strategy.timeout_s).
-    elastic = torchrun_argv(8, "2", 0, "h0:29400", 60, script, max_restarts=3, rdzv_backend="c10d", run_id="torchsprint-x")
-    assert {"--max-restarts=3", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", "--rdzv-id=torchsprint-x",
-            "--rdzv-conf=join_timeout=50,read_timeout=50,last_call_timeout=5,close_timeout=10"} <= set(elastic)
+    elastic = torchrun_argv(
+        8, "2", 0, "h0:29400", 60, script, max_restarts=3, rdzv_backend="c10d", run_id="torchsprint-x"
+    )
+    assert {
+        "--max-restarts=3",
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=h0:29400",
+        "--rdzv-id=torchsprint-x",
+        "--rdzv-conf=join_timeout=50,read_timeout=50,last_call_timeout=5,close_timeout=10",
+    } <= set(elastic)
     assert not any(a.startswith("--node-rank") for a in elastic)
     parsed = get_args_parser().parse_args(elastic)
     assert parsed.max_restarts == 3 and parsed.rdzv_backend == "c10d"
@@ -145,8 +190,10 @@ def test_elastic_flags_need_the_launcher(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # a refusal that failed to happen would train into ./runs
     code, err = cli_main(["train", "--max-restarts", "2", "run.max_steps=1"]), capsys.readouterr().err
     assert code == 2 and "add --nproc-per-node N" in err and "Traceback" not in err and len(err.splitlines()) == 1
-    code, err = cli_main(["train", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "run.max_steps=1"]), \
-        capsys.readouterr().err
+    code, err = (
+        cli_main(["train", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "run.max_steps=1"]),
+        capsys.readouterr().err,
+    )
     assert code == 2 and "--rdzv-backend c10d needs --rdzv-endpoint" in err
 
 
@@ -191,8 +238,12 @@ def compiled_frames() -> dict:
     """What dynamo did since the last counters.clear(): frames seen/compiled, graphs, graph breaks."""
     from torch._dynamo.utils import counters
 
-    return {"frames": dict(counters["frames"]), "graphs": counters["stats"]["unique_graphs"],
-            "backward": counters["aot_autograd"]["ok"], "breaks": sum(counters["graph_break"].values())}
+    return {
+        "frames": dict(counters["frames"]),
+        "graphs": counters["stats"]["unique_graphs"],
+        "backward": counters["aot_autograd"]["ok"],
+        "breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def assert_ran_compiled(seen: dict) -> None:
@@ -210,8 +261,12 @@ def test_compile_trains_like_eager(tmp_path):
     train(config.load(None, [*over, f"run.dir={tmp_path / 'eager'}"]), quiet=True)
     torch._dynamo.reset()  # frames compiled by earlier tests in this process would not be counted again
     counters.clear()
-    train(config.load(None, [*over, "speed.compile=true", "speed.compile_backend=aot_eager",
-                             f"run.dir={tmp_path / 'compiled'}"]), quiet=True)
+    train(
+        config.load(
+            None, [*over, "speed.compile=true", "speed.compile_backend=aot_eager", f"run.dir={tmp_path / 'compiled'}"]
+        ),
+        quiet=True,
+    )
     assert_ran_compiled(compiled_frames())
     eager, compiled = (load_file(str(tmp_path / n / "last.safetensors")) for n in ("eager", "compiled"))
     assert eager.keys() == compiled.keys()  # `_orig_mod.` stripped
@@ -269,8 +324,9 @@ def test_dp_says_ddp_is_faster(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", [["precision=amp_fp16"], ["precision=amp_bf16"], ["speed.channels_last=true"],
-                                    ["speed.compile=true"]])
+@pytest.mark.parametrize(
+    "switch", [["precision=amp_fp16"], ["precision=amp_bf16"], ["speed.channels_last=true"], ["speed.compile=true"]]
+)
 def test_speed_switches_train_on_gpu(tmp_path, switch):
     from torch._dynamo.utils import counters
 
@@ -288,12 +344,17 @@ def test_lost_peer_line_only_for_communication_failures(monkeypatch):
 
     from torchsprint.runtime.core import lost_peer
 
-    gloo_reset = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:27843: "
-                              "Connection reset by peer. This is typically caused by a remote worker hanging")
+    gloo_reset = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:27843: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging"
+    )
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     line = lost_peer(gloo_reset)
-    assert line.startswith("DDP rank 1 of 2 lost contact with the group (another rank's connection closed") and "\n" not in line
+    assert (
+        line.startswith("DDP rank 1 of 2 lost contact with the group (another rank's connection closed")
+        and "\n" not in line
+    )
     hung = lost_peer(dist.DistBackendError("[Rank 1] Watchdog caught collective operation timeout"))
     assert "did not answer within strategy.timeout_s" in hung
     assert lost_peer(RuntimeError("DataLoader worker (pid 12) timed out after 5 seconds")) is None  # not a peer

@@ -23,10 +23,20 @@ from torchsprint.train.plan import decisions, describe_decisions
 
 # 40 training JPEGs of 12x12 RGB (3 channels: an NCHW and an NHWC batch differ in their strides), batch 8,
 # 2 micro-batches per step: 5 batches -> 3 optimizer steps per epoch (the last of one micro-batch).
-SMALL = ["data.dataset=synthetic_jpeg", "data.options={num_images: 40, val_images: 8, size: [12, 12], classes: 2}",
-         "data.batch_size=8", "data.drop_last=false", "optim.accum_steps=2", "run.epochs=2", "log.every_steps=1",
-         "log.tensorboard=false", "log.progress=false", "eval.per_class=false", "checkpoint.every_epochs=null",
-         "model.args={width: 4}"]
+SMALL = [
+    "data.dataset=synthetic_jpeg",
+    "data.options={num_images: 40, val_images: 8, size: [12, 12], classes: 2}",
+    "data.batch_size=8",
+    "data.drop_last=false",
+    "optim.accum_steps=2",
+    "run.epochs=2",
+    "log.every_steps=1",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "checkpoint.every_epochs=null",
+    "model.args={width: 4}",
+]
 
 
 def nhwc(t: torch.Tensor) -> bool:
@@ -57,13 +67,16 @@ def spy_on_build(monkeypatch) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("setting, model_nhwc, inputs_nhwc", [("auto", True, False), ("true", True, True),
-                                                              ("false", False, False)])
-def test_decisions_and_summary_are_the_plan_and_say_what_ran(tmp_path, monkeypatch, capsys, setting, model_nhwc,
-                                                             inputs_nhwc):
+@pytest.mark.parametrize(
+    "setting, model_nhwc, inputs_nhwc", [("auto", True, False), ("true", True, True), ("false", False, False)]
+)
+def test_decisions_and_summary_are_the_plan_and_say_what_ran(
+    tmp_path, monkeypatch, capsys, setting, model_nhwc, inputs_nhwc
+):
     seen = spy_on_build(monkeypatch)
-    cfg = config.load(None, [*SMALL, f"data.root={tmp_path / 'data'}", f"speed.channels_last={setting}",
-                             f"run.dir={tmp_path / 'r'}"])
+    cfg = config.load(
+        None, [*SMALL, f"data.root={tmp_path / 'data'}", f"speed.channels_last={setting}", f"run.dir={tmp_path / 'r'}"]
+    )
     summary = run.train(cfg)
     out = capsys.readouterr().out
     b, d = seen["built"], json.loads((tmp_path / "r" / "decisions.json").read_text())
@@ -91,7 +104,9 @@ def test_decisions_and_summary_are_the_plan_and_say_what_ran(tmp_path, monkeypat
     assert d["epochs"] == plan.epochs == 2 and summary["global_step"] == seen["events"].count("S") == 6
     # The log steps follow the plan's interval (every step here).
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(plan.log_every_steps, 7, plan.log_every_steps))
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(
+        range(plan.log_every_steps, 7, plan.log_every_steps)
+    )
 
 
 def test_the_engine_follows_the_plan_not_the_config(tmp_path):

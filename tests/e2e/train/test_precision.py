@@ -45,8 +45,9 @@ def test_amp_bf16_autocasts_on_cpu_and_fp32_is_a_null_context():
 @pytest.mark.bf16_training
 def test_amp_bf16_trains_the_default_digits_run_to_98_percent(tmp_path):
     """The same threshold as the fp32 default run (tests/e2e/train/test_smoke.py)."""
-    cfg = config.load(None, [f"run.dir={tmp_path}", "precision=amp_bf16", "log.tensorboard=false",
-                             "checkpoint.every_epochs=null"])
+    cfg = config.load(
+        None, [f"run.dir={tmp_path}", "precision=amp_bf16", "log.tensorboard=false", "checkpoint.every_epochs=null"]
+    )
     summary = train(cfg, quiet=True)
     assert summary["final"]["val/top1"] >= 0.98
     assert summary["skipped_steps"] == 0
@@ -54,7 +55,9 @@ def test_amp_bf16_trains_the_default_digits_run_to_98_percent(tmp_path):
 
 def half_net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)
+    )
 
 
 def test_bf16_half_weights_keep_batchnorm_and_masters_in_fp32():
@@ -124,7 +127,10 @@ def test_nonfinite_loss_stops_at_the_next_check_under_stop():
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prec = Precision("fp32", CPU, on_nonfinite="stop")
-    loss = train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.full((2, 4), float("inf")), torch.zeros(2, dtype=torch.long))])
+    loss = train_step(
+        Trainable(model, nn.CrossEntropyLoss(), opt, prec),
+        [(torch.full((2, 4), float("inf")), torch.zeros(2, dtype=torch.long))],
+    )
     # The engine judges the losses (free at its log-step mean) and hands the verdict to Precision.
     with pytest.raises(FloatingPointError, match="on_nonfinite=stop"):
         prec.pop_nonfinite(step=1, loss_finite=bool(torch.isfinite(loss)))
@@ -138,7 +144,10 @@ def test_bf16_skip_leaves_masters_untouched():
     before = [m.clone() for _, m in prec.masters]
     momentum = [opt.state[m]["momentum_buffer"].clone() for _, m in prec.masters]  # the optimizer steps the masters
     halves = [p.detach().clone() for p, _ in prec.masters]
-    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.full((8, 4), float("nan")), torch.zeros(8, dtype=torch.long))])
+    train_step(
+        Trainable(model, nn.CrossEntropyLoss(), opt, prec),
+        [(torch.full((8, 4), float("nan")), torch.zeros(8, dtype=torch.long))],
+    )
     assert prec.pop_nonfinite(step=2) == 1
     assert all(torch.equal(a, m) for a, (_, m) in zip(before, prec.masters))
     assert all(torch.equal(a, p) for a, (p, _) in zip(halves, prec.masters))
@@ -148,6 +157,7 @@ def test_bf16_skip_leaves_masters_untouched():
 
 def test_half_weight_state_round_trips_through_a_checkpoint():
     """Masters and fp32 optimizer state survive save -> torch.load(weights_only) -> load into a fresh run."""
+
     def build():
         prec = Precision("bf16", CPU)
         torch.manual_seed(0)
@@ -177,9 +187,18 @@ def test_half_weight_state_round_trips_through_a_checkpoint():
 
 def test_diverging_run_counts_skipped_steps_or_stops(tmp_path):
     """optim.lr=1e30 blows the weights up after one step; every later step has NaN gradients."""
-    base = ["optim.lr=1e30", "run.max_steps=6", "log.every_steps=2", "log.tensorboard=false", "model.args.width=8",
-            "checkpoint.every_epochs=null", "eval.per_class=false"]
-    summary = train(config.load(None, [*base, "precision.on_nonfinite=skip", f"run.dir={tmp_path / 'skip'}"]), quiet=True)
+    base = [
+        "optim.lr=1e30",
+        "run.max_steps=6",
+        "log.every_steps=2",
+        "log.tensorboard=false",
+        "model.args.width=8",
+        "checkpoint.every_epochs=null",
+        "eval.per_class=false",
+    ]
+    summary = train(
+        config.load(None, [*base, "precision.on_nonfinite=skip", f"run.dir={tmp_path / 'skip'}"]), quiet=True
+    )
     assert summary["skipped_steps"] >= 4
     logged = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     assert [x["train/skipped_steps"] for x in logged if x["kind"] == "train"][-1] == summary["skipped_steps"]
@@ -193,9 +212,15 @@ def test_amp_fp16_scaler_skips_overflow_and_its_state_is_checkpointed():
     prec = Precision("amp_fp16", dev, on_nonfinite="skip")
     model = nn.Linear(4, 3).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.randn(8, 4, device=dev), torch.randint(0, 3, (8,), device=dev))])
+    train_step(
+        Trainable(model, nn.CrossEntropyLoss(), opt, prec),
+        [(torch.randn(8, 4, device=dev), torch.randint(0, 3, (8,), device=dev))],
+    )
     w = model.weight.detach().clone()
-    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.full((8, 4), float("inf"), device=dev), torch.zeros(8, dtype=torch.long, device=dev))])
+    train_step(
+        Trainable(model, nn.CrossEntropyLoss(), opt, prec),
+        [(torch.full((8, 4), float("inf"), device=dev), torch.zeros(8, dtype=torch.long, device=dev))],
+    )
     assert torch.equal(w, model.weight) and prec.pop_nonfinite(step=2) == 1
     state = prec.state_dict()
     prec2 = Precision("amp_fp16", dev)
@@ -206,7 +231,9 @@ def test_amp_fp16_scaler_skips_overflow_and_its_state_is_checkpointed():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["amp_fp16", "amp_bf16", "fp16", "bf16"])
 def test_gpu_precisions_train_the_default_run(tmp_path, mode):
-    summary = train(config.load(None, [f"run.dir={tmp_path}", f"precision={mode}", "log.tensorboard=false"]), quiet=True)
+    summary = train(
+        config.load(None, [f"run.dir={tmp_path}", f"precision={mode}", "log.tensorboard=false"]), quiet=True
+    )
     assert summary["final"]["val/top1"] >= 0.98
 
 
@@ -215,8 +242,15 @@ def test_bf16_run_paused_and_resumed_equals_uninterrupted(tmp_path):
     a bf16 run paused after 3 steps and resumed ends bit-identical to one that never stopped."""
     from safetensors.torch import load_file
 
-    base = ["precision=bf16", "model.args.width=8", "run.max_steps=6", "log.tensorboard=false", "eval.per_class=false",
-            "optim.clip_grad_norm=1.0", "checkpoint.every_epochs=null"]
+    base = [
+        "precision=bf16",
+        "model.args.width=8",
+        "run.max_steps=6",
+        "log.tensorboard=false",
+        "eval.per_class=false",
+        "optim.clip_grad_norm=1.0",
+        "checkpoint.every_epochs=null",
+    ]
     train(config.load(None, [*base, f"run.dir={tmp_path / 'full'}"]), quiet=True)
     part = [*base, f"run.dir={tmp_path / 'part'}"]
     assert train(config.load(None, [*part, "run.stop_after_steps=3"]), quiet=True)["paused"]
@@ -229,12 +263,17 @@ def test_bf16_run_paused_and_resumed_equals_uninterrupted(tmp_path):
 
 
 def _optim_cases():
-    cases = [("sgd-for_loop", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4, foreach=False)),
-             ("sgd-foreach", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True)),
-             ("sgd-no-momentum", lambda ps: torch.optim.SGD(ps, lr=0.1)),
-             ("adamw-foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True)),
-             ("adam-fused", lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True)),
-             ("rmsprop", lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5))]
+    cases = [
+        (
+            "sgd-for_loop",
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4, foreach=False),
+        ),
+        ("sgd-foreach", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True)),
+        ("sgd-no-momentum", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        ("adamw-foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True)),
+        ("adam-fused", lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True)),
+        ("rmsprop", lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5)),
+    ]
     return cases
 
 
@@ -292,7 +331,10 @@ def test_skip_mode_step_does_not_change_weights_on_nonfinite_gradients():
     for _ in range(2):
         train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), batch)
     w, buf = model.weight.detach().clone(), opt.state[model.weight]["momentum_buffer"].clone()
-    train_step(Trainable(model, nn.CrossEntropyLoss(), opt, prec), [(torch.full((8, 4), float("inf")), torch.zeros(8, dtype=torch.long))])
+    train_step(
+        Trainable(model, nn.CrossEntropyLoss(), opt, prec),
+        [(torch.full((8, 4), float("inf")), torch.zeros(8, dtype=torch.long))],
+    )
     assert torch.equal(w, model.weight) and torch.equal(buf, opt.state[model.weight]["momentum_buffer"])
     assert prec.pop_nonfinite(step=3) == 1
 
@@ -358,8 +400,9 @@ def test_scaler_state_round_trips_and_a_bare_scaler_state_is_accepted():
     assert torch.equal(plain.masters[1][1], torch.zeros(2))
     with pytest.raises(UsageError) as e:
         plain.load_state_dict({"masters": [torch.zeros(2, 2)]})
-    assert str(e.value) == ("checkpoint has 1 fp32 master weights, this run 2: resume with the same model and "
-                            "precision.mode.")
+    assert str(e.value) == (
+        "checkpoint has 1 fp32 master weights, this run 2: resume with the same model and precision.mode."
+    )
 
 
 def test_diverged_message_names_what_where_and_what_to_try():
@@ -369,7 +412,8 @@ def test_diverged_message_names_what_where_and_what_to_try():
     assert str(e.value) == (
         "training diverged: the loss became non-finite (inf/NaN) at step 7, with precision=fp32; stopped "
         "(precision.on_nonfinite=stop). Try a lower optim.lr (now 0.125), optim.clip_grad_norm or "
-        "sched.warmup_epochs; precision.on_nonfinite=skip skips such steps instead.")
+        "sched.warmup_epochs; precision.on_nonfinite=skip skips such steps instead."
+    )
     prec._skipped += 1  # non-finite gradients without a loss scaler also stop
     with pytest.raises(FloatingPointError) as e:
         prec.pop_nonfinite(step=9)
@@ -383,8 +427,10 @@ def test_check_mode_messages_and_what_each_device_accepts():
         Precision("amp_fp16", CPU)
     with pytest.raises(UsageError) as e:
         Precision("fp16", CPU)
-    assert str(e.value) == ("precision=fp16 needs a CUDA device (CPUs have no fast fp16 math); on CPU use "
-                            "precision=amp_bf16 (CPU autocast), bf16 or fp32.")
+    assert str(e.value) == (
+        "precision=fp16 needs a CUDA device (CPUs have no fast fp16 math); on CPU use "
+        "precision=amp_bf16 (CPU autocast), bf16 or fp32."
+    )
     from torchsprint.state.precision import check_mode
 
     cuda = torch.device("cuda")  # check_mode only reads the device type: no GPU needed
@@ -393,8 +439,11 @@ def test_check_mode_messages_and_what_each_device_accepts():
     for mode in ("fp32", "amp_bf16", "bf16"):
         check_mode(mode, CPU)
     if not torch.cuda.is_available():  # no GPU: no bf16 support reported
-        with pytest.raises(UsageError, match=r"^precision=bf16: this GPU has no bfloat16 support \(needs compute "
-                                             r"capability 8.0\+, Ampere or newer\). Use precision=amp_fp16.$"):
+        with pytest.raises(
+            UsageError,
+            match=r"^precision=bf16: this GPU has no bfloat16 support \(needs compute "
+            r"capability 8.0\+, Ampere or newer\). Use precision=amp_fp16.$",
+        ):
             check_mode("bf16", cuda)
         with pytest.raises(UsageError, match="^precision=amp_bf16: this GPU has no bfloat16 support"):
             check_mode("amp_bf16", cuda)

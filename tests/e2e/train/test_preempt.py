@@ -59,7 +59,9 @@ def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(r
     ref_dir, ref = reference
     run_dir = tmp_path / "run"
     env, calls = fake_scontrol(tmp_path)
-    env = fault_env(env, slow_write_s="0.02")  # a slow disk: each checkpoint write takes ~0.1-0.3 s, so the second signals land in one
+    env = fault_env(
+        env, slow_write_s="0.02"
+    )  # a slow disk: each checkpoint write takes ~0.1-0.3 s, so the second signals land in one
     args = [*CMD, *BASE, f"run.dir={run_dir}", "checkpoint.resume=auto", "run.requeue=true", "checkpoint.every_steps=4"]
     with open(tmp_path / "first.log", "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
@@ -86,7 +88,7 @@ def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(r
 
     # The same command again, in this process with the job's environment (a start-up less; the signal handling under
     # test is the first process's)
-    again = cli_in_process(*args[len(CMD) - 1:], env=env)
+    again = cli_in_process(*args[len(CMD) - 1 :], env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     assert "resuming at epoch" in again.stdout and f"step {stop_step} " in again.stdout
     assert raw_train_steps(run_dir) == list(range(1, TOTAL_STEPS + 1))  # each step logged once
@@ -103,8 +105,9 @@ def test_more_stop_signals_after_the_pause_do_not_kill_the_exiting_process(tmp_p
     KeyboardInterrupt (130) while it closed its files and shut down."""
     run_dir = tmp_path / "run"
     with open(tmp_path / "out.log", "w") as log:
-        proc = subprocess.Popen([*CMD, *BASE, f"run.dir={run_dir}"], stdout=log, stderr=subprocess.STDOUT, env=ENV,
-                                cwd=tmp_path)
+        proc = subprocess.Popen(
+            [*CMD, *BASE, f"run.dir={run_dir}"], stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path
+        )
     assert _wait(lambda: (run_dir / "metrics.jsonl").exists() and bool(raw_train_steps(run_dir)), proc)
     proc.send_signal(signal.SIGTERM)
     assert _wait(lambda: "paused at step" in (tmp_path / "out.log").read_text(), proc, timeout=120)
@@ -155,8 +158,11 @@ def every_steps_reference(tmp_path_factory):
     return d, train(config.load(None, [*BASE, *EVERY, f"run.dir={d}"]), quiet=True)
 
 
-@pytest.mark.parametrize("pause, extra", [(6, []), (5, []), (5, ["data.backend=cpu", "data.num_workers=2"])],
-                         ids=["pause-at-an-eval-step", "pause-between-evals", "cpu-backend-2-workers"])
+@pytest.mark.parametrize(
+    "pause, extra",
+    [(6, []), (5, []), (5, ["data.backend=cpu", "data.num_workers=2"])],
+    ids=["pause-at-an-eval-step", "pause-between-evals", "cpu-backend-2-workers"],
+)
 def test_eval_every_steps_is_exact_across_a_pause(every_steps_reference, tmp_path, pause, extra):
     """Evaluations after global steps 3, 6, 9, 12 and at the epoch ends (7; 14 once, though both settings ask):
     a run paused at `pause` and resumed evaluates at the same steps with the same metrics, none twice, and ends
@@ -170,7 +176,11 @@ def test_eval_every_steps_is_exact_across_a_pause(every_steps_reference, tmp_pat
     train(config.load(None, [*BASE, *EVERY, *extra, f"run.dir={run_dir}", f"run.stop_after_steps={pause}"]), quiet=True)
     done = train(config.load(None, [*BASE, *EVERY, *extra, f"run.dir={run_dir}", "checkpoint.resume=auto"]), quiet=True)
     assert eval_rows(run_dir) == eval_rows(ref_dir)
-    assert (done["best_metric"], done["best_epoch"], done["final"]) == (ref["best_metric"], ref["best_epoch"], ref["final"])
+    assert (done["best_metric"], done["best_epoch"], done["final"]) == (
+        ref["best_metric"],
+        ref["best_epoch"],
+        ref["final"],
+    )
     meta = read_safetensors_metadata(run_dir / "best.safetensors")
     meta_ref = read_safetensors_metadata(ref_dir / "best.safetensors")
     assert (meta["step"], meta["epoch"]) == (meta_ref["step"], meta_ref["epoch"])
@@ -185,8 +195,9 @@ def test_eval_every_steps_is_exact_after_a_crash_right_after_an_eval_step(every_
     run_dir = tmp_path / "run"
     # early_stop's count changes at every evaluation (better: reset; not: +1), so the step-6 checkpoint shows it
     over = [*BASE, *EVERY, f"run.dir={run_dir}", "checkpoint.every_steps=3", "early_stop.patience=20"]
-    first = subprocess.run([*CMD, *over], env=fault_env(ENV, kill_at="0:6"), cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300)
+    first = subprocess.run(
+        [*CMD, *over], env=fault_env(ENV, kill_at="0:6"), cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     ckpt = load_checkpoint(find_checkpoints(run_dir)[0])["train_state"]
     best, wait = None, 0  # early_stop over the uninterrupted run's evaluations up to step 6 (Keras semantics)
@@ -202,8 +213,10 @@ def test_early_stop_mid_epoch_with_eval_every_steps_and_the_report(tmp_path):
     """early_stop counts step evaluations: patience 1 with an unreachable min_delta stops after the second one
     (step 6, mid-epoch 1), with last.safetensors, a final checkpoint at step 6, and a report that draws them."""
     run_dir = tmp_path / "run"
-    s = train(config.load(None, [*BASE, *EVERY, f"run.dir={run_dir}", "early_stop.patience=1",
-                                 "early_stop.min_delta=10"]), quiet=True)
+    s = train(
+        config.load(None, [*BASE, *EVERY, f"run.dir={run_dir}", "early_stop.patience=1", "early_stop.min_delta=10"]),
+        quiet=True,
+    )
     assert (s["stopped"], s["global_step"], s["paused"]) == ("early_stop", 6, False)
     assert [r["step"] for r in eval_rows(run_dir)] == [3, 6]
     assert (run_dir / "last.safetensors").exists() and s["best_epoch"] == 1
@@ -215,15 +228,18 @@ def test_early_stop_mid_epoch_with_eval_every_steps_and_the_report(tmp_path):
 # ---------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("override, says", [
-    ("run.max_time=0", "run.max_time: Value error, must be more than 0"),
-    ("run.max_time=-5m", "cannot read '-5m' as a duration"),
-    ("run.max_time=soon", "cannot read 'soon' as a duration: write e.g. 45m, 2h30m, 90s"),
-    ("run.stop_signals=[SIGTREM]", "unknown signal 'SIGTREM'. Did you mean: SIGTERM"),
-    ("run.stop_signals=[SIGKILL]", "SIGKILL cannot be caught"),
-    ("run.requeue=true", "not a SLURM job (no SLURM_JOB_ID): set run.requeue=false"),
-    ("eval.every_steps=8", "eval.every_steps=8 is more than an epoch (7 steps): use eval.every_epochs"),
-])
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("run.max_time=0", "run.max_time: Value error, must be more than 0"),
+        ("run.max_time=-5m", "cannot read '-5m' as a duration"),
+        ("run.max_time=soon", "cannot read 'soon' as a duration: write e.g. 45m, 2h30m, 90s"),
+        ("run.stop_signals=[SIGTREM]", "unknown signal 'SIGTREM'. Did you mean: SIGTERM"),
+        ("run.stop_signals=[SIGKILL]", "SIGKILL cannot be caught"),
+        ("run.requeue=true", "not a SLURM job (no SLURM_JOB_ID): set run.requeue=false"),
+        ("eval.every_steps=8", "eval.every_steps=8 is more than an epoch (7 steps): use eval.every_epochs"),
+    ],
+)
 def test_bad_long_run_settings_exit_2_with_one_line(tmp_path, capsys, monkeypatch, override, says):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert cli.main(["train", *BASE, f"run.dir={tmp_path / 'r'}", override]) == 2
@@ -267,12 +283,14 @@ def test_ddp_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     launch = [*CMD, "--nproc-per-node", "2"]
     env = fault_env(ENV, slow_write_s="0.02")  # ~0.1-0.3 s per checkpoint: time to signal mid-run
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref = subprocess.run([*launch, *over, f"run.dir={ref_dir}"], env=ENV, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+    ref = subprocess.run(
+        [*launch, *over, f"run.dir={ref_dir}"], env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen([*launch, *over, f"run.dir={run_dir}"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=tmp_path)
+        proc = subprocess.Popen(
+            [*launch, *over, f"run.dir={run_dir}"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path
+        )
     assert _wait(lambda: (run_dir / "metrics.jsonl").exists() and bool(raw_train_steps(run_dir)), proc, timeout=120)
     pid = rank_pid(proc, 1)
     assert pid is not None
@@ -286,8 +304,9 @@ def test_ddp_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert 0 < stop_step < 2 * 7  # batch 64 x 2 ranks = 128 per step: 7 steps per epoch as BASE
     ckpt = load_checkpoint(find_checkpoints(run_dir)[0])
     assert ckpt["train_state"]["global_step"] == stop_step and len(ckpt["rng"]) == 2  # both ranks' streams
-    done = subprocess.run([*launch, "--resume", str(run_dir)], env=ENV, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [*launch, "--resume", str(run_dir)], env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert raw_train_steps(run_dir) == list(range(1, 15))
     assert_same_run(ref_dir, summary_of(ref_dir), run_dir, summary_of(run_dir))
@@ -302,8 +321,13 @@ def test_ddp_with_max_restarts_a_signal_to_one_rank_pauses_instead_of_restarting
     run_dir = tmp_path / "run"
     over = [*BASE, "data.batch_size=64", "strategy.timeout_s=60", "checkpoint.every_steps=4", f"run.dir={run_dir}"]
     with open(tmp_path / "out.log", "w") as log:
-        proc = subprocess.Popen([*CMD, "--nproc-per-node", "2", "--max-restarts", "2", *over], stdout=log,
-                                stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path)
+        proc = subprocess.Popen(
+            [*CMD, "--nproc-per-node", "2", "--max-restarts", "2", *over],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            cwd=tmp_path,
+        )
     assert _wait(lambda: (run_dir / "metrics.jsonl").exists() and bool(raw_train_steps(run_dir)), proc, timeout=120)
     pid = rank_pid(proc, 1)
     assert pid is not None

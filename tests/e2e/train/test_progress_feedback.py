@@ -22,10 +22,16 @@ from torchsprint.models.core import MODELS
 from torchsprint.observe import progress as tprog
 from torchsprint.train.run import train
 
-HEARTBEAT = re.compile(r"^epoch (\d+)/(\d+): step (\d+)/(\d+) \(\d+%\), ([\d.]+) img/s, elapsed ([\d.]+) s, ETA ([\d.]+) s( \(rough: from the first step, its warm-up included\))?$")
-FIRST = re.compile(r"^epoch (\d+)/(\d+): step 0/(\d+) \(0%\), elapsed ([\d.]+) s, ETA \? \(the first step is under way: the first batch, allocation, warm-up\)$")
-ESTIMATE = re.compile(r"^estimate: epoch 1 takes ~([\d.]+) s \((\d+) steps at ([\d.]+) img/s\); the run ~([\d.]+) s "
-                      r"\((\d+) epoch\(s\) x (\d+) steps \+ (\d+) evaluation\(s\) of ([\d,]+) images")
+HEARTBEAT = re.compile(
+    r"^epoch (\d+)/(\d+): step (\d+)/(\d+) \(\d+%\), ([\d.]+) img/s, elapsed ([\d.]+) s, ETA ([\d.]+) s( \(rough: from the first step, its warm-up included\))?$"
+)
+FIRST = re.compile(
+    r"^epoch (\d+)/(\d+): step 0/(\d+) \(0%\), elapsed ([\d.]+) s, ETA \? \(the first step is under way: the first batch, allocation, warm-up\)$"
+)
+ESTIMATE = re.compile(
+    r"^estimate: epoch 1 takes ~([\d.]+) s \((\d+) steps at ([\d.]+) img/s\); the run ~([\d.]+) s "
+    r"\((\d+) epoch\(s\) x (\d+) steps \+ (\d+) evaluation\(s\) of ([\d,]+) images"
+)
 PLAN = {"step_s": 0.15, "first_s": 0.6, "batch": 128}
 CLOCK: list[tuple[float, bool]] = []  # (time.time() at each forward's entry, training)
 
@@ -55,8 +61,17 @@ def train_timed(writer, run_dir, monkeypatch, tty: bool) -> None:
     """Train the timed model (digits, 2 epochs, batch PLAN["batch"]) with stdout = `writer` (a pipe or a terminal, as
     `tty` says), which is closed after, so that the reading end sees the end of its output."""
     CLOCK.clear()
-    cfg = config.load(None, ["model.name=test_timed_steps", "run.epochs=2", f"data.batch_size={PLAN['batch']}",
-                             "log.tensorboard=false", "eval.per_class=false", f"run.dir={run_dir}"])
+    cfg = config.load(
+        None,
+        [
+            "model.name=test_timed_steps",
+            "run.epochs=2",
+            f"data.batch_size={PLAN['batch']}",
+            "log.tensorboard=false",
+            "eval.per_class=false",
+            f"run.dir={run_dir}",
+        ],
+    )
     try:
         with monkeypatch.context() as m:
             m.setattr(sys, "stdout", writer)
@@ -94,7 +109,9 @@ def test_a_pipe_gets_heartbeat_lines_with_an_honest_eta_and_an_early_estimate(tm
         reader.join()
     text = "\n".join(f"{t - lines[0][0]:6.2f} {x}" for t, x in lines)
     time.sleep(0.1)  # end_epoch stopped the heartbeat thread: it returns from its wait at once
-    assert not [t for t in threading.enumerate() if t.name == "torchsprint-heartbeat"], "a heartbeat thread outlived its epoch"
+    assert not [t for t in threading.enumerate() if t.name == "torchsprint-heartbeat"], (
+        "a heartbeat thread outlived its epoch"
+    )
     train_starts = [t for t, training in CLOCK if training]
     ends = {int(m.group(1)): t for t, line in lines if (m := re.match(r"^epoch (\d+): train loss", line))}
     beats = [(t, m) for t, line in lines if (m := HEARTBEAT.match(line))]
@@ -144,8 +161,10 @@ def test_a_pipe_gets_heartbeat_lines_with_an_honest_eta_and_an_early_estimate(tm
     # What the estimate covers: each epoch's training (its first forward to its end) and each evaluation (its first
     # forward to the end of its last); not one-time costs between them (the first evaluation imports torchmetrics,
     # seconds here; checkpoint writes).
-    evals = [[t for t, training in CLOCK[i:j] if not training] for i, j in
-             ((0, len(CLOCK) // 2 + 1), (len(CLOCK) // 2 + 1, len(CLOCK)))]
+    evals = [
+        [t for t, training in CLOCK[i:j] if not training]
+        for i, j in ((0, len(CLOCK) // 2 + 1), (len(CLOCK) // 2 + 1, len(CLOCK)))
+    ]
     eval_spans = [ts[-1] - ts[0] + step_s / batch * (360 - 256) / 3 for ts in evals if ts]
     run = epoch1 + (ends[2] - [t for t, training in CLOCK if training][11]) + sum(eval_spans)
     assert abs(epoch_s - epoch1) < 0.22, (epoch_s, epoch1, text)
@@ -181,12 +200,23 @@ def test_a_long_run_gets_concrete_advice(tmp_path, capsys, monkeypatch):
     how to shorten it, with the run.epochs that fits in 30 minutes at the measured rate (the run pauses after 8
     steps: the estimate is about the run as configured)."""
     monkeypatch.setattr(tprog, "ESTIMATE_AFTER_SECONDS", 0.3)  # the shipped 5 s would make the test 5 s longer
-    cfg = config.load(None, ["model.name=test_sleeper", "run.epochs=2000", "data.batch_size=128", "run.stop_after_steps=8",
-                             "log.tensorboard=false", f"run.dir={tmp_path / 'r'}"])
+    cfg = config.load(
+        None,
+        [
+            "model.name=test_sleeper",
+            "run.epochs=2000",
+            "data.batch_size=128",
+            "run.stop_after_steps=8",
+            "log.tensorboard=false",
+            f"run.dir={tmp_path / 'r'}",
+        ],
+    )
     t0 = time.perf_counter()
     train(cfg)
     out = capsys.readouterr().out
-    m = re.search(r"estimate: epoch 1 takes ~([\d.]+) s \(11 steps at ([\d.]+) img/s\); the run ~([\d:]+) \(2000 epoch", out)
+    m = re.search(
+        r"estimate: epoch 1 takes ~([\d.]+) s \(11 steps at ([\d.]+) img/s\); the run ~([\d:]+) \(2000 epoch", out
+    )
     assert m, out
     epoch_s, images_s = float(m.group(1)), float(m.group(2))
     assert 11 * 0.1 - 0.05 <= epoch_s < 11 * 0.1 * 1.5, epoch_s  # 11 sleeps of 0.1 s, plus the steps' own work
@@ -204,8 +234,18 @@ def test_no_line_before_the_first_step_and_none_with_progress_off(tmp_path, caps
     """log.progress=false: no heartbeat and no estimate, however long the steps."""
     monkeypatch.setattr(tprog, "HEARTBEAT_SECONDS", 0.05)
     monkeypatch.setattr(tprog, "ESTIMATE_AFTER_SECONDS", 0.05)
-    cfg = config.load(None, ["model.name=test_sleeper", "run.epochs=1", "data.batch_size=256", "log.progress=false",
-                             "log.tensorboard=false", f"run.dir={tmp_path / 'r'}", "run.stop_after_steps=4"])
+    cfg = config.load(
+        None,
+        [
+            "model.name=test_sleeper",
+            "run.epochs=1",
+            "data.batch_size=256",
+            "log.progress=false",
+            "log.tensorboard=false",
+            f"run.dir={tmp_path / 'r'}",
+            "run.stop_after_steps=4",
+        ],
+    )
     train(cfg)
     out = capsys.readouterr().out
     assert "ETA" not in out and "estimate:" not in out
@@ -232,8 +272,17 @@ def test_a_long_evaluation_gets_lines_too(tmp_path, capsys, monkeypatch):
     validation of 400 300x300 images took 18.5 s with no line on the 2-core CPU); none after it ended."""
     monkeypatch.setattr(tprog, "HEARTBEAT_SECONDS", 0.2)
     monkeypatch.setattr(tprog, "FIRST_HEARTBEAT_SECONDS", 30.0)  # no training lines: the epoch takes well under 30 s
-    cfg = config.load(None, ["model.name=test_slow_eval", "run.epochs=1", "data.batch_size=128", "log.tensorboard=false",
-                             "eval.per_class=false", f"run.dir={tmp_path / 'r'}"])
+    cfg = config.load(
+        None,
+        [
+            "model.name=test_slow_eval",
+            "run.epochs=1",
+            "data.batch_size=128",
+            "log.tensorboard=false",
+            "eval.per_class=false",
+            f"run.dir={tmp_path / 'r'}",
+        ],
+    )
     train(cfg)
     time.sleep(0.3)  # a thread left running would print again by now
     out = capsys.readouterr().out.splitlines()
@@ -306,7 +355,11 @@ def test_a_terminal_gets_a_bar_with_rate_and_eta_from_the_first_steps(tmp_path, 
             if int(m.group(2)) < 3:  # rates over one or two steps after the warm-up one: rough, not checked
                 continue
             figure("bar rate error", abs(float(m.group(3)) - batch / period) / (batch / period))
-            assert abs(float(m.group(3)) - batch / period) / (batch / period) < 0.045, (m.group(0), batch / period, text)
+            assert abs(float(m.group(3)) - batch / period) / (batch / period) < 0.045, (
+                m.group(0),
+                batch / period,
+                text,
+            )
             # the same bound as the heartbeat's (measured there within 1.5%)
             if int(m.group(2)) < 11:
                 true_left = ends[epoch] - t

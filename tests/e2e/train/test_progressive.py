@@ -46,8 +46,14 @@ def ffcv_resolution(epoch: int, min_res: int, max_res: int, start_ramp: int, end
 
 
 def test_schedule_is_ffcvs_formula_with_halves_rounded_up():
-    cases = [(160, 192, 65, 76, 32, 88), (128, 224, 2, 12, 32, 16), (64, 256, 0, 9, 32, 12), (8, 16, 0, 3, 4, 5),
-             (96, 160, 4, 20, 16, 24), (32, 64, 1, 2, 8, 4)]
+    cases = [
+        (160, 192, 65, 76, 32, 88),
+        (128, 224, 2, 12, 32, 16),
+        (64, 256, 0, 9, 32, 12),
+        (8, 16, 0, 3, 4, 5),
+        (96, 160, 4, 20, 16, 24),
+        (32, 64, 1, 2, 8, 4),
+    ]
     ties = 0
     for lo, hi, start_ramp, end_ramp, step, epochs in cases:
         s = Schedule(lo, hi, start_ramp + 1, end_ramp + 1, step)  # ours counts epochs from 1, as the log prints
@@ -67,12 +73,22 @@ def test_schedule_is_ffcvs_formula_with_halves_rounded_up():
 
 
 def data_cfg(root, *extra, crop=16):
-    return config.load(None, ["data.dataset=image_folder", f"data.root={root}", "data.batch_size=4", "data.decoder=torchvision",
-                              f"data.train.transforms=[random_resized_crop: {{size: {crop}, scale: [0.3, 1]}}, hflip, "
-                              "normalize: imagenet]", "data.eval.transforms=[resize: [16, 16], normalize: imagenet]",
-                              # the files themselves: the decoded-image cache sizes them for each run's crop, so a
-                              # fixed small crop's run would read smaller images than the ramp's
-                              "data.cache=off", *extra]).data
+    return config.load(
+        None,
+        [
+            "data.dataset=image_folder",
+            f"data.root={root}",
+            "data.batch_size=4",
+            "data.decoder=torchvision",
+            f"data.train.transforms=[random_resized_crop: {{size: {crop}, scale: [0.3, 1]}}, hflip, "
+            "normalize: imagenet]",
+            "data.eval.transforms=[resize: [16, 16], normalize: imagenet]",
+            # the files themselves: the decoded-image cache sizes them for each run's crop, so a
+            # fixed small crop's run would read smaller images than the ramp's
+            "data.cache=off",
+            *extra,
+        ],
+    ).data
 
 
 def loaders_of(backend: str, d):
@@ -123,8 +139,18 @@ def test_webdataset_shards_crop_at_the_epochs_size(tmp_path, backend):
     write_shards(root, [3], split="val", index=False, start=100)
 
     def loader(*extra):
-        d = config.load(None, ["data.dataset=webdataset", f"data.root={root}", "data.batch_size=4", "data.num_workers=2",
-                               "data.decoder=torchvision", "data.eval.transforms=[resize: [8, 8]]", *extra]).data
+        d = config.load(
+            None,
+            [
+                "data.dataset=webdataset",
+                f"data.root={root}",
+                "data.batch_size=4",
+                "data.num_workers=2",
+                "data.decoder=torchvision",
+                "data.eval.transforms=[resize: [8, 8]]",
+                *extra,
+            ],
+        ).data
         return loaders_of(backend, d).train
 
     crop = "data.train.transforms=[random_resized_crop: {size: %d}, hflip]"
@@ -145,10 +171,19 @@ STEPS_PER_EPOCH = 7  # digits, half held out: 898 training images // 128
 # fp32 gap was amplification of summation order, not a difference. A bug moves them by far more: a DDP run whose
 # ramp starts at 6 px instead of 4 differs by 0.19, one that ends an epoch early by 0.073.
 DDP_TOLERANCE = 1e-9
-BASE = ["model.args={width: 8, dropout: 0.2}", "run.epochs=3", "data.batch_size=128", "data.val_fraction=0.5",
-        "data.train.transforms=[random_resized_crop: {size: 8, scale: [0.35, 1]}, hflip]", "eval.per_class=false",
-        "data.progressive={start_size: 4, end_epoch: 3, step: 2}",  # 4, 6, 8: the pause is in the 6 px epoch
-        "log.tensorboard=false", "log.progress=false", "checkpoint.every_steps=5", "optim.lr=0.05"]
+BASE = [
+    "model.args={width: 8, dropout: 0.2}",
+    "run.epochs=3",
+    "data.batch_size=128",
+    "data.val_fraction=0.5",
+    "data.train.transforms=[random_resized_crop: {size: 8, scale: [0.35, 1]}, hflip]",
+    "eval.per_class=false",
+    "data.progressive={start_size: 4, end_epoch: 3, step: 2}",  # 4, 6, 8: the pause is in the 6 px epoch
+    "log.tensorboard=false",
+    "log.progress=false",
+    "checkpoint.every_steps=5",
+    "optim.lr=0.05",
+]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "memory"])
@@ -172,11 +207,18 @@ def test_two_ddp_ranks_follow_the_schedule_as_one_process_does(tmp_path, run_cli
     """torchrun, 2 gloo processes x 64 images per step against one process x 128: the same samples per step, each
     cropped by its own seed at the epoch's size (4, 6, 8), so with SyncBatchNorm the weights agree up to float64
     rounding. A rank on another size, or another epoch's size, moves them by far more."""
-    common = [*BASE[1:], "model.args={width: 8}", "data.backend=memory", "strategy.sync_bn=true",
-              "checkpoint.every_steps=null", "precision=fp64"]
+    common = [
+        *BASE[1:],
+        "model.args={width: 8}",
+        "data.backend=memory",
+        "strategy.sync_bn=true",
+        "checkpoint.every_steps=null",
+        "precision=fp64",
+    ]
     single = train(config.load(None, [*common, f"run.dir={tmp_path / 'one'}"]), quiet=True)
-    proc = run_cli("train", "--nproc-per-node", "2", *common, "data.batch_size=64", f"run.dir={tmp_path / 'ddp'}",
-                   timeout=300)
+    proc = run_cli(
+        "train", "--nproc-per-node", "2", *common, "data.batch_size=64", f"run.dir={tmp_path / 'ddp'}", timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert single["global_step"] == 3 * STEPS_PER_EPOCH
     a, b = load_file(str(tmp_path / "one" / "last.safetensors")), load_file(str(tmp_path / "ddp" / "last.safetensors"))
@@ -198,28 +240,57 @@ def test_compile_builds_one_static_graph_per_scheduled_size(tmp_path):
     def counting(gm, example_inputs):
         # The batch among the graph's inputs: the placeholders that are not the module's own parameters and buffers.
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        batch = [t for n, t in zip(names, example_inputs)
-                 if "_parameters_" not in n and "_buffers_" not in n and isinstance(t, torch.Tensor)]
+        batch = [
+            t
+            for n, t in zip(names, example_inputs)
+            if "_parameters_" not in n and "_buffers_" not in n and isinstance(t, torch.Tensor)
+        ]
         assert len(batch) == 1, names
         # A graph dynamic in a size takes that size as a SymInt input (torch's default from the second size on).
-        symbolic = any(isinstance(t, torch.SymInt) for t in example_inputs) or \
-            any(isinstance(d, torch.SymInt) for d in batch[0].shape)
+        symbolic = any(isinstance(t, torch.SymInt) for t in example_inputs) or any(
+            isinstance(d, torch.SymInt) for d in batch[0].shape
+        )
         graphs.append((tuple(batch[0].shape), symbolic))
         return gm.forward
 
     torch._dynamo.reset()
     torch._dynamo.register_backend(counting, name="progressive_count")
     root = make_image_folder(tmp_path / "img", per_class=9, size=(24, 20))  # 18 train (4 batches of 4), 18 val
-    train(config.load(None, [
-        "data.dataset=image_folder", f"data.root={root}", "data.batch_size=4", "data.eval_batch_size=8",
-        "data.train.transforms=[random_resized_crop: {size: 16}, hflip]", "data.eval.transforms=[resize: [16, 16]]",
-        RAMP, "run.epochs=5", "model.args={width: 4}", "speed.compile=true", "speed.compile_backend=progressive_count",
-        "speed.fullgraph=true", "speed.channels_last=true", "log.tensorboard=false", "log.progress=false",
-        "data.backend=memory", f"run.dir={tmp_path / 'run'}", "eval.per_class=false"]), quiet=True)
+    train(
+        config.load(
+            None,
+            [
+                "data.dataset=image_folder",
+                f"data.root={root}",
+                "data.batch_size=4",
+                "data.eval_batch_size=8",
+                "data.train.transforms=[random_resized_crop: {size: 16}, hflip]",
+                "data.eval.transforms=[resize: [16, 16]]",
+                RAMP,
+                "run.epochs=5",
+                "model.args={width: 4}",
+                "speed.compile=true",
+                "speed.compile_backend=progressive_count",
+                "speed.fullgraph=true",
+                "speed.channels_last=true",
+                "log.tensorboard=false",
+                "log.progress=false",
+                "data.backend=memory",
+                f"run.dir={tmp_path / 'run'}",
+                "eval.per_class=false",
+            ],
+        ),
+        quiet=True,
+    )
     torch._dynamo.reset()
     assert not any(symbolic for _, symbolic in graphs), graphs
-    assert sorted(shape for shape, _ in graphs) == [(2, 3, 16, 16), (4, 3, 8, 8), (4, 3, 12, 12), (4, 3, 16, 16),
-                                                    (8, 3, 16, 16)], graphs  # evaluation: 8 a batch, the last 2 of 18
+    assert sorted(shape for shape, _ in graphs) == [
+        (2, 3, 16, 16),
+        (4, 3, 8, 8),
+        (4, 3, 12, 12),
+        (4, 3, 16, 16),
+        (8, 3, 16, 16),
+    ], graphs  # evaluation: 8 a batch, the last 2 of 18
 
 
 # ---------------------------------------------------------------- bad input
@@ -240,33 +311,66 @@ def refused(*over, match: str, build_it: bool = True):
 CROP = "data.train.transforms=[random_resized_crop: {size: 8}]"
 
 
-@pytest.mark.parametrize("over, match", [
-    (["data.progressive={start_size: 8, end_size: 4, end_epoch: 3, step: 4}"], "end_size=4 is below start_size=8"),
-    (["data.progressive={start_size: 6, end_epoch: 3, step: 4}"], "start_size=6 is not a multiple of step=4; use 4"),
-    (["data.progressive={start_size: 4, end_size: 10, end_epoch: 3, step: 4}"], "end_size=10 is not a multiple"),
-    (["data.progressive={start_size: 4}"], "set end_epoch too"),
-    (["data.progressive={start_size: 4, start_epoch: 3, end_epoch: 3}"], "must come after start_epoch=3"),
-    (["data.progressive.end_epoch=5"], "end_epoch has no effect without data.progressive.start_size"),
-    (["data.progressive={begin: 4}"], r"data.progressive.begin: unknown key"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (["data.progressive={start_size: 8, end_size: 4, end_epoch: 3, step: 4}"], "end_size=4 is below start_size=8"),
+        (
+            ["data.progressive={start_size: 6, end_epoch: 3, step: 4}"],
+            "start_size=6 is not a multiple of step=4; use 4",
+        ),
+        (["data.progressive={start_size: 4, end_size: 10, end_epoch: 3, step: 4}"], "end_size=10 is not a multiple"),
+        (["data.progressive={start_size: 4}"], "set end_epoch too"),
+        (["data.progressive={start_size: 4, start_epoch: 3, end_epoch: 3}"], "must come after start_epoch=3"),
+        (["data.progressive.end_epoch=5"], "end_epoch has no effect without data.progressive.start_size"),
+        (["data.progressive={begin: 4}"], r"data.progressive.begin: unknown key"),
+    ],
+)
 def test_bad_schedules_are_refused_by_the_config(over, match):
     refused(CROP, *over, match=match, build_it=False)
 
 
-@pytest.mark.parametrize("over, match", [
-    (["data.train.transforms=[random_crop: {size: 8, padding: 1}]"],
-     r"resizes the output of random_resized_crop, and data.train.transforms has none \(\['random_crop'\]\)"),
-    (["data.train.transforms=[random_resized_crop: {size: [8, 6]}]"], "not one square side"),
-    ([CROP, "data.progressive.end_size=16"], "end_size=16 differs from data.train.transforms.0. random_resized_crop size 8"),
-    (["data.train.transforms=[random_resized_crop: {size: 6}]", "data.progressive.step=4", "data.progressive.start_size=4"],
-     r"final size \(data.train.transforms\[0\] random_resized_crop size 6\) is not a multiple of data.progressive.step=4"),
-    (["data.train.transforms=[random_resized_crop: {size: 4}]", "data.progressive.start_size=8"], "start_size=8 is above"),
-    ([CROP, "speed.cuda_graphs=true"], "speed.cuda_graphs=true captures one input shape"),
-    ([CROP, "data.progressive.step=1", "data.progressive.start_size=1", "data.progressive.end_epoch=8", "run.epochs=8",
-      "speed.compile=true", "speed.compile_backend=eager"], r"8 training sizes .* over torch's 8 per model"),
-    (["task=video", CROP], "task=video: data.progressive is not supported"),
-    ([CROP, "run.epochs=2"], r"end_epoch=3 comes after the run's last epoch \(run.epochs=2\)"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (
+            ["data.train.transforms=[random_crop: {size: 8, padding: 1}]"],
+            r"resizes the output of random_resized_crop, and data.train.transforms has none \(\['random_crop'\]\)",
+        ),
+        (["data.train.transforms=[random_resized_crop: {size: [8, 6]}]"], "not one square side"),
+        (
+            [CROP, "data.progressive.end_size=16"],
+            "end_size=16 differs from data.train.transforms.0. random_resized_crop size 8",
+        ),
+        (
+            [
+                "data.train.transforms=[random_resized_crop: {size: 6}]",
+                "data.progressive.step=4",
+                "data.progressive.start_size=4",
+            ],
+            r"final size \(data.train.transforms\[0\] random_resized_crop size 6\) is not a multiple of data.progressive.step=4",
+        ),
+        (
+            ["data.train.transforms=[random_resized_crop: {size: 4}]", "data.progressive.start_size=8"],
+            "start_size=8 is above",
+        ),
+        ([CROP, "speed.cuda_graphs=true"], "speed.cuda_graphs=true captures one input shape"),
+        (
+            [
+                CROP,
+                "data.progressive.step=1",
+                "data.progressive.start_size=1",
+                "data.progressive.end_epoch=8",
+                "run.epochs=8",
+                "speed.compile=true",
+                "speed.compile_backend=eager",
+            ],
+            r"8 training sizes .* over torch's 8 per model",
+        ),
+        (["task=video", CROP], "task=video: data.progressive is not supported"),
+        ([CROP, "run.epochs=2"], r"end_epoch=3 comes after the run's last epoch \(run.epochs=2\)"),
+    ],
+)
 def test_settings_it_cannot_honour_are_refused_at_start(over, match):
     import torch._dynamo
 
@@ -279,8 +383,12 @@ def test_settings_it_cannot_honour_are_refused_at_start(over, match):
 def test_a_backend_that_does_not_resize_per_epoch_is_refused(tmp_path):
     LOADERS.register("fixed_only")(Backend(LOADERS.get("cpu").build))  # progressive=False: a user's backend
     try:
-        refused(CROP, "data.progressive={start_size: 4, end_epoch: 3, step: 2}", "data.backend=fixed_only",
-                match=r"data.backend=fixed_only does not resize its crop per epoch \(backends that do: .*cpu")
+        refused(
+            CROP,
+            "data.progressive={start_size: 4, end_epoch: 3, step: 2}",
+            "data.backend=fixed_only",
+            match=r"data.backend=fixed_only does not resize its crop per epoch \(backends that do: .*cpu",
+        )
     finally:
         LOADERS._items.pop("fixed_only", None)
 
@@ -295,8 +403,15 @@ def test_cuda_graphs_auto_stays_off_and_says_why():
 
 
 def test_the_cli_says_one_line_and_exits_2(cli_in_process):
-    p = cli_in_process("train", "data.train.transforms=[hflip]", "data.progressive={start_size: 4, end_epoch: 3, step: 2}",
-                "run.epochs=1", "log.progress=false")
+    p = cli_in_process(
+        "train",
+        "data.train.transforms=[hflip]",
+        "data.progressive={start_size: 4, end_epoch: 3, step: 2}",
+        "run.epochs=1",
+        "log.progress=false",
+    )
     assert p.returncode == 2, p.stderr
     lines = [x for x in (p.stdout + p.stderr).splitlines() if x.strip()]
-    assert len(lines) == 1 and "add random_resized_crop: {size: END} to it, or remove data.progressive" in lines[0], lines
+    assert len(lines) == 1 and "add random_resized_crop: {size: END} to it, or remove data.progressive" in lines[0], (
+        lines
+    )

@@ -15,15 +15,32 @@ from safetensors.torch import load_file
 from torchsprint import config
 from torchsprint.train.run import train
 
-BASE = ["model.args={width: 8}", "data.batch_size=64", "data.val_fraction=0.5", "optim.lr=0.05", "eval.per_class=false",
-        "log.tensorboard=false", "log.progress=false", "loss.label_smoothing=0.1", "mix.mixup_alpha=0.2",
-        "mix.cutmix_alpha=1.0", "ema.enabled=true", "ema.decay=0.9", "run.max_steps=8", "checkpoint.every_steps=3"]
-AUG = {"memory": "data.train.transforms=[trivial_augment_wide, {rand_augment: {num_ops: 2, magnitude: 9}}]",
-       "cpu": "data.train.transforms=[auto_augment, {rand_augment: {num_ops: 2, magnitude: 9}}]"}
+BASE = [
+    "model.args={width: 8}",
+    "data.batch_size=64",
+    "data.val_fraction=0.5",
+    "optim.lr=0.05",
+    "eval.per_class=false",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "loss.label_smoothing=0.1",
+    "mix.mixup_alpha=0.2",
+    "mix.cutmix_alpha=1.0",
+    "ema.enabled=true",
+    "ema.decay=0.9",
+    "run.max_steps=8",
+    "checkpoint.every_steps=3",
+]
+AUG = {
+    "memory": "data.train.transforms=[trivial_augment_wide, {rand_augment: {num_ops: 2, magnitude: 9}}]",
+    "cpu": "data.train.transforms=[auto_augment, {rand_augment: {num_ops: 2, magnitude: 9}}]",
+}
 
 
 def run(d: Path, backend: str, *extra):
-    return train(config.load(None, [*BASE, AUG[backend], f"data.backend={backend}", f"run.dir={d}", *extra]), quiet=True)
+    return train(
+        config.load(None, [*BASE, AUG[backend], f"data.backend={backend}", f"run.dir={d}", *extra]), quiet=True
+    )
 
 
 def weights(d: Path, name: str = "last.safetensors") -> dict[str, torch.Tensor]:

@@ -15,8 +15,13 @@ from paths import REPO
 from torchsprint import cli, config
 
 RECIPES = REPO / "configs" / "recipes"
-SHORT = ["run.max_steps=2", "log.progress=false", "log.tensorboard=false", "eval.per_class=false",
-         "checkpoint.every_epochs=null"]
+SHORT = [
+    "run.max_steps=2",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "eval.per_class=false",
+    "checkpoint.every_epochs=null",
+]
 
 
 def cifar_root(tmp_path):
@@ -35,15 +40,27 @@ def image_root(tmp_path, size):
 # recipe -> overrides that point it at generated data of the shape it expects (and keep the step small)
 DATA = {
     "cifar10_airbench.yaml": lambda t: [f"data.root={cifar_root(t)}", "data.batch_size=16"],
-    "finetune_resnet50.yaml": lambda t: [f"data.root={image_root(t, (96, 80))}", "data.batch_size=4", "data.num_workers=0",
-                                         "model.pretrained=null",  # the cache lookup is tested in test_recipes_pretrained
-                                         "data.train.transforms=[random_resized_crop: 64, hflip, normalize: imagenet]",
-                                         "data.eval.transforms=[resize: 72, center_crop: 64, normalize: imagenet]"],
+    "finetune_resnet50.yaml": lambda t: [
+        f"data.root={image_root(t, (96, 80))}",
+        "data.batch_size=4",
+        "data.num_workers=0",
+        "model.pretrained=null",  # the cache lookup is tested in test_recipes_pretrained
+        "data.train.transforms=[random_resized_crop: 64, hflip, normalize: imagenet]",
+        "data.eval.transforms=[resize: 72, center_crop: 64, normalize: imagenet]",
+    ],
     # ImageNet recipes: their own transforms and sizes, on a few small JPEGs; one process (they say ddp)
-    "torchvision_resnet50.yaml": lambda t: [f"data.root={image_root(t, (96, 80))}", "data.batch_size=2",
-                                            "data.num_workers=0", "strategy.name=single"],
-    "timm_resnet50_a3.yaml": lambda t: [f"data.root={image_root(t, (96, 80))}", "data.batch_size=2",
-                                        "data.num_workers=0", "strategy.name=single"],
+    "torchvision_resnet50.yaml": lambda t: [
+        f"data.root={image_root(t, (96, 80))}",
+        "data.batch_size=2",
+        "data.num_workers=0",
+        "strategy.name=single",
+    ],
+    "timm_resnet50_a3.yaml": lambda t: [
+        f"data.root={image_root(t, (96, 80))}",
+        "data.batch_size=2",
+        "data.num_workers=0",
+        "strategy.name=single",
+    ],
 }
 
 
@@ -62,8 +79,9 @@ def bf16_recipe(name: str) -> bool:
     return config.load(RECIPES / name, []).precision.mode == "amp_bf16"
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.bf16_training) if bf16_recipe(n) else n
-                                  for n in sorted(DATA)])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.bf16_training) if bf16_recipe(n) else n for n in sorted(DATA)]
+)
 def test_recipe_trains_a_few_steps(tmp_path, name):
     run_dir, data = tmp_path / "run", DATA[name](tmp_path)
     assert cli.main(["train", "-c", str(RECIPES / name), *SHORT, *data, f"run.dir={run_dir}"]) == 0
@@ -77,6 +95,12 @@ def test_recipe_trains_a_few_steps(tmp_path, name):
     assert decided["precision_config"] == recipe.precision.mode and decided["precision"] == saved.precision.mode
     ran = recipe.precision.model_copy(update={"mode": decided["precision"]})
     assert (saved.model.name, saved.optim, saved.loss, saved.precision, saved.mix, saved.ema) == (
-        recipe.model.name, recipe.optim, recipe.loss, ran, recipe.mix, recipe.ema)
+        recipe.model.name,
+        recipe.optim,
+        recipe.loss,
+        ran,
+        recipe.mix,
+        recipe.ema,
+    )
     if not any(o.startswith("data.train.transforms") for o in data):
         assert saved.data.train == recipe.data.train  # the recipe's own augmentation ran

@@ -12,8 +12,16 @@ from torchsprint.errors import UsageError
 from torchsprint.train.run import train
 
 # digits, 7 steps per epoch.
-BASE = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.epochs=10", "data.batch_size=128",
-        "data.val_fraction=0.5", "early_stop.patience=2", "early_stop.min_delta=0.03"]
+BASE = [
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "run.epochs=10",
+    "data.batch_size=128",
+    "data.val_fraction=0.5",
+    "early_stop.patience=2",
+    "early_stop.min_delta=0.03",
+]
 # Where a learning run stops depends on the CPU: val/top1 of small_cnn (width 8) climbed past 0.95 by epoch 6 and then
 # by less than 0.03 an epoch on an Intel Xeon (AVX2), so it stopped at epoch 8; on an AMD EPYC (AVX2 or AVX-512, and
 # with ATEN_CPU_CAPABILITY=default) it climbed slower (0.099, 0.264, 0.277, 0.560, 0.791, 0.943, ...) and never
@@ -24,6 +32,8 @@ BASE = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false", "
 # third (the first sets the best, two more do not beat it).
 LEARNING = ["model.args={width: 8}"]
 PLATEAU = ["model.name=linear", "optim.lr=1e-30"]
+
+
 def run(d: Path, *over: str) -> dict:
     return train(config.load(None, [*BASE, f"run.dir={d}", *over]), quiet=True)
 
@@ -80,7 +90,9 @@ def test_early_stop_resumes_across_the_patience_count(tmp_path):
     resumed = run(tmp_path / "r", *PLATEAU, "checkpoint.resume=auto", "log.every_steps=1")
     assert resumed["early_stop"] == full["early_stop"] and resumed["global_step"] == full["global_step"]
     lines = [json.loads(x) for x in ((tmp_path / "r") / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, full["global_step"] + 1))  # resumed, not started over
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(
+        range(1, full["global_step"] + 1)
+    )  # resumed, not started over
     assert resumed["final"] == full["final"]
 
 

@@ -19,9 +19,18 @@ from torchsprint.train.run import train
 
 timm_ema = pytest.importorskip("timm.utils.model_ema")
 
-BASE = ["model.args={width: 8, dropout: 0.2}", "data.batch_size=128", "data.val_fraction=0.5", "optim.lr=0.05",
-        "data.train.transforms=[random_crop: {size: 8, padding: 1}, hflip]", "eval.per_class=false",
-        "log.tensorboard=false", "log.progress=false", "ema.enabled=true", "ema.decay=0.8"]
+BASE = [
+    "model.args={width: 8, dropout: 0.2}",
+    "data.batch_size=128",
+    "data.val_fraction=0.5",
+    "optim.lr=0.05",
+    "data.train.transforms=[random_crop: {size: 8, padding: 1}, hflip]",
+    "eval.per_class=false",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "ema.enabled=true",
+    "ema.decay=0.8",
+]
 
 
 def small_net() -> nn.Module:
@@ -29,16 +38,29 @@ def small_net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
 
 
-@pytest.mark.parametrize("over", [{}, {"warmup": True, "warmup_gamma": 2.0, "warmup_power": 0.75},
-                                  {"buffers": "copy"}, {"every_steps": 3, "warmup": True}])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"warmup": True, "warmup_gamma": 2.0, "warmup_power": 0.75},
+        {"buffers": "copy"},
+        {"every_steps": 3, "warmup": True},
+    ],
+)
 def test_ema_matches_timm_model_ema_v3(over):
     """After 20 SGD steps (BatchNorm statistics moving too), torchsprint's EMA equals ModelEmaV3's."""
     model = small_net()
     cfg = config.load(None, ["ema.enabled=true", "ema.decay=0.9", *(f"ema.{k}={v}" for k, v in over.items())]).ema
     ours = ModelEma(model, cfg, torch.device("cpu"))
     ours.attach(model)
-    ref = timm_ema.ModelEmaV3(model, decay=0.9, use_warmup=cfg.warmup, warmup_gamma=cfg.warmup_gamma,
-                              warmup_power=cfg.warmup_power, exclude_buffers=cfg.buffers == "copy")
+    ref = timm_ema.ModelEmaV3(
+        model,
+        decay=0.9,
+        use_warmup=cfg.warmup,
+        warmup_gamma=cfg.warmup_gamma,
+        warmup_power=cfg.warmup_power,
+        exclude_buffers=cfg.buffers == "copy",
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     for step in range(1, 21):
@@ -53,7 +75,9 @@ def test_ema_matches_timm_model_ema_v3(over):
     diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
     # Measured: 0.0 (the same foreach lerp on the same tensors); bit-identical required.
     assert diff == 0.0, diff
-    moved = max((a[k].double() - model.state_dict()[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+    moved = max(
+        (a[k].double() - model.state_dict()[k].double()).abs().max().item() for k in a if a[k].is_floating_point()
+    )
     assert moved > 1e-3  # the EMA is not simply the model
 
 
@@ -71,9 +95,14 @@ def test_ema_resumes_bit_exactly(tmp_path):
     assert ckpt["ema"]["updates"] == 2  # steps 2 and 4 updated it
     resumed = run(tmp_path / "resumed", *over, "checkpoint.resume=auto")
     lines = [json.loads(x) for x in ((tmp_path / "resumed") / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, full["global_step"] + 1))  # resumed, not started over
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(
+        range(1, full["global_step"] + 1)
+    )  # resumed, not started over
     for name in ("ema", "last"):
-        a, b = load_file(str(tmp_path / "full" / f"{name}.safetensors")), load_file(str(tmp_path / "resumed" / f"{name}.safetensors"))
+        a, b = (
+            load_file(str(tmp_path / "full" / f"{name}.safetensors")),
+            load_file(str(tmp_path / "resumed" / f"{name}.safetensors")),
+        )
         assert all(torch.equal(a[k], b[k]) for k in a), name
     assert full["final"] == resumed["final"] and "ema/val/top1" in full["final"]
 

@@ -27,9 +27,15 @@ def per_param(opt) -> dict[int, tuple[float, float]]:
 
 def test_pattern_groups_on_torchvision_resnet18():
     model = torchvision.models.resnet18(num_classes=3)
-    opt = build_optimizer(optim_cfg("optim.lr=0.2", "optim.weight_decay=1e-4",
-                                    "optim.param_groups=[{pattern: 'layer4.*', lr_scale: 0.1, weight_decay: 0.01}, "
-                                    "{pattern: 're:^(layer4|fc)\\.', lr_scale: 5}]"), model)
+    opt = build_optimizer(
+        optim_cfg(
+            "optim.lr=0.2",
+            "optim.weight_decay=1e-4",
+            "optim.param_groups=[{pattern: 'layer4.*', lr_scale: 0.1, weight_decay: 0.01}, "
+            "{pattern: 're:^(layer4|fc)\\.', lr_scale: 5}]",
+        ),
+        model,
+    )
     got = per_param(opt)
     assert len(got) == len(list(model.parameters()))  # every trainable parameter exactly once
     for name, p in model.named_parameters():
@@ -76,7 +82,9 @@ def test_layer_decay_on_torchvision_resnet18_matches_timm_on_its_resnet18():
         for g in param_groups_layer_decay(tm, layer_decay=0.75):
             ref.update({names[id(p)]: g["lr_scale"] for p in g["params"]})
     assert ours.keys() == ref.keys()
-    assert all(ours[n] == pytest.approx(ref[n], rel=1e-12) for n in ours), {n: (ours[n], ref[n]) for n in ours if ours[n] != ref[n]}
+    assert all(ours[n] == pytest.approx(ref[n], rel=1e-12) for n in ours), {
+        n: (ours[n], ref[n]) for n in ours if ours[n] != ref[n]
+    }
     assert ours["conv1.weight"] == pytest.approx(0.75**9) and ours["layer1.0.conv1.weight"] == pytest.approx(0.75**8)
     assert ours["fc.weight"] == 1.0
 
@@ -85,8 +93,16 @@ def test_layer_decay_on_a_timm_vit_uses_its_group_matcher():
     from timm.optim._param_groups import param_groups_layer_decay
 
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=3)
-    opt = build_optimizer(optim_cfg("optim.lr=1.0", "optim.layer_decay=0.8", "optim.name=adamw", "optim.weight_decay=0.05",
-                                    "optim.param_groups=[{pattern: 'head.*', lr_scale: 2}]"), model)
+    opt = build_optimizer(
+        optim_cfg(
+            "optim.lr=1.0",
+            "optim.layer_decay=0.8",
+            "optim.name=adamw",
+            "optim.weight_decay=0.05",
+            "optim.param_groups=[{pattern: 'head.*', lr_scale: 2}]",
+        ),
+        model,
+    )
     ours = {n: per_param(opt)[id(p)][0] for n, p in model.named_parameters()}
     names = {id(p): n for n, p in model.named_parameters()}
     ref = {names[id(p)]: g["lr_scale"] for g in param_groups_layer_decay(model, layer_decay=0.8) for p in g["params"]}
@@ -111,15 +127,25 @@ def test_a_run_trains_with_groups_and_resumes(tmp_path):
     """Through the CLI flow: the groups' rates are logged by the schedule and a checkpoint round-trips them."""
     from torchsprint.train.run import train
 
-    over = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "run.epochs=2", "eval.per_class=false",
-            "optim.layer_decay=0.7", "optim.param_groups=[{pattern: '0.*', lr_scale: 0.5, weight_decay: 0}]", "log.every_steps=1",
-            "optim.no_decay_norm_bias=false"]  # so that only the pattern's rule can give a group weight decay 0
+    over = [
+        "model.args={width: 8}",
+        "log.tensorboard=false",
+        "log.progress=false",
+        "run.epochs=2",
+        "eval.per_class=false",
+        "optim.layer_decay=0.7",
+        "optim.param_groups=[{pattern: '0.*', lr_scale: 0.5, weight_decay: 0}]",
+        "log.every_steps=1",
+        "optim.no_decay_norm_bias=false",
+    ]  # so that only the pattern's rule can give a group weight decay 0
     full = train(config.load(None, [*over, f"run.dir={tmp_path / 'a'}"]), quiet=True)
     train(config.load(None, [*over, f"run.dir={tmp_path / 'b'}", "run.stop_after_steps=30"]), quiet=True)
     resumed = train(config.load(None, [*over, f"run.dir={tmp_path / 'b'}", "checkpoint.resume=auto"]), quiet=True)
     assert resumed["final"] == full["final"]
     lines = [json.loads(x) for x in ((tmp_path / "b") / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, full["global_step"] + 1))  # resumed, not started over
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(
+        range(1, full["global_step"] + 1)
+    )  # resumed, not started over
     ck = torch.load(sorted((tmp_path / "b" / "checkpoints").glob("*.pt"))[-1], weights_only=True)
     assert len({g["lr_scale"] for g in ck["optimizer"]["param_groups"]}) > 2
     # the pattern's weight_decay: 0 reached the optimizer the run stepped, beside the default decay of the rest

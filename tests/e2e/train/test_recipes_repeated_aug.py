@@ -58,16 +58,26 @@ def test_every_copy_has_its_own_seed_and_resume_skips_exactly():
 
 
 def test_repeated_aug_changes_training_and_resumes_exactly(tmp_path):
-    over = ["model.args={width: 8}", "log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.epochs=2",
-            "data.repeated_aug=3", "data.batch_size=32", "data.train.transforms=[random_crop: {size: 8, padding: 1}, hflip]",
-            "log.every_steps=1"]
+    over = [
+        "model.args={width: 8}",
+        "log.tensorboard=false",
+        "log.progress=false",
+        "eval.per_class=false",
+        "run.epochs=2",
+        "data.repeated_aug=3",
+        "data.batch_size=32",
+        "data.train.transforms=[random_crop: {size: 8, padding: 1}, hflip]",
+        "log.every_steps=1",
+    ]
     full = train(config.load(None, [*over, f"run.dir={tmp_path / 'a'}"]), quiet=True)
     train(config.load(None, [*over, f"run.dir={tmp_path / 'b'}", "run.stop_after_steps=9"]), quiet=True)
     resumed = train(config.load(None, [*over, f"run.dir={tmp_path / 'b'}", "checkpoint.resume=auto"]), quiet=True)
     a, b = load_file(str(tmp_path / "a" / "last.safetensors")), load_file(str(tmp_path / "b" / "last.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a) and full["final"] == resumed["final"]
     lines = [json.loads(x) for x in ((tmp_path / "b") / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, full["global_step"] + 1))  # resumed, not started over
+    assert [x["step"] for x in lines if x["kind"] == "train"] == list(
+        range(1, full["global_step"] + 1)
+    )  # resumed, not started over
     assert full["global_step"] == 2 * (1437 // 256 * 256 // 32)  # digits' 1437 training images: timm's epoch, 40 steps
 
 
@@ -78,20 +88,39 @@ def test_ddp_repeated_aug_copies_differ_and_ema_follows_the_unwrapped_model(tmp_
     DDP run equals one process's (same weights sequence); the EMA's BatchNorm statistics agree on every rank."""
     import recipes_ddp_worker as worker
 
-    ref = train(config.load(None, [*worker.EMA_RUN, f"data.batch_size={2 * worker.B}", f"run.dir={tmp_path / 'ref'}"]),
-                quiet=True)
+    ref = train(
+        config.load(None, [*worker.EMA_RUN, f"data.batch_size={2 * worker.B}", f"run.dir={tmp_path / 'ref'}"]),
+        quiet=True,
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for part in ("ema", "aug"):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                               str(WORKERS / "recipes_ddp_worker.py"), str(tmp_path / "ddp"), part],
-                              env=env, cwd=REPO, capture_output=True, text=True, timeout=200)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                str(WORKERS / "recipes_ddp_worker.py"),
+                str(tmp_path / "ddp"),
+                part,
+            ],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((tmp_path / "ddp" / "results.json").read_text())
     assert res["repeated"] > 50 and res["copies_on_one_rank"] == 0
     # random_crop(8, padding 2) + hflip has 50 outcomes: independent copies coincide 1 time in 50 (measured 11 of 640;
     # copies sharing a seed would all be identical).
     assert res["identical_copies"] < 33
-    a, b = load_file(str(tmp_path / "ddp" / "ema_run" / "ema.safetensors")), load_file(str(tmp_path / "ref" / "ema.safetensors"))
+    a, b = (
+        load_file(str(tmp_path / "ddp" / "ema_run" / "ema.safetensors")),
+        load_file(str(tmp_path / "ref" / "ema.safetensors")),
+    )
     diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
     print(f"max |ema_ddp - ema_single| = {diff:.2e}")
     assert diff < 9e-8, diff  # gradients summed over 2 ranks vs one batch: float order only (measured 3.0e-08)

@@ -23,9 +23,17 @@ from torchsprint.config.saved import load_run_config
 from torchsprint.errors import UsageError
 from torchsprint.train.run import build_training, train
 
-BASE = ["model.args={width: 8}", "data.batch_size=128", "data.val_fraction=0.5", "optim.lr=0.05", "eval.per_class=false",
-        "data.train.transforms=[random_crop: {size: 8, padding: 1}, hflip]", "log.tensorboard=false",
-        "log.progress=false", "run.device=cpu"]
+BASE = [
+    "model.args={width: 8}",
+    "data.batch_size=128",
+    "data.val_fraction=0.5",
+    "optim.lr=0.05",
+    "eval.per_class=false",
+    "data.train.transforms=[random_crop: {size: 8, padding: 1}, hflip]",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "run.device=cpu",
+]
 SWA = ["swa.enabled=true", "swa.lr=0.02", "swa.start=2", "swa.anneal_epochs=1"]
 
 
@@ -58,16 +66,20 @@ def bn_reference(state: dict, run_dir: Path) -> dict:
     for name, m in model.named_modules():
         if isinstance(m, nn.BatchNorm2d):
             seen[name] = []
-            m.register_forward_pre_hook(lambda mod, inp, name=name: seen[name].append(
-                (inp[0].double().mean((0, 2, 3)), inp[0].double().var((0, 2, 3), unbiased=True))))
+            m.register_forward_pre_hook(
+                lambda mod, inp, name=name: seen[name].append(
+                    (inp[0].double().mean((0, 2, 3)), inp[0].double().var((0, 2, 3), unbiased=True))
+                )
+            )
     model.train()  # batch statistics: the running ones do not change what a layer passes on
     loader.set_epoch(epoch)
     with torch.no_grad():
         for x, _ in loader:
             model(x)
     assert seen and all(len(v) == len(loader) for v in seen.values())
-    return {f"{n}.running_mean": torch.stack([m for m, _ in v]).mean(0) for n, v in seen.items()} | \
-        {f"{n}.running_var": torch.stack([s for _, s in v]).mean(0) for n, v in seen.items()}
+    return {f"{n}.running_mean": torch.stack([m for m, _ in v]).mean(0) for n, v in seen.items()} | {
+        f"{n}.running_var": torch.stack([s for _, s in v]).mean(0) for n, v in seen.items()
+    }
 
 
 def max_diff(a: dict, b: dict, keys) -> float:
@@ -91,7 +103,9 @@ def test_swa_is_the_mean_of_the_epoch_weights_with_recomputed_bn(swa_run):
     BatchNorm statistics those of one pass over the run's training data; evaluated and recorded."""
     d, summary = swa_run
     swa = load_file(str(d / "swa.safetensors"))
-    epochs = [torch.load(next((d / "checkpoints").glob(f"ckpt-e00{e}-*.pt")), weights_only=True)["model"] for e in (2, 3, 4)]
+    epochs = [
+        torch.load(next((d / "checkpoints").glob(f"ckpt-e00{e}-*.pt")), weights_only=True)["model"] for e in (2, 3, 4)
+    ]
     mean = {k: sum(s[k].double() for s in epochs) / 3 for k in swa}
     params = [k for k in swa if is_param(k)]
     diff = max_diff(swa, mean, params)
@@ -108,8 +122,14 @@ def test_swa_is_the_mean_of_the_epoch_weights_with_recomputed_bn(swa_run):
     with safe_open(str(d / "swa.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["weights"] == "swa" and meta["swa_epochs"] == "2-4" and meta["swa_averaged"] == "3"
-    assert summary["swa"] == {"start_epoch": 2, "averaged_epochs": 3, "lr": 0.02, "anneal_epochs": 1,
-                              "anneal_strategy": "cos", "file": "swa.safetensors"}
+    assert summary["swa"] == {
+        "start_epoch": 2,
+        "averaged_epochs": 3,
+        "lr": 0.02,
+        "anneal_epochs": 1,
+        "anneal_strategy": "cos",
+        "file": "swa.safetensors",
+    }
     saved = json.loads((d / "summary.json").read_text())
     assert saved["final"]["swa/val/top1"] == summary["final"]["swa/val/top1"]
     from torchsprint.train.evaluation import evaluate_run
@@ -119,21 +139,38 @@ def test_swa_is_the_mean_of_the_epoch_weights_with_recomputed_bn(swa_run):
     assert again["top1"] == summary["final"]["swa/val/top1"] and again["loss"] == summary["final"]["swa/val/loss"]
 
 
-@pytest.mark.parametrize("sched", [["sched.name=step", "sched.interval=epoch", "sched.step_size=1", "sched.gamma=0.5"],
-                                   ["sched.name=exponential", "sched.interval=step", "sched.gamma=0.5"]])
+@pytest.mark.parametrize(
+    "sched",
+    [
+        ["sched.name=step", "sched.interval=epoch", "sched.step_size=1", "sched.gamma=0.5"],
+        ["sched.name=exponential", "sched.interval=step", "sched.gamma=0.5"],
+    ],
+)
 def test_swa_lr_follows_torch_swalr(tmp_path, sched):
     """The learning rate of every step equals the torch.optim.swa_utils recipe's: the run's schedule until epoch
     swa.start, then SWALR (built up front, stepped at each averaged epoch's end) on the same optimizer."""
-    over = ["run.epochs=5", "swa.enabled=true", "swa.lr=0.004", "swa.start=3", "swa.anneal_epochs=2",
-            "swa.anneal_strategy=linear", "log.every_steps=1", "optim.lr=0.05", *sched]
+    over = [
+        "run.epochs=5",
+        "swa.enabled=true",
+        "swa.lr=0.004",
+        "swa.start=3",
+        "swa.anneal_epochs=2",
+        "swa.anneal_strategy=linear",
+        "log.every_steps=1",
+        "optim.lr=0.05",
+        *sched,
+    ]
     run(tmp_path / "r", *over)
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     got = [x["train/lr"] for x in lines if x["kind"] == "train"]
     steps = len(got) // 5
     per_step = "sched.interval=step" in sched
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
-    main = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** (s / steps)) if per_step
-            else torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    main = (
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** (s / steps))
+        if per_step
+        else torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    )
     swalr = torch.optim.swa_utils.SWALR(opt, swa_lr=0.004, anneal_epochs=2, anneal_strategy="linear")
     want = []
     for epoch in range(5):
@@ -180,17 +217,36 @@ def test_swa_refusals(tmp_path):
     refused("give an epoch number", "run.epochs=4", "swa.enabled=true", "swa.lr=0.01", "swa.start=2.5")
     refused("no effect with swa.enabled=false", "swa.lr=0.01")
     refused("no effect with swa.enabled=false", "swa.start=2")
-    refused("evaluated once, after the last epoch", "swa.enabled=true", "swa.lr=0.01", "swa.start=1",
-            "checkpoint.monitor=swa/val/top1")
+    refused(
+        "evaluated once, after the last epoch",
+        "swa.enabled=true",
+        "swa.lr=0.01",
+        "swa.start=1",
+        "checkpoint.monitor=swa/val/top1",
+    )
     with pytest.raises(UsageError):  # a validation error: a start of 0 epochs
         config.load(None, ["swa.start=0"])
     # A run without SWA resumed with an average that should already hold its finished epochs: refused.
     run(tmp_path / "plain", "run.epochs=3", "run.stop_after_steps=15")
-    refused("no average of the epochs since", "run.epochs=3", "swa.enabled=true", "swa.lr=0.01", "swa.start=1",
-            "checkpoint.resume=auto", d="plain")
+    refused(
+        "no average of the epochs since",
+        "run.epochs=3",
+        "swa.enabled=true",
+        "swa.lr=0.01",
+        "swa.start=1",
+        "checkpoint.resume=auto",
+        d="plain",
+    )
     run(tmp_path / "sw", "run.epochs=3", "swa.enabled=true", "swa.lr=0.01", "swa.start=1", "run.stop_after_steps=10")
-    refused("resume with the same swa.start", "run.epochs=3", "swa.enabled=true", "swa.lr=0.01", "swa.start=2",
-            "checkpoint.resume=auto", d="sw")
+    refused(
+        "resume with the same swa.start",
+        "run.epochs=3",
+        "swa.enabled=true",
+        "swa.lr=0.01",
+        "swa.start=2",
+        "checkpoint.resume=auto",
+        d="sw",
+    )
 
 
 def test_swa_start_as_a_fraction_and_early_stop_before_it(tmp_path):
@@ -220,7 +276,10 @@ def test_average_of_runs_is_their_mean_with_recomputed_bn_and_eval_takes_it(two_
     """The file's weights are the plain mean of the runs' last weights, its BatchNorm statistics one pass over the
     first run's training data; `torchsprint eval --weights FILE` reproduces the printed figure."""
     out = two_runs / "avg.safetensors"
-    code, r = cli.main(["average", str(two_runs / "s1"), str(two_runs / "s2"), "-o", str(out), "--json"]), capsys.readouterr()
+    code, r = (
+        cli.main(["average", str(two_runs / "s1"), str(two_runs / "s2"), "-o", str(out), "--json"]),
+        capsys.readouterr(),
+    )
     assert code == 0, r.err
     res = json.loads(r.out.strip().splitlines()[-1])
     assert [x["input"] for x in res["inputs"]] == [str(two_runs / "s1"), str(two_runs / "s2")]
@@ -249,7 +308,9 @@ def test_average_of_a_runs_checkpoints(two_runs):
     assert [x["input"] for x in res["inputs"]] == [p.name for p in files]
     states = [torch.load(p, weights_only=True)["model"] for p in files]
     avg = load_file(str(out))
-    diff = max_diff(avg, {k: (states[0][k].double() + states[1][k].double()) / 2 for k in avg}, [k for k in avg if is_param(k)])
+    diff = max_diff(
+        avg, {k: (states[0][k].double() + states[1][k].double()) / 2 for k in avg}, [k for k in avg if is_param(k)]
+    )
     assert diff < 1.8e-7, diff  # measured 6.0e-8, as for the runs; 3x
     from torchsprint.commands.trained import load_weights_file
 
@@ -265,14 +326,17 @@ def test_average_refuses_other_models_one_line(two_runs, cli_in_process, tmp_pat
     assert not (tmp_path / "x.safetensors").exists()
 
 
-@pytest.mark.parametrize("runs,kw,says", [
-    (["s1"], {}, "at least 2 inputs"),
-    (["s1", "s2"], {"checkpoints": 2}, "averages the checkpoints of one run"),
-    (["s1"], {"checkpoints": 5}, "holds 2 checkpoint(s)"),
-    (["s1", "s2"], {"weights": "ema"}, "that run has no ema weights"),
-    (["s1", "s2"], {"out": "x.pt"}, "name the file *.safetensors"),
-    (["s1", "nowhere"], {}, "no such run folder"),
-])
+@pytest.mark.parametrize(
+    "runs,kw,says",
+    [
+        (["s1"], {}, "at least 2 inputs"),
+        (["s1", "s2"], {"checkpoints": 2}, "averages the checkpoints of one run"),
+        (["s1"], {"checkpoints": 5}, "holds 2 checkpoint(s)"),
+        (["s1", "s2"], {"weights": "ema"}, "that run has no ema weights"),
+        (["s1", "s2"], {"out": "x.pt"}, "name the file *.safetensors"),
+        (["s1", "nowhere"], {}, "no such run folder"),
+    ],
+)
 def test_average_bad_input_is_refused(two_runs, runs, kw, says):
     """In process (the CLI's exit 2 and one line: test_average_refuses_other_models_one_line)."""
     from torchsprint.commands.average import average
@@ -294,10 +358,22 @@ def test_swa_under_ddp_is_the_same_on_every_rank(tmp_path):
 
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(WORKERS / "swa_ddp_worker.py"), str(out), str(tmp_path / "run")],
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(WORKERS / "swa_ddp_worker.py"),
+            str(out),
+            str(tmp_path / "run"),
+        ],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     saved = load_file(str(tmp_path / "run" / "swa.safetensors"))

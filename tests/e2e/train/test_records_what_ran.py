@@ -40,9 +40,21 @@ def slow_read_digits(data_cfg):
 def test_a_fallback_run_names_the_backend_that_ran_everywhere(tmp_path, capsys):
     """data.backend=gpu with data.fallback=cpu on a machine without CUDA: the cpu backend runs, and decisions.json,
     the start-up line and the input-bound hint say cpu (with gpu as the configured one and the reason)."""
-    cfg = config.load(None, [f"run.dir={tmp_path / 'run'}", "run.max_steps=4", "data.dataset=test_slow_read_digits",
-                             "data.backend=gpu", "data.fallback=cpu", "data.batch_size=16", "model.args={width: 4}",
-                             "log.tensorboard=false", "log.progress=false", "eval.per_class=false"])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "run.max_steps=4",
+            "data.dataset=test_slow_read_digits",
+            "data.backend=gpu",
+            "data.fallback=cpu",
+            "data.batch_size=16",
+            "model.args={width: 4}",
+            "log.tensorboard=false",
+            "log.progress=false",
+            "eval.per_class=false",
+        ],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's own warning (tested in test_data_backends)
         train(cfg)
@@ -50,15 +62,26 @@ def test_a_fallback_run_names_the_backend_that_ran_everywhere(tmp_path, capsys):
     d = json.loads((tmp_path / "run" / "decisions.json").read_text())
     assert d["backend"] == "cpu" and d["backend_config"] == "gpu"
     assert "no CUDA device" in d["backend_fallback"] and "data.fallback=cpu" in d["backend_why"]
-    assert "loader: data.backend=cpu (data.fallback=cpu: data.backend=gpu cannot run here (needs a CUDA GPU: this machine has no CUDA " \
-           "device))" in out
+    assert (
+        "loader: data.backend=cpu (data.fallback=cpu: data.backend=gpu cannot run here (needs a CUDA GPU: this machine has no CUDA "
+        "device))" in out
+    )
     assert "input-bound: the loader (cpu) is the bottleneck" in out  # 80 ms of reading per step of < 5 ms
     assert "data.backend=gpu (" not in out and "loader (gpu)" not in out
 
 
 def test_a_run_whose_backend_ran_as_configured_records_no_fallback(tmp_path):
-    cfg = config.load(None, [f"run.dir={tmp_path / 'run'}", "run.max_steps=2", "model.args={width: 4}",
-                             "log.tensorboard=false", "log.progress=false", "eval.per_class=false"])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "run.max_steps=2",
+            "model.args={width: 4}",
+            "log.tensorboard=false",
+            "log.progress=false",
+            "eval.per_class=false",
+        ],
+    )
     train(cfg, quiet=True)
     d = json.loads((tmp_path / "run" / "decisions.json").read_text())
     assert (d["backend"], d["backend_config"], d["backend_fallback"]) == ("memory", "auto", None)
@@ -76,8 +99,12 @@ def test_data_check_names_the_backend_auto_chose(tmp_path, capsys):
 
 @pytest.mark.filterwarnings("ignore:data.backend=gpu cannot run")
 def test_data_check_after_a_fallback_names_the_backend_that_ran(tmp_path, capsys):
-    assert main(["data", "check", "data.backend=gpu", "data.fallback=cpu", "--batches", "1",
-                 "--out", str(tmp_path / "out")]) == 0
+    assert (
+        main(
+            ["data", "check", "data.backend=gpu", "data.fallback=cpu", "--batches", "1", "--out", str(tmp_path / "out")]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "loader (cpu) train: 1/" in out and "loader (gpu)" not in out
     report = json.loads((tmp_path / "out" / "check.json").read_text())
@@ -122,8 +149,18 @@ def test_per_class_and_confusion_files_name_the_weights_they_describe(tmp_path, 
     last.safetensors, each file says which, summary.json maps every file to its weights, and `eval` names them."""
     width = 4
     run_dir = tmp_path / "run"
-    cfg = config.load(None, [f"run.dir={run_dir}", "run.epochs=2", f"model.args={{width: {width}}}", "checkpoint.mode=min",
-                             "log.tensorboard=false", "log.progress=false", "speed.channels_last=false"])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={run_dir}",
+            "run.epochs=2",
+            f"model.args={{width: {width}}}",
+            "checkpoint.mode=min",
+            "log.tensorboard=false",
+            "log.progress=false",
+            "speed.channels_last=false",
+        ],
+    )
     summary = train(cfg, quiet=True)
     assert summary["best_epoch"] == 1  # the lower top-1 of two epochs: the first
     steps_per_epoch = summary["global_step"] // 2
@@ -143,11 +180,17 @@ def test_per_class_and_confusion_files_name_the_weights_they_describe(tmp_path, 
             assert [float(v) for v in row[1:4]] == pytest.approx(want[:3], abs=2e-6), (which, row)
             assert (int(row[4]), row[5], int(row[6])) == (want[3], f"{which}.safetensors", at[which][0])
         for name in (per_class, f"{matrix}.csv", f"{matrix}.png"):
-            assert summary["artifacts"][name] == {"weights": which, "file": f"{which}.safetensors",
-                                                  "epoch": at[which][0], "step": at[which][1]}, name
+            assert summary["artifacts"][name] == {
+                "weights": which,
+                "file": f"{which}.safetensors",
+                "epoch": at[which][0],
+                "step": at[which][1],
+            }, name
     assert seen["best"] != seen["last"]  # two epochs of training apart: the files must differ to tell them apart
     assert json.loads((run_dir / "summary.json").read_text())["artifacts"] == summary["artifacts"]
     for which in ("best", "last"):
         assert main(["eval", "-r", str(run_dir), "--weights", which]) == 0
         epoch, step = at[which]
-        assert f"val split, {which} weights ({which}.safetensors, epoch {epoch}, step {step}):" in capsys.readouterr().out
+        assert (
+            f"val split, {which} weights ({which}.safetensors, epoch {epoch}, step {step}):" in capsys.readouterr().out
+        )

@@ -73,7 +73,11 @@ def assert_same_run(ref_dir: Path, ref: dict, got_dir: Path, got: dict) -> None:
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"weights differ from the uninterrupted run: {differ}"
     assert got["final"] == ref["final"]
-    assert (got["best_metric"], got["best_epoch"], got["global_step"]) == (ref["best_metric"], ref["best_epoch"], ref["global_step"])
+    assert (got["best_metric"], got["best_epoch"], got["global_step"]) == (
+        ref["best_metric"],
+        ref["best_epoch"],
+        ref["global_step"],
+    )
     opt_a = load_checkpoint(find_checkpoints(ref_dir)[0])["optimizer"]["state"]
     opt_b = load_checkpoint(find_checkpoints(got_dir)[0])["optimizer"]["state"]
     assert all(torch.equal(opt_a[i]["momentum_buffer"], opt_b[i]["momentum_buffer"]) for i in opt_a)
@@ -196,8 +200,14 @@ def test_sigkill_at_random_moments_then_resume_completes_exactly(reference, tmp_
         cli_args = [*BASE, f"run.dir={run_dir}"] if attempt == 0 else ["--resume", str(run_dir)]
         log_path = tmp_path / f"attempt{attempt}.log"
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "torchsprint", "train", *cli_args], stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "torchsprint", "train", *cli_args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=tmp_path,
+            )
+
         def progressed(seen=seen):
             return any(s > seen for s, _ in _steps_logged(run_dir))
 
@@ -260,8 +270,9 @@ def test_sigkill_after_a_log_line_then_resume_records_each_step_once(reference, 
     sinks = ["log.tensorboard=true", "log.csv=true"]
     env = fault_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), kill_at="0:5")
     cmd = [sys.executable, "-m", "torchsprint", "train"]
-    first = subprocess.run([*cmd, *BASE, *sinks, f"run.dir={run_dir}"], env=env, capture_output=True, text=True,
-                           cwd=tmp_path, timeout=300)
+    first = subprocess.run(
+        [*cmd, *BASE, *sinks, f"run.dir={run_dir}"], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     assert [p.name for p in find_checkpoints(run_dir)] == ["ckpt-e001-s0000003.pt"]
     assert raw_train_steps(run_dir) == [1, 2, 3, 4, 5]  # step 5's line written, then killed
@@ -274,8 +285,9 @@ def test_sigkill_after_a_log_line_then_resume_records_each_step_once(reference, 
     assert [(r["kind"], r["step"]) for r in got] == [(r["kind"], r["step"]) for r in want]
     assert "3 record(s) after the checkpoint of step 3 (or cut off by the crash) removed; 3 kept" in out, out[-2000:]
     for a, b in zip(got, want):  # the resumed steps are bit-identical to the uninterrupted run's
-        assert {k: v for k, v in a.items() if "loss" in k or "top1" in k or k == "train/lr"} == \
-            {k: v for k, v in b.items() if "loss" in k or "top1" in k or k == "train/lr"}, a["step"]
+        assert {k: v for k, v in a.items() if "loss" in k or "top1" in k or k == "train/lr"} == {
+            k: v for k, v in b.items() if "loss" in k or "top1" in k or k == "train/lr"
+        }, a["step"]
     for kind in ("train", "epoch", "eval"):
         with open(run_dir / f"metrics_{kind}.csv", newline="") as f:
             rows = list(csv.DictReader(f))
@@ -284,7 +296,8 @@ def test_sigkill_after_a_log_line_then_resume_records_each_step_once(reference, 
     tb.Reload()
     assert [e.step for e in tb.Scalars("train/loss")] == list(range(1, ref["global_step"] + 1))
     assert [e.value for e in tb.Scalars("train/loss")] == pytest.approx(
-        [r["train/loss"] for r in want if r["kind"] == "train"], rel=1e-6)  # float32 in the event file: ~6e-8 relative
+        [r["train/loss"] for r in want if r["kind"] == "train"], rel=1e-6
+    )  # float32 in the event file: ~6e-8 relative
 
 
 def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path):

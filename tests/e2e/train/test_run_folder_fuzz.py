@@ -32,8 +32,21 @@ def pristine(tmp_path_factory):
     from PIL import Image
 
     root = tmp_path_factory.mktemp("pristine")
-    assert cli.main(["train", "run.epochs=1", "log.tensorboard=false", "log.progress=false", "log.every_steps=5",
-                     "model.args={width: 4}", "eval.per_class=false", f"run.dir={root / 'run'}"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "run.epochs=1",
+                "log.tensorboard=false",
+                "log.progress=false",
+                "log.every_steps=5",
+                "model.args={width: 4}",
+                "eval.per_class=false",
+                f"run.dir={root / 'run'}",
+            ]
+        )
+        == 0
+    )
     Image.new("L", (8, 8), 128).save(root / "digit.png")
     return root
 
@@ -48,7 +61,9 @@ def snapshot(root: Path, skip: Path) -> dict[str, tuple[str, int] | str]:
     for p in sorted(root.rglob("*")):
         if p == skip or skip in p.parents:
             continue
-        out[str(p.relative_to(root))] = (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode) if p.is_file() else "dir"
+        out[str(p.relative_to(root))] = (
+            (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode) if p.is_file() else "dir"
+        )
     return out
 
 
@@ -128,8 +143,13 @@ COMMANDS = {
 }
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(data=st.data(), command=st.sampled_from(sorted(COMMANDS)))
 def test_damaged_run_folder(capsys, tmp_path_factory, pristine, data, command):
     sandbox = tmp_path_factory.mktemp("fuzz")

@@ -50,8 +50,16 @@ def test_two_runs_with_one_name_started_together_get_their_own_folders(tmp_path)
     """Same run.name in the same second: one folder each (exclusive creation + suffix), never shared files."""
     # The race itself, made certain: 4 processes claim one planned folder at the same moment; each gets its own.
     planned, go = tmp_path / "claims" / "same" / "20260101-000000", tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-c", CLAIM, str(planned), str(go)], env=cli_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CLAIM, str(planned), str(go)],
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     for p in procs:
         assert p.stdout.readline().strip() == "ready", p.communicate()[1]
     go.touch()
@@ -67,8 +75,10 @@ def test_two_runs_with_one_name_started_together_get_their_own_folders(tmp_path)
     for name in taken:
         (out / "runs" / "same" / name).mkdir(parents=True)
     argv = [sys.executable, "-m", "torchsprint", "train", *FAST, "run.name=same", "run.epochs=1"]
-    procs = [subprocess.Popen(argv, cwd=out, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(argv, cwd=out, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results]
     folders = sorted(p.name for p in (out / "runs" / "same").iterdir() if p.name not in taken)
@@ -86,17 +96,37 @@ def test_two_runs_with_one_name_started_together_get_their_own_folders(tmp_path)
 @pytest.mark.slow
 def test_a_locked_run_folder_refuses_a_second_process_and_the_kernel_frees_it(tmp_path):
     run = tmp_path / "run"
-    a = subprocess.Popen([sys.executable, "-m", "torchsprint", "train", "log.tensorboard=false", "run.epochs=400",
-                          f"run.dir={run}", "checkpoint.every_epochs=1"], cwd=tmp_path, env=cli_env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    a = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torchsprint",
+            "train",
+            "log.tensorboard=false",
+            "run.epochs=400",
+            f"run.dir={run}",
+            "checkpoint.every_epochs=1",
+        ],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while not list((run / "checkpoints").glob("ckpt-*.pt")):  # A is training (and holds the lock)
             assert a.poll() is None and time.time() < deadline, a.stderr.read() if a.poll() is not None else "timeout"
             time.sleep(0.2)
         t = time.perf_counter()
-        b = subprocess.run([sys.executable, "-m", "torchsprint", "train", "--resume", str(run)], cwd=tmp_path,
-                           env=cli_env(), capture_output=True, text=True, timeout=120)
+        b = subprocess.run(
+            [sys.executable, "-m", "torchsprint", "train", "--resume", str(run)],
+            cwd=tmp_path,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert b.returncode == 2, b.stderr
         assert f"in use by another torchsprint process (PID {a.pid} on" in b.stderr, b.stderr
         assert "Traceback" not in b.stderr
@@ -105,8 +135,14 @@ def test_a_locked_run_folder_refuses_a_second_process_and_the_kernel_frees_it(tm
         a.send_signal(signal.SIGKILL)
         a.wait()
     # The holder was killed: its lock went with it, and the run resumes from its newest checkpoint.
-    c = subprocess.run([sys.executable, "-m", "torchsprint", "train", "--resume", str(run), "run.epochs=2",
-                        "log.tensorboard=false"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    c = subprocess.run(
+        [sys.executable, "-m", "torchsprint", "train", "--resume", str(run), "run.epochs=2", "log.tensorboard=false"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert c.returncode == 0, c.stderr[-2000:]
     assert "resuming at epoch" in c.stdout or "finished run" in c.stdout
 
@@ -141,13 +177,16 @@ def test_resume_of_a_finished_run_keeps_its_results_and_a_longer_run_continues(t
     assert longer["global_step"] > summary["global_step"] and longer["final"]["val/top1"] > 0.5
 
 
-@pytest.mark.parametrize("override,fragment", [
-    ("model.name=resnet19", "unknown model"),
-    ("optim.name=sgdd", "unknown optimizer"),
-    ("sched.name=cosin", "unknown scheduler"),
-    ("data.train.transforms=[random_flip]", "unknown transform"),
-    ("loss.name=crossentropy", "unknown loss"),
-])
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("model.name=resnet19", "unknown model"),
+        ("optim.name=sgdd", "unknown optimizer"),
+        ("sched.name=cosin", "unknown scheduler"),
+        ("data.train.transforms=[random_flip]", "unknown transform"),
+        ("loss.name=crossentropy", "unknown loss"),
+    ],
+)
 def test_config_errors_leave_no_folder_behind(tmp_path, capsys, override, fragment):
     assert cli.main(["train", *FAST, f"run.out_dir={tmp_path / 'runs'}", override]) == 2
     assert fragment in capsys.readouterr().err
@@ -155,8 +194,18 @@ def test_config_errors_leave_no_folder_behind(tmp_path, capsys, override, fragme
 
 
 def test_missing_data_root_leaves_no_folder_behind(tmp_path, capsys):
-    assert cli.main(["train", *FAST, f"run.out_dir={tmp_path / 'runs'}", "data.dataset=image_folder",
-                     f"data.root={tmp_path / 'nowhere'}"]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                *FAST,
+                f"run.out_dir={tmp_path / 'runs'}",
+                "data.dataset=image_folder",
+                f"data.root={tmp_path / 'nowhere'}",
+            ]
+        )
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 

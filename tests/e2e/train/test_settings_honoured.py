@@ -36,8 +36,20 @@ def test_batched_backends_honour_antialias(step, antialias):
         # random_resized_crop runs batch_ops.resample_batch (one pass for the batch), which accumulates
         # in fp32 and rounds once, like torchvision's float path: compare with that path.
         xf = x.float()
-        ref = torch.stack([v2.functional.resized_crop(xf[i], int(p["top"][i]), int(p["left"][i]), int(p["h"][i]),
-                                                      int(p["w"][i]), [32, 40], antialias=antialias) for i in range(4)])
+        ref = torch.stack(
+            [
+                v2.functional.resized_crop(
+                    xf[i],
+                    int(p["top"][i]),
+                    int(p["left"][i]),
+                    int(p["h"][i]),
+                    int(p["w"][i]),
+                    [32, 40],
+                    antialias=antialias,
+                )
+                for i in range(4)
+            ]
+        )
         ref = ref.round().clamp(0, 255).to(torch.uint8)
     d = (got.int() - ref.int()).abs()
     if step == "resize":
@@ -79,10 +91,20 @@ def test_class_weights_train_end_to_end(tmp_path, capsys):
     assert cli.main(["train", *FAST, f"loss.args={{weight: {weights}}}", f"run.dir={tmp_path / 'r'}"]) == 0
 
 
-@pytest.mark.parametrize("model,key", [("resnet18", "weights"), ("resnet18", "num_classes"), ("small_cnn", "in_channels"),
-                                       ("timm/resnet18", "pretrained"), ("timm/resnet18", "in_chans")])
+@pytest.mark.parametrize(
+    "model,key",
+    [
+        ("resnet18", "weights"),
+        ("resnet18", "num_classes"),
+        ("small_cnn", "in_channels"),
+        ("timm/resnet18", "pretrained"),
+        ("timm/resnet18", "in_chans"),
+    ],
+)
 def test_model_args_that_torchsprint_sets_are_refused(tmp_path, capsys, model, key):
-    assert cli.main(["train", *FAST, f"model.name={model}", f"model.args={{{key}: 3}}", f"run.dir={tmp_path / 'r'}"]) == 2
+    assert (
+        cli.main(["train", *FAST, f"model.name={model}", f"model.args={{{key}: 3}}", f"run.dir={tmp_path / 'r'}"]) == 2
+    )
     err = capsys.readouterr().err
     assert f"model.args.{key}: torchsprint sets this itself" in err and "multiple values" not in err
 
@@ -114,9 +136,16 @@ def test_deterministic_is_strict_and_names_the_operation(tmp_path, capsys):
     assert cli.main([*base, "run.deterministic=false", f"run.dir={tmp_path / 'b'}"]) == 0
 
 
-@pytest.mark.parametrize("dataset,options", [("image_folder", "{modee: GRAY}"), ("file_list", "{classs: [a]}"),
-                                             ("cifar10", "{mode: GRAY}"), ("digits", "{mode: GRAY}"),
-                                             ("image_folder", "{mode: grey}")])
+@pytest.mark.parametrize(
+    "dataset,options",
+    [
+        ("image_folder", "{modee: GRAY}"),
+        ("file_list", "{classs: [a]}"),
+        ("cifar10", "{mode: GRAY}"),
+        ("digits", "{mode: GRAY}"),
+        ("image_folder", "{mode: grey}"),
+    ],
+)
 def test_dataset_options_it_does_not_read_are_refused(tmp_path, dataset, options):
     from torchsprint.data import DATASETS
 
@@ -127,9 +156,21 @@ def test_dataset_options_it_does_not_read_are_refused(tmp_path, dataset, options
 
 def test_flips_that_change_a_direction_label_are_refused(tmp_path, capsys):
     for flip in ("hflip", "vflip"):
-        assert cli.main(["train", "task=video", "data.dataset=synthetic_video", f"data.root={tmp_path / 'data'}",
-                         "model.name=small_3d_cnn", "data.options={per_class: 2, val_per_class: 1, size: 16, frames: 8}",
-                         f"data.train.transforms=[{{random_clip: {{frames: 4}}}}, {flip}]",
-                         "data.eval.transforms=[{center_clip: {frames: 4}}]", f"run.dir={tmp_path / flip}"]) == 2
+        assert (
+            cli.main(
+                [
+                    "train",
+                    "task=video",
+                    "data.dataset=synthetic_video",
+                    f"data.root={tmp_path / 'data'}",
+                    "model.name=small_3d_cnn",
+                    "data.options={per_class: 2, val_per_class: 1, size: 16, frames: 8}",
+                    f"data.train.transforms=[{{random_clip: {{frames: 4}}}}, {flip}]",
+                    "data.eval.transforms=[{center_clip: {frames: 4}}]",
+                    f"run.dir={tmp_path / flip}",
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert f"{flip} on data.dataset=synthetic_video mirrors" in err

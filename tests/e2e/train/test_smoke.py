@@ -11,8 +11,16 @@ def test_default_run_reaches_98_percent(tmp_path):
     summary = train(cfg, quiet=True)
     assert summary["final"]["val/top1"] >= 0.98
     run = tmp_path / "run"
-    for name in ("config.yaml", "env.json", "metrics.jsonl", "summary.json", "best.safetensors", "last.safetensors",
-                 "confusion_matrix.csv", "confusion_matrix.png"):
+    for name in (
+        "config.yaml",
+        "env.json",
+        "metrics.jsonl",
+        "summary.json",
+        "best.safetensors",
+        "last.safetensors",
+        "confusion_matrix.csv",
+        "confusion_matrix.png",
+    ):
         assert (run / name).is_file(), name
     assert list((run / "tb").glob("events.out.tfevents.*"))
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -33,7 +41,9 @@ def test_import_sets_the_deterministic_cublas_workspace_unless_the_user_did():
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
 
     def seen(e):
-        return subprocess.run([sys.executable, "-c", probe], env=e, capture_output=True, text=True, timeout=120).stdout.strip()
+        return subprocess.run(
+            [sys.executable, "-c", probe], env=e, capture_output=True, text=True, timeout=120
+        ).stdout.strip()
 
     assert seen(env) == ":4096:8"
     assert seen(env | {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == ":16:8"

@@ -67,8 +67,12 @@ def test_the_fastest_beyond_the_margin_wins_and_is_written_into_the_config(bf16)
     # bug caught: the first, the last or the baseline taken instead of the fastest; a choice not in the config
     a = decide(times=ALL | {f"{B16} NHWC": 0.5, f"{B16} NCHW": 0.6})
     assert (a.precision, a.channels_last) == (B16, "auto") and a.measured["chosen"] == f"{B16} NHWC"
-    assert a.measured["candidates"][f"{B16} NHWC"]["images_per_s"] == 2 * a.measured["candidates"]["fp32 NHWC"][
-        "images_per_s"] and a.measured["speedup"] == 2.0 and a.measured["margin"] == 0.05
+    assert (
+        a.measured["candidates"][f"{B16} NHWC"]["images_per_s"]
+        == 2 * a.measured["candidates"]["fp32 NHWC"]["images_per_s"]
+        and a.measured["speedup"] == 2.0
+        and a.measured["margin"] == 0.05
+    )
     cfg = a.resolved(config.load(None, []))
     assert cfg.precision.mode == B16 and cfg.speed.channels_last == "auto"
     assert "precision=auto: amp_bf16, measured" in a.precision_why and "precision=fp32" in a.precision_why
@@ -93,8 +97,11 @@ def test_one_disturbed_baseline_round_does_not_veto_a_clear_gain(bf16):
     disturbed = [1.0, 1.0, 1.0, 3.06, 1.0]
     a = decide(times=ALL | {"fp32 NHWC": disturbed, f"{B16} NHWC": 0.6})
     assert a.measured["chosen"] == f"{B16} NHWC" and a.measured["margin"] == 0.05
-    assert a.measured["speedups"][f"{B16} NHWC"] == [pytest.approx(1 / 0.6, rel=1e-3), pytest.approx(3.06 / 0.6, rel=1e-3),
-                                                     pytest.approx(1 / 0.6, rel=1e-3)]
+    assert a.measured["speedups"][f"{B16} NHWC"] == [
+        pytest.approx(1 / 0.6, rel=1e-3),
+        pytest.approx(3.06 / 0.6, rel=1e-3),
+        pytest.approx(1 / 0.6, rel=1e-3),
+    ]
     # ...and a gain the rounds do not hold (a fast round amid slow ones) does not win. bug caught: the best round taken
     b = decide(times=ALL | {"fp32 NHWC": disturbed, f"{B16} NHWC": 1.02})
     assert b.measured["chosen"] == "fp32 NHWC"
@@ -127,8 +134,12 @@ def test_a_measurement_is_reused_on_the_same_machine_and_keys_until_remeasured(b
     measurements.remember("speed_probe", keys, stored)
     a = decide_auto(cfg, CPU, CONV, LONG, None)  # real steps would need batches: reused, nothing is stepped
     assert (a.precision, a.measured["chosen"]) == (B16, f"{B16} NHWC") and "measured before, " in a.precision_why
-    assert measurements.recall("speed_probe", speed_probe.probe_keys(config.load(None, ["data.batch_size=32"]), CONV,
-                                                                       cands)) is None
+    assert (
+        measurements.recall(
+            "speed_probe", speed_probe.probe_keys(config.load(None, ["data.batch_size=32"]), CONV, cands)
+        )
+        is None
+    )
     assert measurements.recall("speed_probe", speed_probe.probe_keys(cfg, LINEAR, cands)) is None
     monkeypatch.setenv(measurements.REMEASURE_ENV, "1")
     assert measurements.recall("speed_probe", keys) is None
@@ -143,16 +154,21 @@ def test_rounds_are_interleaved_after_each_candidate_s_warm_up(bf16):
     decide(times=ALL, calls=calls)
     n = speed_probe.WARMUP_STEPS
     assert calls[: n + 1] == ["fp32 NHWC"] * (n + 1)  # warm-up, then the step the estimate comes from
-    rounds = calls[n + 1 + 3 * n:]
+    rounds = calls[n + 1 + 3 * n :]
     assert len(rounds) == 4 * speed_probe.MEASURE_ROUNDS
-    assert [sorted(rounds[i:i + 4]) for i in range(0, len(rounds), 4)] == [sorted(ALL)] * speed_probe.MEASURE_ROUNDS
+    assert [sorted(rounds[i : i + 4]) for i in range(0, len(rounds), 4)] == [sorted(ALL)] * speed_probe.MEASURE_ROUNDS
     assert rounds[0] != rounds[4]  # each round starts with another candidate
 
 
-@pytest.mark.parametrize("over, varies", [(["precision=fp32"], {"fp32 NHWC", "fp32 NCHW"}),
-                                          (["speed.channels_last=true"], {"fp32 NHWC", f"{B16} NHWC"}),
-                                          (["speed.channels_last=false"], {"fp32 NCHW", f"{B16} NCHW"}),
-                                          (["precision=bf16"], {"bf16 NHWC", "bf16 NCHW"})])
+@pytest.mark.parametrize(
+    "over, varies",
+    [
+        (["precision=fp32"], {"fp32 NHWC", "fp32 NCHW"}),
+        (["speed.channels_last=true"], {"fp32 NHWC", f"{B16} NHWC"}),
+        (["speed.channels_last=false"], {"fp32 NCHW", f"{B16} NCHW"}),
+        (["precision=bf16"], {"bf16 NHWC", "bf16 NCHW"}),
+    ],
+)
 def test_a_named_setting_never_varies(bf16, over, varies):
     # bug caught: a run that named its precision or format measured (and changed) on that dimension
     calls = []
@@ -202,12 +218,15 @@ def test_native_bf16_agrees_with_the_cpu_and_pytorch():
     assert speed_probe.bf16_kernels() == native_bf16()  # PyTorch's oneDNN has bf16 wherever the CPU has it natively
 
 
-@pytest.mark.parametrize("rt, kw, why", [
-    (SimpleNamespace(device=torch.device("cuda"), world_size=1), {}, "on cuda the existing choice stands"),
-    (SimpleNamespace(device=torch.device("cpu"), world_size=2), {}, "2 processes share the cores"),
-    (CPU, {"distilling": True}, "distillation"),
-    (CPU, {"loader": [None] * 10}, "run too short (100 training steps; measuring takes 17, which pays from 170"),
-])
+@pytest.mark.parametrize(
+    "rt, kw, why",
+    [
+        (SimpleNamespace(device=torch.device("cuda"), world_size=1), {}, "on cuda the existing choice stands"),
+        (SimpleNamespace(device=torch.device("cpu"), world_size=2), {}, "2 processes share the cores"),
+        (CPU, {"distilling": True}, "distillation"),
+        (CPU, {"loader": [None] * 10}, "run too short (100 training steps; measuring takes 17, which pays from 170"),
+    ],
+)
 def test_not_measured_where_it_cannot_pay_or_would_not_be_the_run_s(bf16, rt, kw, why):
     # bug caught: CUDA runs measured (their choices stand), DDP ranks deciding apart, a short run (every test's) paying
     # for a probe or getting amp_bf16 depending on the CPU it runs on
@@ -267,13 +286,22 @@ def test_a_resumed_run_keeps_what_it_began_with(bf16):
 
 
 def test_auto_is_the_default_and_the_cli_shorthand_takes_it():
-    assert config.load(None, []).precision.mode == "auto" and config.load(None, ["precision=auto"]).precision.mode == "auto"
+    assert (
+        config.load(None, []).precision.mode == "auto"
+        and config.load(None, ["precision=auto"]).precision.mode == "auto"
+    )
 
 
 # A real run that measures: small_cnn with dropout (the probe's steps draw from the RNG the run's dropout uses), on
 # the digits, 40 steps; the thresholds lowered so that it measures (every other test's run never does).
-RUN = ["log.tensorboard=false", "log.progress=false", "checkpoint.every_epochs=null", "eval.per_class=false",
-       "run.max_steps=40", "model.args={width: 8, dropout: 0.3}"]
+RUN = [
+    "log.tensorboard=false",
+    "log.progress=false",
+    "checkpoint.every_epochs=null",
+    "eval.per_class=false",
+    "run.max_steps=40",
+    "model.args={width: 8, dropout: 0.3}",
+]
 
 
 def test_a_measured_run_records_it_and_trains_as_the_run_that_named_its_choice(tmp_path, monkeypatch, capsys):
@@ -296,7 +324,10 @@ def test_a_measured_run_records_it_and_trains_as_the_run_that_named_its_choice(t
     assert saved["speed"]["channels_last"] == ("auto" if chosen["channels_last"] else False)
     assert f"  {d['precision_why']}" in out and "measured" in d["precision_why"]
     # The same run naming what auto chose (config.yaml's values), measuring nothing: the same weights, bit for bit.
-    named = [f"precision={saved['precision']['mode']}", f"speed.channels_last={str(saved['speed']['channels_last']).lower()}"]
+    named = [
+        f"precision={saved['precision']['mode']}",
+        f"speed.channels_last={str(saved['speed']['channels_last']).lower()}",
+    ]
     run.train(config.load(None, [*RUN, *named, f"run.dir={tmp_path / 'named'}"]), quiet=True)
     assert json.loads((tmp_path / "named" / "decisions.json").read_text())["speed_measured"] is None
     # The same run again on this machine: the stored figures decide, nothing is measured, the same weights.
@@ -334,7 +365,9 @@ def test_one_copy_steps_every_candidate_in_its_own_memory_format():
     from torchsprint.train.speed_probe import ProbeSteps
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(), torch.nn.LazyLinear(3)
+    )
     model(torch.zeros(1, 3, 8, 8))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = config.load(None, ["optim.momentum=0.9"])

@@ -117,9 +117,20 @@ def wall_to_perf(wall: float) -> float:
 
 def run(tmp_path, *overrides, steps: int, batch: int, capsys=None):
     """Train `steps` steps of the registered model, logging every step; returns (summary, jsonl records, console)."""
-    cfg = config.load(None, [f"run.dir={tmp_path / 'run'}", f"run.max_steps={steps}", "model.name=test_sleepy",
-                             f"data.batch_size={batch}", "log.every_steps=1", "log.tensorboard=false",
-                             "log.progress=false", "eval.per_class=false", *overrides])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={tmp_path / 'run'}",
+            f"run.max_steps={steps}",
+            "model.name=test_sleepy",
+            f"data.batch_size={batch}",
+            "log.every_steps=1",
+            "log.tensorboard=false",
+            "log.progress=false",
+            "eval.per_class=false",
+            *overrides,
+        ],
+    )
     t0 = time.perf_counter()
     summary = train(cfg, quiet=capsys is None)
     wall = time.perf_counter() - t0
@@ -147,7 +158,9 @@ def test_a_slow_step_and_a_slow_first_step_show_in_images_per_s_not_in_the_data_
     # bound 5%, 5x the worst gap.
     assert summary["train_images_per_s"] == pytest.approx(want_ips, rel=0.05)
     epoch = [r for r in records if r["kind"] == "epoch"]
-    assert len(epoch) == 1 and epoch[0]["train/epoch_images_per_s"] == pytest.approx(summary["train_images_per_s"], rel=1e-9)
+    assert len(epoch) == 1 and epoch[0]["train/epoch_images_per_s"] == pytest.approx(
+        summary["train_images_per_s"], rel=1e-9
+    )
 
     train_rows = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train_rows] == list(range(1, steps + 1))
@@ -185,11 +198,18 @@ def test_a_slow_step_and_a_slow_first_step_show_in_images_per_s_not_in_the_data_
 def test_a_slow_loader_shows_in_the_data_wait_share_and_the_input_bound_hint(tmp_path, capsys, figure):
     steps, batch = 8, 16
     PLAN.update(step_s=0.01)
-    summary, records, out = run(tmp_path, "data.dataset=test_slow_digits", "data.backend=cpu", "data.num_workers=0",
-                                steps=steps, batch=batch, capsys=capsys)
+    summary, records, out = run(
+        tmp_path,
+        "data.dataset=test_slow_digits",
+        "data.backend=cpu",
+        "data.num_workers=0",
+        steps=steps,
+        batch=batch,
+        capsys=capsys,
+    )
     assert len(LOADS) == steps * batch and len(CLOCK) == steps and len(EPOCH_STARTS) == 1  # num_workers=0: every
     # read happens in this process, inside the loop, before its batch's forward
-    reads = [LOADS[k * batch:(k + 1) * batch] for k in range(steps)]
+    reads = [LOADS[k * batch : (k + 1) * batch] for k in range(steps)]
     assert all(b[-1][1] <= c[1] for b, c in zip(reads, CLOCK))
     seconds = steps * batch / summary["train_images_per_s"]  # the training time the figures were made from
     waited = summary["data_wait_share"] * seconds
@@ -222,8 +242,16 @@ def test_bench_images_per_s_and_speedup_follow_each_variant_measured_step_time(t
 
     PLAN.update(step_s=0.05, amp_factor=2.0)
     steps, warmup, batch = 6, 2, 32
-    rows = bench(None, ["model.name=test_sleepy", f"data.batch_size={batch}", "log.tensorboard=false"], steps=steps,
-                 warmup=warmup, repeats=1, only=["+ amp_bf16"], out=tmp_path / "b", isolate=False)
+    rows = bench(
+        None,
+        ["model.name=test_sleepy", f"data.batch_size={batch}", "log.tensorboard=false"],
+        steps=steps,
+        warmup=warmup,
+        repeats=1,
+        only=["+ amp_bf16"],
+        out=tmp_path / "b",
+        isolate=False,
+    )
     by = {r["variant"]: r for r in rows}
     models = list(dict.fromkeys(c[0] for c in CLOCK))  # one model per variant measured, in order
     assert len(models) == 2
@@ -262,9 +290,21 @@ def test_bench_names_a_slow_loader_input_bound(tmp_path, figure):
 
     PLAN.update(step_s=0.02)
     steps, warmup, batch = 6, 2, 32
-    rows = bench(None, ["model.name=test_sleepy", "data.dataset=test_slow_digits", f"data.batch_size={batch}",
-                        "log.tensorboard=false"], steps=steps, warmup=warmup, repeats=1, only=["baseline (seeds)"],
-                 out=tmp_path / "b", isolate=False)
+    rows = bench(
+        None,
+        [
+            "model.name=test_sleepy",
+            "data.dataset=test_slow_digits",
+            f"data.batch_size={batch}",
+            "log.tensorboard=false",
+        ],
+        steps=steps,
+        warmup=warmup,
+        repeats=1,
+        only=["baseline (seeds)"],
+        out=tmp_path / "b",
+        isolate=False,
+    )
     base = next(r for r in rows if r["variant"] == "baseline (seeds)")
     step_s = base["step_ms"] / 1000
     # The baseline's two DataLoader workers read 32 x 2 ms per batch each: a batch every ~32 ms at best.

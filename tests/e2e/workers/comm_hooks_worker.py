@@ -11,10 +11,22 @@ from pathlib import Path
 from torchsprint import config
 from torchsprint.train.run import train
 
-RUN = ["model.name=linear", "data.batch_size=16", "run.max_steps=8", "checkpoint.every_epochs=null", "log.tensorboard=false",
-       "log.every_steps=4", "strategy=ddp", "run.seed=3"]
-HOOKS = {"none": [], "fp16": ["strategy.comm_hook=fp16"], "bf16": ["strategy.comm_hook=bf16"],
-         "powersgd": ["strategy.comm_hook=powersgd", "strategy.powersgd_start_step=2"]}
+RUN = [
+    "model.name=linear",
+    "data.batch_size=16",
+    "run.max_steps=8",
+    "checkpoint.every_epochs=null",
+    "log.tensorboard=false",
+    "log.every_steps=4",
+    "strategy=ddp",
+    "run.seed=3",
+]
+HOOKS = {
+    "none": [],
+    "fp16": ["strategy.comm_hook=fp16"],
+    "bf16": ["strategy.comm_hook=bf16"],
+    "powersgd": ["strategy.comm_hook=powersgd", "strategy.powersgd_start_step=2"],
+}
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

@@ -22,8 +22,15 @@ B = 16  # per-rank training batch; the single-process reference uses 2 * B
 STEPS = 6
 
 # Shared by the DDP runs (here) and the single-process references (test_ddp.py).
-COMMON = ["log.tensorboard=false", f"run.max_steps={STEPS}", "data.dataset=digits_odd", f"data.eval_batch_size={EVAL_BATCH}",
-          "eval.per_class=true", "checkpoint.every_epochs=null", "log.every_steps=2"]
+COMMON = [
+    "log.tensorboard=false",
+    f"run.max_steps={STEPS}",
+    "data.dataset=digits_odd",
+    f"data.eval_batch_size={EVAL_BATCH}",
+    "eval.per_class=true",
+    "checkpoint.every_epochs=null",
+    "log.every_steps=2",
+]
 SCENARIOS = {
     "linear": ["model.name=linear"],  # no BatchNorm: DDP must match one process exactly
     "bn_local": ["model.args.width=8"],  # BatchNorm without SyncBN: per-rank statistics, must NOT match
@@ -111,7 +118,9 @@ def uneven_and_no_sync() -> dict:
     from torchsprint.train.engine import train_one_epoch, train_step
     from torchsprint.train.plan import NO_SPEED, build_plan
 
-    cfg = config.load(None, ["strategy=ddp", "log.every_steps=1000", "log.tensorboard=false", "checkpoint.every_steps=null"])
+    cfg = config.load(
+        None, ["strategy=ddp", "log.every_steps=1000", "log.tensorboard=false", "checkpoint.every_steps=null"]
+    )
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:
         model = wrap_model(nn.Linear(4, 3), cfg.strategy, rt)
@@ -138,10 +147,20 @@ def uneven_and_no_sync() -> dict:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         saver = SimpleNamespace(save=lambda *a, **k: None)
         plan = build_plan(cfg, rt, info=None, train_batches=len(loader), speed=NO_SPEED, opt=opt)
-        b = SimpleNamespace(model=model, loaders=SimpleNamespace(train=loader), loss_fn=nn.CrossEntropyLoss(), opt=opt,
-                            sched=sched, prec=prec)
+        b = SimpleNamespace(
+            model=model,
+            loaders=SimpleNamespace(train=loader),
+            loss_fn=nn.CrossEntropyLoss(),
+            opt=opt,
+            sched=sched,
+            prec=prec,
+        )
         ep = train_one_epoch(b, state, plan, RunContext(rt, None, RunLogger(None, cfg.log, enabled=False), saver))
-        return {"allreduces_accum": allreduces_accum, "uneven_steps": state.global_step, "finished": ep["finished_epoch"]}
+        return {
+            "allreduces_accum": allreduces_accum,
+            "uneven_steps": state.global_step,
+            "finished": ep["finished_epoch"],
+        }
     finally:
         runtime.teardown(rt)
 

@@ -15,9 +15,19 @@ from torchsprint.train.run import train
 
 # digits with val_fraction 0.5: 898 training images; global batch 64 -> 14 steps per epoch. The head of small_cnn
 # is its last Linear ("7."). One process uses data.batch_size=64 (tests/e2e/train/test_freeze_epochs.py).
-COMMON = ["model.args={width: 4}", "data.val_fraction=0.5", "log.tensorboard=false", "log.progress=false",
-          "eval.per_class=false", "run.device=cpu", "data.backend=memory", "run.epochs=3", "model.freeze_epochs=2",
-          "checkpoint.keep_last=3", "log.every_steps=1"]
+COMMON = [
+    "model.args={width: 4}",
+    "data.val_fraction=0.5",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "run.device=cpu",
+    "data.backend=memory",
+    "run.epochs=3",
+    "model.freeze_epochs=2",
+    "checkpoint.keep_last=3",
+    "log.every_steps=1",
+]
 STEPS_PER_EPOCH = 14
 DDP = [*COMMON, "strategy.name=ddp", "strategy.sync_bn=true", "data.batch_size=32"]
 PAUSES = {"a": STEPS_PER_EPOCH // 2, "b": 2 * STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2}

@@ -15,10 +15,22 @@ from pathlib import Path
 import torch
 
 B = 16  # per-rank batch; the one-process reference uses 2 * B
-EMA_RUN = ["model.name=linear", "log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.max_steps=6",
-           "checkpoint.every_epochs=null", "ema.enabled=true", "ema.decay=0.5"]
-AUG = ["model.args={width: 8}", "data.repeated_aug=2", "data.batch_size=16",
-       "data.train.transforms=[random_crop: {size: 8, padding: 2}, hflip]"]
+EMA_RUN = [
+    "model.name=linear",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "run.max_steps=6",
+    "checkpoint.every_epochs=null",
+    "ema.enabled=true",
+    "ema.decay=0.5",
+]
+AUG = [
+    "model.args={width: 8}",
+    "data.repeated_aug=2",
+    "data.batch_size=16",
+    "data.train.transforms=[random_crop: {size: 8, padding: 2}, hflip]",
+]
 
 
 def main(out: Path, part: str) -> None:
@@ -34,8 +46,10 @@ def main(out: Path, part: str) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     if part == "ema":  # 1. EMA of a DDP run (linear model: the same weights as one process with batch 2B).
-        summary = train(config.load(None, [*EMA_RUN, "strategy=ddp", f"data.batch_size={B}", f"run.dir={out / 'ema_run'}"]),
-                        quiet=True)
+        summary = train(
+            config.load(None, [*EMA_RUN, "strategy=ddp", f"data.batch_size={B}", f"run.dir={out / 'ema_run'}"]),
+            quiet=True,
+        )
         if os.environ.get("RANK") == "0":  # train() has torn its process group down: the launcher's rank
             (out / "ema_val_count.json").write_text(json.dumps(summary["final"]["ema/val/count"]))
         return

@@ -15,9 +15,22 @@ import torch
 from torchsprint import config
 from torchsprint.train import run as run_mod
 
-OVERRIDES = ["model.args={width: 8}", "data.batch_size=64", "data.val_fraction=0.5", "optim.lr=0.05",
-             "log.tensorboard=false", "log.progress=false", "eval.per_class=false", "run.device=cpu",
-             "strategy.name=ddp", "run.epochs=3", "swa.enabled=true", "swa.lr=0.02", "swa.start=2", "swa.anneal_epochs=1"]
+OVERRIDES = [
+    "model.args={width: 8}",
+    "data.batch_size=64",
+    "data.val_fraction=0.5",
+    "optim.lr=0.05",
+    "log.tensorboard=false",
+    "log.progress=false",
+    "eval.per_class=false",
+    "run.device=cpu",
+    "strategy.name=ddp",
+    "run.epochs=3",
+    "swa.enabled=true",
+    "swa.lr=0.02",
+    "swa.start=2",
+    "swa.anneal_epochs=1",
+]
 
 
 def main(out: Path, run_dir: Path) -> None:

@@ -22,9 +22,19 @@ from torchsprint.runtime.core import Runtime
 def main(shards: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = config.load(None, ["data.dataset=webdataset", f"data.root={shards}", "data.num_workers=2", "data.batch_size=4",
-                             "data.drop_last=false", "data.options.shuffle_buffer=6", "data.train.transforms=[normalize]",
-                             "data.eval.transforms=[normalize]"])
+    cfg = config.load(
+        None,
+        [
+            "data.dataset=webdataset",
+            f"data.root={shards}",
+            "data.num_workers=2",
+            "data.batch_size=4",
+            "data.drop_last=false",
+            "data.options.shuffle_buffer=6",
+            "data.train.transforms=[normalize]",
+            "data.eval.transforms=[normalize]",
+        ],
+    )
     loaders = build_loaders(cfg.data, Runtime(torch.device("cpu"), rank, world, int(os.environ["LOCAL_RANK"])), seed=7)
     res = {"epochs": [], "steps": []}
     for epoch in range(2):

@@ -31,7 +31,9 @@ def rank(r: int, pg: str, good: str, bad: str, out: str) -> None:
 def rank_waits(r: int, pg: str, url: str, timeout_s: float, out: str) -> None:
     """One gloo rank whose process group times out after `timeout_s` (strategy.timeout_s): fetch_for_run a URL the
     server sends more slowly than that; each rank's path, or its error, in out/<rank>.json."""
-    dist.init_process_group("gloo", init_method=f"file://{pg}", rank=r, world_size=2, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{pg}", rank=r, world_size=2, timeout=timedelta(seconds=timeout_s)
+    )
     rt = Runtime(torch.device("cpu"), rank=r, world_size=2, local_rank=r)
     try:
         result = {"path": str(fetch_for_run(url, None, rt, lambda _: None))}

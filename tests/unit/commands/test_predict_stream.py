@@ -97,6 +97,7 @@ def test_reading_overlaps_the_model(tmp_path, monkeypatch, figure):
             out = f(x)
             spans.append((t, time.perf_counter()))
             return out
+
         return g
 
     monkeypatch.setattr(p, "_load_cpu", timed(reads, read, p._load_cpu))
@@ -113,7 +114,9 @@ def test_reading_overlaps_the_model(tmp_path, monkeypatch, figure):
     assert len(reads) == 32 and len(calls) == 8
     overlap = sum(max(0.0, min(ce, re) - max(cs, rs)) for cs, ce in calls for rs, re in reads)
     model_s = sum(e - s for s, e in calls)
-    print(f"predict overlap: wall {wall:.3f} s, serial {serial:.3f} s, reads inside model calls {overlap:.3f} s of {model_s:.3f} s")
+    print(
+        f"predict overlap: wall {wall:.3f} s, serial {serial:.3f} s, reads inside model calls {overlap:.3f} s of {model_s:.3f} s"
+    )
     figure("predict wall / sleeps' sum", wall / serial)
     figure("predict reading inside model calls / model time", overlap / model_s)
     # Ideal 7/8 = 0.875; measured 0.86-0.87 with 3 busy processes on the 2 cores, 0.75 once with other agents' runs

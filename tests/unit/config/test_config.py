@@ -37,8 +37,17 @@ def test_extends_chain_and_list(tmp_path):
 
 
 def test_overrides_are_typed():
-    cfg = config.load(None, ["optim.lr=0.05", "run.epochs=3", "model.args={width: 8}", "sched.milestones=[1, 2]",
-                             "precision=O1", "data.train.transforms=[hflip]"])
+    cfg = config.load(
+        None,
+        [
+            "optim.lr=0.05",
+            "run.epochs=3",
+            "model.args={width: 8}",
+            "sched.milestones=[1, 2]",
+            "precision=O1",
+            "data.train.transforms=[hflip]",
+        ],
+    )
     assert cfg.optim.lr == 0.05 and cfg.run.epochs == 3 and cfg.model.args == {"width": 8}
     assert cfg.sched.milestones == [1, 2] and cfg.precision.mode == "amp_fp16"
     assert cfg.data.train.transforms == ["hflip"]
@@ -85,11 +94,14 @@ def test_missing_file(tmp_path):
     assert "not found" in msg and "nope.yaml" in msg
 
 
-@pytest.mark.parametrize("suffix,text,line", [
-    (".yaml", "run:\n  epochs: 3\n optim: [\n", 3),
-    (".json", '{"run": {"epochs": 3,}}', 1),
-    (".toml", "[run]\nepochs = = 3\n", 2),
-])
+@pytest.mark.parametrize(
+    "suffix,text,line",
+    [
+        (".yaml", "run:\n  epochs: 3\n optim: [\n", 3),
+        (".json", '{"run": {"epochs": 3,}}', 1),
+        (".toml", "[run]\nepochs = = 3\n", 2),
+    ],
+)
 def test_syntax_errors_name_the_line(tmp_path, suffix, text, line):
     p = tmp_path / f"bad{suffix}"
     p.write_text(text)
@@ -119,10 +131,16 @@ def test_override_without_equals():
     assert "key=value" in error(config.load, None, ["optim.lr"])
 
 
-@pytest.mark.parametrize("override,fragment", [
-    ("optim.lr=-1", "optim.lr"), ("run.epochs=abc", "run.epochs"), ("run.epochs=0", "greater than or equal"),
-    ("precision=fp8", "precision.mode"), ("data.on_bad_sample=maybe", "data.on_bad_sample"),
-])
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("optim.lr=-1", "optim.lr"),
+        ("run.epochs=abc", "run.epochs"),
+        ("run.epochs=0", "greater than or equal"),
+        ("precision=fp8", "precision.mode"),
+        ("data.on_bad_sample=maybe", "data.on_bad_sample"),
+    ],
+)
 def test_wrong_type_or_range(override, fragment):
     msg = error(config.load, None, [override])
     assert fragment in msg and "invalid config" in msg
@@ -178,7 +196,9 @@ def test_load_is_pure_and_resolve_is_the_phase_that_reads_the_data(tmp_path, mon
         assert any(str(root) in path for _, path in events)  # the phase read the folder
         assert cfg.data.dataset == "image_folder"
         chosen = {c["setting"]: c for c in cfg.chosen()}
-        assert chosen["data.dataset"]["value"] == "image_folder" and chosen["data.dataset"]["why"].startswith("detected")
+        assert chosen["data.dataset"]["value"] == "image_folder" and chosen["data.dataset"]["why"].startswith(
+            "detected"
+        )
         seen = len(events)
         resolve(cfg)  # once per config: a second call reads nothing
         assert len(events) == seen

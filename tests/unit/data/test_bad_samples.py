@@ -36,16 +36,28 @@ def make_bad_folder(root):
         for c in ("good", "odd"):
             (root / split / c).mkdir(parents=True, exist_ok=True)
         for i in range(n):
-            _save(Image.fromarray(rng.integers(0, 255, (H, W, 3), dtype=np.uint8)), root / split / "good" / f"{i}.jpg", "JPEG")
+            _save(
+                Image.fromarray(rng.integers(0, 255, (H, W, 3), dtype=np.uint8)),
+                root / split / "good" / f"{i}.jpg",
+                "JPEG",
+            )
             if split == "val":
-                _save(Image.fromarray(rng.integers(0, 255, (H, W, 3), dtype=np.uint8)), root / split / "odd" / f"{i}.jpg", "JPEG")
+                _save(
+                    Image.fromarray(rng.integers(0, 255, (H, W, 3), dtype=np.uint8)),
+                    root / split / "odd" / f"{i}.jpg",
+                    "JPEG",
+                )
     odd = root / "train" / "odd"
     arr = rng.integers(0, 255, (H, W, 3), dtype=np.uint8)
     refs["cmyk.jpg"] = _save(Image.fromarray(arr).convert("CMYK"), odd / "cmyk.jpg", "JPEG", quality=95)
     refs["gray.jpg"] = _save(Image.fromarray(arr).convert("L"), odd / "gray.jpg", "JPEG")
     sixteen = (rng.integers(0, 65535, (H, W))).astype(np.uint16)
     refs["deep16.png"] = _save(Image.fromarray(sixteen), odd / "deep16.png", "PNG")
-    refs["alpha.png"] = _save(Image.fromarray(np.dstack([arr, rng.integers(0, 255, (H, W), dtype=np.uint8)]), "RGBA"), odd / "alpha.png", "PNG")
+    refs["alpha.png"] = _save(
+        Image.fromarray(np.dstack([arr, rng.integers(0, 255, (H, W), dtype=np.uint8)]), "RGBA"),
+        odd / "alpha.png",
+        "PNG",
+    )
     full = _save(Image.fromarray(arr), odd / "tmp.jpg", "JPEG")
     (odd / "tmp.jpg").unlink()
     (odd / "truncated.jpg").write_bytes(full[: len(full) // 2])
@@ -59,11 +71,20 @@ BROKEN = {"truncated.jpg", "empty.jpg", "notes.png", "huge.jpg"}
 
 
 def data_cfg(root, backend="cpu", policy="skip", bs=4):
-    return config.load(None, [
-        "data.dataset=image_folder", f"data.root={root}", f"data.backend={backend}", f"data.on_bad_sample={policy}",
-        f"data.batch_size={bs}", "data.max_image_pixels=2000", "data.decoder=auto",
-        f"data.train.transforms=[{{resize: [{H}, {W}]}}, {{normalize: none}}]", f"data.eval.transforms=[{{resize: [{H}, {W}]}}, {{normalize: none}}]",
-    ]).data
+    return config.load(
+        None,
+        [
+            "data.dataset=image_folder",
+            f"data.root={root}",
+            f"data.backend={backend}",
+            f"data.on_bad_sample={policy}",
+            f"data.batch_size={bs}",
+            "data.max_image_pixels=2000",
+            "data.decoder=auto",
+            f"data.train.transforms=[{{resize: [{H}, {W}]}}, {{normalize: none}}]",
+            f"data.eval.transforms=[{{resize: [{H}, {W}]}}, {{normalize: none}}]",
+        ],
+    ).data
 
 
 def test_odd_files_decode_like_pillow(tmp_path):

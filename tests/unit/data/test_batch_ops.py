@@ -43,8 +43,14 @@ def test_resample_matches_torchvision_resized_crop(antialias):
     g = torch.Generator().manual_seed(0)
     off_float = off_uint8 = total = 0
     for img, (t, left, h, w), (oh, ow) in random_windows(g, 60):
-        got = resample_batch(img[None], (one(t), one(h), one(oh), one(0)), (one(left), one(w), one(ow), one(0)), (oh, ow),
-                             (img.shape[1] / oh, img.shape[2] / ow), antialias)[0]
+        got = resample_batch(
+            img[None],
+            (one(t), one(h), one(oh), one(0)),
+            (one(left), one(w), one(ow), one(0)),
+            (oh, ow),
+            (img.shape[1] / oh, img.shape[2] / ow),
+            antialias,
+        )[0]
         n, worst = off_ties(got, F.resized_crop(img.float(), t, left, h, w, [oh, ow], antialias=antialias))
         assert worst < 2e-3  # measured 4e-4
         d_uint8 = (got.int() - F.resized_crop(img, t, left, h, w, [oh, ow], antialias=antialias).int()).abs()
@@ -89,25 +95,35 @@ def test_batched_random_resized_crop_matches_the_per_image_path():
     x = torch.randint(0, 256, (64, 3, 32, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     from torchsprint.data.preprocess.augment import uniforms
 
-    p, _, _ = op.params(uniforms(sample_seeds(0, 0, torch.arange(64)), op.k), torch.full((64,), 32), torch.full((64,), 40))
+    p, _, _ = op.params(
+        uniforms(sample_seeds(0, 0, torch.arange(64)), op.k), torch.full((64,), 32), torch.full((64,), 40)
+    )
     batched = op.apply_batch(x, p)
     per_image = torch.stack([op.apply_one(x[i], p, i) for i in range(64)])
     d = (batched.int() - per_image.int()).abs()
     assert d.max() <= 1 and (d > 0).float().mean() < 0.6  # measured 0.16 (3x)
-    as_float = torch.stack([F.resized_crop(x[i].float(), int(p["top"][i]), int(p["left"][i]), int(p["h"][i]),
-                                           int(p["w"][i]), [24, 24]) for i in range(64)])
+    as_float = torch.stack(
+        [
+            F.resized_crop(x[i].float(), int(p["top"][i]), int(p["left"][i]), int(p["h"][i]), int(p["w"][i]), [24, 24])
+            for i in range(64)
+        ]
+    )
     n, worst = off_ties(batched, as_float)
     assert worst < 2e-3 and n / batched.numel() < 0.011  # measured: see test_resample_matches_torchvision_resized_crop
 
 
-@pytest.mark.parametrize("spec", [
-    [{"random_resized_crop": {"size": [20, 16]}}],
-    [{"resize": [18, 22]}],
-    [{"center_crop": 12}],
-    [{"center_crop": [30, 9]}],  # taller than some images: zero padding, torchvision's placement
-    [{"resize": 14}, {"center_crop": 12}],
-    [{"resize": 30}, {"center_crop": [12, 33]}],
-], ids=["rrc", "resize-pair", "center-crop", "center-crop-pads", "resize-center", "resize-center-pads"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [{"random_resized_crop": {"size": [20, 16]}}],
+        [{"resize": [18, 22]}],
+        [{"center_crop": 12}],
+        [{"center_crop": [30, 9]}],  # taller than some images: zero padding, torchvision's placement
+        [{"resize": 14}, {"center_crop": 12}],
+        [{"resize": 30}, {"center_crop": [12, 33]}],
+    ],
+    ids=["rrc", "resize-pair", "center-crop", "center-crop-pads", "resize-center", "resize-center-pads"],
+)
 def test_fused_heads_match_running_the_steps_image_by_image(spec):
     """Images of different sizes padded into one tensor, windows drawn as the gpu backend draws them,
     against the steps' own per-image torchvision path on float images (torchvision's CUDA arithmetic)."""
@@ -147,6 +163,8 @@ def test_vectorised_resize_sizes_follow_torchvisions_rule():
     hs, ws = torch.randint(5, 900, (2000,), generator=g), torch.randint(5, 900, (2000,), generator=g)
     for size in (37, [37], [20, 31]):
         rh, rw = Resize(size).resized(hs, ws)
-        ref = [_compute_resized_output_size((int(h), int(w)), size=size if isinstance(size, list) else [size])
-               for h, w in zip(hs, ws)]
+        ref = [
+            _compute_resized_output_size((int(h), int(w)), size=size if isinstance(size, list) else [size])
+            for h, w in zip(hs, ws)
+        ]
         assert [[int(a), int(b)] for a, b in zip(rh, rw)] == [list(r) for r in ref]

@@ -43,7 +43,9 @@ def test_file_list_names_ints_relative_paths_and_header(tmp_path):
     for i in range(6):
         blobs[f"im {i}.jpg"] = jpeg_bytes(seed=i)
         (imgs / f"im {i}.jpg").write_bytes(blobs[f"im {i}.jpg"])
-    (tmp_path / "train.csv").write_text("path,label\n" + "".join(f"imgs/im {i}.jpg,{'cat' if i % 2 else 'dog'}\n" for i in range(4)))
+    (tmp_path / "train.csv").write_text(
+        "path,label\n" + "".join(f"imgs/im {i}.jpg,{'cat' if i % 2 else 'dog'}\n" for i in range(4))
+    )
     (tmp_path / "val.txt").write_text("# comment\nimgs/im 4.jpg\tdog\nimgs/im 5.jpg cat\n")
     d = cfg_for("data.dataset=file_list", f"data.root={tmp_path}", f"data.options={{val_list: {tmp_path / 'val.txt'}}}")
     s = DATASETS.get("file_list")(d)
@@ -54,7 +56,9 @@ def test_file_list_names_ints_relative_paths_and_header(tmp_path):
     assert [s.val[i][1] for i in range(2)] == [1, 0]
     # integer labels are class indices; one list file is split by val_fraction
     (tmp_path / "ints.csv").write_text("".join(f"imgs/im {i}.jpg,{i % 3}\n" for i in range(6)))
-    s = DATASETS.get("file_list")(cfg_for("data.dataset=file_list", f"data.root={tmp_path / 'ints.csv'}", "data.val_fraction=0.5"))
+    s = DATASETS.get("file_list")(
+        cfg_for("data.dataset=file_list", f"data.root={tmp_path / 'ints.csv'}", "data.val_fraction=0.5")
+    )
     assert s.classes == ["0", "1", "2"] and len(s.train) + len(s.val) == 6
 
 
@@ -78,7 +82,9 @@ def write_cifar(root, name, n_train=6, n_test=4, k=10):
         labels = rng.integers(0, k, n).tolist()
         arrays[f] = (data, labels)
         with open(root / f, "wb") as fh:
-            pickle.dump({b"batch_label": f.encode(), b"data": data, label_key: labels, b"filenames": [b"x.png"] * n}, fh)
+            pickle.dump(
+                {b"batch_label": f.encode(), b"data": data, label_key: labels, b"filenames": [b"x.png"] * n}, fh
+            )
     with open(root / meta, "wb") as fh:
         pickle.dump({names_key: [f"c{i}".encode() for i in range(k)]}, fh)
     return arrays
@@ -106,7 +112,11 @@ def test_cifar_missing_files_never_download(tmp_path):
 
 
 def test_synthetic_jpeg_generated_once_and_reused(tmp_path):
-    d = cfg_for("data.dataset=synthetic_jpeg", f"data.root={tmp_path}", "data.options={num_images: 6, val_images: 3, size: [40, 30], classes: 3}")
+    d = cfg_for(
+        "data.dataset=synthetic_jpeg",
+        f"data.root={tmp_path}",
+        "data.options={num_images: 6, val_images: 3, size: [40, 30], classes: 3}",
+    )
     s = DATASETS.get("synthetic_jpeg")(d)
     assert len(s.classes) == 3 and len(s.train) == 6 and len(s.val) == 3
     path = s.train.samples[0][0]
@@ -140,12 +150,16 @@ def test_dct_scaled_decode_is_close_to_full_decode_then_resize():
 
     rng = np.random.default_rng(0)
     yy, xx = np.mgrid[0:480, 0:640]
-    arr = np.stack([(xx // 3) % 256, (yy // 2) % 256, (xx + yy) % 256], -1).astype(np.float64) + rng.normal(0, 6, (480, 640, 3))
+    arr = np.stack([(xx // 3) % 256, (yy // 2) % 256, (xx + yy) % 256], -1).astype(np.float64) + rng.normal(
+        0, 6, (480, 640, 3)
+    )
     b = io.BytesIO()
     Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).save(b, "JPEG", quality=92)
     data = b.getvalue()
     hint = decode_hint([{"resize": 64}])
-    assert hint(480, 640) is not None and hint(375, 500) is not None and decode_hint([{"resize": 256}])(375, 500) is None
+    assert (
+        hint(480, 640) is not None and hint(375, 500) is not None and decode_hint([{"resize": 256}])(375, 500) is None
+    )
     scaled_dec = "pil" if "simplejpeg" not in DECODERS else "simplejpeg"
     small = decode_bytes(data, decoder=scaled_dec, min_size_for=hint)
     assert small.shape[1] < 480  # really decoded at reduced size

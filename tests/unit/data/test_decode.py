@@ -64,9 +64,15 @@ def test_apply_orientation_matches_pillow_transposes_on_any_layout():
     """The 8 transforms themselves against Pillow's, on a channels-last view too (what simplejpeg returns)."""
     arr = np.asarray(PICTURE)
     chw = torch.from_numpy(arr).permute(2, 0, 1)  # HWC memory, CHW view
-    for k, method in {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
-                      5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
-                      8: Image.Transpose.ROTATE_90}.items():
+    for k, method in {
+        2: Image.Transpose.FLIP_LEFT_RIGHT,
+        3: Image.Transpose.ROTATE_180,
+        4: Image.Transpose.FLIP_TOP_BOTTOM,
+        5: Image.Transpose.TRANSPOSE,
+        6: Image.Transpose.ROTATE_270,
+        7: Image.Transpose.TRANSVERSE,
+        8: Image.Transpose.ROTATE_90,
+    }.items():
         ref = torch.from_numpy(np.array(PICTURE.transpose(method))).permute(2, 0, 1)
         assert torch.equal(apply_orientation(chw, k), ref), k
     assert apply_orientation(chw, 1) is chw
@@ -100,15 +106,21 @@ def png16(arr: np.ndarray) -> bytes:
     def chunk(kind, body):
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, color, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, color, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
 
 
 def mode_cases():
     gray16 = (RNG.random((30, 40)) * 65535).astype(np.uint16)
     rgb16 = (RNG.random((30, 40, 3)) * 65535).astype(np.uint16)
     pil = lambda data: upright(data)  # noqa: E731
-    top_byte = lambda a: torch.from_numpy((a >> 8).astype(np.uint8)).reshape(30, 40, -1).permute(2, 0, 1).expand(3, -1, -1)  # noqa: E731
+    top_byte = lambda a: (
+        torch.from_numpy((a >> 8).astype(np.uint8)).reshape(30, 40, -1).permute(2, 0, 1).expand(3, -1, -1)
+    )  # noqa: E731
     return {
         "gray JPEG": (encode(PICTURE.convert("L"), "JPEG", quality=90), pil),
         "CMYK JPEG": (encode(PICTURE.convert("CMYK"), "JPEG", quality=90), pil),
@@ -148,8 +160,9 @@ def test_training_eval_predict_and_compare_see_the_same_upright_image(tmp_path):
         ds = ImageFiles([(str(f), 0) for f in files], decoder=decoder)
         for i, f in enumerate(files):
             assert torch.equal(ds[i][0], refs[str(f)]), (decoder, f.name)
-    cfg = config.load(None, ["data.dataset=image_folder", f"data.root={tmp_path}",
-                             "data.eval.transforms=[resize: [24, 24]]"])
+    cfg = config.load(
+        None, ["data.dataset=image_folder", f"data.root={tmp_path}", "data.eval.transforms=[resize: [24, 24]]"]
+    )
     pred = Predictor(lambda x: x, ["a", "b"], 3, cfg.data.eval.transforms, cfg.data, torch.device("cpu"))
     from torchvision.transforms.v2 import functional as F
 

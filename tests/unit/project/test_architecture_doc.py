@@ -60,7 +60,9 @@ def test_the_checker_notices_a_missing_and_a_misplaced_module():
     """The comparison itself can fail: drop a row and move another under a wrong heading."""
     text = PAGE.read_text()
     text = text.replace("| `version.py` | the package version |\n", "")
-    text = text.replace("| `train/engine.py` |", "| `cli.py` |", 1).replace("| `cli.py` | the `torchsprint` command |\n", "")
+    text = text.replace("| `train/engine.py` |", "| `cli.py` |", 1).replace(
+        "| `cli.py` | the `torchsprint` command |\n", ""
+    )
     page_mods, _ = documented(text)
     disk_mods, _ = on_disk()
     assert "version.py" not in page_mods and page_mods["cli.py"] == "train" != disk_mods["cli.py"]
@@ -124,8 +126,10 @@ def wide_functions(src: Path = SRC) -> dict[str, int]:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 a = node.args
                 n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
-            elif isinstance(node, ast.ClassDef) and any(getattr(d, "id", getattr(d, "func", None) and getattr(d.func, "id", ""))
-                                                          == "dataclass" for d in node.decorator_list):
+            elif isinstance(node, ast.ClassDef) and any(
+                getattr(d, "id", getattr(d, "func", None) and getattr(d.func, "id", "")) == "dataclass"
+                for d in node.decorator_list
+            ):
                 n = sum(isinstance(x, ast.AnnAssign) for x in node.body)
                 if rel == "train/context.py" and node.name == "RunContext":
                     continue  # the context itself: its fields are the services
@@ -141,7 +145,8 @@ def test_no_loop_function_takes_more_than_five_parameters(tmp_path):
     pkg = tmp_path / "torchsprint" / "train"
     pkg.mkdir(parents=True)
     (pkg / "engine.py").write_text("def fit(plan, b, state, *, rt, run_dir, logger):\n    pass\n")
-    (pkg / "validation.py").write_text("from dataclasses import dataclass\n\n\n@dataclass\nclass V:\n" +
-                                       "".join(f"    f{i}: int\n" for i in range(6)))
+    (pkg / "validation.py").write_text(
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass V:\n" + "".join(f"    f{i}: int\n" for i in range(6))
+    )
     (pkg / "context.py").write_text("")
     assert wide_functions(tmp_path) == {"train/engine.py::fit": 6, "train/validation.py::V": 6}

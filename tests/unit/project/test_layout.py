@@ -87,7 +87,9 @@ def imports(name: str, path: Path, is_init: bool, mods) -> list[tuple[int, str, 
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative import
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if not base.startswith("torchsprint"):
                 continue
             for a in node.names:
@@ -106,20 +108,25 @@ def violations(mods: dict[str, tuple[Path, bool]]) -> list[str]:
     for name, (path, is_init) in mods.items():
         here = layer_of(name, mods)
         if here is None and not is_init:
-            problems.append(f"{name}: not placed in any layer of tests/unit/project/test_layout.py LAYERS; add it where it belongs")
+            problems.append(
+                f"{name}: not placed in any layer of tests/unit/project/test_layout.py LAYERS; add it where it belongs"
+            )
             continue
         for line, target, face_name in imports(name, path, is_init, mods):
             where = f"{path.relative_to(path.parents[len(name.split('.')) - (0 if is_init else 1)])}:{line}"
             if face_name is not None and not is_init and (name + ".").startswith(target + "."):
-                problems.append(f"{where}: {name} imports {face_name!r} from its own package's face {target} "
-                                f"(__init__.py); import it from the module that defines it")
+                problems.append(
+                    f"{where}: {name} imports {face_name!r} from its own package's face {target} "
+                    f"(__init__.py); import it from the module that defines it"
+                )
                 continue
             there = layer_of(target, mods)
             if is_init or there is None or here is None:
                 continue  # a face may import what it re-exports
             if there > here:
-                problems.append(f"{where}: {name} (layer {LAYERS[here][0]}) imports {target} (layer "
-                                f"{LAYERS[there][0]}, higher)")
+                problems.append(
+                    f"{where}: {name} (layer {LAYERS[here][0]}) imports {target} (layer {LAYERS[there][0]}, higher)"
+                )
     return problems
 
 
@@ -135,9 +142,17 @@ def folder_of(name: str) -> str:
 def cycles(mods: dict[str, tuple[Path, bool]]) -> list[list[str]]:
     """Import cycles among the modules of one folder, imports inside functions included: inside a folder the order
     of the modules is free, a cycle is not (neither module could be read, tested or moved without the other)."""
-    graph = {name: sorted({t for _, t, _ in imports(name, path, False, mods) if t in mods and not mods[t][1]
-                           and t != name and folder_of(t) == folder_of(name)})
-             for name, (path, is_init) in mods.items() if not is_init}
+    graph = {
+        name: sorted(
+            {
+                t
+                for _, t, _ in imports(name, path, False, mods)
+                if t in mods and not mods[t][1] and t != name and folder_of(t) == folder_of(name)
+            }
+        )
+        for name, (path, is_init) in mods.items()
+        if not is_init
+    }
     found, state = [], {}
 
     def visit(node, stack):
@@ -145,7 +160,7 @@ def cycles(mods: dict[str, tuple[Path, bool]]) -> list[list[str]]:
         stack.append(node)
         for nxt in graph.get(node, []):
             if state.get(nxt) == "open":
-                found.append(stack[stack.index(nxt):] + [nxt])
+                found.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack)
         stack.pop()
@@ -188,17 +203,36 @@ def test_the_checker_flags_an_upward_import_and_a_face_import(tmp_path):
     assert len(found) == 3, found
 
 
-@pytest.mark.parametrize("module", ["torchsprint.data", "torchsprint.models", "torchsprint.data.sources",
-                                    "torchsprint.data.backends", "torchsprint.data.preprocess",
-                                    "torchsprint.commands.data", "torchsprint.optim", "torchsprint.config",
-                                    "torchsprint.runtime", "torchsprint.observe", "torchsprint.tasks", "torchsprint.train",
-                                    "torchsprint.state", "torchsprint.commands", "torchsprint.commands.bench"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "torchsprint.data",
+        "torchsprint.models",
+        "torchsprint.data.sources",
+        "torchsprint.data.backends",
+        "torchsprint.data.preprocess",
+        "torchsprint.commands.data",
+        "torchsprint.optim",
+        "torchsprint.config",
+        "torchsprint.runtime",
+        "torchsprint.observe",
+        "torchsprint.tasks",
+        "torchsprint.train",
+        "torchsprint.state",
+        "torchsprint.commands",
+        "torchsprint.commands.bench",
+    ],
+)
 def test_package_faces_only_reexport(module):
     """An __init__.py holds imports and __all__, no definitions (registries live beside their code)."""
     mods = modules()
     tree = ast.parse(mods[module][0].read_text())
-    defs = [type(n).__name__ for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef | ast.Assign)
-            and not (isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["__all__"])]
+    defs = [
+        type(n).__name__
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef | ast.ClassDef | ast.Assign)
+        and not (isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["__all__"])
+    ]
     assert defs == []
 
 
@@ -211,8 +245,13 @@ def backend_problems(src: Path = SRC) -> list[str]:
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchsprint.data.backends"):
                 problems.append(f"{f.name}:{node.lineno} imports {node.module}")
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "LOADERS"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "LOADERS"
+            ):
                 problems.append(f"{f.name}:{node.lineno} calls LOADERS.get")
     return problems
 
@@ -222,16 +261,25 @@ def test_no_backend_imports_a_sibling_or_calls_back_into_the_registry(tmp_path):
     assert backend_problems() == []
     bad = tmp_path / "torchsprint" / "data" / "backends"
     bad.mkdir(parents=True)
-    (bad / "dali.py").write_text("from torchsprint.data.backends.gpu import x\n\ndef f():\n    return LOADERS.get('cpu')\n")
-    assert backend_problems(tmp_path) == ["dali.py:1 imports torchsprint.data.backends.gpu", "dali.py:4 calls LOADERS.get"]
+    (bad / "dali.py").write_text(
+        "from torchsprint.data.backends.gpu import x\n\ndef f():\n    return LOADERS.get('cpu')\n"
+    )
+    assert backend_problems(tmp_path) == [
+        "dali.py:1 imports torchsprint.data.backends.gpu",
+        "dali.py:4 calls LOADERS.get",
+    ]
 
 
 def test_production_code_holds_no_test_hook():
     """Faults are the tests' own (tests/faults/sitecustomize.py, imported by the processes a test starts): no module of
     the package reads a variable that exists for tests. Fails when a TORCHSPRINT_TEST_ variable, or a FAULT_ one of
     the tests' faults, is read by production code again."""
-    found = [f"{f.relative_to(SRC)}:{i}" for f in sorted((SRC / "torchsprint").rglob("*.py"))
-             for i, line in enumerate(f.read_text().splitlines(), 1) if re.search(r"TORCHSPRINT_TEST_|\bFAULT_[A-Z]", line)]
+    found = [
+        f"{f.relative_to(SRC)}:{i}"
+        for f in sorted((SRC / "torchsprint").rglob("*.py"))
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if re.search(r"TORCHSPRINT_TEST_|\bFAULT_[A-Z]", line)
+    ]
     assert found == []
 
 
@@ -239,7 +287,11 @@ def test_no_module_re_exports_another_modules_names():
     """Callers import a name from the module that defines it (go-to-definition lands on the code, not on a shim);
     only a package's __init__.py re-exports. Fails when a module imports torchsprint names it does not use, kept
     with `noqa: F401` for other callers."""
-    found = [f"{f.relative_to(SRC)}:{i}" for f in sorted((SRC / "torchsprint").rglob("*.py")) if f.name != "__init__.py"
-             for i, line in enumerate(f.read_text().splitlines(), 1)
-             if "noqa: F401" in line and re.match(r"\s*from torchsprint", line)]
+    found = [
+        f"{f.relative_to(SRC)}:{i}"
+        for f in sorted((SRC / "torchsprint").rglob("*.py"))
+        if f.name != "__init__.py"
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if "noqa: F401" in line and re.match(r"\s*from torchsprint", line)
+    ]
     assert found == []

@@ -24,7 +24,9 @@ def where_things_go() -> tuple[dict[str, str], list[str]]:
     for lang, body in re.findall(r"```(python|bash)\n(.*?)```", PAGE.read_text(), flags=re.S):
         if lang == "python":
             first = body.splitlines()[0]
-            assert first.startswith("# my_project/"), f"an example of docs/extending.md must start with its file name: {first}"
+            assert first.startswith("# my_project/"), (
+                f"an example of docs/extending.md must start with its file name: {first}"
+            )
             files[first[2:].strip()] = body
         else:
             commands += [c.strip() for c in body.replace("\\\n", " ").splitlines() if c.strip()]
@@ -81,13 +83,26 @@ def test_readme_where_things_go_examples_run(tmp_path, monkeypatch, capsys, regi
             # The task's monitor drives "best": the lowest validation loss, not top-1.
             assert cfg["checkpoint"]["monitor"] == "val/loss" and cfg["checkpoint"]["mode"] == "min"
             assert summary["best_metric"] == min(
-                json.loads(line)["val/loss"] for line in (tmp_path / "run0" / "metrics.jsonl").read_text().splitlines()
-                if json.loads(line)["kind"] == "eval")
+                json.loads(line)["val/loss"]
+                for line in (tmp_path / "run0" / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line)["kind"] == "eval"
+            )
         else:
             assert cfg["data"]["backend"] == "plain"
     # The plain backend refuses what it would otherwise ignore.
     capsys.readouterr()
-    code = cli.main(["train", "--import", "my_project.data", "--import", "my_project.backends", "data.dataset=stripes",
-                     "data.backend=plain", "data.train.transforms=[hflip]", "run.dir=refused"])
+    code = cli.main(
+        [
+            "train",
+            "--import",
+            "my_project.data",
+            "--import",
+            "my_project.backends",
+            "data.dataset=stripes",
+            "data.backend=plain",
+            "data.train.transforms=[hflip]",
+            "run.dir=refused",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "applies no transforms" in err, err

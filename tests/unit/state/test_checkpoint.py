@@ -49,14 +49,21 @@ CPU = Runtime(torch.device("cpu"))
 
 def test_strip_prefixes_removes_every_wrapper_prefix_at_the_front_only():
     t = [torch.full((1,), float(i)) for i in range(5)]
-    state = {"module._orig_mod.conv.weight": t[0], "_orig_mod.module.fc.bias": t[1], "module.module.x": t[2],
-             "encoder.module.y": t[3], "module_z._orig_mod": t[4]}
+    state = {
+        "module._orig_mod.conv.weight": t[0],
+        "_orig_mod.module.fc.bias": t[1],
+        "module.module.x": t[2],
+        "encoder.module.y": t[3],
+        "module_z._orig_mod": t[4],
+    }
     out = strip_prefixes(state)
     assert list(out) == ["conv.weight", "fc.bias", "x", "encoder.module.y", "module_z._orig_mod"]
     assert all(out[k] is v for k, v in zip(out, t))  # the same tensors, no copies
 
 
-@pytest.mark.parametrize("epoch, step_in_epoch, number", [(0, 0, 1), (0, 5, 1), (1, 0, 1), (1, 5, 2), (3, 0, 3), (2, 1, 3)])
+@pytest.mark.parametrize(
+    "epoch, step_in_epoch, number", [(0, 0, 1), (0, 5, 1), (1, 0, 1), (1, 5, 2), (3, 0, 3), (2, 1, 3)]
+)
 def test_epoch_number_is_1_based_and_an_epoch_end_belongs_to_the_finished_epoch(epoch, step_in_epoch, number):
     assert epoch_number(TrainState(epoch=epoch, step_in_epoch=step_in_epoch)) == number
 
@@ -64,15 +71,30 @@ def test_epoch_number_is_1_based_and_an_epoch_end_belongs_to_the_finished_epoch(
 def test_parse_checkpoint_name():
     assert parse_checkpoint_name("ckpt-e003-s0000022.pt") == (3, 22)
     assert parse_checkpoint_name("ckpt-e12-s7.pt") == (12, 7)
-    for other in ("status.json", "ckpt-e003-s0000022.pt.tmp-12", ".ckpt-e003-s0000022.pt.tmp-12", "ckpt-e3.pt", "best.safetensors"):
+    for other in (
+        "status.json",
+        "ckpt-e003-s0000022.pt.tmp-12",
+        ".ckpt-e003-s0000022.pt.tmp-12",
+        "ckpt-e3.pt",
+        "best.safetensors",
+    ):
         assert parse_checkpoint_name(other) is None
 
 
 def test_data_geometry_lists_what_fixes_a_data_position():
-    cfg = config.load(None, ["data.batch_size=48", "optim.accum_steps=3", "run.seed=11", "data.repeated_aug=2",
-                             "data.sampler=shuffle"])
-    assert data_geometry(cfg, 4) == {"batch_size": 48, "accum_steps": 3, "world_size": 4, "seed": 11, "repeated_aug": 2,
-                                     "data_sampler": "shuffle", "data_sampler_from_epoch": 1}
+    cfg = config.load(
+        None,
+        ["data.batch_size=48", "optim.accum_steps=3", "run.seed=11", "data.repeated_aug=2", "data.sampler=shuffle"],
+    )
+    assert data_geometry(cfg, 4) == {
+        "batch_size": 48,
+        "accum_steps": 3,
+        "world_size": 4,
+        "seed": 11,
+        "repeated_aug": 2,
+        "data_sampler": "shuffle",
+        "data_sampler_from_epoch": 1,
+    }
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -234,8 +256,16 @@ def test_atomic_write_into_a_missing_folder_raises_the_open_error(tmp_path):
 
 
 def full_checkpoint(**extra) -> dict:
-    return {"format": FORMAT, "version": 1, "model": {"w": torch.ones(2)}, "optimizer": {}, "scheduler": {},
-            "train_state": {"step_in_epoch": 0}, "rng": [], **extra}
+    return {
+        "format": FORMAT,
+        "version": 1,
+        "model": {"w": torch.ones(2)},
+        "optimizer": {},
+        "scheduler": {},
+        "train_state": {"step_in_epoch": 0},
+        "rng": [],
+        **extra,
+    }
 
 
 def test_load_checkpoint_returns_the_saved_dict(tmp_path):
@@ -303,8 +333,9 @@ def test_load_checkpoint_refusals_name_the_file_and_the_reason(tmp_path):
     assert refusal({}) == not_ours
     assert refusal([torch.zeros(1)]) == not_ours
     assert refusal({"format": "other", "w": torch.zeros(1)}) == not_ours
-    assert refusal({"format": FORMAT}) == ("is an incomplete torchsprint checkpoint: missing "
-                                           "['model', 'optimizer', 'scheduler', 'train_state', 'rng'].")
+    assert refusal({"format": FORMAT}) == (
+        "is an incomplete torchsprint checkpoint: missing ['model', 'optimizer', 'scheduler', 'train_state', 'rng']."
+    )
     ck = full_checkpoint()
     del ck["scheduler"], ck["rng"]
     assert refusal(ck) == "is an incomplete torchsprint checkpoint: missing ['scheduler', 'rng']."
@@ -331,6 +362,7 @@ def test_unreadable_files_report_the_loader_error_first_line_cut_at_200_characte
     first = str(direct.value).splitlines()[0]
     assert len(first) > 200
     assert message(broken) == prefix + f"{type(direct.value).__name__}: {first[:200]}"
+
     # Several lines (weights_only refusing a class): only the first.
     class Payload:
         def __reduce__(self):
@@ -369,8 +401,10 @@ def test_save_weights_failure_is_a_usage_error_and_keeps_the_previous_file(tmp_p
     blocker.write_text("")
     with pytest.raises(UsageError) as info:
         save_weights(blocker / "best.safetensors", nn.Linear(2, 2), {})
-    assert str(info.value) == (f"could not write {blocker / 'best.safetensors'}: Not a directory. The previous best.safetensors, "
-                               "if any, is intact; free disk space or fix permissions, then resume the run.")
+    assert str(info.value) == (
+        f"could not write {blocker / 'best.safetensors'}: Not a directory. The previous best.safetensors, "
+        "if any, is intact; free disk space or fix permissions, then resume the run."
+    )
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
@@ -383,9 +417,16 @@ def make_saver(run_dir: Path, *overrides: str, log=None, ema=None, resumed_step=
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    saver = Saver(run_dir, cfg.checkpoint, rt, {"config": config.to_dict(cfg), "classes": ["a", "b"]},
-                  geometry=data_geometry(cfg, rt.world_size), resumed_step=resumed_step,
-                  log=log if log is not None else (lambda m: None), ema=ema)
+    saver = Saver(
+        run_dir,
+        cfg.checkpoint,
+        rt,
+        {"config": config.to_dict(cfg), "classes": ["a", "b"]},
+        geometry=data_geometry(cfg, rt.world_size),
+        resumed_step=resumed_step,
+        log=log if log is not None else (lambda m: None),
+        ema=ema,
+    )
     return saver, (model, opt, sched, Precision("fp32", CPU.device))
 
 
@@ -404,7 +445,11 @@ def name(step: int, epoch: int = 1) -> str:
 def test_saver_creates_the_nested_checkpoint_folder_and_reopens_it(tmp_path):
     run = tmp_path / "a" / "b"
     saver, objs = make_saver(run)
-    assert saver.dir == run / "checkpoints" and saver.dir.is_dir() and saver.status_path == run / "checkpoints" / "status.json"
+    assert (
+        saver.dir == run / "checkpoints"
+        and saver.dir.is_dir()
+        and saver.status_path == run / "checkpoints" / "status.json"
+    )
     assert saver.status == {"checkpoints": [], "history": []}
     saver.save(state(1), *objs, metric=None)
     again, _ = make_saver(run, resumed_step=1)  # the folder exists now
@@ -415,8 +460,10 @@ def test_saver_on_an_unusable_folder_is_a_usage_error(tmp_path):
     (tmp_path / "checkpoints").write_text("")
     with pytest.raises(UsageError) as info:
         make_saver(tmp_path)
-    assert str(info.value) == (f"cannot use the checkpoint folder {tmp_path / 'checkpoints'}: File exists. Make the run "
-                               "folder writable or set run.dir.")
+    assert str(info.value) == (
+        f"cannot use the checkpoint folder {tmp_path / 'checkpoints'}: File exists. Make the run "
+        "folder writable or set run.dir."
+    )
 
 
 def test_a_non_main_rank_does_not_touch_the_folder(tmp_path):
@@ -429,18 +476,32 @@ def test_a_non_main_rank_does_not_touch_the_folder(tmp_path):
 
 
 def test_save_writes_the_full_checkpoint_and_status(tmp_path):
-    saver, (model, opt, sched, prec) = make_saver(tmp_path, "checkpoint.monitor=val/loss", "checkpoint.mode=min",
-                                                  "optim.accum_steps=3", "data.batch_size=16", "run.seed=5",
-                                                  "data.sampler=shuffle")  # a run resolves auto before saving
+    saver, (model, opt, sched, prec) = make_saver(
+        tmp_path,
+        "checkpoint.monitor=val/loss",
+        "checkpoint.mode=min",
+        "optim.accum_steps=3",
+        "data.batch_size=16",
+        "run.seed=5",
+        "data.sampler=shuffle",
+    )  # a run resolves auto before saving
     t0 = time.time()
     path = saver.save(TrainState(epoch=2, step_in_epoch=4, global_step=30), model, opt, sched, prec, metric=0.25)
     t1 = time.time()
     assert path == tmp_path / "checkpoints" / "ckpt-e003-s0000030.pt"
     ck = load_checkpoint(path)
     assert ck["format"] == FORMAT and ck["version"] == 1 and ck["metric"] == 0.25
-    assert ck["sampler"] == {"epoch": 2, "batches_done": 12, "batch_size": 16, "accum_steps": 3, "world_size": 1,
-                             "seed": 5, "repeated_aug": 1, "data_sampler": "shuffle",
-                             "data_sampler_from_epoch": 1}
+    assert ck["sampler"] == {
+        "epoch": 2,
+        "batches_done": 12,
+        "batch_size": 16,
+        "accum_steps": 3,
+        "world_size": 1,
+        "seed": 5,
+        "repeated_aug": 1,
+        "data_sampler": "shuffle",
+        "data_sampler_from_epoch": 1,
+    }
     assert ck["scaler"] == prec.state_dict() and ck["classes"] == ["a", "b"] and "ema" not in ck
     assert ck["config"]["checkpoint"]["monitor"] == "val/loss"
     raw = (tmp_path / "checkpoints" / "status.json").read_text()
@@ -450,8 +511,14 @@ def test_save_writes_the_full_checkpoint_and_status(tmp_path):
     assert t == round(t, 3)  # milliseconds
     entry = status["checkpoints"][0]
     assert t0 - 0.001 <= entry.pop("time") <= t1 + 0.001
-    assert entry == {"file": path.name, "epoch": 3, "step_in_epoch": 4, "step": 30, "metric": 0.25,
-                     "bytes": path.stat().st_size}
+    assert entry == {
+        "file": path.name,
+        "epoch": 3,
+        "step_in_epoch": 4,
+        "step": 30,
+        "metric": 0.25,
+        "bytes": path.stat().st_size,
+    }
     assert status["monitor"] == "val/loss" and status["mode"] == "min"
     assert status["latest"] == status["best"] == path.name
     assert list(status) == ["checkpoints", "history", "monitor", "mode", "latest", "best"]
@@ -484,7 +551,8 @@ def test_failed_save_names_the_errno_keeps_the_old_checkpoints_and_can_be_retrie
     assert str(info.value) == (
         f"could not save checkpoint {saver.dir / name(2)}: No such file or directory (ENOENT). Nothing saved before was "
         f"lost: the previous checkpoints in {saver.dir} are intact. Free disk space or fix permissions, then continue "
-        f"with `torchsprint train --resume {tmp_path}`.")
+        f"with `torchsprint train --resume {tmp_path}`."
+    )
     (tmp_path / "moved").rename(saver.dir)
     assert read_status(tmp_path) == before
     saver.save(state(2), *objs, metric=None)  # the same state again: written now (the failed save did not count)
@@ -570,7 +638,9 @@ def test_reopening_reconciles_the_status_with_the_files(tmp_path):
         saver.save(state(s), *objs, metric=s / 10)
     (saver.dir / name(2)).unlink()  # deleted by hand: dropped from the list
     status = read_status(tmp_path)
-    status["checkpoints"] = [e for e in status["checkpoints"] if e["file"] != name(3)]  # a crash before the status update
+    status["checkpoints"] = [
+        e for e in status["checkpoints"] if e["file"] != name(3)
+    ]  # a crash before the status update
     (saver.dir / "status.json").write_text(json.dumps(status))
     (saver.dir / name(4)).write_bytes(b"torn")  # unreadable, not listed: listed without metric
     (saver.dir / "notes.txt").write_text("x")
@@ -579,10 +649,24 @@ def test_reopening_reconciles_the_status_with_the_files(tmp_path):
     assert [e["file"] for e in entries] == [name(1), name(3), name(4)]
     assert entries[0] == status["checkpoints"][0]  # listed entries are kept as they are
     p3 = saver.dir / name(3)
-    assert entries[1] == {"file": name(3), "epoch": 1, "step_in_epoch": 3, "step": 3, "metric": 0.3,
-                          "bytes": p3.stat().st_size, "time": p3.stat().st_mtime}
-    assert entries[2] == {"file": name(4), "epoch": 1, "step_in_epoch": None, "step": 4, "metric": None, "bytes": 4,
-                          "time": (saver.dir / name(4)).stat().st_mtime}
+    assert entries[1] == {
+        "file": name(3),
+        "epoch": 1,
+        "step_in_epoch": 3,
+        "step": 3,
+        "metric": 0.3,
+        "bytes": p3.stat().st_size,
+        "time": p3.stat().st_mtime,
+    }
+    assert entries[2] == {
+        "file": name(4),
+        "epoch": 1,
+        "step_in_epoch": None,
+        "step": 4,
+        "metric": None,
+        "bytes": 4,
+        "time": (saver.dir / name(4)).stat().st_mtime,
+    }
     assert len(reopened.status["history"]) == 3
 
 
@@ -596,16 +680,28 @@ def test_reopening_sorts_unlisted_files_by_step_then_epoch(tmp_path):
     first.unlink()
     reopened, _ = make_saver(tmp_path, resumed_step=11)
     assert [e["file"] for e in reopened.status["checkpoints"]] == [
-        "ckpt-e001-s0000002.pt", "ckpt-e001-s0000005.pt", "ckpt-e002-s0000005.pt", "ckpt-e003-s0000011.pt"]
+        "ckpt-e001-s0000002.pt",
+        "ckpt-e001-s0000005.pt",
+        "ckpt-e002-s0000005.pt",
+        "ckpt-e003-s0000011.pt",
+    ]
     assert reopened.status["history"] == []
 
 
-@pytest.mark.parametrize("text", [
-    "{not json", "[1, 2]", '{"checkpoints": {"a": 1}}', '{"history": []}',
-    # Valid JSON of the wrong shape (edited by hand): entries that are not entries, a history that is not a list.
-    '{"checkpoints": [1]}', '{"checkpoints": [{"file": "ckpt-e001-s0000001.pt"}]}',
-    '{"checkpoints": [{"file": "ckpt-e001-s0000001.pt", "step": 1}]}', '{"checkpoints": [], "history": {}}',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        "[1, 2]",
+        '{"checkpoints": {"a": 1}}',
+        '{"history": []}',
+        # Valid JSON of the wrong shape (edited by hand): entries that are not entries, a history that is not a list.
+        '{"checkpoints": [1]}',
+        '{"checkpoints": [{"file": "ckpt-e001-s0000001.pt"}]}',
+        '{"checkpoints": [{"file": "ckpt-e001-s0000001.pt", "step": 1}]}',
+        '{"checkpoints": [], "history": {}}',
+    ],
+)
 def test_an_unreadable_status_file_is_rebuilt_from_the_files(tmp_path, text):
     saver, objs = make_saver(tmp_path, "checkpoint.keep_last=3")
     saver.save(state(1), *objs, metric=0.5)
@@ -670,8 +766,10 @@ def test_checkpoints_beyond_the_resume_point_are_set_aside(tmp_path):
     dests = list(saver.dir.glob("superseded-*"))
     assert len(dests) == 1 and re.fullmatch(r"superseded-\d{8}-\d{6}", dests[0].name)
     assert sorted(p.name for p in dests[0].iterdir()) == [name(s) for s in range(3, 8)]
-    assert logs == [f"[yellow]moved 5 checkpoint(s) beyond the resume point into {dests[0]}[/] (this run resumed from "
-                    f"step 2): {name(3)}, {name(4)}, {name(5)}, {name(6)}"]
+    assert logs == [
+        f"[yellow]moved 5 checkpoint(s) beyond the resume point into {dests[0]}[/] (this run resumed from "
+        f"step 2): {name(3)}, {name(4)}, {name(5)}, {name(6)}"
+    ]
 
 
 def test_a_fresh_start_sets_aside_every_checkpoint_and_nothing_to_move_logs_nothing(tmp_path):
@@ -683,8 +781,10 @@ def test_a_fresh_start_sets_aside_every_checkpoint_and_nothing_to_move_logs_noth
     fresh, _ = make_saver(tmp_path, log=logs.append)
     assert fresh.status["checkpoints"] == [] and read_status(tmp_path)["checkpoints"] == []
     (dest,) = saver.dir.glob("superseded-*")
-    assert logs == [f"[yellow]moved 1 checkpoint(s) beyond the resume point into {dest}[/] (this run starts from "
-                    f"scratch): {name(1)}"]
+    assert logs == [
+        f"[yellow]moved 1 checkpoint(s) beyond the resume point into {dest}[/] (this run starts from "
+        f"scratch): {name(1)}"
+    ]
 
 
 def test_two_set_asides_in_one_second_share_the_folder(tmp_path):

@@ -71,7 +71,9 @@ def test_empty_evaluation_has_zero_loss_and_count():
 
 
 def test_multilabel_matches_sklearn_at_a_non_default_threshold():
-    data = batches([10, 10, 5], lambda n, g: (torch.randn(n, 3, generator=g) * 2, (torch.rand(n, 3, generator=g) < 0.5).float()))
+    data = batches(
+        [10, 10, 5], lambda n, g: (torch.randn(n, 3, generator=g) * 2, (torch.rand(n, 3, generator=g) < 0.5).float())
+    )
     losses = [torch.tensor(0.25), torch.tensor(0.5), torch.tensor(1.0)]
     m = MultilabelMetrics(3, threshold=0.7, device=CPU)
     for (x, y), loss in zip(data, losses):
@@ -114,10 +116,18 @@ def test_confusion_and_per_class_csv(tmp_path):
     rows = list(csv.reader(open(tmp_path / "confusion_matrix.csv")))
     assert rows == [["true\\pred", "cat", "dog"], ["cat", "3", "1"], ["dog", "0", "2"]]
     assert (tmp_path / "confusion_matrix.png").stat().st_size > 1000
-    metrics = {"val/precision": [1.0, 2 / 3], "val/recall": [0.75, 1.0], "val/f1": [6 / 7, 0.8], "val/confusion": [[3, 1], [0, 2]]}
+    metrics = {
+        "val/precision": [1.0, 2 / 3],
+        "val/recall": [0.75, 1.0],
+        "val/f1": [6 / 7, 0.8],
+        "val/confusion": [[3, 1], [0, 2]],
+    }
     write_per_class(tmp_path / "per_class.csv", metrics, ["cat", "dog"])
-    want = [["class", "precision", "recall", "f1", "support"],
-            ["cat", "1.000000", "0.750000", "0.857143", "4"], ["dog", "0.666667", "1.000000", "0.800000", "2"]]
+    want = [
+        ["class", "precision", "recall", "f1", "support"],
+        ["cat", "1.000000", "0.750000", "0.857143", "4"],
+        ["dog", "0.666667", "1.000000", "0.800000", "2"],
+    ]
     assert list(csv.reader(open(tmp_path / "per_class.csv"))) == want
     bare = {k.removeprefix("val/"): v for k, v in metrics.items() if k != "val/confusion"}  # no prefix, no confusion
     write_per_class(tmp_path / "bare.csv", bare, ["cat", "dog"])

@@ -45,9 +45,19 @@ from torchsprint.state.rundir import writable_file
 from torchsprint.train.resolve import resolve
 
 
-def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, warmup: int = 5, repeats: int = 3,
-          only: list[str] | None = None, to_accuracy: float | None = None, out: str | Path | None = None,
-          isolate: bool = True, overwrite: bool = False) -> list[dict]:
+def bench(
+    config_path: str | None,
+    overrides: list[str],
+    *,
+    steps: int = 30,
+    warmup: int = 5,
+    repeats: int = 3,
+    only: list[str] | None = None,
+    to_accuracy: float | None = None,
+    out: str | Path | None = None,
+    isolate: bool = True,
+    overwrite: bool = False,
+) -> list[dict]:
     """Measure the matrix for a config; returns the rows and writes bench.{md,csv,json,png} into `out`.
 
     `isolate`: measure each variant in its own process (the CLI's way: memory figures are the variant's own,
@@ -82,7 +92,9 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
             path = out / "variants" / f"{slug(v.name)}.yaml"
             path.write_text(config_mod.dump_yaml(cfg))
             if isolate or v.processes > 1:
-                v.results = measure_variant(path, steps, warmup, repeats, v.processes, out / "variants" / f".{slug(v.name)}.json")
+                v.results = measure_variant(
+                    path, steps, warmup, repeats, v.processes, out / "variants" / f".{slug(v.name)}.json"
+                )
             else:
                 v.results = [measure(cfg, steps, warmup) for _ in range(repeats)]
             if to_accuracy is not None:
@@ -91,23 +103,39 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
             v.skip = f"could not run here: {str(e).splitlines()[0][:200]}"
             v.results.clear()
 
-    meta = {"config": config_path or "defaults (digits + small_cnn)", "overrides": list(overrides), "steps": steps,
-            "warmup": warmup, "repeats": repeats, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
-            "device": device_name(), "cpu_threads": torch.get_num_threads(), "cpu": cpu_info()}
+    meta = {
+        "config": config_path or "defaults (digits + small_cnn)",
+        "overrides": list(overrides),
+        "steps": steps,
+        "warmup": warmup,
+        "repeats": repeats,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "device": device_name(),
+        "cpu_threads": torch.get_num_threads(),
+        "cpu": cpu_info(),
+    }
     base = next(v for v in all_variants if v.name == "baseline (seeds)")
     for i, v in enumerate(all_variants):
         if not v.skip:
             run_variant(v, v.overrides)
         # bench.json after every variant: a bench stopped midway (a caller's time limit) keeps what it measured
         base_ips = statistics.median(r["images_per_s"] for r in base.results) if base.results else None
-        (out / "bench.json").write_text(json.dumps({"meta": meta | {"partial": True},
-                                                    "rows": [summarize(x, base_ips) for x in all_variants[: i + 1]]},
-                                                   indent=1))
+        (out / "bench.json").write_text(
+            json.dumps(
+                {"meta": meta | {"partial": True}, "rows": [summarize(x, base_ips) for x in all_variants[: i + 1]]},
+                indent=1,
+            )
+        )
     rows = [summarize(v, base_ips) for v in all_variants]
     if base_ips and (not only or "best" in only):
         best = best_combination(rows)
-        v = Variant("best combination", best, " + ".join(r["variant"][2:] for r in rows if r.get("overrides") and
-                                                         all(o in best for o in r["overrides"])) or "baseline")
+        v = Variant(
+            "best combination",
+            best,
+            " + ".join(r["variant"][2:] for r in rows if r.get("overrides") and all(o in best for o in r["overrides"]))
+            or "baseline",
+        )
         run_variant(v, best)
         rows.append(keep_the_faster(summarize(v, base_ips), rows))
     if not only or "your config" in only:
@@ -115,7 +143,9 @@ def bench(config_path: str | None, overrides: list[str], *, steps: int = 30, war
         try:
             procs = max(2, _gpus()) if user.strategy.name == "ddp" else 1
             if isolate or procs > 1:
-                v.results = measure_variant(resolved, steps, warmup, repeats, procs, out / "variants" / ".your_config.json")
+                v.results = measure_variant(
+                    resolved, steps, warmup, repeats, procs, out / "variants" / ".your_config.json"
+                )
             else:
                 v.results = [measure(user, steps, warmup) for _ in range(repeats)]
         except (UsageError, RuntimeError, subprocess.TimeoutExpired) as e:
@@ -133,8 +163,17 @@ def slug(name: str) -> str:
 
 def bench_cli(args) -> int:
     only = [s.strip() for s in args.variants.split(",")] if args.variants else None
-    bench(args.config, args.overrides, steps=args.steps, warmup=args.warmup, repeats=args.repeats, only=only,
-          to_accuracy=args.to_accuracy, out=args.out, overwrite=args.overwrite)
+    bench(
+        args.config,
+        args.overrides,
+        steps=args.steps,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        only=only,
+        to_accuracy=args.to_accuracy,
+        out=args.out,
+        overwrite=args.overwrite,
+    )
     return 0
 
 

@@ -106,8 +106,14 @@ def measure(cfg, steps: int, warmup: int) -> dict:
         else:
             seconds = time.perf_counter() - t0
         images *= rt.world_size
-        return {"images_per_s": images / seconds, "step_ms": 1000 * seconds / steps, "data_wait_share": wait / seconds,
-                "peak_mem_mb": peak_memory_mb(rt.device), "build_s": build_s, "device": str(rt.device)}
+        return {
+            "images_per_s": images / seconds,
+            "step_ms": 1000 * seconds / steps,
+            "data_wait_share": wait / seconds,
+            "peak_mem_mb": peak_memory_mb(rt.device),
+            "build_s": build_s,
+            "device": str(rt.device),
+        }
     finally:
         runtime.teardown(rt)
 
@@ -173,7 +179,15 @@ def measure_variant(config_path: Path, steps: int, warmup: int, repeats: int, pr
     its memory is its own (no allocator state or caches from the variants before it), and the peak RSS of
     the whole process tree is sampled from here. Returns rank 0's per-repeat results, each with
     peak_tree_mb (the variant's lifetime peak, data loading included)."""
-    worker = ["-m", "torchsprint.commands.bench.main", str(config_path), str(out), str(steps), str(warmup), str(repeats)]
+    worker = [
+        "-m",
+        "torchsprint.commands.bench.main",
+        str(config_path),
+        str(out),
+        str(steps),
+        str(warmup),
+        str(repeats),
+    ]
     env = dict(os.environ)
     if processes > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *worker]
@@ -238,8 +252,9 @@ def _worker(argv: list[str]) -> int:
             # One process group for every repeat: re-creating the default group in a process under torchrun
             # reuses the rendezvous store's keys, and was seen to hang 1 time in 2-3 (300 s, then a timeout).
             device = runtime.resolve_device(cfg.run.device, launched.local_rank)
-            torch.distributed.init_process_group(runtime.resolve_backend(cfg.strategy, device), rank=launched.rank,
-                                                 world_size=launched.world_size)
+            torch.distributed.init_process_group(
+                runtime.resolve_backend(cfg.strategy, device), rank=launched.rank, world_size=launched.world_size
+            )
         try:
             res = [measure(cfg, int(steps), int(warmup)) for _ in range(int(repeats))]
         finally:

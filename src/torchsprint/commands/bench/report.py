@@ -25,11 +25,19 @@ def summarize(v: Variant, baseline_ips: float | None) -> dict:
     mem = [r["peak_mem_mb"] for r in v.results if r.get("peak_mem_mb") is not None]
     tree = [r["peak_tree_mb"] for r in v.results if r.get("peak_tree_mb") is not None]
     row = {
-        "variant": v.name, "what": v.what, "status": "ok", "images_per_s": med, "images_per_s_min": min(ips),
-        "images_per_s_max": max(ips), "step_ms": statistics.median(r["step_ms"] for r in v.results),
-        "data_wait_share": share, "peak_mem_mb": max(mem) if mem else None, "peak_tree_mb": max(tree) if tree else None,
+        "variant": v.name,
+        "what": v.what,
+        "status": "ok",
+        "images_per_s": med,
+        "images_per_s_min": min(ips),
+        "images_per_s_max": max(ips),
+        "step_ms": statistics.median(r["step_ms"] for r in v.results),
+        "data_wait_share": share,
+        "peak_mem_mb": max(mem) if mem else None,
+        "peak_tree_mb": max(tree) if tree else None,
         "bottleneck": "input-bound" if share > INPUT_BOUND else "compute-bound",
-        "speedup": med / baseline_ips if baseline_ips else None, "overrides": v.overrides,
+        "speedup": med / baseline_ips if baseline_ips else None,
+        "overrides": v.overrides,
     }
     tta = [r["time_to_accuracy_s"] for r in v.results if "time_to_accuracy_s" in r]
     if tta:
@@ -37,8 +45,22 @@ def summarize(v: Variant, baseline_ips: float | None) -> dict:
     return row
 
 
-COLUMNS = ["variant", "status", "images_per_s", "images_per_s_min", "images_per_s_max", "speedup", "step_ms",
-           "data_wait_share", "bottleneck", "peak_tree_mb", "peak_mem_mb", "time_to_accuracy_s", "reason", "what"]
+COLUMNS = [
+    "variant",
+    "status",
+    "images_per_s",
+    "images_per_s_min",
+    "images_per_s_max",
+    "speedup",
+    "step_ms",
+    "data_wait_share",
+    "bottleneck",
+    "peak_tree_mb",
+    "peak_mem_mb",
+    "time_to_accuracy_s",
+    "reason",
+    "what",
+]
 
 
 def _mb(value) -> str:
@@ -47,12 +69,16 @@ def _mb(value) -> str:
 
 def markdown_table(rows: list[dict], meta: dict) -> list[str]:
     """bench.md's lines: what ran where, then one row per variant (plain text, readable in any log)."""
-    lines = [f"# torchsprint bench: {meta['config']}", "",
-             f"device: {meta['device']}; torch {meta['torch']}; {meta['steps']} timed steps after {meta['warmup']} warm-up, "
-             f"{meta['repeats']} repeats (median, min-max); {meta['date']}. Peak tree MB: resident memory of the "
-             "variant's whole process tree (workers included); peak MB: CUDA memory allocated (GPU) or the main process.", "",
-             "| variant | images/s | speedup | step ms | data wait | bottleneck | peak tree MB | peak MB | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# torchsprint bench: {meta['config']}",
+        "",
+        f"device: {meta['device']}; torch {meta['torch']}; {meta['steps']} timed steps after {meta['warmup']} warm-up, "
+        f"{meta['repeats']} repeats (median, min-max); {meta['date']}. Peak tree MB: resident memory of the "
+        "variant's whole process tree (workers included); peak MB: CUDA memory allocated (GPU) or the main process.",
+        "",
+        "| variant | images/s | speedup | step ms | data wait | bottleneck | peak tree MB | peak MB | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['variant']} | - | - | - | - | - | - | - | skipped: {r.get('reason', '')} |")
@@ -60,9 +86,11 @@ def markdown_table(rows: list[dict], meta: dict) -> list[str]:
         note = f"to-accuracy {r['time_to_accuracy_s']:.1f} s" if r.get("time_to_accuracy_s") is not None else ""
         if r["variant"] == "best combination":
             note = (note + "; " if note else "") + r.get("what", "")
-        lines.append(f"| {r['variant']} | {r['images_per_s']:.0f} ({r['images_per_s_min']:.0f}-{r['images_per_s_max']:.0f}) | "
-                     f"{r['speedup']:.2f}x | {r['step_ms']:.2f} | {r['data_wait_share']:.0%} | {r['bottleneck']} | "
-                     f"{_mb(r.get('peak_tree_mb'))} | {_mb(r.get('peak_mem_mb'))} | {note} |")
+        lines.append(
+            f"| {r['variant']} | {r['images_per_s']:.0f} ({r['images_per_s_min']:.0f}-{r['images_per_s_max']:.0f}) | "
+            f"{r['speedup']:.2f}x | {r['step_ms']:.2f} | {r['data_wait_share']:.0%} | {r['bottleneck']} | "
+            f"{_mb(r.get('peak_tree_mb'))} | {_mb(r.get('peak_mem_mb'))} | {note} |"
+        )
     return lines
 
 
@@ -96,8 +124,11 @@ def bench_figure(rows: list[dict], meta: dict):
     ok = [r for r in rows if r["status"] == "ok" and r.get("speedup")][::-1]
     fig, ax = plt.subplots(figsize=(8, 0.42 * len(ok) + 1.6))
     # a variant that combines several switches has a long name: wrapped, so the bars keep their width
-    bars = ax.barh([textwrap.fill(r["variant"], 40) for r in ok], [r["speedup"] for r in ok],
-                   color=["tab:green" if r["speedup"] >= 1 else "tab:red" for r in ok])
+    bars = ax.barh(
+        [textwrap.fill(r["variant"], 40) for r in ok],
+        [r["speedup"] for r in ok],
+        color=["tab:green" if r["speedup"] >= 1 else "tab:red" for r in ok],
+    )
     ax.bar_label(bars, labels=[f"{r['speedup']:.2f}x  ({r['images_per_s']:.0f}/s)" for r in ok], padding=3, fontsize=8)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlim(0, max([r["speedup"] for r in ok] + [1.0]) * 1.35)  # room for the labels
@@ -115,22 +146,45 @@ def print_table(rows: list[dict], meta: dict | None = None) -> None:
     """A rich table on a terminal; the markdown table when stdout is a file or a pipe (a rich table there is
     cut to 80 columns and folds every cell)."""
     if not sys.stdout.isatty():
-        print("\n".join(markdown_table(rows, meta or {"config": "", "device": "", "torch": "", "steps": "", "warmup": "",
-                                                      "repeats": "", "date": ""})))
+        print(
+            "\n".join(
+                markdown_table(
+                    rows,
+                    meta
+                    or {"config": "", "device": "", "torch": "", "steps": "", "warmup": "", "repeats": "", "date": ""},
+                )
+            )
+        )
         return
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title="torchsprint bench")
-    for c in ("variant", "images/s (min-max)", "speedup", "step ms", "data wait", "bottleneck", "peak tree MB", "peak MB"):
+    for c in (
+        "variant",
+        "images/s (min-max)",
+        "speedup",
+        "step ms",
+        "data wait",
+        "bottleneck",
+        "peak tree MB",
+        "peak MB",
+    ):
         t.add_column(c)
     for r in rows:
         if r["status"] != "ok":
             t.add_row(r["variant"], f"[dim]skipped: {r['reason']}[/]", "", "", "", "", "", "")
             continue
-        t.add_row(r["variant"], f"{r['images_per_s']:.0f} ({r['images_per_s_min']:.0f}-{r['images_per_s_max']:.0f})",
-                  f"{r['speedup']:.2f}x", f"{r['step_ms']:.2f}", f"{r['data_wait_share']:.0%}", r["bottleneck"],
-                  _mb(r.get("peak_tree_mb")), _mb(r.get("peak_mem_mb")))
+        t.add_row(
+            r["variant"],
+            f"{r['images_per_s']:.0f} ({r['images_per_s_min']:.0f}-{r['images_per_s_max']:.0f})",
+            f"{r['speedup']:.2f}x",
+            f"{r['step_ms']:.2f}",
+            f"{r['data_wait_share']:.0%}",
+            r["bottleneck"],
+            _mb(r.get("peak_tree_mb")),
+            _mb(r.get("peak_mem_mb")),
+        )
     Console(soft_wrap=True).print(t)
 
 
@@ -138,22 +192,35 @@ def keep_the_faster(combined: dict, rows: list[dict]) -> dict:
     """The best combination's row, unless one single change measured faster: then that change's own row,
     relabelled, with the combination's figure in its description. Switches that each help do not always
     add up (e.g. compile on top of a memory-bound loader); a "best" slower than a single change is not."""
-    singles = [r for r in rows if r["status"] == "ok" and r.get("overrides") and r["variant"] != "baseline (seeds)"
-               and not any(o.startswith("strategy.") for o in r["overrides"])]
+    singles = [
+        r
+        for r in rows
+        if r["status"] == "ok"
+        and r.get("overrides")
+        and r["variant"] != "baseline (seeds)"
+        and not any(o.startswith("strategy.") for o in r["overrides"])
+    ]
     if combined["status"] != "ok" or not singles:
         return combined
     fastest = max(singles, key=lambda r: r["images_per_s"])
     if combined["images_per_s"] >= fastest["images_per_s"]:
         return combined
-    return fastest | {"variant": "best combination", "what": f"{fastest['variant'][2:]} alone: the measured combination "
-                      f"({combined['what']}) ran at {combined['images_per_s']:.0f} images/s, slower"}
+    return fastest | {
+        "variant": "best combination",
+        "what": f"{fastest['variant'][2:]} alone: the measured combination "
+        f"({combined['what']}) ran at {combined['images_per_s']:.0f} images/s, slower",
+    }
 
 
 def best_combination(rows: list[dict]) -> list[str]:
     """The fastest data backend plus every non-data switch that beat the baseline by more than 3%."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("overrides") and r["speedup"] is not None]
     data = [r for r in ok if any(o.startswith("data.") for o in r["overrides"])]
-    other = [r for r in ok if r not in data and r["speedup"] > 1.03 and not any(o.startswith("strategy.") for o in r["overrides"])]
+    other = [
+        r
+        for r in ok
+        if r not in data and r["speedup"] > 1.03 and not any(o.startswith("strategy.") for o in r["overrides"])
+    ]
     chosen = []
     if data:
         top = max(data, key=lambda r: r["speedup"])

@@ -24,11 +24,20 @@ def entries(root: Path) -> list[dict]:
         except (OSError, ValueError):
             meta = {}
         folder = meta_file.parent
-        out.append({"key": folder.name, "dir": str(folder), "split": meta.get("split"), "images": meta.get("images"),
-                    "bytes": sum(f.stat().st_size for f in folder.iterdir() if f.is_file()),
-                    "built": meta.get("built"), "dataset_id": meta.get("dataset_id"),
-                    "last_used": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(meta_file.stat().st_mtime)),
-                    "first_file": meta.get("first_file"), "sizing": meta.get("sizing")})
+        out.append(
+            {
+                "key": folder.name,
+                "dir": str(folder),
+                "split": meta.get("split"),
+                "images": meta.get("images"),
+                "bytes": sum(f.stat().st_size for f in folder.iterdir() if f.is_file()),
+                "built": meta.get("built"),
+                "dataset_id": meta.get("dataset_id"),
+                "last_used": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(meta_file.stat().st_mtime)),
+                "first_file": meta.get("first_file"),
+                "sizing": meta.get("sizing"),
+            }
+        )
     return out
 
 
@@ -48,8 +57,10 @@ def cache_cli(args) -> int:
             return 0
         print(f"{root}: {len(found)} cache(s), {size_text(sum(e['bytes'] for e in found))}")
         for e in found:
-            print(f"  {e['key']}  {e['split']:>5}  {e['images'] or 0:>7,} images  {size_text(e['bytes']):>10}  built "
-                  f"{e['built']}  used {e['last_used']}  {Path(e['first_file'] or '?').parent}")
+            print(
+                f"  {e['key']}  {e['split']:>5}  {e['images'] or 0:>7,} images  {size_text(e['bytes']):>10}  built "
+                f"{e['built']}  used {e['last_used']}  {Path(e['first_file'] or '?').parent}"
+            )
         return 0
     if args.clear_all:
         removed = [e["key"] for e in entries(root)] if root.exists() else []
@@ -66,9 +77,11 @@ def cache_cli(args) -> int:
         from torchsprint.data.sources.folders import ImageFiles
 
         removed = []
-        for name, spec, where in (("train", cfg.data.train.transforms, "data.train.transforms"),
-                                  ("val", cfg.data.eval.transforms, "data.eval.transforms"),
-                                  ("test", cfg.data.eval.transforms, "data.eval.transforms")):
+        for name, spec, where in (
+            ("train", cfg.data.train.transforms, "data.train.transforms"),
+            ("val", cfg.data.eval.transforms, "data.eval.transforms"),
+            ("test", cfg.data.eval.transforms, "data.eval.transforms"),
+        ):
             files = getattr(splits, name)
             if not isinstance(files, ImageFiles) or not len(files):
                 continue
@@ -86,6 +99,9 @@ def cache_cli(args) -> int:
         print(json.dumps(record))
         return 0
     for name, rec in record["splits"].items():
-        print(f"{name}: {rec['state']} {rec['dir']} ({size_text(rec['bytes'])}, built {rec['built']} UTC"
-              + (f", in {rec['seconds']:.1f} s" if rec["state"] == "built" else "") + f"; {rec['sizing']})")
+        print(
+            f"{name}: {rec['state']} {rec['dir']} ({size_text(rec['bytes'])}, built {rec['built']} UTC"
+            + (f", in {rec['seconds']:.1f} s" if rec["state"] == "built" else "")
+            + f"; {rec['sizing']})"
+        )
     return 0

@@ -92,7 +92,9 @@ def scan_split(raw, workers: int, label: str, progress) -> list[dict]:
     """Scan every sample of one split (files: read + decoded with the dataset's decoder)."""
     if getattr(raw, "streaming", False):  # webdataset shards: one pass over the tar streams, in this process
         return [scan_entry(i, data, label, source, raw) for i, data, label, source in raw.read_all()]
-    ds = ScanFiles(raw.samples, raw.decoder, raw.channels, raw.max_pixels) if hasattr(raw, "samples") else ScanItems(raw)
+    ds = (
+        ScanFiles(raw.samples, raw.decoder, raw.channels, raw.max_pixels) if hasattr(raw, "samples") else ScanItems(raw)
+    )
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, collate_fn=lambda x: x)
     task = progress.add_task(f"reading {label}", total=len(ds)) if progress else None
     items = []
@@ -123,7 +125,8 @@ def analyse(scans: dict[str, list[dict]], classes: list[str], task: str) -> dict
         count = Counter(c for it in items if it["error"] is None for c in class_index(it["label"], task))
         counts[split] = count
         report["splits"][split] = {
-            "samples": len(items), "unreadable": sum(it["error"] is not None for it in items),
+            "samples": len(items),
+            "unreadable": sum(it["error"] is not None for it in items),
             "class_counts": {c: count.get(i, 0) for i, c in enumerate(classes)},
             "min_size": min(sizes, key=lambda s: s[0] * s[1]) if sizes else None,
             "max_size": max(sizes, key=lambda s: s[0] * s[1]) if sizes else None,
@@ -139,8 +142,9 @@ def analyse(scans: dict[str, list[dict]], classes: list[str], task: str) -> dict
     train = counts.get("train", Counter())
     if task in ("classification", "video"):
         if len(classes) < 2:
-            report["problems"].append(f"{len(classes)} class ({', '.join(classes)}): nothing to tell apart; add a "
-                                      "folder per class")
+            report["problems"].append(
+                f"{len(classes)} class ({', '.join(classes)}): nothing to tell apart; add a folder per class"
+            )
         present = {i: train.get(i, 0) for i in range(len(classes))}
         few = [f"{classes[i]} ({n})" for i, n in present.items() if n < FEW]
         if few:
@@ -149,20 +153,26 @@ def analyse(scans: dict[str, list[dict]], classes: list[str], task: str) -> dict
         if nonzero and max(nonzero) / min(nonzero) > IMBALANCE:
             big = max(present, key=present.get)
             small = min((i for i in present if present[i]), key=present.get)
-            report["warnings"].append(f"imbalanced classes: {classes[big]} has {present[big]} training images, "
-                                      f"{classes[small]} {present[small]} (x{present[big] / present[small]:.0f}); consider "
-                                      "class weights (loss.args.weight) or more data")
+            report["warnings"].append(
+                f"imbalanced classes: {classes[big]} has {present[big]} training images, "
+                f"{classes[small]} {present[small]} (x{present[big] / present[small]:.0f}); consider "
+                "class weights (loss.args.weight) or more data"
+            )
         for split, count in counts.items():
             if split != "train":
                 missing = [classes[i] for i in range(len(classes)) if not count.get(i)]
                 if missing and len(missing) < len(classes):
                     report["warnings"].append(f"{split} has no images of {', '.join(missing[:10])}")
     if report["bad"]:
-        report["problems"].append(f"{len(report['bad'])} unreadable file(s) (listed above); fix or remove them, or "
-                                  "train with data.on_bad_sample=skip")
+        report["problems"].append(
+            f"{len(report['bad'])} unreadable file(s) (listed above); fix or remove them, or "
+            "train with data.on_bad_sample=skip"
+        )
     if report["shared"]:
-        report["problems"].append(f"{len(report['shared'])} image(s) in more than one split: validation would score "
-                                  "images the model trained on; remove them from one split")
+        report["problems"].append(
+            f"{len(report['shared'])} image(s) in more than one split: validation would score "
+            "images the model trained on; remove them from one split"
+        )
     if report["duplicates"]:
         report["warnings"].append(f"{len(report['duplicates'])} group(s) of identical files within a split")
     for split in scans:
@@ -193,7 +203,9 @@ def sample_grid(splits, cfg, out: Path, per_class: int = 4) -> Path | None:
                 break
         raw = decoded
     else:
-        labels = ([lab for _, lab in raw.samples] if hasattr(raw, "samples") else [int(raw[i][1]) for i in range(len(raw))])
+        labels = (
+            [lab for _, lab in raw.samples] if hasattr(raw, "samples") else [int(raw[i][1]) for i in range(len(raw))]
+        )
         for i, lab in enumerate(labels):
             if len(by_class[lab]) < per_class:
                 by_class[lab].append(i)
@@ -211,9 +223,17 @@ def sample_grid(splits, cfg, out: Path, per_class: int = 4) -> Path | None:
         pad = [None] * (per_class - len(tiles_train))  # eval columns line up under each other
         rows.append(tiles_train + pad + tiles_eval)
         names.append(splits.classes[c])
-    return out / "samples.png" if rows and tile_grid(
-        rows, f"{cfg.data.dataset}: train preprocessing (left) and eval preprocessing (right), one row per class",
-        row_labels=names, path=out / "samples.png") else None
+    return (
+        out / "samples.png"
+        if rows
+        and tile_grid(
+            rows,
+            f"{cfg.data.dataset}: train preprocessing (left) and eval preprocessing (right), one row per class",
+            row_labels=names,
+            path=out / "samples.png",
+        )
+        else None
+    )
 
 
 def loader_check(cfg, batches: int) -> dict:
@@ -222,8 +242,9 @@ def loader_check(cfg, batches: int) -> dict:
     from torchsprint.runtime.core import Runtime, resolve_device
 
     data_cfg = cfg.data.model_copy(update={"on_bad_sample": "skip"})  # the scan above already named every bad file
-    loaders = build_loaders(data_cfg, Runtime(torch.device(resolve_device(cfg.run.device))), seed=cfg.run.seed,
-                            epochs=cfg.run.epochs)  # auto weighs the memory backend's decode over the run's epochs
+    loaders = build_loaders(
+        data_cfg, Runtime(torch.device(resolve_device(cfg.run.device))), seed=cfg.run.seed, epochs=cfg.run.epochs
+    )  # auto weighs the memory backend's decode over the run's epochs
     k = loaders.info.num_classes
     # The backend that ran (what `auto` chose, or data.fallback), as build_loaders recorded it.
     out = {"problems": [], "backend": loaders.info.backend, "backend_why": loaders.info.backend_why}
@@ -240,8 +261,12 @@ def loader_check(cfg, batches: int) -> dict:
             n += images.shape[0]
             if b + 1 >= batches:
                 break
-        out[name] = {"batches": min(batches, len(loader)), "of": len(loader), "shapes": sorted(shapes),
-                     "images_per_s": n / max(time.perf_counter() - t0, 1e-9)}
+        out[name] = {
+            "batches": min(batches, len(loader)),
+            "of": len(loader),
+            "shapes": sorted(shapes),
+            "images_per_s": n / max(time.perf_counter() - t0, 1e-9),
+        }
     return out
 
 
@@ -293,11 +318,16 @@ def check_cli(args) -> int:
     cfg = resolve(config.load(args.config, args.overrides))
     r = check(cfg, args.batches, args.out)
     k = len(r["classes"])
-    print(f"dataset {r['dataset']} ({r['root'] or 'built in'}), {k} classes: {', '.join(r['classes'][:10])}"
-          + (" ..." if k > 10 else ""))
+    print(
+        f"dataset {r['dataset']} ({r['root'] or 'built in'}), {k} classes: {', '.join(r['classes'][:10])}"
+        + (" ..." if k > 10 else "")
+    )
     for name, s in r["splits"].items():
-        size = f", sizes {s['min_size'][1]}x{s['min_size'][0]} to {s['max_size'][1]}x{s['max_size'][0]} (w x h)" \
-            if s["min_size"] else ""
+        size = (
+            f", sizes {s['min_size'][1]}x{s['min_size'][0]} to {s['max_size'][1]}x{s['max_size'][0]} (w x h)"
+            if s["min_size"]
+            else ""
+        )
         print(f"{name:>5}: {s['samples']} samples, unreadable {s['unreadable']}{size}")
         print(f"       class counts: {s['class_counts']}")
     for why, v in r["skipped"].items():
@@ -311,8 +341,10 @@ def check_cli(args) -> int:
     print(f"loader: data.backend={r['backend']} ({r['backend_why']})")
     for name in ("train", "val"):
         s = r["loader"][name]
-        print(f"loader ({r['backend']}) {name}: {s['batches']}/{s['of']} batches, shape {s['shapes']}, "
-              f"{s['images_per_s']:.0f} images/s")
+        print(
+            f"loader ({r['backend']}) {name}: {s['batches']}/{s['of']} batches, shape {s['shapes']}, "
+            f"{s['images_per_s']:.0f} images/s"
+        )
     if "grid" in r:
         print(f"sample grid: {r['grid']}")
     print(f"report: {Path(r['out']) / 'check.json'}")

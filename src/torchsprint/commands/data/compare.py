@@ -43,7 +43,9 @@ def _eval_paths(cfg, raw, n: int) -> dict:
             out[f"cpu: {dec} DCT-scaled decode + v2"] = torch.stack([cpu_p.cpu(x) if cpu_p.cpu else x for x in scaled])
 
     def batched(imgs):  # what the gpu backend runs: the fused head when the spec has one
-        return preprocess_on_device(batch_p, imgs, batch_p.draw(torch.zeros(len(imgs), dtype=torch.int64)), imgs[0].device)
+        return preprocess_on_device(
+            batch_p, imgs, batch_p.draw(torch.zeros(len(imgs), dtype=torch.int64)), imgs[0].device
+        )
 
     out["gpu-backend ops on CPU (torchvision decode)"] = batched([decode_bytes(b) for b in blobs])
     notes = []
@@ -79,8 +81,20 @@ def _dali_compare(cfg, raw, n: int, out) -> str:
         check_dali_spec(p, "data.eval.transforms")
     except UsageError as e:
         return f"dali: {e}"
-    loader = DaliLoader(raw, p, EpochSampler(min(n, len(raw)), seed=0, shuffle=False, pad=False), n, False,
-                        Runtime(torch.device("cuda")), lambda x: x, 2, 2, "error", cfg.data.max_image_pixels, raw.decoder)
+    loader = DaliLoader(
+        raw,
+        p,
+        EpochSampler(min(n, len(raw)), seed=0, shuffle=False, pad=False),
+        n,
+        False,
+        Runtime(torch.device("cuda")),
+        lambda x: x,
+        2,
+        2,
+        "error",
+        cfg.data.max_image_pixels,
+        raw.decoder,
+    )
     loader.set_epoch(0)
     out["dali: nvJPEG + DALI ops"] = torch.cat([x for x, _ in loader]).cpu()
     return ""
@@ -99,8 +113,10 @@ def compare(cfg, images: int = 64, run: str | None = None) -> dict:
     splits = DATASETS.get(cfg.data.dataset)(cfg.data)
     raw = splits.val if len(splits.val) else splits.train
     if not hasattr(raw, "samples"):
-        raise UsageError(f"data compare decodes image files; dataset '{cfg.data.dataset}' is already decoded, so "
-                         "every backend sees the same pixels.")
+        raise UsageError(
+            f"data compare decodes image files; dataset '{cfg.data.dataset}' is already decoded, so "
+            "every backend sees the same pixels."
+        )
     res = _eval_paths(cfg, raw, images)
     paths = res["paths"]
     ref_name = "cpu: torchvision decode + torchvision v2"

@@ -44,8 +44,21 @@ def sample_tar_bytes(image_bytes: int) -> int:
 def tar_file_bytes(samples_bytes: int) -> int:
     """The shard file's size: its samples, the two zero blocks that end it, padded to a whole record."""
     return -(-(samples_bytes + 2 * BLOCK) // RECORD) * RECORD
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -78,15 +91,19 @@ def list_source(src: Path) -> tuple[list[str], dict[str, list[tuple[str, int]]],
         classes, index = label_classes([r[1] for r in rows], None)
         return classes, {"train": [(p, index[lab]) for p, lab in rows]}, skipped
     if not src.is_dir():
-        raise UsageError(f"{src}: no such folder or file list. SRC is an image folder (class subfolders, optionally "
-                         "under train/ and val/) or a .csv/.txt list of `path,label` lines.")
+        raise UsageError(
+            f"{src}: no such folder or file list. SRC is an image folder (class subfolders, optionally "
+            "under train/ and val/) or a .csv/.txt list of `path,label` lines."
+        )
     if (src / "train").is_dir():
         train = scan_folder(src / "train")
         out, scans = {"train": train.samples}, [train]
         if (src / "val").is_dir():
             val = scan_folder(src / "val")
             if val.classes != train.classes:
-                raise UsageError(f"{src}: train/ and val/ have different class folders: {train.classes} vs {val.classes}.")
+                raise UsageError(
+                    f"{src}: train/ and val/ have different class folders: {train.classes} vs {val.classes}."
+                )
             out["val"], scans = val.samples, [train, val]
         return train.classes, out, merge_skipped(*scans)
     scan = scan_folder(src)
@@ -109,14 +126,24 @@ def make_plan(classes: list[str], splits: dict[str, list[tuple[str, int]]], shar
             except OSError as e:
                 raise UsageError(f"{path}: cannot read it ({e.strerror}). Fix or remove it, then rerun.") from None
             if current and tar_file_bytes(size + nbytes) > shard_size:
-                shards.append({"name": f"{split}-{sum(s['split'] == split for s in shards):06d}.tar", "split": split,
-                               "samples": current})
+                shards.append(
+                    {
+                        "name": f"{split}-{sum(s['split'] == split for s in shards):06d}.tar",
+                        "split": split,
+                        "samples": current,
+                    }
+                )
                 current, size = [], 0
             current.append([f"{split[0]}{n:09d}", path, label, Path(path).suffix.lower().lstrip(".") or "jpg"])
             size += nbytes
         if current:
-            shards.append({"name": f"{split}-{sum(s['split'] == split for s in shards):06d}.tar", "split": split,
-                           "samples": current})
+            shards.append(
+                {
+                    "name": f"{split}-{sum(s['split'] == split for s in shards):06d}.tar",
+                    "split": split,
+                    "samples": current,
+                }
+            )
     return {"format": FORMAT, "classes": classes, "seed": seed, "shard_size": shard_size, "shards": shards}
 
 
@@ -173,8 +200,14 @@ def verify(out: Path, plan: dict, records: dict[str, dict], progress=None) -> li
         path, rec = out / shard["name"], records[shard["name"]]
         if file_sha256(path) != rec["sha256"]:
             problems.append(f"{shard['name']}: SHA-256 differs from the one recorded when it was written")
-        got = [(s["__key__"], int(s["cls"]), digest(next(v for k, v in s.items() if not k.startswith("__") and k != "cls")))
-               for s in wds.WebDataset(str(path), shardshuffle=False, empty_check=False)]
+        got = [
+            (
+                s["__key__"],
+                int(s["cls"]),
+                digest(next(v for k, v in s.items() if not k.startswith("__") and k != "cls")),
+            )
+            for s in wds.WebDataset(str(path), shardshuffle=False, empty_check=False)
+        ]
         want = [(key, label, d) for (key, _, label, _), d in zip(shard["samples"], rec["digests"])]
         if len(got) != len(shard["samples"]):
             problems.append(f"{shard['name']}: {len(got)} samples, planned {len(shard['samples'])}")
@@ -193,8 +226,10 @@ def shard(src: str, out: str, shard_size: str = "1GB", seed: int = 0, progress: 
     require_webdataset()
     src_p, out_p = Path(src).expanduser(), Path(out).expanduser()
     if src_p.is_dir() and inside(out_p, src_p):  # shards among the images: SRC would then be detected as shards
-        raise UsageError(f"OUT {out} is {'SRC itself' if inside(src_p, out_p) else 'inside SRC'} ({src}): the shards "
-                         "and index.json would be written among its images. Choose an OUT folder outside SRC.")
+        raise UsageError(
+            f"OUT {out} is {'SRC itself' if inside(src_p, out_p) else 'inside SRC'} ({src}): the shards "
+            "and index.json would be written among its images. Choose an OUT folder outside SRC."
+        )
     size = parse_size(shard_size)
     classes, splits, skipped = list_source(src_p)
     plan = make_plan(classes, splits, size, seed)
@@ -203,17 +238,24 @@ def shard(src: str, out: str, shard_size: str = "1GB", seed: int = 0, progress: 
     except OSError as e:
         raise UsageError(f"cannot create the OUT folder {out_p}: {e.strerror}. Choose a writable folder.") from None
     # One writer per OUT: two jobs would rename each other's temp files away and race for index.json.
-    lock = RunLock(out_p, role="data shard", hint="Another `torchsprint data shard` job is writing this OUT folder; "
-                   "wait for it to end (rerun then to check it), or choose another OUT folder.")
+    lock = RunLock(
+        out_p,
+        role="data shard",
+        hint="Another `torchsprint data shard` job is writing this OUT folder; "
+        "wait for it to end (rerun then to check it), or choose another OUT folder.",
+    )
     try:
         summary = _shard_locked(src_p, out_p, classes, splits, plan, size, seed, progress)
-        return summary | {"skipped": {why: {"count": len(paths), "examples": paths[:3]} for why, paths in skipped.items()}}
+        return summary | {
+            "skipped": {why: {"count": len(paths), "examples": paths[:3]} for why, paths in skipped.items()}
+        }
     finally:
         lock.release()
 
 
-def _shard_locked(src_p: Path, out_p: Path, classes: list[str], splits: dict, plan: dict, size: int, seed: int,
-                  progress: bool) -> dict:
+def _shard_locked(
+    src_p: Path, out_p: Path, classes: list[str], splits: dict, plan: dict, size: int, seed: int, progress: bool
+) -> dict:
     """shard()'s work, with the OUT folder locked."""
     from torchsprint.data.sources.webdataset import INDEX_NAME
 
@@ -221,11 +263,15 @@ def _shard_locked(src_p: Path, out_p: Path, classes: list[str], splits: dict, pl
     plan_file = out_p / "plan.json"
     text = json.dumps(plan)
     if plan_file.is_file() and plan_file.read_text() != text:
-        raise UsageError(f"{out_p} holds shards of a different plan (the source, --seed or --shard-size changed since "
-                         "they were written). Use an empty OUT folder, or delete this one.")
+        raise UsageError(
+            f"{out_p} holds shards of a different plan (the source, --seed or --shard-size changed since "
+            "they were written). Use an empty OUT folder, or delete this one."
+        )
     if not plan_file.is_file():
         if any(out_p.glob("*.tar")):
-            raise UsageError(f"{out_p} already holds .tar files that `data shard` did not plan. Use an empty OUT folder.")
+            raise UsageError(
+                f"{out_p} already holds .tar files that `data shard` did not plan. Use an empty OUT folder."
+            )
         write_text(plan_file, text)
     bar = None
     if progress and sys.stderr.isatty():
@@ -254,23 +300,41 @@ def _shard_locked(src_p: Path, out_p: Path, classes: list[str], splits: dict, pl
         if bar:
             bar.stop()
     if problems:
-        raise UsageError(f"{out_p}: verification failed: {problems[0]} ({len(problems)} problem(s)). Delete the shards "
-                         "named and rerun to rewrite them.")
-    index = {"format": FORMAT, "classes": classes, "source": str(src_p), "seed": seed, "shard_size": size,
-             "shards": {s["name"]: {k: records[s["name"]][k] for k in ("count", "bytes", "sha256")} | {"split": s["split"]}
-                        for s in plan["shards"]}}
+        raise UsageError(
+            f"{out_p}: verification failed: {problems[0]} ({len(problems)} problem(s)). Delete the shards "
+            "named and rerun to rewrite them."
+        )
+    index = {
+        "format": FORMAT,
+        "classes": classes,
+        "source": str(src_p),
+        "seed": seed,
+        "shard_size": size,
+        "shards": {
+            s["name"]: {k: records[s["name"]][k] for k in ("count", "bytes", "sha256")} | {"split": s["split"]}
+            for s in plan["shards"]
+        },
+    }
     write_text(out_p / INDEX_NAME, json.dumps(index, indent=1))
     counts = {split: sum(len(s["samples"]) for s in plan["shards"] if s["split"] == split) for split in splits}
-    return {"out": str(out_p), "shards": len(plan["shards"]), "kept": kept, "written": written, "samples": counts,
-            "bytes": sum(r["bytes"] for r in records.values())}
+    return {
+        "out": str(out_p),
+        "shards": len(plan["shards"]),
+        "kept": kept,
+        "written": written,
+        "samples": counts,
+        "bytes": sum(r["bytes"] for r in records.values()),
+    }
 
 
 def shard_cli(args) -> int:
     """`torchsprint data shard SRC OUT [--shard-size 1GB] [--seed 0]`: write, verify, print the summary."""
     r = shard(args.src, args.out, args.shard_size, args.seed)
     per = ", ".join(f"{k} {v}" for k, v in r["samples"].items())
-    print(f"{r['shards']} shards ({r['written']} written, {r['kept']} kept from an earlier run), samples: {per}, "
-          f"{r['bytes'] / 1e6:.1f} MB, verified; index: {Path(r['out']) / 'index.json'}")
+    print(
+        f"{r['shards']} shards ({r['written']} written, {r['kept']} kept from an earlier run), samples: {per}, "
+        f"{r['bytes'] / 1e6:.1f} MB, verified; index: {Path(r['out']) / 'index.json'}"
+    )
     if r["skipped"]:
         print(f"left out {sum(v['count'] for v in r['skipped'].values()):,} file(s) of SRC that are not samples:")
         for why, v in r["skipped"].items():

@@ -65,8 +65,13 @@ class SeededTransform(torch.utils.data.Dataset):
         split, indices, seeds = keys
         raw = self.raws[split]
         labels = getattr(raw, "labels", None)
-        if (self.transforms[split] is None and isinstance(raw, TensorImages) and torch.is_tensor(labels)
-                and labels.ndim == 1 and not labels.is_floating_point()):
+        if (
+            self.transforms[split] is None
+            and isinstance(raw, TensorImages)
+            and torch.is_tensor(labels)
+            and labels.ndim == 1
+            and not labels.is_floating_point()
+        ):
             idx = torch.tensor(indices, dtype=torch.int64)
             return [Gathered((raw.images[idx].contiguous(), labels[idx].to(torch.int64)))]
         return [self[(split, i, s)] for i, s in zip(indices, seeds)]
@@ -120,8 +125,9 @@ def _batches(split: int, order: list[int], seeds: list[int], batch_size: int, dr
 class SplitBatches:
     """One split's uint8 batches (images, targets, skipped) from the shared DataLoader."""
 
-    def __init__(self, shared: torch.utils.data.DataLoader, split: int, sampler: EpochSampler, batch_size: int,
-                 drop_last: bool):
+    def __init__(
+        self, shared: torch.utils.data.DataLoader, split: int, sampler: EpochSampler, batch_size: int, drop_last: bool
+    ):
         self.shared, self.split, self.sampler = shared, split, sampler
         self.batch_size, self.drop_last = batch_size, drop_last
 
@@ -134,8 +140,9 @@ class SplitBatches:
         mine = pool.start(self.split, self.sampler, self.batch_size, self.drop_last)
         for batch in self.shared:  # persistent workers: the same processes, reset to this split's keys
             if pool.generation != mine:
-                raise RuntimeError("the train and eval loaders of the cpu backend share their worker processes: "
-                                   "iterate one at a time")
+                raise RuntimeError(
+                    "the train and eval loaders of the cpu backend share their worker processes: iterate one at a time"
+                )
             yield batch
 
 
@@ -165,7 +172,9 @@ def collate(items):
             f"images in one batch have different shapes {shapes[:3]}: add a resize/center_crop or "
             "random_resized_crop step to data.train.transforms and data.eval.transforms."
         ) from None
-    targets = torch.as_tensor([t for _, t in good]) if not torch.is_tensor(good[0][1]) else torch.stack([t for _, t in good])
+    targets = (
+        torch.as_tensor([t for _, t in good]) if not torch.is_tensor(good[0][1]) else torch.stack([t for _, t in good])
+    )
     return images, targets, skipped
 
 
@@ -177,8 +186,12 @@ class ShardBatch:
         self.raw, self.transform = raw, transform
 
     def __call__(self, entries) -> tuple:
-        return collate([self.transform.apply(0, *self.raw.decode(data, target, source), seed)
-                        for _, seed, data, target, source in entries])
+        return collate(
+            [
+                self.transform.apply(0, *self.raw.decode(data, target, source), seed)
+                for _, seed, data, target, source in entries
+            ]
+        )
 
 
 class DeviceLoader:
@@ -214,8 +227,18 @@ class DeviceLoader:
         return prefetch_to_device(self.loader, self._to_device, self.device)
 
 
-def make_loaders(raws: list, pipelines: list, data_cfg, rt, *, seed, channels_last, dtype,
-                 train_weights: torch.Tensor | None = None, weights_from: int = 0) -> list[DeviceLoader]:
+def make_loaders(
+    raws: list,
+    pipelines: list,
+    data_cfg,
+    rt,
+    *,
+    seed,
+    channels_last,
+    dtype,
+    train_weights: torch.Tensor | None = None,
+    weights_from: int = 0,
+) -> list[DeviceLoader]:
     """A DeviceLoader per split (the first one trains), all drawing from one DataLoader and its workers."""
     workers = data_cfg.num_workers
     shared = torch.utils.data.DataLoader(
@@ -233,12 +256,22 @@ def make_loaders(raws: list, pipelines: list, data_cfg, rt, *, seed, channels_la
     out = []
     for split, (raw, pipeline) in enumerate(zip(raws, pipelines)):
         train = split == 0
-        sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
-                               repeats=data_cfg.repeated_aug if train else 1,
-                           weights=train_weights if train else None, weights_from=weights_from)
+        sampler = EpochSampler(
+            len(raw),
+            seed=seed,
+            shuffle=train,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            pad=train,
+            repeats=data_cfg.repeated_aug if train else 1,
+            weights=train_weights if train else None,
+            weights_from=weights_from,
+        )
         batch_size = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop_last = train and data_cfg.drop_last and len(sampler) >= data_cfg.batch_size
-        norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last, recycle=True)
+        norm = DeviceNormalize(
+            pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last, recycle=True
+        )
         split_batches = SplitBatches(shared, split, sampler, batch_size, drop_last)
         out.append(DeviceLoader(split_batches, split_batches, rt.device, norm))
     return out
@@ -250,18 +283,36 @@ def make_stream_loader(raw, pipeline, data_cfg, rt, *, seed, train: bool, channe
     from torchsprint.data.sources.shard_stream import ShardStream
 
     if train and data_cfg.repeated_aug > 1:
-        raise UsageError(f"data.repeated_aug={data_cfg.repeated_aug} repeats sample indices of a map-style dataset; "
-                         "webdataset shards stream in shard order. Remove data.repeated_aug, or use image_folder.")
+        raise UsageError(
+            f"data.repeated_aug={data_cfg.repeated_aug} repeats sample indices of a map-style dataset; "
+            "webdataset shards stream in shard order. Remove data.repeated_aug, or use image_folder."
+        )
     workers = data_cfg.num_workers
     bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
     transform = SeededTransform([raw], [pipeline.cpu], data_cfg.on_bad_sample)
-    stream = ShardStream(raw, ShardBatch(raw, transform), seed=seed, train=train, batch_size=bs,
-                         drop_last=train and data_cfg.drop_last, rank=rt.rank, world_size=rt.world_size, workers=workers)
+    stream = ShardStream(
+        raw,
+        ShardBatch(raw, transform),
+        seed=seed,
+        train=train,
+        batch_size=bs,
+        drop_last=train and data_cfg.drop_last,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        workers=workers,
+    )
     loader = torch.utils.data.DataLoader(
-        stream, batch_size=None, num_workers=workers, pin_memory=data_cfg.pin_memory and rt.device.type == "cuda",
+        stream,
+        batch_size=None,
+        num_workers=workers,
+        pin_memory=data_cfg.pin_memory and rt.device.type == "cuda",
         persistent_workers=data_cfg.persistent_workers and workers > 0,
-        prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None, generator=torch.Generator().manual_seed(seed))
-    norm = DeviceNormalize(pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last, recycle=True)
+        prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    norm = DeviceNormalize(
+        pipeline.mean, pipeline.std, rt.device, dtype=dtype, channels_last=channels_last, recycle=True
+    )
     return DeviceLoader(loader, stream, rt.device, norm)
 
 
@@ -280,8 +331,15 @@ def cpu_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.f
         train = make_stream_loader(train_raw, train_p, data_cfg, rt, train=True, **kw)
         val = make_stream_loader(val_raw, eval_p, data_cfg, rt, train=False, **kw)
     else:
-        train, val = make_loaders([train_raw, val_raw], [train_p, eval_p], data_cfg, rt, **kw,
-                                  train_weights=splits.train_weights, weights_from=draw_start(splits))
+        train, val = make_loaders(
+            [train_raw, val_raw],
+            [train_p, eval_p],
+            data_cfg,
+            rt,
+            **kw,
+            train_weights=splits.train_weights,
+            weights_from=draw_start(splits),
+        )
     train.resolution = attach_schedule(data_cfg, train_p.cpu.transforms if train_p.cpu is not None else [])
     info = DataInfo(splits.classes, splits.in_channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=train, val=val, info=info)

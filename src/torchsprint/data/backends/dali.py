@@ -44,16 +44,22 @@ def check_dali_spec(p: BatchPipeline, where: str) -> None:
     """DALI runs the fused head (one ROI resize per sample) and flips; anything else is refused by name."""
     if p.head and p.geometry is None:
         names = [name for name, _ in p.steps[: p.head]]
-        raise UsageError(f"{where}: data.backend=dali runs one crop+resize per sample (random_resized_crop, resize, "
-                         f"center_crop, or resize then center_crop) before the flips; {names} has no such form. "
-                         "Use data.backend=gpu or cpu.")
+        raise UsageError(
+            f"{where}: data.backend=dali runs one crop+resize per sample (random_resized_crop, resize, "
+            f"center_crop, or resize then center_crop) before the flips; {names} has no such form. "
+            "Use data.backend=gpu or cpu."
+        )
     if not p.head:
-        raise UsageError(f"{where}: data.backend=dali needs a step that gives every image one size (random_resized_crop, "
-                         "resize to [h, w] or center_crop).")
+        raise UsageError(
+            f"{where}: data.backend=dali needs a step that gives every image one size (random_resized_crop, "
+            "resize to [h, w] or center_crop)."
+        )
     for name, op in p.steps[p.head :]:
         if not isinstance(op, Flip):
-            raise UsageError(f"{where}: step '{name}' is not supported by data.backend=dali after the crop (it supports "
-                             "hflip, vflip, normalize there). Use data.backend=gpu or cpu.")
+            raise UsageError(
+                f"{where}: step '{name}' is not supported by data.backend=dali after the crop (it supports "
+                "hflip, vflip, normalize there). Use data.backend=gpu or cpu."
+            )
 
 
 def image_size(data: bytes, header) -> tuple[int, int]:
@@ -80,11 +86,35 @@ class DaliLoader:
             graph on machines without a GPU; the same ops on DALI's CPU backend).
     """
 
-    def __init__(self, raw, pipeline: BatchPipeline, sampler: EpochSampler, batch_size: int, drop_last: bool, rt,
-                 normalize: DeviceNormalize, threads: int, queue: int, on_bad_sample: str, max_pixels: int,
-                 decoder: str, device: str = "gpu"):
-        self.raw, self.pipeline, self.sampler, self.batch_size, self.drop_last = raw, pipeline, sampler, batch_size, drop_last
-        self.normalize, self.on_bad_sample, self.max_pixels, self.decoder = normalize, on_bad_sample, max_pixels, decoder
+    def __init__(
+        self,
+        raw,
+        pipeline: BatchPipeline,
+        sampler: EpochSampler,
+        batch_size: int,
+        drop_last: bool,
+        rt,
+        normalize: DeviceNormalize,
+        threads: int,
+        queue: int,
+        on_bad_sample: str,
+        max_pixels: int,
+        decoder: str,
+        device: str = "gpu",
+    ):
+        self.raw, self.pipeline, self.sampler, self.batch_size, self.drop_last = (
+            raw,
+            pipeline,
+            sampler,
+            batch_size,
+            drop_last,
+        )
+        self.normalize, self.on_bad_sample, self.max_pixels, self.decoder = (
+            normalize,
+            on_bad_sample,
+            max_pixels,
+            decoder,
+        )
         self.rt, self.threads, self.queue, self.dali_device = rt, threads, queue, device
         self.skipped: list[str] = []
         self.bad: set[int] = set()  # sample indices found unreadable by the CPU check after a DALI error
@@ -156,15 +186,30 @@ class DaliLoader:
         geo = self.pipeline.geometry
         gpu = self.dali_device == "gpu"
 
-        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=(self.rt.device.index or 0) if gpu else None,
-                      seed=self.sampler.seed + self.rt.rank, prefetch_queue_depth=self.queue, exec_dynamic=True)
+        @pipeline_def(
+            batch_size=self.batch_size,
+            num_threads=self.threads,
+            device_id=(self.rt.device.index or 0) if gpu else None,
+            seed=self.sampler.seed + self.rt.rank,
+            prefetch_queue_depth=self.queue,
+            exec_dynamic=True,
+        )
         def pipe():
             data, roi_start, roi_end, hflip, vflip, labels = fn.external_source(
-                source=source, num_outputs=6, batch=True,
-                dtype=[types.UINT8, types.FLOAT, types.FLOAT, types.INT32, types.INT32, types.INT64])
+                source=source,
+                num_outputs=6,
+                batch=True,
+                dtype=[types.UINT8, types.FLOAT, types.FLOAT, types.INT32, types.INT32, types.INT64],
+            )
             images = fn.decoders.image(data, device="mixed" if gpu else "cpu", output_type=types.RGB)
-            images = fn.resize(images, resize_y=geo.out_size[0], resize_x=geo.out_size[1], roi_start=roi_start,
-                               roi_end=roi_end, antialias=geo.antialias)
+            images = fn.resize(
+                images,
+                resize_y=geo.out_size[0],
+                resize_x=geo.out_size[1],
+                roi_start=roi_start,
+                roi_end=roi_end,
+                antialias=geo.antialias,
+            )
             images = fn.flip(images, horizontal=hflip, vertical=vflip)
             return fn.transpose(images, perm=[2, 0, 1]), labels  # HWC -> CHW, uint8
 
@@ -218,14 +263,20 @@ class DaliLoader:
                 del pipe  # rebuilt from batch b without the unreadable files
 
 
-def dali_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32, dali_device: str = "gpu") -> Loaders:
+def dali_loader(
+    data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32, dali_device: str = "gpu"
+) -> Loaders:
     """NVIDIA DALI decode (nvJPEG) and resampling, fed by our sampler with our per-sample draws."""
     for split in (splits.train, splits.val):
         if getattr(split, "streaming", False):
-            raise UsageError(f"data.backend=dali reads image files by index; dataset '{data_cfg.dataset}' streams tar "
-                             "shards. Use data.backend=gpu (nvJPEG on the JPEG bytes from the tar) or cpu.")
+            raise UsageError(
+                f"data.backend=dali reads image files by index; dataset '{data_cfg.dataset}' streams tar "
+                "shards. Use data.backend=gpu (nvJPEG on the JPEG bytes from the tar) or cpu."
+            )
         if not hasattr(split, "samples") or not hasattr(split, "read"):
-            raise UsageError(f"data.backend=dali reads image files; dataset '{data_cfg.dataset}' is in memory. Use data.backend=memory.")
+            raise UsageError(
+                f"data.backend=dali reads image files; dataset '{data_cfg.dataset}' is in memory. Use data.backend=memory."
+            )
     if splits.in_channels != 3:
         raise UsageError("data.backend=dali decodes RGB images; for gray images use data.backend=cpu.")
     train_p = compile_batch_spec(data_cfg.train.transforms, "data.train.transforms", 3, "dali")
@@ -237,13 +288,36 @@ def dali_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.
     norm = DeviceNormalize(train_p.mean, train_p.std, rt.device, dtype=dtype, channels_last=channels_last)
     out = []
     for raw, pipe, train in ((splits.train, train_p, True), (splits.val, eval_p, False)):
-        sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
-                           repeats=data_cfg.repeated_aug if train else 1,
-                           weights=splits.train_weights if train else None, weights_from=draw_start(splits))
+        sampler = EpochSampler(
+            len(raw),
+            seed=seed,
+            shuffle=train,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            pad=train,
+            repeats=data_cfg.repeated_aug if train else 1,
+            weights=splits.train_weights if train else None,
+            weights_from=draw_start(splits),
+        )
         bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop = train and data_cfg.drop_last and len(sampler) >= bs
-        out.append(DaliLoader(raw, pipe, sampler, bs, drop, rt, norm, max(2, data_cfg.num_workers), data_cfg.prefetch_factor,
-                              data_cfg.on_bad_sample, data_cfg.max_image_pixels, raw.decoder, dali_device))
+        out.append(
+            DaliLoader(
+                raw,
+                pipe,
+                sampler,
+                bs,
+                drop,
+                rt,
+                norm,
+                max(2, data_cfg.num_workers),
+                data_cfg.prefetch_factor,
+                data_cfg.on_bad_sample,
+                data_cfg.max_image_pixels,
+                raw.decoder,
+                dali_device,
+            )
+        )
     info = DataInfo(splits.classes, 3, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=out[0], val=out[1], info=info)
 

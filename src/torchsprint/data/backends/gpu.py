@@ -96,8 +96,15 @@ class FractionTuner:
     answers in ~0.05 ms); a rate more than `slower` (3%) below the best at a lower share.
     """
 
-    def __init__(self, start: float = 0.0, step: float = 0.05, window: int = 8, low: float = 0.0, high: float = 1.0,
-                 slower: float = 0.03):
+    def __init__(
+        self,
+        start: float = 0.0,
+        step: float = 0.05,
+        window: int = 8,
+        low: float = 0.0,
+        high: float = 1.0,
+        slower: float = 0.03,
+    ):
         self.fraction, self.step, self.window, self.low, self.high, self.slower = start, step, window, low, high, slower
         self.ceiling = high  # the highest share allowed until restart(): lowered where a share did not pay
         self.rates: dict[int, float] = {}  # batches/s last measured at each share, keyed by share / step
@@ -163,8 +170,16 @@ class BytesBatches(torch.utils.data.Dataset):
     persistent workers run.
     """
 
-    def __init__(self, raw, pipeline: BatchPipeline, fraction: torch.Tensor, channels: int, on_bad_sample: str,
-                 max_pixels: int, decoder: str):
+    def __init__(
+        self,
+        raw,
+        pipeline: BatchPipeline,
+        fraction: torch.Tensor,
+        channels: int,
+        on_bad_sample: str,
+        max_pixels: int,
+        decoder: str,
+    ):
         self.raw, self.pipeline, self.fraction, self.channels = raw, pipeline, fraction, channels
         self.on_bad_sample, self.max_pixels, self.decoder = on_bad_sample, max_pixels, decoder
 
@@ -198,7 +213,9 @@ class BytesBatches(torch.utils.data.Dataset):
                 header = read_header(data)
                 if pos >= n_cpu and nvjpeg_ok(header):
                     if header.height * header.width > self.max_pixels:
-                        raise BadImage(f"{header.width}x{header.height} pixels > data.max_image_pixels={self.max_pixels:,}")
+                        raise BadImage(
+                            f"{header.width}x{header.height} pixels > data.max_image_pixels={self.max_pixels:,}"
+                        )
                     blobs.append(data)
                     gpu_rows.append(pos)
                     gpu_hw.append((header.height, header.width))
@@ -218,10 +235,18 @@ class BytesBatches(torch.utils.data.Dataset):
         if p.geometry is not None and len(rows):
             head = p.params(u[rows], hw[:, 0], hw[:, 1], 0, p.head)
             windows = torch.stack(p.geometry.windows(head, hw[:, 0], hw[:, 1]))  # (2, 4, n): rows, cols
-        return {"u": u, "targets": torch.tensor(targets, dtype=torch.int64), "gpu_data": flat, "gpu_offsets": offsets,
-                "gpu_rows": rows, "gpu_paths": gpu_paths, "windows": windows,
-                "cpu_images": torch.stack(cpu_images) if cpu_images else None,
-                "cpu_rows": torch.tensor(cpu_rows_, dtype=torch.int64), "skipped": skipped}
+        return {
+            "u": u,
+            "targets": torch.tensor(targets, dtype=torch.int64),
+            "gpu_data": flat,
+            "gpu_offsets": offsets,
+            "gpu_rows": rows,
+            "gpu_paths": gpu_paths,
+            "windows": windows,
+            "cpu_images": torch.stack(cpu_images) if cpu_images else None,
+            "cpu_rows": torch.tensor(cpu_rows_, dtype=torch.int64),
+            "skipped": skipped,
+        }
 
 
 class GpuLoader:
@@ -231,9 +256,21 @@ class GpuLoader:
     iterating thread (on CUDA, batch i+1 prepared on a side stream while batch i trains), the reference
     the threaded path is tested against."""
 
-    def __init__(self, loader, batches: torch.utils.data.BatchSampler, pipeline: BatchPipeline, device: torch.device,
-                 normalize: DeviceNormalize, fraction: torch.Tensor, tuner: FractionTuner | None, on_bad_sample: str,
-                 channels: int = 3, decoder: str = "torchvision", max_pixels: int = 89_478_485, ahead: int = 2):
+    def __init__(
+        self,
+        loader,
+        batches: torch.utils.data.BatchSampler,
+        pipeline: BatchPipeline,
+        device: torch.device,
+        normalize: DeviceNormalize,
+        fraction: torch.Tensor,
+        tuner: FractionTuner | None,
+        on_bad_sample: str,
+        channels: int = 3,
+        decoder: str = "torchvision",
+        max_pixels: int = 89_478_485,
+        ahead: int = 2,
+    ):
         self.loader, self.batches, self.sampler = loader, batches, batches.sampler
         self.pipeline, self.device = pipeline, device
         self.normalize, self.fraction_t, self.tuner, self.on_bad_sample = normalize, fraction, tuner, on_bad_sample
@@ -265,15 +302,22 @@ class GpuLoader:
     def _fallback(self, data: torch.Tensor, path: str) -> torch.Tensor | None:
         """Decode on the CPU a file nvJPEG rejected; None (skipped) or UsageError when no decoder reads it."""
         try:
-            img = decode_bytes(bytes(data.numpy()), channels=self.channels, decoder=self.decoder, max_pixels=self.max_pixels)
+            img = decode_bytes(
+                bytes(data.numpy()), channels=self.channels, decoder=self.decoder, max_pixels=self.max_pixels
+            )
         except BadImage as e:
             if self.on_bad_sample == "error":
-                raise UsageError(f"unreadable sample {path}: {e}. Fix or remove it, or set data.on_bad_sample=skip.") from None
+                raise UsageError(
+                    f"unreadable sample {path}: {e}. Fix or remove it, or set data.on_bad_sample=skip."
+                ) from None
             self.skipped.append(f"{path}: {e}")
             return None
         if self.cpu_fallbacks == 0:
-            warnings.warn(f"nvJPEG could not decode {path}; decoding such files on the CPU (counted in the loader's "
-                          "cpu_fallbacks; reported once).", stacklevel=2)
+            warnings.warn(
+                f"nvJPEG could not decode {path}; decoding such files on the CPU (counted in the loader's "
+                "cpu_fallbacks; reported once).",
+                stacklevel=2,
+            )
         self.cpu_fallbacks += 1
         return img.to(self.device, non_blocking=True)
 
@@ -312,7 +356,9 @@ class GpuLoader:
         cpu_images = item["cpu_images"]
         # The CPU share holds the leading positions (cpu_rows), so [CPU share, GPU share] is usually the batch
         # order already; only files sent to the CPU by their header, later in the batch, need a gather.
-        rows = [r for r, share in ((item["cpu_rows"], cpu_images), (gpu_rows, images)) if share is not None and len(share)]
+        rows = [
+            r for r, share in ((item["cpu_rows"], cpu_images), (gpu_rows, images)) if share is not None and len(share)
+        ]
         if not rows:
             raise UsageError(f"every sample of a batch was unreadable, e.g. {self.skipped[-1:]}")
         rows = torch.cat(rows) if len(rows) > 1 else rows[0]
@@ -328,8 +374,10 @@ class GpuLoader:
         if images:
             shapes.add((images[0].shape[0], *p.geometry.out_size) if gpu_x is None else tuple(gpu_x.shape[1:]))
         if len(shapes) > 1:
-            raise UsageError(f"images in one batch have different shapes {sorted(shapes)[:3]}: add a resize/center_crop or "
-                             "random_resized_crop step to the transforms.")
+            raise UsageError(
+                f"images in one batch have different shapes {sorted(shapes)[:3]}: add a resize/center_crop or "
+                "random_resized_crop step to the transforms."
+            )
         (_, h, w), n = shapes.pop(), len(order)
         # tail parameters: vectorised on the CPU (tens of microseconds per batch), then one copy with the rest
         tail = p.params(u, torch.full((n,), h), torch.full((n,), w), p.head, None)
@@ -374,7 +422,9 @@ def parse_cpu_fraction(value) -> tuple[float, FractionTuner | None]:
         return tuner.fraction, tuner
     f = float(value)
     if not 0.0 <= f <= 1.0:
-        raise UsageError(f"data.cpu_fraction={value}: use a share between 0 and 1 (0.3 = 30% of each batch on the CPU) or 'auto'.")
+        raise UsageError(
+            f"data.cpu_fraction={value}: use a share between 0 and 1 (0.3 = 30% of each batch on the CPU) or 'auto'."
+        )
     return f, None
 
 
@@ -382,8 +432,10 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
     """The gpu backend on rt.device. On a CPU device the same code runs with CPU decoding (tests)."""
     for split in (splits.train, splits.val):
         if not hasattr(split, "read") and not getattr(split, "streaming", False):
-            raise UsageError(f"data.backend=gpu decodes image files, but dataset '{data_cfg.dataset}' is already decoded "
-                             "in memory. Use data.backend=memory (or cpu) for it.")
+            raise UsageError(
+                f"data.backend=gpu decodes image files, but dataset '{data_cfg.dataset}' is already decoded "
+                "in memory. Use data.backend=memory (or cpu) for it."
+            )
     channels = splits.in_channels
     train_p = compile_batch_spec(data_cfg.train.transforms, "data.train.transforms", channels, "gpu")
     eval_p = compile_batch_spec(data_cfg.eval.transforms, "data.eval.transforms", channels, "gpu")
@@ -396,9 +448,17 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
     out = []
     for raw, pipe, train in ((splits.train, train_p, True), (splits.val, eval_p, False)):
         fraction = torch.tensor([start], dtype=torch.float64).share_memory_()
-        sampler = EpochSampler(len(raw), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
-                           repeats=data_cfg.repeated_aug if train else 1,
-                           weights=splits.train_weights if train else None, weights_from=draw_start(splits))
+        sampler = EpochSampler(
+            len(raw),
+            seed=seed,
+            shuffle=train,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            pad=train,
+            repeats=data_cfg.repeated_aug if train else 1,
+            weights=splits.train_weights if train else None,
+            weights_from=draw_start(splits),
+        )
         bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop = train and data_cfg.drop_last and len(sampler) >= bs
         workers = data_cfg.num_workers
@@ -407,22 +467,50 @@ def build_gpu_loaders(data_cfg, splits, rt, *, seed, channels_last=False, dtype=
             from torchsprint.data.sources.shard_stream import ShardStream
 
             if train and data_cfg.repeated_aug > 1:
-                raise UsageError(f"data.repeated_aug={data_cfg.repeated_aug} repeats sample indices of a map-style "
-                                 "dataset; webdataset shards stream in shard order. Remove data.repeated_aug.")
+                raise UsageError(
+                    f"data.repeated_aug={data_cfg.repeated_aug} repeats sample indices of a map-style "
+                    "dataset; webdataset shards stream in shard order. Remove data.repeated_aug."
+                )
 
-            batches = ds = ShardStream(raw, ds, seed=seed, train=train, batch_size=bs, drop_last=train and data_cfg.drop_last,
-                                       rank=rt.rank, world_size=rt.world_size, workers=workers)
+            batches = ds = ShardStream(
+                raw,
+                ds,
+                seed=seed,
+                train=train,
+                batch_size=bs,
+                drop_last=train and data_cfg.drop_last,
+                rank=rt.rank,
+                world_size=rt.world_size,
+                workers=workers,
+            )
         else:
             batches = torch.utils.data.BatchSampler(sampler, bs, drop)
         loader = torch.utils.data.DataLoader(
-            ds, batch_size=None, sampler=None if ds is batches else batches, num_workers=workers,
+            ds,
+            batch_size=None,
+            sampler=None if ds is batches else batches,
+            num_workers=workers,
             pin_memory=data_cfg.pin_memory and rt.device.type == "cuda",
             persistent_workers=data_cfg.persistent_workers and workers > 0,
             prefetch_factor=data_cfg.prefetch_factor if workers > 0 else None,
             generator=torch.Generator().manual_seed(seed),  # not the global RNG (see cpu.make_loaders)
         )
-        out.append(GpuLoader(loader, batches, pipe, rt.device, norm, fraction, tuner if train else None, data_cfg.on_bad_sample,
-                             channels, raw.decoder, data_cfg.max_image_pixels, ahead=data_cfg.prefetch_factor))
+        out.append(
+            GpuLoader(
+                loader,
+                batches,
+                pipe,
+                rt.device,
+                norm,
+                fraction,
+                tuner if train else None,
+                data_cfg.on_bad_sample,
+                channels,
+                raw.decoder,
+                data_cfg.max_image_pixels,
+                ahead=data_cfg.prefetch_factor,
+            )
+        )
     out[0].resolution = attach_schedule(data_cfg, [op for _, op in train_p.steps])
     info = DataInfo(splits.classes, channels, eval_p.mean, eval_p.std, eval_p.out_size, splits.task)
     return Loaders(train=out[0], val=out[1], info=info)

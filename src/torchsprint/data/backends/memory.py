@@ -26,8 +26,9 @@ from torchsprint.data.preprocess.progressive import FIXED, attach_schedule
 from torchsprint.errors import UsageError
 
 
-def decode_all(raw, on_bad_sample: str, num_workers: int = 0, budget: tuple[int, str] | None = None,
-               held: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def decode_all(
+    raw, on_bad_sample: str, num_workers: int = 0, budget: tuple[int, str] | None = None, held: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Decode every sample of `raw` into (uint8 N x C x H x W, int64 or stacked tensor targets, skipped reasons).
 
     Already-decoded datasets (TensorImages) are taken as they are. Unreadable samples are skipped
@@ -40,9 +41,11 @@ def decode_all(raw, on_bad_sample: str, num_workers: int = 0, budget: tuple[int,
     limit, limit_text = budget if budget is not None else (None, "")
 
     def refuse(nbytes: int, done: str):
-        raise UsageError(f"data.backend=memory: the decoded dataset takes {size_text(nbytes)}{done}, over the "
-                         f"{size_text(limit)} it may use ({limit_text}). Use data.backend=cpu (it loads batch by "
-                         "batch), or raise data.memory_budget_gib.")
+        raise UsageError(
+            f"data.backend=memory: the decoded dataset takes {size_text(nbytes)}{done}, over the "
+            f"{size_text(limit)} it may use ({limit_text}). Use data.backend=cpu (it loads batch by "
+            "batch), or raise data.memory_budget_gib."
+        )
 
     if hasattr(raw, "images") and hasattr(raw, "labels"):
         if limit is not None and held + raw.images.numel() > limit:
@@ -55,8 +58,9 @@ def decode_all(raw, on_bad_sample: str, num_workers: int = 0, budget: tuple[int,
         # Its own generator: without one, iterating a DataLoader draws its workers' base seed from the global RNG
         # (even with num_workers=0), so building this backend shifted the model's initial weights against the
         # cpu and gpu backends for the same run.seed (tests/test_backend_agreement.py).
-        loader = torch.utils.data.DataLoader(raw, batch_size=64, num_workers=num_workers, collate_fn=list,
-                                             generator=torch.Generator().manual_seed(0))
+        loader = torch.utils.data.DataLoader(
+            raw, batch_size=64, num_workers=num_workers, collate_fn=list, generator=torch.Generator().manual_seed(0)
+        )
     for chunk in loader:
         for image, target, source in chunk:
             if image is None:
@@ -78,7 +82,11 @@ def decode_all(raw, on_bad_sample: str, num_workers: int = 0, budget: tuple[int,
             f"(e.g. {shapes[:3]}). Resize the files to one size, or use data.backend=cpu/gpu."
         )
     # Class indices become int64; tensor targets (multi-hot label vectors) are stacked as they are.
-    stacked = torch.stack(targets) if torch.is_tensor(targets[0]) else torch.tensor([int(t) for t in targets], dtype=torch.int64)
+    stacked = (
+        torch.stack(targets)
+        if torch.is_tensor(targets[0])
+        else torch.tensor([int(t) for t in targets], dtype=torch.int64)
+    )
     return torch.stack([x.contiguous() for x in images]), stacked, skipped
 
 
@@ -89,8 +97,16 @@ class MemoryLoader:
     `set_epoch(epoch, start_batch)` resumes mid-epoch exactly: the skipped batches are never computed.
     """
 
-    def __init__(self, images: torch.Tensor, targets: torch.Tensor, pipeline: BatchPipeline, sampler: EpochSampler,
-                 batch_size: int, drop_last: bool, normalize: DeviceNormalize):
+    def __init__(
+        self,
+        images: torch.Tensor,
+        targets: torch.Tensor,
+        pipeline: BatchPipeline,
+        sampler: EpochSampler,
+        batch_size: int,
+        drop_last: bool,
+        normalize: DeviceNormalize,
+    ):
         self.images, self.targets, self.pipeline, self.sampler = images, targets, pipeline, sampler
         self.batch_size, self.drop_last, self.normalize = batch_size, drop_last, normalize
         self.skipped: list[str] = []
@@ -121,8 +137,10 @@ def fits_on_device(nbytes: int, device: torch.device) -> None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         if nbytes > free // 2:
-            raise UsageError(f"data.backend=memory: the decoded dataset needs {nbytes / 2**30:.1f} GiB, more than half "
-                             f"of the {free / 2**30:.1f} GiB free on {device}. Use data.backend=gpu or cpu.")
+            raise UsageError(
+                f"data.backend=memory: the decoded dataset needs {nbytes / 2**30:.1f} GiB, more than half "
+                f"of the {free / 2**30:.1f} GiB free on {device}. Use data.backend=gpu or cpu."
+            )
 
 
 def memory_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torch.float32) -> Loaders:
@@ -136,17 +154,29 @@ def memory_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torc
     budget, held = memory_budget(rt.device, data_cfg.memory_budget_gib), 0
     for raw, pipe, train in ((splits.train, train_p, True), (splits.val, eval_p, False)):
         if len(raw) == 0:
-            images, targets, skipped = torch.zeros(0, splits.in_channels, 1, 1, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64), []
+            images, targets, skipped = (
+                torch.zeros(0, splits.in_channels, 1, 1, dtype=torch.uint8),
+                torch.zeros(0, dtype=torch.int64),
+                [],
+            )
         else:
             # The budget covers both splits: the training images count while validation decodes.
             images, targets, skipped = decode_all(raw, data_cfg.on_bad_sample, data_cfg.num_workers, budget, held)
             held += images.numel()
         fits_on_device(images.numel(), rt.device)
-        sampler = EpochSampler(len(targets), seed=seed, shuffle=train, rank=rt.rank, world_size=rt.world_size, pad=train,
-                               repeats=data_cfg.repeated_aug if train else 1,
-                               weights=splits.train_draw.weights(targets, len(splits.classes))
-                               if train and splits.train_draw is not None else None,  # skipped samples are not in targets
-                               weights_from=draw_start(splits))
+        sampler = EpochSampler(
+            len(targets),
+            seed=seed,
+            shuffle=train,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            pad=train,
+            repeats=data_cfg.repeated_aug if train else 1,
+            weights=splits.train_draw.weights(targets, len(splits.classes))
+            if train and splits.train_draw is not None
+            else None,  # skipped samples are not in targets
+            weights_from=draw_start(splits),
+        )
         bs = data_cfg.batch_size if train else (data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         drop = train and data_cfg.drop_last and len(sampler) >= bs
         loader = MemoryLoader(images.to(rt.device), targets.to(rt.device), pipe, sampler, bs, drop, norm)
@@ -157,4 +187,6 @@ def memory_loader(data_cfg, splits, rt, *, seed, channels_last=False, dtype=torc
     return Loaders(train=loaders[0], val=loaders[1], info=info)
 
 
-LOADERS.register("memory")(Backend(memory_loader, auto=True, progressive=True))  # any device (it checks the size itself)
+LOADERS.register("memory")(
+    Backend(memory_loader, auto=True, progressive=True)
+)  # any device (it checks the size itself)

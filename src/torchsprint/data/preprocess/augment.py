@@ -41,7 +41,9 @@ def uniforms(seeds: torch.Tensor, k: int) -> torch.Tensor:
     """(B, k) float64 uniforms in [0, 1): splitmix64 of (sample seed, counter), 53-bit mantissas."""
     if k == 0:
         return torch.zeros(len(seeds), 0, dtype=torch.float64)
-    z = seeds.to(torch.int64)[:, None] + torch.arange(1, k + 1, dtype=torch.int64)[None, :] * as_int64(0x9E3779B97F4A7C15)
+    z = seeds.to(torch.int64)[:, None] + torch.arange(1, k + 1, dtype=torch.int64)[None, :] * as_int64(
+        0x9E3779B97F4A7C15
+    )
     z = (z ^ lsr64(z, 30)) * as_int64(0xBF58476D1CE4E5B9)
     z = (z ^ lsr64(z, 27)) * as_int64(0x94D049BB133111EB)
     z = z ^ lsr64(z, 31)
@@ -103,7 +105,9 @@ class HeadGeometry:
             rows, cols = (zero, hs, hs, top), (zero, ws, ws, left)
         return torch.stack(rows), torch.stack(cols)
 
-    def apply(self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, max_scale: tuple[float, float]) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, max_scale: tuple[float, float]
+    ) -> torch.Tensor:
         """Run the head on a padded uint8 batch `x` with windows(...) moved to x.device."""
         return resample_batch(x, tuple(rows), tuple(cols), self.out_size, max_scale, self.antialias)
 
@@ -138,7 +142,9 @@ class BatchPipeline:
         """(B, k) uniforms for these sample seeds (CPU, cheap: ~1 us per sample)."""
         return uniforms(seeds, self.k)
 
-    def params(self, u: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, start: int = 0, stop: int | None = None) -> list[dict]:
+    def params(
+        self, u: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, start: int = 0, stop: int | None = None
+    ) -> list[dict]:
         """Parameter dicts (tensors over the batch) of steps[start:stop] for inputs of sizes hs x ws.
 
         `u` holds whole rows (all k columns); a step always reads the same columns.
@@ -201,7 +207,9 @@ def compile_batch_spec(spec: list, where: str, channels: int, backend: str) -> B
     if len(mean) == 1 and channels > 1:
         mean, std = mean * channels, std * channels
     if len(mean) != channels:
-        raise UsageError(f"{where}: normalize has {len(mean)} channel statistics but the images have {channels} channels.")
+        raise UsageError(
+            f"{where}: normalize has {len(mean)} channel statistics but the images have {channels} channels."
+        )
     fixing = [i for i, (_, op) in enumerate(steps) if op.fixes_size]
     head = fixing[0] + 1 if fixing else 0
     out_size = next((op.size for _, op in reversed(steps) if op.fixes_size), None)

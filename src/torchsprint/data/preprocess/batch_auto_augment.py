@@ -37,7 +37,9 @@ def affine_batch(x: torch.Tensor, matrices: list[list[float]], interpolation: st
     base[..., 2].fill_(1)
     rescaled = theta.transpose(1, 2).div_(torch.tensor([0.5 * w, 0.5 * h], dtype=torch.float32, device=dev))
     grid = base.view(1, h * w, 3).expand(n, -1, -1).bmm(rescaled).view(n, h, w, 2)
-    out = torch.nn.functional.grid_sample(x.float(), grid, mode=interpolation, padding_mode="zeros", align_corners=False)
+    out = torch.nn.functional.grid_sample(
+        x.float(), grid, mode=interpolation, padding_mode="zeros", align_corners=False
+    )
     return out.round_().to(x.dtype)
 
 
@@ -115,7 +117,9 @@ def _color(x, mags, name):
         if h <= 2 or w <= 2:
             return x
         a, b = 1.0 / 13.0, 5.0 / 13.0
-        kernel = torch.tensor([[a, a, a], [a, b, a], [a, a, a]], dtype=torch.float32, device=x.device).expand(c, 1, 3, 3)
+        kernel = torch.tensor([[a, a, a], [a, b, a], [a, a, a]], dtype=torch.float32, device=x.device).expand(
+            c, 1, 3, 3
+        )
         out = x.to(torch.float32, copy=True)
         blurred = torch.nn.functional.conv2d(out, kernel, groups=c).round_()
         view = out[..., 1:-1, 1:-1]
@@ -157,26 +161,41 @@ class AutoAugmentOps:
 
     fixes_size = False
 
-    def __init__(self, kind: str, num_ops: int, magnitude: int | None, num_magnitude_bins: int, interpolation: str, fill):
+    def __init__(
+        self, kind: str, num_ops: int, magnitude: int | None, num_magnitude_bins: int, interpolation: str, fill
+    ):
         from torchvision.transforms import v2
 
         if fill is not None:
-            raise UsageError(f"{kind} fill={fill!r} is supported by data.backend=cpu only (the batched backends fill with 0).")
+            raise UsageError(
+                f"{kind} fill={fill!r} is supported by data.backend=cpu only (the batched backends fill with 0)."
+            )
         if interpolation not in ("nearest", "bilinear"):
-            raise UsageError(f"{kind} interpolation={interpolation!r}: the batched backends support nearest and bilinear; "
-                             "use data.backend=cpu for others.")
+            raise UsageError(
+                f"{kind} interpolation={interpolation!r}: the batched backends support nearest and bilinear; "
+                "use data.backend=cpu for others."
+            )
         if magnitude is not None and not 0 <= magnitude < num_magnitude_bins:
             raise UsageError(f"{kind} magnitude={magnitude} must be in [0, num_magnitude_bins={num_magnitude_bins}).")
         table = (v2.RandAugment if kind == "rand_augment" else v2.TrivialAugmentWide)._AUGMENTATION_SPACE
         self.names = list(table)
         self.table = table
-        self.num_ops, self.magnitude, self.bins, self.interpolation = int(num_ops), magnitude, int(num_magnitude_bins), interpolation
+        self.num_ops, self.magnitude, self.bins, self.interpolation = (
+            int(num_ops),
+            magnitude,
+            int(num_magnitude_bins),
+            interpolation,
+        )
         self.k = 3 * self.num_ops
 
     def params(self, u, hs, ws):
         n_ops = len(self.names)
         op = torch.floor(u[:, 0::3] * n_ops).long()  # (B, num_ops)
-        bin_ = torch.floor(u[:, 1::3] * self.bins).long() if self.magnitude is None else torch.full_like(op, self.magnitude)
+        bin_ = (
+            torch.floor(u[:, 1::3] * self.bins).long()
+            if self.magnitude is None
+            else torch.full_like(op, self.magnitude)
+        )
         neg = u[:, 2::3] <= 0.5  # torchvision: `if signed and torch.rand(()) <= 0.5: magnitude *= -1`
         # Host-side ("_" keys stay on the CPU): which samples drew which op decides the gathers.
         return {"_op": op, "_bin": bin_, "_neg": neg}, hs, ws

@@ -36,8 +36,16 @@ def _resized_crop(img, top, left, h, w, size, antialias: bool = True):
 # ---------------------------------------------------------------- batched crop + resize
 
 
-def axis_weights(start: torch.Tensor, length: torch.Tensor, resized: torch.Tensor, offset: torch.Tensor, out_len: int,
-                 in_len: int, taps: int, antialias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def axis_weights(
+    start: torch.Tensor,
+    length: torch.Tensor,
+    resized: torch.Tensor,
+    offset: torch.Tensor,
+    out_len: int,
+    in_len: int,
+    taps: int,
+    antialias: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample bilinear resampling weights along one axis, as torch's (anti-aliased) interpolate computes them.
 
     Sample b takes the window [start, start + length) of its input row, resizes it to `resized` pixels
@@ -62,7 +70,9 @@ def axis_weights(start: torch.Tensor, length: torch.Tensor, resized: torch.Tenso
     one = torch.ones_like(scale)
     support = torch.where(scale >= 1, scale, one) if antialias else one
     invscale = torch.where(scale >= 1, 1 / scale, one) if antialias else one
-    i = torch.arange(out_len, dtype=f64, device=start.device)[None, :] + offset[:, None].to(f64)  # position in the resized row
+    i = torch.arange(out_len, dtype=f64, device=start.device)[None, :] + offset[:, None].to(
+        f64
+    )  # position in the resized row
     center = scale[:, None] * (i + 0.5)
     lo = torch.clamp(torch.trunc(center - support[:, None] + 0.5), min=0)
     hi = torch.minimum(torch.trunc(center + support[:, None] + 0.5), length[:, None].to(f64))
@@ -81,8 +91,14 @@ def taps_for(max_scale: float, antialias: bool) -> int:
     return int(math.floor(2 * max(max_scale, 1.0) if antialias else 2)) + 1
 
 
-def resample_batch(x: torch.Tensor, rows: tuple, cols: tuple, out_size: tuple[int, int], max_scale: tuple[float, float],
-                   antialias: bool = True) -> torch.Tensor:
+def resample_batch(
+    x: torch.Tensor,
+    rows: tuple,
+    cols: tuple,
+    out_size: tuple[int, int],
+    max_scale: tuple[float, float],
+    antialias: bool = True,
+) -> torch.Tensor:
     """Crop and resize every sample of a uint8 NCHW batch with its own window, in one batched pass.
 
     The hand-written part of torchsprint's GPU input path: torchvision resizes one image per call, and a
@@ -130,7 +146,9 @@ class RandomResizedCrop:
     def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), antialias: bool = True):
         self._size, self.antialias = pair_size(size), bool(antialias)
         self.scale, self.ratio = tuple(scale), tuple(ratio)
-        self.live = None  # data.progressive: a shared one-element tensor holding this epoch's side (progressive.LiveSize)
+        self.live = (
+            None  # data.progressive: a shared one-element tensor holding this epoch's side (progressive.LiveSize)
+        )
 
     @property
     def size(self) -> tuple[int, int]:
@@ -151,12 +169,20 @@ class RandomResizedCrop:
         cw, ch = w.gather(1, pick)[:, 0], h.gather(1, pick)[:, 0]
         # fallback: whole image cropped to the nearest allowed aspect ratio, centred
         in_ratio = ws64 / hs64
-        fw = torch.where(in_ratio < self.ratio[0], ws64, torch.where(in_ratio > self.ratio[1], torch.round(hs64 * self.ratio[1]), ws64))
+        fw = torch.where(
+            in_ratio < self.ratio[0],
+            ws64,
+            torch.where(in_ratio > self.ratio[1], torch.round(hs64 * self.ratio[1]), ws64),
+        )
         fh = torch.where(in_ratio < self.ratio[0], torch.round(ws64 / self.ratio[0]), hs64)
         fallback = first < 0
         cw, ch = torch.where(fallback, fw, cw), torch.where(fallback, fh, ch)
-        top = torch.where(fallback, torch.div(hs64 - ch, 2, rounding_mode="floor"), torch.floor(u[:, 20] * (hs64 - ch + 1)))
-        left = torch.where(fallback, torch.div(ws64 - cw, 2, rounding_mode="floor"), torch.floor(u[:, 21] * (ws64 - cw + 1)))
+        top = torch.where(
+            fallback, torch.div(hs64 - ch, 2, rounding_mode="floor"), torch.floor(u[:, 20] * (hs64 - ch + 1))
+        )
+        left = torch.where(
+            fallback, torch.div(ws64 - cw, 2, rounding_mode="floor"), torch.floor(u[:, 21] * (ws64 - cw + 1))
+        )
         p = {"top": top.long(), "left": left.long(), "h": ch.long(), "w": cw.long()}
         n = len(hs)
         return p, torch.full((n,), self.size[0]), torch.full((n,), self.size[1])
@@ -186,7 +212,9 @@ class Resize:
 
     def __init__(self, size, interpolation: str = "bilinear", antialias: bool = True, max_size=None):
         if interpolation != "bilinear" or max_size is not None:
-            raise UsageError("the batched resize supports interpolation=bilinear and no max_size; use data.backend=cpu for others.")
+            raise UsageError(
+                "the batched resize supports interpolation=bilinear and no max_size; use data.backend=cpu for others."
+            )
         self.size, self.antialias = size, bool(antialias)
         self.fixes_size = not isinstance(size, int) and not (isinstance(size, list | tuple) and len(size) == 1)
 
@@ -218,7 +246,9 @@ class Resize:
         s = self.size if isinstance(self.size, int) else self.size[0]
         long_h = torch.trunc(s * hs.double() / ws.double()).long()  # int(s * h / w) for portrait images
         long_w = torch.trunc(s * ws.double() / hs.double()).long()
-        return torch.where(hs <= ws, torch.full_like(hs, s), long_h), torch.where(hs <= ws, long_w, torch.full_like(ws, s))
+        return torch.where(hs <= ws, torch.full_like(hs, s), long_h), torch.where(
+            hs <= ws, long_w, torch.full_like(ws, s)
+        )
 
     def min_resized(self) -> tuple[int, int]:
         """Host-side lower bounds of the output size (the shorter side is `size`, the longer one more)."""
@@ -255,6 +285,7 @@ class CenterCrop:
         """Top and left of the crop in (B,) images of these sizes, as torchvision's center_crop places it:
         round((H - h) / 2) (round half to even, like Python's round), or minus the top padding when the
         crop is larger than the image."""
+
         def one(n, c):
             inside = torch.round((n - c).double() / 2).long()
             return torch.where(n >= c, inside, -torch.div(c - n, 2, rounding_mode="floor"))
@@ -273,7 +304,9 @@ class RandomCrop:
 
     def __init__(self, size, padding=None, padding_mode: str = "constant", pad_if_needed: bool = False):
         if padding_mode != "constant" or pad_if_needed:
-            raise UsageError("the batched random_crop supports padding_mode=constant without pad_if_needed; use data.backend=cpu.")
+            raise UsageError(
+                "the batched random_crop supports padding_mode=constant without pad_if_needed; use data.backend=cpu."
+            )
         self.size = pair_size(size)
         self.pad = int(padding or 0)
         if isinstance(padding, list | tuple):
@@ -284,7 +317,9 @@ class RandomCrop:
     def params(self, u, hs, ws):
         ph, pw = hs + 2 * self.pad, ws + 2 * self.pad
         if bool(((ph < self.size[0]) | (pw < self.size[1])).any()):
-            raise UsageError(f"random_crop size {self.size} is larger than the padded image; lower size or raise padding.")
+            raise UsageError(
+                f"random_crop size {self.size} is larger than the padded image; lower size or raise padding."
+            )
         top = torch.floor(u[:, 0] * (ph - self.size[0] + 1).double()).long()
         left = torch.floor(u[:, 1] * (pw - self.size[1] + 1).double()).long()
         n = len(hs)

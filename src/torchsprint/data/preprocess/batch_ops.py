@@ -37,8 +37,12 @@ BATCH_OPS.register("vflip")(lambda p=0.5: Flip(p, -2))
 BATCH_OPS.register("cutout")(Cutout)
 BATCH_OPS.register("color_jitter")(ColorJitter)
 BATCH_OPS.register("rand_augment")(
-    lambda num_ops=2, magnitude=9, num_magnitude_bins=31, interpolation="nearest", fill=None:
-    AutoAugmentOps("rand_augment", num_ops, magnitude, num_magnitude_bins, interpolation, fill))
+    lambda num_ops=2, magnitude=9, num_magnitude_bins=31, interpolation="nearest", fill=None: AutoAugmentOps(
+        "rand_augment", num_ops, magnitude, num_magnitude_bins, interpolation, fill
+    )
+)
 BATCH_OPS.register("trivial_augment_wide")(
-    lambda num_magnitude_bins=31, interpolation="nearest", fill=None:
-    AutoAugmentOps("trivial_augment_wide", 1, None, num_magnitude_bins, interpolation, fill))
+    lambda num_magnitude_bins=31, interpolation="nearest", fill=None: AutoAugmentOps(
+        "trivial_augment_wide", 1, None, num_magnitude_bins, interpolation, fill
+    )
+)

@@ -32,8 +32,14 @@ class Cutout:
         return inside[:, None]  # (B, 1, H, W)
 
     def apply_one(self, img, p, i):
-        m = self._mask(img.shape[-2], img.shape[-1], p["cy"][i : i + 1].to(img.device), p["cx"][i : i + 1].to(img.device),
-                       p["on"][i : i + 1].to(img.device), img.device)[0]
+        m = self._mask(
+            img.shape[-2],
+            img.shape[-1],
+            p["cy"][i : i + 1].to(img.device),
+            p["cx"][i : i + 1].to(img.device),
+            p["on"][i : i + 1].to(img.device),
+            img.device,
+        )[0]
         return img.masked_fill(m, self.value)
 
     def apply_batch(self, x, p):
@@ -49,7 +55,9 @@ class ColorJitter:
 
     def __init__(self, brightness=0.0, contrast=0.0, saturation=0.0, hue=0.0):
         if hue:
-            raise UsageError("color_jitter hue is not supported by the batched (memory/gpu) backends; set hue: 0 or use data.backend=cpu.")
+            raise UsageError(
+                "color_jitter hue is not supported by the batched (memory/gpu) backends; set hue: 0 or use data.backend=cpu."
+            )
         self.b, self.c, self.s = float(brightness), float(contrast), float(saturation)
 
     def params(self, u, hs, ws):

@@ -37,7 +37,9 @@ class ImageHeader:
     width: int | None
     components: int | None = None  # JPEG: 1 gray, 3 YCbCr, 4 CMYK/YCCK
     orientation: int = 1  # EXIF tag 0x0112: 1 upright .. 8; 5-8 swap height and width
-    sof: int | None = None  # JPEG start-of-frame marker: 0xC0/C1 baseline, C2 progressive, C3 lossless, C9-CF arithmetic
+    sof: int | None = (
+        None  # JPEG start-of-frame marker: 0xC0/C1 baseline, C2 progressive, C3 lossless, C9-CF arithmetic
+    )
     bits: int | None = None  # JPEG sample precision (8, or 12 for 12-bit JPEGs)
 
 
@@ -127,8 +129,15 @@ def apply_orientation(img: torch.Tensor, orientation: int) -> torch.Tensor:
     if orientation in (None, 1):
         return img
     t = img.transpose(-1, -2)
-    out = {2: img.flip(-1), 3: img.flip((-2, -1)), 4: img.flip(-2),
-           5: t, 6: t.flip(-1), 7: t.flip((-2, -1)), 8: t.flip(-2)}.get(orientation, img)
+    out = {
+        2: img.flip(-1),
+        3: img.flip((-2, -1)),
+        4: img.flip(-2),
+        5: t,
+        6: t.flip(-1),
+        7: t.flip((-2, -1)),
+        8: t.flip(-2),
+    }.get(orientation, img)
     return out.contiguous()
 
 
@@ -138,8 +147,15 @@ def swaps_axes(orientation: int) -> bool:
 
 
 # First bytes of common files that are not images, for the "not an image" message.
-_SIGNATURES = {b"%PDF": "a PDF document", b"PK\x03\x04": "a ZIP archive (or .docx/.xlsx)", b"\x1f\x8b": "a gzip file",
-               b"<!DOCTYPE": "an HTML page", b"<html": "an HTML page", b"<?xml": "an XML file", b"\x7fELF": "a program"}
+_SIGNATURES = {
+    b"%PDF": "a PDF document",
+    b"PK\x03\x04": "a ZIP archive (or .docx/.xlsx)",
+    b"\x1f\x8b": "a gzip file",
+    b"<!DOCTYPE": "an HTML page",
+    b"<html": "an HTML page",
+    b"<?xml": "an XML file",
+    b"\x7fELF": "a program",
+}
 
 
 def describe_bytes(data: bytes | memoryview) -> str:
@@ -196,7 +212,9 @@ def _generic(data: bytes, channels: int) -> torch.Tensor:
         # RGB/GRAY modes convert CMYK/YCCK JPEGs and drop alpha inside the decoder; 16-bit stays 16-bit.
         mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
         # Orientation is applied once, by decode_bytes, for every decoder alike.
-        img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode, apply_exif_orientation=False)
+        img = decode_image(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode, apply_exif_orientation=False
+        )
         return to_uint8_channels(img, channels)
     except RuntimeError as tv_error:
         try:
@@ -280,8 +298,16 @@ def resolve_decoder(name: str) -> str:
 
 
 # A file's format by its extension, as the loader line names it.
-FORMAT_OF_SUFFIX = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".gif": "GIF", ".webp": "WebP", ".bmp": "BMP",
-                    ".tif": "TIFF", ".tiff": "TIFF"}
+FORMAT_OF_SUFFIX = {
+    ".jpg": "JPEG",
+    ".jpeg": "JPEG",
+    ".png": "PNG",
+    ".gif": "GIF",
+    ".webp": "WebP",
+    ".bmp": "BMP",
+    ".tif": "TIFF",
+    ".tiff": "TIFF",
+}
 # What torchvision.io.decode_image reads (torchvision 0.29, checked by decoding one file of each); the rest goes
 # to Pillow (_generic's fallback).
 TORCHVISION_FORMATS = ("JPEG", "PNG", "GIF", "WebP")
@@ -296,8 +322,9 @@ def decoder_for(decoder: str, fmt: str) -> str:
     return "torchvision" if fmt in TORCHVISION_FORMATS else "pil"
 
 
-def decode_bytes(data: bytes, *, channels: int = 3, decoder: str = "torchvision", max_pixels: int = 89_478_485,
-                 min_size_for=None) -> torch.Tensor:
+def decode_bytes(
+    data: bytes, *, channels: int = 3, decoder: str = "torchvision", max_pixels: int = 89_478_485, min_size_for=None
+) -> torch.Tensor:
     """Decode file bytes into a uint8 CHW tensor with `channels` channels, or raise BadImage.
 
     Args:

@@ -74,7 +74,9 @@ class Mixer:
         num_classes: width of the soft targets.
     """
 
-    def __init__(self, mixup_alpha: float, cutmix_alpha: float, prob: float, switch_prob: float, mode: str, num_classes: int):
+    def __init__(
+        self, mixup_alpha: float, cutmix_alpha: float, prob: float, switch_prob: float, mode: str, num_classes: int
+    ):
         self.mixup_alpha, self.cutmix_alpha = float(mixup_alpha), float(cutmix_alpha)
         self.prob, self.switch_prob, self.mode, self.num_classes = float(prob), float(switch_prob), mode, num_classes
 
@@ -99,8 +101,12 @@ class Mixer:
         use = u_use < self.prob
         if m != n:
             use, cut, lam, box = (np.repeat(a, n, axis=0) for a in (use, cut, lam, box))
-        return MixParams(torch.from_numpy(use), torch.from_numpy(cut), torch.from_numpy(lam.astype(np.float64)),
-                         torch.from_numpy(box.astype(np.int64)))
+        return MixParams(
+            torch.from_numpy(use),
+            torch.from_numpy(cut),
+            torch.from_numpy(lam.astype(np.float64)),
+            torch.from_numpy(box.astype(np.int64)),
+        )
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, p: MixParams) -> tuple[torch.Tensor, torch.Tensor]:
         """(mixed images, (B, num_classes) float32 soft targets). `x`: (B, ..., H, W) float, any device."""
@@ -171,32 +177,48 @@ def check_mix(mix_cfg, task: str, targets: str, loss_cfg) -> bool:
     on = mix_cfg.mixup_alpha > 0 or mix_cfg.cutmix_alpha > 0
     defaults = {k: f.default for k, f in type(mix_cfg).model_fields.items()}
     if not on:
-        set_ = [f"mix.{k}={getattr(mix_cfg, k)}" for k in ("prob", "switch_prob", "mode") if getattr(mix_cfg, k) != defaults[k]]
+        set_ = [
+            f"mix.{k}={getattr(mix_cfg, k)}"
+            for k in ("prob", "switch_prob", "mode")
+            if getattr(mix_cfg, k) != defaults[k]
+        ]
         if set_:
-            raise UsageError(f"{', '.join(set_)}: mixing is off (mix.mixup_alpha and mix.cutmix_alpha are 0). Set "
-                             "mix.mixup_alpha and/or mix.cutmix_alpha > 0 (e.g. 0.2 and 1.0), or remove it.")
+            raise UsageError(
+                f"{', '.join(set_)}: mixing is off (mix.mixup_alpha and mix.cutmix_alpha are 0). Set "
+                "mix.mixup_alpha and/or mix.cutmix_alpha > 0 (e.g. 0.2 and 1.0), or remove it."
+            )
         return False
     if mix_cfg.switch_prob != defaults["switch_prob"] and not (mix_cfg.mixup_alpha > 0 and mix_cfg.cutmix_alpha > 0):
-        raise UsageError(f"mix.switch_prob={mix_cfg.switch_prob} chooses between CutMix and Mixup, but only "
-                         f"{'CutMix' if mix_cfg.cutmix_alpha > 0 else 'Mixup'} is on. Set both alphas > 0, or remove it.")
+        raise UsageError(
+            f"mix.switch_prob={mix_cfg.switch_prob} chooses between CutMix and Mixup, but only "
+            f"{'CutMix' if mix_cfg.cutmix_alpha > 0 else 'Mixup'} is on. Set both alphas > 0, or remove it."
+        )
     if targets != "class_index":
-        raise UsageError(f"mix (Mixup/CutMix) mixes one class per image into soft class targets; task={task} has "
-                         f"{targets} targets, where it has no defined meaning here. Remove the mix section.")
+        raise UsageError(
+            f"mix (Mixup/CutMix) mixes one class per image into soft class targets; task={task} has "
+            f"{targets} targets, where it has no defined meaning here. Remove the mix section."
+        )
     names = [t.name for t in loss_cfg.terms] if loss_cfg.terms else [loss_cfg.name]
     bad = [n for n in names if n not in SOFT_TARGET_LOSSES]
     if bad:
-        raise UsageError(f"mix: loss {bad[0]} may not take the (batch, classes) soft targets Mixup/CutMix produce; use "
-                         f"loss.name={' or '.join(SOFT_TARGET_LOSSES)}, or remove the mix section.")
+        raise UsageError(
+            f"mix: loss {bad[0]} may not take the (batch, classes) soft targets Mixup/CutMix produce; use "
+            f"loss.name={' or '.join(SOFT_TARGET_LOSSES)}, or remove the mix section."
+        )
     args = [loss_cfg.args] + [t.args for t in loss_cfg.terms]
     if any("ignore_index" in a for a in args):
-        raise UsageError("mix: loss.args.ignore_index has no meaning for soft targets (PyTorch ignores it for them); "
-                         "remove it or the mix section.")
+        raise UsageError(
+            "mix: loss.args.ignore_index has no meaning for soft targets (PyTorch ignores it for them); "
+            "remove it or the mix section."
+        )
     return True
 
 
 def wrap_mix(loader, mix_cfg, num_classes: int, seed: int, rank: int, world_size: int):
     """The training loader with Mixup/CutMix applied (call check_mix first: it must be on)."""
-    mixer = Mixer(mix_cfg.mixup_alpha, mix_cfg.cutmix_alpha, mix_cfg.prob, mix_cfg.switch_prob, mix_cfg.mode, num_classes)
+    mixer = Mixer(
+        mix_cfg.mixup_alpha, mix_cfg.cutmix_alpha, mix_cfg.prob, mix_cfg.switch_prob, mix_cfg.mode, num_classes
+    )
     return MixLoader(loader, mixer, seed, rank, world_size)
 
 

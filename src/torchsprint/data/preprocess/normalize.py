@@ -47,8 +47,15 @@ class DeviceNormalize:
             where fresh batch-sized allocations are slow. Same values either way.
     """
 
-    def __init__(self, mean, std, device: torch.device, dtype: torch.dtype = torch.float32, channels_last: bool = False,
-                 recycle: bool = False):
+    def __init__(
+        self,
+        mean,
+        std,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        recycle: bool = False,
+    ):
         std_t = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
         mean_t = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self.scale = 1.0 / (255.0 * std_t)

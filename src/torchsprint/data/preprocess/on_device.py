@@ -20,8 +20,13 @@ def nvjpeg_ok(header) -> bool:
     Huffman-coded JPEG stored upright. Gray and CMYK files decode on the CPU too, with torchvision's colour
     conversion; so do files with an EXIF orientation (decode.apply_orientation turns them upright there,
     the one orientation policy of every decoder)."""
-    return (header.format == "jpeg" and header.components == 3 and header.sof in NVJPEG_FRAMES and header.bits == 8
-            and header.orientation == 1)
+    return (
+        header.format == "jpeg"
+        and header.components == 3
+        and header.sof in NVJPEG_FRAMES
+        and header.bits == 8
+        and header.orientation == 1
+    )
 
 
 # ---------------------------------------------------------------- decoding on the device
@@ -109,13 +114,15 @@ def pad_batch(images: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     h = max(x.shape[1] for x in images)
     w = max(x.shape[2] for x in images)
     out = torch.empty(len(images), images[0].shape[0], h, w, dtype=torch.uint8, device=device)
-    torch._foreach_copy_([o[:, : x.shape[1], : x.shape[2]] for o, x in zip(out.unbind(0), images)], images,
-                         non_blocking=True)
+    torch._foreach_copy_(
+        [o[:, : x.shape[1], : x.shape[2]] for o, x in zip(out.unbind(0), images)], images, non_blocking=True
+    )
     return out
 
 
-def run_head_on_device(p: BatchPipeline, images: list[torch.Tensor], windows: torch.Tensor | None, u: torch.Tensor,
-                       device: torch.device) -> torch.Tensor:
+def run_head_on_device(
+    p: BatchPipeline, images: list[torch.Tensor], windows: torch.Tensor | None, u: torch.Tensor, device: torch.device
+) -> torch.Tensor:
     """The head on decoded images of different sizes: one fused pass (padded batch + resample_batch) when
     the head has a fused form, else image by image. `windows`: the fused head's (2, 4, N) windows, on the
     host or already on `device` (None: computed here from `u`). Returns (N, C, h, w) uint8."""
@@ -134,12 +141,16 @@ def run_head_on_device(p: BatchPipeline, images: list[torch.Tensor], windows: to
     heads = p.run_head(images, p.params(u, hs, ws, 0, p.head), list(range(len(images))))
     shapes = {tuple(x.shape) for x in heads}
     if len(shapes) > 1:
-        raise UsageError(f"images in one batch have different shapes {sorted(shapes)[:3]}: add a resize/center_crop or "
-                         "random_resized_crop step to the transforms.")
+        raise UsageError(
+            f"images in one batch have different shapes {sorted(shapes)[:3]}: add a resize/center_crop or "
+            "random_resized_crop step to the transforms."
+        )
     return torch.stack(heads)
 
 
-def preprocess_on_device(p: BatchPipeline, images: list[torch.Tensor], u: torch.Tensor, device: torch.device) -> torch.Tensor:
+def preprocess_on_device(
+    p: BatchPipeline, images: list[torch.Tensor], u: torch.Tensor, device: torch.device
+) -> torch.Tensor:
     """Decoded images of any sizes -> the spec's uint8 output batch on `device` (predict, data compare)."""
     if not images:
         return torch.empty(0, dtype=torch.uint8, device=device)

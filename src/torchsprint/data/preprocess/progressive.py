@@ -73,31 +73,46 @@ def train_schedule(data_cfg) -> Schedule | None:
     if p.start_size is None:
         return None
     where = "data.train.transforms"
-    crops = [(i, arg) for i, (name, arg) in enumerate(parse_step(s, where) for s in data_cfg.train.transforms)
-             if name == "random_resized_crop"]
+    crops = [
+        (i, arg)
+        for i, (name, arg) in enumerate(parse_step(s, where) for s in data_cfg.train.transforms)
+        if name == "random_resized_crop"
+    ]
     if not crops:
-        raise UsageError(f"data.progressive resizes the output of random_resized_crop, and {where} has none "
-                         f"({[parse_step(s, where)[0] for s in data_cfg.train.transforms]}): add "
-                         f"random_resized_crop: {{size: {p.end_size or 'END'}}} to it, or remove data.progressive.")
+        raise UsageError(
+            f"data.progressive resizes the output of random_resized_crop, and {where} has none "
+            f"({[parse_step(s, where)[0] for s in data_cfg.train.transforms]}): add "
+            f"random_resized_crop: {{size: {p.end_size or 'END'}}} to it, or remove data.progressive."
+        )
     if len(crops) > 1:
-        raise UsageError(f"data.progressive: {where} has {len(crops)} random_resized_crop steps (at {[i for i, _ in crops]}); "
-                         "the schedule sets one crop's size: keep one.")
+        raise UsageError(
+            f"data.progressive: {where} has {len(crops)} random_resized_crop steps (at {[i for i, _ in crops]}); "
+            "the schedule sets one crop's size: keep one."
+        )
     i, arg = crops[0]
     size = arg.get("size") if isinstance(arg, dict) else arg
     sides = [size] if isinstance(size, int) else list(size) if isinstance(size, list | tuple) else []
     if not sides or len(set(sides)) != 1 or not isinstance(sides[0], int):
-        raise UsageError(f"data.progressive: {where}[{i}] random_resized_crop size {size!r} is not one square side; "
-                         f"the schedule scales square crops: use size: {max(sides) if sides else 'N'}.")
+        raise UsageError(
+            f"data.progressive: {where}[{i}] random_resized_crop size {size!r} is not one square side; "
+            f"the schedule scales square crops: use size: {max(sides) if sides else 'N'}."
+        )
     side = sides[0]
     if p.end_size is not None and p.end_size != side:
-        raise UsageError(f"data.progressive.end_size={p.end_size} differs from {where}[{i}] random_resized_crop size "
-                         f"{side}: the crop's size is the final training size. Make them equal, or leave end_size out.")
+        raise UsageError(
+            f"data.progressive.end_size={p.end_size} differs from {where}[{i}] random_resized_crop size "
+            f"{side}: the crop's size is the final training size. Make them equal, or leave end_size out."
+        )
     if side % p.step:
-        raise UsageError(f"data.progressive: the final size ({where}[{i}] random_resized_crop size {side}) is not a "
-                         f"multiple of data.progressive.step={p.step}; change the step or the crop's size.")
+        raise UsageError(
+            f"data.progressive: the final size ({where}[{i}] random_resized_crop size {side}) is not a "
+            f"multiple of data.progressive.step={p.step}; change the step or the crop's size."
+        )
     if side < p.start_size:
-        raise UsageError(f"data.progressive.start_size={p.start_size} is above the final size ({where}[{i}] "
-                         f"random_resized_crop size {side}): progressive resizing grows the crop; lower start_size.")
+        raise UsageError(
+            f"data.progressive.start_size={p.start_size} is above the final size ({where}[{i}] "
+            f"random_resized_crop size {side}): progressive resizing grows the crop; lower start_size."
+        )
     return Schedule(p.start_size, side, p.start_epoch, p.end_epoch, p.step)
 
 
@@ -149,9 +164,11 @@ def check_epochs(data_cfg, epochs: int) -> None:
     """The ramp must end within the run: an end_epoch after run.epochs would never train at the final size."""
     p = data_cfg.progressive
     if p.start_size is not None and p.end_epoch > epochs:
-        raise UsageError(f"data.progressive.end_epoch={p.end_epoch} comes after the run's last epoch (run.epochs={epochs}): "
-                         "it would never train at the final size, which evaluation uses. Lower end_epoch, or raise "
-                         "run.epochs.")
+        raise UsageError(
+            f"data.progressive.end_epoch={p.end_epoch} comes after the run's last epoch (run.epochs={epochs}): "
+            "it would never train at the final size, which evaluation uses. Lower end_epoch, or raise "
+            "run.epochs."
+        )
 
 
 def check_compile(data_cfg, epochs: int) -> None:
@@ -169,6 +186,8 @@ def check_compile(data_cfg, epochs: int) -> None:
     sizes = sorted(set(schedule.sizes(epochs)))
     graphs = len(sizes) * (1 if data_cfg.drop_last else 2) + 2
     if graphs > limit:
-        raise UsageError(f"data.progressive with speed.compile: {len(sizes)} training sizes ({sizes}) make up to {graphs} "
-                         f"compiled graphs, over torch's {limit} per model (torch._dynamo.config.recompile_limit), past "
-                         "which it runs uncompiled. Raise data.progressive.step or narrow the size range.")
+        raise UsageError(
+            f"data.progressive with speed.compile: {len(sizes)} training sizes ({sizes}) make up to {graphs} "
+            f"compiled graphs, over torch's {limit} per model (torch._dynamo.config.recompile_limit), past "
+            "which it runs uncompiled. Raise data.progressive.step or narrow the size range."
+        )

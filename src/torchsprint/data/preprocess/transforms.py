@@ -73,8 +73,13 @@ class FastResize:
             return self.reference(img)
         F = _v2().functional
         size = [self.size] if isinstance(self.size, int) else self.size
-        return F.resize(channels_last_copy(img), size, interpolation=self.interpolation, max_size=self.max_size,
-                        antialias=self.antialias)
+        return F.resize(
+            channels_last_copy(img),
+            size,
+            interpolation=self.interpolation,
+            max_size=self.max_size,
+            antialias=self.antialias,
+        )
 
     def __repr__(self) -> str:
         return f"Fast{self.reference!r}"
@@ -101,7 +106,9 @@ class FastRandomResizedCrop:
         self.interpolation, self.antialias = self.reference.interpolation, antialias
         self._log_ratio = torch.log(torch.tensor(self.ratio))
         self._sqrt = math.sqrt
-        self.live = None  # data.progressive: a shared one-element tensor holding this epoch's side (progressive.LiveSize)
+        self.live = (
+            None  # data.progressive: a shared one-element tensor holding this epoch's side (progressive.LiveSize)
+        )
 
     def params(self, height: int, width: int) -> tuple[int, int, int, int]:
         """(top, left, h, w), drawn exactly as torchvision's RandomResizedCrop.make_params."""
@@ -228,8 +235,9 @@ def _interp(interpolation: str):
 
 
 @TRANSFORMS.register("rand_augment")
-def rand_augment(num_ops: int = 2, magnitude: int = 9, num_magnitude_bins: int = 31, interpolation: str = "nearest",
-                 fill=None):
+def rand_augment(
+    num_ops: int = 2, magnitude: int = 9, num_magnitude_bins: int = 31, interpolation: str = "nearest", fill=None
+):
     """RandAugment (Cubuk et al. 2020): num_ops ops drawn uniformly from 14, each at bin `magnitude` of
     `num_magnitude_bins`, sign flipped with p=0.5 (torchvision v2.RandAugment; timm's rand-m9-n2 is alike)."""
     if not 0 <= magnitude < num_magnitude_bins:
@@ -255,8 +263,15 @@ def auto_augment(policy: str = "imagenet", interpolation: str = "nearest", fill=
 
 
 @TRANSFORMS.register("augmix")
-def augmix(severity: int = 3, mixture_width: int = 3, chain_depth: int = -1, alpha: float = 1.0, all_ops: bool = True,
-           interpolation: str = "bilinear", fill=None):
+def augmix(
+    severity: int = 3,
+    mixture_width: int = 3,
+    chain_depth: int = -1,
+    alpha: float = 1.0,
+    all_ops: bool = True,
+    interpolation: str = "bilinear",
+    fill=None,
+):
     """AugMix (Hendrycks et al. 2020): a Dirichlet mix of `mixture_width` augmentation chains, blended with the
     original by Beta(alpha, alpha). Only the augmentation itself (timm's JSD loss over splits is not offered)."""
     return _v2().AugMix(severity, mixture_width, chain_depth, alpha, all_ops, _interp(interpolation), fill)
@@ -295,7 +310,9 @@ def normalize(preset="imagenet", mean=None, std=None):
             raise UsageError("normalize needs both mean and std, e.g. normalize: {mean: [0.5], std: [0.5]}")
         return tuple(float(m) for m in mean), tuple(float(s) for s in std)
     if preset not in NORMALIZE_PRESETS:
-        raise UsageError(f"normalize: unknown preset '{preset}'. Use one of {sorted(NORMALIZE_PRESETS)} or {{mean, std}}.")
+        raise UsageError(
+            f"normalize: unknown preset '{preset}'. Use one of {sorted(NORMALIZE_PRESETS)} or {{mean, std}}."
+        )
     return NORMALIZE_PRESETS[preset]
 
 
@@ -349,7 +366,9 @@ def compile_spec(spec: list, where: str = "data.train.transforms", channels: int
     if len(mean) == 1 and channels > 1:
         mean, std = mean * channels, std * channels
     if len(mean) != channels:
-        raise UsageError(f"{where}: normalize has {len(mean)} channel statistics but the images have {channels} channels.")
+        raise UsageError(
+            f"{where}: normalize has {len(mean)} channel statistics but the images have {channels} channels."
+        )
     cpu = _v2().Compose(built) if built else None
     return Pipeline(cpu=cpu, mean=tuple(mean), std=tuple(std), out_size=out_size, steps=steps)
 

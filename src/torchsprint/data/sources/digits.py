@@ -16,8 +16,10 @@ def digits(data_cfg) -> Splits:
 
     if data_cfg.root is not None or data_cfg.options:
         what = f"data.root={data_cfg.root}" if data_cfg.root is not None else f"data.options={data_cfg.options}"
-        raise UsageError(f"data.dataset=digits is scikit-learn's bundled set and takes no {what.split('=')[0]}; remove "
-                         f"{what}, or set data.dataset=image_folder to train on your own images.")
+        raise UsageError(
+            f"data.dataset=digits is scikit-learn's bundled set and takes no {what.split('=')[0]}; remove "
+            f"{what}, or set data.dataset=image_folder to train on your own images."
+        )
 
     d = load_digits()
     # Pixel values are 0..16 ink counts; scale to the uint8 range every other dataset uses.
@@ -31,5 +33,5 @@ def digits(data_cfg) -> Splits:
         classes=classes,
         in_channels=1,
         source=f"scikit-learn's bundled digits, split {1 - data_cfg.val_fraction:.0%}/{data_cfg.val_fraction:.0%} into "
-               f"train/val (data.val_fraction, data.split_seed={data_cfg.split_seed})",
+        f"train/val (data.val_fraction, data.split_seed={data_cfg.split_seed})",
     )

@@ -35,8 +35,16 @@ class ImageFiles(torch.utils.data.Dataset):
             decoders scale in the DCT when the pipeline would shrink the image anyway.
     """
 
-    def __init__(self, samples: list[tuple[str, int]], mode: str = "RGB", *, decoder: str = "auto",
-                 max_pixels: int = 89_478_485, max_bytes: int = MAX_FILE_MB * MB, min_size_for=None):
+    def __init__(
+        self,
+        samples: list[tuple[str, int]],
+        mode: str = "RGB",
+        *,
+        decoder: str = "auto",
+        max_pixels: int = 89_478_485,
+        max_bytes: int = MAX_FILE_MB * MB,
+        min_size_for=None,
+    ):
         from torchsprint.data.preprocess.decode import resolve_decoder
 
         self.samples, self.mode, self.max_bytes = samples, mode, max_bytes
@@ -48,8 +56,14 @@ class ImageFiles(torch.utils.data.Dataset):
 
     def with_min_size(self, min_size_for) -> ImageFiles:
         """A copy that passes a decode-size hint to the decoder (see `min_size_for`)."""
-        return ImageFiles(self.samples, self.mode, decoder=self.decoder, max_pixels=self.max_pixels,
-                          max_bytes=self.max_bytes, min_size_for=min_size_for)
+        return ImageFiles(
+            self.samples,
+            self.mode,
+            decoder=self.decoder,
+            max_pixels=self.max_pixels,
+            max_bytes=self.max_bytes,
+            min_size_for=min_size_for,
+        )
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -66,8 +80,13 @@ class ImageFiles(torch.utils.data.Dataset):
 
         path, label = self.samples[i]
         try:
-            image = decode_bytes(read_bytes(path, self.max_bytes), channels=self.channels, decoder=self.decoder,
-                                 max_pixels=self.max_pixels, min_size_for=self.min_size_for)
+            image = decode_bytes(
+                read_bytes(path, self.max_bytes),
+                channels=self.channels,
+                decoder=self.decoder,
+                max_pixels=self.max_pixels,
+                min_size_for=self.min_size_for,
+            )
             return image, label, path
         except (BadImage, OSError) as e:
             return None, label, f"{path}: {e}"
@@ -75,8 +94,13 @@ class ImageFiles(torch.utils.data.Dataset):
 
 def image_files(samples, data_cfg, mode: str = "RGB") -> ImageFiles:
     """ImageFiles configured from the data section (decoder, pixel and file size limits)."""
-    return ImageFiles(samples, mode, decoder=data_cfg.decoder, max_pixels=data_cfg.max_image_pixels,
-                      max_bytes=data_cfg.max_file_mb * MB)
+    return ImageFiles(
+        samples,
+        mode,
+        decoder=data_cfg.decoder,
+        max_pixels=data_cfg.max_image_pixels,
+        max_bytes=data_cfg.max_file_mb * MB,
+    )
 
 
 # Why a file below data.root is not a sample (FolderScan.skipped's keys, the start-up summary's words).
@@ -102,8 +126,14 @@ def _note(skipped: dict[str, list[str]], reason: str, path) -> None:
     skipped.setdefault(reason, []).append(str(path))
 
 
-def list_images(folder: Path, skipped: dict[str, list[str]], seen: set[str], max_bytes: int | None = MAX_FILE_MB * MB,
-                extensions: tuple[str, ...] = IMAGE_EXTENSIONS, other: str = NOT_IMAGE) -> tuple[list[Path], int]:
+def list_images(
+    folder: Path,
+    skipped: dict[str, list[str]],
+    seen: set[str],
+    max_bytes: int | None = MAX_FILE_MB * MB,
+    extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
+    other: str = NOT_IMAGE,
+) -> tuple[list[Path], int]:
     """Image files below `folder` (sorted), following links to files and folders, each folder once (the video
     folders list theirs with `extensions` and `other`, their reason for the rest, and no size limit).
 
@@ -189,8 +219,11 @@ def scan_folder(root: Path, seen: set[str] | None = None, max_bytes: int = MAX_F
     if not classes:
         raise UsageError(f"{root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in the class subfolders {folders[:5]}.")
     if empty:
-        warnings.warn(f"{root}: class folder(s) {empty[:5]} hold no images ({', '.join(IMAGE_EXTENSIONS)}) and are "
-                      f"left out; training on {len(classes)} classes.", stacklevel=2)
+        warnings.warn(
+            f"{root}: class folder(s) {empty[:5]} hold no images ({', '.join(IMAGE_EXTENSIONS)}) and are "
+            f"left out; training on {len(classes)} classes.",
+            stacklevel=2,
+        )
     samples = [(str(p), ci) for ci, c in enumerate(classes) for p in found[c]]
     return FolderScan(classes, samples, skipped, linked)
 
@@ -213,8 +246,10 @@ def merge_skipped(*scans: FolderScan) -> dict[str, list[str]]:
 # ImageNet/torchvision (train, val), Kaggle and Roboflow exports (train, valid, test), TFDS/Keras
 # (train, validation, test).
 SPLIT_NAMES = {"train": ("train", "training"), "val": ("val", "valid", "validation"), "test": ("test", "testing")}
-EXPECTED_LAYOUTS = ("<root>/train/<class>/*, optionally <root>/val|valid|validation/<class>/* and <root>/test/<class>/*; "
-                    "or <root>/<class>/* (split by data.val_fraction)")
+EXPECTED_LAYOUTS = (
+    "<root>/train/<class>/*, optionally <root>/val|valid|validation/<class>/* and <root>/test/<class>/*; "
+    "or <root>/<class>/* (split by data.val_fraction)"
+)
 
 
 def _listing(root: Path, limit: int = 8) -> str:
@@ -240,7 +275,9 @@ def find_layout(root: Path) -> dict[str, Path | None]:
     train/, and one wrapper folder around a split layout (data.root one level too high).
     """
     dirs = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")}
-    found: dict[str, list[Path]] = {k: [dirs[n] for n in dirs if n.lower() in names] for k, names in SPLIT_NAMES.items()}
+    found: dict[str, list[Path]] = {
+        k: [dirs[n] for n in dirs if n.lower() in names] for k, names in SPLIT_NAMES.items()
+    }
     split_dirs = {p.name for ps in found.values() for p in ps}
     where = f"data.root={root} holds: {_listing(root)}"
     if not split_dirs:
@@ -248,31 +285,44 @@ def find_layout(root: Path) -> dict[str, Path | None]:
             (only,) = dirs.values()
             inner = {p.name.lower() for p in only.iterdir() if p.is_dir()}
             if inner & {n for names in SPLIT_NAMES.values() for n in names}:
-                raise UsageError(f"{where}; its one folder {only.name}/ holds split folders ({', '.join(sorted(inner)[:4])}), "
-                                 f"so set data.root={only}. Expected: {EXPECTED_LAYOUTS}.")
+                raise UsageError(
+                    f"{where}; its one folder {only.name}/ holds split folders ({', '.join(sorted(inner)[:4])}), "
+                    f"so set data.root={only}. Expected: {EXPECTED_LAYOUTS}."
+                )
         return {"train": None, "val": None, "test": None}
     for k, ps in found.items():
         if len(ps) > 1:
-            raise UsageError(f"{where}; {' and '.join(p.name + '/' for p in ps)} both look like the {k} split: keep one "
-                             f"(or rename the other). Expected: {EXPECTED_LAYOUTS}.")
+            raise UsageError(
+                f"{where}; {' and '.join(p.name + '/' for p in ps)} both look like the {k} split: keep one "
+                f"(or rename the other). Expected: {EXPECTED_LAYOUTS}."
+            )
     if not found["train"]:
-        raise UsageError(f"{where}; there is {'/, '.join(sorted(split_dirs))}/ but no train/ folder. Expected: {EXPECTED_LAYOUTS}.")
+        raise UsageError(
+            f"{where}; there is {'/, '.join(sorted(split_dirs))}/ but no train/ folder. Expected: {EXPECTED_LAYOUTS}."
+        )
     others = sorted(set(dirs) - split_dirs)
     if others:
-        raise UsageError(f"{where}; besides the split folders ({', '.join(sorted(split_dirs))}) it has other folders "
-                         f"({', '.join(others[:5])}) that would be left out: move them into a split folder, or out of "
-                         f"data.root. Expected: {EXPECTED_LAYOUTS}.")
+        raise UsageError(
+            f"{where}; besides the split folders ({', '.join(sorted(split_dirs))}) it has other folders "
+            f"({', '.join(others[:5])}) that would be left out: move them into a split folder, or out of "
+            f"data.root. Expected: {EXPECTED_LAYOUTS}."
+        )
     return {k: (ps[0] if ps else None) for k, ps in found.items()}
 
 
 def describe_layout(layout: dict[str, Path | None], data_cfg, root: Path) -> str:
     """Where each split comes from, for the start-up summary."""
     if layout["train"] is None:
-        return (f"{root} is one folder of class folders: split {1 - data_cfg.val_fraction:.0%}/{data_cfg.val_fraction:.0%} "
-                f"into train/val (data.val_fraction={data_cfg.val_fraction}, data.split_seed={data_cfg.split_seed})")
+        return (
+            f"{root} is one folder of class folders: split {1 - data_cfg.val_fraction:.0%}/{data_cfg.val_fraction:.0%} "
+            f"into train/val (data.val_fraction={data_cfg.val_fraction}, data.split_seed={data_cfg.split_seed})"
+        )
     parts = [f"train from {layout['train'].name}/"]
-    parts.append(f"val from {layout['val'].name}/" if layout["val"] else
-                 f"val: {data_cfg.val_fraction:.0%} of {layout['train'].name}/ (data.val_fraction, no val/ folder)")
+    parts.append(
+        f"val from {layout['val'].name}/"
+        if layout["val"]
+        else f"val: {data_cfg.val_fraction:.0%} of {layout['train'].name}/ (data.val_fraction, no val/ folder)"
+    )
     if layout["test"]:
         parts.append(f"test from {layout['test'].name}/")
     return ", ".join(parts)
@@ -306,9 +356,16 @@ def image_folder(data_cfg) -> Splits:
     linked = sum(s.linked for s in scans)
     if linked:
         notes.append(f"{linked:,} image(s) reached through symbolic links (to files or folders) are used")
-    return Splits(image_files(train, data_cfg, mode), image_files(val, data_cfg, mode), classes,
-                  in_channels=1 if mode == "GRAY" else 3, test=test, source=describe_layout(layout, data_cfg, root),
-                  skipped=merge_skipped(*scans), notes=notes)
+    return Splits(
+        image_files(train, data_cfg, mode),
+        image_files(val, data_cfg, mode),
+        classes,
+        in_channels=1 if mode == "GRAY" else 3,
+        test=test,
+        source=describe_layout(layout, data_cfg, root),
+        skipped=merge_skipped(*scans),
+        notes=notes,
+    )
 
 
 def _same_classes(scan: FolderScan, folder: Path, classes: list[str], train: Path) -> list[tuple[str, int]]:
@@ -319,13 +376,17 @@ def _same_classes(scan: FolderScan, folder: Path, classes: list[str], train: Pat
     names, samples = scan.classes, scan.samples
     unknown = [c for c in names if c not in classes]
     if unknown:
-        raise UsageError(f"{folder}: class folder(s) {unknown[:5]} are not in {train.name}/ ({len(classes)} classes: "
-                         f"{classes[:5]}{' ...' if len(classes) > 5 else ''}); the model can only learn classes it trains on. "
-                         "Add them to train/, or remove them here.")
+        raise UsageError(
+            f"{folder}: class folder(s) {unknown[:5]} are not in {train.name}/ ({len(classes)} classes: "
+            f"{classes[:5]}{' ...' if len(classes) > 5 else ''}); the model can only learn classes it trains on. "
+            "Add them to train/, or remove them here."
+        )
     missing = [c for c in classes if c not in names]
     if missing:
-        warnings.warn(f"{folder}: no images of class(es) {missing[:5]}; they are trained but not measured on "
-                      f"{folder.name}/.", stacklevel=3)
+        warnings.warn(
+            f"{folder}: no images of class(es) {missing[:5]}; they are trained but not measured on {folder.name}/.",
+            stacklevel=3,
+        )
     index = {c: i for i, c in enumerate(classes)}
     return [(p, index[names[ci]]) for p, ci in samples]
 
@@ -345,7 +406,9 @@ def read_file_list(path: Path) -> list[tuple[str, str]]:
     import csv
 
     if not path.is_file():
-        raise UsageError(f"file list {path} does not exist. data.root must name a .csv/.txt list or a folder with train.csv/val.csv.")
+        raise UsageError(
+            f"file list {path} does not exist. data.root must name a .csv/.txt list or a folder with train.csv/val.csv."
+        )
     rows = []
     base = path.parent
     with open(path, newline="", encoding="utf-8") as f:
@@ -379,11 +442,15 @@ def label_classes(labels: list[str], names: list[str] | None) -> tuple[list[str]
             raise UsageError(f"file_list: negative label {min(ints)}; integer labels are class indices 0..K-1.")
         k = max(ints) + 1
         if names is None and k > len(labels):  # a list of class names up to a label of 10**9 is a MemoryError
-            raise UsageError(f"file_list: label {k - 1} means {k:,} classes (integer labels are class indices 0..K-1), "
-                             f"but the lists have {len(labels):,} rows, so most classes would have no image. Renumber "
-                             "the labels 0..K-1, or write class names as labels.")
+            raise UsageError(
+                f"file_list: label {k - 1} means {k:,} classes (integer labels are class indices 0..K-1), "
+                f"but the lists have {len(labels):,} rows, so most classes would have no image. Renumber "
+                "the labels 0..K-1, or write class names as labels."
+            )
         if names is not None and len(names) < k:
-            raise UsageError(f"file_list: labels go up to {k - 1} but data.options.classes names only {len(names)} classes.")
+            raise UsageError(
+                f"file_list: labels go up to {k - 1} but data.options.classes names only {len(names)} classes."
+            )
         classes = list(names) if names is not None else [str(i) for i in range(k)]
         return classes, {lab: int(lab) for lab in set(labels)}
     classes = list(names) if names is not None else sorted(set(labels))
@@ -400,8 +467,12 @@ def _find_list(folder: Path, stem: str) -> Path | None:
     return None
 
 
-FILE_LIST_OPTIONS = {"train_list": "a list file for training", "val_list": "a list file for validation",
-                     "classes": "class names for integer labels, in index order", **MODE}
+FILE_LIST_OPTIONS = {
+    "train_list": "a list file for training",
+    "val_list": "a list file for validation",
+    "classes": "class names for integer labels, in index order",
+    **MODE,
+}
 
 
 @DATASETS.register("file_list")
@@ -432,12 +503,19 @@ def file_list(data_cfg) -> Splits:
     val_rows = read_file_list(val_path) if val_path is not None else []
     classes, index = label_classes([r[1] for r in train_rows + val_rows], opts.get("classes"))
     skipped: dict[str, list[str]] = {}  # rows naming a FIFO, a device or a file over data.max_file_mb: never read
-    train, val = ([(p, index[lab]) for p, lab in rows if not _skip(p, data_cfg, skipped)] for rows in (train_rows, val_rows))
+    train, val = (
+        [(p, index[lab]) for p, lab in rows if not _skip(p, data_cfg, skipped)] for rows in (train_rows, val_rows)
+    )
     if val_path is None:
         train, val = split_samples(train, data_cfg)
     mode = opts.get("mode", "RGB")
-    return Splits(image_files(train, data_cfg, mode), image_files(val, data_cfg, mode), classes,
-                  in_channels=1 if mode == "GRAY" else 3, skipped=skipped)
+    return Splits(
+        image_files(train, data_cfg, mode),
+        image_files(val, data_cfg, mode),
+        classes,
+        in_channels=1 if mode == "GRAY" else 3,
+        skipped=skipped,
+    )
 
 
 def _skip(path: str, data_cfg, skipped: dict[str, list[str]]) -> bool:

@@ -26,7 +26,9 @@ def read_multilabel_csv(path: Path) -> list[tuple[str, list[str]]]:
     ignored; relative paths are relative to the CSV's folder.
     """
     if not path.is_file():
-        raise UsageError(f"multilabel list {path} does not exist. data.root must name a .csv file or a folder with train.csv/val.csv.")
+        raise UsageError(
+            f"multilabel list {path} does not exist. data.root must name a .csv file or a folder with train.csv/val.csv."
+        )
     rows = []
     with open(path, newline="", encoding="utf-8") as f:
         lines = [ln for ln in f.read().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
@@ -81,8 +83,13 @@ def multilabel_splits(train_csv: Path, val_csv: Path | None, data_cfg) -> Splits
     if val_csv is None:
         train, val = _split(train, data_cfg)
     mode = data_cfg.options.get("mode", "RGB")
-    return Splits(image_files(train, data_cfg, mode), image_files(val, data_cfg, mode), list(classes),
-                  in_channels=1 if mode == "GRAY" else 3, task="multilabel")
+    return Splits(
+        image_files(train, data_cfg, mode),
+        image_files(val, data_cfg, mode),
+        list(classes),
+        in_channels=1 if mode == "GRAY" else 3,
+        task="multilabel",
+    )
 
 
 @DATASETS.register("multilabel_csv")
@@ -97,7 +104,9 @@ def multilabel_csv(data_cfg) -> Splits:
     if root.is_dir():
         if not (root / "train.csv").is_file():
             raise UsageError(f"{root}: no train.csv in this folder (rows `path,label1;label2`).")
-        return multilabel_splits(root / "train.csv", root / "val.csv" if (root / "val.csv").is_file() else None, data_cfg)
+        return multilabel_splits(
+            root / "train.csv", root / "val.csv" if (root / "val.csv").is_file() else None, data_cfg
+        )
     return multilabel_splits(root, None, data_cfg)
 
 
@@ -132,7 +141,9 @@ def render_shapes(rng: np.random.Generator, present: list[bool], size: int) -> n
     return np.asarray(im)
 
 
-def generate_multilabel_shapes(folder: Path, *, num_images: int, val_images: int, size: int, seed: int, quality: int) -> Path:
+def generate_multilabel_shapes(
+    folder: Path, *, num_images: int, val_images: int, size: int, seed: int, quality: int
+) -> Path:
     """Write folder/images/*.jpg with 0-3 shapes each and folder/{train,val}.csv; reuse a complete folder.
 
     Each shape is present with probability 1/2, independently, so every label's prevalence (the
@@ -155,7 +166,9 @@ def generate_multilabel_shapes(folder: Path, *, num_images: int, val_images: int
                 lines.append(f"{name},{LABEL_SEPARATOR.join(s for s, on in zip(MULTILABEL_SHAPES, present) if on)}")
             (tmp / f"{split}.csv").write_text("\n".join(lines) + "\n")
 
-    return generate_once(folder, {"num_images": num_images, "val_images": val_images, "size": size, "seed": seed}, write)
+    return generate_once(
+        folder, {"num_images": num_images, "val_images": val_images, "size": size, "seed": seed}, write
+    )
 
 
 @DATASETS.register("synthetic_multilabel")
@@ -168,7 +181,8 @@ def synthetic_multilabel(data_cfg) -> Splits:
     check_options(data_cfg, {k: f"default {v}" for k, v in MULTILABEL_DEFAULTS.items()})
     p = MULTILABEL_DEFAULTS | data_cfg.options
     folder = Path(data_cfg.root).expanduser() / (
-        f"synthetic_multilabel-n{p['num_images']}-v{p['val_images']}-{p['size']}px-s{p['seed']}-q{p['quality']}")
+        f"synthetic_multilabel-n{p['num_images']}-v{p['val_images']}-{p['size']}px-s{p['seed']}-q{p['quality']}"
+    )
     generate_multilabel_shapes(folder, **p)
     cfg = data_cfg.model_copy(update={"options": {"classes": list(MULTILABEL_SHAPES)}})
     return multilabel_splits(folder / "train.csv", folder / "val.csv", cfg)

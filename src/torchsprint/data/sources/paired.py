@@ -81,8 +81,12 @@ class PairedLoader:
 
 def paired_wrap(channels: int):
     def wrap(loaders: Loaders) -> Loaders:
-        info = replace(loaders.info, in_channels=channels, mean=loaders.info.mean[:channels], std=loaders.info.std[:channels])
-        return Loaders(PairedLoader(loaders.train, channels), PairedLoader(loaders.val, channels), info, loaders.skipped)
+        info = replace(
+            loaders.info, in_channels=channels, mean=loaders.info.mean[:channels], std=loaders.info.std[:channels]
+        )
+        return Loaders(
+            PairedLoader(loaders.train, channels), PairedLoader(loaders.val, channels), info, loaders.skipped
+        )
 
     return wrap
 
@@ -91,18 +95,27 @@ def check_paired_spec(data_cfg) -> None:
     """Only geometric steps, and no normalisation other than [0, 1] scaling (outputs must map back to pixels)."""
     from torchsprint.data.preprocess.transforms import NORMALIZE_PRESETS, parse_step
 
-    for where, spec in (("data.train.transforms", data_cfg.train.transforms), ("data.eval.transforms", data_cfg.eval.transforms)):
+    for where, spec in (
+        ("data.train.transforms", data_cfg.train.transforms),
+        ("data.eval.transforms", data_cfg.eval.transforms),
+    ):
         for i, step in enumerate(spec):
             name, arg = parse_step(step, where)
             if name not in PAIRED_STEPS:
-                raise UsageError(f"{where}[{i}]: '{name}' is not supported for paired images (task=image_to_image): "
-                                 f"only geometric steps applied to input and target alike ({', '.join(PAIRED_STEPS[:-1])}).")
+                raise UsageError(
+                    f"{where}[{i}]: '{name}' is not supported for paired images (task=image_to_image): "
+                    f"only geometric steps applied to input and target alike ({', '.join(PAIRED_STEPS[:-1])})."
+                )
             if name == "normalize" and arg not in ("none", {"preset": "none"}) and arg is not None:
-                raise UsageError(f"{where}[{i}]: task=image_to_image scales inputs and targets to [0, 1] (pixels / 255) so "
-                                 f"that outputs map back to pixels; use `normalize: none` or leave the step out.")
+                raise UsageError(
+                    f"{where}[{i}]: task=image_to_image scales inputs and targets to [0, 1] (pixels / 255) so "
+                    f"that outputs map back to pixels; use `normalize: none` or leave the step out."
+                )
             if name == "normalize" and arg is None:
-                raise UsageError(f"{where}[{i}]: a bare `normalize` means ImageNet statistics; task=image_to_image "
-                                 f"needs `normalize: none` (or no normalize step). Stats: {NORMALIZE_PRESETS['none']}.")
+                raise UsageError(
+                    f"{where}[{i}]: a bare `normalize` means ImageNet statistics; task=image_to_image "
+                    f"needs `normalize: none` (or no normalize step). Stats: {NORMALIZE_PRESETS['none']}."
+                )
 
 
 def match_pairs(folder: Path) -> list[tuple[str, str]]:
@@ -115,17 +128,24 @@ def match_pairs(folder: Path) -> list[tuple[str, str]]:
 
     def scan(sub: Path) -> dict[str, Path]:
         if not sub.is_dir():
-            raise UsageError(f"{sub} does not exist. paired_folder expects <root>/[train|val]/input/... and .../target/... trees.")
-        return {str(p.relative_to(sub).with_suffix("")): p for p in sorted(sub.rglob("*"))
-                if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS}
+            raise UsageError(
+                f"{sub} does not exist. paired_folder expects <root>/[train|val]/input/... and .../target/... trees."
+            )
+        return {
+            str(p.relative_to(sub).with_suffix("")): p
+            for p in sorted(sub.rglob("*"))
+            if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+        }
 
     inputs, targets = scan(folder / "input"), scan(folder / "target")
     for a, b, side in ((inputs, targets, "target"), (targets, inputs, "input")):
         missing = sorted(set(a) - set(b))
         if missing:
-            raise UsageError(f"{a[missing[0]]} has no {side} partner (expected {folder / side / missing[0]}.*)"
-                             + (f" and {len(missing) - 1} more file(s) lack one" if len(missing) > 1 else "")
-                             + ". Inputs and targets are matched by relative path.")
+            raise UsageError(
+                f"{a[missing[0]]} has no {side} partner (expected {folder / side / missing[0]}.*)"
+                + (f" and {len(missing) - 1} more file(s) lack one" if len(missing) > 1 else "")
+                + ". Inputs and targets are matched by relative path."
+            )
     if not inputs:
         raise UsageError(f"{folder}: no images under input/ and target/.")
     return [(str(inputs[k]), str(targets[k])) for k in sorted(inputs)]
@@ -151,8 +171,14 @@ def paired_splits(root: Path, data_cfg) -> Splits:
 
     # The backends see 2C-channel stacked pairs; `wrap` restores C-channel inputs and targets. `classes`
     # names the output channels (the model's output size).
-    return Splits(files(train), files(val), ["gray"] if c == 1 else ["red", "green", "blue"], in_channels=2 * c,
-                  task="image_to_image", wrap=paired_wrap(c))
+    return Splits(
+        files(train),
+        files(val),
+        ["gray"] if c == 1 else ["red", "green", "blue"],
+        in_channels=2 * c,
+        task="image_to_image",
+        wrap=paired_wrap(c),
+    )
 
 
 @DATASETS.register("paired_folder")
@@ -225,8 +251,9 @@ def generate_blur_pairs(folder: Path, *, num_images: int, val_images: int, size:
                 Image.fromarray(sharp).save(tmp / split / "target" / f"{i:05d}.png")
                 Image.fromarray(blur(sharp, sigma)).save(tmp / split / "input" / f"{i:05d}.png")
 
-    return generate_once(folder, {"num_images": num_images, "val_images": val_images, "size": size, "sigma": sigma,
-                                  "seed": seed}, write)
+    return generate_once(
+        folder, {"num_images": num_images, "val_images": val_images, "size": size, "sigma": sigma, "seed": seed}, write
+    )
 
 
 @DATASETS.register("synthetic_blur")
@@ -240,6 +267,7 @@ def synthetic_blur(data_cfg) -> Splits:
     check_options(data_cfg, {k: f"default {v}" for k, v in BLUR_DEFAULTS.items()})
     p = BLUR_DEFAULTS | data_cfg.options
     folder = Path(data_cfg.root).expanduser() / (
-        f"synthetic_blur-n{p['num_images']}-v{p['val_images']}-{p['size']}px-sigma{p['sigma']}-s{p['seed']}")
+        f"synthetic_blur-n{p['num_images']}-v{p['val_images']}-{p['size']}px-sigma{p['sigma']}-s{p['seed']}"
+    )
     generate_blur_pairs(folder, **p)
     return paired_splits(folder, data_cfg.model_copy(update={"options": {}}))

@@ -65,8 +65,9 @@ def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int
     return np.random.default_rng([seed, epoch, 0x5A4D]).permutation(n_shards).tolist()
 
 
-def rank_batches(total: int, rank: int, world_size: int, batch_size: int, drop_last: bool,
-                 equal_steps: bool = True) -> tuple[int, list[int]]:
+def rank_batches(
+    total: int, rank: int, world_size: int, batch_size: int, drop_last: bool, equal_steps: bool = True
+) -> tuple[int, list[int]]:
     """(first position of this rank's range in the epoch sequence, its batch sizes); see the module docstring, 2.
 
     equal_steps=False (evaluation, which counts uneven ranks itself, as for folders): batches of
@@ -78,7 +79,9 @@ def rank_batches(total: int, rank: int, world_size: int, batch_size: int, drop_l
         return start, [min(batch_size, n - b) for b in range(0, n, batch_size)]
     smallest = total // world_size
     if smallest == 0:
-        raise UsageError(f"webdataset: {total} samples cannot give each of {world_size} processes one; use fewer processes.")
+        raise UsageError(
+            f"webdataset: {total} samples cannot give each of {world_size} processes one; use fewer processes."
+        )
     if drop_last and smallest >= batch_size:
         return start, [batch_size] * (smallest // batch_size)
     largest = -(-total // world_size)
@@ -86,8 +89,10 @@ def rank_batches(total: int, rank: int, world_size: int, batch_size: int, drop_l
     sizes = [batch_size] * (steps - 1) + [n - (steps - 1) * batch_size]
     if sizes[-1] == 0:  # this rank holds one sample fewer than the largest: keep its step count
         if len(sizes) < 2 or sizes[-2] < 2:
-            raise UsageError(f"webdataset: {total} samples on {world_size} processes with data.batch_size={batch_size} "
-                             "leave one process an empty batch; use data.batch_size >= 2 or data.drop_last=true.")
+            raise UsageError(
+                f"webdataset: {total} samples on {world_size} processes with data.batch_size={batch_size} "
+                "leave one process an empty batch; use data.batch_size >= 2 or data.drop_last=true."
+            )
         sizes[-2] -= 1
         sizes[-1] = 1
     return start, sizes
@@ -140,15 +145,31 @@ class StreamPlan:
     sizes: list[int]  # batch sizes, in the order they are yielded
 
 
-def stream_plan(counts: list[int], *, seed: int, epoch: int, shuffle: bool, buffer: int, rank: int, world_size: int,
-                workers: int, stream: int, batch_size: int, drop_last: bool) -> StreamPlan:
+def stream_plan(
+    counts: list[int],
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    buffer: int,
+    rank: int,
+    world_size: int,
+    workers: int,
+    stream: int,
+    batch_size: int,
+    drop_last: bool,
+) -> StreamPlan:
     """The plan of worker `stream` (of `workers`) of `rank` for `epoch`; see the module docstring."""
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     order = shard_order(len(counts), seed, epoch, shuffle)
     start, sizes = rank_batches(int(offsets[-1]), rank, world_size, batch_size, drop_last, equal_steps=shuffle)
     before, mine = worker_stretch(sizes, workers, stream)
     parts = pieces(counts, order, start + before, sum(mine))
-    ids = np.concatenate([np.arange(offsets[s] + a, offsets[s] + b) for s, a, b in parts]) if parts else np.zeros(0, np.int64)
+    ids = (
+        np.concatenate([np.arange(offsets[s] + a, offsets[s] + b) for s, a, b in parts])
+        if parts
+        else np.zeros(0, np.int64)
+    )
     if shuffle:
         ids = buffer_shuffle(ids, buffer, np.random.default_rng([seed, epoch, rank, workers, stream, 0x5B]))
     return StreamPlan(parts, ids, mine)
@@ -173,9 +194,19 @@ class ShardSet:
 
     streaming = True
 
-    def __init__(self, urls: list[str], counts: list[int], mode: str = "RGB", *, decoder: str = "auto",
-                 max_pixels: int = 89_478_485, min_size_for=None, shuffle_buffer: int = 1000,
-                 image_key: str | None = None, label_key: str = "cls"):
+    def __init__(
+        self,
+        urls: list[str],
+        counts: list[int],
+        mode: str = "RGB",
+        *,
+        decoder: str = "auto",
+        max_pixels: int = 89_478_485,
+        min_size_for=None,
+        shuffle_buffer: int = 1000,
+        image_key: str | None = None,
+        label_key: str = "cls",
+    ):
         from torchsprint.data.preprocess.decode import resolve_decoder
 
         self.urls, self.counts, self.mode = list(urls), list(counts), mode
@@ -189,9 +220,17 @@ class ShardSet:
 
     def with_min_size(self, min_size_for) -> ShardSet:
         """A copy that passes a decode-size hint to the decoder (folders.ImageFiles.with_min_size)."""
-        return ShardSet(self.urls, self.counts, self.mode, decoder=self.decoder, max_pixels=self.max_pixels,
-                        min_size_for=min_size_for, shuffle_buffer=self.shuffle_buffer, image_key=self.image_key,
-                        label_key=self.label_key)
+        return ShardSet(
+            self.urls,
+            self.counts,
+            self.mode,
+            decoder=self.decoder,
+            max_pixels=self.max_pixels,
+            min_size_for=min_size_for,
+            shuffle_buffer=self.shuffle_buffer,
+            image_key=self.image_key,
+            label_key=self.label_key,
+        )
 
     def __len__(self) -> int:
         return self.offsets[-1]
@@ -204,7 +243,9 @@ class ShardSet:
         try:
             yield from enumerate(group_by_keys(tar_file_expander(url_opener([{"url": url}]))))
         except (OSError, tarfile.TarError, ValueError) as e:
-            raise UsageError(f"webdataset: cannot read shard {url}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            raise UsageError(
+                f"webdataset: cannot read shard {url}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
 
     def _entry(self, gid: int, shard: int, sample: dict):
         """One sample as (global id, image bytes or the reason there are none, label, source)."""
@@ -212,12 +253,16 @@ class ShardSet:
         key = self.image_key or next((k for k in IMAGE_KEYS if k in sample), None)
         label = sample.get(self.label_key)
         if label is None:
-            raise UsageError(f"webdataset: sample {source} has no .{self.label_key} member (its members: "
-                             f"{sorted(k for k in sample if not k.startswith('__'))}); set data.options.label_key.")
+            raise UsageError(
+                f"webdataset: sample {source} has no .{self.label_key} member (its members: "
+                f"{sorted(k for k in sample if not k.startswith('__'))}); set data.options.label_key."
+            )
         try:
             target = int(label.decode().strip())
         except ValueError:
-            raise UsageError(f"webdataset: {source}.{self.label_key} holds {label[:20]!r}, not a class index.") from None
+            raise UsageError(
+                f"webdataset: {source}.{self.label_key} holds {label[:20]!r}, not a class index."
+            ) from None
         if key is None or key not in sample:
             return gid, OSError(f"no .{key or '/.'.join(IMAGE_KEYS)} member"), target, source
         return gid, sample[key], target, source
@@ -240,8 +285,10 @@ class ShardSet:
                     if pos >= start and base + pos in needed:
                         yield self._entry(base + pos, shard, sample)
                 if pos < end - 1:
-                    raise UsageError(f"webdataset: shard {self.urls[shard]} holds {pos + 1} samples but the index says "
-                                     f"{self.counts[shard]}. Re-write it (torchsprint data shard) or fix the index.")
+                    raise UsageError(
+                        f"webdataset: shard {self.urls[shard]} holds {pos + 1} samples but the index says "
+                        f"{self.counts[shard]}. Re-write it (torchsprint data shard) or fix the index."
+                    )
 
         it = reader()
         for gid in order:
@@ -262,8 +309,17 @@ class ShardSet:
         if isinstance(data, Exception):
             return None, target, f"{source}: {data}"
         try:
-            return decode_bytes(data, channels=self.channels, decoder=self.decoder, max_pixels=self.max_pixels,
-                                min_size_for=self.min_size_for), target, source
+            return (
+                decode_bytes(
+                    data,
+                    channels=self.channels,
+                    decoder=self.decoder,
+                    max_pixels=self.max_pixels,
+                    min_size_for=self.min_size_for,
+                ),
+                target,
+                source,
+            )
         except (BadImage, OSError) as e:
             return None, target, f"{source}: {e}"
 
@@ -279,8 +335,19 @@ class ShardStream(torch.utils.data.IterableDataset):
     loaders drive shards as they drive folders.
     """
 
-    def __init__(self, raw: ShardSet, make_batch, *, seed: int, train: bool, batch_size: int, drop_last: bool,
-                 rank: int, world_size: int, workers: int):
+    def __init__(
+        self,
+        raw: ShardSet,
+        make_batch,
+        *,
+        seed: int,
+        train: bool,
+        batch_size: int,
+        drop_last: bool,
+        rank: int,
+        world_size: int,
+        workers: int,
+    ):
         self.raw, self.make_batch, self.seed, self.train = raw, make_batch, seed, train
         self.batch_size, self.drop_last, self.rank, self.world_size = batch_size, drop_last, rank, world_size
         self.workers = max(1, workers)
@@ -296,16 +363,27 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def steps(self) -> int:
         """Batches per epoch of this rank (the same on every rank in training)."""
-        return len(rank_batches(len(self.raw), self.rank, self.world_size, self.batch_size, self.drop_last, self.train)[1])
+        return len(
+            rank_batches(len(self.raw), self.rank, self.world_size, self.batch_size, self.drop_last, self.train)[1]
+        )
 
     def __len__(self) -> int:
         return self.steps() - int(self.state[1])
 
     def plan(self, stream: int, epoch: int | None = None) -> StreamPlan:
-        return stream_plan(self.raw.counts, seed=self.seed, epoch=self.epoch if epoch is None else epoch,
-                           shuffle=self.train, buffer=self.raw.shuffle_buffer, rank=self.rank,
-                           world_size=self.world_size, workers=self.workers, stream=stream,
-                           batch_size=self.batch_size, drop_last=self.drop_last)
+        return stream_plan(
+            self.raw.counts,
+            seed=self.seed,
+            epoch=self.epoch if epoch is None else epoch,
+            shuffle=self.train,
+            buffer=self.raw.shuffle_buffer,
+            rank=self.rank,
+            world_size=self.world_size,
+            workers=self.workers,
+            stream=stream,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -322,7 +400,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         seeds = sample_seeds(self.seed, epoch, torch.from_numpy(ids.astype(np.int64))).tolist()
         at = 0
         for size in plan.sizes[done:]:
-            batch = [(gid, seeds[at + j], data, target, source)
-                     for j, (gid, data, target, source) in zip(range(size), entries)]
+            batch = [
+                (gid, seeds[at + j], data, target, source)
+                for j, (gid, data, target, source) in zip(range(size), entries)
+            ]
             at += size
             yield self.make_batch(batch)

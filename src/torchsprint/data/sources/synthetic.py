@@ -13,7 +13,14 @@ import numpy as np
 from torchsprint.data.core import DATASETS, MODE, Splits, check_options, need_root
 from torchsprint.data.sources.folders import image_files, scan_class_folders
 
-SYNTHETIC_DEFAULTS = {"num_images": 1000, "val_images": 200, "size": [500, 375], "classes": 10, "quality": 90, "seed": 0}
+SYNTHETIC_DEFAULTS = {
+    "num_images": 1000,
+    "val_images": 200,
+    "size": [500, 375],
+    "classes": 10,
+    "quality": 90,
+    "seed": 0,
+}
 _SHAPES = ("disc", "square", "triangle", "stripes", "ring")
 
 
@@ -70,8 +77,9 @@ def generate_once(folder: Path, params: dict, write) -> Path:
     return folder
 
 
-def generate_synthetic_jpeg(folder: Path, *, num_images: int, val_images: int, size, classes: int, quality: int,
-                            seed: int) -> Path:
+def generate_synthetic_jpeg(
+    folder: Path, *, num_images: int, val_images: int, size, classes: int, quality: int, seed: int
+) -> Path:
     """Write an image-folder tree folder/{train,val}/<class>/<i>.jpg once; reuse it when complete (generate_once)."""
     w, h = size
 
@@ -85,11 +93,22 @@ def generate_synthetic_jpeg(folder: Path, *, num_images: int, val_images: int, s
                 (tmp / split / c).mkdir(parents=True, exist_ok=True)
             for i in range(n):
                 cls = i % classes
-                Image.fromarray(render_synthetic(rng, cls, classes, w, h)).save(tmp / split / names[cls] / f"{i:06d}.jpg",
-                                                                                  quality=quality)
+                Image.fromarray(render_synthetic(rng, cls, classes, w, h)).save(
+                    tmp / split / names[cls] / f"{i:06d}.jpg", quality=quality
+                )
 
-    return generate_once(folder, {"num_images": num_images, "val_images": val_images, "size": [w, h], "classes": classes,
-                                  "quality": quality, "seed": seed}, write)
+    return generate_once(
+        folder,
+        {
+            "num_images": num_images,
+            "val_images": val_images,
+            "size": [w, h],
+            "classes": classes,
+            "quality": quality,
+            "seed": seed,
+        },
+        write,
+    )
 
 
 @DATASETS.register("synthetic_jpeg")
@@ -105,11 +124,23 @@ def synthetic_jpeg(data_cfg) -> Splits:
     p = SYNTHETIC_DEFAULTS | {k: v for k, v in data_cfg.options.items() if k != "mode"}
     w, h = p["size"]
     folder = Path(data_cfg.root).expanduser() / (
-        f"synthetic_jpeg-n{p['num_images']}-v{p['val_images']}-{w}x{h}-c{p['classes']}-q{p['quality']}-s{p['seed']}")
-    generate_synthetic_jpeg(folder, num_images=p["num_images"], val_images=p["val_images"], size=(w, h),
-                            classes=p["classes"], quality=p["quality"], seed=p["seed"])
+        f"synthetic_jpeg-n{p['num_images']}-v{p['val_images']}-{w}x{h}-c{p['classes']}-q{p['quality']}-s{p['seed']}"
+    )
+    generate_synthetic_jpeg(
+        folder,
+        num_images=p["num_images"],
+        val_images=p["val_images"],
+        size=(w, h),
+        classes=p["classes"],
+        quality=p["quality"],
+        seed=p["seed"],
+    )
     classes, train = scan_class_folders(folder / "train")
     _, val = scan_class_folders(folder / "val")
     mode = data_cfg.options.get("mode", "RGB")
-    return Splits(image_files(train, data_cfg, mode), image_files(val, data_cfg, mode), classes,
-                  in_channels=1 if mode == "GRAY" else 3)
+    return Splits(
+        image_files(train, data_cfg, mode),
+        image_files(val, data_cfg, mode),
+        classes,
+        in_channels=1 if mode == "GRAY" else 3,
+    )

@@ -113,13 +113,17 @@ def clip_of(spec: list, where: str, train: bool = False) -> Clip | MultiClip:
     """
     steps = [parse_step(s, where) for s in spec]
     if not steps or steps[0][0] not in CLIP_STEPS:
-        raise UsageError(f"{where}: task=video needs a clip step first, e.g. [random_clip: {{frames: 8, stride: 2}}, ...] "
-                         f"for training and [center_clip: {{frames: 8, stride: 2}}, ...] for evaluation.")
+        raise UsageError(
+            f"{where}: task=video needs a clip step first, e.g. [random_clip: {{frames: 8, stride: 2}}, ...] "
+            f"for training and [center_clip: {{frames: 8, stride: 2}}, ...] for evaluation."
+        )
     name, arg = steps[0]
     if train and name == "multi_clip":
-        raise UsageError(f"{where}: multi_clip is for evaluation only (it averages the logits of K clips per video); "
-                         f"train on one clip per video with random_clip: {{frames: T, stride: S}} and put multi_clip "
-                         f"in data.eval.transforms.")
+        raise UsageError(
+            f"{where}: multi_clip is for evaluation only (it averages the logits of K clips per video); "
+            f"train on one clip per video with random_clip: {{frames: T, stride: S}} and put multi_clip "
+            f"in data.eval.transforms."
+        )
     return TRANSFORMS.get(name)(**(arg or {}))
 
 
@@ -184,8 +188,10 @@ def video_splits(root: Path, data_cfg) -> Splits:
     train_clip = clip_of(data_cfg.train.transforms, "data.train.transforms", train=True)
     eval_clip = clip_of(data_cfg.eval.transforms, "data.eval.transforms")
     if train_clip.frames != eval_clip.frames:
-        raise UsageError(f"the train and eval clip steps take different frame counts ({train_clip.frames} vs "
-                         f"{eval_clip.frames}); the model sees T frames in both.")
+        raise UsageError(
+            f"the train and eval clip steps take different frame counts ({train_clip.frames} vs "
+            f"{eval_clip.frames}); the model sees T frames in both."
+        )
     channels = 1 if data_cfg.options.get("mode", "RGB") == "GRAY" else 3
     from torchsprint.data.sources.folders import merge_skipped
 
@@ -198,8 +204,14 @@ def video_splits(root: Path, data_cfg) -> Splits:
         from torchsprint.data.core import split_samples
 
         train, val = split_samples(train, data_cfg)
-    return Splits(VideoFiles(train, train_clip.span, channels), VideoFiles(val, eval_clip.span, channels), classes,
-                  in_channels=channels, task="video", skipped=skipped)
+    return Splits(
+        VideoFiles(train, train_clip.span, channels),
+        VideoFiles(val, eval_clip.span, channels),
+        classes,
+        in_channels=channels,
+        task="video",
+        skipped=skipped,
+    )
 
 
 @DATASETS.register("video_folder")
@@ -239,7 +251,9 @@ def render_moving(rng: np.random.Generator, direction: tuple[int, int], size: in
     sq, speed = max(4, size // 4), 1
     travel = speed * (frames - 1)
     if travel > size - sq:
-        raise UsageError(f"synthetic_video: a {size}px frame cannot hold {frames} frames of motion; raise size or lower frames.")
+        raise UsageError(
+            f"synthetic_video: a {size}px frame cannot hold {frames} frames of motion; raise size or lower frames."
+        )
 
     def start(d: int) -> int:  # the square stays inside the frame for the whole video
         if d > 0:
@@ -260,7 +274,9 @@ def render_moving(rng: np.random.Generator, direction: tuple[int, int], size: in
     return out
 
 
-def generate_moving_shapes(folder: Path, *, per_class: int, val_per_class: int, size: int, frames: int, seed: int) -> Path:
+def generate_moving_shapes(
+    folder: Path, *, per_class: int, val_per_class: int, size: int, frames: int, seed: int
+) -> Path:
     """Write folder/{train,val}/<direction>/<i>.mp4 once (real MPEG-4 files); reuse a complete folder."""
     from torchsprint.data.sources.synthetic import generate_once
 
@@ -272,8 +288,11 @@ def generate_moving_shapes(folder: Path, *, per_class: int, val_per_class: int, 
                 for i in range(n):
                     write_video(tmp / split / name / f"{i:04d}.mp4", render_moving(rng, d, size, frames))
 
-    return generate_once(folder, {"per_class": per_class, "val_per_class": val_per_class, "size": size, "frames": frames,
-                                  "seed": seed}, write)
+    return generate_once(
+        folder,
+        {"per_class": per_class, "val_per_class": val_per_class, "size": size, "frames": frames, "seed": seed},
+        write,
+    )
 
 
 @DATASETS.register("synthetic_video")
@@ -286,10 +305,13 @@ def synthetic_video(data_cfg) -> Splits:
     check_options(data_cfg, {k: f"default {v}" for k, v in VIDEO_DEFAULTS.items()})
     p = VIDEO_DEFAULTS | data_cfg.options
     folder = Path(data_cfg.root).expanduser() / (
-        f"synthetic_video-n{p['per_class']}-v{p['val_per_class']}-{p['size']}px-f{p['frames']}-s{p['seed']}")
+        f"synthetic_video-n{p['per_class']}-v{p['val_per_class']}-{p['size']}px-f{p['frames']}-s{p['seed']}"
+    )
     generate_moving_shapes(folder, **p)
     splits = video_splits(folder, data_cfg.model_copy(update={"options": {}}))
     # The classes are motion directions: a flip would show a 'left' clip moving right, labelled 'left'.
-    splits.label_changing = {"hflip": "mirrors left and right motion, so a 'left' clip would move right",
-                             "vflip": "mirrors up and down motion, so an 'up' clip would move down"}
+    splits.label_changing = {
+        "hflip": "mirrors left and right motion, so a 'left' clip would move right",
+        "vflip": "mirrors up and down motion, so an 'up' clip would move down",
+    }
     return splits

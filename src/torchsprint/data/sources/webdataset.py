@@ -26,7 +26,7 @@ from torchsprint.errors import UsageError
 INDEX_NAME = "index.json"
 WEBDATASET_OPTIONS = {
     "train": "training shards: a path/URL with brace expansion, e.g. 'train-{000000..000127}.tar' or "
-             "'pipe:aws s3 cp s3://bucket/train-{000000..000127}.tar -' (default: <root>/train-*.tar)",
+    "'pipe:aws s3 cp s3://bucket/train-{000000..000127}.tar -' (default: <root>/train-*.tar)",
     "val": "validation shards, the same way (default: <root>/val-*.tar; none: no validation)",
     "index": f"the index/class JSON (default: <root>/{INDEX_NAME})",
     "shuffle_buffer": "samples in the seeded shuffle buffer of each worker (default 1000; 0 or 1: shard order only)",
@@ -62,8 +62,10 @@ def read_index(path: Path) -> tuple[list[str], dict[str, dict]]:
     try:
         obj = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UsageError(f"webdataset: no class index at {path}. Write one (a JSON list of class names, in index "
-                         "order) or point data.options.index at it; `torchsprint data shard` writes it.") from None
+        raise UsageError(
+            f"webdataset: no class index at {path}. Write one (a JSON list of class names, in index "
+            "order) or point data.options.index at it; `torchsprint data shard` writes it."
+        ) from None
     except (OSError, json.JSONDecodeError) as e:
         raise UsageError(f"webdataset: cannot read the class index {path}: {e}") from None
     if isinstance(obj, list):
@@ -72,8 +74,10 @@ def read_index(path: Path) -> tuple[list[str], dict[str, dict]]:
         return [str(c) for c in obj["classes"]], dict(obj.get("shards", {}))
     if isinstance(obj, dict) and all(k.isdigit() for k in obj):
         return [str(obj[k][-1] if isinstance(obj[k], list) else obj[k]) for k in sorted(obj, key=int)], {}
-    raise UsageError(f"webdataset: {path} is not a class index: expected a JSON list of class names or "
-                     '{"classes": [...], "shards": {...}}.')
+    raise UsageError(
+        f"webdataset: {path} is not a class index: expected a JSON list of class names or "
+        '{"classes": [...], "shards": {...}}.'
+    )
 
 
 def count_local(path: str) -> int:
@@ -104,9 +108,11 @@ def shard_counts(urls: list[str], known: dict[str, dict], where: str) -> list[in
         if entry is not None:
             out.append(int(entry["count"] if isinstance(entry, dict) else entry))
         elif url.startswith("pipe:") or "://" in url:
-            raise UsageError(f"{where}: the index has no sample count for {url!r} (a stream cannot be counted without "
-                             f"reading it). Add \"shards\": {{\"{name}\": {{\"count\": N}}}} to the index, or write the "
-                             "shards with `torchsprint data shard`.")
+            raise UsageError(
+                f"{where}: the index has no sample count for {url!r} (a stream cannot be counted without "
+                f'reading it). Add "shards": {{"{name}": {{"count": N}}}} to the index, or write the '
+                "shards with `torchsprint data shard`."
+            )
         elif not Path(url).is_file():
             raise UsageError(f"{where}: shard {url} does not exist.")
         else:
@@ -127,7 +133,9 @@ def require_webdataset() -> None:
     try:
         import webdataset  # noqa: F401
     except ImportError:
-        raise UsageError("data.dataset=webdataset needs the webdataset library: pip install 'torchsprint[shards]'.") from None
+        raise UsageError(
+            "data.dataset=webdataset needs the webdataset library: pip install 'torchsprint[shards]'."
+        ) from None
 
 
 @DATASETS.register("webdataset")
@@ -139,8 +147,10 @@ def webdataset(data_cfg) -> Splits:
     opts = data_cfg.options
     root = Path(data_cfg.root).expanduser() if data_cfg.root else None
     if root is None and "train" not in opts:
-        raise UsageError("data.dataset=webdataset needs data.root=<folder with train-*.tar and index.json> "
-                         "or data.options.train=<shard list, e.g. 'train-{000000..000127}.tar'>.")
+        raise UsageError(
+            "data.dataset=webdataset needs data.root=<folder with train-*.tar and index.json> "
+            "or data.options.train=<shard list, e.g. 'train-{000000..000127}.tar'>."
+        )
     if root is not None and not root.is_dir() and "train" not in opts:
         raise UsageError(f"data.root={root} does not exist or is not a folder.")
     if "index" in opts:
@@ -161,14 +171,25 @@ def webdataset(data_cfg) -> Splits:
             raise UsageError(f"webdataset: no training shards ({root}/train-*.tar, or set data.options.train).")
         splits[split] = (urls, shard_counts(urls, known, f"data.options.{split}"))
     if data_cfg.val_fraction != 0.2 or data_cfg.split_seed != 0:
-        raise UsageError("data.val_fraction/data.split_seed: webdataset cannot hold out a share of a stream; it validates "
-                         "on its val shards (`torchsprint data shard` writes them). Remove these settings.")
+        raise UsageError(
+            "data.val_fraction/data.split_seed: webdataset cannot hold out a share of a stream; it validates "
+            "on its val shards (`torchsprint data shard` writes them). Remove these settings."
+        )
     buffer = int(opts.get("shuffle_buffer", 1000))
     if buffer < 0:
         raise UsageError(f"data.options.shuffle_buffer={buffer}: use 0 (no sample shuffle) or more samples.")
     mode = opts.get("mode", "RGB")
-    made = [ShardSet(urls, counts, mode, decoder=data_cfg.decoder, max_pixels=data_cfg.max_image_pixels,
-                     shuffle_buffer=buffer, image_key=opts.get("image_key"), label_key=opts.get("label_key", "cls"))
-            for urls, counts in (splits["train"], splits["val"])]
+    made = [
+        ShardSet(
+            urls,
+            counts,
+            mode,
+            decoder=data_cfg.decoder,
+            max_pixels=data_cfg.max_image_pixels,
+            shuffle_buffer=buffer,
+            image_key=opts.get("image_key"),
+            label_key=opts.get("label_key", "cls"),
+        )
+        for urls, counts in (splits["train"], splits["val"])
+    ]
     return Splits(made[0], made[1], classes, in_channels=1 if mode == "GRAY" else 3)
-

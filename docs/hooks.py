@@ -1,4 +1,5 @@
-"""MkDocs hooks (mkdocs.yml `hooks:`): the site shows the repository's root pages, and links work on GitHub and in the site.
+"""MkDocs hooks (mkdocs.yml `hooks:`): the site shows the repository's root pages, and links work on GitHub and in the
+site.
 
 BENCHMARKS.md and ARCHITECTURE.md live at the repository's root (tests read them there). Their site pages,
 docs/benchmarks.md and docs/architecture.md, are stubs whose text this hook replaces with the root file's.

@@ -24,8 +24,8 @@ torch.set_num_threads(1)
 
 # The suite never downloads from the internet: library weights (model.pretrained=torchvision:..., timm:..., URLs)
 # that a test has not put in its cache are refused as offline (models/download.py) instead of fetched from
-# download.pytorch.org or huggingface.co on a machine that has network. tests/e2e/models/test_weights_download.py turns it off
-# for its downloads, which go to a server of its own on 127.0.0.1.
+# download.pytorch.org or huggingface.co on a machine that has network. tests/e2e/models/test_weights_download.py turns
+# it off for its downloads, which go to a server of its own on 127.0.0.1.
 os.environ.setdefault("TORCHSPRINT_OFFLINE", "1")
 # A developer's own torch.hub cache (~/.cache/torch) must not change what a folder of photos chooses (models/start.py
 # fine-tunes the picked model's weights when they are cached): the suite's cache starts empty, and the tests that

@@ -1,5 +1,5 @@
-"""Helpers of tests/e2e/serve/test_serve*.py: a real uvicorn server of a run in a thread of the test process, its /metrics
-read back, the images the tests send (distinct digits, and files predict decodes in its own ways)."""
+"""Helpers of tests/e2e/serve/test_serve*.py: a real uvicorn server of a run in a thread of the test process, its
+/metrics read back, the images the tests send (distinct digits, and files predict decodes in its own ways)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import numpy as np
 from PIL import Image
 
 # |serve - predict| of any probability: measured 4.5e-8 over batches of 1-32 (padded to powers of two or not) and 1
-# or 2 torch threads, against predict's batch of 64 (the digits small_cnn, AMD EPYC; benchmarks/numerics/serve_tolerance.py).
-# Two different images' probability vectors differ by >= 4e-3 there: an answer swapped between requests fails.
+# or 2 torch threads, against predict's batch of 64 (the digits small_cnn, AMD EPYC;
+# benchmarks/numerics/serve_tolerance.py). Two different images' probability vectors differ by >= 4e-3 there: an answer
+# swapped between requests fails.
 TOL = 1e-6
 REPO = Path(__file__).resolve().parents[1]
 

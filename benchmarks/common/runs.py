@@ -1,4 +1,5 @@
-"""One training run in this process, in a temporary run folder (numerics/backend_agreement.py, numerics/bf16_parity.py)."""
+"""One training run in this process, in a temporary run folder (numerics/backend_agreement.py,
+numerics/bf16_parity.py)."""
 
 from __future__ import annotations
 

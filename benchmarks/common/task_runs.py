@@ -1,9 +1,9 @@
 """The tiny task runs of tests/e2e/tasks/test_task_everything.py (multilabel, image_to_image, video), for
 numerics/amp_tolerance.py, which measures the spread the test's amp_bf16 bounds are set from.
 
-A copy, since a benchmark imports nothing from tests/: tests/e2e/cli/test_benchmark_scripts.py holds it equal to the test's
-(CFG, COMMON, EPOCHS, MONITOR), so the benchmark cannot drift from what the test runs. One difference, on purpose:
-the video task reads `synthetic_video` (the whole balanced validation set), where the test registers
+A copy, since a benchmark imports nothing from tests/: tests/e2e/cli/test_benchmark_scripts.py holds it equal to the
+test's (CFG, COMMON, EPOCHS, MONITOR), so the benchmark cannot drift from what the test runs. One difference, on
+purpose: the video task reads `synthetic_video` (the whole balanced validation set), where the test registers
 `synthetic_video_odd` (7 clips, for uneven DDP shards) and its amp test reads `synthetic_video` too.
 """
 
@@ -42,7 +42,8 @@ CFG = {
         "optim.lr=0.01",
         "optim.weight_decay=0",
         "data.options={per_class: 8, val_per_class: 2, size: 16, frames: 8}",
-        "data.train.transforms=[{random_clip: {frames: 4, stride: 1}}, {random_crop: 14}]",  # no flips: classes are directions
+        # no flips: classes are directions
+        "data.train.transforms=[{random_clip: {frames: 4, stride: 1}}, {random_crop: 14}]",
         "data.eval.transforms=[{center_clip: {frames: 4}}, {center_crop: 14}]",
     ],
 }

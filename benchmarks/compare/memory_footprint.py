@@ -209,15 +209,15 @@ def main() -> None:
             for p in res["at_peak"]:
                 print(
                     f"    {p.get('VmRSS', 0) / 1024:6.0f} MB rss (anon {p.get('RssAnon', 0) / 1024:.0f}, "
-                    f"file {p.get('RssFile', 0) / 1024:.0f}, shmem {p.get('RssShmem', 0) / 1024:.0f}), pss {p['Pss'] / 1024:.0f}, "
-                    f"private {p['Private'] / 1024:.0f}  {p.get('cmd', '')[:40]}"
+                    f"file {p.get('RssFile', 0) / 1024:.0f}, shmem {p.get('RssShmem', 0) / 1024:.0f}), pss "
+                    f"{p['Pss'] / 1024:.0f}, private {p['Private'] / 1024:.0f}  {p.get('cmd', '')[:40]}"
                 )
     ref = results.get("torchvision")
     ref_rss = statistics.median(x["peak_rss_mb"] for x in ref) if ref else None
     ref_pss = statistics.median(x["peak_pss_mb"] for x in ref) if ref else None
     print(
-        f"\nload average {os.getloadavg()[0]:.2f}; {args.epochs} epochs, batch {args.batch_size}, {args.workers} workers, "
-        f"{args.size} px, {n_train} training images; medians of {args.repeats} run(s)"
+        f"\nload average {os.getloadavg()[0]:.2f}; {args.epochs} epochs, batch {args.batch_size}, {args.workers} "
+        f"workers, {args.size} px, {n_train} training images; medians of {args.repeats} run(s)"
     )
     print("| variant | peak tree RSS MB | vs torchvision | peak tree PSS MB | vs torchvision | train img/s |")
     print("|---|---|---|---|---|---|")

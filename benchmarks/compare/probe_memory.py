@@ -17,7 +17,8 @@ and two in-process measurements:
                  stops after the probe;
   --thread       one ResNet-18 amp_bf16 NHWC training step (batch 16, 112 px) timed on the main thread and on a second
                  Python thread (whose tensors glibc serves from another arena, which could be given back whole), and
-                 under fixed mmap thresholds: what keeping the probe's memory out of the main heap would cost its timing.
+                 under fixed mmap thresholds: what keeping the probe's memory out of the main heap would cost
+                 its timing.
 
     python -m benchmarks.compare.probe_memory --json benchmarks/results/probe_memory_<device>_<date>.json \
         [--timm-train .../train.py]

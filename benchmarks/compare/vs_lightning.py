@@ -100,7 +100,8 @@ def main() -> None:
         f"{args.repeats} repeats, one epoch each (epoch time only, setup excluded on both sides)"
     )
     print(
-        "| case | Lightning img/s | torchsprint cpu loader img/s | ratio | torchsprint own defaults (memory) img/s | ratio |"
+        "| case | Lightning img/s | torchsprint cpu loader img/s | "
+        "ratio | torchsprint own defaults (memory) img/s | ratio |"
     )
     print("|---|---|---|---|---|---|")
     for name in args.cases.split(","):

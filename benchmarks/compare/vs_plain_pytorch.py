@@ -5,8 +5,8 @@ optimizer (SGD, Nesterov momentum, weight decay) and schedule (cosine, stepped p
 epochs to make at least --steps optimizer steps; the sides alternate inside every repeat in a rotating
 order, so machine load hits all alike. "same settings" runs torchsprint's `cpu` backend (a DataLoader,
 like the plain loop) with speed.channels_last=false (NCHW, like the plain loop); "own defaults" runs its
-memory backend with speed.channels_last=auto (the default: a model with 2-D convolutions in NHWC). The table reports median images/s, the median of the
-per-repeat ratios, and the per-step overhead in microseconds (median over repeats of
+memory backend with speed.channels_last=auto (the default: a model with 2-D convolutions in NHWC). The table reports
+median images/s, the median of the per-repeat ratios, and the per-step overhead in microseconds (median over repeats of
 batch * (1/torchsprint - 1/plain)); a negative overhead means torchsprint's step is cheaper.
 
 "digits_default": `torchsprint train` with its defaults (digits, small_cnn, batch 64, 10 epochs, cosine per
@@ -53,7 +53,8 @@ def sgd(model, lr: float) -> torch.optim.Optimizer:
 
 
 def plain_run(model_name: str, x, y, batch_size: int, lr: float, epochs: int) -> float:
-    """Seed 004's loop: DataLoader over a TensorDataset, zero_grad / forward / loss / backward / step; cosine per epoch."""
+    """Seed 004's loop: DataLoader over a TensorDataset, zero_grad / forward / loss / backward / step; cosine per
+    epoch."""
     torch.manual_seed(0)
     model = build_model(config.load(None, [f"model.name={model_name}"]).model, 10, x.shape[1])
     model(x[:2].float())  # materialise lazy layers, as torchsprint does
@@ -193,8 +194,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="vs-plain-"))
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, {args.repeats} interleaved repeats, "
-        f">= {args.steps} steps each, load average {os.getloadavg()[0]:.2f} at start"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, {args.repeats} interleaved "
+        f"repeats, >= {args.steps} steps each, load average {os.getloadavg()[0]:.2f} at start"
     )
     print(
         "| case | plain loop img/s | torchsprint, same settings (cpu backend, NCHW) img/s | ratio | overhead us/step "

@@ -396,13 +396,15 @@ def main() -> None:
     )
     base_cpu = statistics.median(cpu_s["naive: PIL + torchvision transforms (float in workers)"])
     print(
-        "| variant | images/s, 2 workers (median) | min-max | vs naive | CPU ms per image, 1 thread | images/s per core | vs naive |"
+        "| variant | images/s, 2 workers (median) | min-max | vs naive "
+        "| CPU ms per image, 1 thread | images/s per core | vs naive |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, xs in results.items():
         med, c = statistics.median(xs), statistics.median(cpu_s[name])
         print(
-            f"| {name} | {med:.0f} | {min(xs):.0f}-{max(xs):.0f} | {med / base:.2f}x | {c * 1e3:.2f} | {1 / c:.0f} | {base_cpu / c:.2f}x |"
+            f"| {name} | {med:.0f} | {min(xs):.0f}-{max(xs):.0f} | "
+            f"{med / base:.2f}x | {c * 1e3:.2f} | {1 / c:.0f} | {base_cpu / c:.2f}x |"
         )
     print()
     paths = sorted(Path(args.root).glob("*/train/*/*.jpg"))

@@ -1,8 +1,8 @@
 """A new user's own photos through the real CLI: feedback times, speed and accuracy, new defaults vs old.
 
 Generates a folder of class folders (common/photos.py; no split folders: the detected default, split by
-data.val_fraction) of photo-sized JPEGs: a disc, square, triangle or cross of random colour, place and scale on a blurred noise
-background, 4 classes with a 10x spread (10:5:2:1), RGB or grey ("L"), 300x300 or 500x375. Then runs
+data.val_fraction) of photo-sized JPEGs: a disc, square, triangle or cross of random colour, place and scale on a
+blurred noise background, 4 classes with a 10x spread (10:5:2:1), RGB or grey ("L"), 300x300 or 500x375. Then runs
 `python -m torchsprint train data.root=DIR ...` as a subprocess with stdout a pipe (as a CI log or `| tee` gets it)
 and timestamps each line as it arrives, from which it takes:
 
@@ -15,10 +15,10 @@ and timestamps each line as it arrives, from which it takes:
 - wall_s: process start to exit; from summary.json: train images/s, final val top-1, balanced accuracy, macro-F1,
   the weakest class's recall.
 
-Cases: `new` (the defaults: nothing but data.root, run.epochs=10; with --max-time, run.max_time too), `old` (the old defaults: model.name=small_cnn
-and no resize, data.train.transforms=[] / data.eval.transforms=[], under run.max_time = the new run's wall time),
-`full` (the new default model, resnet18, at the native size with the same augmentation scale, lr and warm-up, same
-max_time).
+Cases: `new` (the defaults: nothing but data.root, run.epochs=10; with --max-time, run.max_time too), `old` (the old
+defaults: model.name=small_cnn and no resize, data.train.transforms=[] / data.eval.transforms=[], under run.max_time =
+the new run's wall time), `full` (the new default model, resnet18, at the native size with the same augmentation scale,
+lr and warm-up, same max_time).
 
     nice -n 5 python -m benchmarks.defaults.photo_folder --cases rgb300 --max-time 15m \
         --out benchmarks/results/photo_folder_<device>_<date>.json

@@ -823,9 +823,9 @@ def m3(res: Results, deadline: float, root: Path, previous: dict, backends: set[
             out["m1_images_per_s"] = ref
             out["ratio_to_m1"] = r["images_per_s"] / ref if ref else None
             print(
-                f"M3 {best_backend} + {chosen}: {r['images_per_s']:.0f} images/s, data wait {r['data_wait_share']:.1%}, "
-                f"loader on the training thread {r['loader_thread_cpu_ms_per_batch']:.2f} ms CPU per batch, "
-                f"ratio to M1 {out['ratio_to_m1']}",
+                f"M3 {best_backend} + {chosen}: {r['images_per_s']:.0f} images/s, data wait "
+                f"{r['data_wait_share']:.1%}, loader on the training thread {r['loader_thread_cpu_ms_per_batch']:.2f} "
+                f"ms CPU per batch, ratio to M1 {out['ratio_to_m1']}",
                 flush=True,
             )
         except Exception as e:  # noqa: BLE001

@@ -1,5 +1,5 @@
-"""How far amp_bf16 lands from fp32 on the tiny task runs of tests/e2e/tasks/test_task_everything.py, across seeds and CPU kernels
-(the runs: common/task_runs.py, a copy a test holds equal to the test's).
+"""How far amp_bf16 lands from fp32 on the tiny task runs of tests/e2e/tasks/test_task_everything.py, across seeds and
+CPU kernels (the runs: common/task_runs.py, a copy a test holds equal to the test's).
 
 The test's tolerance (AMP_TOL) must hold on any machine: this script measures |bf16 - fp32| of the monitored metric per
 seed, and the seed-to-seed spread of each precision, in one process per (kernel, seed) so ATEN_CPU_CAPABILITY applies.

@@ -1,4 +1,5 @@
-"""Do the loader backends train to the same accuracy? The same config on the cpu, memory and gpu backends, several seeds.
+"""Do the loader backends train to the same accuracy? The same config on the cpu, memory and gpu backends, several
+seeds.
 
 The backends' agreement: ResNet-18 from scratch on generated JPEGs (synthetic_jpeg, 10 classes, validation
 sorted by class, eval batch 32) reached 67.2% top-1 on the cpu backend and 36.8% on the memory backend
@@ -48,8 +49,8 @@ def jpeg_overrides(args, backend: str, seed: int) -> list[str]:
     return [
         "data.dataset=synthetic_jpeg",
         f"data.root={args.root}",
-        f"data.options={{num_images: {args.train_images}, val_images: {args.val_images}, size: [{args.size}, {args.size}], "
-        "classes: 10}",
+        f"data.options={{num_images: {args.train_images}, val_images: {args.val_images}, size: [{args.size}, "
+        f"{args.size}], classes: 10}}",
         f"data.backend={backend}",
         f"data.batch_size={args.batch_size}",
         "data.eval_batch_size=32",
@@ -132,8 +133,8 @@ def main() -> None:
     import torchvision
 
     note = (
-        f"{args.model}, {args.train_images} train / {args.val_images} val {args.size}x{args.size} JPEGs, crop {args.crop}, "
-        f"{args.epochs} epochs"
+        f"{args.model}, {args.train_images} train / {args.val_images} val {args.size}x{args.size} JPEGs, crop "
+        f"{args.crop}, {args.epochs} epochs"
         if args.job == "jpeg"
         else "the default run (digits, small_cnn, 10 epochs)"
     )

@@ -7,7 +7,8 @@ of kernels that block differently per batch size. This measures max |p_serve - p
 compositions, sizes and torch thread counts, and the smallest distance between two different images' probability
 vectors (what a swapped answer would show).
 
-    python -m benchmarks.numerics.serve_tolerance [--run RUN_DIR] [--trials 20] [--precision fp32|bf16] [--json out.json]
+    python -m benchmarks.numerics.serve_tolerance [--run RUN_DIR] [--trials 20] [--precision fp32|bf16]
+        [--json out.json]
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def main() -> None:
                 flush=True,
             )  # each figure as it is measured: a run stopped at its time limit keeps them
     print(
-        "| backend | switch | training images/s (min-max) | vs baseline | loader alone images/s | loader ms per 1000 images |"
+        "| backend | switch | training images/s (min-max) | vs "
+        "baseline | loader alone images/s | loader ms per 1000 images |"
     )
     print("|---|---|---|---|---|---|")
     for backend in args.backends.split(","):
@@ -127,7 +128,8 @@ def main() -> None:
             v = [t for t, _ in results[(b, name)]]
             med, lod = statistics.median(v), statistics.median(x for _, x in results[(b, name)])
             print(
-                f"| {b} | {name} | {med:.0f} ({min(v):.0f}-{max(v):.0f}) | {med / base:.2f}x | {lod:.0f} | {1e6 / lod:.0f} |"
+                f"| {b} | {name} | {med:.0f} ({min(v):.0f}-{max(v):.0f}) "
+                f"| {med / base:.2f}x | {lod:.0f} | {1e6 / lod:.0f} |"
             )
     for backend in ("memory", "gpu"):
         print(f"{backend}: auto_augment and augmix are refused (cpu backend only)")

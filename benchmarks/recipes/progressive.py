@@ -32,8 +32,8 @@ def job(args, seed: int, progressive: bool, run_dir: str) -> dict:
         "data.dataset=synthetic_jpeg",
         f"data.root={args.root}",
         f"data.backend={args.backend}",
-        f"data.options={{num_images: {args.train_images}, val_images: {args.val_images}, size: [{args.size}, {args.size}], "
-        "classes: 10}",
+        f"data.options={{num_images: {args.train_images}, val_images: {args.val_images}, size: [{args.size}, "
+        f"{args.size}], classes: 10}}",
         f"data.batch_size={args.batch}",
         f"model.name={args.model}",
         f"model.args={{width: {args.width}}}" if args.width else "model.args={}",
@@ -109,8 +109,9 @@ def main() -> None:
                 r = job(args, seed, progressive, f"{d}/run")
             runs.append(r)
             print(
-                f"seed {seed} {'progressive' if progressive else 'fixed':11s}: top1 {r['top1']:.4f}  loss {r['loss']:.4f}  "
-                f"{r['train_images_per_s']:.0f} train img/s  {r['wall_s']:.0f} s  sizes {r['train_sizes'] or args.crop}",
+                f"seed {seed} {'progressive' if progressive else 'fixed':11s}: top1 {r['top1']:.4f}  loss "
+                f"{r['loss']:.4f}  {r['train_images_per_s']:.0f} train img/s  "
+                f"{r['wall_s']:.0f} s  sizes {r['train_sizes'] or args.crop}",
                 flush=True,
             )
     print("\n| run | " + " | ".join(f"seed {r['seed']}" for r in runs if not r["progressive"]) + " | mean |")

@@ -14,7 +14,8 @@ The load generator (aiohttp: httpx's AsyncClient itself topped out near 100 requ
 where aiohttp made 2,200; `concurrency` requests always in flight) runs in this process and shares
 the machine's cores with the server: on a small machine it takes a share of them from every server alike.
 
-    python -m benchmarks.serve.serve_load [--configs digits,resnet18] [--servers torchsprint,torchsprint:fp32,fastapi,litserve]
+    python -m benchmarks.serve.serve_load [--configs digits,resnet18]
+        [--servers torchsprint,torchsprint:fp32,fastapi,litserve]
         [--concurrency 1,8,32,128] [--duration 10] [--rounds 1] [--device cpu] [--json out.json]
     python -m benchmarks.serve.serve_load --soak [SECONDS]   # torchsprint alone, concurrency 64, 5% bad requests
 

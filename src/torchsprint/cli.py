@@ -133,7 +133,10 @@ def cmd_eval(args) -> int:
         out = evaluate_run(args.run, weights, args.overrides, split=args.split)
         saved = ", ".join(f"{k} {out[k]}" for k in ("epoch", "step") if out.get(k) is not None)
         tta = "" if out.get("tta", "none") == "none" else f", test-time augmentation {out['tta']}"
-        header = f"{args.split} split, {weights} weights ({os.path.basename(out['weights'])}{', ' + saved if saved else ''}){tta}:"
+        header = (
+            f"{args.split} split, {weights} weights "
+            f"({os.path.basename(out['weights'])}{', ' + saved if saved else ''}){tta}:"
+        )
     if args.json:
         print(json.dumps(out))
     else:
@@ -352,7 +355,9 @@ COMMANDS = [
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    try:  # argparse exits on --help and on a refused flag (commands/args.py): its exit code is returned, as every refusal's
+    # argparse exits on --help and on a refused flag (commands/args.py): its exit code is returned, as every
+    # refusal's
+    try:
         args = parser.parse_args(argv)
         command = args.command or "train"
         if args.command is None and not args.version:  # `torchsprint` alone runs the default training

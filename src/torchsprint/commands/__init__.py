@@ -1,1 +1,2 @@
-"""The CLI's commands beyond train: export, predict, serve, bench, report, average, lr-find, weights, DDP launching, `data` (check, compare, shard)."""
+"""The CLI's commands beyond train: export, predict, serve, bench, report, average, lr-find, weights, DDP launching,
+`data` (check, compare, shard)."""

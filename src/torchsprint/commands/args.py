@@ -1,8 +1,9 @@
 """The commands' flags: the arguments each command takes (`args_<command>`, named in cli.COMMANDS) and their
-types, checked while the command line is parsed, as the config schema checks its fields: whole numbers where counts are meant, finite numbers in range, devices this machine has, output paths
-that can be written. A bad value is one line (`error: torchsprint predict: argument --batch-size: ...`, exit
-code 2) before any work starts: `predict --batch-size 0`, `--topk -1` and `--device cuda` without a GPU were
-tracebacks, `lr-find --out` on a file was found only after the whole sweep, `--nproc-per-node 0` ran one process.
+types, checked while the command line is parsed, as the config schema checks its fields: whole numbers where counts are
+meant, finite numbers in range, devices this machine has, output paths that can be written. A bad value is one line
+(`error: torchsprint predict: argument --batch-size: ...`, exit code 2) before any work starts:
+`predict --batch-size 0`, `--topk -1` and `--device cuda` without a GPU were tracebacks, `lr-find --out` on a file was
+found only after the whole sweep, `--nproc-per-node 0` ran one process.
 
 Each type keeps what it accepts as attributes (tests/test_cli_flags.py draws bad values from them).
 """

@@ -85,7 +85,8 @@ def read_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def check_same_model(states: list[tuple[str, dict, dict]]) -> None:
-    """Refuse inputs that are not the same model (name, classes, tensor names and shapes), naming the first difference."""
+    """Refuse inputs that are not the same model (name, classes, tensor names and shapes), naming the first
+    difference."""
     label0, state0, meta0 = states[0]
     for label, state, meta in states[1:]:
         if meta["model"] != meta0["model"]:

@@ -283,9 +283,8 @@ def parity(fmt: str, path: Path, trained, example: torch.Tensor, uint8_input: bo
 def default_out(run_dir: str | Path, fmt: str, uint8_input: bool, tta: str) -> Path:
     """`<run>/export/model[-uint8][-tta-NAME].<ext>`: one file per input type and eval.tta (a graph holds its TTA)."""
     return (
-        Path(run_dir)
-        / "export"
-        / f"model{'-uint8' if uint8_input else ''}{'' if tta == 'none' else '-tta-' + tta}{EXPORTERS.get(fmt).extension}"
+        Path(run_dir) / "export" / f"model{'-uint8' if uint8_input else ''}{'' if tta == 'none' else '-tta-' + tta}"
+        f"{EXPORTERS.get(fmt).extension}"
     )
 
 

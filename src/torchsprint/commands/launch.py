@@ -342,9 +342,10 @@ def launch(args) -> int:
     except RendezvousError as e:
         detail = (str(e).strip().splitlines() or [""])[0][:200]
         print(
-            f"error: the rendezvous at {endpoint} did not complete ({type(e).__name__}{': ' + detail if detail else ''}): "
-            f"a machine of the {nnodes} did not join within strategy.timeout_s={cfg.strategy.timeout_s:g} s (dead or "
-            "unreachable host?). The workers here were stopped.",
+            f"error: the rendezvous at {endpoint} did not complete "
+            f"({type(e).__name__}{': ' + detail if detail else ''}): a machine of the {nnodes} did not join "
+            f"within strategy.timeout_s={cfg.strategy.timeout_s:g} s (dead or unreachable host?). The workers "
+            "here were stopped.",
             file=sys.stderr,
         )
         return 1

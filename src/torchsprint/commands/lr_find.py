@@ -233,7 +233,8 @@ def lr_find(
     replace_file(out / "lr_find.json", json.dumps(result, indent=1))
     log(f"lr-find: {result['stopped']}; suggested learning rate {result['suggestion']:.3g} (rule: {RULE})")
     log(
-        f"lr-find: plot {out / 'lr_find.png'}, data {out / 'lr_find.json'}; train with optim.lr={result['suggestion']:.3g}"
+        f"lr-find: plot {out / 'lr_find.png'}, data {out / 'lr_find.json'}; "
+        f"train with optim.lr={result['suggestion']:.3g}"
     )
     return result
 

@@ -215,7 +215,7 @@ window.addEventListener("load", () => {{
 }});
 </script>
 </body></html>
-"""
+"""  # noqa: E501
 
 
 def report(
@@ -258,7 +258,8 @@ def report(
             ("dataset", f"{cfg.data.dataset} {cfg.data.root or ''}"),
             (
                 "classes",
-                f"{len(trained.classes)}: {', '.join(trained.classes[:12])}{' ...' if len(trained.classes) > 12 else ''}",
+                f"{len(trained.classes)}: "
+                f"{', '.join(trained.classes[:12])}{' ...' if len(trained.classes) > 12 else ''}",
             ),
             ("model", f"{cfg.model.name} {cfg.model.args or ''}"),
             ("optimizer", f"{cfg.optim.name}, lr {cfg.optim.lr}"),

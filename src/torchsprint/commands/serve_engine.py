@@ -41,8 +41,8 @@ class Batcher:
     """The model thread and its queue. `reserve(n)` admits n images or says the queue is full; `put(job)` queues a
     reserved image; the thread takes up to max_batch images of one shape (fewer where their pixels would pass
     batch_pixels) once that many wait, or the first waited max_wait_s, or nothing more is on its way (no request
-    being read, no image being decoded), runs them as one batch and answers each Job's future. A Job whose future was cancelled (the request timed out or its client
-    left) before its batch formed is dropped, never run."""
+    being read, no image being decoded), runs them as one batch and answers each Job's future. A Job whose future was
+    cancelled (the request timed out or its client left) before its batch formed is dropped, never run."""
 
     def __init__(
         self, decoder: Decoder, *, max_batch: int, max_wait_s: float, queue_limit: int, buckets: bool, metrics

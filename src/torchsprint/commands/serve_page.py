@@ -72,7 +72,7 @@ drop.addEventListener("dragleave", () => drop.classList.remove("over"));
 drop.addEventListener("drop", e => { e.preventDefault(); drop.classList.remove("over"); sendAll(e.dataTransfer.files); });
 </script>
 </body></html>
-"""
+"""  # noqa: E501
 
 
 def page_html(name: str, topk: int, token: bool) -> str:

@@ -109,6 +109,8 @@ def load_run(run_dir: str | Path, weights: str = "best", device: str | torch.dev
     wpath = weights_file(run_dir, weights)
     if not wpath.is_file():
         raise UsageError(
-            f"{wpath} not found: the run has not saved {weights} weights yet. Try --weights last or best{' (ema.safetensors exists only for runs with ema.enabled=true)' if weights == 'ema' else ''}{' (swa.safetensors exists only for runs with swa.enabled=true)' if weights == 'swa' else ''}."
+            f"{wpath} not found: the run has not saved {weights} weights yet. Try --weights last or best"
+            f"{' (ema.safetensors exists only for runs with ema.enabled=true)' if weights == 'ema' else ''}"
+            f"{' (swa.safetensors exists only for runs with swa.enabled=true)' if weights == 'swa' else ''}."
         )
     return load_weights_file(wpath, device, cfg)

@@ -17,7 +17,8 @@ def _model_for(spec: str, model: str | None) -> str | None:
 def weights_cli(args) -> int:
     """`weights get SPEC`: download into the cache (a no-op when there) and print the file's path on stdout.
     `weights path SPEC`: print where the file is or would be; exit 0 when it is there, 1 when not, or when the file
-    there must not be used (not weights, another sha256 than the URL's pin: said on stderr, as a run would refuse it)."""
+    there must not be used (not weights, another sha256 than the URL's pin: said on stderr, as a run would refuse
+    it)."""
     from torchsprint.models.download import fetch, pin
     from torchsprint.models.weights import locate
     from torchsprint.models.weights_cache import cached_problem

@@ -54,8 +54,8 @@ class Config(Section):
     task: str = Field(
         "classification",
         description="What the run learns, from the TASKS registry: classification (one class per image), "
-        "multilabel (any number of labels per image), image_to_image (paired restoration), video (clip classification). "
-        "It sets the default loss, metrics, checkpoint.monitor/mode, artifacts and predict output.",
+        "multilabel (any number of labels per image), image_to_image (paired restoration), video (clip "
+        "classification). It sets the default loss, metrics, checkpoint.monitor/mode, artifacts and predict output.",
     )
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity, length and device.")
     data: DataConfig = Field(default_factory=DataConfig, description="Dataset, loader backend and preprocessing.")

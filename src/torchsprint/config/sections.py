@@ -123,12 +123,15 @@ class RunConfig(Section):
 class SplitConfig(Section):
     transforms: list[TransformSpec] = Field(
         default_factory=list,
-        description="Preprocessing steps in order, e.g. [random_resized_crop: {size: 224}, hflip, normalize: imagenet].",
+        description=(
+            "Preprocessing steps in order, e.g. [random_resized_crop: {size: 224}, hflip, normalize: imagenet]."
+        ),
     )
 
 
 class ProgressiveConfig(Section):
-    """Progressive resizing (FFCV's min_res -> max_res, timm's --train-size-schedule): fewer pixels in the early epochs."""
+    """Progressive resizing (FFCV's min_res -> max_res, timm's --train-size-schedule): fewer pixels in the early
+    epochs."""
 
     start_size: int | None = Field(
         None,
@@ -177,8 +180,8 @@ class ProgressiveConfig(Section):
             v = getattr(self, name)
             if v is not None and v % self.step:
                 raise ValueError(
-                    f"{name}={v} is not a multiple of step={self.step}; use {max(self.step, v // self.step * self.step)} "
-                    "or another step"
+                    f"{name}={v} is not a multiple of step={self.step}; use "
+                    f"{max(self.step, v // self.step * self.step)} or another step"
                 )
         if self.end_size is not None and self.end_size < self.start_size:
             raise ValueError(
@@ -239,14 +242,15 @@ class DataConfig(Section):
         description="Training batch size per process, or 'auto': the largest that trains here, found at start-up with "
         "real steps of the run's model, precision and optimizer (CUDA: doubling, then bisecting on out-of-memory; CPU: "
         "50% of the free memory over the measured memory of a step, a power of two, confirmed by a step); at most the "
-        "training images per process and 4096. The run says what it found (start-up, decisions.json) and resuming keeps it.",
+        "training images per process and 4096. The run says what "
+        "it found (start-up, decisions.json) and resuming keeps it.",
     )
     effective_batch_size: int | None = Field(
         None,
         ge=1,
         description="Images per optimizer step over all processes (batch_size x optim.accum_steps x "
-        "processes): optim.accum_steps is derived from it, so with batch_size=auto the effective batch stays the same on "
-        "any device (the batch found is lowered to a divisor). None: batch_size x optim.accum_steps x processes.",
+        "processes): optim.accum_steps is derived from it, so with batch_size=auto the effective batch stays the same "
+        "on any device (the batch found is lowered to a divisor). None: batch_size x optim.accum_steps x processes.",
     )
     eval_batch_size: int | None = Field(None, ge=1, description="Evaluation batch size (defaults to 2 x batch_size).")
 
@@ -324,11 +328,16 @@ class DataConfig(Section):
     )
     cpu_fraction: float | Literal["auto"] = Field(
         0.0,
-        description="gpu backend: share of each batch decoded and cropped on the CPU (0..1), or 'auto' to tune it from the data wait.",
+        description=(
+            "gpu backend: share of each batch decoded and cropped on "
+            "the CPU (0..1), or 'auto' to tune it from the data wait."
+        ),
     )
     fallback: Literal["cpu"] | None = Field(
         None,
-        description="When the gpu/dali backend cannot run here (no CUDA, no DALI): use this backend instead of failing.",
+        description=(
+            "When the gpu/dali backend cannot run here (no CUDA, no DALI): use this backend instead of failing."
+        ),
     )
     train: SplitConfig = Field(default_factory=SplitConfig, description="Training preprocessing.")
     eval: SplitConfig = Field(default_factory=SplitConfig, description="Evaluation and inference preprocessing.")
@@ -341,7 +350,8 @@ class DataConfig(Section):
 
 
 class MixConfig(Section):
-    """Mixup / CutMix on training batches (data/preprocess/mix.py): torchvision v2 MixUp/CutMix arithmetic, timm's switches."""
+    """Mixup / CutMix on training batches (data/preprocess/mix.py): torchvision v2 MixUp/CutMix arithmetic, timm's
+    switches."""
 
     mixup_alpha: float = Field(
         0.0,

@@ -39,7 +39,9 @@ class OptimConfig(Section):
     no_decay_norm_bias: bool = Field(True, description="Exclude normalization weights and biases from weight decay.")
     impl: Literal["auto", "foreach", "fused", "for_loop"] = Field(
         "auto",
-        description="Kernel implementation of the update (auto: fused for sgd/adam/adamw on CUDA, PyTorch's choice elsewhere).",
+        description=(
+            "Kernel implementation of the update (auto: fused for sgd/adam/adamw on CUDA, PyTorch's choice elsewhere)."
+        ),
     )
     args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the optimizer class.")
     clip_grad_norm: float | None = Field(None, gt=0, description="Clip the global gradient norm to this value.")
@@ -131,16 +133,16 @@ class PrecisionConfig(Section):
         "auto",
         description="auto | fp32 | amp_fp16 | amp_bf16 | fp16 | bf16 | fp64; apex levels O0/O1/O2 are aliases. "
         "auto: fp32 on CUDA; on a CPU, fp32 unless a few real training steps of the run's own model and batch measured "
-        "amp_bf16 faster by a margin (only on a CPU with native bf16, AVX-512 BF16 or AMX, and only in a run long enough "
-        "for the measurement to pay); the run's config.yaml records the mode that ran, decisions.json why. fp64 "
+        "amp_bf16 faster by a margin (only on a CPU with native bf16, AVX-512 BF16 or AMX, and only in a run long "
+        "enough for the measurement to pay); the run's config.yaml records the mode that ran, decisions.json why. fp64 "
         "(Lightning's precision='64-true'): weights, activations and loss in float64, many times slower; for checking "
         "that two computations agree where fp32 rounding, amplified over training steps, would blur them.",
     )
     on_nonfinite: Literal["skip", "stop"] = Field(
         "stop",
-        description="A NaN/inf loss or gradient: stop the run (checked at log steps; no per-step cost) or skip the step "
-        "(counted; costs a gradient check per step, and a host sync per step on CUDA in fp32/bf16). Loss-scaled fp16 "
-        "always skips overflowing steps.",
+        description="A NaN/inf loss or gradient: stop the run (checked at log steps; no per-step cost) or skip the "
+        "step (counted; costs a gradient check per step, and a host sync per step on CUDA in fp32/bf16). Loss-scaled "
+        "fp16 always skips overflowing steps.",
     )
     _short = _shorthand("mode")
 
@@ -186,8 +188,8 @@ class SpeedConfig(Section):
     channels_last: bool | Literal["auto"] = Field(
         "auto",
         description="channels_last (NHWC) memory format. true: model and input batches; auto: the model when it has "
-        "2-D convolutions (oneDNN and cuDNN run them in NHWC; the first convolution reorders the NCHW batch), else off, "
-        "except where precision=auto's measurement on a CPU (see precision.mode) found NCHW faster by its margin "
+        "2-D convolutions (oneDNN and cuDNN run them in NHWC; the first convolution reorders the NCHW batch), else "
+        "off, except where precision=auto's measurement on a CPU (see precision.mode) found NCHW faster by its margin "
         "(then off, and config.yaml says false); false: off.",
     )
     compile: bool = Field(False, description="torch.compile the model.")
@@ -357,11 +359,11 @@ class EvalConfig(Section):
     tta: Literal["none", "hflip", "five_crop", "ten_crop"] = Field(
         "none",
         description="Test-time augmentation, the same on every path (validation, `torchsprint eval`, `predict`, "
-        "and `export`, whose graph holds it): hflip (the image and its mirror), five_crop (four corners and the centre, "
-        "torchvision's FiveCrop), ten_crop (the five crops and their mirrors, TenCrop). Multi-crop cuts crops of the "
-        "eval size S (data.eval.transforms' final center_crop: S) from the centre square of the image as the eval spec's "
-        "resize leaves it (a resize larger than S must precede the crop; S/0.875 is usual, e.g. resize: 146, "
-        "center_crop: 128). Class scores average the views' probabilities (softmax; "
+        "and `export`, whose graph holds it): hflip (the image and its mirror), five_crop (four corners and the "
+        "centre, torchvision's FiveCrop), ten_crop (the five crops and their mirrors, TenCrop). Multi-crop cuts crops "
+        "of the eval size S (data.eval.transforms' final center_crop: S) from the centre square of the image as the "
+        "eval spec's resize leaves it (a resize larger than S must precede the crop; S/0.875 is usual, e.g. resize: "
+        "146, center_crop: 128). Class scores average the views' probabilities (softmax; "
         "sigmoid per label), not their logits: the ensemble's predictive distribution, which one overconfident view "
         "cannot dominate; the outputs are the logits of those averaged probabilities, so val/loss is its NLL. "
         "image_to_image: hflip only, outputs flipped back and averaged. Costs one forward pass per view.",

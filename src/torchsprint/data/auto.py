@@ -131,7 +131,8 @@ MEASURE_FILES = 256  # files sampled (evenly through the training split) at most
 # MEASURE_BATCHES of the run's batch size: see measure_backends
 MEASURE_BATCHES = 2  # the sample holds at least this many batches of data.batch_size (when the split has them): a
 # backend's cost per image depends on the batch size (the memory backend's batched ops have a cost per batch; with the
-# wall clock, a user's folder of grey PNGs read memory 176 -> 486 img/s: BENCHMARKS.md, "data.backend auto ... re-measured")
+# wall clock, a user's folder of grey PNGs read memory 176 -> 486 img/s: BENCHMARKS.md, "data.backend auto ...
+# re-measured")
 MEMORY_MARGIN = 0.10  # the memory backend must save this share of the cpu backend's estimated loading time: it also
 # holds the decoded images (its peak memory was 1.7x the cpu backend's on a user's photos), so a near tie streams
 
@@ -344,7 +345,8 @@ def measure_backends(names: list[str], data_cfg, splits: Splits, rt, kw: dict) -
     photos, and a read's wait not at all). With workers on a CPU device the batches are made beside the training
     step on the same cores: the CPU time of this process (the work each backend takes from the model's cores).
     Bound: the probe, each build (the memory backend's decode of the sample), one untimed batch each and
-    MEASURE_SECONDS each: about 3 x MEASURE_SECONDS per backend, or two batches of the run's size where those take longer.
+    MEASURE_SECONDS each: about 3 x MEASURE_SECONDS per backend, or two batches of the run's size where those take
+    longer.
     """
     import time
 

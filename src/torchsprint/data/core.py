@@ -1,4 +1,5 @@
-"""The loader seam: the DATASETS and LOADERS registries, DataInfo, Loaders, the seeded epoch sampler, `build_loaders`."""
+"""The loader seam: the DATASETS and LOADERS registries, DataInfo, Loaders, the seeded epoch sampler,
+`build_loaders`."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ class Splits:
 
     Each dataset item is (uint8 CHW tensor | None for an unreadable sample, target, source path or id).
     `test` is an optional held-out split (`torchsprint eval RUN --split test`, `eval.test_at_end`), and
-    `source` says in words where the splits come from. `task` names the kind of targets (tasks.TASKS). `wrap` turns the backend's Loaders into what the
-    model sees, for datasets whose stored items differ from model inputs (paired images stacked
-    along channels, clips collated frames-first); the identity for everything else. `label_changing`
+    `source` says in words where the splits come from. `task` names the kind of targets (tasks.TASKS). `wrap` turns the
+    backend's Loaders into what the model sees, for datasets whose stored items differ from model inputs (paired images
+    stacked along channels, clips collated frames-first); the identity for everything else. `label_changing`
     names preprocessing steps that would silently change what a label means for this data (a flip of a
     clip whose class is its motion direction), which build_loaders refuses.
     """
@@ -138,7 +139,8 @@ def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tupl
 
 
 def split_samples(samples: list, data_cfg, classes: list[str] | None = None, with_notes: bool = False):
-    """(train, val) lists of (item, class index) samples, split by data.val_fraction, stratified, seeded by data.split_seed.
+    """(train, val) lists of (item, class index) samples, split by data.val_fraction, stratified, seeded by
+    data.split_seed.
 
     A class with one sample cannot be in both splits: it is trained on and not validated, and with
     `with_notes` the returned third item, a list of lines for the start-up summary, says so (the split of
@@ -387,7 +389,8 @@ class EpochSampler(torch.utils.data.Sampler):
         """This epoch's sample indices from `start` on, and their augmentation seeds (two lists)."""
         order, keys = self.keyed_indices()
         order, keys = order[self.start :], keys[self.start :]
-        # Vectorised (sample_seeds is bit-identical to sample_seed): a Python sample_seed call per sample cost ~1 us, a tenth of a tiny model's step at batch 32.
+        # Vectorised (sample_seeds is bit-identical to sample_seed): a Python sample_seed call per sample cost ~1 us, a
+        # tenth of a tiny model's step at batch 32.
         return order, sample_seeds(self.seed, self.epoch, torch.tensor(keys, dtype=torch.int64)).tolist()
 
     def __iter__(self):

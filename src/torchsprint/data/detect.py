@@ -92,9 +92,9 @@ DIGITS_SIZED = 32
 SIZE_CAP = {"cuda": 224, "cpu": 128}
 # The default model for larger images: torchvision's ResNet-18. Evidence so far is a user's report measured on the
 # 2-core CPU (ResNet-18 at 128 px: 39 img/s training, top-1 within one standard error of timm's train.py on a real
-# 2,624-image folder; small_cnn: 2 img/s at 300 px, 35 at 64 px). benchmarks/defaults/photo_defaults.py measured it against
-# mobilenet_v3_small on 2,000 generated 300x300 photos (BENCHMARKS.md "Defaults for your own photos: the model"):
-# 0.994 val top-1 after 3 epochs against chance for mobilenet_v3_small (5.3x faster, not learning at that lr).
+# 2,624-image folder; small_cnn: 2 img/s at 300 px, 35 at 64 px). benchmarks/defaults/photo_defaults.py measured it
+# against mobilenet_v3_small on 2,000 generated 300x300 photos (BENCHMARKS.md "Defaults for your own photos: the
+# model"): 0.994 val top-1 after 3 epochs against chance for mobilenet_v3_small (5.3x faster, not learning at that lr).
 PHOTO_MODEL = "resnet18"
 # The random crop keeps at least this share of the image (fastai's examples' min_scale; torchvision's 0.08 suits
 # ImageNet's 90+ epochs, not a run of a few epochs on a small folder).
@@ -290,9 +290,9 @@ def photo_defaults(cfg, start=None) -> list[Choice]:
         picked_size = True
         lo, hi = min(shorts), max(shorts)
         why = (
-            f"the median short side of {len(sizes)} sampled images is {median} px ({lo}-{hi}){', sizes differ' if mixed else ''}; "
-            f"rule: the median short side capped at {SIZE_CAP[device]} on {device} (224 on a GPU, 128 on a CPU), "
-            f"rounded down to a multiple of 32, at least 32 -> {size}"
+            f"the median short side of {len(sizes)} sampled images is {median} px "
+            f"({lo}-{hi}){', sizes differ' if mixed else ''}; rule: the median short side capped at {SIZE_CAP[device]} "
+            f"on {device} (224 on a GPU, 128 on a CPU), rounded down to a multiple of 32, at least 32 -> {size}"
         )
         chosen.append(
             Choice(
@@ -325,8 +325,8 @@ def photo_defaults(cfg, start=None) -> list[Choice]:
                 PHOTO_MODEL,
                 f"images of {size}x{size} px: torchvision's ResNet-18, 0.994 val top-1 after 3 "
                 "epochs at 128 px on 2,000 generated photos on a 2-core CPU, where small_cnn (made for 8x8 "
-                'digits) trained 3.7 img/s at 300 px (BENCHMARKS.md, "Defaults for your own photos: the '
-                'model")',
+                "digits) trained 3.7 img/s at 300 px "
+                '(BENCHMARKS.md, "Defaults for your own photos: the model")',
                 "set model.name (`torchsprint list models`)",
             )
         )

@@ -90,7 +90,8 @@ def _matcher(pattern: str):
 
 
 def head_keys(report: dict[str, list[str]], own: dict[str, torch.Tensor], num_classes: int | None) -> list[str]:
-    """The shape-mismatched keys whose first dimension is the model's class count: a classifier head for another count."""
+    """The shape-mismatched keys whose first dimension is the model's class count: a classifier head for another
+    count."""
     keys = [m.split(":")[0] for m in report["mismatched"]]
     return [k for k in keys if num_classes is not None and own[k].ndim >= 1 and own[k].shape[0] == num_classes]
 
@@ -153,8 +154,9 @@ def init_model(
             saved = resume_ckpt.get("config", {}).get("model", {})
             raise UsageError(
                 f"the checkpoint does not fit this model ({model_cfg.name} {model_cfg.args or ''}); it was saved from "
-                f"{saved.get('name', '?')} {saved.get('args') or ''}: {_details(report)}. Resume with the model settings "
-                "it was saved with, or start a new run from its weights with model.pretrained=<checkpoint file>."
+                f"{saved.get('name', '?')} {saved.get('args') or ''}: {_details(report)}. Resume with the model "
+                "settings it was saved with, or start a new run from its weights with "
+                "model.pretrained=<checkpoint file>."
             )
         model.load_state_dict(resume_ckpt["model"])
         if model_cfg.pretrained:
@@ -167,8 +169,8 @@ def init_model(
         if head:
             shapes = {m.split(":")[0]: m.split(": ", 1)[1] for m in report["mismatched"]}
             log(
-                f"[yellow]pretrained: classifier head replaced[/] ({', '.join(head)}: {shapes[head[0]]}): the weights are "
-                f"for another class count than this run's {num_classes}; the head starts from random initialisation"
+                f"[yellow]pretrained: classifier head replaced[/] ({', '.join(head)}: {shapes[head[0]]}): the weights "
+                f"are for another class count than this run's {num_classes}; the head starts from random initialisation"
             )
         if record is not None:
             record.update(
@@ -322,7 +324,8 @@ def head_only(model: nn.Module, model_cfg, log) -> HeadOnly:
     ]
     log(
         f"model.freeze_epochs={model_cfg.freeze_epochs}: epochs 1-{model_cfg.freeze_epochs} train only the head, "
-        f"{where}: {sum(p.numel() for n, p in named if n in head):,} parameters; then all {sum(p.numel() for _, p in named):,}. "
-        "The learning-rate schedule runs on unchanged over all run.epochs: no restart or new warm-up at the switch"
+        f"{where}: {sum(p.numel() for n, p in named if n in head):,} parameters; then all "
+        f"{sum(p.numel() for _, p in named):,}. The learning-rate schedule runs on unchanged over all run.epochs: no "
+        "restart or new warm-up at the switch"
     )
     return HeadOnly(body, norms if model_cfg.freeze_bn_stats else [], model_cfg.freeze_epochs, log)

@@ -86,9 +86,9 @@ def photo_start(cfg, chosen: list[Choice]) -> list[Choice]:
 
 
 def zero_init(cfg) -> list[Choice]:
-    """model.args.zero_init_residual=true for a torchvision ResNet trained from scratch without a warm-up (the run starts
-    at its peak lr), where model.args leaves it. With a warm-up (the photo defaults' lr rule) it is left off: there it
-    slowed learning (BENCHMARKS.md "Zero-initialised residuals: with and without a warm-up")."""
+    """model.args.zero_init_residual=true for a torchvision ResNet trained from scratch without a warm-up (the run
+    starts at its peak lr), where model.args leaves it. With a warm-up (the photo defaults' lr rule) it is left off:
+    there it slowed learning (BENCHMARKS.md "Zero-initialised residuals: with and without a warm-up")."""
     model = cfg.model
     if model.name not in ZERO_INIT or "zero_init_residual" in model.args or cfg.sched.warmup_epochs > 0:
         return []
@@ -100,8 +100,8 @@ def zero_init(cfg) -> list[Choice]:
             "from scratch with no warm-up: each residual block's last "
             "BatchNorm starts at zero, so the network starts as a chain of identities (Goyal et al. 2017; timm's "
             "ResNets do so by default) and the first steps at the peak lr do not diverge; on ResNet-18 at lr 0.1 "
-            'without warm-up it lifted val top-1 from 0.33-0.44 to 0.96 (BENCHMARKS.md "torchsprint beside '
-            "timm's train.py\")",
+            'without warm-up it lifted val top-1 from 0.33-0.44 to 0.96 (BENCHMARKS.md "torchsprint beside timm'
+            "'s train.py\")",
             "model.args={zero_init_residual: false}",
         )
     ]

@@ -53,7 +53,10 @@ def describe(path: Path, error: BaseException) -> str:
         first = text.split(". ")[0].splitlines()[0][:160]
         return f"a zip archive of {size:,} bytes that does not load ({first}): cut short or corrupt"
     if type(error).__name__ == "SafetensorError":
-        return f"{size:,} bytes that are not a safetensors file ({text.splitlines()[0][:160]}): cut short or another format"
+        return (
+            f"{size:,} bytes that are not a safetensors file "
+            f"({text.splitlines()[0][:160]}): cut short or another format"
+        )
     return f"{size:,} bytes that are neither a torch.save file nor safetensors (they start {head[:16]!r})"
 
 

@@ -1,4 +1,5 @@
-"""Rank-0 console, progress bar (observe/progress.py), metrics.jsonl, TensorBoard and the optional CSV, MLflow and W&B sinks.
+"""Rank-0 console, progress bar (observe/progress.py), metrics.jsonl, TensorBoard and the optional CSV, MLflow and W&B
+sinks.
 
 Other ranks get a silent logger. Every sink receives the same (step, values, kind) records that go to
 metrics.jsonl: kind 'train' at log steps, 'epoch' at epoch ends, 'eval' after evaluations.

@@ -73,7 +73,8 @@ def fit_text(fig, rect=(0, 0, 1, 1), tries: int = 10) -> None:
     """Lay `fig` out (tight_layout within `rect`, a share of the canvas) with every text inside the canvas: a text
     that runs off it is wrapped at its spaces to the width it has there, else made smaller (down to 6 pt), else
     shortened with '…'; then laid out again. A 4-class confusion matrix's title, which names the run and its
-    weights, ran off both sides of its canvas ("rix: 20261127-210539, last.safetensors, epoch 10 (step 320) (525 in")."""
+    weights, ran off both sides of its canvas
+    ("rix: 20261127-210539, last.safetensors, epoch 10 (step 320) (525 in")."""
     import warnings
 
     for _ in range(tries):

@@ -170,7 +170,8 @@ def resolve_impl(optim_cfg, groups: list[dict]):
 
 def impl_in_use(opt: torch.optim.Optimizer, optim_cfg) -> tuple[str, str]:
     """The update implementation the built optimizer runs (read from the optimizer, so it is what ran) and why:
-    fused, foreach, for_loop, or PyTorch's default (foreach on CUDA for most torch.optim optimizers, for_loop on CPU)."""
+    fused, foreach, for_loop, or PyTorch's default (foreach on CUDA for most torch.optim optimizers, for_loop on
+    CPU)."""
     d = opt.defaults
     why = f"optim.impl={optim_cfg.impl}"
     chosen_in_args = sorted({"fused", "foreach"} & set(optim_cfg.args))

@@ -1,4 +1,5 @@
-"""wrap_model: device, SyncBN, precision, CUDA graphs, single/DataParallel/DDP, torch.compile (runtime/collectives.py: rank agreement).
+"""wrap_model: device, SyncBN, precision, CUDA graphs, single/DataParallel/DDP, torch.compile (runtime/collectives.py:
+rank agreement).
 
 The order of `wrap_model` is fixed by what each layer needs to see:
 device -> channels_last -> SyncBatchNorm -> half weights (Precision.prepare) -> CUDA graphs

@@ -4,8 +4,8 @@ run.stop_after_steps; and SLURM's requeue after a signal stop.
 A stop signal's handler only sets a flag (it never raises), so the step in progress and the checkpoint write
 that follows it cannot be cut short by it, nor by a second signal during the save: the previous handlers come
 back only once the run's files are written, and a process that exits 75 next (the CLI: `hold`) keeps ignoring them
-until it is gone (a scheduler's repeated TERM, a second ^C). Under DDP the signal may reach one rank only (or the ranks see
-max_time pass at different steps): each rank votes with every batch through AgreedLoader's per-batch
+until it is gone (a scheduler's repeated TERM, a second ^C). Under DDP the signal may reach one rank only (or the ranks
+see max_time pass at different steps): each rank votes with every batch through AgreedLoader's per-batch
 agreement (runtime/collectives.py), which the run pays anyway, so every rank stops after the same step at no extra
 cost; in one process the flag is read directly.
 """
@@ -58,7 +58,8 @@ def parse_duration(value) -> float:
 
 
 def signal_name(name: str) -> str:
-    """The canonical name of a stop signal ('term', 'SIGTERM' -> 'SIGTERM'); ValueError for unknown or uncatchable ones."""
+    """The canonical name of a stop signal ('term', 'SIGTERM' -> 'SIGTERM'); ValueError for unknown or uncatchable
+    ones."""
     canon = str(name).strip().upper()
     canon = canon if canon.startswith("SIG") else "SIG" + canon
     known = sorted(s.name for s in signal.Signals if not s.name.startswith("SIGRT") and s.name not in UNCATCHABLE)

@@ -283,7 +283,10 @@ class Saver:
                 self.status = self._read_status()
                 self._set_aside_after(resumed_step)
             except OSError as e:
-                error = f"cannot use the checkpoint folder {self.dir}: {e.strerror or e}. Make the run folder writable or set run.dir."
+                error = (
+                    f"cannot use the checkpoint folder {self.dir}: "
+                    f"{e.strerror or e}. Make the run folder writable or set run.dir."
+                )
         if (error := broadcast_object(error, rt)) is not None:
             raise UsageError(error)
 

@@ -110,8 +110,8 @@ def restore(ckpt: dict, opt, sched, prec, rt, geometry: dict[str, int], log) -> 
         raise UsageError(
             f"the checkpoint was saved in the middle of epoch {state.epoch + 1} (step {state.global_step}) "
             f"and this run changes {what}: the data position would no longer match. Resume with the "
-            "same data.batch_size, optim.accum_steps, number of processes, run.seed, data.repeated_aug, data.sampler and data.sampler_from_epoch, or from a "
-            "checkpoint saved at an epoch boundary."
+            "same data.batch_size, optim.accum_steps, number of processes, run.seed, data.repeated_aug, data.sampler "
+            "and data.sampler_from_epoch, or from a checkpoint saved at an epoch boundary."
         )
     try:
         opt.load_state_dict(ckpt["optimizer"])
@@ -194,7 +194,8 @@ def check_same_classes(saved, now, source, fix: str) -> None:
 
 
 def check_resumed_classes(ckpt: dict | None, resume_path, classes) -> None:
-    """check_same_classes for a run resumed from `ckpt` (the classes its checkpoint was saved with) on data of `classes`."""
+    """check_same_classes for a run resumed from `ckpt` (the classes its checkpoint was saved with) on data of
+    `classes`."""
     if ckpt is None:
         return
     run = Path(resume_path).parents[1] if Path(resume_path).parent.name == "checkpoints" else "<the run>"

@@ -296,9 +296,10 @@ def results_of(path: Path) -> list[str]:
 def no_checkpoint_left(path: Path) -> str:
     """The refusal for resuming a run folder that holds results but no checkpoint to continue from."""
     return (
-        f"cannot resume {path}: it holds a run's results ({', '.join(results_of(path))}) but no checkpoint (checkpoints/ckpt-*.pt is "
-        f"missing), so resuming would train from scratch over them. To start over there, add --overwrite (its "
-        f"files are moved into {path}/replaced-<time>/, nothing is deleted); or train into another run.dir."
+        f"cannot resume {path}: it holds a run's results ({', '.join(results_of(path))}) but no checkpoint "
+        "(checkpoints/ckpt-*.pt is missing), so resuming would train from scratch over them. To start over "
+        f"there, add --overwrite (its files are moved into {path}/replaced-<time>/, nothing is deleted); or "
+        "train into another run.dir."
     )
 
 

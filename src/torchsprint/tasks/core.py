@@ -85,7 +85,8 @@ class Task:
             )
         if cfg.speed.channels_last is True and not self.channels_last:
             raise UsageError(
-                f"task={self.name}: speed.channels_last applies to 4-D image batches only; set speed.channels_last=false."
+                f"task={self.name}: speed.channels_last applies to 4-D "
+                "image batches only; set speed.channels_last=false."
             )
         from torchsprint.tasks.tta import plan_tta
 

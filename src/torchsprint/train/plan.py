@@ -153,8 +153,8 @@ class RunPlan:
     # precision.mode as set (auto or a mode) and why the run trains in `precision` (train/speed_probe.py)
     precision_config: str = "fp32"
     precision_why: str = "precision.mode"
-    # precision=auto / speed.channels_last=auto's measurement on a CPU (img/s of each candidate, the margin, the choice);
-    # None where nothing was measured (the why says why)
+    # precision=auto / speed.channels_last=auto's measurement on a CPU (img/s of each candidate, the margin, the
+    # choice); None where nothing was measured (the why says why)
     speed_measured: dict | None = None
 
     @property
@@ -258,7 +258,8 @@ def decisions(plan: RunPlan, facts: dict) -> dict:
         "root": plan.root,
         "task": plan.task,
         **facts,
-        # Settings the config left unset and torchsprint chose from the data (data/detect.py), with why and how to override.
+        # Settings the config left unset and torchsprint chose from the data (data/detect.py), with why and how to
+        # override.
         "chosen": list(plan.chosen),
         # The backend that ran (after `auto` and any data.fallback), as build_loaders recorded it; and what was asked.
         "backend": plan.backend,
@@ -271,8 +272,8 @@ def decisions(plan: RunPlan, facts: dict) -> dict:
         "device": plan.device,
         "world_size": plan.world_size,
         "precision": plan.precision,
-        # precision as set (auto or a mode) and why the run trains in `precision`; auto's measurement on a CPU (images/s of
-        # each candidate, the margin, the choice: train/speed_probe.py), None where nothing was measured.
+        # precision as set (auto or a mode) and why the run trains in `precision`; auto's measurement on a CPU (images/s
+        # of each candidate, the margin, the choice: train/speed_probe.py), None where nothing was measured.
         "precision_config": plan.precision_config,
         "precision_why": plan.precision_why,
         "speed_measured": plan.speed_measured,

@@ -61,7 +61,8 @@ def test_script_imports_and_prints_help(path, monkeypatch, capsys):
 
 def test_every_folder_of_benchmarks_is_a_package():
     """A folder without its __init__.py imports as a namespace package here and breaks `python -m` nowhere, but is
-    left out of tools that walk packages; and a script outside a kind folder (benchmarks/x.py) is the flat layout back."""
+    left out of tools that walk packages; and a script outside a kind folder (benchmarks/x.py) is the flat layout
+    back."""
     folders = {p.parent for p in SCRIPTS}
     missing = sorted(str(f.relative_to(REPO)) for f in folders | {BENCH} if not (f / "__init__.py").is_file())
     assert not missing, f"folders of benchmarks/ without __init__.py: {missing}"
@@ -113,8 +114,8 @@ def offences(source: str) -> list[str]:
 
 def test_no_benchmark_edits_sys_path_or_imports_tests():
     """Nine scripts put benchmarks/, src/ or tests/ on sys.path to import a sibling script or a test module
-    (numerics/amp_tolerance.py imported tests/e2e/tasks/test_task_everything.py): a script then ran only from one folder, and
-    a test's refactor broke a benchmark. Shared code lives in benchmarks/common/, imported by name."""
+    (numerics/amp_tolerance.py imported tests/e2e/tasks/test_task_everything.py): a script then ran only from one
+    folder, and a test's refactor broke a benchmark. Shared code lives in benchmarks/common/, imported by name."""
     bad = {str(p.relative_to(REPO)): o for p in SCRIPTS if (o := offences(p.read_text()))}
     assert not bad, bad
     planted = (
@@ -481,7 +482,8 @@ def test_photo_folder_parses_the_feedback_times_from_timestamped_cli_lines():
         (25.6, "loader: data.backend=cpu (measured ...), decoder simplejpeg (JPEG: 200 files)"),
         (
             36.8,
-            "epoch 1/10: step 1/25 (4%), 5.7 img/s, elapsed 11.2 s, ETA 2:01 (rough: from the first step, its warm-up included)",
+            "epoch 1/10: step 1/25 (4%), 5.7 img/s, elapsed 11.2 s, "
+            "ETA 2:01 (rough: from the first step, its warm-up included)",
         ),
         (45.3, "estimate: epoch 1 takes ~1:19 (25 steps at 20.1 img/s); the run ~14:02 (10 epoch(s) x 25 steps)"),
         (98.0, "epoch 1/10: step 20/25 (80%), 21.0 img/s, elapsed 1:12, ETA 14.0 s"),

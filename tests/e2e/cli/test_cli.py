@@ -70,7 +70,8 @@ def test_user_module_registers_a_model(run_cli, tmp_path):
     (tmp_path / "my_models.py").write_text(
         "from torch import nn\nfrom torchsprint.models import MODELS\n\n"
         "@MODELS.register('my_mlp')\ndef my_mlp(num_classes, in_channels=3):\n"
-        "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, 32), nn.ReLU(), nn.Linear(32, num_classes))\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels "
+        "* 64, 32), nn.ReLU(), nn.Linear(32, num_classes))\n"
     )
     r = run_cli(
         "train", "--import", "my_models", "model.name=my_mlp", "run.epochs=1", "run.dir=run", "log.tensorboard=false"

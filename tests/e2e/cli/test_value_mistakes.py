@@ -186,7 +186,10 @@ def test_a_class_too_small_for_a_validation_image_is_said(tmp_path, cli_in_proce
     make_image_folder(root, classes=("two",), per_class=2, size=(8, 8), splits=("train",))
     r = cli_in_process("train", *FAST, "data.dataset=image_folder", f"data.root={root}", f"run.dir={tmp_path / 'r'}")
     assert r.returncode == 0, r.stderr
-    note = "1 class(es) too small for a validation image at data.val_fraction=0.2 (two: 2 images): trained on, not validated"
+    note = (
+        "1 class(es) too small for a validation image at "
+        "data.val_fraction=0.2 (two: 2 images): trained on, not validated"
+    )
     assert note in r.stdout, r.stdout
     assert any(note in n for n in json.loads((tmp_path / "r" / "decisions.json").read_text())["notes"])
 

@@ -39,9 +39,9 @@ def images(shape, n=12, seed=0):
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
 def test_every_batched_op_equals_torchvision_on_each_image(name, interpolation):
-    """Each sample its own magnitude (every 2nd bin, alternating signs): torchvision's own op on that image (bit-identical
-    under vectorized kernels; see assert_same_image), for a non-square RGB, a square RGB (rot90 fast paths) and a grey
-    image."""
+    """Each sample its own magnitude (every 2nd bin, alternating signs): torchvision's own op on that image
+    (bit-identical under vectorized kernels; see assert_same_image), for a non-square RGB, a square RGB (rot90 fast
+    paths) and a grey image."""
     for shape in [(3, 20, 24), (3, 16, 16), (1, 12, 15)]:
         x = images(shape)
         for t in (TA, RA):

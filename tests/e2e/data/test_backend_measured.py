@@ -64,8 +64,8 @@ CASES = {
         "cpu",
         ["data.train.transforms=[random_resized_crop: 48]", "data.eval.transforms=[resize: 48, center_crop: 48]"],
     ),
-    # A user's photos as reported (300x300 PNG, the default preprocessing for them: a random crop resized to 128 px), 1 epoch:
-    # the memory backend's batches are faster than the cpu backend's, but not by enough to pay for its decode up
+    # A user's photos as reported (300x300 PNG, the default preprocessing for them: a random crop resized to 128 px), 1
+    # epoch: the memory backend's batches are faster than the cpu backend's, but not by enough to pay for its decode up
     # front (ignoring that decode picks the memory backend here).
     "photo pngs, 1 epoch": (lambda root: photos(root, 20, 300, "png"), 1, "cpu", []),
     # Small PNGs at their own size, 15 epochs: the cpu backend decodes every file every epoch, the memory backend once.

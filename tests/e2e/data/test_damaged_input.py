@@ -284,7 +284,8 @@ def test_memory_backend_budget_holds_the_address_space_limit(tmp_path):
                 )
     child = (
         "import resource, sys\n"
-        "from torchsprint import cli, data\nfrom torchsprint.train import run  # noqa: F401  (mapped before the limit, as a shell's ulimit would)\n"
+        "from torchsprint import cli, data\n"
+        "from torchsprint.train import run  # noqa: F401  (mapped before the limit, as a shell's ulimit would)\n"
         "import torchvision.transforms.v2  # noqa: F401\n"
         "mapped = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
         "resource.setrlimit(resource.RLIMIT_AS, (mapped + 128 * 2**20, resource.RLIM_INFINITY))\n"

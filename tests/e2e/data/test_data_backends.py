@@ -148,7 +148,8 @@ def gpu_cfg(root, frac, *extra):
             f"data.cpu_fraction={frac}",
             "data.decoder=torchvision",
             "data.drop_last=false",
-            "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {cutout: {size: 4}}, {normalize: imagenet}]",
+            "data.train.transforms=[{random_resized_crop: {size: "
+            "16}}, hflip, {cutout: {size: 4}}, {normalize: imagenet}]",
             "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]",
             *extra,
         ],

@@ -264,7 +264,8 @@ def test_cli_trains_and_evaluates_a_folder_given_alone(tmp_path, capsys):
     ],
 )
 def test_the_size_rule(shorts, device, size):
-    """The stated rule, worked by hand: the median (lower) short side, capped (224 GPU, 128 CPU), floored to 32s, >= 32."""
+    """The stated rule, worked by hand: the median (lower) short side, capped (224 GPU, 128 CPU), floored to
+    32s, >= 32."""
     from torchsprint.data.detect import training_size
 
     assert training_size(shorts, device) == size

@@ -81,7 +81,8 @@ def test_sigkilled_rank_restarts_and_ends_with_the_uninterrupted_weights(tmp_pat
     assert set(steps) == set(range(1, 13)) and set(repeated) <= {5, 6}  # at most the 2 steps after checkpoint 4
     assert steps_logged(tmp_path / "plain") == list(range(1, 13))
     # Without --max-restarts the same loss ends the run, naming the rank, the signal and its likely cause with the
-    # launch's memory figures (it said only "rank 1 failed (signal 9)", where 64 workers had run a machine out of memory)
+    # launch's memory figures (it said only "rank 1 failed (signal 9)", where 64 workers had run a machine out of
+    # memory)
     lost = train(tmp_path, "lost", env={"kill_at": "1:2"})
     assert lost.returncode == 128 + signal.SIGKILL and "rank 1 failed (signal 9)" in lost.stderr
     oom = re.search(

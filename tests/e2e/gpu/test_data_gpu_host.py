@@ -39,7 +39,8 @@ def cfg(root, *extra):
             "data.decoder=torchvision",
             "data.drop_last=false",
             "data.batch_size=5",
-            "data.train.transforms=[{random_resized_crop: {size: 16}}, hflip, {cutout: {size: 4}}, {normalize: imagenet}]",
+            "data.train.transforms=[{random_resized_crop: {size: "
+            "16}}, hflip, {cutout: {size: 4}}, {normalize: imagenet}]",
             "data.eval.transforms=[{resize: 20}, {center_crop: 16}, {normalize: imagenet}]",
             *extra,
         ],

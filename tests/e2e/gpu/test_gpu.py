@@ -1,6 +1,6 @@
-"""The first GPU run's defects on a real GPU (../shared/gpu-runs/2026-11-26-h200): each defect has a test here that fails without its fix, and the
-behaviour it asks for (every backend trains, exact resume, AMP accuracy, no host sync, graphs and
-compile really used, GPU/CPU preprocessing parity, nvJPEG fallback, ONNX/TensorRT/predict on CUDA).
+"""The first GPU run's defects on a real GPU (../shared/gpu-runs/2026-11-26-h200): each defect has a test here that
+fails without its fix, and the behaviour it asks for (every backend trains, exact resume, AMP accuracy, no host sync,
+graphs and compile really used, GPU/CPU preprocessing parity, nvJPEG fallback, ONNX/TensorRT/predict on CUDA).
 
 All tests are marked `gpu` (skipped on CPU machines). Bounds marked "provisional" were set before the
 first GPU run: the test reports the measured number through the `figure` fixture (collected by

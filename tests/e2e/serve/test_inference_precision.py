@@ -107,8 +107,9 @@ def test_each_precision_computes_what_it_says(bf16_run):
 
 def test_serve_in_bf16_answers_as_predict_does_however_batched(bf16_run, tmp_path):
     """16 distinct digits sent at once to a server told bf16: each answer equals predict --precision bf16 on the
-    same file (benchmarks/numerics/serve_tolerance.py --precision bf16: max difference 0.0 over batches of 1-32 with default,
-    AVX2 and AVX-512 kernels; TOL as fp32's), and /ready says bf16. Bug caught: serve and predict choosing apart."""
+    same file (benchmarks/numerics/serve_tolerance.py --precision bf16: max difference 0.0 over batches of 1-32 with
+    default, AVX2 and AVX-512 kernels; TOL as fp32's), and /ready says bf16. Bug caught: serve and predict choosing
+    apart."""
     paths = []
     for i, arr in enumerate(digit_images(16)):
         paths.append(tmp_path / f"d{i}.png")

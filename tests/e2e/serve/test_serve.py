@@ -496,8 +496,8 @@ def test_an_exported_file_is_served_with_the_settings_it_carries(run, files, tmp
 
 
 def test_short_soak_mix_has_no_5xx_and_no_lost_request(run, files):
-    """A few seconds of benchmarks/serve/serve_load.py's soak mix (concurrency 64, 5% bad requests). Bugs caught: a 5xx or
-    a dropped connection under load, a bad request answered 200 or a good one refused."""
+    """A few seconds of benchmarks/serve/serve_load.py's soak mix (concurrency 64, 5% bad requests). Bugs caught: a 5xx
+    or a dropped connection under load, a bad request answered 200 or a good one refused."""
     # the repository root is on sys.path (pyproject.toml's pytest pythonpath)
     from benchmarks.serve.serve_load import soak
 

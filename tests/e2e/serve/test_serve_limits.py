@@ -86,8 +86,8 @@ def test_a_large_png_of_few_bytes_is_refused_before_it_costs_and_sigterm_still_e
 
 def test_a_batch_never_holds_more_pixels_than_the_limit_and_larger_images_are_refused(serve_run, tmp_path, monkeypatch):
     """serve.max_model_pixels=150 on the keep-size digits run (8x8 = 64 pixels an image), max_batch=8: behind a held
-    batch, the other digits wait, and every forward pass takes at most two of them (128 <= 150 < 192); a 16x16 image (256
-    pixels) is refused with a one-line 422 naming its size and the limit; the answers equal predict's. Bugs
+    batch, the other digits wait, and every forward pass takes at most two of them (128 <= 150 < 192); a 16x16 image
+    (256 pixels) is refused with a one-line 422 naming its size and the limit; the answers equal predict's. Bugs
     caught: a batch of same-shape images stacked up to max_batch whatever their size (32 big images in one
     forward), the setting accepted and ignored, a warm-up that stops at its own 32x32 image."""
     from torchsprint.commands.predict import Predictor

@@ -1,9 +1,10 @@
 """ "Everything else applies" for multilabel, image_to_image and video: exact resume, amp_bf16,
 2-process DDP and `bench`, each against an independent reference (an uninterrupted run, fp32, one process).
 
-Run under torchrun (`python -m torch.distributed.run --nproc-per-node 2 tests/e2e/tasks/test_task_everything.py DATA OUT`)
-this file is also the DDP worker: each rank trains every task once in one process group, rank 0 writes
-the summaries. Importing it registers `synthetic_video_odd` (a validation set of 7 clips: uneven shards).
+Run under torchrun
+(`python -m torch.distributed.run --nproc-per-node 2 tests/e2e/tasks/test_task_everything.py DATA OUT`) this file is
+also the DDP worker: each rank trains every task once in one process group, rank 0 writes the summaries. Importing it
+registers `synthetic_video_odd` (a validation set of 7 clips: uneven shards).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ CFG = {
         "optim.lr=0.01",
         "optim.weight_decay=0",
         "data.options={per_class: 8, val_per_class: 2, size: 16, frames: 8}",
-        "data.train.transforms=[{random_clip: {frames: 4, stride: 1}}, {random_crop: 14}]",  # no flips: classes are directions
+        # no flips: classes are directions
+        "data.train.transforms=[{random_clip: {frames: 4, stride: 1}}, {random_crop: 14}]",
         "data.eval.transforms=[{center_clip: {frames: 4}}, {center_crop: 14}]",
     ],
 }
@@ -158,11 +160,12 @@ def chance(task: str, data_root: Path) -> float:
 # 8 clips). image_to_image learns slowly: 8 epochs gave PSNR 22.970 fp32 / 22.967 bf16 over a blurred input of
 # 22.930 dB (+0.04 dB, too little to tell learning from not), so it trains 24 epochs (96 steps): ~23.23-23.31 dB.
 # Where bf16 lands against fp32 depends on the CPU's kernels as another seed does, so AMP_TOL is set from
-# |bf16 - fp32| over seeds 0-4 under ATEN_CPU_CAPABILITY=default and avx2 (`python -m benchmarks.numerics.amp_tolerance`,
-# AMD EPYC, benchmarks/results/amp_tolerance_cpu-epyc-avx2_2026-11-27.json) and the report from a CPU with native bf16 (AVX-512
-# BF16: 0.0213 dB on seed 0): mAP at most 6e-8; PSNR at most 0.062 dB (0.0213 with native bf16; fp32 alone spans
-# 0.08 dB over the seeds); video 2 of 16 clips (seeds 2 and 3). The bounds: 0.02 mAP, 0.15 dB (2.4x; a bf16 run
-# that learned half of fp32's ~0.35 dB gain would still fail), 3 clips of 16. Learning itself is AMP_MARGIN's check.
+# |bf16 - fp32| over seeds 0-4 under ATEN_CPU_CAPABILITY=default and avx2
+# (`python -m benchmarks.numerics.amp_tolerance`, AMD EPYC,
+# benchmarks/results/amp_tolerance_cpu-epyc-avx2_2026-11-27.json) and the report from a CPU with native bf16 (AVX-512
+# BF16: 0.0213 dB on seed 0): mAP at most 6e-8; PSNR at most 0.062 dB (0.0213 with native bf16; fp32 alone spans 0.08 dB
+# over the seeds); video 2 of 16 clips (seeds 2 and 3). The bounds: 0.02 mAP, 0.15 dB (2.4x; a bf16 run that learned
+# half of fp32's ~0.35 dB gain would still fail), 3 clips of 16. Learning itself is AMP_MARGIN's check.
 EPOCHS = {"multilabel": 8, "image_to_image": 24}
 AMP_MARGIN = {
     "multilabel": 0.3,
@@ -293,9 +296,9 @@ def test_bench_runs_or_refuses_by_name(task, straight, data_root, tmp_path):
         repeats=1,
         only=["+ amp_bf16", "+ memory loader", "+ channels_last"],
         out=tmp_path / "bench",
-        to_accuracy=1e-3,
-        isolate=False,
-    )  # in-process: synthetic_video_odd is registered by this module  # > 0: a missing val/top1 read as 0 would never reach it
+        to_accuracy=1e-3,  # > 0: a missing val/top1 read as 0 would never reach it
+        isolate=False,  # in-process: synthetic_video_odd is registered by this module
+    )
     by = {r["variant"]: r for r in rows}
     for name in ("baseline (seeds)", "+ amp_bf16"):
         assert by[name]["status"] == "ok" and by[name]["images_per_s"] > 0, by[name]

@@ -1,4 +1,5 @@
-"""task=image_to_image end to end on real PNGs: pairing, shared crops/flips, PSNR gain over the blurred input, predict, ONNX."""
+"""task=image_to_image end to end on real PNGs: pairing, shared crops/flips, PSNR gain over the blurred input, predict,
+ONNX."""
 
 from __future__ import annotations
 

@@ -69,7 +69,8 @@ def test_auto_is_on_exactly_where_true_would_be_accepted():
     auto-on case is accepted: auto never turns on what `true` would refuse."""
     for over, device, world, on, _ in TABLE:
         if any(o.startswith("speed.cuda_graphs=") or o.startswith("model.freeze_epochs=") for o in over) or world > 1:
-            continue  # freeze_epochs with graphs=true is refused by build_training (train/run.py), which check_speed cannot see
+            # freeze_epochs with graphs=true is refused by build_training (train/run.py), which check_speed cannot see
+            continue
         cfg = config.load(None, [*over, "speed.cuda_graphs=true", "speed.compile_backend=aot_eager"])
         try:
             check_speed(cfg.speed, cfg.strategy, device, cfg.optim.accum_steps)

@@ -1,5 +1,5 @@
-"""Knowledge distillation (train/distill.py): the loss against the formula in plain torch, a frozen teacher that stays in
-eval mode, exact resume, a teacher from every source, and bad input refused in one line."""
+"""Knowledge distillation (train/distill.py): the loss against the formula in plain torch, a frozen teacher that stays
+in eval mode, exact resume, a teacher from every source, and bad input refused in one line."""
 
 from __future__ import annotations
 

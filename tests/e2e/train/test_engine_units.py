@@ -1,9 +1,10 @@
-"""train/engine.py and train/validation.py function by function, fast: real tiny models, real in-memory loaders, optimizers,
-RunLogger and Saver.
+"""train/engine.py and train/validation.py function by function, fast: real tiny models, real in-memory loaders,
+optimizers, RunLogger and Saver.
 
 Every reference is an independent plain PyTorch computation over the same batches (the loader's own
 batches, read before the engine runs: the engine's job is the loop, not the data). Each test takes well
-under a second, so benchmarks/tools/mutation.sh can run them for each of train/engine.py's and train/validation.py's mutants.
+under a second, so benchmarks/tools/mutation.sh can run them for each of train/engine.py's and train/validation.py's
+mutants.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """evaluation.evaluate_run: its refusal when the weights asked for do not exist (it says why and names the weights the
-run has; it used to tell a user who asked for --weights last to use --weights last), and its figures against the run's own."""
+run has; it used to tell a user who asked for --weights last to use --weights last), and its figures against the run's
+own."""
 
 from __future__ import annotations
 

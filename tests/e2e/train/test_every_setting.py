@@ -166,7 +166,8 @@ def probe_max_file_mb(tmp):
 
 
 def probe_root(tmp):
-    """data.root alone is the user's images (the dataset detected from its folders); digits refuses one it would ignore."""
+    """data.root alone is the user's images (the dataset detected from its folders); digits refuses one it would
+    ignore."""
     from conftest import make_image_folder
 
     refused("data.dataset=digits", f"data.root={tmp}", match="takes no data.root")

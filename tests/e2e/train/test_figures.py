@@ -133,7 +133,8 @@ def test_every_text_of_every_figure_is_inside_its_canvas(kind):
         if kind == "confusion-4-classes":  # the whole title is there, wrapped, not shortened
             title = next(t for t in texts if t.startswith("Confusion matrix"))
             assert "\n" in title and " ".join(title.split()).startswith(
-                f"Confusion matrix: {RUN}, last.safetensors, epoch 10 (step 320) ({sum(map(sum, matrix(4)))} images, accuracy"
+                f"Confusion matrix: {RUN}, last.safetensors, epoch 10 "
+                f"(step 320) ({sum(map(sum, matrix(4)))} images, accuracy"
             )
     finally:
         plt.close(fig)

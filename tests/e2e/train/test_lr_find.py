@@ -102,7 +102,8 @@ def test_cli_leaves_run_folder_and_writes_png(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "args,says",
     [
-        # --steps and --start are checked while the command line is parsed (commands/args.py), as every command's flags are
+        # --steps and --start are checked while the command line is parsed (commands/args.py), as every
+        # command's flags are
         (["--steps", "0"], "argument --steps: must be >= 10"),
         (["--start", "1", "--end", "0.1"], "is not below --end"),
         (["--start", "0.1", "--end", "0.1"], "is not below --end"),

@@ -1,4 +1,5 @@
-"""Strategies, launch settings and speed switches in one process: bad input, SLURM/torchrun env, compile, channels_last."""
+"""Strategies, launch settings and speed switches in one process: bad input, SLURM/torchrun env, compile,
+channels_last."""
 
 from __future__ import annotations
 

@@ -50,7 +50,8 @@ def fake_scontrol(tmp_path: Path) -> tuple[dict, Path]:
     return dict(ENV, SLURM_JOB_ID="1234", PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}"), calls
 
 
-@pytest.mark.slow  # 35 s on 2 cores (three CLI runs in processes); the main suite keeps the pause/resume tests of the same path
+# 35 s on 2 cores (three CLI runs in processes); the main suite keeps the pause/resume tests of the same path
+@pytest.mark.slow
 def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(reference, tmp_path, cli_in_process):
     """SIGUSR1 (SLURM's --signal) once training runs, then SIGUSR1, SIGINT and SIGTERM while a checkpoint is being
     written: the run finishes its step, saves a whole checkpoint there, requeues the job and exits 75. The same

@@ -23,10 +23,12 @@ from torchsprint.observe import progress as tprog
 from torchsprint.train.run import train
 
 HEARTBEAT = re.compile(
-    r"^epoch (\d+)/(\d+): step (\d+)/(\d+) \(\d+%\), ([\d.]+) img/s, elapsed ([\d.]+) s, ETA ([\d.]+) s( \(rough: from the first step, its warm-up included\))?$"
+    r"^epoch (\d+)/(\d+): step (\d+)/(\d+) \(\d+%\), ([\d.]+) img/s, elapsed ([\d.]+) "
+    r"s, ETA ([\d.]+) s( \(rough: from the first step, its warm-up included\))?$"
 )
 FIRST = re.compile(
-    r"^epoch (\d+)/(\d+): step 0/(\d+) \(0%\), elapsed ([\d.]+) s, ETA \? \(the first step is under way: the first batch, allocation, warm-up\)$"
+    r"^epoch (\d+)/(\d+): step 0/(\d+) \(0%\), elapsed ([\d.]+) s, ETA \? "
+    r"\(the first step is under way: the first batch, allocation, warm-up\)$"
 )
 ESTIMATE = re.compile(
     r"^estimate: epoch 1 takes ~([\d.]+) s \((\d+) steps at ([\d.]+) img/s\); the run ~([\d.]+) s "

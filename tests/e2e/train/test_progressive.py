@@ -348,7 +348,8 @@ def test_bad_schedules_are_refused_by_the_config(over, match):
                 "data.progressive.step=4",
                 "data.progressive.start_size=4",
             ],
-            r"final size \(data.train.transforms\[0\] random_resized_crop size 6\) is not a multiple of data.progressive.step=4",
+            r"final size \(data.train.transforms\[0\] random_resized_crop "
+            r"size 6\) is not a multiple of data.progressive.step=4",
         ),
         (
             ["data.train.transforms=[random_resized_crop: {size: 4}]", "data.progressive.start_size=8"],

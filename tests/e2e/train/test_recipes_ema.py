@@ -108,7 +108,8 @@ def test_ema_resumes_bit_exactly(tmp_path):
 
 
 def test_ema_is_evaluated_monitored_and_loadable(tmp_path):
-    """ema/val/* metrics each evaluation; monitor on them puts the EMA in best.safetensors; --weights ema evaluates it."""
+    """ema/val/* metrics each evaluation; monitor on them puts the EMA in best.safetensors; --weights ema evaluates
+    it."""
     d = tmp_path / "r"
     summary = run(d, "run.epochs=2", "checkpoint.monitor=ema/val/top1")
     assert {"val/top1", "ema/val/top1", "ema/val/loss"} <= set(summary["final"])

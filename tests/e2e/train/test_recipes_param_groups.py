@@ -1,4 +1,5 @@
-"""Per-parameter-group lr / weight decay and layer-wise lr decay: each parameter's optimizer group has the expected rate."""
+"""Per-parameter-group lr / weight decay and layer-wise lr decay: each parameter's optimizer group has the expected
+rate."""
 
 from __future__ import annotations
 

@@ -63,8 +63,8 @@ def test_a_fallback_run_names_the_backend_that_ran_everywhere(tmp_path, capsys):
     assert d["backend"] == "cpu" and d["backend_config"] == "gpu"
     assert "no CUDA device" in d["backend_fallback"] and "data.fallback=cpu" in d["backend_why"]
     assert (
-        "loader: data.backend=cpu (data.fallback=cpu: data.backend=gpu cannot run here (needs a CUDA GPU: this machine has no CUDA "
-        "device))" in out
+        "loader: data.backend=cpu (data.fallback=cpu: data.backend=gpu cannot run here (needs a CUDA GPU: this machine "
+        "has no CUDA device))" in out
     )
     assert "input-bound: the loader (cpu) is the bottleneck" in out  # 80 ms of reading per step of < 5 ms
     assert "data.backend=gpu (" not in out and "loader (gpu)" not in out

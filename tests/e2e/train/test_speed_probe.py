@@ -50,7 +50,8 @@ def decide(*over: str, times=None, model=CONV, rt=CPU, loader=LONG, calls=None, 
 
 @pytest.fixture(autouse=True)
 def probing(monkeypatch):
-    """The suite turns the probe off (tests/conftest.py: TORCHSPRINT_SPEED_PROBE=off); these tests measure on purpose."""
+    """The suite turns the probe off (tests/conftest.py: TORCHSPRINT_SPEED_PROBE=off); these tests measure on
+    purpose."""
     monkeypatch.delenv(speed_probe.OFF_ENV, raising=False)
 
 
@@ -305,8 +306,8 @@ RUN = [
 
 
 def test_a_measured_run_records_it_and_trains_as_the_run_that_named_its_choice(tmp_path, monkeypatch, capsys):
-    # bugs caught: the probe training the run's model or leaving its RNG moved (the weights differ from the named run's),
-    # config.yaml saying auto (a resume or eval would not know what ran), decisions.json without the figures
+    # bugs caught: the probe training the run's model or leaving its RNG moved (the weights differ from the named
+    # run's), config.yaml saying auto (a resume or eval would not know what ran), decisions.json without the figures
     with monkeypatch.context() as m:
         m.setattr(speed_probe, "MEASURE_MIN_S", 0.0)
         m.setattr(speed_probe, "MAX_PROBE_SHARE", 1.0)

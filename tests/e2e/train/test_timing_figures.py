@@ -263,8 +263,8 @@ def test_bench_images_per_s_and_speedup_follow_each_variant_measured_step_time(t
         step_s = (starts[-1] - starts[0]) / (steps - 1)
         measured[name] = batch / step_s
         figure(f"bench {name} images/s / reference", by[name]["images_per_s"] / measured[name])
-        # Measured 0.98-1.024 (the timed region adds one batch's fetch, the reference takes the forwards' span), 0.986-1.028
-        # with 3 busy processes on the 2 cores; bound 7%, 2.5x that.
+        # Measured 0.98-1.024 (the timed region adds one batch's fetch, the reference takes the forwards'
+        # span), 0.986-1.028 with 3 busy processes on the 2 cores; bound 7%, 2.5x that.
         assert by[name]["images_per_s"] == pytest.approx(measured[name], rel=0.07)
         # The time not spent waiting for data holds every timed forward (measured: each comes after its batch's
         # wait), whatever the load. Which side of the 20% threshold the wait falls is the machine's doing: the

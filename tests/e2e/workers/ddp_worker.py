@@ -1,4 +1,5 @@
-"""DDP worker for tests/e2e/ddp/test_ddp.py: run under `torchrun --nproc-per-node 2 tests/e2e/workers/ddp_worker.py OUT WEIGHTS`.
+"""DDP worker for tests/e2e/ddp/test_ddp.py: run under
+`torchrun --nproc-per-node 2 tests/e2e/workers/ddp_worker.py OUT WEIGHTS`.
 
 Each rank runs every scenario below in sequence (one process start-up for all of them) and
 rank 0 writes the results into OUT; the test compares them with single-process references.

@@ -1,4 +1,5 @@
-"""DDP worker for tests/e2e/train/test_freeze_epochs.py: `torchrun --nproc-per-node 2 tests/e2e/workers/freeze_ddp_worker.py OUT`.
+"""DDP worker for tests/e2e/train/test_freeze_epochs.py:
+`torchrun --nproc-per-node 2 tests/e2e/workers/freeze_ddp_worker.py OUT`.
 
 Every rank trains the same model.freeze_epochs runs under strategy=ddp (gloo, SyncBatchNorm) in one process
 start-up: OUT/full uninterrupted, OUT/a paused in a head-only epoch and resumed (the resumed process crosses

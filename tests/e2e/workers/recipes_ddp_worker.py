@@ -1,4 +1,5 @@
-"""DDP worker for tests/e2e/train/test_recipes_repeated_aug.py: `torchrun --nproc-per-node 2 tests/e2e/workers/recipes_ddp_worker.py OUT ema|aug`.
+"""DDP worker for tests/e2e/train/test_recipes_repeated_aug.py:
+`torchrun --nproc-per-node 2 tests/e2e/workers/recipes_ddp_worker.py OUT ema|aug`.
 
 Two invocations, one process group each: a second init_process_group in the same processes after train()'s
 teardown raced on a loaded 2-core machine (rank 1 stuck in gloo's group creation while rank 0 went on).

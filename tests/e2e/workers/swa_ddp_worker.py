@@ -1,4 +1,5 @@
-"""DDP worker for tests/e2e/train/test_recipes_swa.py: `torchrun --nproc-per-node 2 tests/e2e/workers/swa_ddp_worker.py OUT RUN_DIR`.
+"""DDP worker for tests/e2e/train/test_recipes_swa.py:
+`torchrun --nproc-per-node 2 tests/e2e/workers/swa_ddp_worker.py OUT RUN_DIR`.
 
 Every rank trains the same SWA run (strategy ddp, gloo) and, after run.finish_swa, saves its own averaged
 model's state (weights and the recomputed BatchNorm statistics) as OUT/rank<r>.pt, so the test can compare

@@ -1,4 +1,5 @@
-"""2-process worker for tests/e2e/data/test_data_webdataset.py: `torchrun --nproc-per-node 2 webdataset_worker.py SHARDS OUT`.
+"""2-process worker for tests/e2e/data/test_data_webdataset.py:
+`torchrun --nproc-per-node 2 webdataset_worker.py SHARDS OUT`.
 
 Each rank builds the webdataset loaders (cpu backend, 2 loader workers, real gloo group), reads two
 epochs, and the ranks all-gather their targets (each sample's class is its own id) through gloo;

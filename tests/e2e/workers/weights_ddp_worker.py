@@ -1,5 +1,5 @@
-"""DDP worker for tests/e2e/models/test_weights_download.py (torch.multiprocessing.spawn): a module of its own, so that each
-spawned rank imports torch and torchsprint's download module only, not the test module's torchvision and run."""
+"""DDP worker for tests/e2e/models/test_weights_download.py (torch.multiprocessing.spawn): a module of its own, so that
+each spawned rank imports torch and torchsprint's download module only, not the test module's torchvision and run."""
 
 from __future__ import annotations
 

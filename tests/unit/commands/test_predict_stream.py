@@ -115,7 +115,8 @@ def test_reading_overlaps_the_model(tmp_path, monkeypatch, figure):
     overlap = sum(max(0.0, min(ce, re) - max(cs, rs)) for cs, ce in calls for rs, re in reads)
     model_s = sum(e - s for s, e in calls)
     print(
-        f"predict overlap: wall {wall:.3f} s, serial {serial:.3f} s, reads inside model calls {overlap:.3f} s of {model_s:.3f} s"
+        f"predict overlap: wall {wall:.3f} s, serial {serial:.3f} s, "
+        f"reads inside model calls {overlap:.3f} s of {model_s:.3f} s"
     )
     figure("predict wall / sleeps' sum", wall / serial)
     figure("predict reading inside model calls / model time", overlap / model_s)

@@ -118,9 +118,9 @@ def mode_cases():
     gray16 = (RNG.random((30, 40)) * 65535).astype(np.uint16)
     rgb16 = (RNG.random((30, 40, 3)) * 65535).astype(np.uint16)
     pil = lambda data: upright(data)  # noqa: E731
-    top_byte = lambda a: (
+    top_byte = lambda a: (  # noqa: E731
         torch.from_numpy((a >> 8).astype(np.uint8)).reshape(30, 40, -1).permute(2, 0, 1).expand(3, -1, -1)
-    )  # noqa: E731
+    )
     return {
         "gray JPEG": (encode(PICTURE.convert("L"), "JPEG", quality=90), pil),
         "CMYK JPEG": (encode(PICTURE.convert("CMYK"), "JPEG", quality=90), pil),

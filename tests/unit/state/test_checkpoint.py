@@ -549,9 +549,9 @@ def test_failed_save_names_the_errno_keeps_the_old_checkpoints_and_can_be_retrie
     with pytest.raises(UsageError) as info:
         saver.save(state(2), *objs, metric=None)
     assert str(info.value) == (
-        f"could not save checkpoint {saver.dir / name(2)}: No such file or directory (ENOENT). Nothing saved before was "
-        f"lost: the previous checkpoints in {saver.dir} are intact. Free disk space or fix permissions, then continue "
-        f"with `torchsprint train --resume {tmp_path}`."
+        f"could not save checkpoint {saver.dir / name(2)}: No such file or directory (ENOENT). Nothing saved before "
+        f"was lost: the previous checkpoints in {saver.dir} are intact. Free disk space or fix permissions, then "
+        f"continue with `torchsprint train --resume {tmp_path}`."
     )
     (tmp_path / "moved").rename(saver.dir)
     assert read_status(tmp_path) == before

@@ -1,4 +1,5 @@
-"""Every task x (backend, speed switch, export format, predict): it is supported, or refused with a UsageError naming it."""
+"""Every task x (backend, speed switch, export format, predict): it is supported, or refused with a UsageError naming
+it."""
 
 from __future__ import annotations
 

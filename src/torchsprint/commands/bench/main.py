@@ -4,8 +4,8 @@ Timing: warm-up steps excluded; GPU time from CUDA events recorded around the ti
 synchronisation at the end, airbench's method), CPU time from a monotonic clock. Each variant is
 repeated and reported as median with min-max. Variants that cannot run here are listed with the reason.
 
-The pieces: commands/bench/variants.py (the matrix), commands/bench/measure.py (running and timing one variant in its process),
-commands/bench/report.py (rows, best combination, bench.{json,csv,md,png}); import their names from them.
+The pieces: commands/bench/variants.py (the matrix), commands/bench/measure.py (running and timing one variant in its
+process), commands/bench/report.py (rows, best combination, bench.{json,csv,md,png}); import their names from them.
 """
 
 from __future__ import annotations

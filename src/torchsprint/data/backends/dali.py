@@ -275,7 +275,8 @@ def dali_loader(
             )
         if not hasattr(split, "samples") or not hasattr(split, "read"):
             raise UsageError(
-                f"data.backend=dali reads image files; dataset '{data_cfg.dataset}' is in memory. Use data.backend=memory."
+                "data.backend=dali reads image files; dataset "
+                f"'{data_cfg.dataset}' is in memory. Use data.backend=memory."
             )
     if splits.in_channels != 3:
         raise UsageError("data.backend=dali decodes RGB images; for gray images use data.backend=cpu.")

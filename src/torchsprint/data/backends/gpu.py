@@ -8,8 +8,8 @@ crops), and the CPU share (below). A producer thread (below) decodes the buffer 
 nvJPEG call, pads the images into one tensor and crops and resizes them all in one pass
 (batch_ops.resample_batch), then runs the batched tail (flips, cutout...) and normalises.
 
-The host work runs off the training thread (BENCHMARKS.md, "GPU, first run": on an H200 it was 29 ms of CPU per batch of 256
-on the training thread, a ceiling near 8,800 images/s whatever the GPU). One producer thread per
+The host work runs off the training thread (BENCHMARKS.md, "GPU, first run": on an H200 it was 29 ms of CPU per batch of
+256 on the training thread, a ceiling near 8,800 images/s whatever the GPU). One producer thread per
 iterator assembles batches ahead into a bounded queue of `data.prefetch_factor` batches (the same
 setting the DataLoader and DALI queues use: ready batches sit on the device, ~150 MB each at
 256x3x224x224 fp32, so the default 2 keeps ~0.5 GB ahead). One thread, not a pool: torchvision's

@@ -56,7 +56,8 @@ class ColorJitter:
     def __init__(self, brightness=0.0, contrast=0.0, saturation=0.0, hue=0.0):
         if hue:
             raise UsageError(
-                "color_jitter hue is not supported by the batched (memory/gpu) backends; set hue: 0 or use data.backend=cpu."
+                "color_jitter hue is not supported by the batched "
+                "(memory/gpu) backends; set hue: 0 or use data.backend=cpu."
             )
         self.b, self.c, self.s = float(brightness), float(contrast), float(saturation)
 

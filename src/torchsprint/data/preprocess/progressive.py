@@ -172,10 +172,10 @@ def check_epochs(data_cfg, epochs: int) -> None:
 
 
 def check_compile(data_cfg, epochs: int) -> None:
-    """speed.compile with data.progressive: one graph per input shape (plan.SpeedPlan.static_shapes, which wrap_model's torch.compile reads) must fit
-    torch's limit of graphs per model (torch._dynamo.config.recompile_limit, 8 in torch 2.14), beyond which it runs
-    the model uncompiled. Counted: each training size (twice when a last partial batch is kept, data.drop_last=false),
-    and evaluation's full and last partial batch."""
+    """speed.compile with data.progressive: one graph per input shape (plan.SpeedPlan.static_shapes, which wrap_model's
+    torch.compile reads) must fit torch's limit of graphs per model (torch._dynamo.config.recompile_limit, 8 in
+    torch 2.14), beyond which it runs the model uncompiled. Counted: each training size (twice when a last partial batch
+    is kept, data.drop_last=false), and evaluation's full and last partial batch."""
     schedule = train_schedule(data_cfg)
     if schedule is None:
         return

@@ -138,9 +138,9 @@ def list_images(
     folders list theirs with `extensions` and `other`, their reason for the rest, and no size limit).
 
     Everything else is recorded in `skipped` by reason (hidden files and folders, other extensions,
-    broken links, links back to a folder already listed, FIFOs and devices, files over `max_bytes`). `seen` holds the real paths of the folders
-    listed so far (shared across class folders, so a link from one class into another lists nothing
-    twice). Returns (images, how many of them were reached through a link).
+    broken links, links back to a folder already listed, FIFOs and devices, files over `max_bytes`). `seen` holds the
+    real paths of the folders listed so far (shared across class folders, so a link from one class into another lists
+    nothing twice). Returns (images, how many of them were reached through a link).
     """
     import os
 
@@ -268,7 +268,8 @@ def _listing(root: Path, limit: int = 8) -> str:
 
 
 def find_layout(root: Path) -> dict[str, Path | None]:
-    """Which folder of `root` holds each split: {'train': path | None (root is one folder of classes), 'val': ..., 'test': ...}.
+    """Which folder of `root` holds each split: {'train': path | None (root is one folder of classes), 'val': ...,
+    'test': ...}.
 
     Refuses (UsageError, showing what was found and what is expected) the layouts that would otherwise be
     misread: split folders beside class folders, two folders for one split, a split folder without

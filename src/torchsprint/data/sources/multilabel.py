@@ -27,7 +27,8 @@ def read_multilabel_csv(path: Path) -> list[tuple[str, list[str]]]:
     """
     if not path.is_file():
         raise UsageError(
-            f"multilabel list {path} does not exist. data.root must name a .csv file or a folder with train.csv/val.csv."
+            f"multilabel list {path} does not exist. data.root must "
+            "name a .csv file or a folder with train.csv/val.csv."
         )
     rows = []
     with open(path, newline="", encoding="utf-8") as f:

@@ -236,7 +236,8 @@ def render_sharp(rng: np.random.Generator, size: int) -> np.ndarray:
 
 
 def generate_blur_pairs(folder: Path, *, num_images: int, val_images: int, size: int, sigma: float, seed: int) -> Path:
-    """Write folder/{train,val}/{input,target}/<i>.png (lossless: the blur is the only degradation); reuse when complete."""
+    """Write folder/{train,val}/{input,target}/<i>.png (lossless: the blur is the only degradation); reuse when
+    complete."""
     from torchsprint.data.sources.synthetic import generate_once
 
     def write(tmp: Path) -> None:

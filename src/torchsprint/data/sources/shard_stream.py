@@ -298,7 +298,8 @@ class ShardSet:
             yield pending.pop(gid)
 
     def read_all(self):
-        """Every sample, shards in listed order (data check, the memory backend): (id, bytes | OSError, label, source)."""
+        """Every sample, shards in listed order (data check, the memory backend): (id, bytes | OSError, label,
+        source)."""
         parts = [(s, 0, c) for s, c in enumerate(self.counts)]
         return self.read_plan(StreamPlan(parts, np.arange(len(self), dtype=np.int64), [len(self)]), 0)
 

@@ -28,7 +28,8 @@ from torchsprint.data.preprocess.transforms import TRANSFORMS, parse_step
 from torchsprint.errors import UsageError
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".m4v")
-NOT_VIDEO = f"not videos by their extension (videos: {', '.join(VIDEO_EXTENSIONS)})"  # a skipped-files reason (folders.NOT_IMAGE's)
+# a skipped-files reason (folders.NOT_IMAGE's)
+NOT_VIDEO = f"not videos by their extension (videos: {', '.join(VIDEO_EXTENSIONS)})"
 CLIP_STEPS = ("random_clip", "center_clip", "multi_clip")
 
 
@@ -142,7 +143,8 @@ def decode_video(path: str, channels: int = 3) -> torch.Tensor:
 
 
 class VideoFiles(torch.utils.data.Dataset):
-    """(path, class index) videos decoded on access; unreadable or too-short ones yield (None, label, "path: reason")."""
+    """(path, class index) videos decoded on access; unreadable or too-short ones yield
+    (None, label, "path: reason")."""
 
     def __init__(self, samples: list[tuple[str, int]], min_frames: int, channels: int = 3):
         self.samples, self.min_frames, self.channels = samples, min_frames, channels
@@ -216,9 +218,11 @@ def video_splits(root: Path, data_cfg) -> Splits:
 
 @DATASETS.register("video_folder")
 def video_folder(data_cfg) -> Splits:
-    """Class-per-subfolder videos (task=video): <root>/train/<class>/*.mp4 and <root>/val/<class>/* (or split by val_fraction).
+    """Class-per-subfolder videos (task=video): <root>/train/<class>/*.mp4 and <root>/val/<class>/* (or split by
+    val_fraction).
 
-    Clips come from the spec's first step: random_clip (train) / center_clip or multi_clip (eval). data.options: mode (RGB or GRAY).
+    Clips come from the spec's first step: random_clip (train) / center_clip or multi_clip (eval). data.options: mode
+    (RGB or GRAY).
     """
     check_options(data_cfg, MODE)
     root = existing_folder(need_root(data_cfg, "folder with train/ and val/ class subfolders of videos"))

@@ -30,7 +30,9 @@ WEBDATASET_OPTIONS = {
     "val": "validation shards, the same way (default: <root>/val-*.tar; none: no validation)",
     "index": f"the index/class JSON (default: <root>/{INDEX_NAME})",
     "shuffle_buffer": "samples in the seeded shuffle buffer of each worker (default 1000; 0 or 1: shard order only)",
-    "image_key": "the member extension of the image (default: the first of jpg, jpeg, png, webp, bmp, gif, tif, tiff present)",
+    "image_key": (
+        "the member extension of the image (default: the first of jpg, jpeg, png, webp, bmp, gif, tif, tiff present)"
+    ),
     "label_key": "the member extension of the class index (default: cls)",
     **MODE,
 }
@@ -121,7 +123,8 @@ def shard_counts(urls: list[str], known: dict[str, dict], where: str) -> list[in
 
 
 def _pipe_name(url: str) -> str:
-    """The shard file name a `pipe:` command streams, e.g. 'train-000001.tar' of 'pipe:aws s3 cp s3://b/train-000001.tar -'."""
+    """The shard file name a `pipe:` command streams, e.g. 'train-000001.tar' of
+    'pipe:aws s3 cp s3://b/train-000001.tar -'."""
     for token in reversed(url[5:].split()):
         if token.endswith(".tar") or ".tar" in token:
             return token.rsplit("/", 1)[-1]

@@ -5,7 +5,7 @@ meant, finite numbers in range, devices this machine has, output paths that can 
 `predict --batch-size 0`, `--topk -1` and `--device cuda` without a GPU were tracebacks, `lr-find --out` on a file was
 found only after the whole sweep, `--nproc-per-node 0` ran one process.
 
-Each type keeps what it accepts as attributes (tests/test_cli_flags.py draws bad values from them).
+Each type keeps what it accepts as attributes (tests/e2e/cli/test_cli_flags.py draws bad values from them).
 """
 
 from __future__ import annotations
@@ -551,7 +551,7 @@ def args_list(p: argparse.ArgumentParser) -> None:
 
 
 # The flags that set a serve.* field, as (field, type, help); None when not given. Each is checked against
-# config/serve.py's ServeConfig by tests/test_serve.py. Here, not in
+# config/serve.py's ServeConfig by tests/e2e/serve/test_serve.py. Here, not in
 # commands/serve.py, so that `torchsprint --help` imports no server code (socket, signal).
 # Numbers checked while the command line is parsed (commands/args.py), with the serve section's bounds.
 SERVE_FLAGS = (

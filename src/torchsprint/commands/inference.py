@@ -15,7 +15,7 @@ Why a choice and not always fp32: on a CPU with native bf16 a convolutional net 
 in bf16 + channels_last (ResNet-18 at 224: BENCHMARKS.md "torchsprint serve under load"), and a run trained with
 precision=auto there reports validation accuracy measured in bf16. Logits then differ from fp32's
 by bf16's rounding (~1e-2), so an answer can differ from an fp32 predict's on a near-tie; predict and serve share
-this choice, so serve's answers equal predict's (tests/test_inference_precision.py states the bound).
+this choice, so serve's answers equal predict's (tests/e2e/serve/test_inference_precision.py states the bound).
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def join_timeout(timeout_s: float) -> int:
 
     After a machine dies, a survivor's collective fails within seconds (its peer's sockets close), its
     agent restarts the group and waits join_timeout for the machines, then stops. Measured on localhost
-    (tests/test_elastic.py): ~3 s until the failure is seen plus ~1 s to stop, so the reserve keeps that
+    (tests/e2e/ddp/test_elastic.py): ~3 s until the failure is seen plus ~1 s to stop, so the reserve keeps that
     whole sequence inside strategy.timeout_s, as docs/cluster.md promises.
     """
     return max(1, int(timeout_s - min(10.0, timeout_s / 2)))

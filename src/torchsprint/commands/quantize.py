@@ -13,7 +13,7 @@ chooses S8S8 (ARM cores handle it well). Every choice is recorded in the file's 
 
 Bit for bit: the same run, weights, N and seed give the same file. The sample is a seeded permutation of the
 training split, the eval preprocessing draws nothing, MinMax calibration is a min and a max, and the metadata
-holds no time (tests/test_int8.py checks two exports' bytes).
+holds no time (tests/e2e/export/test_int8.py checks two exports' bytes).
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ td:first-child, th:first-child {{ text-align: left; }} img {{ max-width: 100%; }
 {body}
 <p class="note">Written by torchsprint report on {date}. The same plots are PNG files beside this page.</p>
 <script>
-// Marks the page once every figure has decoded (read by tests/test_report.py in a headless browser).
+// Marks the page once every figure has decoded (read by tests/e2e/cli/test_report.py in a headless browser).
 window.addEventListener("load", () => {{
   const imgs = Array.from(document.images);
   document.body.dataset.imagesDecoded = imgs.filter(i => i.complete && i.naturalWidth > 0).length + "/" + imgs.length;

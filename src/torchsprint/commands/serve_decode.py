@@ -7,7 +7,8 @@ Exactness: an image is decoded by data/preprocess/decode.py's `decode_bytes` wit
 the eval spec's CPU pipeline, the calls `Predictor._load_cpu` makes for a file (on CUDA, nvJPEG and the GPU spec:
 `Predictor._decode_gpu`, as `predict --device cuda`), normalised and run by the same `Predictor.logits`, and
 turned into top-k by the task's own postprocess. Only the batch it shares differs from predict's: the logits of
-a row do not depend on the other rows in eval mode, up to float rounding (tests/test_serve.py states the bound).
+a row do not depend on the other rows in eval mode, up to float rounding (tests/e2e/serve/test_serve.py states the
+bound).
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def decide_cuda_graphs(
     CUDA graphs (../shared/gpu-runs/2026-11-26-h200/m5_default_run.log). What keeps it safe: only the model's
     forward/backward is captured (loss, optimizer, scaler, clipping, EMA, mixing stay eager); a batch of
     another shape (the last partial batch with data.drop_last=false) and evaluation run eagerly; gradient
-    accumulation adds exactly (measured rel. diff 0.0 on the H200, tests/test_gpu.py). A model whose forward
+    accumulation adds exactly (measured rel. diff 0.0 on the H200, tests/e2e/gpu/test_gpu.py). A model whose forward
     is not static (a host sync, data-dependent Python branches) fails at capture, and the run says how to
     turn the switch off (capture_cuda_graphs). Several processes (DDP) are left off by auto until measured
     on GPUs; speed.cuda_graphs=true captures under DDP as before.

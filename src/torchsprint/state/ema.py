@@ -2,7 +2,7 @@
 
 ModelEma keeps a copy of the plain (unwrapped) model and moves it towards the training weights after
 optimizer steps: ema = decay * ema + (1 - decay) * model, as `torch._foreach_lerp_(ema, model, 1 - decay)`
-exactly like timm.utils.ModelEmaV3.apply_update_ (tests/test_recipes_ema.py compares the two). Written
+exactly like timm.utils.ModelEmaV3.apply_update_ (tests/e2e/train/test_recipes_ema.py compares the two). Written
 here rather than imported because timm is an optional dependency; the decay and its warm-up are
 ModelEmaV3.get_decay's formula. Where it differs from ModelEmaV3, on purpose:
 - the EMA copy is kept in fp32 even when the model runs in fp16/bf16 weights (precision.mode=fp16/bf16),

@@ -11,7 +11,7 @@ resolved to one of them before a Precision is built: train/speed_probe.py):
   fp64      everything float64 (Lightning's "64-true"): batches cast in, logits and loss stay float64.
             For numerical checks: two computations that agree in exact arithmetic (DDP against one
             process) differ in fp32 by rounding amplified over the steps, by 1e-6 to 1e-3 depending on
-            the CPU's kernels (tests/test_progressive.py); in fp64 by ~1e-15.
+            the CPU's kernels (tests/e2e/train/test_progressive.py); in fp64 by ~1e-15.
 
 Non-finite values (precision.on_nonfinite):
   skip  a step whose gradients hold inf/NaN is not applied (parameters and optimizer state untouched)

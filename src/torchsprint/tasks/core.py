@@ -198,7 +198,7 @@ def _topk(outputs: torch.Tensor, classes: list[str], options: dict) -> list[dict
     """The k most probable classes of each image, ranked by logit with ties to the lower class index: how argmax,
     the metrics' top-1, breaks them. topk leaves the order of equal values open and gave the higher index here;
     equal logits are common in an int8 graph (its logits lie on a grid of quantization steps: 2 of the 360 digits
-    of tests/test_int8.py, whose predicted class then differed from `eval`'s)."""
+    of tests/e2e/export/test_int8.py, whose predicted class then differed from `eval`'s)."""
     k = min(options.get("topk", 5), len(classes))
     c = outputs.sort(dim=1, descending=True, stable=True).indices[:, :k]
     p = torch.softmax(outputs, dim=1).gather(1, c)

@@ -26,8 +26,8 @@ class ClassificationMetrics:
     and F1 per class are TP / predicted, TP / support and 2 TP / (support + predicted), 0 where the denominator is
     (scikit-learn's zero_division=0). Hand-counted rather than torchmetrics' Multiclass* metrics: importing
     torchmetrics (scipy with it) cost every run ~70 MB of resident memory and ~1 s of start-up (BENCHMARKS.md
-    "torchsprint beside timm's train.py"); tests/test_metrics_reference.py checks these counts against scikit-learn
-    in any batch composition.
+    "torchsprint beside timm's train.py"); tests/e2e/train/test_metrics_reference.py checks these counts against
+    scikit-learn in any batch composition.
 
     Always reported beside top-1, from the confusion matrix: balanced_acc (the mean recall over the classes present in
     the targets, scikit-learn's balanced_accuracy_score), f1_macro (the mean F1 over the classes present in targets

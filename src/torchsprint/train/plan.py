@@ -5,7 +5,7 @@ Precision, the memory formats before the loaders and the wrapping, the steps onc
 hands the same values to what it builds and to `build_plan`. Everything after reads the frozen `RunPlan`:
 the engine (fit, train_one_epoch, Validation), decisions.json and the start-up summary (`decisions`,
 `describe_decisions`). A writer that read the config instead could report what did not run; reading the
-plan, it cannot (tests/test_plan.py checks the files against what ran).
+plan, it cannot (tests/e2e/train/test_plan.py checks the files against what ran).
 """
 
 from __future__ import annotations

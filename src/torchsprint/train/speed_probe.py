@@ -29,7 +29,7 @@ more. Every test's run is far below that, so the suite trains the same on CPUs w
 Nothing of the probe reaches the run: it trains deep copies of the initialised model, with their own optimizers and
 Precision objects, on half of one batch of the run's training loader (`half`: less memory), then puts the process's
 RNG states back (the run's weights are bit for bit those of a run that named the chosen settings:
-tests/test_speed_probe.py).
+tests/e2e/train/test_speed_probe.py).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def decode_all(
     else:
         # Its own generator: without one, iterating a DataLoader draws its workers' base seed from the global RNG
         # (even with num_workers=0), so building this backend shifted the model's initial weights against the
-        # cpu and gpu backends for the same run.seed (tests/test_backend_agreement.py).
+        # cpu and gpu backends for the same run.seed (tests/e2e/data/test_backend_agreement.py).
         loader = torch.utils.data.DataLoader(
             raw, batch_size=64, num_workers=num_workers, collate_fn=list, generator=torch.Generator().manual_seed(0)
         )

@@ -13,7 +13,7 @@ from torchsprint.errors import UsageError
 # ops are torchvision's kernels rewritten for a per-sample parameter tensor: per op, the samples that
 # drew it are gathered, transformed together, and scattered back (index_copy_). Hand-written because
 # torchvision's functionals take one parameter per call (a call per sample would be one kernel launch
-# per image on the GPU). tests/test_auto_augment.py compares every op with torchvision on each image.
+# per image on the GPU). tests/e2e/data/test_auto_augment.py compares every op with torchvision on each image.
 
 
 def _inverse_affine(center, angle, translate, shear) -> list[float]:

@@ -108,7 +108,7 @@ def resample_batch(
     depend on the batch it is in, the padding around it, or the device (no fused multiply-add
     contraction), then rounded to uint8 like torchvision's float path. Against torchvision's own
     per-image uint8 kernel (which rounds between its two passes) pixels differ by at most 1 level
-    (tests/test_data_backends.py measures it).
+    (tests/e2e/data/test_data_backends.py measures it).
 
     Args:
         x: (B, C, H, W) uint8; sample b's image occupies any region the windows point into (padding

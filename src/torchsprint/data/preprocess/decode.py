@@ -124,7 +124,7 @@ def apply_orientation(img: torch.Tensor, orientation: int) -> torch.Tensor:
     One policy for every decoder (torchvision, simplejpeg, Pillow, nvJPEG): phone photos store pixels as
     the sensor read them and say in EXIF how to show them, so a decoder that ignored the tag would hand
     the model a sideways picture on one backend and an upright one on another. Same transforms as
-    Pillow's ImageOps.exif_transpose (tests/test_decode_orientation.py checks all 8 tags against it).
+    Pillow's ImageOps.exif_transpose (tests/unit/data/test_decode.py checks all 8 tags against it).
     """
     if orientation in (None, 1):
         return img

@@ -93,7 +93,7 @@ class FastRandomResizedCrop:
     calls in the same order, so per-sample seeds give the same crops); the crop is a view, copied to
     channels-last memory (`channels_last_copy`), then resized by torchvision's own resize kernel.
     torchvision's transform costs more in Python dispatch (~0.1 ms) and in resizing a strided crop.
-    `tests/test_data_backends.py` checks equality with v2.RandomResizedCrop on many seeds and sizes.
+    `tests/e2e/data/test_data_backends.py` checks equality with v2.RandomResizedCrop on many seeds and sizes.
     Other inputs (PIL images, tv_tensors) go to v2.RandomResizedCrop unchanged.
     """
 

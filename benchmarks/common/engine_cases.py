@@ -14,9 +14,9 @@ from torchsprint.data import DATASETS
 from torchsprint.data.core import Splits, TensorImages
 from torchsprint.observe.logging import RunLogger
 from torchsprint.state.checkpoint import TrainState
+from torchsprint.train.build import build_training
 from torchsprint.train.context import RunContext
 from torchsprint.train.engine import set_train_mode, train_one_epoch
-from torchsprint.train.run import build_training
 
 SHAPES = {"linear": (3, 8, 8), "small_cnn": (3, 16, 16), "resnet18": (3, 32, 32)}  # per model: CHW of its data
 CASES = {  # name: (model, data: a data set's name or a count of generated samples, batch size, lr)

@@ -32,7 +32,7 @@ MODEL_ALONE = r"""
 import json, statistics, sys, time, torch
 from torchsprint import config, runtime
 from torchsprint.train.engine import train_step
-from torchsprint.train.run import build_training
+from torchsprint.train.build import build_training
 cfg = config.load(sys.argv[1], ["log.tensorboard=false", "run.dir=" + sys.argv[2]])
 rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
 b = build_training(cfg, rt, lambda m: None)

@@ -730,8 +730,8 @@ def m2(res: Results, deadline: float, root: Path, backends: set[str]) -> None:
 def end_to_end_rate(overrides: list[str], steps: int, warmup: int) -> dict:
     """images/s and data-wait share of build_training + train_step on real JPEG batches."""
     from torchsprint import config, runtime
+    from torchsprint.train.build import build_training
     from torchsprint.train.engine import train_step
-    from torchsprint.train.run import build_training
 
     cfg = config.load(None, overrides)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -858,8 +858,8 @@ def register_random_cifar(n: int = 50000) -> None:
 
 def m4(res: Results, deadline: float) -> None:
     from torchsprint import config, runtime
+    from torchsprint.train.build import build_training
     from torchsprint.train.engine import train_step
-    from torchsprint.train.run import build_training
 
     register_random_cifar(SIZE["cifar"])
     over = [

@@ -52,7 +52,7 @@ def loader_images_per_s(cfg, steps: int, warmup: int) -> float:
     import torch
 
     from torchsprint import runtime
-    from torchsprint.train.run import build_training
+    from torchsprint.train.build import build_training
 
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
     try:

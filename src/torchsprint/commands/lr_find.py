@@ -190,8 +190,8 @@ def lr_find(
     from torchsprint import runtime
     from torchsprint.config.schema import import_modules
     from torchsprint.state.rundir import writable_file
+    from torchsprint.train.build import build_training
     from torchsprint.train.resolve import resolve
-    from torchsprint.train.run import build_training
 
     check_range(steps, start, end)
     if cfg.strategy.name == "ddp":

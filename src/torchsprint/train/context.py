@@ -10,7 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the context is built by train/run.py, which imports them all
+    import torch
+
+    from torchsprint.observe.logging import RunLogger
+    from torchsprint.runtime.core import Runtime
+    from torchsprint.runtime.preempt import Stopper
+    from torchsprint.state.checkpoint import Saver
+    from torchsprint.state.precision import Precision
+    from torchsprint.tasks.core import Task
 
 
 @dataclass(frozen=True)
@@ -28,14 +38,14 @@ class RunContext:
         task: tasks.core.Task (None: classification).
     """
 
-    rt: Any
+    rt: Runtime
     run_dir: Path
-    logger: Any
-    saver: Any = None
-    stop: Any = None
-    make_metrics: Callable[[], Any] | None = None
+    logger: RunLogger
+    saver: Saver | None = None
+    stop: Stopper | None = None
+    make_metrics: Callable[[], Any] | None = None  # the task's evaluator (tasks' metrics classes share no base)
     weights_meta: dict = field(default_factory=dict)
-    task: Any = None
+    task: Task | None = None
 
 
 @dataclass
@@ -46,7 +56,7 @@ class Trainable:
         model: the (wrapped) model; loss_fn: loss(logits, targets); opt: the optimizer; prec: train.precision.Precision.
     """
 
-    model: Any
-    loss_fn: Any
-    opt: Any
-    prec: Any
+    model: torch.nn.Module
+    loss_fn: torch.nn.Module
+    opt: torch.optim.Optimizer
+    prec: Precision

@@ -25,7 +25,7 @@ from torchsprint.state.swa import NoSwa
 from torchsprint.train.context import RunContext
 from torchsprint.train.validation import Validation, set_train_mode, weights_tag
 
-NO_EMA = NoEma()
+NO_EMA = NoEma()  # the no-op EMA and SWA, for run objects made without build_training (the engine tests)
 NO_SWA = NoSwa()
 NO_LIMITS = SimpleNamespace(stop_after_steps=None, max_time=None, stop_signals=())  # a Stopper that only obeys `stop`
 INPUT_BOUND_SHARE = 0.20  # data-wait share above which the log calls a run input-bound
@@ -35,7 +35,8 @@ def train_step(t, micro_batches, clip_grad_norm: float | None = None, correct: l
     """One optimizer step over `micro_batches` (gradient accumulation when there are several).
 
     `t`: what the step uses, `t.model`, `t.loss_fn`, `t.opt` and `t.prec` (train/run.py's Built, or a
-    context.Trainable). Returns the mean loss as a detached device tensor (no host sync here). With `correct` (a list), each
+    context.Trainable). Returns the mean loss as a detached device tensor (no host sync here). With `correct` (a list),
+    each
     micro-batch's (top-1 predictions, targets) are appended to it, as device tensors (class-index targets):
     one argmax per step; EpochTotals.fold compares and counts them all at once.
     """
@@ -72,7 +73,7 @@ def train_one_epoch(b, state: TrainState, plan, ctx: RunContext, validation: Val
     images, seconds, data-wait seconds, mean loss, whether the epoch finished.
     """
     model, loader, opt, sched, prec = b.model, b.loaders.train, b.opt, b.sched, b.prec
-    ema, logger, saver = getattr(b, "ema", NO_EMA), ctx.logger, ctx.saver
+    ema, logger, saver = b.ema, ctx.logger, ctx.saver
     stop = ctx.stop or Stopper(NO_LIMITS, state.global_step)
     stop.attach(loader)
     accum, per_step_sched = plan.accum_steps, plan.sched_interval == "step"
@@ -118,7 +119,9 @@ def train_one_epoch(b, state: TrainState, plan, ctx: RunContext, validation: Val
             it = rng_isolated(loader, device)
         if plan.checkpoint_every_steps and state.global_step % plan.checkpoint_every_steps == 0:
             totals.fold(state)  # the checkpoint keeps this epoch's sums so far
-            saver.save(state, model, opt, sched, prec, metric=validation.metric_at(state.global_step) if validation else None)
+            saver.save(
+                state, model, opt, sched, prec, metric=validation.metric_at(state.global_step) if validation else None
+            )
         if plan.max_steps is not None and state.global_step >= plan.max_steps:
             break
         if stop.after_step(state.global_step):
@@ -128,8 +131,12 @@ def train_one_epoch(b, state: TrainState, plan, ctx: RunContext, validation: Val
     check_finite(prec, state, window.losses, opt)
     totals.fold(state)
     seconds = time.perf_counter() - t_start
-    return {"images": images_seen, "seconds": seconds, "data_wait": data_wait,
-            "finished_epoch": state.step_in_epoch >= steps_per_epoch}
+    return {
+        "images": images_seen,
+        "seconds": seconds,
+        "data_wait": data_wait,
+        "finished_epoch": state.step_in_epoch >= steps_per_epoch,
+    }
 
 
 def next_micro_batches(it, accum: int) -> tuple[list, bool]:
@@ -163,8 +170,13 @@ class LogWindow:
         check_finite(prec, state, self.losses, opt, math.isfinite(mean_loss))
         totals.fold(state)
         now = time.perf_counter()
-        stats = {"train/loss": mean_loss, "train/lr": opt.param_groups[0]["lr"], "train/skipped_steps": state.skipped_steps,
-                 "train/images_per_s": self.images / max(now - self.t, 1e-9), "epoch": state.epoch + 1}
+        stats = {
+            "train/loss": mean_loss,
+            "train/lr": opt.param_groups[0]["lr"],
+            "train/skipped_steps": state.skipped_steps,
+            "train/images_per_s": self.images / max(now - self.t, 1e-9),
+            "epoch": state.epoch + 1,
+        }
         logger.scalars(state.global_step, stats, "train")
         logger.step_stats(f"loss {mean_loss:.4f}  lr {stats['train/lr']:.3g}  {stats['train/images_per_s']:.0f} img/s")
         self.losses.clear()
@@ -175,7 +187,8 @@ class LogWindow:
 class EpochTotals:
     """Step losses, top-1 predictions with their targets, and sample counts not yet added to the epoch's sums
     in TrainState (device tensors, so the step itself never syncs; comparing and counting the predictions
-    here, once per fold, instead of per step saves two small kernels per step). `fold` adds them, summed over ranks, at log steps,
+    here, once per fold, instead of per step saves two small kernels per step). `fold` adds them, summed over ranks, at
+    log steps,
     checkpoints and epoch ends: the state then holds global sums, and a resumed epoch reports the same
     means as an uninterrupted one. Note: a host sync and, under DDP, one small all-reduce per fold."""
 
@@ -191,10 +204,14 @@ class EpochTotals:
             return
         dev = self.losses[0].device if self.losses else torch.device("cpu")
         zero = torch.zeros((), dtype=torch.float64, device=dev)
-        t = torch.stack([torch.stack(self.losses).double().sum() if self.losses else zero,
-                         torch.tensor(float(len(self.losses)), dtype=torch.float64, device=dev),
-                         hits_sum(self.hits) if self.hits else zero,
-                         torch.tensor(float(self.samples if self.hits is not None else 0), dtype=torch.float64, device=dev)])
+        t = torch.stack(
+            [
+                torch.stack(self.losses).double().sum() if self.losses else zero,
+                torch.tensor(float(len(self.losses)), dtype=torch.float64, device=dev),
+                hits_sum(self.hits) if self.hits else zero,
+                torch.tensor(float(self.samples if self.hits is not None else 0), dtype=torch.float64, device=dev),
+            ]
+        )
         loss_sum, steps, correct, samples = all_reduce_sum(t).tolist()
         state.epoch_loss_sum += loss_sum
         state.epoch_steps += int(steps)
@@ -208,7 +225,10 @@ class EpochTotals:
 
 def hits_sum(hits: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Top-1 hits in (predictions, targets) pairs, as a float64 device scalar."""
-    def hard(t):  # Mixed (soft) targets count against the class with the larger weight (Mixup/CutMix: data/preprocess/mix.py)
+
+    def hard(
+        t,
+    ):  # Mixed (soft) targets count against the class with the larger weight (Mixup/CutMix: data/preprocess/mix.py)
         return t.argmax(1) if t.ndim == 2 else t.reshape(-1)
 
     preds = torch.cat([p for p, _ in hits]) if len(hits) > 1 else hits[0][0]
@@ -241,15 +261,16 @@ def check_finite(prec, state: TrainState, window: list, opt, loss_finite: bool |
     if not loss_finite:  # the rare path: find which step it was
         finite = torch.isfinite(torch.stack(window).float()).tolist()
         bad_step = state.global_step - len(window) + 1 + finite.index(False)
-    state.skipped_steps += prec.pop_nonfinite(state.global_step, loss_finite, bad_step=bad_step,
-                                              lr=opt.param_groups[0]["lr"])
+    state.skipped_steps += prec.pop_nonfinite(
+        state.global_step, loss_finite, bad_step=bad_step, lr=opt.param_groups[0]["lr"]
+    )
 
 
 def fit(plan, b, state: TrainState, ctx: RunContext) -> dict:
     """Train for plan.epochs (or plan.max_steps) from `state`, evaluating and checkpointing.
 
     `plan` (plan.RunPlan): every decision the loop follows (steps, when to log, evaluate and checkpoint, what to
-    monitor, early stop). `b`: the built objects (run.Built or any object with its attributes model, loaders,
+    monitor, early stop). `b`: the built objects (build.Built or any object with its attributes model, loaders,
     loss_fn, opt, sched, prec, ema, frozen_norms, head_only):
     `b.ema` (ema.ModelEma or the no-op NoEma) is updated after every optimizer step, evaluated beside the model
     (metrics ema/val/...) and saved as ema.safetensors; best.safetensors holds the EMA weights when the monitor
@@ -272,7 +293,7 @@ def fit(plan, b, state: TrainState, ctx: RunContext) -> dict:
     model, loaders, opt, sched, prec, logger, saver = b.model, b.loaders, b.opt, b.sched, b.prec, ctx.logger, ctx.saver
     stop = ctx.stop or Stopper(NO_LIMITS, state.global_step)
     ctx = replace(ctx, stop=stop)
-    swa = getattr(b, "swa", NO_SWA)
+    swa = b.swa
     val = Validation(b, plan, ctx)
     totals = {"images": 0, "seconds": 0.0, "data_wait": 0.0}
     t_fit = time.perf_counter()
@@ -283,7 +304,9 @@ def fit(plan, b, state: TrainState, ctx: RunContext) -> dict:
         ep = train_one_epoch(b, state, plan, ctx, val)
         for k in totals:
             totals[k] += ep[k]
-        stopping = (plan.max_steps is not None and state.global_step >= plan.max_steps) or state.stopped_epoch is not None
+        stopping = (
+            plan.max_steps is not None and state.global_step >= plan.max_steps
+        ) or state.stopped_epoch is not None
         pausing = stop.reason is not None and not stopping
         if not ep["finished_epoch"] and not stopping and not pausing:
             raise RuntimeError("loader ended before the epoch did")  # a loader length bug, never expected
@@ -300,15 +323,23 @@ def fit(plan, b, state: TrainState, ctx: RunContext) -> dict:
             stopping = val(state) or stopping  # (None: eval.every_steps evaluated after this very step already)
         if ep["finished_epoch"]:
             start_next_epoch(state)
-        if (plan.checkpoint_every_epochs and state.epoch % plan.checkpoint_every_epochs == 0) or last_epoch or pausing \
-                or stopping:
+        if (
+            (plan.checkpoint_every_epochs and state.epoch % plan.checkpoint_every_epochs == 0)
+            or last_epoch
+            or pausing
+            or stopping
+        ):
             saver.save(state, model, opt, sched, prec, val.metric_at(state.global_step))
         if stopping or pausing:
             break
     paused = pausing and state.epoch < plan.epochs and state.stopped_epoch is None
     artifacts = finish_fit(b, state, val, ctx, paused)
-    return fit_summary(state, val, stop, {"paused": paused, "totals": totals, "seconds": time.perf_counter() - t_fit,
-                                          "artifacts": artifacts})
+    return fit_summary(
+        state,
+        val,
+        stop,
+        {"paused": paused, "totals": totals, "seconds": time.perf_counter() - t_fit, "artifacts": artifacts},
+    )
 
 
 def fit_summary(state: TrainState, val: Validation, stop: Stopper, outcome: dict) -> dict:
@@ -330,10 +361,15 @@ def fit_summary(state: TrainState, val: Validation, stop: Stopper, outcome: dict
         # max_time, signal (then "signal" names it where this process received it).
         "stopped": stop.reason if paused else "early_stop" if state.stopped_epoch is not None else "completed",
         **({"signal": stop.got.name if stop.got else None} if paused and stop.reason == "signal" else {}),
-        "early_stop": None if plan.early_stop_patience is None else {
+        "early_stop": None
+        if plan.early_stop_patience is None
+        else {
             "stopped_epoch": None if state.stopped_epoch is None else state.stopped_epoch + 1,  # 1-based, as printed
-            "best": state.stop_best, "wait": state.stop_wait, "patience": plan.early_stop_patience,
-            "min_delta": plan.early_stop_min_delta},
+            "best": state.stop_best,
+            "wait": state.stop_wait,
+            "patience": plan.early_stop_patience,
+            "min_delta": plan.early_stop_min_delta,
+        },
     }
 
 
@@ -347,26 +383,42 @@ def start_next_epoch(state: TrainState) -> None:
 def finish_fit(b, state: TrainState, val: Validation, ctx: RunContext, paused: bool) -> dict:
     """After the loop: say why it stopped, save last.safetensors (and ema.safetensors) unless paused, and return
     which weights each artifact file describes (file name -> weights_tag)."""
-    plan, rt, run_dir, logger, task, weights_meta = val.plan, ctx.rt, ctx.run_dir, ctx.logger, ctx.task, ctx.weights_meta
+    plan, rt, run_dir, logger, task, weights_meta = (
+        val.plan,
+        ctx.rt,
+        ctx.run_dir,
+        ctx.logger,
+        ctx.task,
+        ctx.weights_meta,
+    )
     if state.stopped_epoch is not None:
-        logger.info(f"early stop after epoch {state.stopped_epoch + 1}: {plan.monitor} has not improved by more than "
-                    f"{plan.early_stop_min_delta} for {plan.early_stop_patience} evaluation(s) (best {state.stop_best:.4g})")
+        logger.info(
+            f"early stop after epoch {state.stopped_epoch + 1}: {plan.monitor} has not improved by more than "
+            f"{plan.early_stop_min_delta} for {plan.early_stop_patience} evaluation(s) (best {state.stop_best:.4g})"
+        )
     if paused:
         logger.info(pause_message(ctx.stop, state, run_dir))
     else:
         b.ema.sync(rt)
         if rt.is_main:
-            save_weights(run_dir / "last.safetensors", b.model, weights_meta | {"epoch": str(state.epoch),
-                                                                                "step": str(state.global_step)})
+            save_weights(
+                run_dir / "last.safetensors",
+                b.model,
+                weights_meta | {"epoch": str(state.epoch), "step": str(state.global_step)},
+            )
             if b.ema.enabled:
-                save_weights(run_dir / "ema.safetensors", b.ema.module, weights_meta | {"epoch": str(state.epoch),
-                                                                                        "weights": "ema"})
+                save_weights(
+                    run_dir / "ema.safetensors",
+                    b.ema.module,
+                    weights_meta | {"epoch": str(state.epoch), "weights": "ema"},
+                )
             if val.last_at is not None:  # the last evaluation saw these weights (the loop ends right after one)
                 # The model's own metrics (val/...), as last.safetensors holds the model's weights, not the EMA's.
                 task.write_artifacts(run_dir, val.last, b.loaders.info, weights_tag("last", *val.last_at))
     artifacts = {}
-    tags = [weights_tag("best", state.best_epoch, state.best_step)] + ([weights_tag("last", *val.last_at)]
-                                                                       if val.last_at is not None and not paused else [])
+    tags = [weights_tag("best", state.best_epoch, state.best_step)] + (
+        [weights_tag("last", *val.last_at)] if val.last_at is not None and not paused else []
+    )
     for tag in tags:
         artifacts |= {name: tag for name in task.artifacts(tag["weights"]) if (run_dir / name).is_file()}
     return artifacts
@@ -374,26 +426,36 @@ def finish_fit(b, state: TrainState, val: Validation, ctx: RunContext, paused: b
 
 def pause_message(stop: Stopper, state: TrainState, run_dir: Path) -> str:
     """The line that says why a paused run stopped and how to continue it."""
-    why = {"stop_after_steps": "run.stop_after_steps",
-           "max_time": "run.max_time: the time budget of this invocation is spent",
-           "signal": f"{stop.got.name if stop.got else 'a stop signal (received by another rank)'}: preempted"}[stop.reason]
-    return (f"paused at step {state.global_step} ({why}); continue with checkpoint.resume=auto "
-            f"or `torchsprint train --resume {run_dir}`")
+    why = {
+        "stop_after_steps": "run.stop_after_steps",
+        "max_time": "run.max_time: the time budget of this invocation is spent",
+        "signal": f"{stop.got.name if stop.got else 'a stop signal (received by another rank)'}: preempted",
+    }[stop.reason]
+    return (
+        f"paused at step {state.global_step} ({why}); continue with checkpoint.resume=auto "
+        f"or `torchsprint train --resume {run_dir}`"
+    )
 
 
 def report_epoch(logger, state: TrainState, ep: dict, loader, backend: str) -> None:
-    """Per-epoch training loss and accuracy, throughput, data-wait share, and skipped samples; flags input-bound runs."""
+    """Per-epoch training loss and accuracy, throughput, data-wait share, and skipped samples; flags input-bound
+    runs."""
     share = ep["data_wait"] / max(ep["seconds"], 1e-9)
     ips = ep["images"] / max(ep["seconds"], 1e-9)
     means = epoch_means(state)
-    logger.scalars(state.global_step, means | {"train/epoch_images_per_s": ips, "train/data_wait_share": share,
-                                               "epoch": state.epoch + 1}, "epoch")
+    logger.scalars(
+        state.global_step,
+        means | {"train/epoch_images_per_s": ips, "train/data_wait_share": share, "epoch": state.epoch + 1},
+        "epoch",
+    )
     said = "".join(f"{k.split('_', 1)[1]} {v:.4f}, " for k, v in means.items())
     msg = f"epoch {state.epoch + 1}: train {said}{ips:.0f} img/s, data wait {share:.0%}"
     if share > INPUT_BOUND_SHARE:
-        msg += (f" [yellow]- input-bound: the loader ({backend}) is the bottleneck; try more data.num_workers or "
-                "another data.backend (memory for small datasets, gpu for JPEGs on CUDA); `torchsprint bench` "
-                "measures which pays off[/]")
+        msg += (
+            f" [yellow]- input-bound: the loader ({backend}) is the bottleneck; try more data.num_workers or "
+            "another data.backend (memory for small datasets, gpu for JPEGs on CUDA); `torchsprint bench` "
+            "measures which pays off[/]"
+        )
     logger.info(msg)
     skipped = getattr(loader, "skipped", [])
     if skipped:

@@ -83,7 +83,7 @@ def test_building_and_iterating_a_backend_leaves_the_global_rng_alone(tmp_path, 
 def test_same_seed_same_initial_weights_on_cpu_and_memory(tmp_path):
     """What a user sees: `run.seed=0` starts from the same weights whichever backend loads the data."""
     from torchsprint import runtime
-    from torchsprint.train.run import build_training
+    from torchsprint.train.build import build_training
 
     weights = {}
     for backend in ("cpu", "memory"):

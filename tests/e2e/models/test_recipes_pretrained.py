@@ -13,7 +13,8 @@ import torchvision
 
 from torchsprint import config, runtime
 from torchsprint.errors import UsageError
-from torchsprint.train.run import build_training, train
+from torchsprint.train.build import build_training
+from torchsprint.train.run import train
 
 BASE = [
     "log.tensorboard=false",

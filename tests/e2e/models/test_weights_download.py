@@ -26,7 +26,8 @@ from safetensors.torch import save as safetensors_bytes
 from torchsprint import config, runtime
 from torchsprint.errors import UsageError
 from torchsprint.models.download import fetch
-from torchsprint.train.run import build_training, train
+from torchsprint.train.build import build_training
+from torchsprint.train.run import train
 
 BASE = [
     "log.tensorboard=false",

@@ -285,7 +285,7 @@ def test_the_probe_feeds_batches_in_the_format_the_run_plans(setting, tmp_path):
     from conftest import make_image_folder
     from torchsprint import runtime
     from torchsprint.train.batch_size import probe_trial
-    from torchsprint.train.run import build_training
+    from torchsprint.train.build import build_training
 
     make_image_folder(tmp_path / "imgs")  # RGB: with one channel (digits) NCHW and NHWC are the same memory
     cfg = config.load(

@@ -17,6 +17,7 @@ from torchsprint.errors import UsageError
 from torchsprint.runtime import parallel
 from torchsprint.runtime.core import Runtime
 from torchsprint.runtime.parallel import GraphsDecision, check_speed, decide_cuda_graphs, wrap_model
+from torchsprint.train import build
 from torchsprint.train.plan import NO_SPEED, decide_speed, describe_decisions
 from torchsprint.train.run import train
 
@@ -99,7 +100,7 @@ def test_build_training_reads_one_decision(tmp_path, monkeypatch):
         return model
 
     said = GraphsDecision(True, "pretend: decided on by the test")
-    monkeypatch.setattr(parallel, "decide_cuda_graphs", lambda *a, **k: said)
+    monkeypatch.setattr(build, "decide_cuda_graphs", lambda *a, **k: said)  # where build_training's start reads it
     monkeypatch.setattr(parallel, "capture_cuda_graphs", fake_capture)
     train(config.load(None, [*TINY, f"run.dir={tmp_path / 'r'}"]), quiet=True)
     assert captured == [(torch.Size([64, 1, 8, 8]), True, True)]  # one capture, of a training batch, graph-safe

@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from torchsprint import config, runtime
 from torchsprint.errors import UsageError
+from torchsprint.train.build import build_training
 from torchsprint.train.distill import Distilled, DistillLoss, Teacher
-from torchsprint.train.run import build_training, train
+from torchsprint.train.run import train
 
 QUIET = ["log.tensorboard=false", "log.progress=false", "eval.per_class=false"]
 

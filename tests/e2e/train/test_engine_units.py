@@ -35,6 +35,7 @@ from torchsprint.tasks.core import get_task
 from torchsprint.train.context import RunContext, Trainable
 from torchsprint.train.engine import (
     NO_EMA,
+    NO_SWA,
     EpochTotals,
     check_finite,
     epoch_means,
@@ -189,6 +190,7 @@ def run_fit(r: Run, pass_task: bool = True, **kw) -> dict:
         ema=r.ema if r.ema is not None else NO_EMA,
         frozen_norms=[],
         head_only=NO_HEAD_ONLY,
+        swa=NO_SWA,  # every field fit reads (build.Built's): no default behind a getattr
     )
     stop = kw.pop("stop", None) or Stopper(r.cfg.run, r.state.global_step)
     ctx = RunContext(

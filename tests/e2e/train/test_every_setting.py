@@ -22,7 +22,8 @@ from torch import nn
 
 from torchsprint import config, runtime
 from torchsprint.errors import UsageError
-from torchsprint.train.run import build_training, train
+from torchsprint.train.build import build_training
+from torchsprint.train.run import train
 
 # data.backend=cpu: the probes of the cpu backend's own fields compare against it (the default, auto, picks
 # memory for digits; its probe is below and tests/e2e/data/test_backend_auto.py proves what it picks).

@@ -12,7 +12,8 @@ from paths import WORKERS
 from torchsprint import config, runtime
 from torchsprint.errors import UsageError
 from torchsprint.state.resume import find_checkpoints
-from torchsprint.train.run import build_training, train
+from torchsprint.train.build import build_training
+from torchsprint.train.run import train
 
 # digits: 1437 training images, batch 64 -> 22 steps per epoch; the head of small_cnn is its last Linear ("7.").
 OVER = [

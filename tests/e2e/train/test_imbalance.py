@@ -20,7 +20,8 @@ from torchsprint import config, runtime
 from torchsprint.data import build_loaders
 from torchsprint.data.core import EpochSampler, balanced_weights
 from torchsprint.errors import UsageError
-from torchsprint.train.run import build_training, train
+from torchsprint.train.build import build_training
+from torchsprint.train.run import train
 
 QUIET = [
     "log.tensorboard=false",

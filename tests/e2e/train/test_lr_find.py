@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from torchsprint import cli, config, runtime
 from torchsprint.commands.lr_find import lr_find
-from torchsprint.train.run import build_training, train
+from torchsprint.train.build import build_training
+from torchsprint.train.run import train
 
 # digits on the memory backend, no weight decay (the reference optimizer below is a bare torch.optim.SGD).
 BASE = ["run.device=cpu", "data.backend=memory", "optim.weight_decay=0", "model.args.width=8"]

@@ -246,7 +246,7 @@ def test_bce_loss_takes_the_soft_targets(tmp_path):
     """The run's own loss on the run's own mixed batch equals BCE written out on the smoothed soft targets
     (Keras' binary smoothing t(1 - eps) + eps / 2), then a run finishes."""
     from torchsprint import runtime
-    from torchsprint.train.run import build_training
+    from torchsprint.train.build import build_training
 
     cfg = config.load(None, [*BASE, "loss.name=bce_with_logits", f"run.dir={tmp_path / 'b'}"])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -310,7 +310,7 @@ def test_ddp_two_processes_with_mixing(tmp_path, run_cli):
 )
 def test_refusals(over, match):
     from torchsprint import runtime
-    from torchsprint.train.run import build_training
+    from torchsprint.train.build import build_training
 
     cfg = config.load(None, ["log.tensorboard=false", *over])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)

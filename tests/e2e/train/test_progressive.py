@@ -21,7 +21,8 @@ from torchsprint.data.core import Backend
 from torchsprint.data.preprocess.progressive import Schedule, train_schedule
 from torchsprint.errors import UsageError
 from torchsprint.runtime.core import Runtime
-from torchsprint.train.run import build_training, train
+from torchsprint.train.build import build_training
+from torchsprint.train.run import train
 
 CPU = Runtime(torch.device("cpu"))
 

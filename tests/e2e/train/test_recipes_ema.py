@@ -143,8 +143,8 @@ def test_ema_follows_the_original_module_under_compile(tmp_path):
     """speed.compile: the EMA copies and follows the module inside the compiled wrapper."""
     from torchsprint import runtime
     from torchsprint.runtime.parallel import unwrap
+    from torchsprint.train.build import build_training
     from torchsprint.train.engine import train_step
-    from torchsprint.train.run import build_training
 
     cfg = config.load(None, [*BASE, "speed.compile=true", "speed.compile_backend=eager"])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)
@@ -170,7 +170,7 @@ def test_ema_follows_the_original_module_under_compile(tmp_path):
 def test_ema_on_cpu_beside_a_cuda_model(tmp_path):
     """ema.device=cpu: the EMA of a CUDA model lives in host memory and still follows it (saved as ema.safetensors)."""
     from torchsprint import runtime
-    from torchsprint.train.run import build_training
+    from torchsprint.train.build import build_training
 
     cfg = config.load(None, [*BASE, "run.device=cuda", "ema.device=cpu", "ema.eval=false"])
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)

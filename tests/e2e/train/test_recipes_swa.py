@@ -21,7 +21,8 @@ from paths import WORKERS
 from torchsprint import cli, config, runtime
 from torchsprint.config.saved import load_run_config
 from torchsprint.errors import UsageError
-from torchsprint.train.run import build_training, train
+from torchsprint.train.build import build_training
+from torchsprint.train.run import train
 
 BASE = [
     "model.args={width: 8}",

@@ -116,7 +116,7 @@ def uneven_and_no_sync() -> dict:
     from torchsprint.state.checkpoint import TrainState
     from torchsprint.state.precision import Precision
     from torchsprint.train.context import RunContext, Trainable
-    from torchsprint.train.engine import train_one_epoch, train_step
+    from torchsprint.train.engine import NO_EMA, train_one_epoch, train_step
     from torchsprint.train.plan import NO_SPEED, build_plan
 
     cfg = config.load(
@@ -155,6 +155,7 @@ def uneven_and_no_sync() -> dict:
             opt=opt,
             sched=sched,
             prec=prec,
+            ema=NO_EMA,
         )
         ep = train_one_epoch(b, state, plan, RunContext(rt, None, RunLogger(None, cfg.log, enabled=False), saver))
         return {

@@ -42,8 +42,9 @@ def main(out: Path, part: str) -> None:
     faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where, within the test's timeout
 
     from torchsprint import config, runtime
+    from torchsprint.train.build import build_training
     from torchsprint.train.engine import train_step
-    from torchsprint.train.run import build_training, train
+    from torchsprint.train.run import train
 
     out.mkdir(parents=True, exist_ok=True)
     if part == "ema":  # 1. EMA of a DDP run (linear model: the same weights as one process with batch 2B).

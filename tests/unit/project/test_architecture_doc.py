@@ -68,7 +68,10 @@ def test_the_checker_notices_a_missing_and_a_misplaced_module():
     assert "version.py" not in page_mods and page_mods["cli.py"] == "train" != disk_mods["cli.py"]
 
 
-MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
+# In ruff-formatted lines (line-length 120, aaed54c): a call that does not fit on one line takes a line per argument,
+# so the same code counts 15-35% more lines than in the denser style the first limits (450, 80) were set in; at
+# 550 and 100 the same files and functions as before sit at the limit, and those over it have a row.
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 550, 100
 
 
 def oversized(src: Path = SRC) -> dict[str, int]:
@@ -95,8 +98,8 @@ def listed_sizes(text: str) -> set[str]:
 
 
 def test_every_file_and_function_over_the_size_limits_is_listed_with_its_seam():
-    """No file over 450 lines and no function over 80, or a row in ARCHITECTURE.md's "Sizes" saying
-    where it splits. A row for something back under the limit must go too (the table stays true)."""
+    """No file over MAX_FILE_LINES lines and no function over MAX_FUNCTION_LINES, or a row in ARCHITECTURE.md's
+    "Sizes" saying where it splits. A row for something back under the limit must go too (the table stays true)."""
     over, listed = set(oversized()), listed_sizes(PAGE.read_text())
     assert sorted(over - listed) == [], "over the size limits: split it, or add a row to ARCHITECTURE.md's Sizes"
     assert sorted(listed - over) == [], "ARCHITECTURE.md's Sizes lists what is back under the limits: remove the row"
@@ -106,8 +109,9 @@ def test_the_size_check_counts_a_long_file_and_a_long_function(tmp_path):
     pkg = tmp_path / "torchsprint"
     pkg.mkdir()
     (pkg / "short.py").write_text("def f():\n    return 1\n")
-    (pkg / "long.py").write_text("def g():\n" + "    x = 1\n" * 90 + "\n" * 400)
-    assert oversized(tmp_path) == {"long.py": 491, "long.py::g": 91}
+    (pkg / "long.py").write_text("def g():\n" + "    x = 1\n" * MAX_FUNCTION_LINES + "\n" * MAX_FILE_LINES)
+    lines = 1 + 2 * MAX_FUNCTION_LINES + MAX_FILE_LINES - MAX_FUNCTION_LINES  # def + body + blank lines
+    assert oversized(tmp_path) == {"long.py": lines, "long.py::g": MAX_FUNCTION_LINES + 1}
 
 
 MAX_LOOP_PARAMETERS = 5

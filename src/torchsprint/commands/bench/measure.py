@@ -52,8 +52,8 @@ def measure(cfg, steps: int, warmup: int) -> dict:
 
     from torchsprint import runtime
     from torchsprint.config.schema import import_modules
+    from torchsprint.train.build import build_training
     from torchsprint.train.engine import set_train_mode, train_step
-    from torchsprint.train.run import build_training
 
     import_modules(cfg.imports)
     rt = runtime.setup(cfg.run, cfg.strategy, cfg.speed)

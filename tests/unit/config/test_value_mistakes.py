@@ -7,8 +7,6 @@ blamed the eval batches' size; data.sampler=balanced accepted a class with no tr
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from conftest import make_image_folder
@@ -117,24 +115,6 @@ def test_an_effective_batch_larger_than_the_training_set(tmp_path, cli_in_proces
     assert not (tmp_path / "r").exists()
 
 
-def test_a_progressive_start_below_what_the_model_takes_names_the_setting(tmp_path, cli_in_process):
-    """Before: 'small_cnn needs inputs of at least 2x2 pixels, but the batches are 8x8' (the eval batches)."""
-    refused(
-        cli_in_process(
-            "train",
-            *FAST,
-            "run.epochs=2",
-            "data.train.transforms=[random_resized_crop: 8]",
-            "data.progressive.start_size=1",
-            "data.progressive.step=1",
-            "data.progressive.end_epoch=2",
-            f"run.dir={tmp_path / 'r'}",
-        ),
-        "data.progressive.start_size=1: the first epochs train on 1x1 crops",
-        "at least 2x2",
-    )
-
-
 def test_balanced_sampling_with_a_class_without_training_images(tmp_path, cli_in_process):
     """Integer labels 0 and 2 make three classes; class 1 has no image. loss.class_weights=auto refused it,
     data.sampler=balanced drew the other two and called it balanced."""
@@ -176,22 +156,6 @@ def test_shards_are_not_written_into_their_source(tmp_path, cli_in_process):
     refused(cli_in_process("data", "shard", root, root), "is SRC itself", "outside SRC")
     refused(cli_in_process("data", "shard", root, root / "shards"), "is inside SRC")
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
-
-
-def test_a_class_too_small_for_a_validation_image_is_said(tmp_path, cli_in_process):
-    """100 images of one class and 2 of another at val_fraction 0.2: the stratified split gives the small class
-    no validation image (21 of 102: 20.6 and 0.4 share out as 21 and 0)."""
-    root = tmp_path / "imgs"
-    make_image_folder(root, classes=("many",), per_class=100, size=(8, 8), splits=("train",))
-    make_image_folder(root, classes=("two",), per_class=2, size=(8, 8), splits=("train",))
-    r = cli_in_process("train", *FAST, "data.dataset=image_folder", f"data.root={root}", f"run.dir={tmp_path / 'r'}")
-    assert r.returncode == 0, r.stderr
-    note = (
-        "1 class(es) too small for a validation image at "
-        "data.val_fraction=0.2 (two: 2 images): trained on, not validated"
-    )
-    assert note in r.stdout, r.stdout
-    assert any(note in n for n in json.loads((tmp_path / "r" / "decisions.json").read_text())["notes"])
 
 
 @pytest.mark.parametrize(

@@ -69,6 +69,15 @@ def test_cached_batches_equal_the_files_and_the_second_build_reuses_the_first(tm
         assert {r["state"] for r in second["splits"].values()} == {"reused"}
     keys = {p.name for p in (tmp_path / "cache").iterdir() if (p / "meta.json").exists()}
     assert len(keys) == 2  # one per split: train and val
+    # The sizes the record (and the start-up line) reports, against the images themselves: 16 training JPEGs of
+    # 24x20 RGB kept as decoded; 16 validation ones resized by the eval spec's first step to a short side of 18
+    # (20x24 -> 18x21, torchvision's rounding). Bug caught: a figure counted from another split or before the sizing.
+    from PIL import Image
+
+    w, h = Image.open(next((root / "val").rglob("*.jpg"))).size
+    assert (w, h) == (24, 20)
+    assert first["splits"]["val"]["bytes"] == 16 * 3 * 18 * int(18 * w / h)
+    assert second["splits"]["train"]["bytes"] == 16 * 3 * h * w
 
 
 def test_training_from_the_cache_equals_training_from_the_files(tmp_path, cli_in_process):

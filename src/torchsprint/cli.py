@@ -1,6 +1,6 @@
-"""The `torchsprint` command: train | eval | export | predict | serve | data (check, compare, shard) | bench | lr-find |
-report | average | weights (get, path) | config (show, schema) | list. One table, COMMANDS: each entry names its
-arguments and the function it runs.
+"""The `torchsprint` command: train | eval | export | predict | serve | tune | data (check, compare, shard) | bench |
+lr-find | report | average | weights (get, path) | config (show, schema) | list. One table, COMMANDS: each entry
+names its arguments and the function it runs.
 
 torch is imported lazily so that `torchsprint --help` answers in well under a second.
 """
@@ -31,6 +31,7 @@ from torchsprint.commands.args import (
     args_train,
     args_weights,
 )
+from torchsprint.commands.tune.args import args_tune
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -285,6 +286,18 @@ COMMANDS = [
         args_serve,
         lazy("torchsprint.commands.serve", "serve_cli"),
         imports=True,
+    ),
+    Command(
+        "tune",
+        "search a config's settings on your data, every trial at equal cost (Optuna)",
+        "Search the settings of a config (or of data.root alone) with Optuna: the space chosen from the data or "
+        "the config's tune section, every trial a run folder under --out, --trial-time for equal cost per trial, "
+        "pruning, --resume, --workers and a shared --storage. Writes trials.md, search.png and best.yaml. "
+        "docs/tune.md.",
+        args_tune,
+        lazy("torchsprint.commands.tune.command", "tune_cli"),
+        imports=True,
+        import_first=False,
     ),
     Command(
         "data",

@@ -42,6 +42,7 @@ from torchsprint.config.training import (
     StrategyConfig,
     SwaConfig,
 )
+from torchsprint.config.tune import SHORTCUTS, TuneConfig, settable
 from torchsprint.errors import UsageError, did_you_mean
 
 
@@ -88,6 +89,10 @@ class Config(Section):
     )
     log: LogConfig = Field(default_factory=LogConfig, description="Console, JSONL and TensorBoard logging.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation metrics.")
+    tune: TuneConfig = Field(
+        default_factory=TuneConfig,
+        description="`torchsprint tune`: the search space and objective (read by tune only; docs/tune.md).",
+    )
     serve: ServeConfig = Field(
         default_factory=ServeConfig,
         description="`torchsprint serve`: the HTTP server's address, "
@@ -102,6 +107,38 @@ class Config(Section):
                 f"model.freeze_epochs={self.model.freeze_epochs} is not below run.epochs={self.run.epochs}: "
                 "the body would never be unfrozen. Lower model.freeze_epochs or raise run.epochs; to train "
                 "only the head for the whole run, set model.train_only to its parameter patterns."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tune_keys_are_settings(self):
+        for key in self.tune.space:
+            if key not in SHORTCUTS and not settable(key, Config):
+                raise UsageError(
+                    f"tune.space.{key}: not a setting of the config (a dotted key such as optim.lr or "
+                    f"loss.label_smoothing, or one of {', '.join(SHORTCUTS)})"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _train_time_sets_the_length(self):
+        # run.train_time fits run.max_steps to the time: a max_steps of the user's would be overridden, and the fitted
+        # schedule is per step (an epoch schedule has no step to end at; SWA starts at an epoch of a fixed length).
+        if self.run.train_time is None:
+            return self
+        clash = (
+            "run.max_steps"
+            if self.run.max_steps is not None
+            else "sched.interval=epoch"
+            if self.sched.interval == "epoch"
+            else "swa.enabled=true"
+            if self.swa.enabled
+            else None
+        )
+        if clash:
+            raise UsageError(
+                f"run.train_time={self.run.train_time} fits the run's length (its optimizer steps, the schedule per "
+                f"step) to the time, which {clash} fixes otherwise: unset one of them."
             )
         return self
 

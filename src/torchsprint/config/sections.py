@@ -73,6 +73,15 @@ class RunConfig(Section):
         "stopped: max_time) and exits 0; resuming continues to run.epochs with a fresh budget. It can overshoot by "
         "about one step, an evaluation due at that step, and the checkpoint write.",
     )
+    train_time: str | float | None = Field(
+        None,
+        description="Train for this wall-clock time ('5m', '1h', '90s' or seconds, counted like max_time from the "
+        "start of `train`), the run's length fitted to it: after its first steps the run measures its speed "
+        "(evaluations included) and sets run.max_steps to the steps that fit, again at each epoch's start, so the "
+        "learning-rate schedule ends when the time does (a faster setting trains longer). run.epochs is then an "
+        "upper bound (unset: none). summary.json's `train_time` says what was measured and fitted; a resumed run "
+        "keeps its fitted length. `torchsprint tune --trial-time` gives each trial this. Needs sched.interval=step.",
+    )
     stop_signals: list[str] = Field(
         default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"],
         description="Signals that stop the run after the current step with a resumable checkpoint and exit code 75 "
@@ -91,7 +100,7 @@ class RunConfig(Section):
         "an operation without a deterministic implementation stops the run, naming it.",
     )
 
-    @field_validator("max_time")
+    @field_validator("max_time", "train_time")
     @classmethod
     def _duration(cls, v):
         from torchsprint.runtime.preempt import parse_duration

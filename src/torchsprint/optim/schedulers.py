@@ -132,12 +132,20 @@ def build_scheduler(sched_cfg, opt: torch.optim.Optimizer, *, epochs: float, ste
         steps_per_epoch: optimizer steps per epoch (after gradient accumulation).
     The engine calls `sched.step()` every optimizer step (interval=step) or every epoch.
     """
-    shape = SCHEDULERS.get(sched_cfg.name)(sched_cfg, epochs)
     check_sched_fields(sched_cfg)
+    lam = schedule_lambda(sched_cfg, epochs=epochs, steps_per_epoch=steps_per_epoch)
+    if lam is None:
+        return FixedLR(opt)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lam)
+
+
+def schedule_lambda(sched_cfg, *, epochs: float, steps_per_epoch: int) -> Callable[[int], float] | None:
+    """The LambdaLR multiplier of step (or epoch) i for a run of `epochs`; None: a constant rate (FixedLR)."""
+    shape = SCHEDULERS.get(sched_cfg.name)(sched_cfg, epochs)
     warm, start = sched_cfg.warmup_epochs, sched_cfg.warmup_start
     if shape is None:
         if warm == 0:
-            return FixedLR(opt)
+            return None
         shape = _one
 
     def factor(e: float) -> float:
@@ -146,4 +154,12 @@ def build_scheduler(sched_cfg, opt: torch.optim.Optimizer, *, epochs: float, ste
 
     per_step = sched_cfg.interval == "step"
     spe = max(steps_per_epoch, 1)
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: factor(i / spe if per_step else float(i)))
+    return lambda i: factor(i / spe if per_step else float(i))
+
+
+def refit_schedule(sched, sched_cfg, *, steps: int, steps_per_epoch: int) -> None:
+    """Give a LambdaLR built by build_scheduler a new length (`steps` optimizer steps; run.train_time's fit): the
+    next sched.step() follows the schedule of that length. A constant rate (FixedLR) has nothing to change."""
+    lam = schedule_lambda(sched_cfg, epochs=steps / max(steps_per_epoch, 1), steps_per_epoch=steps_per_epoch)
+    if lam is not None and isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+        sched.lr_lambdas = [lam] * len(sched.optimizer.param_groups)

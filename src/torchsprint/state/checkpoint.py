@@ -52,6 +52,8 @@ class TrainState:
     stop_best: float | None = None
     stop_wait: int = 0
     stopped_epoch: int | None = None
+    # run.train_time: the run's last optimizer step as fitted to the time (train/time_fit.py); None: not fitted
+    fitted_steps: int | None = None
 
 
 # ---------------------------------------------------------------- names

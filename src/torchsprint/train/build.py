@@ -54,6 +54,7 @@ from torchsprint.train.plan import (
     build_plan,
     decide_input_format,
     decide_speed,
+    run_epochs,
 )
 from torchsprint.train.resolve import resolve
 from torchsprint.train.speed_probe import AutoSpeed, decide_auto
@@ -346,7 +347,8 @@ def build_schedule(cfg, opt, steps_per_epoch: int):
             f"eval.every_steps={cfg.eval.every_steps} is more than an epoch ({steps_per_epoch} steps): "
             f"use eval.every_epochs for longer intervals, or eval.every_steps <= {steps_per_epoch}."
         )
-    epochs = cfg.run.epochs
+    # run.train_time: a provisional length until the run has measured its speed (train/time_fit.py refits it)
+    epochs = run_epochs(cfg)
     if cfg.run.max_steps is not None:
         epochs = min(epochs, cfg.run.max_steps / steps_per_epoch)
     return build_scheduler(cfg.sched, opt, epochs=epochs, steps_per_epoch=steps_per_epoch)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchsprint.train.time_fit import FixedLength, TimeFit
+
 if TYPE_CHECKING:  # annotations only: the context is built by train/run.py, which imports them all
     import torch
 
@@ -36,6 +38,8 @@ class RunContext:
         make_metrics: a fresh evaluator per evaluation (the task's make_metrics for the run's data).
         weights_meta: the metadata every weights file of the run carries (classes, model, config, ...).
         task: tasks.core.Task (None: classification).
+        length: train.time_fit.TimeFit (run.train_time: the run's length fitted to the time) or FixedLength (a
+            no-op: run.epochs and run.max_steps end the run).
     """
 
     rt: Runtime
@@ -46,6 +50,7 @@ class RunContext:
     make_metrics: Callable[[], Any] | None = None  # the task's evaluator (tasks' metrics classes share no base)
     weights_meta: dict = field(default_factory=dict)
     task: Task | None = None
+    length: TimeFit | FixedLength = field(default_factory=FixedLength)
 
 
 @dataclass

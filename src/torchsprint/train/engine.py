@@ -23,6 +23,7 @@ from torchsprint.state.checkpoint import TrainState, save_weights
 from torchsprint.state.ema import NoEma
 from torchsprint.state.swa import NoSwa
 from torchsprint.train.context import RunContext
+from torchsprint.train.time_fit import epochs_limit, steps_limit
 from torchsprint.train.validation import Validation, set_train_mode, weights_tag
 
 NO_EMA = NoEma()  # the no-op EMA and SWA, for run objects made without build_training (the engine tests)
@@ -80,7 +81,7 @@ def train_one_epoch(b, state: TrainState, plan, ctx: RunContext, validation: Val
     loader.set_epoch(state.epoch)  # the full epoch's length, whatever start the previous epoch resumed at
     steps_per_epoch = math.ceil(len(loader) / accum)
     loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * accum)
-    logger.start_epoch(state.epoch, plan.epochs, steps_per_epoch, state.step_in_epoch)
+    logger.start_epoch(state.epoch, epochs_limit(plan, state), steps_per_epoch, state.step_in_epoch)
     device = next(unwrap(model).parameters()).device
     window = LogWindow()  # this log window's step losses (on the device) and images
     totals = EpochTotals(plan.track_accuracy)  # the epoch's training loss and accuracy, summed without per-step syncs
@@ -106,6 +107,7 @@ def train_one_epoch(b, state: TrainState, plan, ctx: RunContext, validation: Val
         state.step_in_epoch += 1
         state.global_step += 1
         ema.update(state.global_step)  # a no-op object when ema.enabled=false
+        ctx.length.after_step(state)  # run.train_time: measure the speed, fit the run's length (else a no-op)
         logger.advance(images=n_images)  # the heartbeat and the time estimate (progress.Feedback)
         if state.global_step % plan.log_every_steps == 0:
             window.log(state, b, totals, logger)
@@ -122,7 +124,8 @@ def train_one_epoch(b, state: TrainState, plan, ctx: RunContext, validation: Val
             saver.save(
                 state, model, opt, sched, prec, metric=validation.metric_at(state.global_step) if validation else None
             )
-        if plan.max_steps is not None and state.global_step >= plan.max_steps:
+        last = steps_limit(plan, state)  # run.max_steps, or the length fitted to run.train_time
+        if last is not None and state.global_step >= last:
             break
         if stop.after_step(state.global_step):
             break
@@ -298,15 +301,15 @@ def fit(plan, b, state: TrainState, ctx: RunContext) -> dict:
     totals = {"images": 0, "seconds": 0.0, "data_wait": 0.0}
     t_fit = time.perf_counter()
     pausing = False
-    while state.epoch < plan.epochs:
+    ctx.length.restore(state)  # a resumed run.train_time run: the length its first invocation fitted
+    while state.epoch < epochs_limit(plan, state):
         b.head_only.apply(state.epoch)  # model.freeze_epochs: from the epoch number alone, so exact across resume
         set_train_mode(model, b.frozen_norms + b.head_only.norms(state.epoch))
         ep = train_one_epoch(b, state, plan, ctx, val)
         for k in totals:
             totals[k] += ep[k]
-        stopping = (
-            plan.max_steps is not None and state.global_step >= plan.max_steps
-        ) or state.stopped_epoch is not None
+        last = steps_limit(plan, state)
+        stopping = (last is not None and state.global_step >= last) or state.stopped_epoch is not None
         pausing = stop.reason is not None and not stopping
         if not ep["finished_epoch"] and not stopping and not pausing:
             raise RuntimeError("loader ended before the epoch did")  # a loader length bug, never expected
@@ -318,7 +321,7 @@ def fit(plan, b, state: TrainState, ctx: RunContext) -> dict:
             # Mid-epoch: a pause adds no evaluation (an uninterrupted run has none here); an early stop just evaluated.
             saver.save(state, model, opt, sched, prec, metric=val.metric_at(state.global_step))
             break
-        last_epoch = state.epoch + 1 >= plan.epochs or stopping
+        last_epoch = state.epoch + 1 >= epochs_limit(plan, state) or stopping
         if ((state.epoch + 1) % plan.eval_every_epochs == 0 or last_epoch) and val.metric_at(state.global_step) is None:
             stopping = val(state) or stopping  # (None: eval.every_steps evaluated after this very step already)
         if ep["finished_epoch"]:
@@ -332,13 +335,19 @@ def fit(plan, b, state: TrainState, ctx: RunContext) -> dict:
             saver.save(state, model, opt, sched, prec, val.metric_at(state.global_step))
         if stopping or pausing:
             break
-    paused = pausing and state.epoch < plan.epochs and state.stopped_epoch is None
+    paused = pausing and state.epoch < epochs_limit(plan, state) and state.stopped_epoch is None
     artifacts = finish_fit(b, state, val, ctx, paused)
     return fit_summary(
         state,
         val,
         stop,
-        {"paused": paused, "totals": totals, "seconds": time.perf_counter() - t_fit, "artifacts": artifacts},
+        {
+            "paused": paused,
+            "totals": totals,
+            "seconds": time.perf_counter() - t_fit,
+            "artifacts": artifacts,
+            "length": ctx.length.record(),
+        },
     )
 
 
@@ -355,6 +364,7 @@ def fit_summary(state: TrainState, val: Validation, stop: Stopper, outcome: dict
         "data_wait_share": totals["data_wait"] / max(totals["seconds"], 1e-9),
         "global_step": state.global_step,
         "skipped_steps": state.skipped_steps,
+        **({"train_time": outcome["length"]} if outcome.get("length") else {}),
         "artifacts": outcome["artifacts"],
         "paused": paused,
         # Why training ended: completed (run.epochs or run.max_steps), early_stop, or a pause: stop_after_steps,

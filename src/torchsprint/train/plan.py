@@ -98,6 +98,18 @@ def decide_input_format(speed_cfg) -> tuple[bool, str]:
     return False, "speed.channels_last=false"
 
 
+# run.train_time with run.epochs unset: the epochs are what fits the time, no bound of their own
+TIME_FITTED_EPOCHS_CAP = 100_000
+
+
+def run_epochs(cfg) -> int:
+    """The run's epoch count: run.epochs, or with run.train_time an upper bound (run.epochs where set, else none:
+    the fitted length ends the run)."""
+    if cfg.run.train_time is not None and not cfg.set_by_user("run.epochs"):
+        return TIME_FITTED_EPOCHS_CAP
+    return cfg.run.epochs
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """Every run-time decision of one training run, made once; the engine and the run's records read this."""
@@ -222,7 +234,7 @@ def build_plan(
         batch_size_why=batch.why if batch is not None else "data.batch_size",
         batch_size_search=(batch.search or None) if batch is not None else None,
         steps_per_epoch=-(-train_batches // accum),
-        epochs=cfg.run.epochs,
+        epochs=run_epochs(cfg),
         max_steps=cfg.run.max_steps,
         sched_interval=cfg.sched.interval,
         clip_grad_norm=cfg.optim.clip_grad_norm,

@@ -14,9 +14,10 @@ from torchsprint import runtime
 from torchsprint.config.schema import import_modules
 from torchsprint.errors import UsageError
 from torchsprint.observe.logging import RunLogger, check_sinks, replace_file
-from torchsprint.runtime.collectives import broadcast_object
+from torchsprint.optim.schedulers import refit_schedule
+from torchsprint.runtime.collectives import agree_min, broadcast_object
 from torchsprint.runtime.machine import environment
-from torchsprint.runtime.preempt import Stopper, check_requeue, requeue, stop_launcher
+from torchsprint.runtime.preempt import Stopper, check_requeue, parse_duration, requeue, stop_launcher
 from torchsprint.state.checkpoint import Saver, data_geometry
 from torchsprint.state.resume import (
     disk_full_error,
@@ -42,6 +43,7 @@ from torchsprint.train.plan import (
     describe_decisions,
 )
 from torchsprint.train.resolve import resolve
+from torchsprint.train.time_fit import FixedLength, TimeFit
 
 
 def on_main(rt, fn):
@@ -125,6 +127,7 @@ def train(
             weights_meta=weights_meta,
             task=task,
             make_metrics=lambda: task.make_metrics(b.loaders.info, cfg.eval, rt.device),
+            length=run_length(cfg, b, rt, t0),
         )
         with stop:
             summary = fit_explained(cfg, b, state, ctx)
@@ -145,6 +148,20 @@ def train(
         if lock is not None:
             lock.release()
         runtime.teardown(rt, clean)
+
+
+def run_length(cfg, b: Built, rt, t0: float) -> TimeFit | FixedLength:
+    """What ends the run: run.train_time's TimeFit (the length fitted to the time, counted from `t0`), or the fixed
+    length of run.epochs / run.max_steps."""
+    if cfg.run.train_time is None:
+        return FixedLength()
+    spe = b.plan.steps_per_epoch
+
+    def set_schedule(steps: int) -> None:
+        refit_schedule(b.sched, cfg.sched, steps=steps, steps_per_epoch=spe)
+
+    agree = (lambda n: agree_min(n, rt)) if rt.world_size > 1 else (lambda n: n)
+    return TimeFit(parse_duration(cfg.run.train_time), t0, spe, set_schedule, agree)
 
 
 def finished_summary(ckpt: dict, cfg, run_dir: Path, logger) -> dict:

@@ -134,6 +134,7 @@ def test_checkpoint_holds_everything_needed_to_continue(tmp_path):
         "stop_wait": 0,
         "stopped_epoch": None,
         "best_step": None,
+        "fitted_steps": None,
     }
     assert ck["sampler"] == {
         "epoch": 1,

@@ -358,7 +358,29 @@ def probe_run_name_out_dir_dir(tmp):
     assert planned_path(cfg_of(f"run.dir={tmp / 'x'}").run) == (tmp / "x", True)
 
 
+def probe_train_time(tmp):
+    """The run stops at the length fitted to its time (the fitting itself, on a fake clock:
+    tests/unit/train/test_time_fit.py); a length fixed otherwise is refused."""
+    summary, _ = run(tmp, "run.train_time=3s", "run.epochs=1000")  # epochs: an upper bound
+    fit = summary["train_time"]
+    assert fit["budget_s"] == 3 and fit["fits"] and summary["global_step"] == fit["fitted_steps"]
+    assert run(tmp)[0].get("train_time") is None
+    refused("run.train_time=3s", "run.max_steps=5", match="run.train_time", build_it=False)
+    elsewhere("test_time_fit.py::test_a_steady_run_is_fitted_to_the_time_and_its_cosine_ends_there")
+
+
+# The tune section is read by `torchsprint tune` (train keeps it in config.yaml and does nothing with it): each
+# field's effect on the search is proved in tests/unit/commands/test_tune_settings.py.
+TUNE_PROBES = {
+    "tune.space": "test_tune_settings.py::test_tune_space_is_what_is_searched",
+    "tune.metric": "test_tune_settings.py::test_tune_metric_is_what_trials_are_scored_by_in_its_direction",
+    "tune.sampler": "test_tune_settings.py::test_tune_sampler_and_tune_seed_decide_the_draws",
+    "tune.seed": "test_tune_settings.py::test_tune_sampler_and_tune_seed_decide_the_draws",
+    "tune.pruner": "test_tune_settings.py::test_tune_pruner_stops_the_trials_that_fall_behind",
+}
+
 PROBES = {
+    **{field: (lambda t, name=name: elsewhere(name)) for field, name in TUNE_PROBES.items()},
     "imports": probe_imports,
     "task": lambda t: differs(
         lambda c, b: type(b.loss_fn).__name__,
@@ -375,6 +397,7 @@ PROBES = {
     "run.max_steps": lambda t: run(t, "run.max_steps=3")[0]["global_step"] == 3 or pytest.fail(),
     "run.stop_after_steps": lambda t: run(t, "run.stop_after_steps=2")[0]["paused"] or pytest.fail(),
     "run.max_time": lambda t: run(t, "run.max_time=0.001s")[0]["stopped"] == "max_time" or pytest.fail(),
+    "run.train_time": lambda t: probe_train_time(t),
     "run.stop_signals": lambda t: (
         probe_stop_signals()
     ),  # real signals to a real CLI process: tests/e2e/train/test_preempt.py

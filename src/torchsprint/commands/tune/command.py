@@ -27,6 +27,17 @@ def direction_of(metric: str, cfg) -> str:
     return "minimize" if metric.split("/")[-1] in ("loss", "error", "mae", "mse") else "maximize"
 
 
+def objectives(cfg) -> tuple[list[str], list[str]]:
+    """What the study scores trials by (tune.metric, else checkpoint.monitor) and each metric's direction; several
+    metrics with an explicit pruner are refused (Optuna prunes single-objective studies only)."""
+    metrics = cfg.tune.metric if isinstance(cfg.tune.metric, list) else [cfg.tune.metric or cfg.checkpoint.monitor]
+    if len(metrics) > 1 and cfg.tune.pruner != "none" and "pruner" in cfg.tune.model_fields_set:
+        raise UsageError(
+            "tune.pruner: Optuna prunes single-objective studies only; with several tune.metric set tune.pruner=none"
+        )
+    return metrics, [direction_of(m, cfg) for m in metrics]
+
+
 def data_facts(cfg) -> tuple[list[int] | None, int | None, int | None]:
     """The training classes' counts, the training set's size and the images' median short side (None where they do
     not apply): what the automatic space is chosen from. Lists the files (no decoding beyond a few headers)."""
@@ -96,12 +107,7 @@ def tune(args, log=print) -> dict:
     trials = args.trials if args.trials is not None else (None if budget is not None else DEFAULT_TRIALS)
     out = Path(args.out)
     cfg = resolve(config.load(args.config, list(args.overrides), imports=args.imports))
-    metrics = cfg.tune.metric if isinstance(cfg.tune.metric, list) else [cfg.tune.metric or cfg.checkpoint.monitor]
-    directions = [direction_of(m, cfg) for m in metrics]
-    if len(metrics) > 1 and cfg.tune.pruner != "none" and "pruner" in cfg.tune.model_fields_set:
-        raise UsageError(
-            "tune.pruner: Optuna prunes single-objective studies only; with several tune.metric set tune.pruner=none"
-        )
+    metrics, directions = objectives(cfg)
     storage = open_storage(args.storage, out, args.resume)
     out.mkdir(parents=True, exist_ok=True)
     base_config, base = write_base(cfg, out, trial_time is not None)

@@ -18,8 +18,9 @@ subcommand or config file that is gone, or a placeholder the docs use wrongly fa
   `soup.safetensors` to files of the right kind.
 - Kept short: `train` gets `--dry-run` (everything built and checked, nothing trained or written), `bench`
   measures its baseline only, for 2 steps, in this process (`isolate=False`: the variants' own processes are
-  tests/e2e/cli/test_bench.py's), `lr-find` takes 10 steps. Each command runs in this process
-  (conftest's `cli_in_process`), in a folder of its own, so the cases spread over xdist workers.
+  tests/e2e/cli/test_bench.py's), `lr-find` takes 10 steps, `tune` gets `--dry-run` (the space and every value
+  a trial may take checked, no trial run). Each command runs in this process (conftest's `cli_in_process`), in a
+  folder of its own, so the cases spread over xdist workers.
 """
 
 from __future__ import annotations
@@ -239,6 +240,8 @@ def kept_short(argv: list[str]) -> list[str]:
         ]
     if command == "lr-find":
         return [*argv, "--steps", "10"]
+    if command == "tune":  # the space printed and every value checked; the trials: tests/e2e/cli/test_tune.py
+        return [*argv, "--dry-run"]
     return argv
 
 

@@ -105,3 +105,29 @@ def test_tune_space_is_what_is_searched():
         ("optim.lr", "loguniform", [0.01, 0.5]),
         ("image_size", "choice", [32, 64]),
     ]
+
+
+def test_dry_run_prints_the_space_and_writes_nothing(tmp_path):
+    # A dry run that opened the storage would leave a journal, and the real run after it would be refused for
+    # want of --resume; one that skipped the values' check would pass a space the trials then refuse.
+    import argparse
+
+    from torchsprint.commands.tune.args import args_tune
+    from torchsprint.commands.tune.command import tune
+
+    p = argparse.ArgumentParser()
+    args_tune(p)
+    p.add_argument("--imports", default=[])
+    out = tmp_path / "study"
+    said = []
+    space = "tune.space={optim.lr: {loguniform: [0.01, 0.5]}, data.batch_size: {choice: [16, 32]}}"
+    got = tune(p.parse_args(["--out", str(out), "--dry-run", "--trials", "3", space]), log=said.append)
+    assert got["dry_run"] and got["space"] == [
+        ["optim.lr", "loguniform", [0.01, 0.5]],
+        ["data.batch_size", "choice", [16, 32]],
+    ]
+    assert any("optim.lr: loguniform 0.01..0.5" in x for x in said) and any("3 trials" in x for x in said)
+    assert not out.exists()
+    with pytest.raises(UsageError, match=r"tune.space.data.batch_size=0"):
+        tune(p.parse_args(["--out", str(out), "--dry-run", "tune.space={data.batch_size: {choice: [0, 32]}}"]))
+    assert not out.exists()

@@ -68,4 +68,9 @@ def args_tune(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="each trial a DDP run of N processes (train --nproc-per-node)",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the space (each setting with why) and the plan, check every value a trial may take; run nothing",
+    )
     p.add_argument("--no-test", action="store_true", help="do not evaluate the best trial on the data's test split")

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 from torchsprint.commands.tune.report import best_trial, plot_search, rows_of, write_best, write_tables
 from torchsprint.commands.tune.space import Dimension, auto_space, overrides_of, user_space
-from torchsprint.commands.tune.study import BaseView, Search, Study, open_storage, recover_stale
+from torchsprint.commands.tune.study import BaseView, Search, Study, check_folder, open_storage, recover_stale
 from torchsprint.errors import UsageError
 from torchsprint.observe.logging import replace_file
 
@@ -106,16 +107,27 @@ def tune(args, log=print) -> dict:
     budget = duration("--budget", args.budget)
     trials = args.trials if args.trials is not None else (None if budget is not None else DEFAULT_TRIALS)
     out = Path(args.out)
+    if args.storage is None:
+        check_folder(out, args.resume)  # before the data is read: a folder started already is refused at once
     cfg = resolve(config.load(args.config, list(args.overrides), imports=args.imports))
     metrics, directions = objectives(cfg)
+    dims = user_space(cfg.tune.space) if cfg.tune.space else auto_space(cfg, *data_facts(cfg))
+    with tempfile.TemporaryDirectory() as tmp:  # checked before the study's folder is touched: a refusal leaves none
+        base_config, base = write_base(cfg, Path(tmp), trial_time is not None)
+        check_values(dims, base_config, base, args.imports)
+    plan = [
+        f"{trials} trials" if trials is not None else "trials",
+        f"of {args.trial_time} each" if trial_time else "",
+        f"within {args.budget}" if budget else "",
+        f"{args.workers} at a time" if args.workers > 1 else "",
+    ]
+    if getattr(args, "dry_run", False):
+        describe(dims, metrics, directions, log)
+        log("tune: --dry-run: would run " + " ".join(p for p in plan if p) + f" in {out}; nothing run or written")
+        return {"dry_run": True, "metrics": metrics, "space": [[x.key, x.kind, x.values] for x in dims]}
     storage = open_storage(args.storage, out, args.resume)
     out.mkdir(parents=True, exist_ok=True)
     base_config, base = write_base(cfg, out, trial_time is not None)
-    if cfg.tune.space:
-        dims = user_space(cfg.tune.space)
-    else:
-        dims = auto_space(cfg, *data_facts(cfg))
-    check_values(dims, base_config, base, args.imports)
     from torchsprint.commands.tune.study import make_pruner
 
     study = optuna.create_study(
@@ -141,19 +153,17 @@ def tune(args, log=print) -> dict:
         list(args.imports),
         args.nproc_per_node,
     )
-    log(f"tune: {len(dims)} settings searched, scored by {', '.join(metrics)} ({', '.join(directions)}):")
-    for dim in dims:
-        log(f"  {dim.describe()}")
-    plan = [
-        f"{trials} trials" if trials is not None else "trials",
-        f"of {args.trial_time} each" if trial_time else "",
-        f"within {args.budget}" if budget else "",
-        f"{args.workers} at a time" if args.workers > 1 else "",
-    ]
+    describe(dims, metrics, directions, log)
     log("tune: " + " ".join(p for p in plan if p) + f"; trials in {out / 'trials'}")
     deadline = time.monotonic() + budget if budget is not None else None
     Search(study, d, trials=trials, deadline=deadline, workers=args.workers, log=log).run()
     return finish(study, d, out, log, test=not args.no_test)
+
+
+def describe(dims: list[Dimension], metrics: list[str], directions: list[str], log) -> None:
+    log(f"tune: {len(dims)} settings searched, scored by {', '.join(metrics)} ({', '.join(directions)}):")
+    for dim in dims:
+        log(f"  {dim.describe()}")
 
 
 def finish(study, d: Study, out: Path, log, test: bool = True) -> dict:

@@ -20,6 +20,8 @@ def rows_of(study, dims, metrics) -> list[dict]:
     """One dict per trial, in trial order: number, state, each metric, each setting, seconds, images/s, steps."""
     rows = []
     for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get("skipped"):
+            continue  # asked past --trials by a joined process and never run (study.py Search.ask)
         row = {"trial": t.number, "state": t.state.name.lower()}
         values = t.values if t.values is not None else [None] * len(metrics)
         for m, v in zip(metrics, values):

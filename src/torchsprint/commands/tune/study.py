@@ -5,8 +5,9 @@ Why Optuna and what is hand-written: the sampler, the pruners and the storages (
 folder; an RDB or Redis URL that several machines share) are Optuna's. What torchsprint adds is what makes trials
 comparable and the study trustworthy: every trial trains for the same wall-clock time (run.train_time, the schedule
 fitted to it), the pruner compares trials at the same elapsed time, each setting is checked to have applied, and
-trial n is sampled with seed + n (n: the trials that did not fail before it), so a killed and resumed study asks for
-what an uninterrupted one would (the killed trial is run again with its settings, counted once).
+trial n is sampled with seed + n (n: the trials that did not fail before it: PerTrialSeed), so a killed and resumed
+study asks for what an uninterrupted one would (the killed trial is run again with its settings, counted once) and
+processes joined to one study draw different settings.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import optuna  # the tune command's own module: `torchsprint --help` imports commands/tune/args.py only
 
 from torchsprint.commands.tune.space import Dimension, overrides_of
 from torchsprint.commands.tune.trial import TrialResult, TrialSpec, check_applied, run_trial
@@ -47,6 +50,16 @@ class Study:
     nproc_per_node: int | None = None
 
 
+def check_folder(out: Path, resume: bool) -> Path:
+    """The journal file of the study in `out` (no --storage): a folder holding one needs --resume; --resume, one."""
+    path = out / JOURNAL
+    if path.exists() and not resume:
+        raise UsageError(f"--out {out} holds a study ({path}): add --resume to continue it, or choose another --out.")
+    if resume and not path.exists():
+        raise UsageError(f"--resume: --out {out} holds no study ({JOURNAL} missing); start one without --resume.")
+    return path
+
+
 def open_storage(url: str | None, out: Path, resume: bool):
     """The study's Optuna storage: `url` (sqlite:///, postgresql://, mysql:// for RDBStorage; redis:// for the Redis
     journal; a path for a journal file), or the journal file in `out`. Without a URL a study folder is started once:
@@ -56,13 +69,7 @@ def open_storage(url: str | None, out: Path, resume: bool):
     from optuna.storages.journal import JournalFileBackend
 
     if url is None:
-        path = out / JOURNAL
-        if path.exists() and not resume:
-            raise UsageError(
-                f"--out {out} holds a study ({path}): add --resume to continue it, or choose another --out."
-            )
-        if resume and not path.exists():
-            raise UsageError(f"--resume: --out {out} holds no study ({JOURNAL} missing); start one without --resume.")
+        path = check_folder(out, resume)
         out.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(path)))
     if url.startswith(("sqlite://", "postgresql://", "postgres://", "mysql://")):
@@ -82,6 +89,52 @@ def make_sampler(kind: str, seed: int, n: int):
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed + n)
     return optuna.samplers.TPESampler(seed=seed + n, multivariate=True, n_startup_trials=5)
+
+
+def rank_of(study, number: int) -> int:
+    """A trial's rank: the trials before it (by number) that count, i.e. did not fail. Unique per trial even when
+    several processes ask at once (each sees the others' earlier trials, none of the later ones), and the same after
+    a kill and --resume as in an uninterrupted study (the killed trial failed; its rerun takes its rank)."""
+    from optuna.trial import TrialState
+
+    return sum(1 for t in study.get_trials(deepcopy=False) if t.number < number and t.state != TrialState.FAIL)
+
+
+class PerTrialSeed(optuna.samplers.BaseSampler):
+    """An Optuna sampler that samples trial n with make_sampler(kind, seed, rank of n): hand-written because Optuna
+    seeds a sampler once per process, so two processes joined to one study (same seed, same history) would draw the
+    same settings, and a resumed study would draw other settings than an uninterrupted one."""
+
+    def __init__(self, kind: str, seed: int):
+        self.kind, self.seed = kind, seed
+        self.inner: dict[int, optuna.samplers.BaseSampler] = {}  # by trial number, while the trial is asked and runs
+        self.lock = threading.Lock()
+
+    def of(self, study, trial):
+        with self.lock:
+            if trial.number not in self.inner:
+                self.inner[trial.number] = make_sampler(self.kind, self.seed, rank_of(study, trial.number))
+            return self.inner[trial.number]
+
+    def infer_relative_search_space(self, study, trial):
+        return self.of(study, trial).infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self.of(study, trial).sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self.of(study, trial).sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study, trial):
+        self.of(study, trial).before_trial(study, trial)
+
+    def after_trial(self, study, trial, state, values):
+        self.of(study, trial).after_trial(study, trial, state, values)
+        with self.lock:
+            self.inner.pop(trial.number, None)
+
+    def reseed_rng(self):
+        pass  # seeded per trial
 
 
 def make_pruner(kind: str, several: bool):
@@ -203,20 +256,30 @@ class Search:
                     if not self.room():
                         return
                     trial = self.ask()
+                if trial is None:
+                    return
                 self.one(trial, i)
         except BaseException as e:  # noqa: BLE001 - the first error ends the search, raised by run()
             with self.lock:
                 self.error = self.error or e
 
     def ask(self):
-        """The next trial, sampled with seed + (trials that count so far)."""
+        """The next trial (sampled with seed + its rank), or None where another process joined to the study took the
+        last of --trials between room() and the ask (told FAIL with `skipped`, left out of the tables and the count)."""
+        from optuna.trial import TrialState
+
         d = self.d
-        self.study.sampler = make_sampler(d.sampler, d.seed, counted(self.study))
+        if not isinstance(self.study.sampler, PerTrialSeed):
+            self.study.sampler = PerTrialSeed(d.sampler, d.seed)
         trial = self.study.ask()
-        for dim in d.dims:
-            dim.suggest(trial)
         trial.set_user_attr("host", HOST)
         trial.set_user_attr("pid", os.getpid())
+        if self.trials is not None and rank_of(self.study, trial.number) >= self.trials:
+            trial.set_user_attr("skipped", "the study's trials were all taken (another process asked first)")
+            self.study.tell(trial, state=TrialState.FAIL)
+            return None
+        for dim in d.dims:
+            dim.suggest(trial)
         return trial
 
     def one(self, trial, worker: int) -> None:

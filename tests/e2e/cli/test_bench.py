@@ -103,6 +103,7 @@ def test_best_combination_captures_the_model_one_way_only():
     assert best_combination(rows(1.7, 1.6)) == ["speed.compile=true", "precision.mode=amp_bf16"]
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_a_crashing_variant_says_why_in_its_row(tmp_path, monkeypatch):
     """A variant's process that crashes (not a usage error) is a skipped row whose reason holds the exception's
     last line: the log beside it may not travel with bench.json (the GPU job keeps only the JSON)."""

@@ -66,6 +66,7 @@ def test_train_then_eval_reproduces_metrics(run_cli, cli_in_process, tmp_path):
     assert out["top1"] == pytest.approx(summary["best_metric"], abs=1e-9)
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_user_module_registers_a_model(run_cli, tmp_path):
     (tmp_path / "my_models.py").write_text(
         "from torch import nn\nfrom torchsprint.models import MODELS\n\n"

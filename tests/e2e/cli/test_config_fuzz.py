@@ -230,6 +230,7 @@ raw_documents = st.one_of(
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 @given(raw=raw_documents, suffix=st.sampled_from([".yaml", ".json", ".toml"]))
 def test_config_show_with_damaged_bytes(capsys, tmp_path_factory, raw, suffix):
     """Bytes as a damaged or foreign file holds them (the test above writes only valid UTF-8): not UTF-8,

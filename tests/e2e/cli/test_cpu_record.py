@@ -20,6 +20,7 @@ def lscpu() -> dict:
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 @pytest.mark.skipif(shutil.which("lscpu") is None, reason="needs lscpu (util-linux)")
 def test_env_json_records_the_cpu_as_lscpu_and_the_run_s_pytorch_see_it(tmp_path):
     run_dir = tmp_path / "run"

@@ -69,6 +69,7 @@ def test_unmarked_after(reference_run):
 """
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_the_gpu_is_hidden_before_module_scoped_fixtures_of_unmarked_tests(tmp_path):
     """A pytest run inside this one, with the harness's conftest.py and a torch that claims a GPU: a
     module-scoped fixture of an unmarked test is built with the GPU already hidden (an autouse fixture was

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 
@@ -39,6 +40,7 @@ def test_a_study_leaves_its_trials_and_a_best_yaml_that_trains_the_best_trial_ag
     assert summary["best_metric"] == trial_summary["best_metric"] == best["values"][0]
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_trial_time_fits_each_trial_and_a_bad_space_is_refused_before_any_trial(tmp_path):
     r = tune(tmp_path, "--trials", "1", "--trial-time", "4s", "tune.space={optim.lr: {loguniform: [0.05, 0.2]}}")
     assert r.returncode == 0, r.stdout + r.stderr

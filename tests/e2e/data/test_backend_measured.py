@@ -195,6 +195,7 @@ def test_the_measuring_batch_is_the_runs(tmp_path):
     assert m["batch_size"] == m["files"] // 2 and m["files"] == round(160 * (1 - 0.2)), m
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_a_slow_disk_counts(tmp_path, monkeypatch, figure):
     """Files on slow storage (a network disk): every read waits, which the run pays on the training thread
     (data.num_workers=0) but which costs no CPU time. The cpu backend reads every file every epoch, the memory

@@ -264,6 +264,7 @@ def test_memory_backend_stops_decoding_at_the_budget(tmp_path, capsys):
     assert "images" in line and "sizes" not in line
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_memory_backend_budget_holds_the_address_space_limit(tmp_path):
     """A process under `ulimit -v` (RLIMIT_AS, set here in a real child process to what it has mapped after its
     imports + 128 MiB) asks the memory backend to hold 144 MiB of decoded images: refused before decoding, in one

@@ -111,6 +111,7 @@ def test_plan_every_sample_once_equal_steps(world, workers, batch, drop):
         assert sum(v - 1 for v in readers.values()) <= world * workers - 1  # one extra reader per stretch boundary
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_two_ranks_two_workers_seven_shards_every_sample_once(tmp_path):
     """Real 2-process gloo run, 2 loader workers each, 7 uneven shards: every sample exactly once per epoch,
     equal step counts, a new order each epoch."""
@@ -323,6 +324,7 @@ def test_repeated_aug_on_shards_is_refused(tmp_path):
         build_loaders(cfg_for(root, "data.backend=cpu", "data.repeated_aug=2"), Runtime(torch.device("cpu")), seed=0)
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_train_paused_and_resumed_on_shards_matches_uninterrupted(tmp_path):
     """A real training run on shards (2 loader workers, shuffle buffer across shards), paused mid-epoch
     (run.stop_after_steps) and resumed, ends with exactly the weights of the uninterrupted run."""

@@ -156,6 +156,7 @@ def test_a_damaged_cache_is_refused_in_one_line(tmp_path, cli_in_process, damage
     assert len(lines) == 1 and str(folder) in lines[0] and "damaged" in lines[0], r.stderr
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_two_processes_building_one_cache_build_it_once(tmp_path):
     """Two `torchsprint data cache` processes started together on one folder: one builds each split, the other waits
     and reads it whole (reused), and no temporary folder is left. Bugs caught: both building and one renaming onto
@@ -261,6 +262,7 @@ def test_a_cached_run_paused_and_resumed_equals_the_uninterrupted_one(tmp_path):
     assert {r["state"] for r in decisions["cache"]["splits"].values()} == {"reused"}
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 @pytest.mark.dist  # two 2-process runs, ~12 s on 2 cores
 def test_ddp_ranks_read_their_shards_from_the_cache_as_from_the_files(tmp_path, run_cli):
     """`--nproc-per-node 2` with data.cache=on (both ranks reach the build at once: one builds, the other waits)

@@ -48,6 +48,7 @@ def add_special_files(folder: Path) -> dict[str, str]:
     return {"x.png": "not regular files", "zero.jpg": "not regular files", "huge.jpg": "larger than data.max_file_mb"}
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_special_files_in_class_folders_are_left_out_and_named(tmp_path):
     root = make_image_folder(tmp_path / "imgs", per_class=4)
     special = add_special_files(root / "train" / "square")
@@ -74,6 +75,7 @@ def test_special_files_in_class_folders_are_left_out_and_named(tmp_path):
     assert sum("error" not in row for row in rows.values()) == 4
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_file_list_rows_naming_special_files_are_left_out(tmp_path):
     root = make_image_folder(tmp_path / "imgs", per_class=4, splits=("train",))
     special = add_special_files(tmp_path)
@@ -111,6 +113,7 @@ def test_a_label_of_a_billion_in_a_file_list_is_one_line(tmp_path):
     assert "label 1000000000 means 1,000,000,001 classes" in line and "5 rows" in line, line
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_a_fifo_as_the_runs_metrics_jsonl_is_refused_on_resume(tmp_path):
     run = tmp_path / "run"
     r = run_limited(tmp_path, "train", *FAST, "run.epochs=2", "run.stop_after_steps=2", f"run.dir={run}")

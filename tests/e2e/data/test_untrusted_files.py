@@ -71,6 +71,7 @@ def test_hostile_checkpoints_and_weights_are_refused(tmp_path, cli_in_process):
     assert not marker.exists()
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_model_file_metadata_never_imports_code(tmp_path, run_cli, cli_in_process, trained_run):
     """A .safetensors/.onnx whose config lists `imports` does not import them: a module of that name in the
     working folder (which would create the marker) stays unimported; when the file needs it, the error says
@@ -114,6 +115,7 @@ def test_model_file_metadata_never_imports_code(tmp_path, run_cli, cli_in_proces
     assert marker.exists()
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_run_folder_config_never_imports_code(tmp_path, trained_run, monkeypatch, capsys, run_cli):
     """A run folder whose config.yaml lists `imports:` (someone else's run) is as safe to open as their model file:
     eval, predict, export, report and train --resume never import the module (a real file in the working folder

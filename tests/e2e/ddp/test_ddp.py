@@ -151,6 +151,7 @@ def test_cli_nproc_per_node_syncbn_matches_one_process(tmp_path, run_cli):
     assert summary["final"]["val/count"] == worker.VAL_SIZE
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_cli_nproc_per_node_dry_run_checks_each_worker_and_writes_nothing(tmp_path, run_cli):
     """Before: `train --nproc-per-node 2 --dry-run` checked in this one process, so a config saying strategy: ddp
     was refused ("start it with `torchsprint train --nproc-per-node N`", which the user had) and any other was planned

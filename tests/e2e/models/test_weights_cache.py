@@ -219,6 +219,7 @@ def readonly_base():
     shutil.rmtree(base)
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 @pytest.mark.parametrize("how", ["erofs", "eacces"])
 def test_a_cache_folder_that_is_not_writable_is_one_line(server, r18, readonly_base, how):
     """Bug: a read-only TORCH_HOME (a shared cache mounted read-only on compute nodes, or one without write
@@ -317,6 +318,7 @@ print(json.dumps({"path": str(path), "tensors": len(state), "logs": logs}))
 """
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_two_processes_downloading_the_same_weights_fetch_them_once(online, server, r18, tmp_path):
     """Bug: two runs starting at once with the same weights not cached each downloaded a copy (the server saw two
     GETs), each under its own temporary name. Now: a flock on <target>.lock beside the cache target: the second

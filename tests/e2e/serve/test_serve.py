@@ -586,6 +586,7 @@ def serve_process(run: Path, *args: str, env: dict | None = None) -> tuple[subpr
     return proc, url
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_sigterm_stops_accepting_answers_what_was_accepted_and_exits_0(run, files, gate):
     """The CLI under SIGTERM with three requests accepted (one in the model, two queued): new connections are
     refused, the three are answered exactly, the process exits 0. Bugs caught: accepted requests cut off, exit by

@@ -39,6 +39,7 @@ def predict_post(url: str, body: bytes, timeout: float = 120) -> httpx.Response:
     return httpx.post(url + "/predict", content=body, headers=PNG, timeout=timeout)
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_a_large_png_of_few_bytes_is_refused_before_it_costs_and_sigterm_still_ends_the_server(serve_run, tmp_path):
     """A keep-size run (digits: data.eval.transforms keeps each file's size, trained on 8x8): the 35 KB 6000x6000 PNG
     is refused with a one-line 422 (too_many_pixels) naming its size and serve.max_model_pixels' auto limit, whether
@@ -220,6 +221,7 @@ def test_serve_of_a_safetensors_whose_config_is_not_json_is_predicts_one_line(se
     assert capsys.readouterr().err.strip() == said
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_a_host_other_than_loopback_without_a_token_warns_at_start_up(serve_run):
     """--host 0.0.0.0 and no token: one warning line at start-up (anyone who can reach the machine can use the model;
     serve.token / TORCHSPRINT_SERVE_TOKEN), and the server serves (a warning, not a refusal). 127.0.0.1, ::1 or a
@@ -240,6 +242,7 @@ def test_a_host_other_than_loopback_without_a_token_warns_at_start_up(serve_run)
     ] * 3
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_onnxruntime_says_its_fixed_input_size_at_start_up_and_refuses_another_in_predicts_line(serve_run, tmp_path):
     """serve --runtime onnxruntime of the keep-size digits run: the exported graph takes 8x8 only, so the start-up
     says so (the size, and which images will be refused where the torch runtime answers them); a 10x12 image gets

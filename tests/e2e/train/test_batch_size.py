@@ -141,6 +141,7 @@ def test_step_peak_bytes_sees_torch_allocations():
 # ---------------------------------------------------------------- auto in a run
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_auto_backs_off_on_oom_and_equals_the_explicit_size_bit_for_bit(tmp_path, oom_net):
     """The CPU bound proposes 512; the model runs out of memory above 100 images, so the search bisects down to
     exactly 100. The run then equals a run with data.batch_size=100 written in, bit for bit: the search's model,
@@ -166,6 +167,7 @@ def test_auto_backs_off_on_oom_and_equals_the_explicit_size_bit_for_bit(tmp_path
     assert [r["train/loss"] for r in rows(tmp_path / "auto")] == [r["train/loss"] for r in rows(tmp_path / "explicit")]
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_auto_keeps_the_effective_batch_through_accumulation(tmp_path, oom_net):
     """Found 100 (out of memory above), effective batch 600: 100 x accum 6; 450: 90 (its largest divisor <= 100) x 5."""
     for effective, batch, accum in ((600, 100, 6), (450, 90, 5)):
@@ -194,6 +196,7 @@ def test_auto_on_the_cpu_follows_the_memory_rule(tmp_path):
     assert s["trials"] == [[512, True]]
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_resuming_an_auto_run_keeps_the_size_it_found(tmp_path, oom_net):
     """A pause, then resume with the original `auto` config (not the folder's): no new search (a different
     answer would move the mid-epoch data position); the checkpoint's size is used and said so."""

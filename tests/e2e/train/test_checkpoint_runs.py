@@ -412,6 +412,7 @@ def _two_rank_worker(rank: int, run_dir: str, results: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 @pytest.mark.dist
 def test_two_ranks_rank0_writes_all_wait_and_a_failed_save_stops_every_rank(tmp_path):
     run_dir, results = tmp_path / "run", tmp_path / "results"
@@ -493,6 +494,7 @@ def run_with_file_size_limit(tmp_path: Path, overrides: list[str], limit: int) -
     ],
     ids=["confusion-png", "metrics-jsonl"],
 )
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_no_room_outside_the_checkpoint_write_is_one_line_and_resume_finishes(tmp_path, capsys, fills, extra):
     """A write that finds no room outside the checkpoint's own (the confusion matrix PNG, metrics.jsonl): one line
     naming the file and the intact last checkpoint, exit 2, no cut or empty file besides the appended log's last
@@ -532,6 +534,7 @@ def small_tmpfs(tmp_path: Path):
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_a_real_full_disk_mid_run_is_one_line_and_resume_finishes(tmp_path, capsys):
     """A real full filesystem: a 4 MiB tmpfs (mounting one needs root; skipped elsewhere, where the file size limit
     test above stands in), filled by this test once the run's first checkpoint is on it. The run's next write (a
@@ -593,6 +596,7 @@ def test_a_real_full_disk_mid_run_is_one_line_and_resume_finishes(tmp_path, caps
         assert_whole_and_once(run_dir)
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_a_resume_on_a_full_disk_is_only_the_line_and_leaves_no_empty_event_file(tmp_path, capsys):
     """A run folder on a full filesystem (a 4 MiB tmpfs, root only; skipped elsewhere), resumed with TensorBoard on:
     the first write of the resumed run is TensorBoard's file-version event, from tensorboard's writer thread. Before,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from safetensors.torch import load_file
 
 from torchsprint import config
@@ -106,6 +107,7 @@ def test_a_run_paused_mid_epoch_reports_the_same_epoch_means(tmp_path):
     ]
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_sigkill_after_an_epoch_line_at_a_checkpoint_step_then_resume_logs_each_record_once(tmp_path):
     """2 steps per epoch and a checkpoint every 2 steps: the step-2 checkpoint is saved before epoch 1's row and its
     evaluation (logged at the same step), then the epoch's own checkpoint. A real SIGKILL after the epoch line, while

@@ -81,6 +81,7 @@ def test_an_existing_file_needs_overwrite(runs, tmp_path, cli_in_process):
     assert out.read_bytes() == b"mine"
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_an_earlier_report_lr_find_or_bench_in_out_needs_overwrite(runs, tmp_path, cli_in_process):
     """report, lr-find and bench given an --out that holds their own earlier files (report.html, lr_find.json,
     bench.json): refused without --overwrite, the files byte for byte as they were; with it, replaced. Before, each

@@ -99,6 +99,7 @@ def test_signal_saves_exits_75_requeues_and_the_same_command_continues_exactly(r
     assert calls.read_text().split() == ["requeue", "1234"]  # a finished run does not requeue
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_more_stop_signals_after_the_pause_do_not_kill_the_exiting_process(tmp_path):
     """SIGTERM once training runs; from the pause line on, SIGTERM and SIGINT again every few ms until the process is
     gone (a scheduler that repeats its TERM, a user pressing ^C twice). The run saved its checkpoint, so it must
@@ -188,6 +189,7 @@ def test_eval_every_steps_is_exact_across_a_pause(every_steps_reference, tmp_pat
     assert_same_run(ref_dir, ref, run_dir, done)
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_eval_every_steps_is_exact_after_a_crash_right_after_an_eval_step(every_steps_reference, tmp_path):
     """SIGKILL right after step 6 (an evaluation step and a checkpoint step): the checkpoint of step 6 must hold that
     evaluation's outcome (the best so far, from the uninterrupted run's log), or the resumed run would continue as

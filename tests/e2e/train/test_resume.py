@@ -256,6 +256,7 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in text.splitlines()]
 
 
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 def test_sigkill_after_a_log_line_then_resume_records_each_step_once(reference, tmp_path, capsys):
     """A real SIGKILL right after step 5 was logged (checkpoint at step 3), a crash that also cut the last line of
     metrics.jsonl in half, then a real `--resume`: metrics.jsonl, the CSV files and TensorBoard each hold every

@@ -150,6 +150,7 @@ COMMANDS = {
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+@pytest.mark.slow  # over ~10 s on an AVX2-only 2-core machine: .ci/slow
 @given(data=st.data(), command=st.sampled_from(sorted(COMMANDS)))
 def test_damaged_run_folder(capsys, tmp_path_factory, pristine, data, command):
     sandbox = tmp_path_factory.mktemp("fuzz")

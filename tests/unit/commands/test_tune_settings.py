@@ -58,6 +58,12 @@ def test_tune_metric_is_what_trials_are_scored_by_in_its_direction():
     assert objectives(config.load(None, ["tune.metric=val/loss"])) == (["val/loss"], ["minimize"])
     both = config.load(None, ["tune.metric=[val/top1, train_images_per_s]", "tune.pruner=none"])
     assert objectives(both) == (["val/top1", "train_images_per_s"], ["maximize", "maximize"])
+    # Imbalanced training classes: the monitor a default run would pick (balanced accuracy from data.sampler=auto's
+    # 4x), unless the config set one; a study that kept val/top1 there would favour trials that drop the rare classes.
+    cfg = config.load(None, [])
+    assert objectives(cfg, [1400, 500, 200, 100]) == (["val/balanced_acc"], ["maximize"])
+    assert objectives(cfg, [146, 139]) == ([monitor], ["maximize"])
+    assert objectives(config.load(None, ["checkpoint.monitor=val/f1_macro"]), [1400, 100])[0] == ["val/f1_macro"]
     with pytest.raises(UsageError, match="prunes single-objective studies only"):
         objectives(config.load(None, ["tune.metric=[val/top1, train_images_per_s]", "tune.pruner=median"]))
 

@@ -28,10 +28,19 @@ def direction_of(metric: str, cfg) -> str:
     return "minimize" if metric.split("/")[-1] in ("loss", "error", "mae", "mse") else "maximize"
 
 
-def objectives(cfg) -> tuple[list[str], list[str]]:
-    """What the study scores trials by (tune.metric, else checkpoint.monitor) and each metric's direction; several
-    metrics with an explicit pruner are refused (Optuna prunes single-objective studies only)."""
-    metrics = cfg.tune.metric if isinstance(cfg.tune.metric, list) else [cfg.tune.metric or cfg.checkpoint.monitor]
+def objectives(cfg, counts: list[int] | None = None) -> tuple[list[str], list[str]]:
+    """What the study scores trials by and each metric's direction: tune.metric; else checkpoint.monitor where the
+    config sets it; else the monitor a default run of these training classes (`counts`) would pick: balanced accuracy
+    from the imbalance at which data.sampler=auto counters it (train/imbalance.py), checkpoint.monitor's default
+    below. Several metrics with an explicit pruner are refused (Optuna prunes single-objective studies only)."""
+    from torchsprint.data.core import AUTO_SAMPLER_RATIO
+    from torchsprint.train.imbalance import MONITOR
+
+    monitor = cfg.checkpoint.monitor
+    present = [n for n in counts or [] if n > 0]
+    if not cfg.set_by_user("checkpoint.monitor") and present and max(present) / min(present) >= AUTO_SAMPLER_RATIO:
+        monitor = MONITOR
+    metrics = cfg.tune.metric if isinstance(cfg.tune.metric, list) else [cfg.tune.metric or monitor]
     if len(metrics) > 1 and cfg.tune.pruner != "none" and "pruner" in cfg.tune.model_fields_set:
         raise UsageError(
             "tune.pruner: Optuna prunes single-objective studies only; with several tune.metric set tune.pruner=none"
@@ -110,8 +119,9 @@ def tune(args, log=print) -> dict:
     if args.storage is None:
         check_folder(out, args.resume)  # before the data is read: a folder started already is refused at once
     cfg = resolve(config.load(args.config, list(args.overrides), imports=args.imports))
-    metrics, directions = objectives(cfg)
-    dims = user_space(cfg.tune.space) if cfg.tune.space else auto_space(cfg, *data_facts(cfg))
+    facts = data_facts(cfg)
+    metrics, directions = objectives(cfg, facts[0])
+    dims = user_space(cfg.tune.space) if cfg.tune.space else auto_space(cfg, *facts)
     with tempfile.TemporaryDirectory() as tmp:  # checked before the study's folder is touched: a refusal leaves none
         base_config, base = write_base(cfg, Path(tmp), trial_time is not None)
         check_values(dims, base_config, base, args.imports)

@@ -137,3 +137,28 @@ def test_dry_run_prints_the_space_and_writes_nothing(tmp_path):
     with pytest.raises(UsageError, match=r"tune.space.data.batch_size=0"):
         tune(p.parse_args(["--out", str(out), "--dry-run", "tune.space={data.batch_size: {choice: [0, 32]}}"]))
     assert not out.exists()
+
+
+def test_the_first_trial_is_the_config_as_it_stands():
+    # The baseline trial: each dimension at the config's own value where it lies in the domain (a bug that reads the
+    # schema's default instead of the config's, or data.sampler=auto as such, would start from another point).
+    from torchsprint.commands.tune.space import baseline_params
+
+    cfg = config.load(
+        None,
+        ["optim.lr=0.05", "data.train.transforms=[random_resized_crop: {size: 64, scale: [0.35, 1.0]}, hflip]"],
+    )
+    dims = [
+        Dimension("optim.lr", "loguniform", [0.01, 0.2], "t"),
+        Dimension("image_size", "choice", [32, 64], "t"),
+        Dimension("crop_scale", "uniform", [0.08, 0.6], "t"),
+        Dimension("data.sampler", "choice", ["sqrt", "balanced", "shuffle"], "t"),
+        Dimension("data.batch_size", "choice", [32, 128], "t"),  # the config's 64 is not a choice: drawn instead
+    ]
+    assert baseline_params(dims, cfg, [1400, 100]) == {
+        "optim.lr": 0.05,
+        "image_size": 64,
+        "crop_scale": 0.35,
+        "data.sampler": "sqrt",
+    }
+    assert baseline_params(dims, cfg, [146, 139])["data.sampler"] == "shuffle"

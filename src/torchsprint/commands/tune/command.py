@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from torchsprint.commands.tune.report import best_trial, plot_search, rows_of, write_best, write_tables
-from torchsprint.commands.tune.space import Dimension, auto_space, overrides_of, user_space
+from torchsprint.commands.tune.space import Dimension, auto_space, baseline_params, overrides_of, user_space
 from torchsprint.commands.tune.study import BaseView, Search, Study, check_folder, open_storage, recover_stale
 from torchsprint.errors import UsageError
 from torchsprint.observe.logging import replace_file
@@ -147,7 +147,11 @@ def tune(args, log=print) -> dict:
         pruner=make_pruner(cfg.tune.pruner, len(metrics) > 1),
         load_if_exists=True,
     )
-    same_study(study, dims, metrics, trial_time)
+    if same_study(study, dims, metrics, trial_time) and not study.trials:
+        start = baseline_params(dims, cfg, facts[0])  # a new study: trial 0 is the config as it stands
+        study.enqueue_trial(start, user_attrs={"baseline": True})
+        shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in start.items())
+        log(f"tune: trial 0 is the config as it stands ({shown}; the rest drawn)")
     recover_stale(study, log)
     d = Study(
         out,
@@ -236,18 +240,20 @@ def test_metrics(run_dir: Path, log) -> dict | None:
     return metrics
 
 
-def same_study(study, dims: list[Dimension], metrics: list[str], trial_time) -> None:
+def same_study(study, dims: list[Dimension], metrics: list[str], trial_time) -> bool:
     """A resumed or joined study must search what it searched before: the space, the metrics and the trial time are
-    stored with the study the first time, and refused if they differ."""
+    stored with the study the first time (returns True: a new study), and refused if they differ."""
     mine = {"space": [[x.key, x.kind, x.values] for x in dims], "metrics": metrics, "trial_time_s": trial_time}
     have = study.user_attrs.get("definition")
     if have is None:
         study.set_user_attr("definition", mine)
-    elif have != json.loads(json.dumps(mine)):
+        return True
+    if have != json.loads(json.dumps(mine)):
         raise UsageError(
             f"study {study.study_name!r} searched {json.dumps(have)}; this command asks for {json.dumps(mine)}: "
             "resume or join it with the same config and --trial-time, or start another study (--study, --out)"
         )
+    return False
 
 
 def duration(flag: str, value) -> float | None:

@@ -200,3 +200,36 @@ def eval_transforms(transforms: list, size: int) -> list:
     if not any(isinstance(t, dict) and "center_crop" in t for t in out):
         out = [{"resize": int(size / 0.875) // 2 * 2}, {"center_crop": size}, *out]
     return out
+
+
+def baseline_params(dims: list[Dimension], cfg, counts: list[int] | None) -> dict:
+    """The values the config itself gives each dimension, where they lie in its domain: the study's first trial (the
+    defaults, or the user's config as it stands), so a search never reports a best worse than what it started from,
+    and the trials table shows what each change bought. data.sampler=auto is what the run would make of it."""
+    from torchsprint import config
+    from torchsprint.data.core import AUTO_SAMPLER, AUTO_SAMPLER_RATIO
+
+    data = config.to_dict(cfg)
+    crop = crop_of(cfg.data.train.transforms) or {}
+    out = {}
+    for d in dims:
+        if d.key == "image_size":
+            v = crop.get("size")
+            v = v[0] if isinstance(v, list | tuple) else v
+        elif d.key == "crop_scale":
+            v = (crop.get("scale") or [None])[0]
+        elif d.key == "data.sampler" and cfg.data.sampler == "auto":
+            present = [n for n in counts or [] if n > 0]
+            ratio = max(present) / min(present) if present else 1.0
+            v = AUTO_SAMPLER if ratio >= AUTO_SAMPLER_RATIO else "shuffle"
+        else:
+            v = data
+            for part in d.key.split("."):
+                v = v.get(part) if isinstance(v, dict) else None
+        if d.kind == "choice":
+            if v in d.values:
+                out[d.key] = v
+        elif isinstance(v, int | float) and not isinstance(v, bool) and d.values[0] <= v <= d.values[1]:
+            if d.kind != "int" or float(v).is_integer():
+                out[d.key] = int(v) if d.kind == "int" else float(v)
+    return out

@@ -101,7 +101,7 @@ class TuneConfig(Section):
     seed: int = Field(
         0,
         ge=0,
-        description="The sampler's seed (trial n is sampled with seed + n: a resumed study "
+        description="The sampler's seed (trial n is sampled with a seed drawn from (seed, n): a resumed study "
         "samples what an uninterrupted one would).",
     )
 

@@ -56,8 +56,8 @@ def test_the_search_finds_what_the_objective_favours(tmp_path):
 
 
 def test_a_resumed_study_asks_for_what_an_uninterrupted_one_would(tmp_path):
-    # Trial n sampled with seed + n: a fresh sampler after a restart (a new process) draws the same trials. A bug
-    # that seeds once per process draws trial 3 of the resumed study as the uninterrupted one's trial 0.
+    # Trial n sampled with a seed from (seed, n): a fresh sampler after a restart (a new process) draws the same
+    # trials. A bug that seeds once per process draws trial 3 of the resumed study as the uninterrupted one's trial 0.
     whole, d = study_in(tmp_path / "whole")
     Search(whole, d, trials=8, deadline=None, workers=1, log=lambda *_: None, runner=stub).run()
     part, d2 = study_in(tmp_path / "part")

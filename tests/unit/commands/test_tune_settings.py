@@ -75,7 +75,10 @@ def test_tune_sampler_and_tune_seed_decide_the_draws(tmp_path):
     rnd = search(tmp_path / "random", "tune.sampler=random", trials=12)
     assert lrs(tpe)[5:] != lrs(rnd)[5:]
     assert lrs(search(tmp_path / "seed0", "tune.seed=0", trials=3)) == lrs(tpe)[:3]  # seeded: the same draws again
-    assert lrs(search(tmp_path / "seed1", "tune.seed=1", trials=3)) != lrs(tpe)[:3]
+    seed1 = lrs(search(tmp_path / "seed1", "tune.seed=1", trials=3))
+    assert seed1 != lrs(tpe)[:3]
+    # Not seed + n: then study 1's trials 0-1 were study 0's trials 1-2 (measured in the first tune benchmark)
+    assert not set(seed1) & set(lrs(tpe)[:4])
 
 
 def test_tune_pruner_stops_the_trials_that_fall_behind(tmp_path):

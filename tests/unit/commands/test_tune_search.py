@@ -110,3 +110,34 @@ def test_a_setting_that_did_not_apply_is_refused(tmp_path):
     with pytest.raises(UsageError, match=r"loss.label_smoothing was asked to be 0.1 but the run ran with 0.0"):
         check_applied(spec, {"loss.label_smoothing": 0.1})
     assert json.loads(json.dumps(ran))  # the record is plain JSON
+
+
+def test_workers_run_trials_side_by_side_on_their_own_cpus(tmp_path):
+    # --workers 2: two trials at once, each on its share of the CPUs with OMP_NUM_THREADS set to it, and the count
+    # kept (a bug that checks the count outside the lock runs 7 trials with 2 workers, one that gives both workers
+    # every CPU oversubscribes the cores).
+    import threading
+    import time
+
+    running, most, seen = [0], [0], []
+    lock = threading.Lock()
+
+    def slow(spec, report, log):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            seen.append((spec.cpus, spec.env))
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return stub(spec, report, log)
+
+    study, d = study_in(tmp_path)
+    search = Search(study, d, trials=6, deadline=None, workers=2, log=lambda *_: None, runner=slow)
+    search.run()
+    assert len(study.trials) == 6 and most[0] == 2
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        shares = {tuple(c) for c, _ in seen}
+        assert len(shares) == 2 and not set(shares.pop()) & set(shares.pop())  # disjoint shares
+        assert all(env["OMP_NUM_THREADS"] == str(len(c)) for c, env in seen)

@@ -46,7 +46,9 @@ def test_two_processes_on_one_storage_run_each_trial_once_and_the_count_asked(tm
     # the ask only, both could take the last trial (21 in all). The last two are races: the old per-process seeding
     # drew one setting twice in 1 of 3 runs of 10 trials here, so this catches it sometimes, not every time.
     journal, log = tmp_path / "shared.journal", tmp_path / "ran.jsonl"
-    a, b = (worker(tmp_path / f"out{i}", str(journal), 20, log) for i in range(2))
+    (tmp_path / "ready").mkdir()
+    together = ("--together", str(tmp_path / "ready"), "2")
+    a, b = (worker(tmp_path / f"out{i}", str(journal), 20, log, *together) for i in range(2))
     finished(a), finished(b)
     ran = lines(log)
     assert len(ran) == 20 and len({r["trial"] for r in ran}) == 20

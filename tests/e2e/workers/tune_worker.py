@@ -3,9 +3,11 @@ real Study, Search, storage, sampler and stale-trial recovery of commands/tune/s
 processes on one storage, or one killed and another resuming, show what the storage and the sampler do at the cost
 of a sleep per trial.
 
-Usage: python tune_worker.py OUT STORAGE TRIALS LOG [--resume] [--block-at N]
+Usage: python tune_worker.py OUT STORAGE TRIALS LOG [--resume] [--block-at N] [--together DIR N]
   STORAGE: a journal file or URL shared by processes, or `-` for the journal in OUT (tune's default).
   LOG: each trial appends {"pid", "trial", "params"} as it starts.  --block-at N: trial N never ends (to be killed).
+  --together DIR N: each process's first trial waits until N processes have started one (a file each in DIR), so
+  that every process takes part whatever their start-up times.
 """
 
 import json
@@ -28,11 +30,24 @@ def main(argv):
     out, storage, trials, log_path = Path(argv[0]), argv[1], int(argv[2]), Path(argv[3])
     resume = "--resume" in argv
     block_at = int(argv[argv.index("--block-at") + 1]) if "--block-at" in argv else None
+    together = (
+        (Path(argv[argv.index("--together") + 1]), int(argv[argv.index("--together") + 2]))
+        if "--together" in argv
+        else None
+    )
+    started = []
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
     def runner(spec, report, log):
         with log_path.open("a") as f:  # one short O_APPEND write per line: whole lines from both processes
             f.write(json.dumps({"pid": os.getpid(), "trial": spec.number, "params": spec.params}) + "\n")
+        if together and not started:  # a barrier across processes: no one runs ahead before the others ask
+            started.append(1)
+            folder, n = together
+            (folder / str(os.getpid())).touch()
+            deadline = time.monotonic() + 120
+            while len(list(folder.iterdir())) < n and time.monotonic() < deadline:
+                time.sleep(0.02)
         if spec.number == block_at:
             time.sleep(3600)
         time.sleep(0.05)

@@ -117,25 +117,23 @@ def test_workers_run_trials_side_by_side_on_their_own_cpus(tmp_path):
     # kept (a bug that checks the count outside the lock runs 7 trials with 2 workers, one that gives both workers
     # every CPU oversubscribes the cores).
     import threading
-    import time
 
-    running, most, seen = [0], [0], []
+    both = threading.Barrier(2, timeout=60)  # the first two trials wait for each other: broken unless side by side
+    seen = []
     lock = threading.Lock()
 
     def slow(spec, report, log):
         with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
             seen.append((spec.cpus, spec.env))
-        time.sleep(0.2)
-        with lock:
-            running[0] -= 1
+            first_two = len(seen) <= 2
+        if first_two:
+            both.wait()
         return stub(spec, report, log)
 
     study, d = study_in(tmp_path)
     search = Search(study, d, trials=6, deadline=None, workers=2, log=lambda *_: None, runner=slow)
     search.run()
-    assert len(study.trials) == 6 and most[0] == 2
+    assert len(study.trials) == 6 and not both.broken
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:
         shares = {tuple(c) for c, _ in seen}

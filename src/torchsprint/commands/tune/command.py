@@ -11,7 +11,14 @@ import time
 from pathlib import Path
 
 from torchsprint.commands.tune.report import best_trial, plot_search, rows_of, write_best, write_tables
-from torchsprint.commands.tune.space import Dimension, auto_space, baseline_params, overrides_of, user_space
+from torchsprint.commands.tune.space import (
+    Dimension,
+    auto_space,
+    baseline_params,
+    imbalance,
+    overrides_of,
+    user_space,
+)
 from torchsprint.commands.tune.study import BaseView, Search, Study, check_folder, open_storage, recover_stale
 from torchsprint.errors import UsageError
 from torchsprint.observe.logging import replace_file
@@ -37,8 +44,7 @@ def objectives(cfg, counts: list[int] | None = None) -> tuple[list[str], list[st
     from torchsprint.train.imbalance import MONITOR
 
     monitor = cfg.checkpoint.monitor
-    present = [n for n in counts or [] if n > 0]
-    if not cfg.set_by_user("checkpoint.monitor") and present and max(present) / min(present) >= AUTO_SAMPLER_RATIO:
+    if not cfg.set_by_user("checkpoint.monitor") and imbalance(counts) >= AUTO_SAMPLER_RATIO:
         monitor = MONITOR
     metrics = cfg.tune.metric if isinstance(cfg.tune.metric, list) else [cfg.tune.metric or monitor]
     if len(metrics) > 1 and cfg.tune.pruner != "none" and "pruner" in cfg.tune.model_fields_set:

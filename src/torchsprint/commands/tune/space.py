@@ -66,6 +66,12 @@ def user_space(space: dict) -> list[Dimension]:
     return out
 
 
+def imbalance(counts: list[int] | None) -> float:
+    """The largest over the smallest of the classes' counts that are not empty (1.0 without classes)."""
+    present = [n for n in counts or [] if n > 0]
+    return max(present) / min(present) if present else 1.0
+
+
 def crop_of(transforms: list) -> dict | None:
     """The random_resized_crop step of a transforms list (its arguments), or None."""
     for t in transforms:
@@ -119,8 +125,8 @@ def auto_space(cfg, counts: list[int] | None, train_images: int | None, own_side
                 "loss.label_smoothing", "uniform", [0.0, 0.2], "0.1 in timm's and torchvision's recipes; 0 is off"
             )
         )
-    if counts and min(counts) > 0 and max(counts) / min(counts) >= IMBALANCED:
-        ratio = max(counts) / min(counts)
+    if counts and min(counts) > 0 and imbalance(counts) >= IMBALANCED:
+        ratio = imbalance(counts)
         why = f"the training classes are imbalanced ({max(counts)} to {min(counts)} images, {ratio:.1f}x)"
         # The loss-side counter-measures (loss.logit_adjust, loss.class_weights) are not searched: measured on two
         # imbalanced sets they cost 5-40 points of top-1 from scratch and from pretrained weights, and stacked on a
@@ -219,9 +225,7 @@ def baseline_params(dims: list[Dimension], cfg, counts: list[int] | None) -> dic
         elif d.key == "crop_scale":
             v = (crop.get("scale") or [None])[0]
         elif d.key == "data.sampler" and cfg.data.sampler == "auto":
-            present = [n for n in counts or [] if n > 0]
-            ratio = max(present) / min(present) if present else 1.0
-            v = AUTO_SAMPLER if ratio >= AUTO_SAMPLER_RATIO else "shuffle"
+            v = AUTO_SAMPLER if imbalance(counts) >= AUTO_SAMPLER_RATIO else "shuffle"
         else:
             v = data
             for part in d.key.split("."):

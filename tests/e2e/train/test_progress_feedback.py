@@ -143,11 +143,15 @@ def test_a_pipe_gets_heartbeat_lines_with_an_honest_eta_and_an_early_estimate(tm
     for epoch in (1, 2):
         mine = [(t, m.group(0)) for t, m in firsts + beats if int(m.group(1)) == epoch]
         mine.sort()
-        gaps = [b[0] - a[0] for a, b in zip(mine, mine[1:])]
-        # Printed by a timer thread: hb_s apart whatever the step does
-        assert len(gaps) >= 2 and all(abs(g - hb_s) < 0.02 for g in gaps), (epoch, gaps, text)
-        # measured: within 0.001 s of hb_s (3 runs, one beside 2 busy processes); 0.02 leaves room for a thread woken
-        # late on a loaded machine (CI runs 2 test processes on 2 cores). A check after each step was a step late.
+        # Printed by a timer thread on a fixed schedule (line k due at its first + k * hb_s, whatever the step does):
+        # each line's lateness against that grid, the grid placed at the earliest line's. A thread woken late on a
+        # loaded machine is late once (the next line is due on the grid again); a check after each step (a line
+        # every 4 steps of 0.15 s = 0.6 s) drifts 0.1 s a line, and lines held in a pipe's buffer arrive together.
+        late = [t - k * hb_s for k, (t, _) in enumerate(mine)]
+        late = [x - min(late) for x in late]
+        assert len(mine) >= 3 and max(late) < 0.08, (epoch, late, text)
+        # measured: within 0.001 s of the grid (3 runs, one beside 2 busy processes); one line 0.025 s late in CI's
+        # -n 2 run on a 2-core Xeon (2026-12-02), its neighbours on the grid. 0.08 is under the step-check's drift.
         for t, m in [b for b in beats if b in steady and int(b[1].group(1)) == epoch]:
             true_left = ends[epoch] - t  # when the epoch really ended, as the reading end of the pipe saw it
             assert abs(float(m.group(7)) - true_left) < 0.2, (m.group(0), true_left, text)
